@@ -1,0 +1,1 @@
+//! sparkd serving library.

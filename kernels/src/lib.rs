@@ -1,0 +1,18 @@
+#![recursion_limit = "256"]
+//! `sparkd-kernels`: the numbers of sparkd.
+//!
+//! K3 configs ([`config`]), the checkpoint schema ([`schema`]) and host tensors ([`tensor`]),
+//! per-sequence state ([`state`]), and the [`runner::Runner`] trait that the daemon drives. This
+//! crate knows nothing of HTTP, sessions or speculation policy.
+
+pub mod config;
+pub mod error;
+pub mod float;
+pub mod runner;
+pub mod schema;
+pub mod state;
+pub mod tensor;
+
+pub use config::ModelConfig;
+pub use error::{KernelError, Result};
+pub use runner::{Runner, StateId, TokenId};

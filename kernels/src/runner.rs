@@ -1,0 +1,125 @@
+//! The `Runner` trait: one model on one device, stepping many sequences at once.
+//!
+//! Invariants of the contract (every backend keeps them, and one test suite checks them):
+//! - A runner owns every per-sequence state it hands out; callers hold only [`StateId`]s.
+//! - `step` appends each row's tokens to its state. A row without `sample` (a prefill chunk that
+//!   is not the last) commits all of them and emits nothing. A row with `sample` produces
+//!   distributions for its last `draft_len + 1` positions, applies the acceptance rule to the
+//!   `draft_len` draft tokens, commits the tokens before the drafts plus the accepted drafts, and
+//!   emits the accepted drafts followed by one sampled token (the correction, or the bonus when
+//!   every draft was accepted). The emitted last token is not in the state: the next step feeds it.
+//! - Randomness comes only from `SamplingParams::seed` and the position of the sampled token, so
+//!   a seeded request gives the same tokens whatever else is batched with it.
+//! - Full logits never leave the runner; only sampled tokens and requested log-probabilities do.
+
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::state::SeqState;
+
+/// A token id in the model's vocabulary.
+pub type TokenId = u32;
+
+/// A handle to one sequence's state inside a runner.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StateId(pub u64);
+
+impl std::fmt::Display for StateId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "state#{}", self.0)
+    }
+}
+
+/// How to turn a distribution into a token.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy (argmax, lowest id on ties).
+    pub temperature: f32,
+    /// Nucleus mass in (0, 1]; 1 disables it.
+    pub top_p: f32,
+    /// Keep the k most likely tokens; 0 disables it.
+    pub top_k: usize,
+    /// Seed of the request's random stream.
+    pub seed: u64,
+    /// Return this many top alternatives with each emitted token's log-probability (None: no logprobs).
+    pub logprobs: Option<usize>,
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        SamplingParams { temperature: 0.0, top_p: 1.0, top_k: 0, seed: 0, logprobs: None }
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature <= 0.0
+    }
+}
+
+/// What a row asks the runner to produce.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SampleRequest {
+    pub params: SamplingParams,
+    /// The last `draft_len` tokens of the row are draft proposals to verify.
+    pub draft_len: usize,
+}
+
+/// One sequence's work in a step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RowInput {
+    pub state: StateId,
+    /// Tokens appended to the state this step: a prefill chunk, or `[last, draft_1..draft_l]`.
+    pub tokens: Vec<TokenId>,
+    /// `None` for a prefill chunk that produces no token.
+    pub sample: Option<SampleRequest>,
+}
+
+/// A token's log-probability and the most likely alternatives at its position.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    pub token: TokenId,
+    pub logprob: f32,
+    /// `(token, logprob)` in descending probability, as many as asked.
+    pub top: Vec<(TokenId, f32)>,
+}
+
+/// One row's result.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RowOutput {
+    /// Accepted drafts, then one sampled token; empty for a row without `sample`.
+    pub tokens: Vec<TokenId>,
+    /// How many drafts were accepted (`tokens.len() - 1` when `tokens` is not empty).
+    pub num_accepted: usize,
+    /// One entry per emitted token when log-probabilities were asked for.
+    pub logprobs: Vec<TokenLogprob>,
+}
+
+/// A model on a device that steps batches of sequences.
+pub trait Runner: Send {
+    fn config(&self) -> &ModelConfig;
+
+    /// A short name of the backend and device ("cpu", "cuda:0 NVIDIA H200").
+    fn device_name(&self) -> String;
+
+    /// A fresh, empty sequence state.
+    fn alloc_state(&mut self) -> Result<StateId>;
+
+    /// A new state equal to `src` (a subagent fork); later steps on either leave the other unchanged.
+    fn fork_state(&mut self, src: StateId) -> Result<StateId>;
+
+    /// Releases a state and its memory.
+    fn free_state(&mut self, id: StateId) -> Result<()>;
+
+    /// Number of tokens committed to the state.
+    fn state_len(&self, id: StateId) -> Result<usize>;
+
+    /// Bytes the state holds on the device.
+    fn state_bytes(&self, id: StateId) -> Result<usize>;
+
+    /// A host copy of the state (for offload and for prefix-cache snapshots).
+    fn export_state(&self, id: StateId) -> Result<SeqState>;
+
+    /// Installs a host copy as a new state.
+    fn import_state(&mut self, state: SeqState) -> Result<StateId>;
+
+    /// Runs one step over the rows; returns one output per row, in order.
+    fn step(&mut self, rows: &[RowInput]) -> Result<Vec<RowOutput>>;
+}

@@ -1,0 +1,1 @@
+//! Speculation policy, device-free.
