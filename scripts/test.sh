@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The project's test command (README "Pass the tests"): installs what the tests need, idempotently,
+# then runs every test of the workspace.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# Python clients used by black-box tests (the `openai` package as a streaming client, `tokenizers`
+# to check the exported Hugging Face tokenizer). Installed only when missing.
+if command -v python3 >/dev/null 2>&1; then
+    python3 -c "import openai, tokenizers" 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check openai tokenizers
+fi
+
+cargo build --workspace --bins
+cargo test --workspace --no-fail-fast
