@@ -5,10 +5,12 @@
 //! per-sequence state ([`state`]), and the [`runner::Runner`] trait that the daemon drives. This
 //! crate knows nothing of HTTP, sessions or speculation policy.
 
+pub mod acceptance;
 pub mod config;
 pub mod error;
 pub mod float;
 pub mod runner;
+pub mod sampling;
 pub mod schema;
 pub mod state;
 pub mod tensor;
