@@ -6,13 +6,16 @@
 //! crate knows nothing of HTTP, sessions or speculation policy.
 
 pub mod acceptance;
+pub mod checkpoint;
 pub mod config;
 pub mod error;
 pub mod float;
+pub mod mxfp4;
 pub mod runner;
 pub mod sampling;
 pub mod schema;
 pub mod state;
+pub mod synth;
 pub mod tensor;
 
 pub use config::ModelConfig;
