@@ -21,12 +21,23 @@ use crate::float::Real;
 pub const MLA_BLOCK_TOKENS: usize = 64;
 
 /// One KDA layer's state.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, PartialEq)]
 pub struct KdaState<F> {
     /// Recurrent state, `[heads, head_dim (key), head_dim (value)]`, fp32 in serving.
     pub s: Vec<F>,
     /// Pre-conv inputs of q, k and v, each `[kernel - 1, heads * head_dim]`, oldest first.
     pub conv: [Vec<F>; 3],
+}
+
+impl<F> std::fmt::Debug for KdaState<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "KdaState {{ s: {} values, conv: {} values }}",
+            self.s.len(),
+            self.conv.iter().map(Vec::len).sum::<usize>()
+        )
+    }
 }
 
 impl<F: Real> KdaState<F> {
@@ -46,7 +57,9 @@ impl<F: Real> KdaState<F> {
 }
 
 /// One MLA layer's latent cache: per token `[c (kv_lora_rank, normalised) | k_rot (rope dim)]`.
-#[derive(Clone, Debug, PartialEq)]
+/// Two caches are equal when they hold the same entries (what lies past `len` in the tail block is not
+/// part of the cache).
+#[derive(Clone)]
 pub struct MlaCache<F> {
     latent_dim: usize,
     len: usize,
@@ -54,11 +67,21 @@ pub struct MlaCache<F> {
     blocks: Vec<Arc<Vec<F>>>,
 }
 
-impl<F: Real> MlaCache<F> {
-    pub fn new(latent_dim: usize) -> Self {
-        MlaCache { latent_dim, len: 0, blocks: Vec::new() }
+impl<F: PartialEq> PartialEq for MlaCache<F> {
+    fn eq(&self, other: &Self) -> bool {
+        self.latent_dim == other.latent_dim
+            && self.len == other.len
+            && (0..self.len).all(|t| self.entry(t) == other.entry(t))
     }
+}
 
+impl<F> std::fmt::Debug for MlaCache<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "MlaCache {{ len: {}, latent_dim: {}, blocks: {} }}", self.len, self.latent_dim, self.blocks.len())
+    }
+}
+
+impl<F> MlaCache<F> {
     pub fn len(&self) -> usize {
         self.len
     }
@@ -75,6 +98,12 @@ impl<F: Real> MlaCache<F> {
     pub fn entry(&self, t: usize) -> &[F] {
         let off = (t % MLA_BLOCK_TOKENS) * self.latent_dim;
         &self.blocks[t / MLA_BLOCK_TOKENS][off..off + self.latent_dim]
+    }
+}
+
+impl<F: Real> MlaCache<F> {
+    pub fn new(latent_dim: usize) -> Self {
+        MlaCache { latent_dim, len: 0, blocks: Vec::new() }
     }
 
     /// Appends one entry, copying a shared tail block first.

@@ -1,0 +1,262 @@
+//! The K3 forward on the CPU over a batch of sequence windows of different lengths.
+//!
+//! Invariants:
+//! - Row `r` appends `tokens[r]` to its state; after the call the state holds them all. A row that
+//!   asked for snapshots can then be cut back to any `m >= snapshots_from` of its window tokens with
+//!   [`WindowUndo::commit`], which leaves the state exactly as a run of those `m` tokens would.
+//! - Per-token work (projections, AttnRes, norms, FFN) is batched over every token of every row;
+//!   sequence work (KDA recurrence, MLA attention) runs per row over that row's state.
+//! - Logits are computed only for the positions a row asks for (`logits_from..`).
+//!
+//! Layer walk: shared/reference/k3-architecture.md §2.1 (AttnRes seals before the attention of
+//! layers `l % block == 0`; the pre-attention read is skipped while the bank is empty).
+
+use crate::config::ModelConfig;
+use crate::cpu::kda::{kda_window, KdaInputs};
+use crate::cpu::mla::mla_window;
+use crate::cpu::moe::{latent_moe, situ_mlp, Routing};
+use crate::cpu::ops::add_rows;
+use crate::cpu::weights::{FfnWeights, MixerWeights, ModelWeights};
+use crate::error::{KernelError, Result};
+use crate::float::Real;
+use crate::runner::TokenId;
+use crate::state::{KdaState, SeqState};
+use crate::tensor::WeightSource;
+
+/// A model ready to run on the CPU in precision `F`.
+pub struct CpuModel<F> {
+    pub cfg: ModelConfig,
+    pub weights: ModelWeights<F>,
+}
+
+/// One sequence's window in a forward call.
+pub struct WindowRow<'a, F> {
+    pub state: &'a mut SeqState<F>,
+    pub tokens: &'a [TokenId],
+    /// Logits are returned for window positions `logits_from..tokens.len()`.
+    pub logits_from: usize,
+    /// Keep what is needed to commit only the first `m >= snapshots_from` tokens afterwards.
+    pub snapshots_from: Option<usize>,
+}
+
+/// What a verify window keeps so that it can be cut back to an accepted prefix.
+#[derive(Debug)]
+pub struct WindowUndo<F> {
+    start_len: usize,
+    from: usize,
+    window_len: usize,
+    /// `[kda layer][m - from]`: the layer's state after `m` window tokens, for `from <= m < window_len`.
+    kda: Vec<Vec<KdaState<F>>>,
+}
+
+impl<F: Real> WindowUndo<F> {
+    /// Keeps the first `m` tokens of the window in `state` and drops the rest.
+    pub fn commit(self, state: &mut SeqState<F>, m: usize) -> Result<()> {
+        if m < self.from || m > self.window_len {
+            return Err(KernelError::InvalidInput(format!(
+                "cannot commit {m} tokens of a window of {} with snapshots from {}",
+                self.window_len, self.from
+            )));
+        }
+        if m == self.window_len {
+            return Ok(());
+        }
+        for (layer, snaps) in state.kda.iter_mut().zip(self.kda) {
+            *layer = snaps.into_iter().nth(m - self.from).ok_or_else(|| {
+                KernelError::InvalidInput("window snapshots do not match the state's KDA layers".into())
+            })?;
+        }
+        state.len = self.start_len + m;
+        state.truncate_mla(self.start_len + m);
+        Ok(())
+    }
+}
+
+/// Router decisions of one forward call: `routing[moe layer][token]`, tokens in row order.
+#[derive(Debug, Default)]
+pub struct RoutingTrace<F> {
+    pub routing: Vec<Vec<Routing<F>>>,
+}
+
+/// A row's results.
+pub struct WindowOutput<F> {
+    /// `[tokens.len() - logits_from, vocab]`
+    pub logits: Vec<F>,
+    pub undo: Option<WindowUndo<F>>,
+}
+
+impl<F: Real> CpuModel<F> {
+    pub fn load(cfg: ModelConfig, src: &dyn WeightSource) -> Result<Self> {
+        let weights = ModelWeights::load(&cfg, src)?;
+        Ok(CpuModel { cfg, weights })
+    }
+
+    /// Runs every row's window through the model.
+    pub fn forward(&self, rows: &mut [WindowRow<'_, F>]) -> Result<Vec<WindowOutput<F>>> {
+        self.forward_traced(rows, None)
+    }
+
+    /// [`Self::forward`], also recording every router decision (for comparisons that must tell a
+    /// routing near-tie flip from a numerical error).
+    pub fn forward_traced(
+        &self,
+        rows: &mut [WindowRow<'_, F>],
+        mut trace: Option<&mut RoutingTrace<F>>,
+    ) -> Result<Vec<WindowOutput<F>>> {
+        let cfg = &self.cfg;
+        let d = cfg.hidden_size;
+        let mut offsets = Vec::with_capacity(rows.len() + 1);
+        offsets.push(0usize);
+        for r in rows.iter() {
+            if r.tokens.is_empty() {
+                return Err(KernelError::InvalidInput("a row has no tokens".into()));
+            }
+            if r.logits_from > r.tokens.len() || r.snapshots_from.is_some_and(|s| s > r.tokens.len()) {
+                return Err(KernelError::InvalidInput("logits/snapshot range outside the window".into()));
+            }
+            if let Some(bad) = r.tokens.iter().find(|t| **t as usize >= cfg.vocab_size) {
+                return Err(KernelError::InvalidInput(format!(
+                    "token id {bad} outside the vocabulary of {}",
+                    cfg.vocab_size
+                )));
+            }
+            offsets.push(offsets.last().copied().unwrap_or(0) + r.tokens.len());
+        }
+        let n = *offsets.last().unwrap_or(&0);
+
+        // [n, d] embeddings.
+        let mut x = Vec::with_capacity(n * d);
+        for r in rows.iter() {
+            for t in r.tokens {
+                x.extend_from_slice(&self.weights.embed[*t as usize * d..(*t as usize + 1) * d]);
+            }
+        }
+        let start_lens: Vec<usize> = rows.iter().map(|r| r.state.len).collect();
+        let mut snapshots: Vec<Vec<Vec<KdaState<F>>>> = rows.iter().map(|_| Vec::new()).collect();
+
+        let mut bank: Vec<Vec<F>> = Vec::new(); // sealed AttnRes blocks, each [n, d]
+        let mut live: Option<Vec<F>> = Some(x); // the running within-block sum, [n, d]
+        let (mut kda_idx, mut mla_idx) = (0usize, 0usize);
+        for (l, lw) in self.weights.layers.iter().enumerate() {
+            let h = match (&live, bank.is_empty()) {
+                (Some(lv), true) => lv.clone(),
+                _ => lw.attn_res.read(&sources(&bank, &live)),
+            };
+            let h = lw.input_norm.forward(&h);
+            if cfg.seals_before(l) {
+                if let Some(lv) = live.take() {
+                    bank.push(lv);
+                }
+            }
+            let a = match &lw.mixer {
+                MixerWeights::Kda(w) => {
+                    let p = cfg.kda.proj_dim();
+                    let heads = cfg.kda.num_heads;
+                    let q = w.q_proj.forward(&h);
+                    let k = w.k_proj.forward(&h);
+                    let v = w.v_proj.forward(&h);
+                    let f = w.f_b_proj.forward(&w.f_a_proj.forward(&h));
+                    let b = w.b_proj.forward(&h);
+                    let g = w.g_proj.forward(&h);
+                    let mut o = Vec::with_capacity(n * p);
+                    for (ri, row) in rows.iter_mut().enumerate() {
+                        let (s, e) = (offsets[ri], offsets[ri + 1]);
+                        let inputs = KdaInputs {
+                            qkv: [&q[s * p..e * p], &k[s * p..e * p], &v[s * p..e * p]],
+                            f: &f[s * p..e * p],
+                            b: &b[s * heads..e * heads],
+                            g: &g[s * p..e * p],
+                        };
+                        let mut layer_snaps = Vec::new();
+                        let snaps = row.snapshots_from.map(|from| (from, &mut layer_snaps));
+                        o.extend(kda_window(&cfg.kda, w, &mut row.state.kda[kda_idx], &inputs, snaps));
+                        if row.snapshots_from.is_some() {
+                            snapshots[ri].push(layer_snaps);
+                        }
+                    }
+                    kda_idx += 1;
+                    w.o_proj.forward(&o)
+                }
+                MixerWeights::Mla(w) => {
+                    let m = &cfg.mla;
+                    let q = w.q_b_proj.forward(&w.q_a_norm.forward(&w.q_a_proj.forward(&h)));
+                    let kva = w.kv_a_proj.forward(&h); // [n, kv_lora + rope]
+                    let ld = m.latent_dim();
+                    let mut latent = kva.clone();
+                    for (lat, raw) in latent.chunks_exact_mut(ld).zip(kva.chunks_exact(ld)) {
+                        let c = w.kv_a_norm.forward(&raw[..m.kv_lora_rank]);
+                        lat[..m.kv_lora_rank].copy_from_slice(&c);
+                    }
+                    let qw = m.num_heads * m.q_head_dim();
+                    let mut o = Vec::with_capacity(n * m.num_heads * m.v_head_dim);
+                    for (ri, row) in rows.iter_mut().enumerate() {
+                        let (s, e) = (offsets[ri], offsets[ri + 1]);
+                        o.extend(mla_window(
+                            m,
+                            &w.kv_b_proj,
+                            &mut row.state.mla[mla_idx],
+                            &q[s * qw..e * qw],
+                            &latent[s * ld..e * ld],
+                        ));
+                    }
+                    mla_idx += 1;
+                    let gate = w.g_proj.forward(&h);
+                    let gated: Vec<F> = o.iter().zip(&gate).map(|(ov, gv)| (*ov * gv.sigmoid().act()).act()).collect();
+                    w.o_proj.forward(&gated)
+                }
+            };
+            live = Some(match live {
+                None => a,
+                Some(lv) => add_rows(&lv, &a),
+            });
+            let h = lw.post_norm.forward(&lw.mlp_res.read(&sources(&bank, &live)));
+            let f = match &lw.ffn {
+                FfnWeights::Dense(w) => situ_mlp(cfg, w, &h),
+                FfnWeights::Moe(w) => {
+                    let mut layer_trace = trace.as_ref().map(|_| Vec::new());
+                    let out = latent_moe(cfg, w, &h, layer_trace.as_mut());
+                    if let (Some(t), Some(lt)) = (trace.as_deref_mut(), layer_trace) {
+                        t.routing.push(lt);
+                    }
+                    out
+                }
+            };
+            live = live.map(|lv| add_rows(&lv, &f));
+        }
+
+        // Final read, norm and lm_head, only at the positions that want logits.
+        let wanted: Vec<usize> =
+            rows.iter().enumerate().flat_map(|(ri, r)| (offsets[ri] + r.logits_from)..offsets[ri + 1]).collect();
+        let gather =
+            |src: &[F]| -> Vec<F> { wanted.iter().flat_map(|i| src[i * d..(i + 1) * d].iter().copied()).collect() };
+        let bank_w: Vec<Vec<F>> = bank.iter().map(|b| gather(b)).collect();
+        let live_w = live.as_deref().map(gather);
+        let h = self.weights.norm.forward(&self.weights.out_res.read(&sources(&bank_w, &live_w)));
+        let logits = self.weights.lm_head.forward(&h);
+
+        let vocab = cfg.vocab_size;
+        let mut outputs = Vec::with_capacity(rows.len());
+        let mut cursor = 0;
+        for ((ri, row), snaps) in rows.iter_mut().enumerate().zip(snapshots) {
+            let t = row.tokens.len();
+            let count = t - row.logits_from;
+            row.state.len = start_lens[ri] + t;
+            outputs.push(WindowOutput {
+                logits: logits[cursor * vocab..(cursor + count) * vocab].to_vec(),
+                undo: row.snapshots_from.map(|from| WindowUndo {
+                    start_len: start_lens[ri],
+                    from,
+                    window_len: t,
+                    kda: snaps,
+                }),
+            });
+            cursor += count;
+        }
+        Ok(outputs)
+    }
+}
+
+/// The AttnRes sources: sealed blocks in seal order, then the live sum.
+fn sources<'a, F>(bank: &'a [Vec<F>], live: &'a Option<Vec<F>>) -> Vec<&'a [F]> {
+    bank.iter().map(Vec::as_slice).chain(live.as_deref()).collect()
+}

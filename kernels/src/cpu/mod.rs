@@ -1,0 +1,14 @@
+//! The CPU reference backend: the exact K3 math, batched over sequences, in f32 (serving, with bf16
+//! rounding of activations where K3 keeps bf16) or f64 (checking, no rounding).
+//!
+//! Invariants: one [`CpuModel`] is immutable after loading; all per-sequence data lives in
+//! `SeqState`s passed in by the caller, so the same model serves any number of sequences.
+
+pub mod forward;
+pub mod kda;
+pub mod mla;
+pub mod moe;
+pub mod ops;
+pub mod weights;
+
+pub use forward::{CpuModel, RoutingTrace, WindowOutput, WindowRow, WindowUndo};
