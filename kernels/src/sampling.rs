@@ -96,7 +96,8 @@ fn check_logits(logits: &[f32]) -> Result<()> {
     Ok(())
 }
 
-fn check_params(params: &SamplingParams) -> Result<()> {
+/// Checks that the sampling parameters are usable (temperature >= 0 and finite, top_p in (0, 1]).
+pub fn check_params(params: &SamplingParams) -> Result<()> {
     if !params.temperature.is_finite() || params.temperature < 0.0 {
         return Err(KernelError::InvalidInput(format!(
             "temperature {} is not a finite value >= 0",

@@ -9,6 +9,8 @@ pub mod kda;
 pub mod mla;
 pub mod moe;
 pub mod ops;
+pub mod runner;
 pub mod weights;
 
 pub use forward::{CpuModel, RoutingTrace, WindowOutput, WindowRow, WindowUndo};
+pub use runner::CpuRunner;
