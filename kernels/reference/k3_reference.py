@@ -110,10 +110,15 @@ class Config:
             raise CheckpointError("config.json: moe_router_activation_func must be `sigmoid`")
         if t.get("num_expert_group", 1) != 1:
             raise CheckpointError("config.json: num_expert_group > 1 is not supported")
+        for key, where, src in (("use_full_rank_gate", "linear_attn_config", lin), ("mla_use_nope", "text_config", t),
+                                ("mla_use_output_gate", "text_config", t), ("latent_moe_use_norm", "text_config", t)):
+            if src.get(key) is not True:
+                raise CheckpointError(f"config.json: {where}.{key} must be true (the K3 form is the only one here)")
         if "gate_lower_bound" not in lin:
-            raise CheckpointError("config.json: linear_attn_config.gate_lower_bound missing (softplus gate unsupported)")
+            raise CheckpointError("config.json: linear_attn_config.gate_lower_bound missing "
+                                  "(the softplus gate is not supported)")
         first_dense = need("first_k_dense_replace")
-        layers = [("kda" if (l + 1) in kda_1 else "mla", "dense" if l < first_dense else "moe") for l in range(n)]
+        layers = [("kda" if (i + 1) in kda_1 else "mla", "dense" if i < first_dense else "moe") for i in range(n)]
         group = 32
         q = t.get("quantization_config")
         if isinstance(q, dict):
@@ -226,8 +231,8 @@ def load_weights(ck: Checkpoint) -> dict:
          "out_res_proj": ck.get("model.output_attn_res_proj.weight", (1, d)),
          "layers": []}
     P, H, K = c.kda_heads * c.kda_head_dim, c.kda_heads, c.kda_head_dim
-    for l, (mixer, ffn) in enumerate(c.layers):
-        pre = f"model.layers.{l}."
+    for layer, (mixer, ffn) in enumerate(c.layers):
+        pre = f"model.layers.{layer}."
         g = lambda s, shape: ck.get(pre + s, shape)  # noqa: E731
         L = {name: g(name + ".weight", shape) for name, shape in [
             ("input_layernorm", (d,)), ("post_attention_layernorm", (d,)),
@@ -332,8 +337,9 @@ def kda_chunked(q, k, v, g, beta, state, chunk: int):
     T, H, K = q.shape
     out = []
     for s0 in range(0, T, chunk):
-        qc, kc, vc = q[s0:s0 + chunk].transpose(0, 1), k[s0:s0 + chunk].transpose(0, 1), v[s0:s0 + chunk].transpose(0, 1)
-        gc, bc = g[s0:s0 + chunk].transpose(0, 1), beta[s0:s0 + chunk].transpose(0, 1)  # [H,n,K], [H,n]
+        span = slice(s0, s0 + chunk)
+        qc, kc, vc = q[span].transpose(0, 1), k[span].transpose(0, 1), v[span].transpose(0, 1)  # [H, n, K|V]
+        gc, bc = g[span].transpose(0, 1), beta[span].transpose(0, 1)  # [H, n, K], [H, n]
         n = qc.shape[1]
         G = torch.cumsum(gc, dim=1)  # [H, n, K] in-chunk cumulative log-decay
         diff = G.unsqueeze(2) - G.unsqueeze(1)  # [H, i, j, K] = G_i - G_j
@@ -348,11 +354,11 @@ def kda_chunked(q, k, v, g, beta, state, chunk: int):
         U = Tm @ vc  # [H, n, V]
         Vp = U - W @ state  # pseudo-values [H, n, V]
         A = torch.einsum("hic,hijc,hjc->hij", qc, decay_incl, kc)  # [H, n, n]
-        O = (qc * torch.exp(G)) @ state + A @ Vp  # [H, n, V]
+        o_chunk = (qc * torch.exp(G)) @ state + A @ Vp  # [H, n, V]
         Gn = G[:, -1:, :]  # [H, 1, K]
         new_state = torch.exp(Gn).transpose(1, 2) * state + (torch.exp(Gn - G) * kc).transpose(1, 2) @ Vp
         state.copy_(new_state)
-        out.append(O.transpose(0, 1))
+        out.append(o_chunk.transpose(0, 1))
     return torch.cat(out)
 
 
@@ -386,14 +392,17 @@ def kda_layer(c: Config, L: dict, h: torch.Tensor, st: KdaState, mode: str, chun
     q = l2norm(conv_out["q"].reshape(T, H, K)) * K ** -0.5
     k = l2norm(conv_out["k"].reshape(T, H, K))
     v = conv_out["v"].reshape(T, H, K)
-    gate_in = torch.exp(L["A_log"])[None, :, None] * (f + L["dt_bias"]).reshape(T, H, K)
-    g = c.gate_lb * torch.sigmoid(gate_in)  # [T, H, K] log-decay in [lb, 0)
+    if mode == "fla" and fla.gate is not None:
+        g = fla.gate(f.reshape(T, H, K), L["A_log"], L["dt_bias"], c.gate_lb).to(h.dtype)
+    else:
+        gate_in = torch.exp(L["A_log"])[None, :, None] * (f + L["dt_bias"]).reshape(T, H, K)
+        g = c.gate_lb * torch.sigmoid(gate_in)  # [T, H, K] log-decay in [lb, 0)
     if mode == "recurrent":
         o = kda_recurrent(q, k, v, g, beta, st.S)
     elif mode == "chunk":
         o = kda_chunked(q, k, v, g, beta, st.S, chunk)
     else:
-        o = fla(q, k, v, g, beta, st.S)
+        o = fla.recurrent(q, k, v, g, beta, st.S)
     o = o * torch.rsqrt((o * o).mean(dim=-1, keepdim=True) + c.eps) * L["o_norm"] * torch.sigmoid(gz)
     return o.reshape(T, H * K) @ L["o_proj"].T  # [T, d]
 
@@ -486,18 +495,18 @@ def forward(c: Config, w: dict, tokens: list, st: SeqState, mode="recurrent", ch
     x0 = w["embed"][torch.tensor(tokens, dtype=torch.long)]  # [T, d], no scaling
     bank, live = [], x0
     eps = c.eps
-    for l, (mixer, ffn) in enumerate(c.layers):
-        L = w["layers"][l]
+    for layer, (mixer, ffn) in enumerate(c.layers):
+        L = w["layers"][layer]
         h_in = live if not bank else attn_res_read(bank + [live], L["self_attention_res_norm"],
                                                    L["self_attention_res_proj"], eps)
         h = rmsnorm(h_in, L["input_layernorm"], eps)
-        if l % c.block_size == 0:  # seal BEFORE the attention, restart the live sum
+        if layer % c.block_size == 0:  # seal BEFORE the attention, restart the live sum
             bank.append(live)
             live = None
         if mixer == "kda":
-            a = kda_layer(c, L, h, st.layers[l], mode, chunk, fla)
+            a = kda_layer(c, L, h, st.layers[layer], mode, chunk, fla)
         else:
-            a = mla_layer(c, L, h, st.layers[l])
+            a = mla_layer(c, L, h, st.layers[layer])
         live = a if live is None else live + a
         f_in = attn_res_read(bank + [live], L["mlp_res_norm"], L["mlp_res_proj"], eps)
         hf = rmsnorm(f_in, L["post_attention_layernorm"], eps)
@@ -561,38 +570,84 @@ def selfcheck_prompt(c, w, tokens, dtype, chunk, logits_ref, trace_ref) -> dict:
     trace = []
     logits = forward(c, w, tokens, SeqState(c, dtype), mode="chunk", chunk=chunk, trace=trace)
     worst = {"logits": rel_diff(logits, logits_ref)}
-    for l, (a, b) in enumerate(zip(trace, trace_ref)):
+    for layer, (a, b) in enumerate(zip(trace, trace_ref)):
         for key in a:
-            worst[f"layer{l}.{key}" if key != "final_read" else key] = rel_diff(a[key], b[key])
+            worst[f"layer{layer}.{key}" if key != "final_read" else key] = rel_diff(a[key], b[key])
     name, value = max(worst.items(), key=lambda kv: kv[1])
     if value > tolerance(dtype):
         raise AssertionError(f"chunked/window forward disagrees with token-by-token at {name}: rel {value:.3e}")
     return {"logits": worst["logits"], "worst": name, "worst_rel": value}
 
 
-def load_fla_naive():
-    """fla-core's naive_recurrent_kda, imported straight from its file (fla/__init__ pulls in triton kernels)."""
-    import importlib.util
-    spec = importlib.util.find_spec("fla")
-    if spec is None or not spec.submodule_search_locations:
-        raise CheckpointError("fla-core is not installed (pip install fla-core)")
-    path = Path(list(spec.submodule_search_locations)[0]) / "ops" / "kda" / "naive.py"
-    mod_spec = importlib.util.spec_from_file_location("fla_kda_naive", path)
-    mod = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(mod)
-    return mod
+class _TorchFloatIs64:
+    """Stands in for the `torch` module inside a copy of fla's naive.py so that its `torch.float` casts mean
+    float64: fla's own recurrence and chunk code, run without its float32 rounding."""
+
+    float = torch.float64
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
 
 
-def fla_kda_adapter(naive):
-    """Maps our [T,H,K] tensors onto fla's naive_recurrent_kda ([B,T,H,K], state [B,H,K,V])."""
+@dataclass
+class FlaKda:
+    """fla-core's naive KDA functions, adapted to this file's [T,H,K] tensors; `gate` is None when our own
+    gate is used."""
 
-    def run(q, k, v, g, beta, state):
-        o, s = naive.naive_recurrent_kda(q[None], k[None], v[None], g[None], beta[None], scale=1.0,
-                                         initial_state=state[None].clone(), output_final_state=True)
+    naive: object
+    gate: object
+
+    def recurrent(self, q, k, v, g, beta, state):
+        o, s = self.naive.naive_recurrent_kda(q[None], k[None], v[None], g[None], beta[None], scale=1.0,
+                                              initial_state=state[None].clone(), output_final_state=True)
         state.copy_(s[0])
         return o[0].to(q.dtype)
 
-    return run
+    def chunk(self, q, k, v, g, beta, state, chunk):
+        o, s = self.naive.naive_chunk_kda(q[None], k[None], v[None], g[None], beta[None], scale=1.0,
+                                          initial_state=state[None].clone(), output_final_state=True,
+                                          chunk_size=chunk)
+        state.copy_(s[0])
+        return o[0].to(q.dtype)
+
+
+def load_fla(promote_to_float64: bool) -> FlaKda:
+    """fla-core's `fla/ops/kda/naive.py` (naive_recurrent_kda, naive_chunk_kda) and, in its native float32 form,
+    `naive_kda_lowerbound_gate` from `fla/ops/kda/gate.py`. Imports on a CPU (fla falls back from triton)."""
+    import importlib.util
+    try:
+        from fla.ops.kda import naive
+        from fla.ops.kda.gate import naive_kda_lowerbound_gate
+    except ImportError as e:
+        raise CheckpointError(f"fla-core cannot be imported ({e}); pip install fla-core einops") from e
+    if not promote_to_float64:
+        gate = lambda f, a_log, dt_bias, lb: naive_kda_lowerbound_gate(f, a_log, dt_bias, lb)  # noqa: E731
+        return FlaKda(naive=naive, gate=gate)
+    spec = importlib.util.spec_from_file_location("fla_kda_naive_f64", naive.__file__)
+    copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copy)
+    copy.torch = _TorchFloatIs64()
+    return FlaKda(naive=copy, gate=None)
+
+
+def fla_kernel_check(fla: FlaKda, dtype, chunk: int) -> dict:
+    """fla's naive recurrent and chunk KDA vs this file's recurrence on random inputs with an initial state."""
+    gen = torch.Generator().manual_seed(99)
+    T, H, K, V = 3 * chunk, 3, 8, 6
+    q = l2norm(torch.randn(T, H, K, generator=gen, dtype=dtype)) * K ** -0.5
+    k = l2norm(torch.randn(T, H, K, generator=gen, dtype=dtype))
+    v = torch.randn(T, H, V, generator=gen, dtype=dtype)
+    g = -5.0 * torch.sigmoid(torch.randn(T, H, K, generator=gen, dtype=dtype) * 2)
+    beta = torch.sigmoid(torch.randn(T, H, generator=gen, dtype=dtype))
+    s0 = torch.randn(H, K, V, generator=gen, dtype=dtype)
+    s_ref = s0.clone()
+    o_ref = kda_recurrent(q, k, v, g, beta, s_ref)
+    res = {}
+    for name, fn in (("naive_recurrent_kda", fla.recurrent), ("naive_chunk_kda", fla.chunk)):
+        s = s0.clone()
+        o = fn(q, k, v, g, beta, s, chunk) if name == "naive_chunk_kda" else fn(q, k, v, g, beta, s)
+        res[name] = (float((o - o_ref).abs().max()), float((s.to(dtype) - s_ref).abs().max()))
+    return res
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -632,9 +687,9 @@ def print_stats(c: Config, prompts: list, logits: list, traces: list):
           "ffn_read = pre-FFN read, ffn = FFN out, live = block residual after the layer):")
     keys = ["attn_read", "mixer", "ffn_read", "ffn", "live"]
     print("  layer kind      " + "".join(f"{k:>11}" for k in keys))
-    for l, (mixer, ffn) in enumerate(c.layers):
-        vals = [rms(torch.cat([tr[l][k] for tr in traces])) for k in keys]
-        print(f"  {l:5d} {mixer}+{ffn:5s} " + "".join(f"{v:11.4f}" for v in vals))
+    for layer, (mixer, ffn) in enumerate(c.layers):
+        vals = [rms(torch.cat([tr[layer][k] for tr in traces])) for k in keys]
+        print(f"  {layer:5d} {mixer}+{ffn:5s} " + "".join(f"{v:11.4f}" for v in vals))
     print(f"  final read RMS {rms(torch.cat([tr[-1]['final_read'] for tr in traces])):.4f}; "
           f"embedding rows RMS {rms(torch.cat([tr[0]['attn_read'] for tr in traces])):.4f}")
 
@@ -676,8 +731,8 @@ def make_random(folder: Path, seed: int, vocab: int):
 
     t["model.embed_tokens.weight"] = torch.randn(vocab, d, generator=gen).to(bf)
     P, H, K = c.kda_heads * c.kda_head_dim, c.kda_heads, c.kda_head_dim
-    for l, (mixer, ffn) in enumerate(c.layers):
-        p = f"model.layers.{l}."
+    for layer, (mixer, ffn) in enumerate(c.layers):
+        p = f"model.layers.{layer}."
         for n in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm", "mlp_res_norm"):
             vec(p + n + ".weight", d)
         for n in ("self_attention_res_proj", "mlp_res_proj"):
@@ -755,7 +810,8 @@ def main(argv=None) -> int:
     ap.add_argument("--golden-config", default="k3-tiny", help="config name recorded in the golden file")
     ap.add_argument("--golden-seed", type=int, default=7, help="synthetic seed recorded in the golden file")
     ap.add_argument("--stats", action="store_true", help="print last-position entropies and per-layer RMS")
-    ap.add_argument("--check-fla", action="store_true", help="cross-check the KDA recurrence with fla-core's naive")
+    ap.add_argument("--check-fla", action="store_true",
+                    help="cross-check the KDA with fla-core's naive reference (native float32 and promoted to float64)")
     ap.add_argument("--make-random", action="store_true", help="write a random k3-tiny-shaped checkpoint and exit")
     ap.add_argument("--seed", type=int, default=0, help="seed for --make-random")
     ap.add_argument("--vocab", type=int, default=163840, help="vocabulary size for --make-random")
@@ -798,12 +854,20 @@ def main(argv=None) -> int:
         traces.append(tr)
 
     if args.check_fla:
-        naive = load_fla_naive()
-        run = fla_kda_adapter(naive)
-        for p, lg in zip(prompts, logits):
-            lf = run_token_by_token(c, w, p, dtype, mode="fla", fla=run)
-            print(f"fla naive_recurrent_kda cross-check, prompt len {len(p):3d}: logits max|Δ| "
-                  f"{float((lf - lg).abs().max()):.3e} (rel {rel_diff(lf, lg):.3e})")
+        try:
+            variants = [("fla native (its float32 gate + recurrence)", load_fla(False)),
+                        ("fla promoted to float64 (our gate, its recurrence)", load_fla(True))]
+        except CheckpointError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        for label, fla in variants:
+            for name, (do, ds) in fla_kernel_check(fla, dtype, args.chunk).items():
+                print(f"{label}: kernel {name} vs ours (T={3 * args.chunk}, chunk {args.chunk}, initial state): "
+                      f"max|Δo| {do:.3e}, max|ΔS| {ds:.3e}")
+            for p, lg in zip(prompts, logits):
+                lf = run_token_by_token(c, w, p, dtype, mode="fla", fla=fla)
+                print(f"{label}: whole model, prompt len {len(p):3d}: logits max|Δ| "
+                      f"{float((lf - lg).abs().max()):.3e} (rel {rel_diff(lf, lg):.3e})")
 
     if args.stats:
         print_stats(c, prompts, logits, traces)
