@@ -36,6 +36,7 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
+use half::bf16;
 use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::{json, Map, Value};
@@ -45,7 +46,7 @@ use crate::config::ModelConfig;
 use crate::error::{KernelError, Result};
 use crate::mxfp4::GROUP_SIZE;
 use crate::schema::{model_tensors, TEXT_PREFIX};
-use crate::tensor::{bf16_bytes, f32_bytes, DType, HostTensor, ShapeRule, TensorSpec, WeightSource};
+use crate::tensor::{DType, HostTensor, ShapeRule, TensorSpec, WeightSource};
 
 /// Std of the token embedding.
 pub const EMBED_STD: f64 = 1.0;
@@ -166,45 +167,35 @@ impl SyntheticWeights {
         let mut rng = ChaCha8Rng::seed_from_u64(stream_seed(self.seed, &spec.name));
         let mut gauss = Gaussian::default();
         let numel: usize = shape.iter().product();
-        let mut values = Vec::with_capacity(CHUNK.min(numel));
-        let mut bytes = Vec::with_capacity(CHUNK.min(numel));
+        let mut bytes = Vec::with_capacity(CHUNK.min(numel) * spec.dtype.size());
         let mut done = 0;
         while done < numel {
             let n = CHUNK.min(numel - done);
+            bytes.clear();
             match init {
                 Init::RandomBytes => {
                     bytes.resize(n, 0);
                     rng.fill_bytes(&mut bytes);
-                    sink(&bytes)?;
                 }
                 Init::Scales { base } => {
-                    bytes.clear();
                     bytes.extend((0..n).map(|_| {
                         let jitter = (rng.next_u64() % (2 * SCALE_JITTER as u64 + 1)) as i64 - SCALE_JITTER;
                         (base + jitter).clamp(0, 254) as u8
                     }));
-                    sink(&bytes)?;
                 }
                 Init::Normal { mean, std } => {
-                    values.clear();
-                    values.extend((0..n).map(|_| (mean + std * gauss.sample(&mut rng)) as f32));
-                    sink(&encode(spec.dtype, &values))?;
+                    emit(spec.dtype, n, &mut bytes, || (mean + std * gauss.sample(&mut rng)) as f32)?;
                 }
                 Init::ALog => {
-                    values.clear();
-                    values.extend((0..n).map(|_| (A_RANGE.0 + (A_RANGE.1 - A_RANGE.0) * unit(&mut rng)).ln() as f32));
-                    sink(&encode(spec.dtype, &values))?;
+                    let (lo, hi) = A_RANGE;
+                    emit(spec.dtype, n, &mut bytes, || (lo + (hi - lo) * unit(&mut rng)).ln() as f32)?;
                 }
                 Init::DtBias => {
                     let (lo, hi) = (DT_RANGE.0.ln(), DT_RANGE.1.ln());
-                    values.clear();
-                    values.extend((0..n).map(|_| {
-                        let dt = (lo + (hi - lo) * unit(&mut rng)).exp();
-                        dt.exp_m1().ln() as f32
-                    }));
-                    sink(&encode(spec.dtype, &values))?;
+                    emit(spec.dtype, n, &mut bytes, || (lo + (hi - lo) * unit(&mut rng)).exp().exp_m1().ln() as f32)?;
                 }
             }
+            sink(&bytes)?;
             done += n;
         }
         Ok(())
@@ -258,12 +249,14 @@ impl Gaussian {
     }
 }
 
-fn encode(dtype: DType, values: &[f32]) -> Vec<u8> {
+/// Appends `n` values from `next` to `bytes` in `dtype` (bf16 rounded to nearest even).
+fn emit(dtype: DType, n: usize, bytes: &mut Vec<u8>, mut next: impl FnMut() -> f32) -> Result<()> {
     match dtype {
-        DType::Bf16 => bf16_bytes(values),
-        DType::F32 => f32_bytes(values),
-        DType::U8 => values.iter().map(|v| *v as u8).collect(),
+        DType::Bf16 => (0..n).for_each(|_| bytes.extend_from_slice(&bf16::from_f32(next()).to_le_bytes())),
+        DType::F32 => (0..n).for_each(|_| bytes.extend_from_slice(&next().to_le_bytes())),
+        DType::U8 => return Err(KernelError::InvalidInput("a float initialisation cannot fill a U8 tensor".into())),
     }
+    Ok(())
 }
 
 /// One written shard.
