@@ -12,6 +12,7 @@ pub mod cpu;
 pub mod error;
 pub mod float;
 pub mod mxfp4;
+pub mod null_runner;
 pub mod runner;
 pub mod sampling;
 pub mod schema;
