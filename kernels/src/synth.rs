@@ -35,6 +35,7 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use half::bf16;
 use rand::{RngCore, SeedableRng};
@@ -291,7 +292,8 @@ struct Placed<'a> {
 /// of data each (a single larger tensor or expert gets a shard of its own), and
 /// `model.safetensors.index.json` last, so an interrupted write never looks complete. An expert's
 /// six MXFP4 tensors always share a shard. Tensors are streamed, so memory stays bounded by one
-/// generator chunk, whatever the shard size.
+/// generator chunk per writer thread, whatever the shard size. Shards are written by one thread
+/// per available core; the bytes do not depend on the thread count.
 pub fn write_checkpoint(cfg: &ModelConfig, seed: u64, dir: &Path, max_shard_bytes: u64) -> Result<WriteReport> {
     let synth = SyntheticWeights::new(cfg.clone(), seed);
     let file_err = |path: &Path, e: std::io::Error| KernelError::CheckpointFile {
@@ -306,12 +308,11 @@ pub fn write_checkpoint(cfg: &ModelConfig, seed: u64, dir: &Path, max_shard_byte
 
     let shards = plan_shards(&synth, max_shard_bytes);
     let count = shards.len();
+    let files: Vec<String> = (0..count).map(|i| format!("model-{:05}-of-{:05}.safetensors", i + 1, count)).collect();
+    let shard_bytes = write_shards_in_parallel(&synth, &shards, &files, dir)?;
     let mut report = WriteReport { dir: dir.to_path_buf(), shards: Vec::new(), tensor_count: 0, total_bytes: 0 };
     let mut weight_map = Map::new();
-    for (i, shard) in shards.iter().enumerate() {
-        let file = format!("model-{:05}-of-{:05}.safetensors", i + 1, count);
-        let path = dir.join(&file);
-        let bytes = write_shard(&synth, shard, &path)?;
+    for ((shard, file), bytes) in shards.iter().zip(files).zip(shard_bytes) {
         for placed in shard {
             weight_map.insert(format!("{TEXT_PREFIX}{}", placed.spec.name), Value::String(file.clone()));
         }
@@ -324,6 +325,47 @@ pub fn write_checkpoint(cfg: &ModelConfig, seed: u64, dir: &Path, max_shard_byte
     let index_text = serde_json::to_string_pretty(&index).map_err(|e| KernelError::InvalidInput(e.to_string()))?;
     std::fs::write(&index_path, index_text + "\n").map_err(|e| file_err(&index_path, e))?;
     Ok(report)
+}
+
+/// Writes every shard, one worker per available core taking the next unwritten shard; returns
+/// each shard's data bytes in shard order, or the first error in shard order.
+fn write_shards_in_parallel(
+    synth: &SyntheticWeights,
+    shards: &[Vec<Placed<'_>>],
+    files: &[String],
+    dir: &Path,
+) -> Result<Vec<u64>> {
+    let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, shards.len().max(1));
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let work = || {
+        let mut done = Vec::new();
+        while !failed.load(Ordering::Relaxed) {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            let Some(shard) = shards.get(i) else { break };
+            let result = write_shard(synth, shard, &dir.join(&files[i]));
+            failed.fetch_or(result.is_err(), Ordering::Relaxed);
+            done.push((i, result));
+        }
+        done
+    };
+    let mut results: Vec<(usize, Result<u64>)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..workers).map(|_| scope.spawn(work)).collect();
+        handles
+            .into_iter()
+            .flat_map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    vec![(usize::MAX, Err(KernelError::InvalidInput("a shard writer thread panicked".into())))]
+                })
+            })
+            .collect()
+    });
+    results.sort_by_key(|(i, _)| *i);
+    let bytes: Vec<u64> = results.into_iter().map(|(_, r)| r).collect::<Result<_>>()?;
+    if bytes.len() != shards.len() {
+        return Err(KernelError::InvalidInput(format!("wrote {} of {} shards", bytes.len(), shards.len())));
+    }
+    Ok(bytes)
 }
 
 /// Splits the tensors, in checkpoint order, into shards of at most `max_bytes` of data. Units
