@@ -199,3 +199,33 @@ fn error_kinds_are_stable() {
     std::fs::write(tmp.path().join(CONFIG_FILE), "[").unwrap();
     assert_eq!(Checkpoint::open(tmp.path()).unwrap_err().kind(), "checkpoint_file");
 }
+
+#[test]
+fn a_tensor_stored_with_and_without_the_prefix() {
+    // Rename layer 0's input norm (same dtype and shape) to the bare name of the final norm.
+    let tmp = written();
+    let (from, to) = ("language_model.model.layers.0.input_layernorm.weight", "model.norm.weight");
+    let shard = shard_of(tmp.path(), from);
+    rewrite_header(&tmp.path().join(&shard), |h| {
+        let entry = h.remove(from).unwrap();
+        h.insert(to.into(), entry);
+    });
+    rewrite_weight_map(tmp.path(), |m| {
+        m.remove(from);
+        m.insert(to.into(), json!(shard));
+    });
+    let (path, reason) = file_error(tmp.path());
+    assert_eq!(path, tmp.path().join(INDEX_FILE));
+    assert!(reason.contains("stored twice"), "{reason}");
+}
+
+#[test]
+fn writing_where_a_file_blocks_the_folder() {
+    let tmp = tempfile::tempdir().unwrap();
+    let blocker = tmp.path().join("not-a-dir");
+    std::fs::write(&blocker, b"x").unwrap();
+    match write_checkpoint(&small_config(), 1, &blocker.join("ckpt"), 1 << 20) {
+        Err(KernelError::CheckpointFile { path, .. }) => assert_eq!(path, blocker.join("ckpt")),
+        other => panic!("expected a checkpoint-file error, got {other:?}"),
+    }
+}
