@@ -1,1 +1,2 @@
 //! sparkd serving library.
+pub mod metrics;

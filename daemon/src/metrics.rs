@@ -1,0 +1,390 @@
+//! Every Prometheus metric sparkd exports: names, buckets, descriptions, and the recorder install.
+//!
+//! Invariants:
+//! - Every metric name is a constant in this file; code elsewhere records through the `metrics` facade
+//!   (`metrics::counter!(metrics::GENERATION_TOKENS_TOTAL)...`) with these constants, never a literal.
+//! - vLLM's names, types and buckets where vLLM has the metric (reference/agentx.md §5.1), so AIPerf, the
+//!   InferenceX aggregator and vLLM's Grafana dashboards read them unchanged; `sparkd:` names for the rest.
+//! - Counters carry the `_total` suffix in their name, so the text exposition says
+//!   `# TYPE vllm:prompt_tokens_total counter` exactly as Python `prometheus_client` does (agentx.md §5.3).
+//! - Every series carries the global labels `model_name` and `engine` (vLLM's label set); the only other labels
+//!   are low-cardinality enums (`finished_reason`, `kind`, `tier`, `endpoint`, `status`). Never a request,
+//!   response or session id.
+//! - Every histogram has explicit buckets (without them the exporter would render summaries).
+//! - [`install`] registers every metric at zero, so `/metrics` lists the whole set from the first scrape.
+//!
+//! Who records what (so nothing is counted twice):
+//! - the engine thread: TTFT, per-token ITL (a step committing k tokens records k samples of interval/k), the
+//!   per-step interval, queue/prefill/decode/inference time, prompt tokens computed, generation tokens,
+//!   prefix-cache queries/hits, running/waiting, KV/state usage, sessions, speculation counters;
+//! - the API layer: end-to-end latency, per-request TPOT, `request_success`, request prompt/generation length,
+//!   P90 interactivity, API errors by kind, HTTP requests by endpoint and status, open WebSockets.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, PrometheusHandle};
+
+// ---- vLLM names (reference/agentx.md §5.1) ----
+
+/// Histogram: seconds from arrival to the first generated token.
+pub const TIME_TO_FIRST_TOKEN_SECONDS: &str = "vllm:time_to_first_token_seconds";
+/// Histogram: seconds between committed tokens, one sample per token (a step committing k tokens records k
+/// samples of interval/k, so speculation does not distort it; agentx.md §2.4).
+pub const INTER_TOKEN_LATENCY_SECONDS: &str = "vllm:inter_token_latency_seconds";
+/// Histogram: per finished request, (e2e − TTFT) / (output tokens − 1).
+pub const REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS: &str = "vllm:request_time_per_output_token_seconds";
+/// Histogram: seconds from arrival to the last token.
+pub const E2E_REQUEST_LATENCY_SECONDS: &str = "vllm:e2e_request_latency_seconds";
+/// Histogram: seconds a request waited before it was first scheduled.
+pub const REQUEST_QUEUE_TIME_SECONDS: &str = "vllm:request_queue_time_seconds";
+/// Histogram: seconds from first scheduled to first token.
+pub const REQUEST_PREFILL_TIME_SECONDS: &str = "vllm:request_prefill_time_seconds";
+/// Histogram: seconds from first token to last token.
+pub const REQUEST_DECODE_TIME_SECONDS: &str = "vllm:request_decode_time_seconds";
+/// Histogram: seconds from first scheduled to last token.
+pub const REQUEST_INFERENCE_TIME_SECONDS: &str = "vllm:request_inference_time_seconds";
+/// Histogram: prompt length of each finished request, in tokens.
+pub const REQUEST_PROMPT_TOKENS: &str = "vllm:request_prompt_tokens";
+/// Histogram: generated length of each finished request, in tokens.
+pub const REQUEST_GENERATION_TOKENS: &str = "vllm:request_generation_tokens";
+/// Counter: prompt tokens computed by prefill (cached tokens excluded).
+pub const PROMPT_TOKENS_TOTAL: &str = "vllm:prompt_tokens_total";
+/// Counter: tokens generated.
+pub const GENERATION_TOKENS_TOTAL: &str = "vllm:generation_tokens_total";
+/// Counter: prompt tokens looked up in the prefix cache.
+pub const PREFIX_CACHE_QUERIES_TOTAL: &str = "vllm:prefix_cache_queries_total";
+/// Counter: looked-up prompt tokens found in the prefix cache.
+pub const PREFIX_CACHE_HITS_TOTAL: &str = "vllm:prefix_cache_hits_total";
+/// Counter with label `finished_reason` (`stop`, `length`, `abort`): finished requests.
+pub const REQUEST_SUCCESS_TOTAL: &str = "vllm:request_success_total";
+/// Gauge: requests in the running batch.
+pub const NUM_REQUESTS_RUNNING: &str = "vllm:num_requests_running";
+/// Gauge: requests queued, not yet scheduled.
+pub const NUM_REQUESTS_WAITING: &str = "vllm:num_requests_waiting";
+/// Gauge: fraction (0–1) of the device state budget in use.
+pub const KV_CACHE_USAGE_PERC: &str = "vllm:kv_cache_usage_perc";
+/// Counter: verify steps that carried drafts.
+pub const SPEC_DECODE_NUM_DRAFTS_TOTAL: &str = "vllm:spec_decode_num_drafts_total";
+/// Counter: draft tokens proposed.
+pub const SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL: &str = "vllm:spec_decode_num_draft_tokens_total";
+/// Counter: draft tokens accepted (the bonus token excluded).
+pub const SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL: &str = "vllm:spec_decode_num_accepted_tokens_total";
+
+// ---- sparkd names ----
+
+/// Gauge: 1 / P90 of per-request mean ITL over the recent window ([`InteractivityWindow`]), tokens/s/user.
+pub const INTERACTIVITY_P90_TOKENS_PER_SECOND: &str = "sparkd:interactivity_p90_tokens_per_second";
+/// Histogram: seconds per engine step that emitted tokens (one sample per step per request).
+pub const STEP_INTERVAL_SECONDS: &str = "sparkd:step_interval_seconds";
+/// Counter: responses kept for continuation (`store`, sessions).
+pub const SESSIONS_KEPT_TOTAL: &str = "sparkd:sessions_kept_total";
+/// Counter with label `tier` (`host`, `dropped`): kept states evicted from the device, or dropped from host.
+pub const SESSIONS_EVICTED_TOTAL: &str = "sparkd:sessions_evicted_total";
+/// Counter with label `tier` (`device`, `host`, `prefill`): continuations, by where the state came from.
+pub const SESSIONS_RESTORED_TOTAL: &str = "sparkd:sessions_restored_total";
+/// Gauge: kept responses currently held.
+pub const SESSIONS_KEPT: &str = "sparkd:sessions_kept";
+/// Gauge with label `tier` (`device`, `host`): bytes of per-sequence state held.
+pub const STATE_MEMORY_BYTES: &str = "sparkd:state_memory_bytes";
+/// Gauge: bytes held by prefix-cache snapshots.
+pub const PREFIX_CACHE_BYTES: &str = "sparkd:prefix_cache_bytes";
+/// Counter with label `kind` (an error's stable `kind()`): failed requests.
+pub const ERRORS_TOTAL: &str = "sparkd:errors_total";
+/// Counter with labels `endpoint` and `status`: HTTP requests answered.
+pub const HTTP_REQUESTS_TOTAL: &str = "sparkd:http_requests_total";
+/// Gauge: open WebSocket connections.
+pub const WEBSOCKETS_OPEN: &str = "sparkd:websockets_open";
+/// Counter: requests whose client went away before they finished.
+pub const CLIENT_DISCONNECTS_TOTAL: &str = "sparkd:client_disconnects_total";
+
+/// vLLM's TTFT buckets (agentx.md §5.1).
+pub const TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+    160.0, 640.0, 2560.0,
+];
+/// vLLM's ITL / TPOT buckets, with sub-10 ms bounds prepended: decode on an H200 and the null runner land there.
+pub const ITL_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+    7.5, 10.0, 20.0, 40.0, 80.0,
+];
+/// vLLM's request-latency buckets (E2E, queue, prefill, decode, inference).
+pub const REQUEST_LATENCY_BUCKETS: &[f64] = &[
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+    1920.0, 7680.0,
+];
+/// 1-2-5 buckets for token counts, up to 1M tokens (vLLM builds them up to max_model_len).
+pub const TOKEN_COUNT_BUCKETS: &[f64] = &[
+    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0, 20000.0, 50000.0, 100000.0,
+    200000.0, 500000.0, 1000000.0,
+];
+
+/// Metric kind, for describing and registering.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MetricKind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+/// One exported metric: its name, kind, the label values it is pre-registered with, and its help text.
+#[derive(Clone, Copy, Debug)]
+pub struct MetricSpec {
+    pub name: &'static str,
+    pub kind: MetricKind,
+    /// `(label, values)` to register at zero; empty for unlabelled metrics (besides the global labels).
+    pub labels: (&'static str, &'static [&'static str]),
+    pub help: &'static str,
+}
+
+const NO_LABELS: (&str, &[&str]) = ("", &[]);
+
+const fn spec(name: &'static str, kind: MetricKind, help: &'static str) -> MetricSpec {
+    MetricSpec { name, kind, labels: NO_LABELS, help }
+}
+
+const fn labelled(
+    name: &'static str,
+    kind: MetricKind,
+    labels: (&'static str, &'static [&'static str]),
+    help: &'static str,
+) -> MetricSpec {
+    MetricSpec { name, kind, labels, help }
+}
+
+use MetricKind::{Counter, Gauge, Histogram};
+
+/// Every metric sparkd exports, with its help text.
+pub const ALL_METRICS: &[MetricSpec] = &[
+    spec(TIME_TO_FIRST_TOKEN_SECONDS, Histogram, "Histogram of time to first token in seconds."),
+    spec(
+        INTER_TOKEN_LATENCY_SECONDS,
+        Histogram,
+        "Histogram of inter-token latency in seconds, one sample per committed token (a step that commits k tokens records k samples of step/k).",
+    ),
+    spec(
+        REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS,
+        Histogram,
+        "Histogram of time_per_output_token_seconds per request: (e2e - ttft) / (output_tokens - 1).",
+    ),
+    spec(E2E_REQUEST_LATENCY_SECONDS, Histogram, "Histogram of e2e request latency in seconds."),
+    spec(REQUEST_QUEUE_TIME_SECONDS, Histogram, "Histogram of time spent waiting before first scheduled, in seconds."),
+    spec(REQUEST_PREFILL_TIME_SECONDS, Histogram, "Histogram of time spent in prefill, in seconds."),
+    spec(REQUEST_DECODE_TIME_SECONDS, Histogram, "Histogram of time spent in decode, in seconds."),
+    spec(REQUEST_INFERENCE_TIME_SECONDS, Histogram, "Histogram of time spent scheduled (prefill + decode), in seconds."),
+    spec(REQUEST_PROMPT_TOKENS, Histogram, "Number of prefill tokens per finished request."),
+    spec(REQUEST_GENERATION_TOKENS, Histogram, "Number of generation tokens per finished request."),
+    spec(PROMPT_TOKENS_TOTAL, Counter, "Number of prefill tokens computed (prefix-cache hits excluded)."),
+    spec(GENERATION_TOKENS_TOTAL, Counter, "Number of generation tokens processed."),
+    spec(PREFIX_CACHE_QUERIES_TOTAL, Counter, "Prefix cache queries, in terms of number of queried tokens."),
+    spec(PREFIX_CACHE_HITS_TOTAL, Counter, "Prefix cache hits, in terms of number of cached tokens."),
+    labelled(
+        REQUEST_SUCCESS_TOTAL,
+        Counter,
+        ("finished_reason", &["stop", "length", "abort"]),
+        "Count of successfully processed requests, by finish reason.",
+    ),
+    spec(NUM_REQUESTS_RUNNING, Gauge, "Number of requests in model execution batches."),
+    spec(NUM_REQUESTS_WAITING, Gauge, "Number of requests waiting to be processed."),
+    spec(KV_CACHE_USAGE_PERC, Gauge, "Fraction of the device state budget in use (1 = full)."),
+    spec(SPEC_DECODE_NUM_DRAFTS_TOTAL, Counter, "Number of verify steps that carried draft tokens."),
+    spec(SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL, Counter, "Number of draft tokens proposed."),
+    spec(SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL, Counter, "Number of draft tokens accepted (bonus token excluded)."),
+    spec(
+        INTERACTIVITY_P90_TOKENS_PER_SECOND,
+        Gauge,
+        "P90 interactivity: 1 / P90 of per-request mean inter-token latency over the recent finished requests (InferenceX).",
+    ),
+    spec(STEP_INTERVAL_SECONDS, Histogram, "Seconds per engine step that emitted tokens, one sample per step per request."),
+    spec(SESSIONS_KEPT_TOTAL, Counter, "Responses kept for continuation."),
+    labelled(
+        SESSIONS_EVICTED_TOTAL,
+        Counter,
+        ("tier", &["host", "dropped"]),
+        "Kept states evicted: moved to host memory, or dropped (rebuilt by prefill if continued).",
+    ),
+    labelled(
+        SESSIONS_RESTORED_TOTAL,
+        Counter,
+        ("tier", &["device", "host", "prefill"]),
+        "Continuations of kept responses, by where the state came from.",
+    ),
+    spec(SESSIONS_KEPT, Gauge, "Kept responses currently held."),
+    labelled(STATE_MEMORY_BYTES, Gauge, ("tier", &["device", "host"]), "Bytes of per-sequence model state held."),
+    spec(PREFIX_CACHE_BYTES, Gauge, "Bytes held by prefix-cache state snapshots."),
+    labelled(
+        ERRORS_TOTAL,
+        Counter,
+        ("kind", &["invalid_field", "invalid_json", "context_length_exceeded", "engine_unavailable", "runner"]),
+        "Failed requests, by error kind.",
+    ),
+    labelled(HTTP_REQUESTS_TOTAL, Counter, ("endpoint", &[]), "HTTP requests answered, by endpoint and status."),
+    spec(WEBSOCKETS_OPEN, Gauge, "Open WebSocket connections."),
+    spec(CLIENT_DISCONNECTS_TOTAL, Counter, "Requests whose client went away before they finished."),
+];
+
+/// The buckets of one histogram.
+pub fn buckets_for(name: &str) -> &'static [f64] {
+    match name {
+        TIME_TO_FIRST_TOKEN_SECONDS => TTFT_BUCKETS,
+        INTER_TOKEN_LATENCY_SECONDS | REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS | STEP_INTERVAL_SECONDS => ITL_BUCKETS,
+        REQUEST_PROMPT_TOKENS | REQUEST_GENERATION_TOKENS => TOKEN_COUNT_BUCKETS,
+        _ => REQUEST_LATENCY_BUCKETS,
+    }
+}
+
+/// Installs the global Prometheus recorder (no listener of its own: the daemon serves [`PrometheusHandle::render`]
+/// at `/metrics`), describes every metric and registers it at zero. Call once per process; the caller must run
+/// [`PrometheusHandle::run_upkeep`] periodically.
+pub fn install(model_name: &str) -> Result<PrometheusHandle, BuildError> {
+    let mut builder =
+        PrometheusBuilder::new().add_global_label("model_name", model_name).add_global_label("engine", "0");
+    for m in ALL_METRICS.iter().filter(|m| m.kind == Histogram) {
+        builder = builder.set_buckets_for_metric(Matcher::Full(m.name.to_string()), buckets_for(m.name))?;
+    }
+    let handle = builder.install_recorder()?;
+    describe_and_register();
+    Ok(handle)
+}
+
+fn describe_and_register() {
+    for m in ALL_METRICS {
+        match m.kind {
+            Counter => metrics::describe_counter!(m.name, m.help),
+            Gauge => metrics::describe_gauge!(m.name, m.help),
+            Histogram => metrics::describe_histogram!(m.name, m.help),
+        }
+        let (label, values) = m.labels;
+        if label.is_empty() {
+            register(m.kind, m.name, None);
+        }
+        for value in values.iter() {
+            register(m.kind, m.name, Some((label, value)));
+        }
+    }
+}
+
+fn register(kind: MetricKind, name: &'static str, label: Option<(&'static str, &'static str)>) {
+    let labels: Vec<metrics::Label> = label.map(|(k, v)| metrics::Label::new(k, v)).into_iter().collect();
+    match kind {
+        Counter => metrics::counter!(name, labels).increment(0),
+        Gauge => metrics::gauge!(name, labels).set(0.0),
+        Histogram => {
+            let _registered = metrics::histogram!(name, labels);
+        }
+    }
+}
+
+/// Percentile with linear interpolation between closest ranks, as InferenceX computes it
+/// (`aggregation_common.percentile`: `k = (n−1)·q; v = s[f] + (k−f)(s[f+1]−s[f])`). `sorted` must be ascending.
+///
+/// Example: `[1, 2, 3, 4]` at q = 0.9: k = 2.7, so v = 3 + 0.7 · (4 − 3) = 3.7.
+pub fn percentile(sorted: &[f64], q: f64) -> Option<f64> {
+    let last = sorted.len().checked_sub(1)?;
+    let k = last as f64 * q.clamp(0.0, 1.0);
+    let f = k.floor() as usize;
+    let c = (f + 1).min(last);
+    Some(sorted[f] + (k - f as f64) * (sorted[c] - sorted[f]))
+}
+
+/// The per-request mean ITLs of the most recent finished requests (at most `capacity`, none older than `horizon`),
+/// from which the P90 interactivity gauge is computed: `1 / P90(ITL)` (agentx.md §2.2).
+#[derive(Debug)]
+pub struct InteractivityWindow {
+    capacity: usize,
+    horizon: Duration,
+    samples: VecDeque<(Instant, f64)>,
+}
+
+impl InteractivityWindow {
+    pub fn new(capacity: usize, horizon: Duration) -> Self {
+        InteractivityWindow { capacity: capacity.max(1), horizon, samples: VecDeque::new() }
+    }
+
+    /// Adds one finished request's mean ITL in seconds (`(last − first content time) / (tokens − 1)`).
+    pub fn record(&mut self, now: Instant, itl_seconds: f64) {
+        if !itl_seconds.is_finite() || itl_seconds < 0.0 {
+            return;
+        }
+        if self.samples.len() == self.capacity {
+            self.samples.pop_front();
+        }
+        self.samples.push_back((now, itl_seconds));
+    }
+
+    /// `1 / P90(ITL)` over the samples not older than the horizon; `None` when there are none (or P90 is 0).
+    pub fn p90_interactivity(&mut self, now: Instant) -> Option<f64> {
+        while let Some(&(at, _)) = self.samples.front() {
+            if now.saturating_duration_since(at) > self.horizon {
+                self.samples.pop_front();
+            } else {
+                break;
+            }
+        }
+        let mut itls: Vec<f64> = self.samples.iter().map(|&(_, itl)| itl).collect();
+        itls.sort_by(f64::total_cmp);
+        percentile(&itls, 0.9).filter(|&p| p > 0.0).map(|p| 1.0 / p)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentile_interpolates_like_inferencex() {
+        assert_eq!(percentile(&[], 0.9), None);
+        assert_eq!(percentile(&[5.0], 0.9), Some(5.0));
+        let p = percentile(&[1.0, 2.0, 3.0, 4.0], 0.9).unwrap();
+        assert!((p - 3.7).abs() < 1e-12, "{p}");
+        assert_eq!(percentile(&[1.0, 2.0, 3.0, 4.0], 1.0), Some(4.0));
+        assert_eq!(percentile(&[1.0, 2.0, 3.0, 4.0], 0.0), Some(1.0));
+    }
+
+    #[test]
+    fn interactivity_is_the_reciprocal_of_the_p90_itl_over_the_window() {
+        let t0 = Instant::now();
+        let mut w = InteractivityWindow::new(10, Duration::from_secs(60));
+        assert_eq!(w.p90_interactivity(t0), None);
+        // ITLs 10..=100 ms: P90 = 91 ms.
+        for i in 1..=10 {
+            w.record(t0, i as f64 * 0.01);
+        }
+        let v = w.p90_interactivity(t0).unwrap();
+        assert!((v - 1.0 / 0.091).abs() < 1e-9, "{v}");
+        // Capacity: one more fast request pushes out the 10 ms one.
+        w.record(t0, 0.001);
+        let v = w.p90_interactivity(t0).unwrap();
+        assert!((v - 1.0 / 0.091).abs() < 1e-9, "{v}");
+        // Horizon: after it, the old samples are gone and only a new one counts.
+        let later = t0 + Duration::from_secs(61);
+        w.record(later, 0.5);
+        assert!((w.p90_interactivity(later).unwrap() - 2.0).abs() < 1e-12);
+        // Garbage is ignored.
+        w.record(later, f64::NAN);
+        w.record(later, -1.0);
+        assert!((w.p90_interactivity(later).unwrap() - 2.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn every_histogram_has_sorted_buckets_and_every_name_is_unique() {
+        let mut names: Vec<&str> = ALL_METRICS.iter().map(|m| m.name).collect();
+        names.sort_unstable();
+        let before = names.len();
+        names.dedup();
+        assert_eq!(before, names.len(), "duplicate metric name");
+        for m in ALL_METRICS {
+            assert!(m.name.starts_with("vllm:") || m.name.starts_with("sparkd:"), "{}", m.name);
+            assert_eq!(
+                m.kind == Counter,
+                m.name.ends_with("_total"),
+                "{}: counters and only counters end in _total",
+                m.name
+            );
+            if m.kind == Histogram {
+                let b = buckets_for(m.name);
+                assert!(b.windows(2).all(|w| w[0] < w[1]), "{} buckets not ascending", m.name);
+            }
+        }
+    }
+}
