@@ -9,6 +9,7 @@ pub mod acceptance;
 pub mod checkpoint;
 pub mod config;
 pub mod cpu;
+pub mod cuda;
 pub mod error;
 pub mod float;
 pub mod mxfp4;

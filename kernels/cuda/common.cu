@@ -1,0 +1,150 @@
+// sparkd: elementwise and per-row kernels of the K3 forward (embedding gather, RMSNorm, AttnRes read,
+// residual add, SiTU, the MLA output gate, row gathers and greedy argmax).
+//
+// Invariants: activations between ops are bf16 (the values the CPU reference rounds with `Real::act`);
+// every reduction runs in fp32; each kernel rounds its output once, where the CPU reference does.
+// Math: shared/reference/k3-architecture.md §2.2 (AttnRes), §2.3 (RMSNorm), §2.7 (SiTU).
+#include <cuda_bf16.h>
+
+#define INF_F __int_as_float(0x7f800000)
+
+typedef unsigned int u32;
+
+__device__ __forceinline__ float bf_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+__device__ __forceinline__ float ld(const __nv_bfloat16 *p, long i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// Sum of `v` over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the total.
+__device__ float block_sum(float v) {
+    __shared__ float partial[32];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __syncthreads();
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    int warps = (blockDim.x + 31) >> 5;
+    float t = lane < warps ? partial[lane] : 0.0f;
+    for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+    return t;
+}
+
+// out[i, :] = table[tokens[i], :]; grid = n tokens.
+extern "C" __global__ void embed_gather(const __nv_bfloat16 *table, const u32 *tokens, __nv_bfloat16 *out, int d) {
+    long row = (long)tokens[blockIdx.x] * d;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) out[(long)blockIdx.x * d + c] = table[row + c];
+}
+
+// KimiRMSNorm: y = bf(w * bf(x * rsqrt(mean(x^2) + eps))); grid = rows; rows are strided so that a
+// prefix of a wider row (the MLA latent) can be normalised in place.
+extern "C" __global__ void rms_norm(const __nv_bfloat16 *x, long x_stride, const __nv_bfloat16 *w,
+                                    __nv_bfloat16 *y, long y_stride, int dim, float eps) {
+    const __nv_bfloat16 *xr = x + blockIdx.x * x_stride;
+    __nv_bfloat16 *yr = y + blockIdx.x * y_stride;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) { float v = ld(xr, c); ss += v * v; }
+    ss = block_sum(ss);
+    float r = 1.0f / sqrtf(ss / (float)dim + eps);
+    for (int c = threadIdx.x; c < dim; c += blockDim.x)
+        yr[c] = __float2bfloat16_rn(ld(w, c) * bf_round(ld(xr, c) * r));
+}
+
+// AttnRes depth-wise softmax read (fp32 island). `sources` holds `nsrc` slots of [n, d] at stride
+// `slot`, sealed blocks first and the live sum last; q is the folded pseudo-query [d].
+// out[t] = bf(sum_i softmax_i(dot(v_i, q) * rsqrt(mean(v_i^2) + eps)) * v_i); grid = n tokens.
+extern "C" __global__ void attn_res_read(const __nv_bfloat16 *sources, long slot, int nsrc, const float *q,
+                                         __nv_bfloat16 *out, int d, float eps) {
+    __shared__ float score[64];
+    long t = blockIdx.x;
+    for (int i = 0; i < nsrc; i++) {
+        const __nv_bfloat16 *v = sources + i * slot + t * d;
+        float dq = 0.0f, ss = 0.0f;
+        for (int c = threadIdx.x; c < d; c += blockDim.x) { float x = ld(v, c); dq += x * q[c]; ss += x * x; }
+        dq = block_sum(dq);
+        ss = block_sum(ss);
+        if (threadIdx.x == 0) score[i] = dq * (1.0f / sqrtf(ss / (float)d + eps));
+    }
+    __syncthreads();
+    float m = score[0];
+    for (int i = 1; i < nsrc; i++) m = fmaxf(m, score[i]);
+    float p[64];
+    float total = 0.0f;
+    for (int i = 0; i < nsrc; i++) { p[i] = expf(score[i] - m); total += p[i]; }
+    for (int i = 0; i < nsrc; i++) p[i] = p[i] / total;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        float acc = 0.0f;
+        for (int i = 0; i < nsrc; i++) acc += p[i] * ld(sources + i * slot + t * d, c);
+        out[t * d + c] = __float2bfloat16_rn(acc);
+    }
+}
+
+// a = bf(a + b) (the bf16 residual add).
+extern "C" __global__ void add_in_place(__nv_bfloat16 *a, const __nv_bfloat16 *b, long n) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        a[i] = __float2bfloat16_rn(ld(a, i) + ld(b, i));
+}
+
+// SiTU (fp32 island): out = bf([beta tanh(g/beta) sigmoid(g)] * [lbeta tanh(u/lbeta)]).
+extern "C" __global__ void situ(const __nv_bfloat16 *g, const __nv_bfloat16 *u, __nv_bfloat16 *out, long n,
+                                float beta, float lbeta) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        float gv = ld(g, i), uv = ld(u, i);
+        out[i] = __float2bfloat16_rn((beta * tanhf(gv / beta) * sigmoidf_(gv)) * (lbeta * tanhf(uv / lbeta)));
+    }
+}
+
+// The MLA output gate: out = bf(o * bf(sigmoid(g))) (HF computes the sigmoid in bf16).
+extern "C" __global__ void sigmoid_gate(const __nv_bfloat16 *o, const __nv_bfloat16 *g, __nv_bfloat16 *out, long n) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        out[i] = __float2bfloat16_rn(ld(o, i) * bf_round(sigmoidf_(ld(g, i))));
+}
+
+// out[s, j, :] = src[s, rows[j], :] for every slot s; grid = (rows, slots).
+extern "C" __global__ void gather_rows(const __nv_bfloat16 *src, long src_slot, const u32 *rows, __nv_bfloat16 *out,
+                                       long out_slot, int d) {
+    const __nv_bfloat16 *s = src + blockIdx.y * src_slot + (long)rows[blockIdx.x] * d;
+    __nv_bfloat16 *o = out + blockIdx.y * out_slot + (long)blockIdx.x * d;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) o[c] = s[c];
+}
+
+// Greedy token per row: argmax, lowest id on ties; grid = rows, 1024 threads.
+extern "C" __global__ void argmax_rows(const __nv_bfloat16 *logits, int vocab, u32 *out) {
+    __shared__ float best_v[1024];
+    __shared__ u32 best_i[1024];
+    const __nv_bfloat16 *row = logits + (long)blockIdx.x * vocab;
+    float bv = -INF_F;
+    u32 bi = 0xffffffffu;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        float v = ld(row, i);
+        if (v > bv) { bv = v; bi = i; }
+    }
+    best_v[threadIdx.x] = bv;
+    best_i[threadIdx.x] = bi;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) {
+            float ov = best_v[threadIdx.x + s];
+            u32 oi = best_i[threadIdx.x + s];
+            if (ov > best_v[threadIdx.x] || (ov == best_v[threadIdx.x] && oi < best_i[threadIdx.x])) {
+                best_v[threadIdx.x] = ov;
+                best_i[threadIdx.x] = oi;
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[blockIdx.x] = best_i[0] == 0xffffffffu ? 0u : best_i[0];
+}
+
+// y[t, o] = bf(sum_c w[o, c] x[t, c]) with one warp per output; every (t, o) is computed the same way
+// whatever the batch, so results do not depend on what else is batched (cuBLAS picks its algorithm by
+// shape). grid = (ceil(out / warps), n tokens).
+extern "C" __global__ void linear_rows(const __nv_bfloat16 *w, const __nv_bfloat16 *x, __nv_bfloat16 *y, int out_dim,
+                                       int in_dim) {
+    int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (o >= out_dim) return;
+    const __nv_bfloat16 *wr = w + (long)o * in_dim;
+    const __nv_bfloat16 *xr = x + (long)blockIdx.y * in_dim;
+    float acc = 0.0f;
+    for (int c = threadIdx.x & 31; c < in_dim; c += 32) acc += ld(wr, c) * ld(xr, c);
+    for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
+    if ((threadIdx.x & 31) == 0) y[(long)blockIdx.y * out_dim + o] = __float2bfloat16_rn(acc);
+}

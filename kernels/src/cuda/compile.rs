@@ -1,0 +1,178 @@
+//! NVRTC compilation of the CUDA C++ sources under `kernels/cuda/`, straight to CUBIN, cached on disk.
+//!
+//! Invariants:
+//! - The sources are embedded in the binary ([`SOURCES`]); nothing is read from the source tree at
+//!   run time, and no nvcc is needed anywhere.
+//! - A cached CUBIN is keyed by the SHA-256 of (source, arch, options, NVRTC version), so a changed
+//!   kernel, target or compiler never loads a stale binary. Cache writes go through a temporary file
+//!   and a rename, so a crash never leaves a truncated CUBIN under a valid key.
+//! - Options: `-std=c++17`, no `--use_fast_math` (the forward is compared op by op with the CPU
+//!   reference; fast-math `expf`/division would widen those tolerances for no speed that matters here).
+//!
+//! Follows shared/reference/rust-stack.md §1.5 ("going straight to CUBIN") and §1.6.
+
+use std::ffi::CString;
+use std::path::{Path, PathBuf};
+
+use cudarc::nvrtc::{result as nr, sys as ns};
+use sha2::{Digest, Sha256};
+
+use crate::error::{KernelError, Result};
+
+/// One kernel source file.
+#[derive(Clone, Copy, Debug)]
+pub struct KernelSource {
+    /// File name under `kernels/cuda/`.
+    pub name: &'static str,
+    pub code: &'static str,
+}
+
+/// Every CUDA source of the crate.
+pub const SOURCES: [KernelSource; 4] = [
+    KernelSource { name: "common.cu", code: include_str!("../../cuda/common.cu") },
+    KernelSource { name: "kda.cu", code: include_str!("../../cuda/kda.cu") },
+    KernelSource { name: "mla.cu", code: include_str!("../../cuda/mla.cu") },
+    KernelSource { name: "moe.cu", code: include_str!("../../cuda/moe.cu") },
+];
+
+/// Where NVRTC finds `cuda_bf16.h`: `SPARKD_CUDA_INCLUDE`, then `$CUDA_HOME/include`,
+/// `$CUDA_PATH/include`, then `/usr/local/cuda/include`.
+pub fn default_include_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("SPARKD_CUDA_INCLUDE") {
+        return PathBuf::from(dir);
+    }
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Some(home) = std::env::var_os(var) {
+            let dir = PathBuf::from(home).join("include");
+            if dir.join("cuda_bf16.h").exists() {
+                return dir;
+            }
+        }
+    }
+    PathBuf::from("/usr/local/cuda/include")
+}
+
+/// The CUBIN cache folder: `SPARKD_KERNEL_CACHE`, else `$XDG_CACHE_HOME/sparkd/kernels`, else
+/// `$HOME/.cache/sparkd/kernels`; `None` when none of them is set (compile every time).
+pub fn default_cache_dir() -> Option<PathBuf> {
+    if let Some(dir) = std::env::var_os("SPARKD_KERNEL_CACHE") {
+        return Some(PathBuf::from(dir));
+    }
+    if let Some(dir) = std::env::var_os("XDG_CACHE_HOME") {
+        return Some(PathBuf::from(dir).join("sparkd/kernels"));
+    }
+    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/sparkd/kernels"))
+}
+
+/// The NVRTC version `(major, minor)`. NVRTC must be loadable (see `device::nvrtc_present`).
+pub fn nvrtc_version() -> Result<(i32, i32)> {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: plain out-parameters.
+    unsafe { ns::nvrtcVersion(&mut major, &mut minor) }
+        .result()
+        .map_err(|e| KernelError::Device(format!("nvrtcVersion: {e}")))?;
+    Ok((major, minor))
+}
+
+/// How to compile.
+#[derive(Clone, Debug)]
+pub struct Compiler {
+    /// `sm_90a`, `sm_100a`, ...
+    pub arch: String,
+    pub include_dir: PathBuf,
+    pub cache_dir: Option<PathBuf>,
+}
+
+impl Compiler {
+    fn options(&self) -> Vec<String> {
+        vec![
+            format!("--gpu-architecture={}", self.arch),
+            format!("--include-path={}", self.include_dir.display()),
+            "-std=c++17".to_string(),
+            "--device-int128".to_string(),
+        ]
+    }
+
+    /// The cache key of `src` under these options.
+    pub fn cache_key(&self, src: &KernelSource) -> Result<String> {
+        let (major, minor) = nvrtc_version()?;
+        let mut h = Sha256::new();
+        h.update(src.code.as_bytes());
+        for o in self.options() {
+            h.update([0u8]);
+            h.update(o.as_bytes());
+        }
+        h.update(format!("nvrtc {major}.{minor}").as_bytes());
+        let digest = h.finalize();
+        Ok(digest.iter().map(|b| format!("{b:02x}")).collect())
+    }
+
+    /// The CUBIN of `src`, from the cache when present, else compiled (and cached).
+    pub fn cubin(&self, src: &KernelSource) -> Result<Vec<u8>> {
+        let cached = match &self.cache_dir {
+            Some(dir) => Some(dir.join(format!("{}-{}.cubin", src.name.trim_end_matches(".cu"), self.cache_key(src)?))),
+            None => None,
+        };
+        if let Some(path) = &cached {
+            if let Ok(bytes) = std::fs::read(path) {
+                return Ok(bytes);
+            }
+        }
+        let bytes = self.compile(src)?;
+        if let Some(path) = &cached {
+            // A cache that cannot be written only costs a recompile next time.
+            let _ = write_atomically(path, &bytes);
+        }
+        Ok(bytes)
+    }
+
+    /// Compiles `src` to CUBIN with NVRTC; a compile error carries NVRTC's log.
+    pub fn compile(&self, src: &KernelSource) -> Result<Vec<u8>> {
+        let code = CString::new(src.code).map_err(|_| KernelError::Device(format!("{} holds a NUL byte", src.name)))?;
+        let name = CString::new(src.name).map_err(|_| KernelError::Device("kernel name holds a NUL byte".into()))?;
+        let prog = nr::create_program(&code, Some(&name))
+            .map_err(|e| KernelError::Device(format!("nvrtcCreateProgram({}): {e}", src.name)))?;
+        // SAFETY: `prog` is a live program from `create_program`, destroyed once below.
+        let out = unsafe {
+            let compiled = nr::compile_program(prog, &self.options());
+            let result = match compiled {
+                Ok(()) => get_cubin(prog),
+                Err(e) => {
+                    let log = nr::get_program_log(prog).map(|l| c_chars_to_string(&l)).unwrap_or_default();
+                    Err(KernelError::Device(format!("NVRTC failed on {} for {}: {e}\n{log}", src.name, self.arch)))
+                }
+            };
+            let _ = nr::destroy_program(prog);
+            result
+        };
+        out
+    }
+}
+
+/// # Safety
+/// `prog` must be a compiled, live NVRTC program.
+unsafe fn get_cubin(prog: ns::nvrtcProgram) -> Result<Vec<u8>> {
+    let mut size = 0usize;
+    ns::nvrtcGetCUBINSize(prog, &mut size)
+        .result()
+        .map_err(|e| KernelError::Device(format!("nvrtcGetCUBINSize: {e}")))?;
+    let mut cubin = vec![0u8; size];
+    ns::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut _)
+        .result()
+        .map_err(|e| KernelError::Device(format!("nvrtcGetCUBIN: {e}")))?;
+    Ok(cubin)
+}
+
+fn c_chars_to_string(chars: &[std::ffi::c_char]) -> String {
+    let bytes: Vec<u8> = chars.iter().take_while(|c| **c != 0).map(|c| *c as u8).collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, path)
+}

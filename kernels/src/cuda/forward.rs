@@ -1,0 +1,572 @@
+//! The K3 forward on one GPU over a batch of sequence windows, op by op, and the device-resident
+//! per-sequence state it updates.
+//!
+//! Invariants:
+//! - The same contract as `cpu::forward`: row `r` appends its tokens to its state; a row that asked
+//!   for snapshots can be cut back to any `m >= from` of its window tokens with
+//!   [`DeviceUndo::commit`], which restores the KDA states and conv windows saved after `m` tokens and
+//!   moves the MLA length back (the latent entries past it are simply overwritten later).
+//! - Per-token work (projections, AttnRes, norms, FFN) is batched over every token of every row; the
+//!   KDA recurrence and MLA attention run per row over that row's device state.
+//! - AttnRes sources live in one buffer of slots `[slots, n, d]`: sealed blocks in seal order, the
+//!   live sum in slot `sealed` (follows shared/reference/k3-architecture.md §2.1: a seal before the
+//!   attention of layer `l % block == 0`; the pre-attention read is skipped while nothing is sealed).
+//! - Logits are produced only for the positions rows ask for, and stay on the device.
+
+use cudarc::driver::CudaSlice;
+use half::bf16;
+
+use crate::config::ModelConfig;
+use crate::cpu::moe::Routing;
+use crate::cuda::ops::{DPtr, Gpu, NULL};
+use crate::cuda::weights::{DevFfn, DevKda, DevLinear, DevMixer, DevMla, DevMlp, DevMoe, DevNorm, DevWeights};
+use crate::error::{KernelError, Result};
+use crate::runner::TokenId;
+use crate::state::{KdaState, MlaCache, SeqState};
+
+/// One KDA layer's state on the device.
+pub struct DeviceKda {
+    /// `[H, dk, dk]` fp32
+    pub s: CudaSlice<f32>,
+    /// q, k, v windows, each `[kernel - 1, P]` bf16, oldest first.
+    pub conv: [CudaSlice<bf16>; 3],
+}
+
+/// One MLA layer's latent cache on the device: `[capacity, latent_dim]` bf16, the first `len` valid.
+pub struct DeviceMla {
+    pub cache: CudaSlice<bf16>,
+    pub capacity: usize,
+}
+
+/// A sequence's state on the device.
+pub struct DeviceState {
+    pub len: usize,
+    pub kda: Vec<DeviceKda>,
+    pub mla: Vec<DeviceMla>,
+}
+
+impl DeviceState {
+    pub fn new(gpu: &Gpu, cfg: &ModelConfig) -> Result<Self> {
+        let k = &cfg.kda;
+        let window = (k.conv_kernel - 1) * k.proj_dim();
+        let mut kda = Vec::new();
+        for _ in cfg.kda_layers() {
+            kda.push(DeviceKda {
+                s: gpu.zeros(k.num_heads * k.head_dim * k.head_dim)?,
+                conv: [gpu.zeros(window)?, gpu.zeros(window)?, gpu.zeros(window)?],
+            });
+        }
+        let mut mla = Vec::new();
+        for _ in cfg.mla_layers() {
+            mla.push(DeviceMla { cache: gpu.zeros(0)?, capacity: 0 });
+        }
+        Ok(DeviceState { len: 0, kda, mla })
+    }
+
+    /// A device copy of `self`.
+    pub fn duplicate(&self, gpu: &Gpu, cfg: &ModelConfig) -> Result<Self> {
+        let mut out = DeviceState::new(gpu, cfg)?;
+        out.len = self.len;
+        for (dst, src) in out.kda.iter_mut().zip(&self.kda) {
+            gpu.copy::<f32>(gpu.ptr(&dst.s), gpu.ptr(&src.s), src.s.len())?;
+            for x in 0..3 {
+                gpu.copy::<bf16>(gpu.ptr(&dst.conv[x]), gpu.ptr(&src.conv[x]), src.conv[x].len())?;
+            }
+        }
+        let ld = cfg.mla.latent_dim();
+        for (dst, src) in out.mla.iter_mut().zip(&self.mla) {
+            reserve(gpu, dst, self.len, ld)?;
+            gpu.copy::<bf16>(gpu.ptr(&dst.cache), gpu.ptr(&src.cache), self.len * ld)?;
+        }
+        Ok(out)
+    }
+
+    /// Device bytes the state holds.
+    pub fn bytes(&self, cfg: &ModelConfig) -> usize {
+        let kda: usize =
+            self.kda.iter().map(|k| k.s.len() * 4 + k.conv.iter().map(|c| c.len() * 2).sum::<usize>()).sum();
+        kda + self.mla.iter().map(|m| m.capacity * cfg.mla.latent_dim() * 2).sum::<usize>()
+    }
+
+    /// A host copy in the CPU reference's layout (f32 values; conv windows and latents are bf16 values).
+    pub fn export(&self, gpu: &Gpu, cfg: &ModelConfig) -> Result<SeqState<f32>> {
+        let widen = |v: Vec<bf16>| v.into_iter().map(f32::from).collect::<Vec<f32>>();
+        let mut kda = Vec::new();
+        for k in &self.kda {
+            let conv = [
+                widen(gpu.download(&k.conv[0], k.conv[0].len())?),
+                widen(gpu.download(&k.conv[1], k.conv[1].len())?),
+                widen(gpu.download(&k.conv[2], k.conv[2].len())?),
+            ];
+            kda.push(KdaState { s: gpu.download(&k.s, k.s.len())?, conv });
+        }
+        let ld = cfg.mla.latent_dim();
+        let mut mla = Vec::new();
+        for m in &self.mla {
+            let values = widen(gpu.download(&m.cache, self.len * ld)?);
+            let mut cache = MlaCache::new(ld);
+            for e in values.chunks_exact(ld) {
+                cache.push(e);
+            }
+            mla.push(cache);
+        }
+        Ok(SeqState { len: self.len, kda, mla })
+    }
+
+    /// Uploads a host state (checked against the model's layers by the caller).
+    pub fn import(gpu: &Gpu, cfg: &ModelConfig, host: &SeqState<f32>) -> Result<Self> {
+        let narrow = |v: &[f32]| v.iter().map(|x| bf16::from_f32(*x)).collect::<Vec<bf16>>();
+        let mut kda = Vec::new();
+        for k in &host.kda {
+            kda.push(DeviceKda {
+                s: gpu.upload(&k.s)?,
+                conv: [
+                    gpu.upload(&narrow(&k.conv[0]))?,
+                    gpu.upload(&narrow(&k.conv[1]))?,
+                    gpu.upload(&narrow(&k.conv[2]))?,
+                ],
+            });
+        }
+        let ld = cfg.mla.latent_dim();
+        let mut mla = Vec::new();
+        for m in &host.mla {
+            let flat: Vec<f32> = (0..m.len()).flat_map(|t| m.entry(t).iter().copied()).collect();
+            let mut dev = DeviceMla { cache: gpu.zeros(0)?, capacity: 0 };
+            reserve(gpu, &mut dev, m.len(), ld)?;
+            if !flat.is_empty() {
+                let up = gpu.upload(&narrow(&flat))?;
+                gpu.copy::<bf16>(gpu.ptr(&dev.cache), gpu.ptr(&up), flat.len())?;
+            }
+            mla.push(dev);
+        }
+        Ok(DeviceState { len: host.len, kda, mla })
+    }
+}
+
+/// Grows an MLA cache to hold at least `tokens` entries (doubling), keeping its contents.
+fn reserve(gpu: &Gpu, m: &mut DeviceMla, tokens: usize, ld: usize) -> Result<()> {
+    if tokens <= m.capacity {
+        return Ok(());
+    }
+    let capacity = tokens.max(2 * m.capacity).max(64);
+    let fresh = gpu.zeros::<bf16>(capacity * ld)?;
+    if m.capacity > 0 {
+        gpu.copy::<bf16>(gpu.ptr(&fresh), gpu.ptr(&m.cache), m.capacity * ld)?;
+    }
+    m.cache = fresh;
+    m.capacity = capacity;
+    Ok(())
+}
+
+/// What a verify window keeps on the device to be cut back to an accepted prefix.
+pub struct DeviceUndo {
+    start_len: usize,
+    from: usize,
+    window_len: usize,
+    /// Per KDA layer: the states after `m` tokens for `from <= m < window_len`, `[window_len - from, H, dk, dk]`,
+    /// and the q/k/v conv histories `[kernel - 1 + window_len, P]` (old window, then the window's inputs).
+    kda: Vec<(CudaSlice<f32>, [CudaSlice<bf16>; 3])>,
+}
+
+impl DeviceUndo {
+    /// Keeps the first `m` tokens of the window in `state`.
+    pub fn commit(self, gpu: &Gpu, cfg: &ModelConfig, state: &mut DeviceState, m: usize) -> Result<()> {
+        if m < self.from || m > self.window_len {
+            return Err(KernelError::InvalidInput(format!(
+                "cannot commit {m} tokens of a window of {} with snapshots from {}",
+                self.window_len, self.from
+            )));
+        }
+        if m == self.window_len {
+            return Ok(());
+        }
+        let k = &cfg.kda;
+        let (state_len, p, kw) = (k.num_heads * k.head_dim * k.head_dim, k.proj_dim(), k.conv_kernel);
+        for (layer, (snaps, hist)) in state.kda.iter_mut().zip(&self.kda) {
+            gpu.copy::<f32>(gpu.ptr(&layer.s), gpu.ptr(snaps) + ((m - self.from) * state_len * 4) as u64, state_len)?;
+            for x in 0..3 {
+                gpu.copy::<bf16>(gpu.ptr(&layer.conv[x]), gpu.ptr(&hist[x]) + (m * p * 2) as u64, (kw - 1) * p)?;
+            }
+        }
+        state.len = self.start_len + m;
+        Ok(())
+    }
+}
+
+/// One sequence's window in a forward call.
+pub struct DeviceRow<'a> {
+    pub state: &'a mut DeviceState,
+    pub tokens: &'a [TokenId],
+    /// Logits are produced for window positions `logits_from..tokens.len()`.
+    pub logits_from: usize,
+    /// Keep what is needed to commit only the first `m >= snapshots_from` tokens afterwards.
+    pub snapshots_from: Option<usize>,
+}
+
+/// The result of a forward call.
+pub struct DeviceOutput {
+    /// `[rows_total, vocab]` bf16 logits, rows in row order.
+    pub logits: CudaSlice<bf16>,
+    /// Per row: `(first logits row, number of rows)`.
+    pub rows: Vec<(usize, usize)>,
+    pub undo: Vec<Option<DeviceUndo>>,
+}
+
+/// The model on the device.
+pub struct DeviceModel {
+    pub cfg: ModelConfig,
+    pub weights: DevWeights,
+}
+
+impl DeviceModel {
+    fn linear(&self, gpu: &Gpu, w: &DevLinear, x: DPtr, n: usize) -> Result<CudaSlice<bf16>> {
+        let y = gpu.zeros::<bf16>(n * w.out_dim)?;
+        gpu.linear(gpu.ptr(&w.w), w.out_dim, w.in_dim, x, n, gpu.ptr(&y))?;
+        Ok(y)
+    }
+
+    fn norm_rows(&self, gpu: &Gpu, norm: &DevNorm, x: DPtr, y: DPtr, rows: usize, dim: usize) -> Result<()> {
+        gpu.rms_norm(x, dim, gpu.ptr(&norm.w), y, dim, rows, dim, norm.eps)
+    }
+
+    /// `down(SiTU(gate x, up x))` over `[n, d]`.
+    pub(crate) fn situ_mlp(&self, gpu: &Gpu, w: &DevMlp, x: DPtr, n: usize) -> Result<CudaSlice<bf16>> {
+        let g = self.linear(gpu, &w.gate, x, n)?;
+        let u = self.linear(gpu, &w.up, x, n)?;
+        let a = gpu.zeros::<bf16>(n * w.gate.out_dim)?;
+        gpu.situ(
+            gpu.ptr(&g),
+            gpu.ptr(&u),
+            gpu.ptr(&a),
+            n * w.gate.out_dim,
+            self.cfg.situ_beta,
+            self.cfg.situ_linear_beta,
+        )?;
+        self.linear(gpu, &w.down, gpu.ptr(&a), n)
+    }
+
+    /// Runs every row's window through the model. `trace` receives, per MoE layer, every token's
+    /// routing (tokens in row order), as `cpu::RoutingTrace` does.
+    pub fn forward(
+        &self,
+        gpu: &Gpu,
+        rows: &mut [DeviceRow<'_>],
+        mut trace: Option<&mut Vec<Vec<Routing<f32>>>>,
+    ) -> Result<DeviceOutput> {
+        let cfg = &self.cfg;
+        let d = cfg.hidden_size;
+        let mut offsets = vec![0usize];
+        for r in rows.iter() {
+            if r.tokens.is_empty() {
+                return Err(KernelError::InvalidInput("a row has no tokens".into()));
+            }
+            if r.logits_from > r.tokens.len() || r.snapshots_from.is_some_and(|s| s > r.tokens.len()) {
+                return Err(KernelError::InvalidInput("logits/snapshot range outside the window".into()));
+            }
+            if let Some(bad) = r.tokens.iter().find(|t| **t as usize >= cfg.vocab_size) {
+                return Err(KernelError::InvalidInput(format!(
+                    "token id {bad} outside the vocabulary of {}",
+                    cfg.vocab_size
+                )));
+            }
+            offsets.push(offsets[offsets.len() - 1] + r.tokens.len());
+        }
+        let n = offsets[rows.len()];
+        let all_tokens: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
+        let tokens = gpu.upload(&all_tokens)?;
+
+        let slots = 1 + (0..cfg.num_layers()).filter(|l| cfg.seals_before(*l)).count();
+        let slot = n * d;
+        let res = gpu.zeros::<bf16>(slots * slot)?; // [slots, n, d]
+        let res_at = |i: usize| gpu.ptr(&res) + (i * slot * 2) as u64;
+        gpu.embed(gpu.ptr(&self.weights.embed), gpu.ptr(&tokens), res_at(0), n, d)?;
+        // [n, d] each: the AttnRes read and its normalised form.
+        let (h_buf, hn_buf) = (gpu.zeros::<bf16>(n * d)?, gpu.zeros::<bf16>(n * d)?);
+        let (h, hn) = (gpu.ptr(&h_buf), gpu.ptr(&hn_buf));
+        let mut sealed = 0usize;
+        let mut undo_kda: Vec<Vec<(CudaSlice<f32>, [CudaSlice<bf16>; 3])>> = rows.iter().map(|_| Vec::new()).collect();
+        let (mut kda_idx, mut mla_idx) = (0usize, 0usize);
+        let eps = cfg.rms_norm_eps;
+        for (l, lw) in self.weights.layers.iter().enumerate() {
+            if sealed == 0 {
+                self.norm_rows(gpu, &lw.input_norm, res_at(0), hn, n, d)?;
+            } else {
+                gpu.attn_res_read(gpu.ptr(&res), slot, sealed + 1, gpu.ptr(&lw.attn_res), h, n, d, eps)?;
+                self.norm_rows(gpu, &lw.input_norm, h, hn, n, d)?;
+            }
+            let live_fresh = cfg.seals_before(l);
+            if live_fresh {
+                sealed += 1;
+            }
+            let a = match &lw.mixer {
+                DevMixer::Kda(w) => {
+                    let out = self.kda(gpu, w, hn, rows, &offsets, kda_idx, &mut undo_kda)?;
+                    kda_idx += 1;
+                    out
+                }
+                DevMixer::Mla(w) => {
+                    let out = self.mla(gpu, w, hn, rows, &offsets, mla_idx)?;
+                    mla_idx += 1;
+                    out
+                }
+            };
+            if live_fresh {
+                gpu.copy::<bf16>(res_at(sealed), gpu.ptr(&a), n * d)?;
+            } else {
+                gpu.add(res_at(sealed), gpu.ptr(&a), n * d)?;
+            }
+            gpu.attn_res_read(gpu.ptr(&res), slot, sealed + 1, gpu.ptr(&lw.mlp_res), h, n, d, eps)?;
+            self.norm_rows(gpu, &lw.post_norm, h, hn, n, d)?;
+            let f = match &lw.ffn {
+                DevFfn::Dense(w) => self.situ_mlp(gpu, w, hn, n)?,
+                DevFfn::Moe(w) => self.moe(gpu, w, hn, n, trace.as_deref_mut())?,
+            };
+            gpu.add(res_at(sealed), gpu.ptr(&f), n * d)?;
+        }
+
+        // The final read, norm and lm_head at the wanted positions only.
+        let wanted: Vec<u32> = rows
+            .iter()
+            .enumerate()
+            .flat_map(|(ri, r)| ((offsets[ri] + r.logits_from) as u32)..(offsets[ri + 1] as u32))
+            .collect();
+        let nw = wanted.len();
+        let vocab = cfg.vocab_size;
+        let logits = gpu.zeros::<bf16>(nw * vocab)?;
+        if nw > 0 {
+            let idx = gpu.upload(&wanted)?;
+            let packed = gpu.zeros::<bf16>((sealed + 1) * nw * d)?;
+            gpu.gather_rows(gpu.ptr(&res), slot, gpu.ptr(&idx), nw, gpu.ptr(&packed), nw * d, sealed + 1, d)?;
+            let hw = gpu.zeros::<bf16>(nw * d)?;
+            gpu.attn_res_read(
+                gpu.ptr(&packed),
+                nw * d,
+                sealed + 1,
+                gpu.ptr(&self.weights.out_res),
+                gpu.ptr(&hw),
+                nw,
+                d,
+                eps,
+            )?;
+            let hwn = gpu.zeros::<bf16>(nw * d)?;
+            self.norm_rows(gpu, &self.weights.norm, gpu.ptr(&hw), gpu.ptr(&hwn), nw, d)?;
+            let lm = &self.weights.lm_head;
+            gpu.linear(gpu.ptr(&lm.w), lm.out_dim, lm.in_dim, gpu.ptr(&hwn), nw, gpu.ptr(&logits))?;
+        }
+
+        let mut out_rows = Vec::with_capacity(rows.len());
+        let mut undo = Vec::with_capacity(rows.len());
+        let mut cursor = 0;
+        for (row, kda) in rows.iter_mut().zip(undo_kda) {
+            let t = row.tokens.len();
+            let count = t - row.logits_from;
+            out_rows.push((cursor, count));
+            cursor += count;
+            undo.push(row.snapshots_from.map(|from| DeviceUndo { start_len: row.state.len, from, window_len: t, kda }));
+            row.state.len += t;
+        }
+        Ok(DeviceOutput { logits, rows: out_rows, undo })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn kda(
+        &self,
+        gpu: &Gpu,
+        w: &DevKda,
+        hn: DPtr,
+        rows: &mut [DeviceRow<'_>],
+        offsets: &[usize],
+        layer: usize,
+        undo: &mut [Vec<(CudaSlice<f32>, [CudaSlice<bf16>; 3])>],
+    ) -> Result<CudaSlice<bf16>> {
+        let k = &self.cfg.kda;
+        let (p, heads, dk, kw) = (k.proj_dim(), k.num_heads, k.head_dim, k.conv_kernel);
+        let n = offsets[rows.len()];
+        let qkv = [
+            self.linear(gpu, &w.q_proj, hn, n)?,
+            self.linear(gpu, &w.k_proj, hn, n)?,
+            self.linear(gpu, &w.v_proj, hn, n)?,
+        ];
+        let fa = self.linear(gpu, &w.f_a_proj, hn, n)?;
+        let f = self.linear(gpu, &w.f_b_proj, gpu.ptr(&fa), n)?;
+        let b = self.linear(gpu, &w.b_proj, hn, n)?;
+        let g = self.linear(gpu, &w.g_proj, hn, n)?;
+        let conv_out = gpu.zeros::<bf16>(3 * n * p)?; // [3, n, P]
+        let o = gpu.zeros::<bf16>(n * p)?;
+        let at = |buf: &CudaSlice<bf16>, elem: usize| gpu.ptr(buf) + (elem * 2) as u64;
+        for (ri, row) in rows.iter_mut().enumerate() {
+            let (s, t) = (offsets[ri], offsets[ri + 1] - offsets[ri]);
+            let st = &mut row.state.kda[layer];
+            let snap_from = row.snapshots_from;
+            let hist: Option<[CudaSlice<bf16>; 3]> = match snap_from {
+                Some(_) => {
+                    Some([gpu.zeros((kw - 1 + t) * p)?, gpu.zeros((kw - 1 + t) * p)?, gpu.zeros((kw - 1 + t) * p)?])
+                }
+                None => None,
+            };
+            for x in 0..3 {
+                let hist_ptr = hist.as_ref().map_or(NULL, |hs| gpu.ptr(&hs[x]));
+                gpu.kda_conv(
+                    at(&qkv[x], s * p),
+                    gpu.ptr(&st.conv[x]),
+                    gpu.ptr(&w.conv[x]),
+                    at(&conv_out, x * n * p + s * p),
+                    hist_ptr,
+                    t,
+                    p,
+                    kw,
+                )?;
+            }
+            let snaps = match snap_from {
+                Some(from) => Some(gpu.zeros::<f32>((t - from) * heads * dk * dk)?),
+                None => None,
+            };
+            gpu.kda_recurrence(
+                [at(&conv_out, s * p), at(&conv_out, n * p + s * p), at(&conv_out, 2 * n * p + s * p)],
+                at(&f, s * p),
+                at(&b, s * heads),
+                at(&g, s * p),
+                gpu.ptr(&st.s),
+                gpu.ptr(&w.a),
+                gpu.ptr(&w.dt_bias),
+                gpu.ptr(&w.o_norm),
+                at(&o, s * p),
+                snaps.as_ref().map_or(NULL, |x| gpu.ptr(x)),
+                t,
+                heads,
+                dk,
+                k.gate_lower_bound,
+                snap_from.unwrap_or(0),
+            )?;
+            if let (Some(snaps), Some(hist)) = (snaps, hist) {
+                undo[ri].push((snaps, hist));
+            }
+        }
+        self.linear(gpu, &w.o_proj, gpu.ptr(&o), n)
+    }
+
+    pub(crate) fn mla(
+        &self,
+        gpu: &Gpu,
+        w: &DevMla,
+        hn: DPtr,
+        rows: &mut [DeviceRow<'_>],
+        offsets: &[usize],
+        layer: usize,
+    ) -> Result<CudaSlice<bf16>> {
+        let m = &self.cfg.mla;
+        let n = offsets[rows.len()];
+        let (r, ld, qw, vw) =
+            (m.kv_lora_rank, m.latent_dim(), m.num_heads * m.q_head_dim(), m.num_heads * m.v_head_dim);
+        let qa = self.linear(gpu, &w.q_a_proj, hn, n)?;
+        let qa_n = gpu.zeros::<bf16>(n * m.q_lora_rank)?;
+        self.norm_rows(gpu, &w.q_a_norm, gpu.ptr(&qa), gpu.ptr(&qa_n), n, m.q_lora_rank)?;
+        let q = self.linear(gpu, &w.q_b_proj, gpu.ptr(&qa_n), n)?;
+        let kva = self.linear(gpu, &w.kv_a_proj, hn, n)?; // [n, r + rope]; normalise c in place
+        gpu.rms_norm(gpu.ptr(&kva), ld, gpu.ptr(&w.kv_a_norm.w), gpu.ptr(&kva), ld, n, r, w.kv_a_norm.eps)?;
+        let o = gpu.zeros::<bf16>(n * vw)?;
+        for (ri, row) in rows.iter_mut().enumerate() {
+            let (s, t) = (offsets[ri], offsets[ri + 1] - offsets[ri]);
+            let first = row.state.len;
+            let cache = &mut row.state.mla[layer];
+            reserve(gpu, cache, first + t, ld)?;
+            gpu.copy::<bf16>(
+                gpu.ptr(&cache.cache) + (first * ld * 2) as u64,
+                gpu.ptr(&kva) + (s * ld * 2) as u64,
+                t * ld,
+            )?;
+            let scores = gpu.zeros::<f32>(t * m.num_heads * (first + t))?;
+            gpu.mla_attend(
+                m,
+                gpu.ptr(&q) + (s * qw * 2) as u64,
+                gpu.ptr(&cache.cache),
+                gpu.ptr(&w.kv_b_proj.w),
+                gpu.ptr(&scores),
+                gpu.ptr(&o) + (s * vw * 2) as u64,
+                first,
+                t,
+            )?;
+        }
+        let gate = self.linear(gpu, &w.g_proj, hn, n)?;
+        let gated = gpu.zeros::<bf16>(n * vw)?;
+        gpu.sigmoid_gate(gpu.ptr(&o), gpu.ptr(&gate), gpu.ptr(&gated), n * vw)?;
+        self.linear(gpu, &w.o_proj, gpu.ptr(&gated), n)
+    }
+
+    pub(crate) fn moe(
+        &self,
+        gpu: &Gpu,
+        w: &DevMoe,
+        hn: DPtr,
+        n: usize,
+        trace: Option<&mut Vec<Vec<Routing<f32>>>>,
+    ) -> Result<CudaSlice<bf16>> {
+        let c = &self.cfg.moe;
+        let (e, k, latent, inter) = (c.num_experts, c.top_k, c.latent_dim, c.expert_dim);
+        let idx = gpu.zeros::<i32>(n * k)?;
+        let wts = gpu.zeros::<f32>(n * k)?;
+        let margin = gpu.zeros::<f32>(n)?;
+        gpu.moe_route(
+            hn,
+            gpu.ptr(&w.router.w),
+            gpu.ptr(&w.bias),
+            gpu.ptr(&idx),
+            gpu.ptr(&wts),
+            gpu.ptr(&margin),
+            n,
+            self.cfg.hidden_size,
+            e,
+            k,
+            c.renormalize,
+            c.routed_scaling_factor,
+        )?;
+        if let Some(trace) = trace {
+            let (ix, wt, mg) = (gpu.download(&idx, n * k)?, gpu.download(&wts, n * k)?, gpu.download(&margin, n)?);
+            trace.push(
+                (0..n)
+                    .map(|t| Routing {
+                        experts: ix[t * k..(t + 1) * k].iter().map(|x| *x as usize).collect(),
+                        weights: wt[t * k..(t + 1) * k].to_vec(),
+                        margin: mg[t],
+                    })
+                    .collect(),
+            );
+        }
+        let z = self.linear(gpu, &w.down, hn, n)?;
+        let act = gpu.zeros::<bf16>(n * k * inter)?;
+        let pair = |x: &crate::cuda::weights::DevExperts| (gpu.ptr(&x.packed), gpu.ptr(&x.scales));
+        gpu.moe_gate_up(
+            gpu.ptr(&z),
+            pair(&w.w1),
+            pair(&w.w3),
+            gpu.ptr(&idx),
+            gpu.ptr(&act),
+            n,
+            k,
+            latent,
+            inter,
+            self.cfg.situ_beta,
+            self.cfg.situ_linear_beta,
+        )?;
+        let combined = gpu.zeros::<bf16>(n * latent)?;
+        gpu.moe_down_combine(
+            gpu.ptr(&act),
+            pair(&w.w2),
+            gpu.ptr(&idx),
+            gpu.ptr(&wts),
+            gpu.ptr(&combined),
+            n,
+            k,
+            latent,
+            inter,
+        )?;
+        let normed = gpu.zeros::<bf16>(n * latent)?;
+        self.norm_rows(gpu, &w.norm, gpu.ptr(&combined), gpu.ptr(&normed), n, latent)?;
+        let routed = self.linear(gpu, &w.up, gpu.ptr(&normed), n)?;
+        if let Some(shared) = &w.shared {
+            let sh = self.situ_mlp(gpu, shared, hn, n)?;
+            gpu.add(gpu.ptr(&routed), gpu.ptr(&sh), n * self.cfg.hidden_size)?;
+        }
+        Ok(routed)
+    }
+}

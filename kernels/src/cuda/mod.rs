@@ -1,0 +1,22 @@
+//! The CUDA backend: device probing, NVRTC compilation of `kernels/cuda/*.cu`, weights on the device,
+//! the op-by-op K3 forward, and [`CudaRunner`] (the `Runner` contract on one GPU).
+//!
+//! Invariants:
+//! - Nothing here makes a cudarc driver call before [`device::open`] has checked that the driver
+//!   library loads, so a machine without a GPU gets a [`crate::KernelError::Device`], never a panic.
+//! - The device forward computes the same function as the CPU reference (`crate::cpu`), op for op:
+//!   activations between ops are bf16 exactly where the reference rounds with `Real::act`, islands
+//!   (norms, AttnRes, router, SiTU, KDA state) are fp32. The two differ only in fp32 summation order.
+//! - All work runs on one stream in issue order; host copies happen only for token ids, routing
+//!   traces asked for by validation, and the logits rows of non-greedy rows (see `runner`).
+
+pub mod compile;
+pub mod device;
+pub mod forward;
+pub mod ops;
+pub mod runner;
+pub mod validate;
+pub mod weights;
+
+pub use device::{probe, DeviceInfo};
+pub use runner::CudaRunner;

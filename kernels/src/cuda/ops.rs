@@ -1,0 +1,505 @@
+//! [`Gpu`]: one device, one stream, cuBLAS and the compiled kernels, with one method per op of the
+//! K3 forward.
+//!
+//! Invariants:
+//! - Event tracking is off and every launch, copy and GEMM goes to the one stream in issue order, so
+//!   buffers are passed to kernels as raw device addresses ([`DPtr`]) and are valid as long as their
+//!   owning `CudaSlice` lives across the call (the callers own every buffer for a whole forward).
+//! - Shapes are checked by the callers (the weight loader and the forward); kernels trust them.
+//! - GEMMs have two implementations: cuBLAS (`cublasGemmEx`, bf16 in/out, fp32 accumulate) and a
+//!   warp-per-output kernel whose result for a token does not depend on the batch (see [`Gemm`]).
+
+use std::sync::Arc;
+
+use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    ValidAsZeroBits,
+};
+use cudarc::nvrtc::Ptx;
+use half::bf16;
+
+use crate::cuda::compile::{Compiler, SOURCES};
+use crate::cuda::device::{device_err, info, DeviceInfo};
+use crate::error::{KernelError, Result};
+
+/// A raw device address (valid while the slice it came from lives; see the module invariants).
+pub type DPtr = u64;
+
+/// A null device address, for optional kernel arguments.
+pub const NULL: DPtr = 0;
+
+/// Which GEMM the linear layers use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum Gemm {
+    /// cuBLAS `GemmEx`: fastest, but its algorithm (and so the fp32 summation order) depends on the
+    /// number of tokens in the batch.
+    Cublas,
+    /// One warp per output: batch-invariant, so a seeded request gives the same tokens whatever is
+    /// batched with it (the runner contract), at some cost in speed.
+    BatchInvariant,
+}
+
+struct Kernels {
+    embed_gather: CudaFunction,
+    rms_norm: CudaFunction,
+    attn_res_read: CudaFunction,
+    add_in_place: CudaFunction,
+    situ: CudaFunction,
+    sigmoid_gate: CudaFunction,
+    gather_rows: CudaFunction,
+    argmax_rows: CudaFunction,
+    linear_rows: CudaFunction,
+    kda_conv: CudaFunction,
+    kda_recurrence: CudaFunction,
+    mla_attend: CudaFunction,
+    moe_route: CudaFunction,
+    moe_gate_up: CudaFunction,
+    moe_down_combine: CudaFunction,
+}
+
+/// One GPU ready to run the K3 ops.
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    k: Kernels,
+    pub info: DeviceInfo,
+    pub gemm: Gemm,
+}
+
+fn launch_err(name: &str) -> impl Fn(cudarc::driver::DriverError) -> KernelError + '_ {
+    move |e| device_err(&format!("launching {name}"), e)
+}
+
+fn grid_1d(n: usize, block: u32) -> LaunchConfig {
+    let blocks = n.div_ceil(block as usize).clamp(1, 65_535) as u32;
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 }
+}
+
+impl Gpu {
+    /// Opens device `ordinal`, compiles (or loads from the cache) every kernel for its arch.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        let ctx = crate::cuda::device::open(ordinal)?;
+        // SAFETY: called before any allocation; the backend keeps to one stream (module invariants).
+        unsafe { ctx.disable_event_tracking() };
+        let info = info(&ctx)?;
+        let compiler = Compiler {
+            arch: info.arch(),
+            include_dir: crate::cuda::compile::default_include_dir(),
+            cache_dir: crate::cuda::compile::default_cache_dir(),
+        };
+        let mut modules = Vec::new();
+        for src in &SOURCES {
+            let cubin = compiler.cubin(src)?;
+            let m = ctx
+                .load_module(Ptx::from_binary(cubin))
+                .map_err(|e| device_err(&format!("loading {}", src.name), e))?;
+            modules.push(m);
+        }
+        let f = |module: usize, name: &str| {
+            modules[module].load_function(name).map_err(|e| device_err(&format!("kernel {name}"), e))
+        };
+        let k = Kernels {
+            embed_gather: f(0, "embed_gather")?,
+            rms_norm: f(0, "rms_norm")?,
+            attn_res_read: f(0, "attn_res_read")?,
+            add_in_place: f(0, "add_in_place")?,
+            situ: f(0, "situ")?,
+            sigmoid_gate: f(0, "sigmoid_gate")?,
+            gather_rows: f(0, "gather_rows")?,
+            argmax_rows: f(0, "argmax_rows")?,
+            linear_rows: f(0, "linear_rows")?,
+            kda_conv: f(1, "kda_conv")?,
+            kda_recurrence: f(1, "kda_recurrence")?,
+            mla_attend: f(2, "mla_attend")?,
+            moe_route: f(3, "moe_route")?,
+            moe_gate_up: f(3, "moe_gate_up")?,
+            moe_down_combine: f(3, "moe_down_combine")?,
+        };
+        let stream = ctx.default_stream();
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| device_err("creating the cuBLAS handle", e))?;
+        Ok(Gpu { ctx, stream, blas, k, info, gemm: Gemm::BatchInvariant })
+    }
+
+    /// The device address of a slice.
+    pub fn ptr<T>(&self, s: &CudaSlice<T>) -> DPtr {
+        let (p, _sync) = s.device_ptr(&self.stream);
+        p
+    }
+
+    /// A zeroed device buffer of `n` elements (at least one, so that every buffer has an address).
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
+        self.stream.alloc_zeros::<T>(n.max(1)).map_err(|e| device_err(&format!("allocating {n} elements"), e))
+    }
+
+    pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+        if host.is_empty() {
+            // SAFETY: a one-element allocation that nothing reads.
+            return unsafe { self.stream.alloc::<T>(1) }.map_err(|e| device_err("allocating", e));
+        }
+        self.stream.clone_htod(host).map_err(|e| device_err("host to device copy", e))
+    }
+
+    pub fn download<T: DeviceRepr + Default + Clone>(&self, s: &CudaSlice<T>, n: usize) -> Result<Vec<T>> {
+        let mut out = vec![T::default(); n];
+        if n > 0 {
+            self.stream.memcpy_dtoh(&s.slice(..n), &mut out).map_err(|e| device_err("device to host copy", e))?;
+        }
+        Ok(out)
+    }
+
+    /// Copies `count` elements of `T` from `src` to `dst` (device to device, stream-ordered).
+    pub fn copy<T>(&self, dst: DPtr, src: DPtr, count: usize) -> Result<()> {
+        if count == 0 {
+            return Ok(());
+        }
+        let bytes = count * std::mem::size_of::<T>();
+        // SAFETY: callers pass addresses of live buffers with at least `count` elements each.
+        unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
+            .map_err(|e| device_err("device to device copy", e))
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(|e| device_err("synchronizing", e))
+    }
+
+    /// `out[i] = table[tokens[i]]`, `[n, d]`.
+    pub fn embed(&self, table: DPtr, tokens: DPtr, out: DPtr, n: usize, d: usize) -> Result<()> {
+        let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let d = d as i32;
+        let mut b = self.stream.launch_builder(&self.k.embed_gather);
+        b.arg(&table).arg(&tokens).arg(&out).arg(&d);
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(launch_err("embed_gather"))
+    }
+
+    /// RMSNorm of `rows` rows of `dim` (strides in elements), rounded to bf16.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rms_norm(
+        &self,
+        x: DPtr,
+        x_stride: usize,
+        w: DPtr,
+        y: DPtr,
+        y_stride: usize,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let (xs, ys, dim) = (x_stride as i64, y_stride as i64, dim as i32);
+        let mut b = self.stream.launch_builder(&self.k.rms_norm);
+        b.arg(&x).arg(&xs).arg(&w).arg(&y).arg(&ys).arg(&dim).arg(&eps);
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(launch_err("rms_norm"))
+    }
+
+    /// The AttnRes read over `nsrc` slots of `[n, d]` at stride `slot` elements.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_res_read(
+        &self,
+        sources: DPtr,
+        slot: usize,
+        nsrc: usize,
+        q: DPtr,
+        out: DPtr,
+        n: usize,
+        d: usize,
+        eps: f32,
+    ) -> Result<()> {
+        if nsrc == 0 || nsrc > 64 {
+            return Err(KernelError::InvalidInput(format!("AttnRes read over {nsrc} sources (1..=64 supported)")));
+        }
+        let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let (slot, nsrc, d) = (slot as i64, nsrc as i32, d as i32);
+        let mut b = self.stream.launch_builder(&self.k.attn_res_read);
+        b.arg(&sources).arg(&slot).arg(&nsrc).arg(&q).arg(&out).arg(&d).arg(&eps);
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(launch_err("attn_res_read"))
+    }
+
+    /// `a = bf(a + b)` over `len` elements.
+    pub fn add(&self, a: DPtr, b_: DPtr, len: usize) -> Result<()> {
+        let n = len as i64;
+        let mut b = self.stream.launch_builder(&self.k.add_in_place);
+        b.arg(&a).arg(&b_).arg(&n);
+        unsafe { b.launch(grid_1d(len, 256)) }.map(|_| ()).map_err(launch_err("add_in_place"))
+    }
+
+    pub fn situ(&self, g: DPtr, u: DPtr, out: DPtr, len: usize, beta: f32, lbeta: f32) -> Result<()> {
+        let n = len as i64;
+        let mut b = self.stream.launch_builder(&self.k.situ);
+        b.arg(&g).arg(&u).arg(&out).arg(&n).arg(&beta).arg(&lbeta);
+        unsafe { b.launch(grid_1d(len, 256)) }.map(|_| ()).map_err(launch_err("situ"))
+    }
+
+    pub fn sigmoid_gate(&self, o: DPtr, g: DPtr, out: DPtr, len: usize) -> Result<()> {
+        let n = len as i64;
+        let mut b = self.stream.launch_builder(&self.k.sigmoid_gate);
+        b.arg(&o).arg(&g).arg(&out).arg(&n);
+        unsafe { b.launch(grid_1d(len, 256)) }.map(|_| ()).map_err(launch_err("sigmoid_gate"))
+    }
+
+    /// `out[s, j] = src[s, rows[j]]` for `slots` slots of rows of `d`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gather_rows(
+        &self,
+        src: DPtr,
+        src_slot: usize,
+        rows: DPtr,
+        nrows: usize,
+        out: DPtr,
+        out_slot: usize,
+        slots: usize,
+        d: usize,
+    ) -> Result<()> {
+        let cfg =
+            LaunchConfig { grid_dim: (nrows as u32, slots as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let (ss, os, d) = (src_slot as i64, out_slot as i64, d as i32);
+        let mut b = self.stream.launch_builder(&self.k.gather_rows);
+        b.arg(&src).arg(&ss).arg(&rows).arg(&out).arg(&os).arg(&d);
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(launch_err("gather_rows"))
+    }
+
+    /// Greedy token of each of `rows` logits rows into `out` (u32).
+    pub fn argmax(&self, logits: DPtr, rows: usize, vocab: usize, out: DPtr) -> Result<()> {
+        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        let v = vocab as i32;
+        let mut b = self.stream.launch_builder(&self.k.argmax_rows);
+        b.arg(&logits).arg(&v).arg(&out);
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(launch_err("argmax_rows"))
+    }
+
+    /// `y[n, out] = bf(x[n, in] · w[out, in]ᵀ)` with fp32 accumulation, by the selected [`Gemm`].
+    pub fn linear(&self, w: DPtr, out_dim: usize, in_dim: usize, x: DPtr, n: usize, y: DPtr) -> Result<()> {
+        match self.gemm {
+            Gemm::Cublas => self.linear_cublas(w, out_dim, in_dim, x, n, y),
+            Gemm::BatchInvariant => {
+                let cfg = LaunchConfig {
+                    grid_dim: (out_dim.div_ceil(8) as u32, n as u32, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let (o, i) = (out_dim as i32, in_dim as i32);
+                let mut b = self.stream.launch_builder(&self.k.linear_rows);
+                b.arg(&w).arg(&x).arg(&y).arg(&o).arg(&i);
+                unsafe { b.launch(cfg) }.map(|_| ()).map_err(launch_err("linear_rows"))
+            }
+        }
+    }
+
+    /// The cuBLAS GEMM: row-major `y = x wᵀ` is column-major `yᵀ = w xᵀ` with `w` transposed
+    /// (shared/reference/rust-stack.md §1.5).
+    pub fn linear_cublas(&self, w: DPtr, out_dim: usize, in_dim: usize, x: DPtr, n: usize, y: DPtr) -> Result<()> {
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let bf = blas_sys::cudaDataType_t::CUDA_R_16BF;
+        // SAFETY: w is [out, in], x is [n, in], y is [n, out], all bf16 and live (caller's contract).
+        unsafe {
+            blas_result::gemm_ex(
+                *self.blas.handle(),
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                out_dim as i32,
+                n as i32,
+                in_dim as i32,
+                (&alpha) as *const f32 as *const _,
+                w as *const std::ffi::c_void,
+                bf,
+                in_dim as i32,
+                x as *const std::ffi::c_void,
+                bf,
+                in_dim as i32,
+                (&beta) as *const f32 as *const _,
+                y as *mut std::ffi::c_void,
+                bf,
+                out_dim as i32,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| device_err("cublasGemmEx", e))
+    }
+
+    /// Conv + SiLU of one of q/k/v over a window of `t` tokens (see `kda.cu`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn kda_conv(
+        &self,
+        x: DPtr,
+        window: DPtr,
+        w: DPtr,
+        out: DPtr,
+        hist: DPtr,
+        t: usize,
+        p: usize,
+        kw: usize,
+    ) -> Result<()> {
+        if kw > 8 {
+            return Err(KernelError::InvalidInput(format!("conv kernel {kw} > 8 is not supported on CUDA")));
+        }
+        let (t, p_, kw) = (t as i32, p as i32, kw as i32);
+        let mut b = self.stream.launch_builder(&self.k.kda_conv);
+        b.arg(&x).arg(&window).arg(&w).arg(&out).arg(&hist).arg(&t).arg(&p_).arg(&kw);
+        unsafe { b.launch(grid_1d(p, 128)) }.map(|_| ()).map_err(launch_err("kda_conv"))
+    }
+
+    /// The KDA recurrence of every head over `t` tokens (see `kda.cu` for the argument layouts).
+    #[allow(clippy::too_many_arguments)]
+    pub fn kda_recurrence(
+        &self,
+        qkv: [DPtr; 3],
+        f: DPtr,
+        beta: DPtr,
+        gate: DPtr,
+        s: DPtr,
+        a: DPtr,
+        dt_bias: DPtr,
+        o_norm: DPtr,
+        o: DPtr,
+        snaps: DPtr,
+        t: usize,
+        heads: usize,
+        dk: usize,
+        lower_bound: f32,
+        snap_from: usize,
+    ) -> Result<()> {
+        if dk % 32 != 0 || dk > 1024 {
+            return Err(KernelError::InvalidInput(format!("KDA head_dim {dk} must be a multiple of 32 up to 1024")));
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (heads as u32, 1, 1),
+            block_dim: (dk as u32, 1, 1),
+            shared_mem_bytes: (3 * dk * 4) as u32,
+        };
+        let (t, h, dk_) = (t as i32, heads as i32, dk as i32);
+        let (l2_eps, norm_eps, from) = (crate::config::L2_NORM_EPS, 1e-5f32, snap_from as i32);
+        let mut b = self.stream.launch_builder(&self.k.kda_recurrence);
+        b.arg(&qkv[0]).arg(&qkv[1]).arg(&qkv[2]).arg(&f).arg(&beta).arg(&gate);
+        b.arg(&s).arg(&a).arg(&dt_bias).arg(&o_norm).arg(&o).arg(&snaps);
+        b.arg(&t).arg(&h).arg(&dk_).arg(&lower_bound).arg(&l2_eps).arg(&norm_eps).arg(&from);
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(launch_err("kda_recurrence"))
+    }
+
+    /// Absorbed MLA attention of a window of `t` tokens whose entries are already in `cache`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn mla_attend(
+        &self,
+        m: &crate::config::MlaConfig,
+        q: DPtr,
+        cache: DPtr,
+        kv_b: DPtr,
+        scores: DPtr,
+        out: DPtr,
+        first: usize,
+        t: usize,
+    ) -> Result<()> {
+        let r = m.kv_lora_rank;
+        let cfg = LaunchConfig {
+            grid_dim: (t as u32, m.num_heads as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: (2 * r * 4) as u32,
+        };
+        let scale = 1.0f32 / (m.q_head_dim() as f32).sqrt();
+        let ints = [first, t, m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, r].map(|x| x as i32);
+        let mut b = self.stream.launch_builder(&self.k.mla_attend);
+        b.arg(&q).arg(&cache).arg(&kv_b).arg(&scores).arg(&out);
+        for i in &ints {
+            b.arg(i);
+        }
+        b.arg(&scale);
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(launch_err("mla_attend"))
+    }
+
+    /// The router of `n` tokens: `idx`, `wts` `[n, k]`, `margin` `[n]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_route(
+        &self,
+        h: DPtr,
+        w: DPtr,
+        bias: DPtr,
+        idx: DPtr,
+        wts: DPtr,
+        margin: DPtr,
+        n: usize,
+        d: usize,
+        experts: usize,
+        k: usize,
+        renormalize: bool,
+        scale: f32,
+    ) -> Result<()> {
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: (2 * experts * 4) as u32,
+        };
+        let (d, e, k, rn) = (d as i32, experts as i32, k as i32, renormalize as i32);
+        let mut b = self.stream.launch_builder(&self.k.moe_route);
+        b.arg(&h).arg(&w).arg(&bias).arg(&idx).arg(&wts).arg(&margin).arg(&d).arg(&e).arg(&k).arg(&rn).arg(&scale);
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(launch_err("moe_route"))
+    }
+
+    /// Gate/up + SiTU of the chosen experts: `a` `[n, k, I]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_gate_up(
+        &self,
+        z: DPtr,
+        w1: (DPtr, DPtr),
+        w3: (DPtr, DPtr),
+        idx: DPtr,
+        a: DPtr,
+        n: usize,
+        k: usize,
+        latent: usize,
+        inter: usize,
+        beta: f32,
+        lbeta: f32,
+    ) -> Result<()> {
+        let cfg = LaunchConfig {
+            grid_dim: ((n * k) as u32, inter.div_ceil(8) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (k, dl, di) = (k as i32, latent as i32, inter as i32);
+        let mut b = self.stream.launch_builder(&self.k.moe_gate_up);
+        b.arg(&z)
+            .arg(&w1.0)
+            .arg(&w1.1)
+            .arg(&w3.0)
+            .arg(&w3.1)
+            .arg(&idx)
+            .arg(&a)
+            .arg(&k)
+            .arg(&dl)
+            .arg(&di)
+            .arg(&beta)
+            .arg(&lbeta);
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(launch_err("moe_gate_up"))
+    }
+
+    /// Down projections and the fp32 combine: `out` `[n, latent]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_down_combine(
+        &self,
+        a: DPtr,
+        w2: (DPtr, DPtr),
+        idx: DPtr,
+        wts: DPtr,
+        out: DPtr,
+        n: usize,
+        k: usize,
+        latent: usize,
+        inter: usize,
+    ) -> Result<()> {
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, latent.div_ceil(8) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (k, dl, di) = (k as i32, latent as i32, inter as i32);
+        let mut b = self.stream.launch_builder(&self.k.moe_down_combine);
+        b.arg(&a).arg(&w2.0).arg(&w2.1).arg(&idx).arg(&wts).arg(&out).arg(&k).arg(&dl).arg(&di);
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(launch_err("moe_down_combine"))
+    }
+}
+
+/// bf16 values of bf16 little-endian bytes.
+pub fn bf16_from_bytes(bytes: &[u8]) -> Vec<bf16> {
+    bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]])).collect()
+}

@@ -1,0 +1,279 @@
+//! [`CudaRunner`]: the `Runner` contract on one GPU, over the device forward of `cuda::forward`.
+//!
+//! Invariants:
+//! - The runner owns every [`DeviceState`] it hands out, keyed by `StateId`; a step validates all of
+//!   its input (the same checks as `CpuRunner`) before it touches any state, so a rejected step
+//!   changes nothing, and it always puts the rows' states back.
+//! - Greedy rows under the standard acceptance rule are decided on the device: one argmax per
+//!   logits row, and only the token ids come back to the host, where the acceptance rule compares
+//!   them with the drafts (vLLM's greedy rule, as in `acceptance::verify`).
+//! - Rows that sample (temperature > 0), ask for log-probabilities, or run under forced acceptance
+//!   copy their `draft_len + 1` logits rows to the host and use `acceptance::verify`, the same code
+//!   the CPU runner uses, so the counter-based RNG draws are identical. (On-device sampling is a later
+//!   issue; this keeps one implementation of the rule until then.)
+//! - Commit and rollback happen on the device: the KDA states and conv windows saved after the last
+//!   accepted token are copied back, and the MLA length moves back.
+
+use std::collections::{HashMap, HashSet};
+
+use half::bf16;
+
+use crate::acceptance::{self, AcceptanceMode, VerifyWindow};
+use crate::config::ModelConfig;
+use crate::cuda::forward::{DeviceModel, DeviceRow, DeviceState};
+use crate::cuda::ops::{Gemm, Gpu};
+use crate::cuda::weights::DevWeights;
+use crate::error::{KernelError, Result};
+use crate::runner::{RowInput, RowOutput, Runner, StateId, TokenId};
+use crate::state::SeqState;
+use crate::tensor::WeightSource;
+
+/// The CUDA backend on one device.
+pub struct CudaRunner {
+    gpu: Gpu,
+    model: DeviceModel,
+    states: HashMap<StateId, DeviceState>,
+    next_id: u64,
+    acceptance: AcceptanceMode,
+}
+
+impl CudaRunner {
+    /// Opens device `ordinal`, compiles the kernels and uploads every weight of `cfg` from `source`.
+    pub fn new(ordinal: usize, cfg: ModelConfig, source: &dyn WeightSource) -> Result<Self> {
+        let gpu = Gpu::new(ordinal)?;
+        let weights = DevWeights::load(&gpu, &cfg, source)?;
+        Ok(CudaRunner {
+            gpu,
+            model: DeviceModel { cfg, weights },
+            states: HashMap::new(),
+            next_id: 1,
+            acceptance: AcceptanceMode::Standard,
+        })
+    }
+
+    /// Switches between the lossless acceptance rule and forced acceptance (benchmarks only).
+    pub fn set_acceptance(&mut self, mode: AcceptanceMode) {
+        self.acceptance = mode;
+    }
+
+    /// Chooses the GEMM of the linear layers (the default is batch-invariant; see [`Gemm`]).
+    pub fn set_gemm(&mut self, gemm: Gemm) {
+        self.gpu.gemm = gemm;
+    }
+
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    pub fn model(&self) -> &DeviceModel {
+        &self.model
+    }
+
+    fn insert(&mut self, state: DeviceState) -> StateId {
+        let id = StateId(self.next_id);
+        self.next_id += 1;
+        self.states.insert(id, state);
+        id
+    }
+
+    fn state(&self, id: StateId) -> Result<&DeviceState> {
+        self.states.get(&id).ok_or(KernelError::UnknownState(id.0))
+    }
+
+    fn validate(&self, rows: &[RowInput]) -> Result<()> {
+        let vocab = self.model.cfg.vocab_size;
+        let mut seen = HashSet::new();
+        for row in rows {
+            self.state(row.state)?;
+            if !seen.insert(row.state) {
+                return Err(KernelError::InvalidInput(format!("{} appears twice in one step", row.state)));
+            }
+            if row.tokens.is_empty() {
+                return Err(KernelError::InvalidInput(format!("{} has no tokens", row.state)));
+            }
+            if let Some(bad) = row.tokens.iter().find(|t| **t as usize >= vocab) {
+                return Err(KernelError::InvalidInput(format!("token id {bad} outside the vocabulary of {vocab}")));
+            }
+            if let Some(s) = &row.sample {
+                crate::sampling::check_params(&s.params)?;
+                if s.draft_len >= row.tokens.len() {
+                    return Err(KernelError::InvalidInput(format!(
+                        "{} drafts need at least {} tokens, the row has {}",
+                        s.draft_len,
+                        s.draft_len + 1,
+                        row.tokens.len()
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs the forward and the acceptance rule over states taken out of the map.
+    fn run(&self, rows: &[RowInput], states: &mut [DeviceState]) -> Result<Vec<RowOutput>> {
+        let cfg = &self.model.cfg;
+        let gpu = &self.gpu;
+        let mut windows: Vec<DeviceRow> = states
+            .iter_mut()
+            .zip(rows)
+            .map(|(state, row)| {
+                let t = row.tokens.len();
+                let (logits_from, snapshots_from) = match &row.sample {
+                    Some(s) => (t - s.draft_len - 1, (s.draft_len > 0).then_some(t - s.draft_len)),
+                    None => (t, None),
+                };
+                DeviceRow { state, tokens: &row.tokens, logits_from, snapshots_from }
+            })
+            .collect();
+        let start_lens: Vec<usize> = windows.iter().map(|w| w.state.len).collect();
+        let out = self.model.forward(gpu, &mut windows, None)?;
+        drop(windows);
+        let total_rows: usize = out.rows.iter().map(|r| r.1).sum();
+        let on_device = |row: &RowInput| {
+            row.sample.as_ref().is_some_and(|s| {
+                s.params.is_greedy()
+                    && s.params.logprobs.is_none()
+                    && matches!(self.acceptance, AcceptanceMode::Standard)
+            })
+        };
+        let argmax = if rows.iter().any(on_device) {
+            let ids = gpu.zeros::<u32>(total_rows)?;
+            gpu.argmax(gpu.ptr(&out.logits), total_rows, cfg.vocab_size, gpu.ptr(&ids))?;
+            gpu.download(&ids, total_rows)?
+        } else {
+            Vec::new()
+        };
+        let vocab = cfg.vocab_size;
+        let mut results = Vec::with_capacity(rows.len());
+        for (((row, (first, count)), undo), (state, start)) in
+            rows.iter().zip(out.rows).zip(out.undo).zip(states.iter_mut().zip(&start_lens))
+        {
+            let Some(sample) = &row.sample else {
+                results.push(RowOutput::default());
+                continue;
+            };
+            let t = row.tokens.len();
+            let drafts = &row.tokens[t - sample.draft_len..];
+            let (tokens, logprobs) = if on_device(row) {
+                (greedy_accept(&argmax[first..first + count], drafts), Vec::new())
+            } else {
+                let host: Vec<bf16> = {
+                    let view = out.logits.slice(first * vocab..(first + count) * vocab);
+                    let mut v = vec![bf16::ZERO; count * vocab];
+                    gpu.stream
+                        .memcpy_dtoh(&view, &mut v)
+                        .map_err(|e| KernelError::Device(format!("logits copy: {e}")))?;
+                    v
+                };
+                let target: Vec<f32> = host.into_iter().map(f32::from).collect();
+                let window = VerifyWindow {
+                    target_logits: &target,
+                    vocab,
+                    drafts,
+                    draft_logits: None,
+                    first_position: (start + t - sample.draft_len) as u64,
+                };
+                let verdict = acceptance::verify(&window, &sample.params, &self.acceptance)?;
+                (verdict.tokens, verdict.logprobs)
+            };
+            let num_accepted = tokens.len() - 1;
+            if let Some(undo) = undo {
+                undo.commit(gpu, cfg, state, t - sample.draft_len + num_accepted)?;
+            }
+            results.push(RowOutput { tokens, num_accepted, logprobs });
+        }
+        gpu.synchronize()?;
+        Ok(results)
+    }
+}
+
+/// vLLM's greedy rule on the target argmaxes of a window (`argmax[i]` is the token at draft `i`'s
+/// position): emit the argmax while it equals the draft; the first mismatch, or the bonus, ends it.
+pub fn greedy_accept(argmax: &[TokenId], drafts: &[TokenId]) -> Vec<TokenId> {
+    let mut tokens = Vec::with_capacity(drafts.len() + 1);
+    for (target, draft) in argmax.iter().zip(drafts) {
+        tokens.push(*target);
+        if target != draft {
+            return tokens;
+        }
+    }
+    tokens.push(argmax[drafts.len()]);
+    tokens
+}
+
+impl Runner for CudaRunner {
+    fn config(&self) -> &ModelConfig {
+        &self.model.cfg
+    }
+
+    fn device_name(&self) -> String {
+        format!("cuda:{} {}", self.gpu.info.ordinal, self.gpu.info.name)
+    }
+
+    fn alloc_state(&mut self) -> Result<StateId> {
+        let state = DeviceState::new(&self.gpu, &self.model.cfg)?;
+        Ok(self.insert(state))
+    }
+
+    fn fork_state(&mut self, src: StateId) -> Result<StateId> {
+        let copy = self.state(src)?.duplicate(&self.gpu, &self.model.cfg)?;
+        Ok(self.insert(copy))
+    }
+
+    fn free_state(&mut self, id: StateId) -> Result<()> {
+        self.states.remove(&id).map(|_| ()).ok_or(KernelError::UnknownState(id.0))
+    }
+
+    fn state_len(&self, id: StateId) -> Result<usize> {
+        Ok(self.state(id)?.len)
+    }
+
+    fn state_bytes(&self, id: StateId) -> Result<usize> {
+        Ok(self.state(id)?.bytes(&self.model.cfg))
+    }
+
+    fn export_state(&self, id: StateId) -> Result<SeqState> {
+        self.state(id)?.export(&self.gpu, &self.model.cfg)
+    }
+
+    fn import_state(&mut self, state: SeqState) -> Result<StateId> {
+        let fresh = SeqState::<f32>::new(&self.model.cfg);
+        let kda_ok =
+            state.kda.len() == fresh.kda.len()
+                && state.kda.iter().zip(&fresh.kda).all(|(k, f)| {
+                    k.s.len() == f.s.len() && k.conv.iter().zip(&f.conv).all(|(a, b)| a.len() == b.len())
+                });
+        let latent = self.model.cfg.mla.latent_dim();
+        let mla_ok = state.mla.len() == fresh.mla.len()
+            && state.mla.iter().all(|m| m.len() == state.len && m.latent_dim() == latent);
+        if !kda_ok || !mla_ok {
+            return Err(KernelError::InvalidInput("imported state does not match the model's layers".into()));
+        }
+        let dev = DeviceState::import(&self.gpu, &self.model.cfg, &state)?;
+        Ok(self.insert(dev))
+    }
+
+    fn step(&mut self, rows: &[RowInput]) -> Result<Vec<RowOutput>> {
+        self.validate(rows)?;
+        // Present and distinct: checked by `validate`.
+        let mut states: Vec<DeviceState> = rows.iter().filter_map(|r| self.states.remove(&r.state)).collect();
+        let result = self.run(rows, &mut states);
+        for (row, state) in rows.iter().zip(states) {
+            self.states.insert(row.state, state);
+        }
+        result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::greedy_accept;
+
+    #[test]
+    fn greedy_accept_follows_the_vllm_rule() {
+        assert_eq!(greedy_accept(&[1, 2, 3], &[1, 2]), vec![1, 2, 3]);
+        assert_eq!(greedy_accept(&[2, 3], &[1]), vec![2]);
+        assert_eq!(greedy_accept(&[4, 7, 6, 1], &[4, 5, 6]), vec![4, 7]);
+        assert_eq!(greedy_accept(&[5], &[]), vec![5]);
+    }
+}

@@ -1,0 +1,275 @@
+//! K3 weights on the device, uploaded tensor by tensor from any [`WeightSource`].
+//!
+//! Invariants: every tensor is fetched through `schema::model_tensors` (name, shape, dtype checked by
+//! the source) and uploaded in its stored precision: bf16 matrices and norm weights stay bf16, the
+//! f32 KDA tensors stay f32, MXFP4 experts stay packed (the expert kernels dequantise them). The host
+//! never holds more than one tensor at a time, so a large checkpoint does not need host memory for the
+//! whole model. Derived values match the CPU reference exactly: `a = exp(A_log[..num_heads])` and the
+//! AttnRes pseudo-query `norm * proj` are computed on the host in f32, as `cpu::weights` computes them.
+
+use std::collections::HashMap;
+
+use cudarc::driver::CudaSlice;
+use half::bf16;
+
+use crate::config::{ExpertFormat, Ffn, Mixer, ModelConfig};
+use crate::cuda::ops::{bf16_from_bytes, Gpu};
+use crate::error::{KernelError, Result};
+use crate::schema::{expert_specs, layer_name, model_tensors};
+use crate::tensor::{DType, HostTensor, TensorSpec, WeightSource};
+
+/// A bf16 matrix `[out, in]` on the device.
+pub struct DevLinear {
+    pub w: CudaSlice<bf16>,
+    pub out_dim: usize,
+    pub in_dim: usize,
+}
+
+/// A bf16 norm weight with its epsilon.
+pub struct DevNorm {
+    pub w: CudaSlice<bf16>,
+    pub eps: f32,
+}
+
+pub struct DevKda {
+    pub q_proj: DevLinear,
+    pub k_proj: DevLinear,
+    pub v_proj: DevLinear,
+    pub g_proj: DevLinear,
+    pub o_proj: DevLinear,
+    pub f_a_proj: DevLinear,
+    pub f_b_proj: DevLinear,
+    pub b_proj: DevLinear,
+    /// q, k, v conv weights, each `[P, kernel]` f32.
+    pub conv: [CudaSlice<f32>; 3],
+    /// `exp(A_log[h])`, `[H]`.
+    pub a: CudaSlice<f32>,
+    /// `[P]`
+    pub dt_bias: CudaSlice<f32>,
+    /// `[head_dim]`
+    pub o_norm: CudaSlice<f32>,
+}
+
+pub struct DevMla {
+    pub q_a_proj: DevLinear,
+    pub q_a_norm: DevNorm,
+    pub q_b_proj: DevLinear,
+    pub kv_a_proj: DevLinear,
+    pub kv_a_norm: DevNorm,
+    pub kv_b_proj: DevLinear,
+    pub g_proj: DevLinear,
+    pub o_proj: DevLinear,
+}
+
+pub struct DevMlp {
+    pub gate: DevLinear,
+    pub up: DevLinear,
+    pub down: DevLinear,
+}
+
+/// One MXFP4 projection of every expert of a layer: packed `[E, out, in/2]`, scales `[E, out, in/32]`.
+pub struct DevExperts {
+    pub packed: CudaSlice<u8>,
+    pub scales: CudaSlice<u8>,
+}
+
+pub struct DevMoe {
+    pub router: DevLinear,
+    /// `[E]` f32
+    pub bias: CudaSlice<f32>,
+    pub down: DevLinear,
+    pub up: DevLinear,
+    pub norm: DevNorm,
+    pub shared: Option<DevMlp>,
+    pub w1: DevExperts,
+    pub w2: DevExperts,
+    pub w3: DevExperts,
+}
+
+pub enum DevMixer {
+    Kda(Box<DevKda>),
+    Mla(Box<DevMla>),
+}
+
+pub enum DevFfn {
+    Dense(DevMlp),
+    Moe(Box<DevMoe>),
+}
+
+pub struct DevLayer {
+    /// Folded AttnRes pseudo-queries `[d]` f32.
+    pub attn_res: CudaSlice<f32>,
+    pub input_norm: DevNorm,
+    pub mixer: DevMixer,
+    pub mlp_res: CudaSlice<f32>,
+    pub post_norm: DevNorm,
+    pub ffn: DevFfn,
+}
+
+pub struct DevWeights {
+    /// `[V, d]`
+    pub embed: CudaSlice<bf16>,
+    pub layers: Vec<DevLayer>,
+    pub out_res: CudaSlice<f32>,
+    pub norm: DevNorm,
+    pub lm_head: DevLinear,
+    /// Bytes uploaded.
+    pub bytes: usize,
+}
+
+struct Uploader<'a> {
+    gpu: &'a Gpu,
+    specs: HashMap<String, TensorSpec>,
+    src: &'a dyn WeightSource,
+    bytes: usize,
+}
+
+impl Uploader<'_> {
+    fn raw(&self, name: &str) -> Result<HostTensor> {
+        let spec = self.specs.get(name).ok_or_else(|| KernelError::MissingTensor { name: name.to_string() })?;
+        self.src.tensor(spec)
+    }
+
+    fn bf16(&mut self, name: &str) -> Result<CudaSlice<bf16>> {
+        let t = self.raw(name)?;
+        if t.dtype != DType::Bf16 {
+            return Err(KernelError::TensorMismatch {
+                name: name.into(),
+                expected: "BF16".into(),
+                found: t.dtype.name().into(),
+            });
+        }
+        self.bytes += t.bytes().len();
+        self.gpu.upload(&bf16_from_bytes(t.bytes()))
+    }
+
+    fn f32(&mut self, name: &str) -> Result<CudaSlice<f32>> {
+        let v = self.raw(name)?.to_f32()?;
+        self.bytes += v.len() * 4;
+        self.gpu.upload(&v)
+    }
+
+    fn linear(&mut self, name: &str) -> Result<DevLinear> {
+        let t = self.raw(name)?;
+        let (out_dim, in_dim) = (t.shape[0], t.shape[1..].iter().product());
+        Ok(DevLinear { w: self.bf16(name)?, out_dim, in_dim })
+    }
+
+    fn norm(&mut self, name: &str, eps: f32) -> Result<DevNorm> {
+        Ok(DevNorm { w: self.bf16(name)?, eps })
+    }
+
+    fn attn_res(&mut self, norm: &str, proj: &str) -> Result<CudaSlice<f32>> {
+        let n = self.raw(norm)?.to_f32()?;
+        let p = self.raw(proj)?.to_f32()?;
+        let q: Vec<f32> = n.iter().zip(&p).map(|(a, b)| a * b).collect();
+        self.bytes += q.len() * 4;
+        self.gpu.upload(&q)
+    }
+
+    fn mlp(&mut self, prefix: &str) -> Result<DevMlp> {
+        Ok(DevMlp {
+            gate: self.linear(&format!("{prefix}.gate_proj.weight"))?,
+            up: self.linear(&format!("{prefix}.up_proj.weight"))?,
+            down: self.linear(&format!("{prefix}.down_proj.weight"))?,
+        })
+    }
+
+    /// Every expert's `proj` of layer `l`, concatenated in expert order.
+    fn experts(&mut self, cfg: &ModelConfig, l: usize, proj: &str) -> Result<DevExperts> {
+        let (mut packed, mut scales) = (Vec::new(), Vec::new());
+        for e in 0..cfg.moe.num_experts {
+            let specs = expert_specs(cfg, l, e, proj);
+            packed.extend_from_slice(self.src.tensor(&specs[0])?.bytes());
+            scales.extend_from_slice(self.src.tensor(&specs[1])?.bytes());
+        }
+        self.bytes += packed.len() + scales.len();
+        Ok(DevExperts { packed: self.gpu.upload(&packed)?, scales: self.gpu.upload(&scales)? })
+    }
+}
+
+impl DevWeights {
+    /// Uploads and checks every tensor of `cfg` from `src`.
+    pub fn load(gpu: &Gpu, cfg: &ModelConfig, src: &dyn WeightSource) -> Result<Self> {
+        match cfg.moe.expert_format {
+            ExpertFormat::Mxfp4 { group_size: 32 } => {}
+            other => {
+                return Err(KernelError::config(
+                    "quantization_config",
+                    format!("the CUDA backend runs MXFP4 experts with groups of 32; this checkpoint has {other:?}"),
+                ))
+            }
+        }
+        let specs = model_tensors(cfg).into_iter().map(|s| (s.name.clone(), s)).collect();
+        let mut up = Uploader { gpu, specs, src, bytes: 0 };
+        let eps = cfg.rms_norm_eps;
+        let mut layers = Vec::with_capacity(cfg.num_layers());
+        for (l, kind) in cfg.layers.iter().enumerate() {
+            let n = |s: &str| layer_name(l, s);
+            let mixer = match kind.mixer {
+                Mixer::Kda => {
+                    let a_log = up.raw(&n("self_attn.A_log"))?.to_f32()?;
+                    let a: Vec<f32> = a_log[..cfg.kda.num_heads].iter().map(|x| x.exp()).collect();
+                    DevMixer::Kda(Box::new(DevKda {
+                        q_proj: up.linear(&n("self_attn.q_proj.weight"))?,
+                        k_proj: up.linear(&n("self_attn.k_proj.weight"))?,
+                        v_proj: up.linear(&n("self_attn.v_proj.weight"))?,
+                        g_proj: up.linear(&n("self_attn.g_proj.weight"))?,
+                        o_proj: up.linear(&n("self_attn.o_proj.weight"))?,
+                        f_a_proj: up.linear(&n("self_attn.f_a_proj.weight"))?,
+                        f_b_proj: up.linear(&n("self_attn.f_b_proj.weight"))?,
+                        b_proj: up.linear(&n("self_attn.b_proj.weight"))?,
+                        conv: [
+                            up.f32(&n("self_attn.q_conv1d.weight"))?,
+                            up.f32(&n("self_attn.k_conv1d.weight"))?,
+                            up.f32(&n("self_attn.v_conv1d.weight"))?,
+                        ],
+                        a: gpu.upload(&a)?,
+                        dt_bias: up.f32(&n("self_attn.dt_bias"))?,
+                        o_norm: up.f32(&n("self_attn.o_norm.weight"))?,
+                    }))
+                }
+                Mixer::Mla => DevMixer::Mla(Box::new(DevMla {
+                    q_a_proj: up.linear(&n("self_attn.q_a_proj.weight"))?,
+                    q_a_norm: up.norm(&n("self_attn.q_a_layernorm.weight"), crate::config::MLA_NORM_EPS)?,
+                    q_b_proj: up.linear(&n("self_attn.q_b_proj.weight"))?,
+                    kv_a_proj: up.linear(&n("self_attn.kv_a_proj_with_mqa.weight"))?,
+                    kv_a_norm: up.norm(&n("self_attn.kv_a_layernorm.weight"), crate::config::MLA_NORM_EPS)?,
+                    kv_b_proj: up.linear(&n("self_attn.kv_b_proj.weight"))?,
+                    g_proj: up.linear(&n("self_attn.g_proj.weight"))?,
+                    o_proj: up.linear(&n("self_attn.o_proj.weight"))?,
+                })),
+            };
+            let ffn = match kind.ffn {
+                Ffn::Dense => DevFfn::Dense(up.mlp(&n("mlp"))?),
+                Ffn::Moe => {
+                    let m = |s: &str| n(&format!("block_sparse_moe.{s}"));
+                    DevFfn::Moe(Box::new(DevMoe {
+                        router: up.linear(&m("gate.weight"))?,
+                        bias: up.f32(&m("gate.e_score_correction_bias"))?,
+                        down: up.linear(&m("routed_expert_down_proj.weight"))?,
+                        up: up.linear(&m("routed_expert_up_proj.weight"))?,
+                        norm: up.norm(&m("routed_expert_norm.weight"), eps)?,
+                        shared: if cfg.moe.num_shared_experts > 0 { Some(up.mlp(&m("shared_experts"))?) } else { None },
+                        w1: up.experts(cfg, l, "w1")?,
+                        w2: up.experts(cfg, l, "w2")?,
+                        w3: up.experts(cfg, l, "w3")?,
+                    }))
+                }
+            };
+            layers.push(DevLayer {
+                attn_res: up.attn_res(&n("self_attention_res_norm.weight"), &n("self_attention_res_proj.weight"))?,
+                input_norm: up.norm(&n("input_layernorm.weight"), eps)?,
+                mixer,
+                mlp_res: up.attn_res(&n("mlp_res_norm.weight"), &n("mlp_res_proj.weight"))?,
+                post_norm: up.norm(&n("post_attention_layernorm.weight"), eps)?,
+                ffn,
+            });
+        }
+        let embed = up.bf16("model.embed_tokens.weight")?;
+        let out_res = up.attn_res("model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight")?;
+        let norm = up.norm("model.norm.weight", eps)?;
+        let lm_head = up.linear("lm_head.weight")?;
+        Ok(DevWeights { embed, layers, out_res, norm, lm_head, bytes: up.bytes })
+    }
+}
