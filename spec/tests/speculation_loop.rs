@@ -60,11 +60,11 @@ fn decode_with_drafts(
         // [verified + 1, VOCAB]: the target's rows for the anchor and each draft.
         let mut logits = Vec::with_capacity((verified + 1) * VOCAB);
         let mut extended = context.clone();
-        for i in 0..=verified {
+        logits.extend(toy_logits(&extended));
+        for &d in drafts {
+            extended.push(d);
             logits.extend(toy_logits(&extended));
-            if i < verified {
-                extended.push(drafts[i]);
-            }
+        }
         }
         let window = VerifyWindow {
             target_logits: &logits,
