@@ -65,7 +65,6 @@ fn decode_with_drafts(
             extended.push(d);
             logits.extend(toy_logits(&extended));
         }
-        }
         let window = VerifyWindow {
             target_logits: &logits,
             vocab: VOCAB,
