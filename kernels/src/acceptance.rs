@@ -23,7 +23,7 @@
 //! - Log-probabilities, when asked, are the raw log-softmax of the target row of each emitted token.
 
 use crate::error::{KernelError, Result};
-use crate::runner::{SamplingParams, TokenId, TokenLogprob};
+use crate::runner::{RowOutput, SamplingParams, TokenId, TokenLogprob};
 use crate::sampling::{self, uniform, Distribution, RngStream};
 
 /// One request's verify window.
@@ -163,6 +163,13 @@ pub struct Verdict {
     pub logprobs: Vec<TokenLogprob>,
     /// True when the acceptance was forced (the text is not the model's).
     pub synthetic: bool,
+}
+
+impl From<Verdict> for RowOutput {
+    /// The runner's row result; the synthetic flag is not part of `RowOutput`.
+    fn from(v: Verdict) -> Self {
+        RowOutput { tokens: v.tokens, num_accepted: v.num_accepted, logprobs: v.logprobs }
+    }
 }
 
 /// Verifies `window` under `params` and `mode`.

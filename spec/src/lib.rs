@@ -14,6 +14,7 @@
 pub mod budget;
 pub mod draft;
 pub mod error;
+pub mod forced;
 pub mod hybrid;
 pub mod ngram;
 pub mod sps;
@@ -23,6 +24,7 @@ pub mod suffix;
 pub use budget::{BudgetPolicy, BudgetRow, ProductionBudget};
 pub use draft::{Draft, Proposer, SeqKey};
 pub use error::{Result, SpecError};
+pub use forced::ForcedAcceptance;
 pub use sparkd_kernels::acceptance::SyntheticSchedule;
 pub use sps::SpsProfile;
 pub use stats::{AiperfSpeculativeDecoding, RequestSpecStats, SpecCounters};
