@@ -6,6 +6,7 @@
 //! crate knows nothing of HTTP, sessions or speculation policy.
 
 pub mod acceptance;
+pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod cpu;

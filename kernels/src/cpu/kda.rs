@@ -152,7 +152,7 @@ pub fn kda_window<F: Real>(
     }
 
     // Gated output RMSNorm per head (fp32), then bf16.
-    let eps = F::from_f64(1e-5);
+    let eps = w.o_norm_eps;
     for ti in 0..t {
         for h in 0..heads {
             let off = ti * p + h * dk;
@@ -326,6 +326,7 @@ mod tests {
             a: v(cfg.num_heads, 1.0, 16.0),
             dt_bias: v(p, -5.0, -1.0),
             o_norm: v(cfg.head_dim, 0.5, 1.5),
+            o_norm_eps: F::from_f64(1e-5),
         }
     }
 

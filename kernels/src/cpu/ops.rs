@@ -8,6 +8,15 @@
 
 use crate::float::Real;
 
+/// Layers with at least this many weights run on several threads.
+const PARALLEL_MIN_WEIGHTS: usize = 1 << 20;
+
+/// The number of threads large layers use (the machine's parallelism).
+fn worker_threads() -> usize {
+    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *THREADS.get_or_init(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1))
+}
+
 /// A linear layer `y = W x` with `W` stored `[out, in]` (PyTorch layout).
 #[derive(Clone, Debug)]
 pub struct Linear<F> {
@@ -23,16 +32,52 @@ impl<F: Real> Linear<F> {
         Linear { out_dim, in_dim, w }
     }
 
-    /// `x`: `[n, in]` → `[n, out]`, each output rounded to the activation precision.
+    /// `x`: `[n, in]` → `[n, out]`, each output rounded to the activation precision. Large layers
+    /// (the lm_head) split their output rows over the machine's threads; every output is the same
+    /// dot product either way, so the result does not depend on the split.
     pub fn forward(&self, x: &[F]) -> Vec<F> {
         let n = x.len() / self.in_dim;
         let mut y = vec![F::ZERO; n * self.out_dim];
-        for (xr, yr) in x.chunks_exact(self.in_dim).zip(y.chunks_exact_mut(self.out_dim)) {
-            for (o, wr) in yr.iter_mut().zip(self.w.chunks_exact(self.in_dim)) {
-                *o = dot(wr, xr).act();
+        let threads = if self.out_dim * self.in_dim >= PARALLEL_MIN_WEIGHTS { worker_threads() } else { 1 };
+        if threads <= 1 {
+            self.forward_rows(x, &mut y, 0, self.out_dim);
+            return y;
+        }
+        // Each worker computes a contiguous band of output rows for every token.
+        let band = self.out_dim.div_ceil(threads);
+        let bands: Vec<Vec<F>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..threads)
+                .map(|i| {
+                    let (lo, hi) = (i * band, ((i + 1) * band).min(self.out_dim));
+                    scope.spawn(move || {
+                        let mut part = vec![F::ZERO; n * (hi - lo)];
+                        self.forward_rows(x, &mut part, lo, hi);
+                        part
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap_or_default()).collect()
+        });
+        for (i, part) in bands.iter().enumerate() {
+            let (lo, hi) = (i * band, ((i + 1) * band).min(self.out_dim));
+            for t in 0..n {
+                y[t * self.out_dim + lo..t * self.out_dim + hi]
+                    .copy_from_slice(&part[t * (hi - lo)..(t + 1) * (hi - lo)]);
             }
         }
         y
+    }
+
+    /// Output rows `lo..hi` for every token into `out` (`[n, hi - lo]`). Weight rows are the outer
+    /// loop, so each is read from memory once per call whatever the number of tokens.
+    fn forward_rows(&self, x: &[F], out: &mut [F], lo: usize, hi: usize) {
+        let width = hi - lo;
+        let rows = &self.w[lo * self.in_dim..hi * self.in_dim];
+        for (r, wr) in rows.chunks_exact(self.in_dim).enumerate() {
+            for (t, xr) in x.chunks_exact(self.in_dim).enumerate() {
+                out[t * width + r] = dot(wr, xr).act();
+            }
+        }
     }
 
     /// One row of the output for one input vector, unrounded (for fp32 islands such as the router).
@@ -45,16 +90,12 @@ impl<F: Real> Linear<F> {
 #[inline]
 pub fn dot<F: Real>(a: &[F], b: &[F]) -> F {
     let mut acc = [F::ZERO; 8];
-    let chunks = a.len() / 8;
-    for c in 0..chunks {
-        let (ac, bc) = (&a[c * 8..c * 8 + 8], &b[c * 8..c * 8 + 8]);
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: F = ac.remainder().iter().zip(bc.remainder()).fold(F::ZERO, |s, (x, y)| s + *x * *y);
+    for (x, y) in ac.zip(bc) {
         for j in 0..8 {
-            acc[j] += ac[j] * bc[j];
+            acc[j] += x[j] * y[j];
         }
-    }
-    let mut tail = F::ZERO;
-    for j in chunks * 8..a.len() {
-        tail += a[j] * b[j];
     }
     ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail
 }

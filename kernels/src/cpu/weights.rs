@@ -34,6 +34,8 @@ pub struct KdaWeights<F> {
     pub dt_bias: Vec<F>,
     /// Per-head output norm weight, `[head_dim]`.
     pub o_norm: Vec<F>,
+    /// The output norm's epsilon (`rms_norm_eps`).
+    pub o_norm_eps: F,
 }
 
 /// One MLA layer (weights in the unabsorbed checkpoint form; the forward absorbs on the fly).
@@ -191,6 +193,7 @@ impl<F: Real> ModelWeights<F> {
                         a: a_log[..cfg.kda.num_heads].iter().map(|x| x.exp()).collect(),
                         dt_bias: ld.values(&n("self_attn.dt_bias"))?,
                         o_norm: ld.values(&n("self_attn.o_norm.weight"))?,
+                        o_norm_eps: F::from_f32(eps),
                     }))
                 }
                 Mixer::Mla => MixerWeights::Mla(Box::new(MlaWeights {
