@@ -5,7 +5,7 @@
 use std::sync::OnceLock;
 
 use sparkd_kernels::cpu::moe::Routing;
-use sparkd_kernels::cpu::{CpuModel, RoutingTrace, WindowRow};
+use sparkd_kernels::cpu::{CpuModel, Probe, WindowRow};
 use sparkd_kernels::float::Real;
 use sparkd_kernels::state::SeqState;
 use sparkd_kernels::synth::SyntheticWeights;
@@ -89,18 +89,18 @@ fn window_equals_token_by_token_in_bf16_serving_precision() {
     let tokens = prompt(len, 2);
 
     let mut s1 = SeqState::new(&m.cfg);
-    let mut window_trace = RoutingTrace::default();
+    let mut window_trace = Probe { record_routing: true, ..Probe::default() };
     let mut rows = [WindowRow { state: &mut s1, tokens: &tokens, logits_from: 0, snapshots_from: None }];
-    let window = m.forward_traced(&mut rows, Some(&mut window_trace)).unwrap().remove(0).logits;
+    let window = m.forward_probed(&mut rows, &mut window_trace).unwrap().remove(0).logits;
 
     let mut s2 = SeqState::new(&m.cfg);
     let mut singles = Vec::new();
     let mut single_routing: Vec<Vec<Routing<f32>>> = Vec::new(); // [position][moe layer]
     for t in &tokens {
-        let mut trace = RoutingTrace::default();
+        let mut trace = Probe { record_routing: true, ..Probe::default() };
         let mut rows =
             [WindowRow { state: &mut s2, tokens: std::slice::from_ref(t), logits_from: 0, snapshots_from: None }];
-        singles.extend(m.forward_traced(&mut rows, Some(&mut trace)).unwrap().remove(0).logits);
+        singles.extend(m.forward_probed(&mut rows, &mut trace).unwrap().remove(0).logits);
         single_routing.push(trace.routing.into_iter().map(|mut layer| layer.remove(0)).collect());
     }
 
@@ -208,4 +208,25 @@ fn out_of_vocabulary_tokens_are_an_error() {
     let err = m.forward(&mut rows).err().expect("an error");
     assert!(err.to_string().contains("outside the vocabulary"), "{err}");
     assert_eq!(s.len, 0);
+}
+
+#[test]
+fn the_last_layer_tap_is_what_the_head_reads() {
+    let m = model_f64();
+    let tokens = prompt(5, 9);
+    let mut s = SeqState::new(&m.cfg);
+    let last = m.cfg.num_layers() - 1;
+    let mut probe = Probe { tap_layers: vec![1, last], ..Probe::default() };
+    let mut rows = [WindowRow { state: &mut s, tokens: &tokens, logits_from: 0, snapshots_from: None }];
+    let logits = m.forward_probed(&mut rows, &mut probe).unwrap().remove(0).logits;
+    let d = m.cfg.hidden_size;
+    assert_eq!(probe.taps.len(), 2);
+    assert_eq!(probe.taps[0].len(), tokens.len() * d);
+    let from_tap = m.weights.lm_head.forward(&m.weights.norm.forward(&probe.taps[1]));
+    assert!(max_abs_diff(&from_tap, &logits) < 1e-12);
+    // An out-of-range tap layer is an error.
+    let mut bad = Probe { tap_layers: vec![m.cfg.num_layers()], ..Probe::default() };
+    let mut s2 = SeqState::new(&m.cfg);
+    let mut rows = [WindowRow { state: &mut s2, tokens: &tokens, logits_from: 0, snapshots_from: None }];
+    assert!(m.forward_probed(&mut rows, &mut bad).is_err());
 }

@@ -78,6 +78,23 @@ pub struct RoutingTrace<F> {
     pub routing: Vec<Vec<Routing<F>>>,
 }
 
+/// What a forward call records besides logits, for the drafter and for numerical comparisons.
+///
+/// Tokens are in row order (all of row 0's window, then row 1's, ...).
+#[derive(Debug, Default)]
+pub struct Probe<F> {
+    /// Record every router decision into `routing[moe layer][token]`.
+    pub record_routing: bool,
+    pub routing: Vec<Vec<Routing<F>>>,
+    /// Target layers whose hidden state to tap, ascending. The hidden state of layer `l` is what the
+    /// next layer consumes: the pre-attention AttnRes read of layer `l + 1` (before its input norm),
+    /// or, for the last layer, the final AttnRes read (before `model.norm`), so "the output of layer l"
+    /// as HF's `hidden_states[l + 1]` means it, adapted to AttnRes.
+    pub tap_layers: Vec<usize>,
+    /// `taps[i]` is `[tokens, hidden]` for `tap_layers[i]`.
+    pub taps: Vec<Vec<F>>,
+}
+
 /// A row's results.
 pub struct WindowOutput<F> {
     /// `[tokens.len() - logits_from, vocab]`
@@ -93,16 +110,35 @@ impl<F: Real> CpuModel<F> {
 
     /// Runs every row's window through the model.
     pub fn forward(&self, rows: &mut [WindowRow<'_, F>]) -> Result<Vec<WindowOutput<F>>> {
-        self.forward_traced(rows, None)
+        self.forward_probed(rows, &mut Probe::default())
     }
 
-    /// [`Self::forward`], also recording every router decision (for comparisons that must tell a
-    /// routing near-tie flip from a numerical error).
+    /// [`Self::forward`], recording every router decision into `trace` when one is given.
     pub fn forward_traced(
         &self,
         rows: &mut [WindowRow<'_, F>],
-        mut trace: Option<&mut RoutingTrace<F>>,
+        trace: Option<&mut RoutingTrace<F>>,
     ) -> Result<Vec<WindowOutput<F>>> {
+        let mut probe = Probe { record_routing: trace.is_some(), ..Probe::default() };
+        let out = self.forward_probed(rows, &mut probe)?;
+        if let Some(t) = trace {
+            t.routing = probe.routing;
+        }
+        Ok(out)
+    }
+
+    /// [`Self::forward`], also recording what `probe` asks for: router decisions (for comparisons
+    /// that must tell a routing near-tie flip from a numerical error) and hidden-state taps (the
+    /// drafter's context features).
+    pub fn forward_probed(&self, rows: &mut [WindowRow<'_, F>], probe: &mut Probe<F>) -> Result<Vec<WindowOutput<F>>> {
+        if let Some(bad) = probe.tap_layers.iter().find(|l| **l >= self.cfg.num_layers()) {
+            return Err(KernelError::InvalidInput(format!(
+                "tap layer {bad} outside the model's {} layers",
+                self.cfg.num_layers()
+            )));
+        }
+        probe.routing.clear();
+        probe.taps = vec![Vec::new(); probe.tap_layers.len()];
         let cfg = &self.cfg;
         let d = cfg.hidden_size;
         let mut offsets = Vec::with_capacity(rows.len() + 1);
@@ -142,6 +178,9 @@ impl<F: Real> CpuModel<F> {
                 (Some(lv), true) => lv.clone(),
                 _ => lw.attn_res.read(&sources(&bank, &live)),
             };
+            if let Some(i) = l.checked_sub(1).and_then(|prev| probe.tap_layers.iter().position(|t| *t == prev)) {
+                probe.taps[i] = h.clone();
+            }
             let h = lw.input_norm.forward(&h);
             if cfg.seals_before(l) {
                 if let Some(lv) = live.take() {
@@ -213,10 +252,10 @@ impl<F: Real> CpuModel<F> {
             let f = match &lw.ffn {
                 FfnWeights::Dense(w) => situ_mlp(cfg, w, &h),
                 FfnWeights::Moe(w) => {
-                    let mut layer_trace = trace.as_ref().map(|_| Vec::new());
+                    let mut layer_trace = probe.record_routing.then(Vec::new);
                     let out = latent_moe(cfg, w, &h, layer_trace.as_mut());
-                    if let (Some(t), Some(lt)) = (trace.as_deref_mut(), layer_trace) {
-                        t.routing.push(lt);
+                    if let Some(lt) = layer_trace {
+                        probe.routing.push(lt);
                     }
                     out
                 }
@@ -225,6 +264,10 @@ impl<F: Real> CpuModel<F> {
         }
 
         // Final read, norm and lm_head, only at the positions that want logits.
+        let last = cfg.num_layers() - 1;
+        if let Some(i) = probe.tap_layers.iter().position(|t| *t == last) {
+            probe.taps[i] = self.weights.out_res.read(&sources(&bank, &live));
+        }
         let wanted: Vec<usize> =
             rows.iter().enumerate().flat_map(|(ri, r)| (offsets[ri] + r.logits_from)..offsets[ri + 1]).collect();
         let gather =

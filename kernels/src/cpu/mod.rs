@@ -12,5 +12,5 @@ pub mod ops;
 pub mod runner;
 pub mod weights;
 
-pub use forward::{CpuModel, RoutingTrace, WindowOutput, WindowRow, WindowUndo};
+pub use forward::{CpuModel, Probe, RoutingTrace, WindowOutput, WindowRow, WindowUndo};
 pub use runner::CpuRunner;
