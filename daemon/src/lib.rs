@@ -1,2 +1,3 @@
 //! sparkd serving library.
 pub mod metrics;
+pub mod tokenizer;

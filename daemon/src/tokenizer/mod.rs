@@ -1,0 +1,25 @@
+//! Tokenizer, chat template and incremental detokenizer of the daemon.
+//!
+//! - [`Tokenizer`] (`bpe`): Kimi's tiktoken BPE (`tiktoken.model` + Kimi's regex and 256 reserved special
+//!   ids), or the built-in cl100k_base ranks with K3's special tokens at their real ids. Every id it
+//!   produces is below [`Tokenizer::vocab_size`] (163,840 for K3).
+//! - [`ChatTemplate`] (`chat`): K2/K3's role-marker chat format rendered straight to token ids, and the
+//!   Responses-API continuation of a kept turn, token-identical to resending the whole history.
+//! - [`IncrementalDecoder`] (`detok`): streaming ids to text that never splits a UTF-8 character.
+//! - [`export_hf`] (`export`): the same tokenizer as a Hugging Face tokenizer folder, so client-side
+//!   tokenizers (AIPerf) count tokens exactly as the daemon does.
+//!
+//! Invariant shared by all parts: nothing here panics on input; failures are [`TokenizerError`]s.
+
+mod bpe;
+mod chat;
+mod detok;
+mod error;
+mod export;
+pub mod specials;
+
+pub use bpe::{Tokenizer, VocabSource, CL100K_BASE_TOKENS, CL100K_PATTERN, KIMI_PATTERN};
+pub use chat::{ChatMessage, ChatRole, ChatTemplate, KIMI_DEFAULT_SYSTEM_PROMPT};
+pub use detok::IncrementalDecoder;
+pub use error::{Result, TokenizerError};
+pub use export::export_hf;
