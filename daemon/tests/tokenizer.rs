@@ -389,15 +389,17 @@ fn export_writes_a_consistent_hugging_face_folder() {
     assert_eq!(read("special_tokens_map.json")["eos_token"], "[EOS]");
 }
 
-/// Python used to check the export: `python3` with the `tokenizers` package (installed with pip when
-/// missing). `None` when unavailable.
+/// Python used to check the export: `python3` with the `tokenizers` package (it and `jinja2` are installed
+/// with pip when missing; pip does nothing when they are present). `None` when unavailable.
 fn python_with_tokenizers() -> Option<&'static str> {
-    let has = || Command::new("python3").args(["-c", "import tokenizers"]).output().is_ok_and(|o| o.status.success());
-    if has() {
+    let has = |module: &str| {
+        Command::new("python3").args(["-c", &format!("import {module}")]).output().is_ok_and(|o| o.status.success())
+    };
+    if has("tokenizers") && has("jinja2") {
         return Some("python3");
     }
-    let _ = Command::new("python3").args(["-m", "pip", "install", "-q", "tokenizers"]).output();
-    has().then_some("python3")
+    let _ = Command::new("python3").args(["-m", "pip", "install", "-q", "tokenizers", "jinja2"]).output();
+    has("tokenizers").then_some("python3")
 }
 
 /// Exports `tok`, loads it with Python's `tokenizers`, and compares its encodings (and, when `jinja2` is
