@@ -1,3 +1,4 @@
 //! sparkd serving library.
+pub mod engine;
 pub mod metrics;
 pub mod tokenizer;

@@ -1,0 +1,585 @@
+//! The engine thread: the one owner of the runner, every sequence state, the scheduler, the kept
+//! responses and the prefix cache.
+//!
+//! Loop (each turn): take commands (block only when there is no work) → admit waiting requests and
+//! give each a state (fork of a kept response, prefix-cache import, or a fresh one) → plan a step →
+//! `runner.step` → apply the outputs → snapshots, finishes, events → memory budget → metrics.
+//!
+//! Invariants:
+//! - Only this thread touches the runner and `StateId`s; no lock is held anywhere around the model.
+//! - Every state handed out is freed exactly once: on finish (unless kept), on cancel, on failure.
+//! - Events go out over each request's bounded channel with `try_send`; when the channel is full they
+//!   wait in a per-request backlog (order preserved) and the engine keeps stepping the others. A
+//!   closed channel (client gone) cancels the request and frees its state; a request that asked to
+//!   be kept is kept all the same.
+//! - A runner error fails every request of that step (their states are freed, never kept) and the
+//!   engine goes on with the rest.
+//! - Prefix-cache snapshots are taken where they pay: at the last block boundary of each prompt
+//!   (prefill chunks are planned to end exactly there) and at the last block boundary passed while
+//!   decoding, stored when the request finishes.
+
+use std::collections::{HashMap, VecDeque};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use metrics::{counter, gauge, histogram};
+use sparkd_kernels::runner::RowInput;
+use sparkd_kernels::state::{SeqState, MLA_BLOCK_TOKENS};
+use sparkd_kernels::{Runner, StateId};
+use tokio::sync::mpsc::{self, error::TryRecvError, error::TrySendError};
+
+use super::prefix_cache::PrefixCache;
+use super::scheduler::{FinishedSeq, Scheduler, SchedulerLimits, StepOutcome, StepPlan};
+use super::sessions::{EvictionPolicy, LruPolicy, SessionStore};
+use super::types::{
+    EngineCommand, EngineConfig, EngineError, EngineEvent, EngineHandle, FinishReason, GenerateRequest, RequestId,
+    ResponseId,
+};
+use crate::metrics as names;
+
+/// How long a stopping engine waits for clients to take their last events.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+/// How long an idle engine with undelivered events waits before retrying them.
+const BACKLOG_RETRY: Duration = Duration::from_millis(1);
+
+/// The running engine thread.
+#[derive(Debug)]
+pub struct Engine {
+    handle: EngineHandle,
+    thread: JoinHandle<()>,
+}
+
+impl Engine {
+    /// A handle for submitting work (clone it freely).
+    pub fn handle(&self) -> EngineHandle {
+        self.handle.clone()
+    }
+
+    /// Stops the engine: every request still in it finishes with `FinishReason::Cancelled`, then the
+    /// thread exits and is joined. Call it from a plain thread, not inside an async runtime.
+    pub fn shutdown(self) {
+        // An engine that is already gone has nothing left to stop.
+        let _ = self.handle.blocking_send(EngineCommand::Shutdown);
+        if self.thread.join().is_err() {
+            tracing::error!("the engine thread panicked");
+        }
+    }
+}
+
+/// Starts the engine thread with an LRU eviction policy for kept responses.
+pub fn spawn(runner: Box<dyn Runner>, config: EngineConfig) -> Result<Engine, EngineError> {
+    spawn_with_policy(runner, config, Box::<LruPolicy>::default())
+}
+
+/// Starts the engine thread. It stops on [`Engine::shutdown`], or when every [`EngineHandle`] is
+/// dropped and its work is done.
+pub fn spawn_with_policy(
+    runner: Box<dyn Runner>,
+    config: EngineConfig,
+    policy: Box<dyn EvictionPolicy>,
+) -> Result<Engine, EngineError> {
+    if config.max_num_batched_tokens == 0 || config.max_num_seqs == 0 || config.command_queue == 0 {
+        return Err(EngineError::InvalidRequest(
+            "engine config: max_num_batched_tokens, max_num_seqs and command_queue must be at least 1".into(),
+        ));
+    }
+    let (tx, rx) = mpsc::channel(config.command_queue);
+    let engine = EngineCore::new(runner, config, policy, rx);
+    let thread = std::thread::Builder::new()
+        .name("sparkd-engine".into())
+        .spawn(move || engine.run())
+        .map_err(|e| EngineError::Runner { kind: "io", message: format!("spawning the engine thread: {e}") })?;
+    Ok(Engine { handle: EngineHandle::new(tx), thread })
+}
+
+/// A request the engine knows about, from `Generate` to its terminal event.
+#[derive(Debug)]
+struct Live {
+    events: mpsc::Sender<EngineEvent>,
+    /// Events the channel had no room for, oldest first.
+    backlog: VecDeque<EngineEvent>,
+    state: Option<StateId>,
+    keep_as: Option<ResponseId>,
+    continue_from: Option<ResponseId>,
+    arrival: Instant,
+    first_scheduled: Option<Instant>,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+    /// The last block-boundary snapshot passed while decoding, stored in the prefix cache at finish.
+    pending_snapshot: Option<(Vec<sparkd_kernels::TokenId>, SeqState)>,
+    /// The terminal event was queued; the entry goes once the backlog is delivered.
+    done: bool,
+}
+
+struct EngineCore {
+    runner: Box<dyn Runner>,
+    config: EngineConfig,
+    commands: mpsc::Receiver<EngineCommand>,
+    commands_open: bool,
+    /// `Shutdown` was received.
+    stopping: bool,
+    scheduler: Scheduler,
+    sessions: SessionStore,
+    prefix: PrefixCache,
+    live: HashMap<RequestId, Live>,
+}
+
+impl EngineCore {
+    fn new(
+        runner: Box<dyn Runner>,
+        config: EngineConfig,
+        policy: Box<dyn EvictionPolicy>,
+        commands: mpsc::Receiver<EngineCommand>,
+    ) -> Self {
+        let limits = SchedulerLimits {
+            max_num_batched_tokens: config.max_num_batched_tokens,
+            max_num_seqs: config.max_num_seqs,
+        };
+        EngineCore {
+            runner,
+            scheduler: Scheduler::new(limits, MLA_BLOCK_TOKENS),
+            sessions: SessionStore::new(policy, config.host_budget_bytes),
+            prefix: PrefixCache::new(MLA_BLOCK_TOKENS, config.prefix_cache_bytes),
+            config,
+            commands,
+            commands_open: true,
+            stopping: false,
+            live: HashMap::new(),
+        }
+    }
+
+    fn run(mut self) {
+        loop {
+            self.take_commands();
+            if self.stopping {
+                self.stop();
+                break;
+            }
+            self.flush_events();
+            if !self.scheduler.has_work() {
+                if !self.commands_open && self.live.is_empty() {
+                    break;
+                }
+                if self.live.values().any(|l| !l.backlog.is_empty()) {
+                    std::thread::sleep(BACKLOG_RETRY);
+                }
+                continue;
+            }
+            self.admit();
+            let plan = self.scheduler.schedule(Instant::now());
+            if !plan.is_empty() {
+                self.step(&plan);
+            }
+            self.enforce_memory();
+            self.record_gauges();
+        }
+    }
+
+    /// Cancels everything still in the engine and delivers the last events (for up to `SHUTDOWN_GRACE`).
+    fn stop(&mut self) {
+        let ids: Vec<RequestId> = self.live.keys().copied().collect();
+        for id in ids {
+            self.cancel(id);
+        }
+        let deadline = Instant::now() + SHUTDOWN_GRACE;
+        loop {
+            self.flush_events();
+            if self.live.is_empty() || Instant::now() >= deadline {
+                break;
+            }
+            std::thread::sleep(BACKLOG_RETRY);
+        }
+        self.commands.close();
+    }
+
+    /// Drains the command queue; blocks for the next command only when there is nothing to do.
+    fn take_commands(&mut self) {
+        let idle = !self.scheduler.has_work() && self.live.values().all(|l| l.backlog.is_empty());
+        if idle && self.commands_open {
+            match self.commands.blocking_recv() {
+                Some(cmd) => self.handle(cmd),
+                None => self.commands_open = false,
+            }
+        }
+        while self.commands_open {
+            match self.commands.try_recv() {
+                Ok(cmd) => self.handle(cmd),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => self.commands_open = false,
+            }
+        }
+    }
+
+    fn handle(&mut self, command: EngineCommand) {
+        match command {
+            EngineCommand::Generate { request, events } => self.accept(request, events),
+            EngineCommand::Cancel(id) => self.cancel(id),
+            EngineCommand::Shutdown => self.stopping = true,
+            EngineCommand::DropResponse(id) => {
+                if let Err(e) = self.sessions.remove(self.runner.as_mut(), &id) {
+                    tracing::warn!(response = %id, error = %e, "freeing a dropped response's state failed");
+                }
+            }
+        }
+    }
+
+    fn accept(&mut self, request: GenerateRequest, events: mpsc::Sender<EngineEvent>) {
+        let reject = |events: &mpsc::Sender<EngineEvent>, e: EngineError| {
+            counter!(names::ERRORS_TOTAL, "kind" => e.kind()).increment(1);
+            // The client may already be gone; then there is nobody to tell.
+            let _ = events.try_send(EngineEvent::Failed(e));
+        };
+        let history = match &request.continue_from {
+            Some(from) => match self.sessions.history(from) {
+                Some(h) => h.to_vec(),
+                None => return reject(&events, EngineError::UnknownResponse(from.clone())),
+            },
+            None => Vec::new(),
+        };
+        if let Err(e) = self.validate(&request, history.len()) {
+            return reject(&events, e);
+        }
+        if self.live.contains_key(&request.id) {
+            return reject(
+                &events,
+                EngineError::InvalidRequest(format!("request id {} is already in use", request.id)),
+            );
+        }
+        if let Err(e) = self.scheduler.add(&request, &history) {
+            return reject(&events, EngineError::InvalidRequest(e.to_string()));
+        }
+        self.live.insert(
+            request.id,
+            Live {
+                events,
+                backlog: VecDeque::new(),
+                state: None,
+                keep_as: request.keep_as,
+                continue_from: request.continue_from,
+                arrival: request.arrival,
+                first_scheduled: None,
+                first_token: None,
+                last_token: None,
+                pending_snapshot: None,
+                done: false,
+            },
+        );
+    }
+
+    fn validate(&self, request: &GenerateRequest, history_len: usize) -> Result<(), EngineError> {
+        let cfg = self.runner.config();
+        if history_len + request.prompt.len() == 0 {
+            return Err(EngineError::InvalidRequest("the prompt is empty".into()));
+        }
+        if request.max_tokens == 0 {
+            return Err(EngineError::InvalidRequest("max_tokens must be at least 1".into()));
+        }
+        if let Some(bad) = request.prompt.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+            return Err(EngineError::InvalidRequest(format!(
+                "token id {bad} is outside the vocabulary of {}",
+                cfg.vocab_size
+            )));
+        }
+        let total = history_len + request.prompt.len() + request.max_tokens;
+        if total > cfg.max_position_embeddings {
+            return Err(EngineError::InvalidRequest(format!(
+                "prompt ({} tokens) plus max_tokens ({}) exceeds the context length {}",
+                history_len + request.prompt.len(),
+                request.max_tokens,
+                cfg.max_position_embeddings
+            )));
+        }
+        Ok(())
+    }
+
+    /// Gives each newly admitted request a state and tells the scheduler how much of it is restored.
+    fn admit(&mut self) {
+        for id in self.scheduler.admit() {
+            if let Err(e) = self.give_state(id) {
+                self.fail(id, e);
+            }
+        }
+    }
+
+    fn give_state(&mut self, id: RequestId) -> Result<(), EngineError> {
+        let tokens = self.scheduler.tokens(id).map(<[_]>::to_vec).unwrap_or_default();
+        let prompt_len = self.scheduler.prompt_len(id).unwrap_or(tokens.len());
+        let continue_from = self.live.get(&id).and_then(|l| l.continue_from.clone());
+        let mut restored: Option<(StateId, usize)> = None;
+        if let Some(from) = &continue_from {
+            let (state, tier) = self.sessions.checkout(self.runner.as_mut(), from)?;
+            counter!(names::SESSIONS_RESTORED_TOTAL, "tier" => tier.as_str()).increment(1);
+            if let Some(state) = state {
+                restored = Some((state, self.runner.state_len(state)?));
+            }
+        }
+        if restored.is_none() && self.prefix.is_enabled() {
+            // The last prompt token is always fed (it produces the first output token).
+            let max_len = tokens.len().saturating_sub(1);
+            counter!(names::PREFIX_CACHE_QUERIES_TOTAL).increment(max_len as u64);
+            if let Some((len, snapshot)) = self.prefix.lookup(&tokens, max_len) {
+                counter!(names::PREFIX_CACHE_HITS_TOTAL).increment(len as u64);
+                restored = Some((self.runner.import_state(snapshot)?, len));
+            }
+        }
+        let (state, computed) = match restored {
+            Some(r) => r,
+            None => (self.runner.alloc_state()?, 0),
+        };
+        if let Some(live) = self.live.get_mut(&id) {
+            live.state = Some(state);
+        }
+        let block = self.prefix.block_tokens();
+        let prompt_end = prompt_len / block * block;
+        let stops = if self.prefix.is_enabled() && prompt_end > computed && !self.prefix.contains(&tokens[..prompt_end])
+        {
+            vec![prompt_end]
+        } else {
+            Vec::new()
+        };
+        counter!(names::PROMPT_TOKENS_TOTAL).increment(tokens.len().saturating_sub(computed) as u64);
+        self.scheduler.restore(id, computed, stops).map_err(|e| EngineError::InvalidRequest(e.to_string()))
+    }
+
+    fn step(&mut self, plan: &StepPlan) {
+        let now = Instant::now();
+        let mut rows = Vec::with_capacity(plan.rows.len());
+        for row in &plan.rows {
+            let live = self.live.get_mut(&row.id);
+            let Some(state) = live.as_ref().and_then(|l| l.state) else {
+                self.fail(row.id, EngineError::InvalidRequest(format!("{} was planned without a state", row.id)));
+                return;
+            };
+            if let Some(live) = live {
+                live.first_scheduled.get_or_insert(now);
+            }
+            rows.push(RowInput { state, tokens: row.tokens.clone(), sample: row.sample.clone() });
+        }
+        let outputs = match self.runner.step(&rows) {
+            Ok(outputs) => outputs,
+            Err(e) => {
+                let err = EngineError::from(e);
+                tracing::error!(error = %err, rows = rows.len(), "runner step failed");
+                plan.rows.iter().for_each(|row| self.fail(row.id, err.clone()));
+                return;
+            }
+        };
+        let outcome = match self.scheduler.apply(plan, &outputs) {
+            Ok(outcome) => outcome,
+            Err(e) => {
+                let err = EngineError::InvalidRequest(format!("step results: {e}"));
+                plan.rows.iter().for_each(|row| self.fail(row.id, err.clone()));
+                return;
+            }
+        };
+        self.record_step(plan, &outcome, Instant::now());
+        for hit in outcome.boundaries {
+            self.snapshot(hit.id, hit.tokens, hit.planned);
+        }
+        // Release before the terminal events: delivering `Finished` retires the request's entry.
+        for finished in outcome.finished {
+            self.release(finished);
+        }
+        for (id, event) in outcome.events {
+            self.emit(id, event);
+        }
+    }
+
+    /// Exports the state at a block boundary: into the prefix cache now (a planned prompt boundary)
+    /// or as the request's pending decode snapshot.
+    fn snapshot(&mut self, id: RequestId, tokens: Vec<sparkd_kernels::TokenId>, planned: bool) {
+        if !self.prefix.is_enabled() || (planned && self.prefix.contains(&tokens)) {
+            return;
+        }
+        let Some(live) = self.live.get_mut(&id) else { return };
+        let Some(state) = live.state else { return };
+        match self.runner.export_state(state) {
+            Ok(snapshot) if planned => {
+                self.prefix.insert(&tokens, snapshot);
+            }
+            Ok(snapshot) => live.pending_snapshot = Some((tokens, snapshot)),
+            Err(e) => tracing::warn!(request = %id, error = %e, "prefix snapshot export failed"),
+        }
+    }
+
+    /// Records per-step metrics: speculation counters, TTFT for first tokens, k ITL samples for k tokens.
+    fn record_step(&mut self, plan: &StepPlan, outcome: &StepOutcome, done: Instant) {
+        for (drafted, accepted) in outcome.events.iter().filter_map(|(_, e)| match e {
+            EngineEvent::Tokens { drafted, accepted, .. } if *drafted > 0 => Some((*drafted, *accepted)),
+            _ => None,
+        }) {
+            counter!(names::SPEC_DECODE_NUM_DRAFTS_TOTAL).increment(1);
+            counter!(names::SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL).increment(drafted as u64);
+            counter!(names::SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL).increment(accepted as u64);
+        }
+        debug_assert!(plan.num_tokens() <= self.config.max_num_batched_tokens);
+        for &(id, count) in &outcome.emitted {
+            let Some(live) = self.live.get_mut(&id) else { continue };
+            counter!(names::GENERATION_TOKENS_TOTAL).increment(count as u64);
+            match live.last_token {
+                None => {
+                    histogram!(names::TIME_TO_FIRST_TOKEN_SECONDS)
+                        .record(done.saturating_duration_since(live.arrival).as_secs_f64());
+                    if let Some(s) = live.first_scheduled {
+                        histogram!(names::REQUEST_PREFILL_TIME_SECONDS)
+                            .record(done.saturating_duration_since(s).as_secs_f64());
+                    }
+                    live.first_token = Some(done);
+                }
+                Some(last) => {
+                    let interval = done.saturating_duration_since(last).as_secs_f64();
+                    histogram!(names::STEP_INTERVAL_SECONDS).record(interval);
+                    let per_token = interval / count.max(1) as f64;
+                    for _ in 0..count {
+                        histogram!(names::INTER_TOKEN_LATENCY_SECONDS).record(per_token);
+                    }
+                }
+            }
+            live.last_token = Some(done);
+        }
+    }
+
+    /// Queues an event for a request, delivering what its channel has room for.
+    fn emit(&mut self, id: RequestId, event: EngineEvent) {
+        let Some(live) = self.live.get_mut(&id) else { return };
+        if matches!(event, EngineEvent::Finished { .. } | EngineEvent::Failed(_)) {
+            live.done = true;
+        }
+        live.backlog.push_back(event);
+        if !self.deliver(id) {
+            self.client_gone(id);
+        }
+    }
+
+    /// Sends a request's backlog until its channel is full; `false` when the receiver is gone.
+    fn deliver(&mut self, id: RequestId) -> bool {
+        let Some(live) = self.live.get_mut(&id) else { return true };
+        while let Some(event) = live.backlog.pop_front() {
+            match live.events.try_send(event) {
+                Ok(()) => {}
+                Err(TrySendError::Full(event)) => {
+                    live.backlog.push_front(event);
+                    return true;
+                }
+                Err(TrySendError::Closed(_)) => return false,
+            }
+        }
+        if live.done {
+            self.live.remove(&id);
+        }
+        true
+    }
+
+    /// Retries every backlog and cancels requests whose client left.
+    fn flush_events(&mut self) {
+        let ids: Vec<RequestId> = self.live.keys().copied().collect();
+        for id in ids {
+            let closed = self.live.get(&id).is_some_and(|l| l.events.is_closed());
+            if closed || !self.deliver(id) {
+                self.client_gone(id);
+            }
+        }
+    }
+
+    fn client_gone(&mut self, id: RequestId) {
+        let Some(live) = self.live.get_mut(&id) else { return };
+        live.backlog.clear();
+        if live.done {
+            self.live.remove(&id);
+            return;
+        }
+        counter!(names::CLIENT_DISCONNECTS_TOTAL).increment(1);
+        live.done = true;
+        if let Some(finished) = self.scheduler.remove(id, FinishReason::Cancelled) {
+            self.release(finished);
+        }
+        self.live.remove(&id);
+    }
+
+    fn cancel(&mut self, id: RequestId) {
+        let Some(finished) = self.scheduler.remove(id, FinishReason::Cancelled) else { return };
+        let usage = finished.usage;
+        self.release(finished);
+        self.emit(id, EngineEvent::Finished { reason: FinishReason::Cancelled, usage });
+    }
+
+    /// Fails a request: frees its state (never kept) and sends `Failed`.
+    fn fail(&mut self, id: RequestId, error: EngineError) {
+        counter!(names::ERRORS_TOTAL, "kind" => error.kind()).increment(1);
+        self.scheduler.remove(id, FinishReason::Cancelled);
+        if let Some(live) = self.live.get_mut(&id) {
+            live.keep_as = None;
+            live.pending_snapshot = None;
+            if let Some(state) = live.state.take() {
+                if let Err(e) = self.runner.free_state(state) {
+                    tracing::warn!(request = %id, error = %e, "freeing a failed request's state failed");
+                }
+            }
+        }
+        self.emit(id, EngineEvent::Failed(error));
+    }
+
+    /// A request left the scheduler: store its decode snapshot, keep or free its state, record its times.
+    fn release(&mut self, finished: FinishedSeq) {
+        let Some(live) = self.live.get_mut(&finished.id) else { return };
+        if let Some((tokens, snapshot)) = live.pending_snapshot.take() {
+            self.prefix.insert(&tokens, snapshot);
+        }
+        let state = live.state.take();
+        let keep_as = live.keep_as.take();
+        if let (Some(s), Some(last)) = (live.first_scheduled, live.last_token) {
+            histogram!(names::REQUEST_INFERENCE_TIME_SECONDS).record(last.saturating_duration_since(s).as_secs_f64());
+            histogram!(names::REQUEST_QUEUE_TIME_SECONDS)
+                .record(s.saturating_duration_since(live.arrival).as_secs_f64());
+        }
+        if let (Some(first), Some(last)) = (live.first_token, live.last_token) {
+            histogram!(names::REQUEST_DECODE_TIME_SECONDS).record(last.saturating_duration_since(first).as_secs_f64());
+        }
+        let runner = self.runner.as_mut();
+        let result = match (keep_as, state) {
+            (Some(id), state) => {
+                // A state that ran past the kept history (drafts accepted beyond a stop token) is not kept.
+                let state = match state {
+                    Some(s) if finished.state_matches_history() => Some(s),
+                    Some(s) => runner.free_state(s).map(|_| None).unwrap_or(None),
+                    None => None,
+                };
+                counter!(names::SESSIONS_KEPT_TOTAL).increment(1);
+                self.sessions.keep(runner, id, finished.tokens, state)
+            }
+            (None, Some(s)) => runner.free_state(s),
+            (None, None) => Ok(()),
+        };
+        if let Err(e) = result {
+            tracing::warn!(request = %finished.id, error = %e, "releasing a finished request's state failed");
+        }
+    }
+
+    /// Keeps kept responses within the device and host budgets (running states are pinned).
+    fn enforce_memory(&mut self) {
+        let live_bytes = self.live_bytes();
+        match self.sessions.enforce(self.runner.as_mut(), live_bytes, self.config.state_budget_bytes) {
+            Ok(done) => {
+                counter!(names::SESSIONS_EVICTED_TOTAL, "tier" => "host").increment(done.to_host as u64);
+                counter!(names::SESSIONS_EVICTED_TOTAL, "tier" => "dropped").increment(done.dropped as u64);
+            }
+            Err(e) => tracing::warn!(error = %e, "evicting kept responses failed"),
+        }
+    }
+
+    fn live_bytes(&self) -> usize {
+        self.live.values().filter_map(|l| l.state).filter_map(|s| self.runner.state_bytes(s).ok()).sum()
+    }
+
+    fn record_gauges(&self) {
+        gauge!(names::NUM_REQUESTS_RUNNING).set(self.scheduler.num_running() as f64);
+        gauge!(names::NUM_REQUESTS_WAITING).set(self.scheduler.num_waiting() as f64);
+        let device = self.live_bytes() + self.sessions.device_bytes();
+        let budget = self.config.state_budget_bytes.max(1);
+        gauge!(names::KV_CACHE_USAGE_PERC).set((device as f64 / budget as f64).min(1.0));
+        gauge!(names::STATE_MEMORY_BYTES, "tier" => "device").set(device as f64);
+        gauge!(names::STATE_MEMORY_BYTES, "tier" => "host").set(self.sessions.host_bytes() as f64);
+        gauge!(names::PREFIX_CACHE_BYTES).set(self.prefix.bytes() as f64);
+        gauge!(names::SESSIONS_KEPT).set(self.sessions.len() as f64);
+    }
+}

@@ -1,0 +1,22 @@
+//! The engine: one thread that owns the runner, every sequence state, the scheduler, kept
+//! responses (sessions) and the prefix cache, and talks to the rest of the daemon only through
+//! bounded channels ([`types`] is the contract).
+//!
+//! Invariant: nothing outside this module touches a `Runner` or a `StateId`; no lock is held
+//! around the model.
+
+pub mod core;
+pub mod prefix_cache;
+pub mod scheduler;
+pub mod sessions;
+pub mod types;
+
+#[cfg(test)]
+mod tests;
+
+pub use self::core::{spawn, spawn_with_policy, Engine};
+
+pub use types::{
+    EngineCommand, EngineConfig, EngineError, EngineEvent, EngineHandle, FinishReason, GenerateRequest, RequestId,
+    ResponseId, Usage,
+};

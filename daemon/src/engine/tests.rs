@@ -1,0 +1,359 @@
+//! Engine-level tests: the real engine thread driving a `NullRunner` (wrapped to count what it is
+//! asked to compute and how many states are alive).
+
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use sparkd_kernels::null_runner::NullRunner;
+use sparkd_kernels::runner::{RowInput, RowOutput, SamplingParams};
+use sparkd_kernels::state::SeqState;
+use sparkd_kernels::{ModelConfig, Result as KResult, Runner, StateId, TokenId};
+use tokio::sync::mpsc;
+
+use super::core::{spawn, Engine};
+use super::types::*;
+
+/// What the wrapped runner saw.
+#[derive(Debug, Default)]
+struct Seen {
+    /// Tokens fed per step, drafts included.
+    step_tokens: Vec<usize>,
+    live_states: usize,
+    forks: usize,
+    imports: usize,
+    fail_next_step: bool,
+}
+
+/// A NullRunner that reports to the test (the mutex is test-only bookkeeping, not around a model).
+struct Probe {
+    inner: NullRunner,
+    seen: Arc<Mutex<Seen>>,
+}
+
+impl Runner for Probe {
+    fn config(&self) -> &ModelConfig {
+        self.inner.config()
+    }
+    fn device_name(&self) -> String {
+        self.inner.device_name()
+    }
+    fn alloc_state(&mut self) -> KResult<StateId> {
+        self.seen.lock().unwrap().live_states += 1;
+        self.inner.alloc_state()
+    }
+    fn fork_state(&mut self, src: StateId) -> KResult<StateId> {
+        let mut seen = self.seen.lock().unwrap();
+        seen.live_states += 1;
+        seen.forks += 1;
+        self.inner.fork_state(src)
+    }
+    fn free_state(&mut self, id: StateId) -> KResult<()> {
+        self.seen.lock().unwrap().live_states -= 1;
+        self.inner.free_state(id)
+    }
+    fn state_len(&self, id: StateId) -> KResult<usize> {
+        self.inner.state_len(id)
+    }
+    fn state_bytes(&self, id: StateId) -> KResult<usize> {
+        self.inner.state_bytes(id)
+    }
+    fn export_state(&self, id: StateId) -> KResult<SeqState> {
+        self.inner.export_state(id)
+    }
+    fn import_state(&mut self, state: SeqState) -> KResult<StateId> {
+        let mut seen = self.seen.lock().unwrap();
+        seen.live_states += 1;
+        seen.imports += 1;
+        self.inner.import_state(state)
+    }
+    fn step(&mut self, rows: &[RowInput]) -> KResult<Vec<RowOutput>> {
+        let mut seen = self.seen.lock().unwrap();
+        if std::mem::take(&mut seen.fail_next_step) {
+            return Err(sparkd_kernels::KernelError::Device("injected failure".into()));
+        }
+        seen.step_tokens.push(rows.iter().map(|r| r.tokens.len()).sum());
+        self.inner.step(rows)
+    }
+}
+
+struct Harness {
+    handle: EngineHandle,
+    seen: Arc<Mutex<Seen>>,
+    engine: Option<Engine>,
+}
+
+impl Harness {
+    fn new(config: EngineConfig) -> Self {
+        let seen = Arc::new(Mutex::new(Seen::default()));
+        let inner = NullRunner::new(ModelConfig::preset("k3-tiny").unwrap());
+        let engine = spawn(Box::new(Probe { inner, seen: seen.clone() }), config).unwrap();
+        Harness { handle: engine.handle(), seen, engine: Some(engine) }
+    }
+
+    fn submit(&self, request: GenerateRequest) -> mpsc::Receiver<EngineEvent> {
+        let (tx, rx) = mpsc::channel(4);
+        self.handle.blocking_send(EngineCommand::Generate { request, events: tx }).unwrap();
+        rx
+    }
+
+    fn tokens_computed(&self) -> usize {
+        self.seen.lock().unwrap().step_tokens.iter().sum()
+    }
+
+    fn live_states(&self) -> usize {
+        self.seen.lock().unwrap().live_states
+    }
+
+    /// Waits until the engine has handled everything sent so far (a no-op command round trip).
+    fn settle(&self) {
+        let done = collect(self.submit(request(u64::MAX, vec![1], 1)));
+        assert!(matches!(done.finish, Some((FinishReason::Length, _))));
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        if let Some(engine) = self.engine.take() {
+            engine.shutdown();
+        }
+    }
+}
+
+fn config() -> EngineConfig {
+    EngineConfig { max_num_batched_tokens: 64, max_num_seqs: 8, ..EngineConfig::default() }
+}
+
+fn request(id: u64, prompt: Vec<TokenId>, max_tokens: usize) -> GenerateRequest {
+    GenerateRequest {
+        id: RequestId(id),
+        prompt,
+        continue_from: None,
+        keep_as: None,
+        sampling: SamplingParams::greedy(),
+        max_tokens,
+        ignore_eos: false,
+        stop_token_ids: Vec::new(),
+        arrival: Instant::now(),
+    }
+}
+
+fn prompt(seed: u32, len: usize) -> Vec<TokenId> {
+    (0..len as u32).map(|i| 100 + (seed * 31 + i * 7) % 5000).collect()
+}
+
+/// Everything one request received.
+#[derive(Debug, Default)]
+struct Collected {
+    started: Option<(usize, usize)>,
+    tokens: Vec<TokenId>,
+    finish: Option<(FinishReason, Usage)>,
+    failed: Option<EngineError>,
+}
+
+fn collect(mut rx: mpsc::Receiver<EngineEvent>) -> Collected {
+    let mut c = Collected::default();
+    while let Some(event) = rx.blocking_recv() {
+        match event {
+            EngineEvent::Started { prompt_tokens, cached_tokens, .. } => {
+                c.started = Some((prompt_tokens, cached_tokens))
+            }
+            EngineEvent::Tokens { tokens, .. } => c.tokens.extend(tokens),
+            EngineEvent::Finished { reason, usage } => c.finish = Some((reason, usage)),
+            EngineEvent::Failed(e) => c.failed = Some(e),
+        }
+    }
+    c
+}
+
+#[test]
+fn thirty_two_concurrent_requests_finish_with_the_right_tokens() {
+    let h = Harness::new(config());
+    let specs: Vec<(Vec<TokenId>, usize)> =
+        (0..32).map(|i| (prompt(i, 5 + (i as usize * 13) % 90), 1 + i as usize % 9)).collect();
+    let receivers: Vec<_> =
+        specs.iter().enumerate().map(|(i, (p, n))| h.submit(request(i as u64, p.clone(), *n))).collect();
+    for ((p, n), rx) in specs.iter().zip(receivers) {
+        let c = collect(rx);
+        assert_eq!(c.tokens, NullRunner::greedy_continuation(p, *n), "batching does not change tokens");
+        let (reason, usage) = c.finish.unwrap();
+        assert_eq!((reason, usage.prompt_tokens, usage.completion_tokens), (FinishReason::Length, p.len(), *n));
+        assert_eq!(c.started, Some((p.len(), 0)));
+    }
+    let seen = h.seen.lock().unwrap();
+    assert!(seen.step_tokens.iter().all(|&t| t <= 64), "every step within the token budget");
+    let prompts: usize = specs.iter().map(|(p, _)| p.len()).sum();
+    let decodes: usize = specs.iter().map(|(_, n)| n - 1).sum();
+    assert_eq!(seen.step_tokens.iter().sum::<usize>(), prompts + decodes, "each token computed once");
+    assert_eq!(seen.live_states, 0, "every state freed");
+}
+
+#[test]
+fn stop_ids_end_a_request_unless_ignore_eos() {
+    let h = Harness::new(config());
+    let p = prompt(1, 10);
+    let expected = NullRunner::greedy_continuation(&p, 6);
+    let mut r = request(1, p.clone(), 6);
+    r.stop_token_ids = vec![expected[2]];
+    let c = collect(h.submit(r.clone()));
+    assert_eq!(c.tokens, expected[..3].to_vec());
+    assert_eq!(c.finish.unwrap().0, FinishReason::Stop);
+    r.id = RequestId(2);
+    r.ignore_eos = true;
+    assert_eq!(collect(h.submit(r)).tokens, expected);
+}
+
+#[test]
+fn cancel_and_client_gone_free_the_state() {
+    let h = Harness::new(EngineConfig { max_num_batched_tokens: 4, ..config() });
+    let mut rx = h.submit(request(1, prompt(1, 3), 500_000));
+    // Wait for the first tokens, then cancel.
+    loop {
+        match rx.blocking_recv() {
+            Some(EngineEvent::Tokens { .. }) => break,
+            Some(_) => {}
+            None => panic!("the events channel closed before any token"),
+        }
+    }
+    h.handle.blocking_send(EngineCommand::Cancel(RequestId(1))).unwrap();
+    let rest = collect(rx);
+    let (reason, usage) = rest.finish.unwrap();
+    assert_eq!(reason, FinishReason::Cancelled);
+    assert!(usage.completion_tokens < 500_000);
+    let rx = h.submit(request(2, prompt(2, 3), 500_000));
+    drop(rx);
+    h.settle();
+    assert_eq!(h.live_states(), 0);
+    // Shutdown cancels what is still running, and waits for the client to take its last events.
+    let rx = h.submit(request(3, prompt(3, 3), 500_000));
+    h.settle();
+    let reader = std::thread::spawn(move || collect(rx));
+    let handle = h.handle.clone();
+    drop(h);
+    let c = reader.join().unwrap();
+    assert_eq!(c.finish.map(|(reason, _)| reason), Some(FinishReason::Cancelled));
+    assert_eq!(handle.try_send(EngineCommand::Cancel(RequestId(3))), Err(EngineError::Stopped));
+}
+
+#[test]
+fn continuing_a_kept_response_prefills_only_new_tokens_and_forks_never_recompute() {
+    let h = Harness::new(config());
+    let p1 = prompt(1, 40);
+    let mut turn1 = request(1, p1.clone(), 5);
+    turn1.keep_as = Some(ResponseId("resp_1".into()));
+    let out1 = collect(h.submit(turn1)).tokens;
+    let history: Vec<TokenId> = p1.iter().chain(&out1).copied().collect();
+    h.settle();
+    let before = h.tokens_computed();
+    // Two subagents continue the same response at once.
+    let news = [vec![11, 12, 13], vec![21, 22]];
+    let receivers: Vec<_> = news
+        .iter()
+        .enumerate()
+        .map(|(i, new)| {
+            let mut r = request(10 + i as u64, new.clone(), 4);
+            r.continue_from = Some(ResponseId("resp_1".into()));
+            h.submit(r)
+        })
+        .collect();
+    for (new, rx) in news.iter().zip(receivers) {
+        let c = collect(rx);
+        let full: Vec<TokenId> = history.iter().chain(new).copied().collect();
+        assert_eq!(c.tokens, NullRunner::greedy_continuation(&full, 4));
+        assert_eq!(c.started, Some((full.len(), history.len() - 1)));
+    }
+    // Each fork fed its last kept token plus its new tokens, then 3 decode tokens.
+    assert_eq!(h.tokens_computed() - before, (1 + 3 + 3) + (1 + 2 + 3));
+    assert_eq!(h.seen.lock().unwrap().forks, 2);
+    assert_eq!(h.live_states(), 1, "only the kept response's state remains");
+    let mut unknown = request(20, vec![1], 1);
+    unknown.continue_from = Some(ResponseId("resp_nope".into()));
+    let c = collect(h.submit(unknown));
+    assert!(matches!(c.failed, Some(EngineError::UnknownResponse(ref id)) if id.0 == "resp_nope"));
+    h.handle.blocking_send(EngineCommand::DropResponse(ResponseId("resp_1".into()))).unwrap();
+    h.settle();
+    assert_eq!(h.live_states(), 0);
+}
+
+/// Keeps a response, then continues it under `config`; returns the continuation and how many
+/// tokens the continuation computed.
+fn keep_then_continue(config: EngineConfig) -> (Vec<TokenId>, usize, Seen) {
+    let h = Harness::new(config);
+    let mut turn1 = request(1, prompt(3, 50), 6);
+    turn1.keep_as = Some(ResponseId("resp_a".into()));
+    collect(h.submit(turn1));
+    // A second kept response puts the first under memory pressure (least recently used).
+    let mut other = request(2, prompt(4, 50), 6);
+    other.keep_as = Some(ResponseId("resp_b".into()));
+    collect(h.submit(other));
+    h.settle();
+    let before = h.tokens_computed();
+    let mut turn2 = request(3, vec![31, 32], 8);
+    turn2.continue_from = Some(ResponseId("resp_a".into()));
+    let tokens = collect(h.submit(turn2)).tokens;
+    let computed = h.tokens_computed() - before;
+    let seen = std::mem::take(&mut *h.seen.lock().unwrap());
+    (tokens, computed, seen)
+}
+
+#[test]
+fn eviction_to_host_and_drop_then_rebuild_continue_identically() {
+    let no_prefix = EngineConfig { prefix_cache_bytes: 0, ..config() };
+    let (on_device, device_computed, seen) = keep_then_continue(no_prefix.clone());
+    assert_eq!((seen.forks, seen.imports), (1, 0));
+    // Room for one kept state on the device (55 tokens * 4 bytes): the older one goes to host.
+    let (on_host, host_computed, seen) =
+        keep_then_continue(EngineConfig { state_budget_bytes: 300, ..no_prefix.clone() });
+    assert_eq!((seen.forks, seen.imports), (0, 1));
+    // No host room either: dropped, rebuilt by prefill from the history.
+    let (rebuilt, rebuilt_computed, seen) =
+        keep_then_continue(EngineConfig { state_budget_bytes: 300, host_budget_bytes: 0, ..no_prefix });
+    assert_eq!((seen.forks, seen.imports), (0, 0));
+    assert_eq!(on_device, on_host);
+    assert_eq!(on_device, rebuilt);
+    assert_eq!(device_computed, host_computed);
+    assert_eq!(rebuilt_computed, device_computed + 55, "the 56-token history minus its fed last token");
+}
+
+#[test]
+fn chat_resend_restores_the_cached_prefix_and_prefills_only_the_suffix() {
+    let h = Harness::new(config());
+    let p1 = prompt(5, 100);
+    let out1 = collect(h.submit(request(1, p1.clone(), 40))).tokens;
+    h.settle();
+    // Turn 2 resends the whole conversation plus a new user message (as AIPerf does).
+    let mut p2: Vec<TokenId> = p1.iter().chain(&out1).copied().collect();
+    p2.extend(prompt(6, 30));
+    let before = h.tokens_computed();
+    let c = collect(h.submit(request(2, p2.clone(), 3)));
+    assert_eq!(c.tokens, NullRunner::greedy_continuation(&p2, 3));
+    // Turn 1 left snapshots at 64 (its prompt's last boundary) and 128 (passed while decoding).
+    let (_, usage) = c.finish.unwrap();
+    assert_eq!((usage.cached_tokens, usage.prompt_tokens), (128, 170));
+    assert_eq!(c.started, Some((170, 128)));
+    assert_eq!(h.tokens_computed() - before, 170 - 128 + 2);
+    assert_eq!(h.seen.lock().unwrap().imports, 1);
+}
+
+#[test]
+fn a_runner_failure_fails_that_step_and_the_engine_goes_on() {
+    let h = Harness::new(config());
+    h.seen.lock().unwrap().fail_next_step = true;
+    let c = collect(h.submit(request(1, prompt(1, 5), 3)));
+    assert!(matches!(c.failed, Some(EngineError::Runner { kind: "device", .. })));
+    assert!(c.finish.is_none());
+    let p = prompt(2, 5);
+    assert_eq!(collect(h.submit(request(2, p.clone(), 3))).tokens, NullRunner::greedy_continuation(&p, 3));
+    h.settle();
+    assert_eq!(h.live_states(), 0);
+}
+
+#[test]
+fn invalid_requests_fail_with_a_clear_error() {
+    let h = Harness::new(config());
+    let c = collect(h.submit(request(1, Vec::new(), 3)));
+    assert!(matches!(c.failed, Some(EngineError::InvalidRequest(ref m)) if m.contains("empty")));
+    let c = collect(h.submit(request(2, vec![1], 0)));
+    assert!(matches!(c.failed, Some(EngineError::InvalidRequest(ref m)) if m.contains("max_tokens")));
+    let c = collect(h.submit(request(3, vec![999_999], 1)));
+    assert!(matches!(c.failed, Some(EngineError::InvalidRequest(ref m)) if m.contains("vocabulary")));
+}
