@@ -6,9 +6,11 @@ use std::sync::Mutex;
 use std::sync::OnceLock;
 
 use sparkd_kernels::cpu::CpuRunner;
-use sparkd_kernels::runner::{RowInput, RowOutput, SampleRequest, SamplingParams};
 use sparkd_kernels::synth::SyntheticWeights;
-use sparkd_kernels::{ModelConfig, Runner, StateId, TokenId};
+use sparkd_kernels::ModelConfig;
+
+mod contract;
+use contract::*;
 
 fn runner() -> std::sync::MutexGuard<'static, CpuRunner> {
     static R: OnceLock<Mutex<CpuRunner>> = OnceLock::new();
@@ -19,158 +21,6 @@ fn runner() -> std::sync::MutexGuard<'static, CpuRunner> {
     })
     .lock()
     .unwrap_or_else(|e| e.into_inner())
-}
-
-fn prompt(len: usize, salt: u32) -> Vec<TokenId> {
-    (0..len as u32).map(|i| (i * 7919 + salt * 104_729 + 13) % 100_000).collect()
-}
-
-fn prefill(r: &mut dyn Runner, state: StateId, tokens: &[TokenId]) {
-    let out = r.step(&[RowInput { state, tokens: tokens.to_vec(), sample: None }]).unwrap();
-    assert_eq!(out, vec![RowOutput::default()]);
-}
-
-fn sample_row(state: StateId, tokens: Vec<TokenId>, params: &SamplingParams, draft_len: usize) -> RowInput {
-    RowInput { state, tokens, sample: Some(SampleRequest { params: params.clone(), draft_len }) }
-}
-
-/// Generates `n` tokens one step at a time after `last` (which is not yet in the state).
-fn decode(r: &mut dyn Runner, state: StateId, mut last: TokenId, n: usize, params: &SamplingParams) -> Vec<TokenId> {
-    let mut out = Vec::new();
-    while out.len() < n {
-        let step = r.step(&[sample_row(state, vec![last], params, 0)]).unwrap().remove(0);
-        assert_eq!(step.tokens.len(), 1);
-        last = step.tokens[0];
-        out.push(last);
-    }
-    out
-}
-
-fn contract_prefill_chunks_equal_one_window(r: &mut dyn Runner) {
-    let p = prompt(15, 1);
-    let greedy = SamplingParams::greedy();
-    let a = r.alloc_state().unwrap();
-    prefill(r, a, &p[..14]);
-    let whole = decode(r, a, p[14], 6, &greedy);
-    let b = r.alloc_state().unwrap();
-    prefill(r, b, &p[..5]);
-    prefill(r, b, &p[5..9]);
-    prefill(r, b, &p[9..14]);
-    assert_eq!(r.state_len(b).unwrap(), 14);
-    let chunked = decode(r, b, p[14], 6, &greedy);
-    assert_eq!(whole, chunked);
-    assert_eq!(r.state_len(a).unwrap(), 14 + 6);
-    r.free_state(a).unwrap();
-    r.free_state(b).unwrap();
-}
-
-fn contract_greedy_speculation_is_lossless(r: &mut dyn Runner) {
-    let p = prompt(12, 2);
-    let greedy = SamplingParams::greedy();
-    let base = r.alloc_state().unwrap();
-    prefill(r, base, &p[..11]);
-    let plain_state = r.fork_state(base).unwrap();
-    let reference = decode(r, plain_state, p[11], 9, &greedy);
-
-    // An oracle drafter proposes the target's own tokens: everything is accepted.
-    let oracle = r.fork_state(base).unwrap();
-    let mut tokens = vec![p[11]];
-    tokens.extend_from_slice(&reference[..4]);
-    let out = r.step(&[sample_row(oracle, tokens, &greedy, 4)]).unwrap().remove(0);
-    assert_eq!(out.num_accepted, 4);
-    assert_eq!(out.tokens, reference[..5].to_vec());
-    assert_eq!(r.state_len(oracle).unwrap(), 11 + 5);
-
-    // Wrong drafts: the first mismatch is corrected and the state rolls back past it.
-    let wrong = r.fork_state(base).unwrap();
-    let mut tokens = vec![p[11], reference[0], reference[1]];
-    tokens.push((reference[2] + 1) % 100_000);
-    tokens.push(reference[3]);
-    let out = r.step(&[sample_row(wrong, tokens, &greedy, 4)]).unwrap().remove(0);
-    assert_eq!(out.num_accepted, 2);
-    assert_eq!(out.tokens, reference[..3].to_vec());
-    assert_eq!(r.state_len(wrong).unwrap(), 11 + 3);
-    // Decoding on from the rolled-back state continues the reference exactly.
-    let rest = decode(r, wrong, reference[2], 6, &greedy);
-    assert_eq!(rest, reference[3..9].to_vec());
-    for s in [base, plain_state, oracle, wrong] {
-        r.free_state(s).unwrap();
-    }
-}
-
-fn contract_forks_and_exports_are_independent(r: &mut dyn Runner) {
-    let p = prompt(10, 3);
-    let greedy = SamplingParams::greedy();
-    let a = r.alloc_state().unwrap();
-    prefill(r, a, &p[..9]);
-    let snapshot = r.export_state(a).unwrap();
-    let fork = r.fork_state(a).unwrap();
-    // Advance the fork with other tokens; the original must not move.
-    prefill(r, fork, &prompt(7, 4));
-    assert_eq!(r.state_len(a).unwrap(), 9);
-    assert_eq!(r.export_state(a).unwrap(), snapshot);
-    let imported = r.import_state(snapshot).unwrap();
-    let from_a = decode(r, a, p[9], 5, &greedy);
-    let from_import = decode(r, imported, p[9], 5, &greedy);
-    assert_eq!(from_a, from_import);
-    assert!(r.state_bytes(imported).unwrap() > 0);
-    for s in [a, fork, imported] {
-        r.free_state(s).unwrap();
-    }
-}
-
-fn contract_seeded_sampling_ignores_batching(r: &mut dyn Runner) {
-    let params = SamplingParams { temperature: 0.8, top_p: 0.95, top_k: 50, seed: 1234, logprobs: Some(3) };
-    let p = prompt(6, 5);
-    let alone = r.alloc_state().unwrap();
-    prefill(r, alone, &p[..5]);
-    let solo = r.step(&[sample_row(alone, vec![p[5]], &params, 0)]).unwrap().remove(0);
-
-    let again = r.alloc_state().unwrap();
-    let other = r.alloc_state().unwrap();
-    prefill(r, again, &p[..5]);
-    let rows =
-        [RowInput { state: other, tokens: prompt(9, 6), sample: None }, sample_row(again, vec![p[5]], &params, 0)];
-    let batched = r.step(&rows).unwrap().remove(1);
-    assert_eq!(solo, batched);
-    assert_eq!(solo.logprobs.len(), 1);
-    assert_eq!(solo.logprobs[0].token, solo.tokens[0]);
-    assert_eq!(solo.logprobs[0].top.len(), 3);
-    assert!(solo.logprobs[0].logprob <= 0.0);
-    for s in [alone, again, other] {
-        r.free_state(s).unwrap();
-    }
-}
-
-fn contract_bad_input_is_rejected_without_side_effects(r: &mut dyn Runner) {
-    let a = r.alloc_state().unwrap();
-    prefill(r, a, &prompt(4, 7));
-    let before = r.export_state(a).unwrap();
-    let vocab = r.config().vocab_size as TokenId;
-    let greedy = SamplingParams::greedy();
-    let bad_steps = [
-        vec![RowInput { state: StateId(u64::MAX), tokens: vec![1], sample: None }],
-        vec![RowInput { state: a, tokens: vec![], sample: None }],
-        vec![RowInput { state: a, tokens: vec![vocab], sample: None }],
-        vec![sample_row(a, vec![1, 2], &greedy, 2)],
-        vec![
-            RowInput { state: a, tokens: vec![1], sample: None },
-            RowInput { state: a, tokens: vec![2], sample: None },
-        ],
-        vec![sample_row(a, vec![1], &SamplingParams { top_p: 0.0, ..SamplingParams::greedy() }, 0)],
-        // A valid row before an invalid one: the valid row must not run either.
-        vec![
-            RowInput { state: a, tokens: vec![5], sample: None },
-            RowInput { state: StateId(u64::MAX), tokens: vec![1], sample: None },
-        ],
-    ];
-    for rows in bad_steps {
-        assert!(r.step(&rows).is_err(), "{rows:?} should be rejected");
-        assert_eq!(r.export_state(a).unwrap(), before);
-    }
-    assert!(r.fork_state(StateId(u64::MAX)).is_err());
-    r.free_state(a).unwrap();
-    assert!(r.free_state(a).is_err());
 }
 
 #[test]

@@ -89,7 +89,6 @@ impl Compiler {
             format!("--gpu-architecture={}", self.arch),
             format!("--include-path={}", self.include_dir.display()),
             "-std=c++17".to_string(),
-            "--device-int128".to_string(),
         ]
     }
 

@@ -69,8 +69,8 @@ impl DeviceState {
         out.len = self.len;
         for (dst, src) in out.kda.iter_mut().zip(&self.kda) {
             gpu.copy::<f32>(gpu.ptr(&dst.s), gpu.ptr(&src.s), src.s.len())?;
-            for x in 0..3 {
-                gpu.copy::<bf16>(gpu.ptr(&dst.conv[x]), gpu.ptr(&src.conv[x]), src.conv[x].len())?;
+            for (d, s) in dst.conv.iter().zip(&src.conv) {
+                gpu.copy::<bf16>(gpu.ptr(d), gpu.ptr(s), s.len())?;
             }
         }
         let ld = cfg.mla.latent_dim();
@@ -163,9 +163,15 @@ pub struct DeviceUndo {
     start_len: usize,
     from: usize,
     window_len: usize,
-    /// Per KDA layer: the states after `m` tokens for `from <= m < window_len`, `[window_len - from, H, dk, dk]`,
-    /// and the q/k/v conv histories `[kernel - 1 + window_len, P]` (old window, then the window's inputs).
-    kda: Vec<(CudaSlice<f32>, [CudaSlice<bf16>; 3])>,
+    kda: Vec<KdaUndo>,
+}
+
+/// One KDA layer's part of a [`DeviceUndo`].
+pub struct KdaUndo {
+    /// The states after `m` tokens for `from <= m < window_len`, `[window_len - from, H, dk, dk]`.
+    snaps: CudaSlice<f32>,
+    /// The q/k/v conv histories `[kernel - 1 + window_len, P]` (old window, then the window's inputs).
+    hist: [CudaSlice<bf16>; 3],
 }
 
 impl DeviceUndo {
@@ -182,10 +188,11 @@ impl DeviceUndo {
         }
         let k = &cfg.kda;
         let (state_len, p, kw) = (k.num_heads * k.head_dim * k.head_dim, k.proj_dim(), k.conv_kernel);
-        for (layer, (snaps, hist)) in state.kda.iter_mut().zip(&self.kda) {
-            gpu.copy::<f32>(gpu.ptr(&layer.s), gpu.ptr(snaps) + ((m - self.from) * state_len * 4) as u64, state_len)?;
-            for x in 0..3 {
-                gpu.copy::<bf16>(gpu.ptr(&layer.conv[x]), gpu.ptr(&hist[x]) + (m * p * 2) as u64, (kw - 1) * p)?;
+        for (layer, undo) in state.kda.iter_mut().zip(&self.kda) {
+            let snap = gpu.ptr(&undo.snaps) + ((m - self.from) * state_len * 4) as u64;
+            gpu.copy::<f32>(gpu.ptr(&layer.s), snap, state_len)?;
+            for (window, hist) in layer.conv.iter().zip(&undo.hist) {
+                gpu.copy::<bf16>(gpu.ptr(window), gpu.ptr(hist) + (m * p * 2) as u64, (kw - 1) * p)?;
             }
         }
         state.len = self.start_len + m;
@@ -284,7 +291,7 @@ impl DeviceModel {
         let (h_buf, hn_buf) = (gpu.zeros::<bf16>(n * d)?, gpu.zeros::<bf16>(n * d)?);
         let (h, hn) = (gpu.ptr(&h_buf), gpu.ptr(&hn_buf));
         let mut sealed = 0usize;
-        let mut undo_kda: Vec<Vec<(CudaSlice<f32>, [CudaSlice<bf16>; 3])>> = rows.iter().map(|_| Vec::new()).collect();
+        let mut undo_kda: Vec<Vec<KdaUndo>> = rows.iter().map(|_| Vec::new()).collect();
         let (mut kda_idx, mut mla_idx) = (0usize, 0usize);
         let eps = cfg.rms_norm_eps;
         for (l, lw) in self.weights.layers.iter().enumerate() {
@@ -377,7 +384,7 @@ impl DeviceModel {
         rows: &mut [DeviceRow<'_>],
         offsets: &[usize],
         layer: usize,
-        undo: &mut [Vec<(CudaSlice<f32>, [CudaSlice<bf16>; 3])>],
+        undo: &mut [Vec<KdaUndo>],
     ) -> Result<CudaSlice<bf16>> {
         let k = &self.cfg.kda;
         let (p, heads, dk, kw) = (k.proj_dim(), k.num_heads, k.head_dim, k.conv_kernel);
@@ -436,10 +443,11 @@ impl DeviceModel {
                 heads,
                 dk,
                 k.gate_lower_bound,
+                self.cfg.rms_norm_eps,
                 snap_from.unwrap_or(0),
             )?;
             if let (Some(snaps), Some(hist)) = (snaps, hist) {
-                undo[ri].push((snaps, hist));
+                undo[ri].push(KdaUndo { snaps, hist });
             }
         }
         self.linear(gpu, &w.o_proj, gpu.ptr(&o), n)

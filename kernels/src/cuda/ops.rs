@@ -144,7 +144,10 @@ impl Gpu {
     pub fn download<T: DeviceRepr + Default + Clone>(&self, s: &CudaSlice<T>, n: usize) -> Result<Vec<T>> {
         let mut out = vec![T::default(); n];
         if n > 0 {
-            self.stream.memcpy_dtoh(&s.slice(..n), &mut out).map_err(|e| device_err("device to host copy", e))?;
+            let view = s.try_slice(..n).ok_or_else(|| {
+                KernelError::Device(format!("copy of {n} elements from a device buffer of {}", s.len()))
+            })?;
+            self.stream.memcpy_dtoh(&view, &mut out).map_err(|e| device_err("device to host copy", e))?;
         }
         Ok(out)
     }
@@ -358,6 +361,7 @@ impl Gpu {
         heads: usize,
         dk: usize,
         lower_bound: f32,
+        norm_eps: f32,
         snap_from: usize,
     ) -> Result<()> {
         if dk % 32 != 0 || dk > 1024 {
@@ -369,7 +373,7 @@ impl Gpu {
             shared_mem_bytes: (3 * dk * 4) as u32,
         };
         let (t, h, dk_) = (t as i32, heads as i32, dk as i32);
-        let (l2_eps, norm_eps, from) = (crate::config::L2_NORM_EPS, 1e-5f32, snap_from as i32);
+        let (l2_eps, from) = (crate::config::L2_NORM_EPS, snap_from as i32);
         let mut b = self.stream.launch_builder(&self.k.kda_recurrence);
         b.arg(&qkv[0]).arg(&qkv[1]).arg(&qkv[2]).arg(&f).arg(&beta).arg(&gate);
         b.arg(&s).arg(&a).arg(&dt_bias).arg(&o_norm).arg(&o).arg(&snaps);

@@ -92,7 +92,7 @@ pub enum DevMixer {
 }
 
 pub enum DevFfn {
-    Dense(DevMlp),
+    Dense(Box<DevMlp>),
     Moe(Box<DevMoe>),
 }
 
@@ -241,7 +241,7 @@ impl DevWeights {
                 })),
             };
             let ffn = match kind.ffn {
-                Ffn::Dense => DevFfn::Dense(up.mlp(&n("mlp"))?),
+                Ffn::Dense => DevFfn::Dense(Box::new(up.mlp(&n("mlp"))?)),
                 Ffn::Moe => {
                     let m = |s: &str| n(&format!("block_sparse_moe.{s}"));
                     DevFfn::Moe(Box::new(DevMoe {

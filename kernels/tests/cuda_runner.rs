@@ -1,0 +1,136 @@
+//! The CUDA backend on a GPU: the runner contract (the same checks as the CPU's, from `contract/`),
+//! the validation matrix against the CPU reference, and a decode timing. On a machine without a CUDA
+//! driver every test but the probe check says plainly that it skipped.
+//!
+//! `SPARKD_VALIDATE_OUT=path` writes the validation report there as JSON.
+
+mod contract;
+
+use std::sync::{Mutex, OnceLock};
+
+use contract::*;
+use sparkd_kernels::cuda::device::driver_present;
+use sparkd_kernels::cuda::validate::{self, ValidationOptions};
+use sparkd_kernels::cuda::{probe, CudaRunner};
+use sparkd_kernels::runner::SamplingParams;
+use sparkd_kernels::synth::SyntheticWeights;
+use sparkd_kernels::{ModelConfig, Runner};
+
+fn runner() -> Option<std::sync::MutexGuard<'static, CudaRunner>> {
+    if !driver_present() {
+        eprintln!("SKIPPED: no CUDA driver on this machine; the CUDA runner contract was NOT checked");
+        return None;
+    }
+    static R: OnceLock<Mutex<CudaRunner>> = OnceLock::new();
+    let r = R.get_or_init(|| {
+        let cfg = ModelConfig::preset("k3-tiny").unwrap();
+        let src = SyntheticWeights::new(cfg.clone(), 11);
+        Mutex::new(CudaRunner::new(0, cfg, &src).unwrap())
+    });
+    Some(r.lock().unwrap_or_else(|e| e.into_inner()))
+}
+
+#[test]
+fn cuda_probe_is_an_error_or_a_device_never_a_panic() {
+    match probe(0) {
+        Ok(info) => {
+            eprintln!("found {info:?}, compiling for {}", info.arch());
+            assert!(info.compute_capability.0 >= 7);
+            assert!(!info.name.is_empty());
+        }
+        Err(e) => {
+            eprintln!("no device: {e}");
+            assert_eq!(e.kind(), "device");
+            assert!(!driver_present() || e.to_string().contains("device"), "{e}");
+        }
+    }
+}
+
+#[test]
+fn cuda_prefill_chunks_equal_one_window() {
+    if let Some(mut r) = runner() {
+        contract_prefill_chunks_equal_one_window(&mut *r);
+    }
+}
+
+#[test]
+fn cuda_greedy_speculation_is_lossless() {
+    if let Some(mut r) = runner() {
+        contract_greedy_speculation_is_lossless(&mut *r);
+    }
+}
+
+#[test]
+fn cuda_forks_and_exports_are_independent() {
+    if let Some(mut r) = runner() {
+        contract_forks_and_exports_are_independent(&mut *r);
+    }
+}
+
+#[test]
+fn cuda_seeded_sampling_ignores_batching() {
+    if let Some(mut r) = runner() {
+        contract_seeded_sampling_ignores_batching(&mut *r);
+    }
+}
+
+#[test]
+fn cuda_bad_input_is_rejected_without_side_effects() {
+    if let Some(mut r) = runner() {
+        contract_bad_input_is_rejected_without_side_effects(&mut *r);
+    }
+}
+
+#[test]
+fn cuda_matches_the_cpu_reference() {
+    if !driver_present() {
+        eprintln!("SKIPPED: no CUDA driver on this machine; the CUDA backend was NOT validated");
+        return;
+    }
+    let report = validate::run(&ValidationOptions::default()).unwrap();
+    let json = serde_json::to_string_pretty(&report).unwrap();
+    eprintln!("{json}");
+    if let Some(path) = std::env::var_os("SPARKD_VALIDATE_OUT") {
+        std::fs::write(path, &json).unwrap();
+    }
+    assert!(report.pass, "validation failed; see the report above");
+}
+
+/// Greedy decode steps after a short prefill; returns milliseconds per step.
+fn time_decode(r: &mut dyn Runner, steps: usize) -> f64 {
+    let s = r.alloc_state().unwrap();
+    prefill(r, s, &[1, 2, 3, 4, 5, 6, 7, 8]);
+    // One untimed step warms the allocator and the caches.
+    decode(r, s, 9, 1, &SamplingParams::greedy());
+    let started = std::time::Instant::now();
+    let out = decode(r, s, 9, steps, &SamplingParams::greedy());
+    let per_step = started.elapsed().as_secs_f64() * 1e3 / steps as f64;
+    assert_eq!(out.len(), steps);
+    assert_eq!(r.state_len(s).unwrap(), 9 + steps);
+    r.free_state(s).unwrap();
+    per_step
+}
+
+/// Not a benchmark of record (eager launches, per-op allocations); it shows the decode path runs end
+/// to end and how long one step takes. `SPARKD_CUDA_TIMING_PRESET=k3-mini` also times that preset.
+#[test]
+fn cuda_decode_runs_and_reports_its_step_time() {
+    let Some(mut r) = runner() else { return };
+    let ms = time_decode(&mut *r, 64);
+    eprintln!("k3-tiny greedy decode on {}: {ms:.3} ms per step (batch 1)", r.device_name());
+    drop(r);
+    if let Ok(preset) = std::env::var("SPARKD_CUDA_TIMING_PRESET") {
+        let cfg = ModelConfig::preset(&preset).unwrap();
+        let started = std::time::Instant::now();
+        let src = SyntheticWeights::new(cfg.clone(), 11);
+        let mut big = CudaRunner::new(0, cfg, &src).unwrap();
+        let load_s = started.elapsed().as_secs_f64();
+        let bytes = big.model().weights.bytes;
+        let ms = time_decode(&mut big, 16);
+        eprintln!(
+            "{preset} greedy decode on {}: {ms:.3} ms per step (batch 1); {:.2} GB of weights uploaded in {load_s:.1} s",
+            big.device_name(),
+            bytes as f64 / 1e9
+        );
+    }
+}
