@@ -8,6 +8,9 @@ cd "$(dirname "$0")/.."
 # to check the exported Hugging Face tokenizer). Installed only when missing.
 if command -v python3 >/dev/null 2>&1; then
     python3 -c "import openai, tokenizers" 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check openai tokenizers
+    # NVRTC 13.0 and the CUDA headers, so the kernel compile check (kernels/tests/cuda_compile.rs) runs without a GPU.
+    [ -e target/nvrtc-wheels/nvidia/cu13/lib/libnvrtc.so.13 ] || python3 -m pip install --quiet --disable-pip-version-check --target target/nvrtc-wheels "nvidia-cuda-nvrtc==13.0.*" "nvidia-cuda-runtime==13.0.*" || true
+    export SPARKD_NVRTC_WHEELS="$PWD/target/nvrtc-wheels"
 fi
 
 cargo build --workspace --bins
