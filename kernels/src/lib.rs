@@ -11,6 +11,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod cpu;
 pub mod cuda;
+pub mod dspark;
 pub mod error;
 pub mod float;
 pub mod mxfp4;

@@ -92,7 +92,39 @@ pub struct RowOutput {
     pub logprobs: Vec<TokenLogprob>,
 }
 
+/// One row's request for a model draft (DSpark, dspark.md §1.2): the drafter drafts `num_drafts`
+/// tokens after `anchor`, the last emitted token, which is not yet in the state (the next step feeds
+/// it). `params` are the request's: greedy drafts for greedy requests, else samples from `q`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DraftRequest {
+    pub state: StateId,
+    pub anchor: TokenId,
+    /// The block length: the anchor plus `num_drafts - 1` mask tokens, one draft per position.
+    pub num_drafts: usize,
+    pub params: SamplingParams,
+}
+
+/// A model draft for one row: the tokens with their confidences `c_k` (the estimated probability
+/// that draft k is accepted given drafts 1..k−1 were). The draft distributions stay in the runner.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DraftProposal {
+    pub tokens: Vec<TokenId>,
+    pub confidences: Vec<f32>,
+}
+
+/// The error of the drafter methods on a runner that has no drafter.
+pub fn no_drafter() -> crate::error::KernelError {
+    crate::error::KernelError::InvalidInput("this runner has no drafter".into())
+}
+
 /// A model on a device that steps batches of sequences.
+///
+/// Model drafts (optional; runners without a drafter answer [`no_drafter`]): `draft` proposes
+/// tokens per row and keeps each row's proposal (with its `q`) as the state's pending proposal;
+/// `select_proposal` declares that the state's next step verifies (a prefix of) that proposal, so
+/// the step verifies it against `q` (lossless speculative sampling with draft distributions). A step
+/// on a state drops its pending proposal whether it was selected or not; drafts that were not
+/// selected are verified one-hot, which is lossless for drafts of any origin.
 pub trait Runner: Send {
     fn config(&self) -> &ModelConfig;
 
@@ -122,4 +154,21 @@ pub trait Runner: Send {
 
     /// Runs one step over the rows; returns one output per row, in order.
     fn step(&mut self, rows: &[RowInput]) -> Result<Vec<RowOutput>>;
+
+    /// The block size γ the attached drafter was built for; `None` without a drafter.
+    fn drafter_block_size(&self) -> Option<usize> {
+        None
+    }
+
+    /// Drafts for each row (one output per row, in order) and keeps each as its state's pending
+    /// proposal, replacing an older one.
+    fn draft(&mut self, _rows: &[DraftRequest]) -> Result<Vec<DraftProposal>> {
+        Err(no_drafter())
+    }
+
+    /// Marks `state`'s pending proposal as the drafts of its next step: that step's row must be
+    /// `[anchor, x_1..x_l]` with `x_1..x_l` a prefix of the proposal, and is verified with `q`.
+    fn select_proposal(&mut self, _state: StateId) -> Result<()> {
+        Err(no_drafter())
+    }
 }

@@ -5,14 +5,19 @@
 //! draft lengths, sampling parameters) before it touches any state, so a rejected step changes
 //! nothing; it then takes the rows' states out of the map and always puts them back. Acceptance runs
 //! here, where the logits are, and only tokens and requested log-probabilities leave.
+//!
+//! With a drafter attached ([`CpuRunner::attach_drafter`]), every step also taps the target layers
+//! the drafter reads and appends, per row, the taps of exactly the tokens the step commits to that
+//! state's drafter context, so the context follows the target's commit and rollback.
 
 use std::collections::HashMap;
 
 use crate::acceptance::{self, AcceptanceMode, VerifyWindow};
 use crate::config::ModelConfig;
-use crate::cpu::forward::{CpuModel, WindowRow};
+use crate::cpu::forward::{CpuModel, Probe, WindowRow};
+use crate::dspark::{DrafterModel, DrafterSlot};
 use crate::error::{KernelError, Result};
-use crate::runner::{RowInput, RowOutput, Runner, StateId};
+use crate::runner::{DraftProposal, DraftRequest, RowInput, RowOutput, Runner, StateId};
 use crate::state::SeqState;
 use crate::tensor::WeightSource;
 
@@ -22,6 +27,8 @@ pub struct CpuRunner {
     states: HashMap<StateId, SeqState<f32>>,
     next_id: u64,
     acceptance: AcceptanceMode,
+    /// The attached DSpark drafter, if any.
+    drafter: Option<DrafterSlot>,
 }
 
 impl CpuRunner {
@@ -32,7 +39,25 @@ impl CpuRunner {
             states: HashMap::new(),
             next_id: 1,
             acceptance: AcceptanceMode::Standard,
+            drafter: None,
         })
+    }
+
+    /// Attaches a drafter (its config was checked against this model when it was loaded). States
+    /// that already exist get an empty drafter context starting at their current length.
+    pub fn attach_drafter(&mut self, model: DrafterModel<f32>) -> Result<()> {
+        model.config().check_against(&self.model.cfg)?;
+        let mut slot = DrafterSlot::new(model);
+        for (id, state) in &self.states {
+            slot.add_state(*id, state.len);
+        }
+        self.drafter = Some(slot);
+        Ok(())
+    }
+
+    /// The attached drafter and its per-sequence contexts.
+    pub fn drafter(&self) -> Option<&DrafterSlot> {
+        self.drafter.as_ref()
     }
 
     /// Switches between the lossless acceptance rule and forced acceptance (benchmarks only).
@@ -43,8 +68,20 @@ impl CpuRunner {
     fn insert(&mut self, state: SeqState<f32>) -> StateId {
         let id = StateId(self.next_id);
         self.next_id += 1;
+        if let Some(d) = &mut self.drafter {
+            d.add_state(id, state.len);
+        }
         self.states.insert(id, state);
         id
+    }
+
+    /// Appends to `id`'s drafter context the taps of the `count` tokens it committed, which start at
+    /// token `first` of the step's tokens (row order).
+    fn commit_drafter_context(&mut self, id: StateId, probe: &Probe<f32>, first: usize, count: usize) -> Result<()> {
+        let Some(slot) = &mut self.drafter else { return Ok(()) };
+        let d = self.model.cfg.hidden_size;
+        let taps: Vec<&[f32]> = probe.taps.iter().map(|t| &t[first * d..(first + count) * d]).collect();
+        slot.commit(id, &taps)
     }
 
     fn state(&self, id: StateId) -> Result<&SeqState<f32>> {
@@ -64,6 +101,9 @@ impl CpuRunner {
             }
             if let Some(bad) = row.tokens.iter().find(|t| **t as usize >= vocab) {
                 return Err(KernelError::InvalidInput(format!("token id {bad} outside the vocabulary of {vocab}")));
+            }
+            if let Some(d) = &self.drafter {
+                d.check_row(row, self.state(row.state)?.len)?;
             }
             if let Some(s) = &row.sample {
                 crate::sampling::check_params(&s.params)?;
@@ -97,10 +137,17 @@ impl Runner for CpuRunner {
 
     fn fork_state(&mut self, src: StateId) -> Result<StateId> {
         let copy = self.state(src)?.clone();
-        Ok(self.insert(copy))
+        let id = self.insert(copy);
+        if let Some(d) = &mut self.drafter {
+            d.fork_state(src, id)?;
+        }
+        Ok(id)
     }
 
     fn free_state(&mut self, id: StateId) -> Result<()> {
+        if let Some(d) = &mut self.drafter {
+            d.remove_state(id);
+        }
         self.states.remove(&id).map(|_| ()).ok_or(KernelError::UnknownState(id.0))
     }
 
@@ -109,7 +156,8 @@ impl Runner for CpuRunner {
     }
 
     fn state_bytes(&self, id: StateId) -> Result<usize> {
-        Ok(self.state(id)?.bytes())
+        let drafter = self.drafter.as_ref().map_or(0, |d| d.state_bytes(id));
+        Ok(self.state(id)?.bytes() + drafter)
     }
 
     fn export_state(&self, id: StateId) -> Result<SeqState> {
@@ -149,28 +197,42 @@ impl Runner for CpuRunner {
                 WindowRow { state, tokens: &row.tokens, logits_from, snapshots_from }
             })
             .collect();
-        let forward = self.model.forward(&mut windows);
+        let mut probe = Probe {
+            tap_layers: self.drafter.as_ref().map(|d| d.tap_layers().to_vec()).unwrap_or_default(),
+            ..Probe::default()
+        };
+        let forward = self.model.forward_probed(&mut windows, &mut probe);
         drop(windows);
+        let mut row_start = 0usize; // the row's first token among all the step's tokens
         let result = forward.and_then(|outs| {
             let vocab = self.model.cfg.vocab_size;
             let mut results = Vec::with_capacity(rows.len());
             for (((row, out), state), start) in rows.iter().zip(outs).zip(states.iter_mut()).zip(&start_lens) {
+                let t = row.tokens.len();
+                let first = row_start;
+                row_start += t;
                 let Some(sample) = &row.sample else {
+                    if let Some(d) = &mut self.drafter {
+                        d.take_selected(row.state, 0);
+                    }
+                    self.commit_drafter_context(row.state, &probe, first, t)?;
                     results.push(RowOutput::default());
                     continue;
                 };
-                let t = row.tokens.len();
+                let draft_q = self.drafter.as_mut().and_then(|d| d.take_selected(row.state, sample.draft_len));
                 let window = VerifyWindow {
                     target_logits: &out.logits,
                     vocab,
                     drafts: &row.tokens[t - sample.draft_len..],
-                    draft_logits: None,
+                    draft_logits: draft_q.as_deref(),
                     first_position: (start + t - sample.draft_len) as u64,
                 };
                 let verdict = acceptance::verify(&window, &sample.params, &self.acceptance)?;
+                let committed = t - sample.draft_len + verdict.num_accepted;
                 if let Some(undo) = out.undo {
-                    undo.commit(state, t - sample.draft_len + verdict.num_accepted)?;
+                    undo.commit(state, committed)?;
                 }
+                self.commit_drafter_context(row.state, &probe, first, committed)?;
                 results.push(RowOutput {
                     tokens: verdict.tokens,
                     num_accepted: verdict.num_accepted,
@@ -183,5 +245,20 @@ impl Runner for CpuRunner {
             self.states.insert(row.state, state);
         }
         result
+    }
+
+    fn drafter_block_size(&self) -> Option<usize> {
+        self.drafter.as_ref().map(|d| d.model().config().block_size)
+    }
+
+    fn draft(&mut self, rows: &[DraftRequest]) -> Result<Vec<DraftProposal>> {
+        let slot = self.drafter.as_mut().ok_or_else(crate::runner::no_drafter)?;
+        let states = &self.states;
+        let state_len = |id: StateId| states.get(&id).map(|s| s.len).ok_or(KernelError::UnknownState(id.0));
+        slot.draft(&self.model, state_len, rows)
+    }
+
+    fn select_proposal(&mut self, state: StateId) -> Result<()> {
+        self.drafter.as_mut().ok_or_else(crate::runner::no_drafter)?.select(state)
     }
 }
