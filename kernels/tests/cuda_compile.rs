@@ -33,46 +33,91 @@ fn wheel_root() -> Option<PathBuf> {
     String::from_utf8_lossy(&out.stdout).lines().map(|l| PathBuf::from(l.trim()).join("nvidia/cu13")).find(has_both)
 }
 
-#[test]
-fn every_kernel_compiles_for_sm90a_and_sm100a() {
+/// Runs `check` with NVRTC loadable: in this process when it already is, else in a child process of
+/// this test binary (test `name`) with the wheel's lib folder on `LD_LIBRARY_PATH`. Returns `None`
+/// (after saying so) when no wheel is found.
+fn with_nvrtc(name: &str, check: impl FnOnce(&PathBuf)) -> Option<()> {
     let Some(root) = wheel_root() else {
         eprintln!(
             "SKIPPED: no nvidia-cuda-nvrtc / nvidia-cuda-runtime 13.0 wheels found (set SPARKD_NVRTC_WHEELS or run \
-             scripts/test.sh, which installs them); the CUDA kernels were NOT compile-checked"
+             scripts/test.sh, which installs them); `{name}` did NOT run"
         );
-        return;
+        return None;
     };
-    if !nvrtc_present() {
-        assert!(std::env::var_os(CHILD_MARK).is_none(), "libnvrtc.so.13 from {} does not load", root.display());
-        let lib = root.join("lib");
-        let path = match std::env::var_os("LD_LIBRARY_PATH") {
-            Some(old) => format!("{}:{}", lib.display(), old.to_string_lossy()),
-            None => lib.display().to_string(),
-        };
-        let exe = std::env::current_exe().expect("test binary path");
-        let status = Command::new(exe)
-            .args(["every_kernel_compiles_for_sm90a_and_sm100a", "--exact", "--nocapture"])
-            .env("LD_LIBRARY_PATH", path)
-            .env(CHILD_MARK, "1")
-            .status()
-            .expect("re-run the test with libnvrtc on the library path");
-        assert!(status.success(), "kernel compilation failed (see the child's output above)");
-        return;
+    if nvrtc_present() {
+        check(&root);
+        return Some(());
     }
-    let (major, minor) = sparkd_kernels::cuda::compile::nvrtc_version().unwrap();
-    eprintln!("NVRTC {major}.{minor}, headers from {}", root.display());
-    let mut failures = Vec::new();
-    for arch in ["sm_90a", "sm_100a"] {
-        let compiler = Compiler { arch: arch.to_string(), include_dir: root.join("include"), cache_dir: None };
-        for src in &SOURCES {
-            match compiler.compile(src) {
-                Ok(cubin) => {
-                    assert!(cubin.starts_with(b"\x7fELF"), "{} for {arch} is not an ELF cubin", src.name);
-                    eprintln!("{arch} {}: {} bytes of CUBIN", src.name, cubin.len());
+    assert!(std::env::var_os(CHILD_MARK).is_none(), "libnvrtc.so.13 from {} does not load", root.display());
+    let lib = root.join("lib");
+    let path = match std::env::var_os("LD_LIBRARY_PATH") {
+        Some(old) => format!("{}:{}", lib.display(), old.to_string_lossy()),
+        None => lib.display().to_string(),
+    };
+    let exe = std::env::current_exe().expect("test binary path");
+    let status = Command::new(exe)
+        .args([name, "--exact", "--nocapture"])
+        .env("LD_LIBRARY_PATH", path)
+        .env(CHILD_MARK, "1")
+        .status()
+        .expect("re-run the test with libnvrtc on the library path");
+    assert!(status.success(), "`{name}` failed in the child process (see its output above)");
+    Some(())
+}
+
+#[test]
+fn every_kernel_compiles_for_sm90a_and_sm100a() {
+    with_nvrtc("every_kernel_compiles_for_sm90a_and_sm100a", |root| {
+        let (major, minor) = sparkd_kernels::cuda::compile::nvrtc_version().unwrap();
+        eprintln!("NVRTC {major}.{minor}, headers from {}", root.display());
+        let mut failures = Vec::new();
+        for arch in ["sm_90a", "sm_100a"] {
+            let compiler = Compiler { arch: arch.to_string(), include_dir: root.join("include"), cache_dir: None };
+            for src in &SOURCES {
+                match compiler.compile(src) {
+                    Ok(cubin) => {
+                        assert!(cubin.starts_with(b"\x7fELF"), "{} for {arch} is not an ELF cubin", src.name);
+                        eprintln!("{arch} {}: {} bytes of CUBIN", src.name, cubin.len());
+                    }
+                    Err(e) => failures.push(e.to_string()),
                 }
-                Err(e) => failures.push(e.to_string()),
             }
         }
-    }
-    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+        assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+    });
+}
+
+#[test]
+fn the_cubin_cache_is_keyed_by_source_and_arch_and_reused() {
+    with_nvrtc("the_cubin_cache_is_keyed_by_source_and_arch_and_reused", |root| {
+        let dir = tempfile::tempdir().unwrap();
+        let compiler =
+            Compiler { arch: "sm_90a".into(), include_dir: root.join("include"), cache_dir: Some(dir.path().into()) };
+        let src = SOURCES[0];
+        let first = compiler.cubin(&src).unwrap();
+        let cached: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().path()).collect();
+        assert_eq!(cached.len(), 1, "one cache file per compiled source: {cached:?}");
+        // A planted cache entry under the same key is what the next call returns (no recompile).
+        std::fs::write(&cached[0], b"planted").unwrap();
+        assert_eq!(compiler.cubin(&src).unwrap(), b"planted");
+        // Another arch or another source is another key.
+        let other_arch = Compiler { arch: "sm_100a".into(), ..compiler.clone() };
+        assert_ne!(other_arch.cache_key(&src).unwrap(), compiler.cache_key(&src).unwrap());
+        assert_ne!(compiler.cache_key(&SOURCES[1]).unwrap(), compiler.cache_key(&src).unwrap());
+        assert!(first.starts_with(b"\x7fELF"));
+    });
+}
+
+#[test]
+fn a_kernel_that_does_not_compile_is_an_error_with_the_nvrtc_log() {
+    with_nvrtc("a_kernel_that_does_not_compile_is_an_error_with_the_nvrtc_log", |root| {
+        let compiler = Compiler { arch: "sm_90a".into(), include_dir: root.join("include"), cache_dir: None };
+        let broken = sparkd_kernels::cuda::compile::KernelSource {
+            name: "broken.cu",
+            code: "extern \"C\" __global__ void k(float *x) { x[0] = undefined_name; }",
+        };
+        let err = compiler.compile(&broken).unwrap_err();
+        assert_eq!(err.kind(), "device");
+        assert!(err.to_string().contains("undefined_name"), "{err}");
+    });
 }

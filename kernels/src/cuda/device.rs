@@ -95,3 +95,26 @@ pub(crate) fn info(ctx: &CudaContext) -> Result<DeviceInfo> {
     let (free_memory, total_memory) = ctx.mem_get_info().map_err(|e| device_err("memory info", e))?;
     Ok(DeviceInfo { ordinal: ctx.ordinal(), name, compute_capability, total_memory, free_memory })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_cc(major: i32, minor: i32) -> DeviceInfo {
+        DeviceInfo { ordinal: 0, name: "x".into(), compute_capability: (major, minor), total_memory: 0, free_memory: 0 }
+    }
+
+    #[test]
+    fn hopper_and_later_compile_for_the_arch_specific_target() {
+        assert_eq!(with_cc(9, 0).arch(), "sm_90a");
+        assert_eq!(with_cc(10, 0).arch(), "sm_100a");
+        assert_eq!(with_cc(8, 9).arch(), "sm_89");
+    }
+
+    #[test]
+    fn opening_a_device_never_panics() {
+        // Without a driver this is the typed error; with one, device 999 does not exist.
+        let Err(err) = open(999) else { panic!("no machine has 1000 GPUs") };
+        assert_eq!(err.kind(), "device");
+    }
+}
