@@ -1,0 +1,290 @@
+//! The DSpark drafter inside the CPU runner (k3-tiny, synthetic target and drafter): deterministic
+//! drafts, a drafter context that follows commit and rollback exactly, greedy losslessness with model
+//! drafts for γ = 1..8 over batches of mixed lengths, seeded reproducibility of sampling with model
+//! drafts and the use of `q`, and the errors of the drafter API. Windows stay at or under 16 tokens,
+//! where the forward of a window equals token-by-token decoding bit for bit.
+
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+use sparkd_kernels::cpu::CpuRunner;
+use sparkd_kernels::dspark::{DrafterConfig, DrafterModel, SyntheticDrafterWeights};
+use sparkd_kernels::runner::{DraftProposal, DraftRequest, RowInput, RowOutput, SampleRequest, SamplingParams};
+use sparkd_kernels::synth::SyntheticWeights;
+use sparkd_kernels::{ModelConfig, Runner, StateId, TokenId};
+
+fn runner() -> MutexGuard<'static, CpuRunner> {
+    static R: OnceLock<Mutex<CpuRunner>> = OnceLock::new();
+    R.get_or_init(|| {
+        let cfg = ModelConfig::preset("k3-tiny").unwrap();
+        let mut r = CpuRunner::new(cfg.clone(), &SyntheticWeights::new(cfg.clone(), 11)).unwrap();
+        let dcfg = DrafterConfig::preset("k3-tiny").unwrap();
+        let drafter = DrafterModel::load(dcfg.clone(), &cfg, &SyntheticDrafterWeights::new(dcfg, 3)).unwrap();
+        r.attach_drafter(drafter).unwrap();
+        Mutex::new(r)
+    })
+    .lock()
+    .unwrap_or_else(|e| e.into_inner())
+}
+
+fn prompt(len: usize, salt: u32) -> Vec<TokenId> {
+    (0..len as u32).map(|i| (i * 7919 + salt * 104_729 + 13) % 100_000).collect()
+}
+
+/// Prefills in windows of at most 16 tokens.
+fn prefill(r: &mut CpuRunner, state: StateId, tokens: &[TokenId]) {
+    for chunk in tokens.chunks(16) {
+        let out = r.step(&[RowInput { state, tokens: chunk.to_vec(), sample: None }]).unwrap();
+        assert_eq!(out, vec![RowOutput::default()]);
+    }
+}
+
+fn row(state: StateId, tokens: Vec<TokenId>, params: &SamplingParams, draft_len: usize) -> RowInput {
+    RowInput { state, tokens, sample: Some(SampleRequest { params: params.clone(), draft_len }) }
+}
+
+fn draft_req(state: StateId, anchor: TokenId, num_drafts: usize, params: &SamplingParams) -> DraftRequest {
+    DraftRequest { state, anchor, num_drafts, params: params.clone() }
+}
+
+/// Plain decoding (no drafts): `n` tokens after `last`.
+fn decode(r: &mut CpuRunner, state: StateId, mut last: TokenId, n: usize, params: &SamplingParams) -> Vec<TokenId> {
+    let mut out = Vec::new();
+    while out.len() < n {
+        last = r.step(&[row(state, vec![last], params, 0)]).unwrap()[0].tokens[0];
+        out.push(last);
+    }
+    out
+}
+
+/// Decodes every row with model drafts of `gamma` tokens (each drafted, selected, verified) until each
+/// has emitted at least `n` tokens; returns the emitted tokens per row.
+fn decode_with_model_drafts(
+    r: &mut CpuRunner,
+    rows: &[(StateId, TokenId)],
+    gamma: usize,
+    n: usize,
+    params: &SamplingParams,
+) -> Vec<Vec<TokenId>> {
+    let mut last: Vec<TokenId> = rows.iter().map(|(_, a)| *a).collect();
+    let mut out: Vec<Vec<TokenId>> = vec![Vec::new(); rows.len()];
+    while out.iter().any(|o| o.len() < n) {
+        let live: Vec<usize> = (0..rows.len()).filter(|&i| out[i].len() < n).collect();
+        let reqs: Vec<DraftRequest> = live.iter().map(|&i| draft_req(rows[i].0, last[i], gamma, params)).collect();
+        let proposals = r.draft(&reqs).unwrap();
+        let mut step_rows = Vec::new();
+        for (&i, p) in live.iter().zip(&proposals) {
+            assert_eq!((p.tokens.len(), p.confidences.len()), (gamma, gamma));
+            assert!(p.confidences.iter().all(|c| (0.0..=1.0).contains(c)));
+            r.select_proposal(rows[i].0).unwrap();
+            let mut tokens = vec![last[i]];
+            tokens.extend_from_slice(&p.tokens);
+            step_rows.push(row(rows[i].0, tokens, params, gamma));
+        }
+        for (&i, o) in live.iter().zip(r.step(&step_rows).unwrap()) {
+            assert_eq!(o.tokens.len(), o.num_accepted + 1);
+            last[i] = *o.tokens.last().unwrap();
+            out[i].extend(o.tokens);
+        }
+    }
+    out
+}
+
+#[test]
+fn drafts_are_deterministic_and_need_the_context() {
+    let mut r = runner();
+    let greedy = SamplingParams::greedy();
+    let p = prompt(9, 1);
+    let a = r.alloc_state().unwrap();
+    prefill(&mut r, a, &p[..8]);
+    assert_eq!(r.drafter().unwrap().context(a).unwrap().len(), 8);
+    assert_eq!(r.drafter_block_size(), Some(7));
+    let first = r.draft(&[draft_req(a, p[8], 7, &greedy)]).unwrap();
+    let again = r.draft(&[draft_req(a, p[8], 7, &greedy)]).unwrap();
+    assert_eq!(first, again);
+    // A fork drafts the same; a different context drafts differently.
+    let fork = r.fork_state(a).unwrap();
+    assert_eq!(r.draft(&[draft_req(fork, p[8], 7, &greedy)]).unwrap(), first);
+    let other = r.alloc_state().unwrap();
+    prefill(&mut r, other, &prompt(8, 2));
+    let different = r.draft(&[draft_req(other, p[8], 7, &greedy)]).unwrap();
+    assert_ne!(different[0].confidences, first[0].confidences);
+    // Sampled drafts depend on the seed only through the draft stream, reproducibly.
+    let sampled = |seed| SamplingParams { temperature: 1.5, top_p: 1.0, top_k: 0, seed, logprobs: None };
+    let s1 = r.draft(&[draft_req(a, p[8], 7, &sampled(1))]).unwrap();
+    assert_eq!(s1, r.draft(&[draft_req(a, p[8], 7, &sampled(1))]).unwrap());
+    let seeds: Vec<Vec<DraftProposal>> =
+        (2..6).map(|s| r.draft(&[draft_req(a, p[8], 7, &sampled(s))]).unwrap()).collect();
+    assert!(seeds.iter().any(|s| s[0].tokens != s1[0].tokens));
+    for s in [a, fork, other] {
+        r.free_state(s).unwrap();
+    }
+}
+
+#[test]
+fn drafter_context_after_verify_and_rollback_equals_a_fresh_run() {
+    let mut r = runner();
+    let greedy = SamplingParams::greedy();
+    let p = prompt(12, 3);
+    let base = r.alloc_state().unwrap();
+    prefill(&mut r, base, &p[..11]);
+    let plain = r.fork_state(base).unwrap();
+    let reference = decode(&mut r, plain, p[11], 10, &greedy);
+
+    let a = r.fork_state(base).unwrap();
+    // Two of four oracle drafts right: two accepted, the window rolls back past the third.
+    let tokens = vec![p[11], reference[0], reference[1], reference[2] + 1, reference[3]];
+    let out = r.step(&[row(a, tokens, &greedy, 4)]).unwrap().remove(0);
+    assert_eq!((out.num_accepted, out.tokens.clone()), (2, reference[..3].to_vec()));
+    // A selected model draft (verified with q), then a fully accepted oracle window.
+    let proposal = r.draft(&[draft_req(a, reference[2], 5, &greedy)]).unwrap().remove(0);
+    r.select_proposal(a).unwrap();
+    let mut tokens = vec![reference[2]];
+    tokens.extend_from_slice(&proposal.tokens[..3]);
+    let out = r.step(&[row(a, tokens, &greedy, 3)]).unwrap().remove(0);
+    let mut emitted = reference[..3].to_vec();
+    emitted.extend(&out.tokens);
+    assert_eq!(emitted[..], reference[..emitted.len()]);
+    let anchor = *emitted.last().unwrap();
+    let k = emitted.len();
+    let tokens: Vec<TokenId> = std::iter::once(anchor).chain(reference[k..k + 3].iter().copied()).collect();
+    let out = r.step(&[row(a, tokens, &greedy, 3)]).unwrap().remove(0);
+    assert_eq!(out.num_accepted, 3);
+    emitted.extend(&out.tokens);
+    assert_eq!(emitted[..], reference[..emitted.len()]);
+
+    let len = r.state_len(a).unwrap();
+    assert_eq!(len, p.len() + emitted.len() - 1);
+    assert_eq!(r.drafter().unwrap().context(a).unwrap().len(), len);
+    let fresh = r.alloc_state().unwrap();
+    let committed: Vec<TokenId> = p.iter().chain(&emitted[..emitted.len() - 1]).copied().collect();
+    prefill(&mut r, fresh, &committed);
+    let d = r.drafter().unwrap();
+    assert_eq!(d.context(a).unwrap(), d.context(fresh).unwrap());
+    // The same context drafts the same.
+    let last = *emitted.last().unwrap();
+    let from_a = r.draft(&[draft_req(a, last, 7, &greedy)]).unwrap();
+    assert_eq!(from_a, r.draft(&[draft_req(fresh, last, 7, &greedy)]).unwrap());
+    for s in [base, plain, a, fresh] {
+        r.free_state(s).unwrap();
+    }
+}
+
+#[test]
+fn greedy_with_model_drafts_is_lossless_for_every_gamma_and_mixed_batches() {
+    let mut r = runner();
+    let greedy = SamplingParams::greedy();
+    let lens = [3usize, 9, 14];
+    let n = 3;
+    let prompts: Vec<Vec<TokenId>> = lens.iter().enumerate().map(|(i, &l)| prompt(l + 1, 10 + i as u32)).collect();
+    let mut reference = Vec::new();
+    for p in &prompts {
+        let s = r.alloc_state().unwrap();
+        prefill(&mut r, s, &p[..p.len() - 1]);
+        reference.push(decode(&mut r, s, *p.last().unwrap(), n + 3, &greedy));
+        r.free_state(s).unwrap();
+    }
+    for gamma in 1..=8 {
+        let rows: Vec<(StateId, TokenId)> = prompts
+            .iter()
+            .map(|p| {
+                let s = r.alloc_state().unwrap();
+                prefill(&mut r, s, &p[..p.len() - 1]);
+                (s, *p.last().unwrap())
+            })
+            .collect();
+        let out = decode_with_model_drafts(&mut r, &rows, gamma, n, &greedy);
+        for ((o, want), (s, _)) in out.iter().zip(&reference).zip(&rows) {
+            let k = o.len().min(want.len());
+            assert_eq!(o[..k], want[..k], "gamma {gamma}");
+            assert_eq!(r.drafter().unwrap().context(*s).unwrap().len(), r.state_len(*s).unwrap());
+            r.free_state(*s).unwrap();
+        }
+    }
+}
+
+#[test]
+fn sampling_with_model_drafts_is_reproducible_and_uses_q() {
+    let mut r = runner();
+    let p = prompt(8, 20);
+    let params = |seed| SamplingParams { temperature: 1.0, top_p: 1.0, top_k: 0, seed, logprobs: None };
+    let run = |r: &mut CpuRunner, seed: u64, with_neighbour: bool| {
+        let s = r.alloc_state().unwrap();
+        prefill(r, s, &p[..7]);
+        let mut rows = vec![(s, p[7])];
+        let other = r.alloc_state().unwrap();
+        if with_neighbour {
+            prefill(r, other, &prompt(5, 21));
+            rows.push((other, 77));
+        }
+        let out = decode_with_model_drafts(r, &rows, 4, 4, &params(seed)).remove(0);
+        r.free_state(s).unwrap();
+        r.free_state(other).unwrap();
+        out
+    };
+    let solo = run(&mut r, 5, false);
+    assert_eq!(solo, run(&mut r, 5, true), "a seeded request ignores what else is batched");
+    assert_ne!(solo, run(&mut r, 6, false));
+
+    // The same drafts verified with q (selected) and one-hot (not selected) differ for some seed:
+    // q changes both the accept test and the residual distribution.
+    let base = r.alloc_state().unwrap();
+    prefill(&mut r, base, &p[..7]);
+    let mut differs = false;
+    for seed in 0..4 {
+        let verify = |r: &mut CpuRunner, select: bool| {
+            let s = r.fork_state(base).unwrap();
+            let proposal = r.draft(&[draft_req(s, p[7], 4, &params(seed))]).unwrap().remove(0);
+            if select {
+                r.select_proposal(s).unwrap();
+            }
+            let tokens: Vec<TokenId> = std::iter::once(p[7]).chain(proposal.tokens).collect();
+            let out = r.step(&[row(s, tokens, &params(seed), 4)]).unwrap().remove(0);
+            r.free_state(s).unwrap();
+            out
+        };
+        let with_q = verify(&mut r, true);
+        assert_eq!(with_q, verify(&mut r, true));
+        differs |= with_q != verify(&mut r, false);
+    }
+    assert!(differs, "verification never depended on q");
+    r.free_state(base).unwrap();
+}
+
+#[test]
+fn drafter_api_errors_change_nothing() {
+    let mut r = runner();
+    let greedy = SamplingParams::greedy();
+    let p = prompt(6, 30);
+    let s = r.alloc_state().unwrap();
+    prefill(&mut r, s, &p[..5]);
+    // Nothing to select yet.
+    assert_eq!(r.select_proposal(s).unwrap_err().kind(), "invalid_input");
+    assert!(r.draft(&[draft_req(s, p[5], 0, &greedy)]).is_err());
+    assert!(r.draft(&[draft_req(s, 163_840, 3, &greedy)]).is_err());
+    assert!(r.draft(&[draft_req(s, p[5], 3, &greedy), draft_req(s, p[5], 3, &greedy)]).is_err());
+    assert_eq!(r.draft(&[draft_req(StateId(999_999), p[5], 3, &greedy)]).unwrap_err().kind(), "unknown_state");
+    let proposal = r.draft(&[draft_req(s, p[5], 3, &greedy)]).unwrap().remove(0);
+    r.select_proposal(s).unwrap();
+    // A selected proposal only verifies its own drafts after its own anchor.
+    let wrong_draft = vec![p[5], proposal.tokens[0], (proposal.tokens[1] + 1) % 1000];
+    assert!(r.step(&[row(s, wrong_draft, &greedy, 2)]).is_err());
+    let wrong_anchor = vec![p[4], proposal.tokens[0]];
+    assert!(r.step(&[row(s, wrong_anchor, &greedy, 1)]).is_err());
+    assert!(r.step(&[RowInput { state: s, tokens: vec![p[5]], sample: None }]).is_err());
+    assert_eq!(r.state_len(s).unwrap(), 5);
+    assert_eq!(r.drafter().unwrap().context(s).unwrap().len(), 5);
+    // The proposal is still selected and verifies; the step then drops it.
+    let ok = vec![p[5], proposal.tokens[0], proposal.tokens[1]];
+    r.step(&[row(s, ok, &greedy, 2)]).unwrap();
+    assert_eq!(r.select_proposal(s).unwrap_err().kind(), "invalid_input");
+    r.free_state(s).unwrap();
+
+    // A runner without a drafter says so.
+    let cfg = ModelConfig::preset("k3-tiny").unwrap();
+    let dcfg = DrafterConfig::preset("k3-tiny").unwrap();
+    let mut null = sparkd_kernels::null_runner::NullRunner::new(cfg);
+    let err = null.draft(&[draft_req(StateId(1), 0, 3, &greedy)]).unwrap_err();
+    assert!(err.to_string().contains("no drafter"), "{err}");
+    assert_eq!(null.drafter_block_size(), None);
+    drop(dcfg);
+}
