@@ -496,8 +496,8 @@ impl Fields<'_> {
         // Layer schedule from the 1-based lists; they must partition 1..=num_layers.
         let lin = self.object("linear_attn_config")?;
         let lin_field = |k: &str| format!("{}linear_attn_config.{k}", self.prefix);
-        let kda_list = self.layer_list(&lin, "kda_layers", num_layers)?;
-        let mla_list = self.layer_list(&lin, "full_attn_layers", num_layers)?;
+        let kda_list = self.layer_list(lin, "kda_layers", num_layers)?;
+        let mla_list = self.layer_list(lin, "full_attn_layers", num_layers)?;
         for l in 1..=num_layers {
             match (kda_list.contains(&l), mla_list.contains(&l)) {
                 (true, true) => {

@@ -15,12 +15,12 @@ const SEED: u64 = 7;
 
 fn model_f32() -> &'static CpuModel<f32> {
     static M: OnceLock<CpuModel<f32>> = OnceLock::new();
-    M.get_or_init(|| load())
+    M.get_or_init(load)
 }
 
 fn model_f64() -> &'static CpuModel<f64> {
     static M: OnceLock<CpuModel<f64>> = OnceLock::new();
-    M.get_or_init(|| load())
+    M.get_or_init(load)
 }
 
 fn load<F: Real>() -> CpuModel<F> {
