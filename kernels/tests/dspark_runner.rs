@@ -281,10 +281,8 @@ fn drafter_api_errors_change_nothing() {
 
     // A runner without a drafter says so.
     let cfg = ModelConfig::preset("k3-tiny").unwrap();
-    let dcfg = DrafterConfig::preset("k3-tiny").unwrap();
     let mut null = sparkd_kernels::null_runner::NullRunner::new(cfg);
     let err = null.draft(&[draft_req(StateId(1), 0, 3, &greedy)]).unwrap_err();
     assert!(err.to_string().contains("no drafter"), "{err}");
     assert_eq!(null.drafter_block_size(), None);
-    drop(dcfg);
 }
