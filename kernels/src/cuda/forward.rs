@@ -24,6 +24,14 @@ use crate::error::{KernelError, Result};
 use crate::runner::TokenId;
 use crate::state::{KdaState, MlaCache, SeqState};
 
+/// Profile span labels ([`Gpu::mark`]): a layer's mixer (its AttnRes read and input norm included),
+/// its FFN (AttnRes read and post norm included), and the final read, norm and lm_head.
+pub const SPAN_KDA: &str = "kda";
+pub const SPAN_MLA: &str = "mla";
+pub const SPAN_DENSE: &str = "dense";
+pub const SPAN_MOE: &str = "moe";
+pub const SPAN_HEAD: &str = "head";
+
 /// One KDA layer's state on the device.
 pub struct DeviceKda {
     /// `[H, dk, dk]` fp32
@@ -284,6 +292,7 @@ impl DeviceModel {
 
         let slots = 1 + (0..cfg.num_layers()).filter(|l| cfg.seals_before(*l)).count();
         let slot = n * d;
+        gpu.mark("embed")?;
         let res = gpu.zeros::<bf16>(slots * slot)?; // [slots, n, d]
         let res_at = |i: usize| gpu.ptr(&res) + (i * slot * 2) as u64;
         gpu.embed(gpu.ptr(&self.weights.embed), gpu.ptr(&tokens), res_at(0), n, d)?;
@@ -295,6 +304,10 @@ impl DeviceModel {
         let (mut kda_idx, mut mla_idx) = (0usize, 0usize);
         let eps = cfg.rms_norm_eps;
         for (l, lw) in self.weights.layers.iter().enumerate() {
+            gpu.mark(match lw.mixer {
+                DevMixer::Kda(_) => SPAN_KDA,
+                DevMixer::Mla(_) => SPAN_MLA,
+            })?;
             if sealed == 0 {
                 self.norm_rows(gpu, &lw.input_norm, res_at(0), hn, n, d)?;
             } else {
@@ -322,6 +335,10 @@ impl DeviceModel {
             } else {
                 gpu.add(res_at(sealed), gpu.ptr(&a), n * d)?;
             }
+            gpu.mark(match lw.ffn {
+                DevFfn::Dense(_) => SPAN_DENSE,
+                DevFfn::Moe(_) => SPAN_MOE,
+            })?;
             gpu.attn_res_read(gpu.ptr(&res), slot, sealed + 1, gpu.ptr(&lw.mlp_res), h, n, d, eps)?;
             self.norm_rows(gpu, &lw.post_norm, h, hn, n, d)?;
             let f = match &lw.ffn {
@@ -332,6 +349,7 @@ impl DeviceModel {
         }
 
         // The final read, norm and lm_head at the wanted positions only.
+        gpu.mark(SPAN_HEAD)?;
         let wanted: Vec<u32> = rows
             .iter()
             .enumerate()
@@ -361,6 +379,7 @@ impl DeviceModel {
             gpu.linear(gpu.ptr(&lm.w), lm.out_dim, lm.in_dim, gpu.ptr(&hwn), nw, gpu.ptr(&logits))?;
         }
 
+        gpu.mark("end")?;
         let mut out_rows = Vec::with_capacity(rows.len());
         let mut undo = Vec::with_capacity(rows.len());
         let mut cursor = 0;

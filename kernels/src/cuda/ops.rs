@@ -6,10 +6,13 @@
 //!   buffers are passed to kernels as raw device addresses ([`DPtr`]) and are valid as long as their
 //!   owning `CudaSlice` lives across the call (the callers own every buffer for a whole forward).
 //! - Shapes are checked by the callers (the weight loader and the forward); kernels trust them.
+//! - Every launch and memory operation is counted ([`Gpu::issued`]); while a profile is recorded,
+//!   [`Gpu::mark`] puts timed events on the stream, so spans of the forward are timed on the device.
 //! - GEMMs have two implementations: cuBLAS (`cublasGemmEx`, bf16 in/out, fp32 accumulate) and a
 //!   warp-per-output kernel whose result for a token does not depend on the batch (see [`Gemm`]).
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
 use cudarc::driver::{
@@ -17,7 +20,6 @@ use cudarc::driver::{
     ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
-use half::bf16;
 
 use crate::cuda::compile::{Compiler, SOURCES};
 use crate::cuda::device::{device_err, info, DeviceInfo};
@@ -58,6 +60,32 @@ struct Kernels {
     moe_down_combine: CudaFunction,
 }
 
+/// Stream operations issued, for benchmarks.
+#[derive(Default)]
+struct Counters {
+    launches: AtomicU64,
+    memory_ops: AtomicU64,
+}
+
+/// A recorded event of a profile.
+struct Mark {
+    label: &'static str,
+    event: cudarc::driver::CudaEvent,
+    launches: u64,
+    memory_ops: u64,
+}
+
+/// The device time between two marks, attributed to the first one's label.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Span {
+    pub label: &'static str,
+    pub ms: f64,
+    /// Kernel launches (cuBLAS calls count one each) in the span.
+    pub launches: u64,
+    /// Memsets of fresh buffers and device-to-device copies in the span.
+    pub memory_ops: u64,
+}
+
 /// One GPU ready to run the K3 ops.
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
@@ -66,6 +94,8 @@ pub struct Gpu {
     k: Kernels,
     pub info: DeviceInfo,
     pub gemm: Gemm,
+    counters: Counters,
+    profile: Mutex<Option<Vec<Mark>>>,
 }
 
 fn launch_err(name: &str) -> impl Fn(cudarc::driver::DriverError) -> KernelError + '_ {
@@ -119,7 +149,67 @@ impl Gpu {
         };
         let stream = ctx.default_stream();
         let blas = CudaBlas::new(stream.clone()).map_err(|e| device_err("creating the cuBLAS handle", e))?;
-        Ok(Gpu { ctx, stream, blas, k, info, gemm: Gemm::BatchInvariant })
+        Ok(Gpu {
+            ctx,
+            stream,
+            blas,
+            k,
+            info,
+            gemm: Gemm::BatchInvariant,
+            counters: Counters::default(),
+            profile: Mutex::new(None),
+        })
+    }
+
+    fn count_launch(&self) {
+        self.counters.launches.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn count_memory_op(&self) {
+        self.counters.memory_ops.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// `(kernel launches incl. cuBLAS calls, memsets + device copies)` issued so far.
+    pub fn issued(&self) -> (u64, u64) {
+        (self.counters.launches.load(Ordering::Relaxed), self.counters.memory_ops.load(Ordering::Relaxed))
+    }
+
+    /// Starts recording [`Gpu::mark`]s (timed events) until [`Gpu::finish_profile`].
+    pub fn start_profile(&self) {
+        if let Ok(mut p) = self.profile.lock() {
+            *p = Some(Vec::new());
+        }
+    }
+
+    /// Records a timed event labelled `label` on the stream while a profile is being recorded;
+    /// the span up to the next mark is attributed to `label`.
+    pub fn mark(&self, label: &'static str) -> Result<()> {
+        let Ok(mut guard) = self.profile.lock() else { return Ok(()) };
+        let Some(marks) = guard.as_mut() else { return Ok(()) };
+        let event = self
+            .stream
+            .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| device_err("recording an event", e))?;
+        let (launches, memory_ops) = self.issued();
+        marks.push(Mark { label, event, launches, memory_ops });
+        Ok(())
+    }
+
+    /// Stops recording and returns the spans between consecutive marks (waits for the device).
+    pub fn finish_profile(&self) -> Result<Vec<Span>> {
+        let marks = self.profile.lock().ok().and_then(|mut p| p.take()).unwrap_or_default();
+        marks
+            .windows(2)
+            .map(|w| {
+                let ms = w[0].event.elapsed_ms(&w[1].event).map_err(|e| device_err("reading an event", e))?;
+                Ok(Span {
+                    label: w[0].label,
+                    ms: ms as f64,
+                    launches: w[1].launches - w[0].launches,
+                    memory_ops: w[1].memory_ops - w[0].memory_ops,
+                })
+            })
+            .collect()
     }
 
     /// The device address of a slice.
@@ -130,6 +220,7 @@ impl Gpu {
 
     /// A zeroed device buffer of `n` elements (at least one, so that every buffer has an address).
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
+        self.count_memory_op();
         self.stream.alloc_zeros::<T>(n.max(1)).map_err(|e| device_err(&format!("allocating {n} elements"), e))
     }
 
@@ -139,6 +230,35 @@ impl Gpu {
             return unsafe { self.stream.alloc::<T>(1) }.map_err(|e| device_err("allocating", e));
         }
         self.stream.clone_htod(host).map_err(|e| device_err("host to device copy", e))
+    }
+
+    /// A device buffer of `T` holding little-endian `bytes` (a whole number of elements), copied
+    /// without converting on the host.
+    pub fn upload_bytes<T: DeviceRepr + ValidAsZeroBits>(&self, bytes: &[u8]) -> Result<CudaSlice<T>> {
+        let size = std::mem::size_of::<T>();
+        if bytes.len() % size != 0 {
+            return Err(KernelError::InvalidInput(format!(
+                "{} bytes are not a whole number of {size}-byte elements",
+                bytes.len()
+            )));
+        }
+        // SAFETY: every element is overwritten by the copy below before any use.
+        let dst =
+            unsafe { self.stream.alloc::<T>((bytes.len() / size).max(1)) }.map_err(|e| device_err("allocating", e))?;
+        self.upload_bytes_at(self.ptr(&dst), bytes)?;
+        Ok(dst)
+    }
+
+    /// Copies `bytes` to device address `dst` (which must have room for them), synchronously.
+    pub fn upload_bytes_at(&self, dst: DPtr, bytes: &[u8]) -> Result<()> {
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        self.synchronize()?;
+        // SAFETY: callers pass the address of a live buffer with room for `bytes`; the copy is
+        // synchronous, so `bytes` outlives it.
+        unsafe { cudarc::driver::result::memcpy_htod_sync(dst, bytes) }
+            .map_err(|e| device_err("host to device copy", e))
     }
 
     pub fn download<T: DeviceRepr + Default + Clone>(&self, s: &CudaSlice<T>, n: usize) -> Result<Vec<T>> {
@@ -160,6 +280,7 @@ impl Gpu {
         let bytes = count * std::mem::size_of::<T>();
         // SAFETY: callers pass addresses of live buffers with at least `count` elements each.
         unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
+            .map(|_| self.count_memory_op())
             .map_err(|e| device_err("device to device copy", e))
     }
 
@@ -173,7 +294,7 @@ impl Gpu {
         let d = d as i32;
         let mut b = self.stream.launch_builder(&self.k.embed_gather);
         b.arg(&table).arg(&tokens).arg(&out).arg(&d);
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(launch_err("embed_gather"))
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("embed_gather"))
     }
 
     /// RMSNorm of `rows` rows of `dim` (strides in elements), rounded to bf16.
@@ -193,7 +314,7 @@ impl Gpu {
         let (xs, ys, dim) = (x_stride as i64, y_stride as i64, dim as i32);
         let mut b = self.stream.launch_builder(&self.k.rms_norm);
         b.arg(&x).arg(&xs).arg(&w).arg(&y).arg(&ys).arg(&dim).arg(&eps);
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(launch_err("rms_norm"))
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("rms_norm"))
     }
 
     /// The AttnRes read over `nsrc` slots of `[n, d]` at stride `slot` elements.
@@ -216,7 +337,7 @@ impl Gpu {
         let (slot, nsrc, d) = (slot as i64, nsrc as i32, d as i32);
         let mut b = self.stream.launch_builder(&self.k.attn_res_read);
         b.arg(&sources).arg(&slot).arg(&nsrc).arg(&q).arg(&out).arg(&d).arg(&eps);
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(launch_err("attn_res_read"))
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("attn_res_read"))
     }
 
     /// `a = bf(a + b)` over `len` elements.
@@ -224,21 +345,21 @@ impl Gpu {
         let n = len as i64;
         let mut b = self.stream.launch_builder(&self.k.add_in_place);
         b.arg(&a).arg(&b_).arg(&n);
-        unsafe { b.launch(grid_1d(len, 256)) }.map(|_| ()).map_err(launch_err("add_in_place"))
+        unsafe { b.launch(grid_1d(len, 256)) }.map(|_| self.count_launch()).map_err(launch_err("add_in_place"))
     }
 
     pub fn situ(&self, g: DPtr, u: DPtr, out: DPtr, len: usize, beta: f32, lbeta: f32) -> Result<()> {
         let n = len as i64;
         let mut b = self.stream.launch_builder(&self.k.situ);
         b.arg(&g).arg(&u).arg(&out).arg(&n).arg(&beta).arg(&lbeta);
-        unsafe { b.launch(grid_1d(len, 256)) }.map(|_| ()).map_err(launch_err("situ"))
+        unsafe { b.launch(grid_1d(len, 256)) }.map(|_| self.count_launch()).map_err(launch_err("situ"))
     }
 
     pub fn sigmoid_gate(&self, o: DPtr, g: DPtr, out: DPtr, len: usize) -> Result<()> {
         let n = len as i64;
         let mut b = self.stream.launch_builder(&self.k.sigmoid_gate);
         b.arg(&o).arg(&g).arg(&out).arg(&n);
-        unsafe { b.launch(grid_1d(len, 256)) }.map(|_| ()).map_err(launch_err("sigmoid_gate"))
+        unsafe { b.launch(grid_1d(len, 256)) }.map(|_| self.count_launch()).map_err(launch_err("sigmoid_gate"))
     }
 
     /// `out[s, j] = src[s, rows[j]]` for `slots` slots of rows of `d`.
@@ -259,7 +380,7 @@ impl Gpu {
         let (ss, os, d) = (src_slot as i64, out_slot as i64, d as i32);
         let mut b = self.stream.launch_builder(&self.k.gather_rows);
         b.arg(&src).arg(&ss).arg(&rows).arg(&out).arg(&os).arg(&d);
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(launch_err("gather_rows"))
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("gather_rows"))
     }
 
     /// Greedy token of each of `rows` logits rows into `out` (u32).
@@ -268,7 +389,7 @@ impl Gpu {
         let v = vocab as i32;
         let mut b = self.stream.launch_builder(&self.k.argmax_rows);
         b.arg(&logits).arg(&v).arg(&out);
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(launch_err("argmax_rows"))
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("argmax_rows"))
     }
 
     /// `y[n, out] = bf(x[n, in] · w[out, in]ᵀ)` with fp32 accumulation, by the selected [`Gemm`].
@@ -284,7 +405,7 @@ impl Gpu {
                 let (o, i) = (out_dim as i32, in_dim as i32);
                 let mut b = self.stream.launch_builder(&self.k.linear_rows);
                 b.arg(&w).arg(&x).arg(&y).arg(&o).arg(&i);
-                unsafe { b.launch(cfg) }.map(|_| ()).map_err(launch_err("linear_rows"))
+                unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("linear_rows"))
             }
         }
     }
@@ -318,6 +439,7 @@ impl Gpu {
                 blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         }
+        .map(|_| self.count_launch())
         .map_err(|e| device_err("cublasGemmEx", e))
     }
 
@@ -340,7 +462,7 @@ impl Gpu {
         let (t, p_, kw) = (t as i32, p as i32, kw as i32);
         let mut b = self.stream.launch_builder(&self.k.kda_conv);
         b.arg(&x).arg(&window).arg(&w).arg(&out).arg(&hist).arg(&t).arg(&p_).arg(&kw);
-        unsafe { b.launch(grid_1d(p, 128)) }.map(|_| ()).map_err(launch_err("kda_conv"))
+        unsafe { b.launch(grid_1d(p, 128)) }.map(|_| self.count_launch()).map_err(launch_err("kda_conv"))
     }
 
     /// The KDA recurrence of every head over `t` tokens (see `kda.cu` for the argument layouts).
@@ -378,7 +500,7 @@ impl Gpu {
         b.arg(&qkv[0]).arg(&qkv[1]).arg(&qkv[2]).arg(&f).arg(&beta).arg(&gate);
         b.arg(&s).arg(&a).arg(&dt_bias).arg(&o_norm).arg(&o).arg(&snaps);
         b.arg(&t).arg(&h).arg(&dk_).arg(&lower_bound).arg(&l2_eps).arg(&norm_eps).arg(&from);
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(launch_err("kda_recurrence"))
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("kda_recurrence"))
     }
 
     /// Absorbed MLA attention of a window of `t` tokens whose entries are already in `cache`.
@@ -408,7 +530,7 @@ impl Gpu {
             b.arg(i);
         }
         b.arg(&scale);
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(launch_err("mla_attend"))
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("mla_attend"))
     }
 
     /// The router of `n` tokens: `idx`, `wts` `[n, k]`, `margin` `[n]`.
@@ -436,7 +558,7 @@ impl Gpu {
         let (d, e, k, rn) = (d as i32, experts as i32, k as i32, renormalize as i32);
         let mut b = self.stream.launch_builder(&self.k.moe_route);
         b.arg(&h).arg(&w).arg(&bias).arg(&idx).arg(&wts).arg(&margin).arg(&d).arg(&e).arg(&k).arg(&rn).arg(&scale);
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(launch_err("moe_route"))
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_route"))
     }
 
     /// Gate/up + SiTU of the chosen experts: `a` `[n, k, I]`.
@@ -474,7 +596,7 @@ impl Gpu {
             .arg(&di)
             .arg(&beta)
             .arg(&lbeta);
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(launch_err("moe_gate_up"))
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_gate_up"))
     }
 
     /// Down projections and the fp32 combine: `out` `[n, latent]`.
@@ -499,11 +621,6 @@ impl Gpu {
         let (k, dl, di) = (k as i32, latent as i32, inter as i32);
         let mut b = self.stream.launch_builder(&self.k.moe_down_combine);
         b.arg(&a).arg(&w2.0).arg(&w2.1).arg(&idx).arg(&wts).arg(&out).arg(&k).arg(&dl).arg(&di);
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(launch_err("moe_down_combine"))
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_down_combine"))
     }
-}
-
-/// bf16 values of bf16 little-endian bytes.
-pub fn bf16_from_bytes(bytes: &[u8]) -> Vec<bf16> {
-    bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]])).collect()
 }

@@ -7,7 +7,9 @@
 //! - Greedy rows under the standard acceptance rule are decided on the device: one argmax per
 //!   logits row, and only the token ids come back to the host, where the acceptance rule compares
 //!   them with the drafts (vLLM's greedy rule, as in `acceptance::verify`).
-//! - Rows that sample (temperature > 0), ask for log-probabilities, or run under forced acceptance
+//! - Greedy rows under forced acceptance are decided on the device too: the schedule gives the accepted
+//!   count (as `acceptance::verify` draws it) and the device argmax the bonus token.
+//! - Rows that sample (temperature > 0) or ask for log-probabilities
 //!   copy their `draft_len + 1` logits rows to the host and use `acceptance::verify`, the same code
 //!   the CPU runner uses, so the counter-based RNG draws are identical. (On-device sampling is a later
 //!   issue; this keeps one implementation of the rule until then.)
@@ -20,6 +22,7 @@ use half::bf16;
 
 use crate::acceptance::{self, AcceptanceMode, VerifyWindow};
 use crate::config::ModelConfig;
+use crate::cpu::moe::Routing;
 use crate::cuda::forward::{DeviceModel, DeviceRow, DeviceState};
 use crate::cuda::ops::{Gemm, Gpu};
 use crate::cuda::weights::DevWeights;
@@ -28,9 +31,20 @@ use crate::runner::{RowInput, RowOutput, Runner, StateId, TokenId};
 use crate::state::SeqState;
 use crate::tensor::WeightSource;
 
+/// How long start-up took.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct LoadStats {
+    /// Opening the device and compiling (or loading cached) kernels.
+    pub kernel_setup_seconds: f64,
+    /// Fetching (or generating) every tensor and uploading it.
+    pub weights_seconds: f64,
+    pub weight_bytes: usize,
+}
+
 /// The CUDA backend on one device.
 pub struct CudaRunner {
     gpu: Gpu,
+    load: LoadStats,
     model: DeviceModel,
     states: HashMap<StateId, DeviceState>,
     next_id: u64,
@@ -40,10 +54,20 @@ pub struct CudaRunner {
 impl CudaRunner {
     /// Opens device `ordinal`, compiles the kernels and uploads every weight of `cfg` from `source`.
     pub fn new(ordinal: usize, cfg: ModelConfig, source: &dyn WeightSource) -> Result<Self> {
+        let t0 = std::time::Instant::now();
         let gpu = Gpu::new(ordinal)?;
+        let kernel_setup_seconds = t0.elapsed().as_secs_f64();
+        let t1 = std::time::Instant::now();
         let weights = DevWeights::load(&gpu, &cfg, source)?;
+        gpu.synchronize()?;
+        let load = LoadStats {
+            kernel_setup_seconds,
+            weights_seconds: t1.elapsed().as_secs_f64(),
+            weight_bytes: weights.bytes,
+        };
         Ok(CudaRunner {
             gpu,
+            load,
             model: DeviceModel { cfg, weights },
             states: HashMap::new(),
             next_id: 1,
@@ -61,12 +85,33 @@ impl CudaRunner {
         self.gpu.gemm = gemm;
     }
 
+    pub fn load_stats(&self) -> &LoadStats {
+        &self.load
+    }
+
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
     }
 
     pub fn model(&self) -> &DeviceModel {
         &self.model
+    }
+
+    /// [`Runner::step`], also filling `trace` with every MoE layer's routing of every token (tokens in
+    /// row order), as the benchmark needs to count the experts a step reads.
+    pub fn step_with_trace(
+        &mut self,
+        rows: &[RowInput],
+        trace: Option<&mut Vec<Vec<Routing<f32>>>>,
+    ) -> Result<Vec<RowOutput>> {
+        self.validate(rows)?;
+        // Present and distinct: checked by `validate`.
+        let mut states: Vec<DeviceState> = rows.iter().filter_map(|r| self.states.remove(&r.state)).collect();
+        let result = self.run(rows, &mut states, trace);
+        for (row, state) in rows.iter().zip(states) {
+            self.states.insert(row.state, state);
+        }
+        result
     }
 
     fn insert(&mut self, state: DeviceState) -> StateId {
@@ -110,7 +155,12 @@ impl CudaRunner {
     }
 
     /// Runs the forward and the acceptance rule over states taken out of the map.
-    fn run(&self, rows: &[RowInput], states: &mut [DeviceState]) -> Result<Vec<RowOutput>> {
+    fn run(
+        &self,
+        rows: &[RowInput],
+        states: &mut [DeviceState],
+        trace: Option<&mut Vec<Vec<Routing<f32>>>>,
+    ) -> Result<Vec<RowOutput>> {
         let cfg = &self.model.cfg;
         let gpu = &self.gpu;
         let mut windows: Vec<DeviceRow> = states
@@ -126,16 +176,11 @@ impl CudaRunner {
             })
             .collect();
         let start_lens: Vec<usize> = windows.iter().map(|w| w.state.len).collect();
-        let out = self.model.forward(gpu, &mut windows, None)?;
+        let out = self.model.forward(gpu, &mut windows, trace)?;
         drop(windows);
         let total_rows: usize = out.rows.iter().map(|r| r.1).sum();
-        let on_device = |row: &RowInput| {
-            row.sample.as_ref().is_some_and(|s| {
-                s.params.is_greedy()
-                    && s.params.logprobs.is_none()
-                    && matches!(self.acceptance, AcceptanceMode::Standard)
-            })
-        };
+        let on_device =
+            |row: &RowInput| row.sample.as_ref().is_some_and(|s| s.params.is_greedy() && s.params.logprobs.is_none());
         let argmax = if rows.iter().any(on_device) {
             let ids = gpu.zeros::<u32>(total_rows)?;
             gpu.argmax(gpu.ptr(&out.logits), total_rows, cfg.vocab_size, gpu.ptr(&ids))?;
@@ -155,7 +200,19 @@ impl CudaRunner {
             let t = row.tokens.len();
             let drafts = &row.tokens[t - sample.draft_len..];
             let (tokens, logprobs) = if on_device(row) {
-                (greedy_accept(&argmax[first..first + count], drafts), Vec::new())
+                let argmax = &argmax[first..first + count];
+                let tokens = match &self.acceptance {
+                    AcceptanceMode::Standard => greedy_accept(argmax, drafts),
+                    AcceptanceMode::Synthetic(schedule) => {
+                        // `acceptance::verify`'s forced rule, with the greedy token taken on the device.
+                        let first_position = (start + t - sample.draft_len) as u64;
+                        let accepted = schedule.accepted_count(sample.params.seed, first_position, drafts.len());
+                        let mut tokens = drafts[..accepted].to_vec();
+                        tokens.push(argmax[accepted]);
+                        tokens
+                    }
+                };
+                (tokens, Vec::new())
             } else {
                 let host: Vec<bf16> = {
                     let view = out.logits.slice(first * vocab..(first + count) * vocab);
@@ -254,14 +311,7 @@ impl Runner for CudaRunner {
     }
 
     fn step(&mut self, rows: &[RowInput]) -> Result<Vec<RowOutput>> {
-        self.validate(rows)?;
-        // Present and distinct: checked by `validate`.
-        let mut states: Vec<DeviceState> = rows.iter().filter_map(|r| self.states.remove(&r.state)).collect();
-        let result = self.run(rows, &mut states);
-        for (row, state) in rows.iter().zip(states) {
-            self.states.insert(row.state, state);
-        }
-        result
+        self.step_with_trace(rows, None)
     }
 }
 

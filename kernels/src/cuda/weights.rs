@@ -13,7 +13,7 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use crate::config::{ExpertFormat, Ffn, Mixer, ModelConfig};
-use crate::cuda::ops::{bf16_from_bytes, Gpu};
+use crate::cuda::ops::Gpu;
 use crate::error::{KernelError, Result};
 use crate::schema::{expert_specs, layer_name, model_tensors};
 use crate::tensor::{DType, HostTensor, TensorSpec, WeightSource};
@@ -140,7 +140,7 @@ impl Uploader<'_> {
             });
         }
         self.bytes += t.bytes().len();
-        self.gpu.upload(&bf16_from_bytes(t.bytes()))
+        self.gpu.upload_bytes(t.bytes())
     }
 
     fn f32(&mut self, name: &str) -> Result<CudaSlice<f32>> {
@@ -175,16 +175,36 @@ impl Uploader<'_> {
         })
     }
 
-    /// Every expert's `proj` of layer `l`, concatenated in expert order.
+    /// Every expert's `proj` of layer `l`, concatenated in expert order on the device; each expert's
+    /// tensors are uploaded as they arrive, so the host holds one expert at a time.
     fn experts(&mut self, cfg: &ModelConfig, l: usize, proj: &str) -> Result<DevExperts> {
-        let (mut packed, mut scales) = (Vec::new(), Vec::new());
-        for e in 0..cfg.moe.num_experts {
+        let specs = expert_specs(cfg, l, 0, proj);
+        let numel = |s: &TensorSpec| match &s.shape {
+            crate::tensor::ShapeRule::Exact(shape) => Ok(shape.iter().product::<usize>()),
+            other => {
+                Err(KernelError::InvalidInput(format!("expert tensor `{}` has no exact shape: {other:?}", s.name)))
+            }
+        };
+        let (per_packed, per_scales) = (numel(&specs[0])?, numel(&specs[1])?);
+        let experts = cfg.moe.num_experts;
+        let packed = self.gpu.zeros::<u8>(experts * per_packed)?;
+        let scales = self.gpu.zeros::<u8>(experts * per_scales)?;
+        for e in 0..experts {
             let specs = expert_specs(cfg, l, e, proj);
-            packed.extend_from_slice(self.src.tensor(&specs[0])?.bytes());
-            scales.extend_from_slice(self.src.tensor(&specs[1])?.bytes());
+            for (spec, dst, per) in [(&specs[0], &packed, per_packed), (&specs[1], &scales, per_scales)] {
+                let t = self.src.tensor(spec)?;
+                if t.bytes().len() != per {
+                    return Err(KernelError::TensorMismatch {
+                        name: spec.name.clone(),
+                        expected: format!("{per} bytes"),
+                        found: format!("{} bytes", t.bytes().len()),
+                    });
+                }
+                self.gpu.upload_bytes_at(self.gpu.ptr(dst) + (e * per) as u64, t.bytes())?;
+                self.bytes += per;
+            }
         }
-        self.bytes += packed.len() + scales.len();
-        Ok(DevExperts { packed: self.gpu.upload(&packed)?, scales: self.gpu.upload(&scales)? })
+        Ok(DevExperts { packed, scales })
     }
 }
 

@@ -1,0 +1,540 @@
+//! The CUDA decode benchmark behind `sparkd bench --device cuda`: load time, decode step time and
+//! tokens/s per batch, device time and launches per layer type, the distance to the HBM floor, the
+//! cost of verify windows, and forced-acceptance speculation, as one serde report plus a table.
+//!
+//! Invariants:
+//! - Step times are host wall-clock around `CudaRunner::step`, which ends with a device
+//!   synchronisation, so they include launch overhead and the token copy-back (the served path).
+//!   Prefill, warm-up, the profiled step and the traced step are never inside a timed step.
+//! - Per-layer-type times come from one extra profiled step (device events at the span marks of
+//!   `cuda::forward`); launch counts are exact counts of the launches issued in each span.
+//! - The HBM floor of a step is the bytes that step must move once: every non-expert weight, the
+//!   experts the step's tokens actually routed to (from a traced step of the same batch), the embedding
+//!   rows, the KDA states and conv windows (read and written), the MLA latents read and appended.
+//!   It is divided by the device-to-device copy bandwidth measured in the same run (bytes read plus
+//!   bytes written), so `floor_fraction = floor_ms / step_ms` is the share of the copy speed reached.
+
+use std::collections::BTreeSet;
+use std::time::Instant;
+
+use cudarc::driver::sys::CUevent_flags;
+
+use crate::acceptance::{AcceptanceMode, SyntheticSchedule};
+use crate::config::ModelConfig;
+use crate::cpu::moe::Routing;
+use crate::cuda::device::{device_err, DeviceInfo};
+use crate::cuda::forward::{SPAN_DENSE, SPAN_HEAD, SPAN_KDA, SPAN_MLA, SPAN_MOE};
+use crate::cuda::ops::{Gemm, Gpu, Span};
+use crate::cuda::runner::{CudaRunner, LoadStats};
+use crate::cuda::weights::{DevFfn, DevLinear, DevMixer, DevNorm, DevWeights};
+use crate::error::{KernelError, Result};
+use crate::runner::{RowInput, Runner, SampleRequest, SamplingParams, StateId, TokenId};
+use crate::synth::SyntheticWeights;
+
+/// What to measure.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct CudaBenchOptions {
+    pub ordinal: usize,
+    /// A preset name (`k3-tiny`, `k3-mini`, `k3-mini-wide`).
+    pub preset: String,
+    pub weights_seed: u64,
+    pub gemm: Gemm,
+    /// Batch sizes of the decode sweep.
+    pub batches: Vec<usize>,
+    /// Timed steps per measurement (after two warm-up steps).
+    pub steps: usize,
+    /// Tokens prefilled into every sequence before decoding.
+    pub prompt_len: usize,
+    /// Draft tokens per row in the decode sweep (0: plain decoding).
+    pub draft_len: usize,
+    /// Forced acceptance length for the decode sweep (needs `draft_len > 0`); None: the lossless rule.
+    pub synthetic_al: Option<f64>,
+    /// Verify windows `ℓ` timed at batch 1 (plus `ℓ = 0`), under the lossless greedy rule.
+    pub verify_lens: Vec<usize>,
+    /// Forced acceptance at batch 1: `(ℓ, acceptance length)`.
+    pub forced: Option<(usize, f64)>,
+}
+
+impl CudaBenchOptions {
+    /// The defaults for a preset: batches 1..64, ℓ = 1..8, AL 6 at ℓ = 7.
+    pub fn for_preset(preset: &str) -> Self {
+        CudaBenchOptions {
+            ordinal: 0,
+            preset: preset.into(),
+            weights_seed: 0,
+            gemm: Gemm::BatchInvariant,
+            batches: vec![1, 2, 4, 8, 16, 32, 64],
+            steps: 16,
+            prompt_len: 128,
+            draft_len: 0,
+            synthetic_al: None,
+            verify_lens: (1..=8).collect(),
+            forced: Some((7, 6.0)),
+        }
+    }
+}
+
+/// Device time and launches of one layer type in a profiled step.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct TypeCost {
+    /// `kda`, `mla` (mixers), `dense`, `moe` (FFNs) or `head` (final AttnRes, norm, lm_head).
+    pub kind: String,
+    pub layers: usize,
+    pub ms: f64,
+    pub ms_per_layer: f64,
+    pub launches_per_layer: f64,
+    pub memory_ops_per_layer: f64,
+}
+
+/// The bytes one step must move, and the time they take at the measured copy bandwidth.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct Floor {
+    /// Every weight but the embedding table and the routed experts.
+    pub dense_weight_bytes: u64,
+    /// The routed experts the step's tokens chose (each counted once per layer).
+    pub expert_bytes: u64,
+    /// Distinct (layer, expert) pairs read.
+    pub experts_read: usize,
+    pub embed_bytes: u64,
+    /// KDA states and conv windows, read and written.
+    pub state_bytes: u64,
+    /// MLA latents read, and the new ones written.
+    pub kv_bytes: u64,
+    pub total_bytes: u64,
+    pub floor_ms: f64,
+}
+
+/// One batch size of the decode sweep.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct BatchResult {
+    pub batch: usize,
+    pub draft_len: usize,
+    pub step_ms_median: f64,
+    pub step_ms_mean: f64,
+    pub tokens_per_second: f64,
+    /// Generated tokens per row per step (1 for plain decoding).
+    pub tokens_per_step_per_row: f64,
+    /// Device time of the profiled step, first to last mark.
+    pub profiled_device_ms: f64,
+    pub launches_per_step: u64,
+    pub memory_ops_per_step: u64,
+    pub by_type: Vec<TypeCost>,
+    pub floor: Floor,
+    /// `floor.floor_ms / step_ms_median`.
+    pub floor_fraction: f64,
+}
+
+/// A verify window of `draft_len` drafts at batch 1.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct VerifyCost {
+    pub draft_len: usize,
+    pub step_ms_median: f64,
+    /// Over the `ℓ = 0` step.
+    pub relative_to_decode: f64,
+}
+
+/// Forced acceptance at batch 1.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ForcedResult {
+    pub draft_len: usize,
+    pub acceptance_length: f64,
+    /// Tokens emitted per verify step, measured.
+    pub measured_acceptance_length: f64,
+    pub step_ms_median: f64,
+    pub tokens_per_second: f64,
+}
+
+/// The whole report.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct CudaBenchReport {
+    pub options: CudaBenchOptions,
+    pub device: DeviceInfo,
+    pub load: LoadStats,
+    /// Device-to-device copy bandwidth, bytes read plus bytes written per second.
+    pub copy_bytes_per_second: f64,
+    pub decode: Vec<BatchResult>,
+    pub verify: Vec<VerifyCost>,
+    pub forced: Option<ForcedResult>,
+}
+
+/// Runs everything `opts` asks for on one device.
+pub fn run(opts: &CudaBenchOptions) -> Result<CudaBenchReport> {
+    let cfg = ModelConfig::preset(&opts.preset)?;
+    if opts.steps == 0 || opts.batches.contains(&0) {
+        return Err(KernelError::InvalidInput("benchmark steps and batch sizes must be at least 1".into()));
+    }
+    if opts.synthetic_al.is_some() && opts.draft_len == 0 {
+        return Err(KernelError::InvalidInput("a synthetic acceptance length needs --draft-len of at least 1".into()));
+    }
+    let src = SyntheticWeights::new(cfg.clone(), opts.weights_seed);
+    let mut runner = CudaRunner::new(opts.ordinal, cfg, &src)?;
+    runner.set_gemm(opts.gemm);
+    let copy_bytes_per_second = copy_bandwidth(runner.gpu())?;
+    let sweep_mode = match opts.synthetic_al {
+        Some(al) => AcceptanceMode::Synthetic(SyntheticSchedule::from_acceptance_length(al, opts.draft_len)?),
+        None => AcceptanceMode::Standard,
+    };
+    runner.set_acceptance(sweep_mode);
+    let mut decode = Vec::new();
+    for &batch in &opts.batches {
+        decode.push(measure_batch(&mut runner, opts, batch, copy_bytes_per_second)?);
+    }
+    runner.set_acceptance(AcceptanceMode::Standard);
+    let mut verify = Vec::new();
+    if !opts.verify_lens.is_empty() {
+        let base = timed_steps(&mut runner, opts, 1, 0)?.median_ms;
+        for &l in &opts.verify_lens {
+            let ms = timed_steps(&mut runner, opts, 1, l)?.median_ms;
+            verify.push(VerifyCost { draft_len: l, step_ms_median: ms, relative_to_decode: ms / base });
+        }
+    }
+    let forced = match opts.forced {
+        Some((l, al)) => {
+            runner.set_acceptance(AcceptanceMode::Synthetic(SyntheticSchedule::from_acceptance_length(al, l)?));
+            let t = timed_steps(&mut runner, opts, 1, l)?;
+            runner.set_acceptance(AcceptanceMode::Standard);
+            Some(ForcedResult {
+                draft_len: l,
+                acceptance_length: al,
+                measured_acceptance_length: t.tokens_per_row_step,
+                step_ms_median: t.median_ms,
+                tokens_per_second: t.tokens_per_second,
+            })
+        }
+        None => None,
+    };
+    Ok(CudaBenchReport {
+        options: opts.clone(),
+        device: runner.gpu().info.clone(),
+        load: runner.load_stats().clone(),
+        copy_bytes_per_second,
+        decode,
+        verify,
+        forced,
+    })
+}
+
+/// Device-to-device copy bandwidth over two 2 GiB buffers (bytes read plus written per second),
+/// the median of 10 copies after 2 warm-ups, timed with device events.
+pub fn copy_bandwidth(gpu: &Gpu) -> Result<f64> {
+    let bytes = 2usize << 30;
+    let (a, b) = (gpu.zeros::<u8>(bytes)?, gpu.zeros::<u8>(bytes)?);
+    let mut times = Vec::new();
+    for i in 0..12 {
+        let start =
+            gpu.stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| device_err("event", e))?;
+        gpu.copy::<u8>(gpu.ptr(&b), gpu.ptr(&a), bytes)?;
+        let end = gpu.stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| device_err("event", e))?;
+        let ms = start.elapsed_ms(&end).map_err(|e| device_err("event time", e))? as f64;
+        if i >= 2 {
+            times.push(ms);
+        }
+    }
+    Ok(2.0 * bytes as f64 / (median(&mut times) * 1e-3))
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => 0.5 * (v[n / 2 - 1] + v[n / 2]),
+    }
+}
+
+/// Deterministic prompt tokens of row `row`.
+fn prompt(len: usize, row: usize) -> Vec<TokenId> {
+    (0..len.max(1)).map(|i| ((i * 7919 + row * 104_729 + 13) % 100_000) as TokenId).collect()
+}
+
+/// Sequences prefilled with their prompts, and each one's last token.
+struct Batch {
+    states: Vec<StateId>,
+    last: Vec<TokenId>,
+}
+
+impl Batch {
+    fn new(runner: &mut CudaRunner, batch: usize, prompt_len: usize) -> Result<Self> {
+        let states = (0..batch).map(|_| runner.alloc_state()).collect::<Result<Vec<_>>>()?;
+        let prompts: Vec<Vec<TokenId>> = (0..batch).map(|r| prompt(prompt_len, r)).collect();
+        let prefill: Vec<RowInput> = states
+            .iter()
+            .zip(&prompts)
+            .filter(|(_, p)| p.len() > 1)
+            .map(|(s, p)| RowInput { state: *s, tokens: p[..p.len() - 1].to_vec(), sample: None })
+            .collect();
+        if !prefill.is_empty() {
+            runner.step(&prefill)?;
+        }
+        let last = prompts.iter().map(|p| p[p.len() - 1]).collect();
+        Ok(Batch { states, last })
+    }
+
+    fn rows(&self, draft_len: usize) -> Vec<RowInput> {
+        let sample = SampleRequest { params: SamplingParams::greedy(), draft_len };
+        self.states
+            .iter()
+            .zip(&self.last)
+            .map(|(s, t)| RowInput { state: *s, tokens: vec![*t; draft_len + 1], sample: Some(sample.clone()) })
+            .collect()
+    }
+
+    /// One step; returns the tokens generated over all rows.
+    fn step(
+        &mut self,
+        runner: &mut CudaRunner,
+        draft_len: usize,
+        trace: Option<&mut Vec<Vec<Routing<f32>>>>,
+    ) -> Result<usize> {
+        let out = runner.step_with_trace(&self.rows(draft_len), trace)?;
+        let mut generated = 0;
+        for (l, o) in self.last.iter_mut().zip(&out) {
+            generated += o.tokens.len();
+            *l = *o.tokens.last().unwrap_or(l);
+        }
+        Ok(generated)
+    }
+
+    fn free(self, runner: &mut CudaRunner) -> Result<()> {
+        self.states.into_iter().try_for_each(|s| runner.free_state(s))
+    }
+}
+
+struct Timed {
+    median_ms: f64,
+    mean_ms: f64,
+    tokens_per_second: f64,
+    tokens_per_row_step: f64,
+}
+
+fn time_steps(runner: &mut CudaRunner, b: &mut Batch, steps: usize, draft_len: usize) -> Result<Timed> {
+    for _ in 0..2 {
+        b.step(runner, draft_len, None)?;
+    }
+    let (mut times, mut generated) = (Vec::with_capacity(steps), 0usize);
+    for _ in 0..steps {
+        let t0 = Instant::now();
+        generated += b.step(runner, draft_len, None)?;
+        times.push(t0.elapsed().as_secs_f64() * 1e3);
+    }
+    let total_s: f64 = times.iter().sum::<f64>() * 1e-3;
+    let mean_ms = total_s * 1e3 / steps as f64;
+    Ok(Timed {
+        median_ms: median(&mut times),
+        mean_ms,
+        tokens_per_second: generated as f64 / total_s,
+        tokens_per_row_step: generated as f64 / (steps * b.states.len()) as f64,
+    })
+}
+
+fn timed_steps(runner: &mut CudaRunner, opts: &CudaBenchOptions, batch: usize, draft_len: usize) -> Result<Timed> {
+    let mut b = Batch::new(runner, batch, opts.prompt_len)?;
+    let t = time_steps(runner, &mut b, opts.steps, draft_len);
+    b.free(runner)?;
+    t
+}
+
+fn measure_batch(
+    runner: &mut CudaRunner,
+    opts: &CudaBenchOptions,
+    batch: usize,
+    copy_bytes_per_second: f64,
+) -> Result<BatchResult> {
+    let mut b = Batch::new(runner, batch, opts.prompt_len)?;
+    let result = measure_prefilled(runner, opts, &mut b, copy_bytes_per_second);
+    b.free(runner)?;
+    result
+}
+
+fn measure_prefilled(
+    runner: &mut CudaRunner,
+    opts: &CudaBenchOptions,
+    b: &mut Batch,
+    copy_bytes_per_second: f64,
+) -> Result<BatchResult> {
+    let batch = b.states.len();
+    let timed = time_steps(runner, b, opts.steps, opts.draft_len)?;
+    // One profiled step (device events at the span marks), then one traced step for the experts read.
+    let issued_before = runner.gpu().issued();
+    runner.gpu().start_profile();
+    let stepped = b.step(runner, opts.draft_len, None);
+    let spans = runner.gpu().finish_profile()?;
+    stepped?;
+    let issued_after = runner.gpu().issued();
+    let len_at_trace = runner.state_len(b.states[0])?;
+    let mut trace = Vec::new();
+    b.step(runner, opts.draft_len, Some(&mut trace))?;
+    let floor = floor(runner, b, opts.draft_len, len_at_trace, &trace, copy_bytes_per_second);
+    Ok(BatchResult {
+        batch,
+        draft_len: opts.draft_len,
+        step_ms_median: timed.median_ms,
+        step_ms_mean: timed.mean_ms,
+        tokens_per_second: timed.tokens_per_second,
+        tokens_per_step_per_row: timed.tokens_per_row_step,
+        profiled_device_ms: spans.iter().map(|s| s.ms).sum(),
+        launches_per_step: issued_after.0 - issued_before.0,
+        memory_ops_per_step: issued_after.1 - issued_before.1,
+        by_type: by_type(&spans),
+        floor_fraction: floor.floor_ms / timed.median_ms,
+        floor,
+    })
+}
+
+/// Sums the spans per layer type.
+fn by_type(spans: &[Span]) -> Vec<TypeCost> {
+    [SPAN_KDA, SPAN_MLA, SPAN_DENSE, SPAN_MOE, SPAN_HEAD]
+        .iter()
+        .filter_map(|kind| {
+            let of: Vec<&Span> = spans.iter().filter(|s| s.label == *kind).collect();
+            if of.is_empty() {
+                return None;
+            }
+            let (n, ms) = (of.len() as f64, of.iter().map(|s| s.ms).sum::<f64>());
+            Some(TypeCost {
+                kind: kind.to_string(),
+                layers: of.len(),
+                ms,
+                ms_per_layer: ms / n,
+                launches_per_layer: of.iter().map(|s| s.launches).sum::<u64>() as f64 / n,
+                memory_ops_per_layer: of.iter().map(|s| s.memory_ops).sum::<u64>() as f64 / n,
+            })
+        })
+        .collect()
+}
+
+fn lin(l: &DevLinear) -> u64 {
+    (l.w.len() * 2) as u64
+}
+
+fn norm(n: &DevNorm) -> u64 {
+    (n.w.len() * 2) as u64
+}
+
+/// `(non-expert weight bytes, bytes of one routed expert per MoE layer)` of the model.
+fn weight_bytes(w: &DevWeights, cfg: &ModelConfig) -> (u64, u64) {
+    let mut dense = (w.out_res.len() * 4) as u64 + norm(&w.norm) + lin(&w.lm_head);
+    let mut per_expert = 0u64;
+    for layer in &w.layers {
+        dense += ((layer.attn_res.len() + layer.mlp_res.len()) * 4) as u64
+            + norm(&layer.input_norm)
+            + norm(&layer.post_norm);
+        dense += match &layer.mixer {
+            DevMixer::Kda(k) => {
+                [&k.q_proj, &k.k_proj, &k.v_proj, &k.g_proj, &k.o_proj, &k.f_a_proj, &k.f_b_proj, &k.b_proj]
+                    .iter()
+                    .map(|l| lin(l))
+                    .sum::<u64>()
+                    + ((k.conv.iter().map(|c| c.len()).sum::<usize>() + k.a.len() + k.dt_bias.len() + k.o_norm.len())
+                        * 4) as u64
+            }
+            DevMixer::Mla(m) => {
+                [&m.q_a_proj, &m.q_b_proj, &m.kv_a_proj, &m.kv_b_proj, &m.g_proj, &m.o_proj]
+                    .iter()
+                    .map(|l| lin(l))
+                    .sum::<u64>()
+                    + norm(&m.q_a_norm)
+                    + norm(&m.kv_a_norm)
+            }
+        };
+        dense += match &layer.ffn {
+            DevFfn::Dense(m) => lin(&m.gate) + lin(&m.up) + lin(&m.down),
+            DevFfn::Moe(m) => {
+                let experts = [&m.w1, &m.w2, &m.w3].iter().map(|x| x.packed.len() + x.scales.len()).sum::<usize>();
+                per_expert = (experts / cfg.moe.num_experts) as u64;
+                lin(&m.router)
+                    + (m.bias.len() * 4) as u64
+                    + lin(&m.down)
+                    + lin(&m.up)
+                    + norm(&m.norm)
+                    + m.shared.as_ref().map_or(0, |s| lin(&s.gate) + lin(&s.up) + lin(&s.down))
+            }
+        };
+    }
+    (dense, per_expert)
+}
+
+/// The bytes of one step of `b` (see the module invariants); `len` is the sequences' length before it.
+fn floor(
+    runner: &CudaRunner,
+    b: &Batch,
+    draft_len: usize,
+    len: usize,
+    trace: &[Vec<Routing<f32>>],
+    copy_bytes_per_second: f64,
+) -> Floor {
+    let cfg = &runner.model().cfg;
+    let (dense, per_expert) = weight_bytes(&runner.model().weights, cfg);
+    let experts_read: usize = trace
+        .iter()
+        .map(|layer| layer.iter().flat_map(|r| r.experts.iter().copied()).collect::<BTreeSet<_>>().len())
+        .sum();
+    let rows = b.states.len() as u64;
+    let window = (draft_len + 1) as u64;
+    let k = &cfg.kda;
+    let kda_state = (k.num_heads * k.head_dim * k.head_dim * 4 + 3 * (k.conv_kernel - 1) * k.proj_dim() * 2) as u64;
+    let latent = (cfg.mla.latent_dim() * 2) as u64;
+    let mut f = Floor {
+        dense_weight_bytes: dense,
+        expert_bytes: experts_read as u64 * per_expert,
+        experts_read,
+        embed_bytes: rows * window * (cfg.hidden_size * 2) as u64,
+        state_bytes: 2 * rows * cfg.kda_layers().len() as u64 * kda_state,
+        kv_bytes: rows * cfg.mla_layers().len() as u64 * (len as u64 + window) * latent,
+        ..Floor::default()
+    };
+    f.total_bytes = f.dense_weight_bytes + f.expert_bytes + f.embed_bytes + f.state_bytes + f.kv_bytes;
+    f.floor_ms = f.total_bytes as f64 / copy_bytes_per_second * 1e3;
+    f
+}
+
+impl CudaBenchReport {
+    /// A readable summary of the report.
+    pub fn table(&self) -> String {
+        let mut s = String::new();
+        let o = &self.options;
+        s += &format!(
+            "sparkd bench: {} on {} ({:?} GEMM), prompt {} tokens, {} timed steps\n",
+            o.preset, self.device.name, o.gemm, o.prompt_len, o.steps
+        );
+        s += &format!(
+            "load: {:.1} GB of weights in {:.1} s ({:.2} GB/s); kernels ready in {:.2} s; copy bandwidth {:.0} GB/s (read+write)\n",
+            self.load.weight_bytes as f64 / 1e9,
+            self.load.weights_seconds,
+            self.load.weight_bytes as f64 / 1e9 / self.load.weights_seconds,
+            self.load.kernel_setup_seconds,
+            self.copy_bytes_per_second / 1e9
+        );
+        s += "batch  step ms  tok/s     floor ms  floor%  launches/step  | per layer: kind ms (launches)\n";
+        for r in &self.decode {
+            let types: Vec<String> = r
+                .by_type
+                .iter()
+                .map(|t| format!("{} {:.3} ({:.0})", t.kind, t.ms_per_layer, t.launches_per_layer))
+                .collect();
+            s += &format!(
+                "{:>5}  {:>7.3}  {:>8.1}  {:>8.3}  {:>5.1}%  {:>13}  | {}\n",
+                r.batch,
+                r.step_ms_median,
+                r.tokens_per_second,
+                r.floor.floor_ms,
+                100.0 * r.floor_fraction,
+                r.launches_per_step,
+                types.join(", ")
+            );
+        }
+        if !self.verify.is_empty() {
+            s += "verify window at batch 1 (lossless greedy): ℓ  step ms  ×decode\n";
+            for v in &self.verify {
+                s += &format!("  {:>2}  {:>7.3}  {:>5.2}\n", v.draft_len, v.step_ms_median, v.relative_to_decode);
+            }
+        }
+        if let Some(f) = &self.forced {
+            s += &format!(
+                "forced AL {} at ℓ = {}, batch 1: measured AL {:.2}, step {:.3} ms, {:.1} tokens/s\n",
+                f.acceptance_length, f.draft_len, f.measured_acceptance_length, f.step_ms_median, f.tokens_per_second
+            );
+        }
+        s
+    }
+}
