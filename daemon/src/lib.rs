@@ -1,4 +1,6 @@
 //! sparkd serving library.
+pub mod api;
+pub mod config;
 pub mod engine;
 pub mod metrics;
 pub mod tokenizer;

@@ -1,0 +1,195 @@
+//! The API layer's one error type and its one mapping to HTTP statuses and OpenAI error JSON.
+//!
+//! Invariants:
+//! - Every way a client request can fail is a variant that names what is wrong (the field, for validation);
+//!   nothing in the API layer panics on input.
+//! - [`ApiError::kind`] is a stable, low-cardinality string: the `kind` label of `sparkd:errors_total` and the
+//!   `code` of the error JSON. [`ApiError::status`] is the only place that picks an HTTP status.
+//! - The body is OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+
+use hyper::StatusCode;
+use serde::Serialize;
+
+use crate::engine::types::EngineError;
+use crate::tokenizer::TokenizerError;
+
+/// Why a request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// A field is missing, has the wrong type or an out-of-range value.
+    #[error("{message}")]
+    InvalidField { param: String, message: String },
+    /// The body is not JSON, or not a JSON object.
+    #[error("request body is not valid JSON: {0}")]
+    InvalidJson(String),
+    /// Prompt plus requested output exceed the context length.
+    #[error(
+        "This model's maximum context length is {max_model_len} tokens. However, you requested {requested} tokens \
+         ({prompt_tokens} in the messages, {max_tokens} in the completion). Please reduce the length of the messages or completion."
+    )]
+    ContextLength { max_model_len: usize, requested: usize, prompt_tokens: usize, max_tokens: usize },
+    /// The body is larger than `--max-body-bytes`.
+    #[error("request body is larger than {limit} bytes")]
+    BodyTooLarge { limit: usize },
+    /// No such route.
+    #[error("no route for {method} {path}")]
+    NotFound { method: String, path: String },
+    /// `previous_response_id` names no kept response.
+    #[error("previous_response_id `{0}` is not a kept response (never stored, or dropped)")]
+    UnknownResponse(String),
+    /// The engine thread is gone: the daemon cannot serve.
+    #[error("the engine is not running")]
+    EngineUnavailable,
+    /// The engine failed while serving the request (it counted the error itself).
+    #[error("engine error: {0}")]
+    Engine(EngineError),
+    /// Rendering the prompt or decoding the output failed.
+    #[error("tokenizer: {0}")]
+    Tokenizer(#[from] TokenizerError),
+    /// The daemon failed in a way that is not the client's fault.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl ApiError {
+    /// A validation error naming `param`.
+    pub fn field(param: impl Into<String>, message: impl Into<String>) -> Self {
+        ApiError::InvalidField { param: param.into(), message: message.into() }
+    }
+
+    /// A stable name for the error: metric label and JSON `code`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ApiError::InvalidField { .. } => "invalid_field",
+            ApiError::InvalidJson(_) => "invalid_json",
+            ApiError::ContextLength { .. } => "context_length_exceeded",
+            ApiError::BodyTooLarge { .. } => "body_too_large",
+            ApiError::NotFound { .. } => "not_found",
+            ApiError::UnknownResponse(_) => "unknown_response",
+            ApiError::EngineUnavailable => "engine_unavailable",
+            ApiError::Engine(e) => e.kind(),
+            ApiError::Tokenizer(e) => e.kind(),
+            ApiError::Internal(_) => "internal",
+        }
+    }
+
+    /// Counts the error in `sparkd:errors_total{kind}`, unless the engine already did (errors it raised).
+    pub fn count(&self) {
+        if !matches!(self, ApiError::Engine(_)) {
+            metrics::counter!(crate::metrics::ERRORS_TOTAL, "kind" => self.kind()).increment(1);
+        }
+    }
+
+    /// The HTTP status this error is answered with.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::InvalidField { .. } | ApiError::InvalidJson(_) | ApiError::ContextLength { .. } => {
+                StatusCode::BAD_REQUEST
+            }
+            ApiError::UnknownResponse(_) => StatusCode::BAD_REQUEST,
+            ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
+            ApiError::EngineUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Engine(EngineError::InvalidRequest(_) | EngineError::UnknownResponse(_)) => {
+                StatusCode::BAD_REQUEST
+            }
+            ApiError::Engine(EngineError::Stopped) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Engine(EngineError::Runner { .. }) => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Tokenizer(TokenizerError::UnknownRole { .. } | TokenizerError::UnknownTokenId(_)) => {
+                StatusCode::BAD_REQUEST
+            }
+            ApiError::Tokenizer(_) | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The field the error is about, when there is one.
+    pub fn param(&self) -> Option<&str> {
+        match self {
+            ApiError::InvalidField { param, .. } => Some(param),
+            ApiError::ContextLength { .. } => Some("messages"),
+            ApiError::UnknownResponse(_) | ApiError::Engine(EngineError::UnknownResponse(_)) => {
+                Some("previous_response_id")
+            }
+            ApiError::Tokenizer(TokenizerError::UnknownRole { .. }) => Some("messages"),
+            _ => None,
+        }
+    }
+
+    /// OpenAI's error `type`.
+    pub fn error_type(&self) -> &'static str {
+        match self.status() {
+            StatusCode::SERVICE_UNAVAILABLE | StatusCode::INTERNAL_SERVER_ERROR => "server_error",
+            StatusCode::NOT_FOUND => "not_found_error",
+            _ => "invalid_request_error",
+        }
+    }
+
+    /// The OpenAI error object, `{"message", "type", "param", "code"}`.
+    pub fn body(&self) -> ErrorObject {
+        ErrorObject {
+            message: self.to_string(),
+            kind: self.error_type(),
+            param: self.param().map(str::to_owned),
+            code: self.kind(),
+        }
+    }
+
+    /// The full JSON document `{"error": {...}}`.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(&ErrorBody { error: self.body() })
+            .unwrap_or_else(|_| r#"{"error":{"message":"unserializable error"}}"#.to_string())
+    }
+}
+
+impl From<EngineError> for ApiError {
+    fn from(e: EngineError) -> Self {
+        match e {
+            EngineError::Stopped => ApiError::EngineUnavailable,
+            EngineError::UnknownResponse(id) => ApiError::UnknownResponse(id.0),
+            other => ApiError::Engine(other),
+        }
+    }
+}
+
+/// OpenAI's error object.
+#[derive(Clone, Debug, Serialize)]
+pub struct ErrorObject {
+    pub message: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: &'static str,
+}
+
+#[derive(Serialize)]
+struct ErrorBody {
+    error: ErrorObject,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validation_errors_name_the_field_and_are_400() {
+        let e = ApiError::field("temperature", "`temperature` must be between 0 and 2, got 7");
+        assert_eq!(e.status(), StatusCode::BAD_REQUEST);
+        let v: serde_json::Value = serde_json::from_str(&e.to_json()).unwrap();
+        assert_eq!(v["error"]["param"], "temperature");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert_eq!(v["error"]["code"], "invalid_field");
+        assert!(v["error"]["message"].as_str().unwrap().contains("temperature"));
+    }
+
+    #[test]
+    fn context_errors_say_maximum_context_length_and_engine_loss_is_503() {
+        let e = ApiError::ContextLength { max_model_len: 10, requested: 12, prompt_tokens: 8, max_tokens: 4 };
+        assert_eq!(e.status(), StatusCode::BAD_REQUEST);
+        assert!(e.to_string().contains("maximum context length"));
+        let gone: ApiError = EngineError::Stopped.into();
+        assert_eq!(gone.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(gone.kind(), "engine_unavailable");
+        let unknown: ApiError = EngineError::UnknownResponse(crate::engine::types::ResponseId("resp_x".into())).into();
+        assert_eq!(unknown.param(), Some("previous_response_id"));
+    }
+}

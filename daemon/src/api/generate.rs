@@ -1,0 +1,424 @@
+//! One request's life against the engine, shared by every endpoint: submit, turn engine events into text
+//! deltas (incremental detokenization, stop strings), and finish with usage, timings and the API's metrics.
+//!
+//! Invariants:
+//! - A [`Generation`] that is dropped before its terminal event closes its event channel, so the engine cancels
+//!   the request and frees its state (a client that went away); it counts as finished with reason `abort`.
+//! - Stop strings are matched on the detokenized text. Text that could still be the start of a stop string is
+//!   held back (at most the longest stop string minus one byte), so returned text never contains a stop
+//!   string and always ends before the first one; on a match the engine request is cancelled and the finish
+//!   reason is `stop`, with `completion_tokens` counting the tokens up to the one that completed the match.
+//! - Deltas carry the tokens and log-probabilities of the step even when their text is held back.
+//! - Timings (aesthetics.md §6 rule 7) are measured here, from the request's arrival at the API.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use sparkd_kernels::runner::TokenLogprob;
+use sparkd_kernels::TokenId;
+use tokio::sync::mpsc;
+
+use super::error::ApiError;
+use super::openai::GenerationParams;
+use super::AppState;
+use crate::engine::types::{EngineError, EngineEvent, FinishReason, GenerateRequest, RequestId, ResponseId, Usage};
+use crate::metrics as m;
+use crate::tokenizer::IncrementalDecoder;
+
+/// Capacity of a request's event channel (engine → API).
+pub const EVENT_CHANNEL: usize = 64;
+
+/// What to generate.
+#[derive(Clone, Debug)]
+pub struct GenerationSpec {
+    pub prompt: Vec<TokenId>,
+    pub continue_from: Option<ResponseId>,
+    pub keep_as: Option<ResponseId>,
+    pub params: GenerationParams,
+    /// The resolved output limit.
+    pub max_tokens: usize,
+    pub arrival: Instant,
+}
+
+/// Text and tokens of one engine step.
+#[derive(Clone, Debug, Default)]
+pub struct Delta {
+    /// Text that became final (may be empty while a stop string might be forming or a character is split).
+    pub text: String,
+    pub tokens: Vec<TokenId>,
+    /// One per token when log-probabilities were asked for.
+    pub logprobs: Vec<TokenLogprob>,
+    /// Completion tokens so far, this step included.
+    pub completion_tokens: usize,
+}
+
+/// Per-request timings and counts, sent as `timings` on the final frame.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct Timings {
+    pub prompt_tokens: usize,
+    pub cached_tokens: usize,
+    /// Prompt tokens this request computed (prompt − cached).
+    pub prefill_tokens: usize,
+    pub completion_tokens: usize,
+    pub draft_proposed: usize,
+    pub draft_accepted: usize,
+    pub queue_ms: f64,
+    pub ttft_ms: f64,
+    /// First to last token.
+    pub decode_ms: f64,
+    /// (completion tokens − 1) / decode time.
+    pub decode_tps: f64,
+    pub e2e_ms: f64,
+}
+
+/// Speculative-decoding stats in the form AIPerf reads (`metrics.speculative_decoding`, agentx.md §2.4).
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct SpecDecodeStats {
+    /// Verify steps by number of accepted drafts (string keys, bonus token excluded).
+    pub acceptance_histogram: BTreeMap<String, usize>,
+    pub num_spec_steps: usize,
+    pub mean_acceptance_length: f64,
+    pub draft_acceptance_rate: f64,
+    pub num_accepted_draft_tokens: usize,
+    pub num_draft_tokens: usize,
+    /// Present (true) only when acceptance was forced (`--spec-synthetic-al`): the text is not the model's.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub synthetic_acceptance: bool,
+}
+
+/// How a request ended.
+#[derive(Clone, Debug)]
+pub struct Outcome {
+    /// "stop", "length" or "abort".
+    pub finish_reason: &'static str,
+    pub usage: Usage,
+    pub timings: Timings,
+    /// `None` when no drafts were verified.
+    pub spec: Option<SpecDecodeStats>,
+    /// The last token the engine produced (kept responses remember it).
+    pub last_token: Option<TokenId>,
+}
+
+/// A step of progress.
+#[derive(Clone, Debug)]
+pub enum Progress {
+    Delta(Delta),
+    Done(Outcome),
+}
+
+/// Holds back text that may be the start of a stop string.
+#[derive(Clone, Debug, Default)]
+pub struct StopStrings {
+    stops: Vec<String>,
+    /// Longest stop string in bytes.
+    longest: usize,
+    pending: String,
+    matched: bool,
+}
+
+impl StopStrings {
+    pub fn new(stops: Vec<String>) -> Self {
+        let longest = stops.iter().map(String::len).max().unwrap_or(0);
+        StopStrings { stops, longest, pending: String::new(), matched: false }
+    }
+
+    /// Whether a stop string was found (later text is discarded).
+    pub fn matched(&self) -> bool {
+        self.matched
+    }
+
+    /// Adds text; returns what can be released.
+    pub fn feed(&mut self, text: &str) -> String {
+        if self.matched {
+            return String::new();
+        }
+        if self.stops.is_empty() {
+            return text.to_string();
+        }
+        self.pending.push_str(text);
+        if let Some(cut) = self.stops.iter().filter_map(|s| self.pending.find(s.as_str())).min() {
+            self.matched = true;
+            let out = self.pending[..cut].to_string();
+            self.pending.clear();
+            return out;
+        }
+        let mut keep_from = self.pending.len().saturating_sub(self.longest - 1);
+        while !self.pending.is_char_boundary(keep_from) {
+            keep_from -= 1;
+        }
+        let tail = self.pending.split_off(keep_from);
+        std::mem::replace(&mut self.pending, tail)
+    }
+
+    /// Releases what was held back (nothing after a match).
+    pub fn finish(&mut self) -> String {
+        std::mem::take(&mut self.pending)
+    }
+}
+
+/// One request in flight.
+pub struct Generation {
+    state: Arc<AppState>,
+    id: RequestId,
+    events: mpsc::Receiver<EngineEvent>,
+    decoder: IncrementalDecoder,
+    stop: StopStrings,
+    arrival: Instant,
+    started: Option<(usize, usize, Duration)>,
+    first_token_at: Option<Instant>,
+    last_token_at: Option<Instant>,
+    completion_tokens: usize,
+    /// Completion tokens when a stop string matched.
+    stop_at_tokens: Option<usize>,
+    last_token: Option<TokenId>,
+    acceptance: BTreeMap<String, usize>,
+    spec_steps: usize,
+    /// The outcome, once the terminal event arrived but a last delta was still to be returned.
+    finished: Option<Outcome>,
+    done: bool,
+}
+
+impl Generation {
+    /// Submits the request to the engine.
+    pub async fn start(state: &Arc<AppState>, spec: GenerationSpec) -> Result<Generation, ApiError> {
+        let id = state.next_request_id();
+        let (tx, rx) = mpsc::channel(EVENT_CHANNEL);
+        let mut stop_token_ids = state.tokenizer().eos_ids().to_vec();
+        stop_token_ids.extend_from_slice(&spec.params.stop_token_ids);
+        let request = GenerateRequest {
+            id,
+            prompt: spec.prompt,
+            continue_from: spec.continue_from,
+            keep_as: spec.keep_as,
+            sampling: spec.params.sampling.clone(),
+            max_tokens: spec.max_tokens,
+            ignore_eos: spec.params.ignore_eos,
+            stop_token_ids,
+            arrival: spec.arrival,
+            num_spec_tokens: spec.params.num_spec_tokens,
+        };
+        state.engine.submit(request, tx).await?;
+        Ok(Generation {
+            state: state.clone(),
+            id,
+            events: rx,
+            decoder: IncrementalDecoder::new(state.tokenizer().clone()),
+            stop: StopStrings::new(spec.params.stop),
+            arrival: spec.arrival,
+            started: None,
+            first_token_at: None,
+            last_token_at: None,
+            completion_tokens: 0,
+            stop_at_tokens: None,
+            last_token: None,
+            acceptance: BTreeMap::new(),
+            spec_steps: 0,
+            finished: None,
+            done: false,
+        })
+    }
+
+    /// The engine's id of this request.
+    pub fn id(&self) -> RequestId {
+        self.id
+    }
+
+    /// Prompt tokens as the engine reported them when the request started (0 before that).
+    pub fn prompt_tokens(&self) -> usize {
+        self.started.map_or(0, |(prompt, _, _)| prompt)
+    }
+
+    /// Cached prompt tokens as the engine reported them when the request started (0 before that).
+    pub fn cached_tokens(&self) -> usize {
+        self.started.map_or(0, |(_, cached, _)| cached)
+    }
+
+    /// Asks the engine to stop the request; it then finishes with reason "abort".
+    pub async fn cancel(&self) {
+        // A failed send means the engine is gone; `next` reports that.
+        let _ = self.state.engine.cancel(self.id).await;
+    }
+
+    /// The next delta or the outcome. After `Done` (or an error) the generation is over.
+    pub async fn next(&mut self) -> Result<Progress, ApiError> {
+        if let Some(outcome) = self.finished.take() {
+            self.done = true;
+            return Ok(Progress::Done(outcome));
+        }
+        loop {
+            let Some(event) = self.events.recv().await else {
+                self.done = true;
+                return Err(ApiError::EngineUnavailable);
+            };
+            match event {
+                EngineEvent::Started { prompt_tokens, cached_tokens, queue_time } => {
+                    self.started = Some((prompt_tokens, cached_tokens, queue_time));
+                }
+                EngineEvent::Tokens { tokens, logprobs, drafted, accepted } => {
+                    if self.stop.matched() {
+                        continue;
+                    }
+                    let now = Instant::now();
+                    self.first_token_at.get_or_insert(now);
+                    self.last_token_at = Some(now);
+                    self.completion_tokens += tokens.len();
+                    self.last_token = tokens.last().copied().or(self.last_token);
+                    if drafted > 0 {
+                        self.spec_steps += 1;
+                        *self.acceptance.entry(accepted.to_string()).or_insert(0) += 1;
+                    }
+                    let text = self.decoder.push(&tokens);
+                    let text = self.stop.feed(&text);
+                    if self.stop.matched() {
+                        self.stop_at_tokens = Some(self.completion_tokens);
+                        self.cancel().await;
+                    }
+                    return Ok(Progress::Delta(Delta {
+                        text,
+                        tokens,
+                        logprobs,
+                        completion_tokens: self.completion_tokens,
+                    }));
+                }
+                EngineEvent::Finished { reason, usage } => {
+                    let mut tail = String::new();
+                    if !self.stop.matched() {
+                        let flushed = self.decoder.finish();
+                        tail = self.stop.feed(&flushed);
+                        if !self.stop.matched() {
+                            tail.push_str(&self.stop.finish());
+                        }
+                    }
+                    let outcome = self.outcome(reason, usage);
+                    self.record_metrics(&outcome);
+                    if tail.is_empty() {
+                        self.done = true;
+                        return Ok(Progress::Done(outcome));
+                    }
+                    self.finished = Some(outcome);
+                    return Ok(Progress::Delta(Delta {
+                        text: tail,
+                        tokens: Vec::new(),
+                        logprobs: Vec::new(),
+                        completion_tokens: self.completion_tokens,
+                    }));
+                }
+                EngineEvent::Failed(e) => {
+                    self.done = true;
+                    return Err(match e {
+                        EngineError::Stopped => ApiError::EngineUnavailable,
+                        e => ApiError::Engine(e),
+                    });
+                }
+            }
+        }
+    }
+
+    fn outcome(&self, reason: FinishReason, mut usage: Usage) -> Outcome {
+        let finish_reason = match (self.stop_at_tokens, reason) {
+            (Some(n), _) => {
+                usage.completion_tokens = n;
+                "stop"
+            }
+            (None, r) => r.as_str(),
+        };
+        let end = self.last_token_at.unwrap_or_else(Instant::now);
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let decode = match (self.first_token_at, self.last_token_at) {
+            (Some(a), Some(b)) => b - a,
+            _ => Duration::ZERO,
+        };
+        let decode_tps = if usage.completion_tokens > 1 && !decode.is_zero() {
+            (usage.completion_tokens - 1) as f64 / decode.as_secs_f64()
+        } else {
+            0.0
+        };
+        let timings = Timings {
+            prompt_tokens: usage.prompt_tokens,
+            cached_tokens: usage.cached_tokens,
+            prefill_tokens: usage.prompt_tokens.saturating_sub(usage.cached_tokens),
+            completion_tokens: usage.completion_tokens,
+            draft_proposed: usage.draft_tokens,
+            draft_accepted: usage.accepted_draft_tokens,
+            queue_ms: self.started.map_or(0.0, |(_, _, q)| ms(q)),
+            ttft_ms: self.first_token_at.map_or(0.0, |t| ms(t - self.arrival)),
+            decode_ms: ms(decode),
+            decode_tps,
+            e2e_ms: ms(end - self.arrival),
+        };
+        let spec = (self.spec_steps > 0).then(|| SpecDecodeStats {
+            acceptance_histogram: self.acceptance.clone(),
+            num_spec_steps: self.spec_steps,
+            mean_acceptance_length: 1.0 + usage.accepted_draft_tokens as f64 / self.spec_steps as f64,
+            draft_acceptance_rate: if usage.draft_tokens == 0 {
+                0.0
+            } else {
+                usage.accepted_draft_tokens as f64 / usage.draft_tokens as f64
+            },
+            num_accepted_draft_tokens: usage.accepted_draft_tokens,
+            num_draft_tokens: usage.draft_tokens,
+            synthetic_acceptance: usage.forced_acceptance,
+        });
+        Outcome { finish_reason, usage, timings, spec, last_token: self.last_token }
+    }
+
+    /// The metrics the API layer owns (see `metrics.rs`): e2e, per-request TPOT, success, lengths, interactivity.
+    fn record_metrics(&self, o: &Outcome) {
+        let t = &o.timings;
+        metrics::counter!(m::REQUEST_SUCCESS_TOTAL, "finished_reason" => o.finish_reason).increment(1);
+        metrics::histogram!(m::E2E_REQUEST_LATENCY_SECONDS).record(t.e2e_ms / 1e3);
+        metrics::histogram!(m::REQUEST_PROMPT_TOKENS).record(o.usage.prompt_tokens as f64);
+        metrics::histogram!(m::REQUEST_GENERATION_TOKENS).record(o.usage.completion_tokens as f64);
+        if o.usage.completion_tokens > 1 {
+            let itl = t.decode_ms / 1e3 / (o.usage.completion_tokens - 1) as f64;
+            metrics::histogram!(m::REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS).record(itl);
+            self.state.record_request_itl(itl);
+        }
+    }
+}
+
+impl Drop for Generation {
+    fn drop(&mut self) {
+        if !self.done {
+            // Dropping `events` closes the request's channel: the engine's next send fails, and it cancels the
+            // request, frees its state and counts the disconnect.
+            metrics::counter!(m::REQUEST_SUCCESS_TOTAL, "finished_reason" => FinishReason::Cancelled.as_str())
+                .increment(1);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(stops: &[&str], pieces: &[&str]) -> (String, bool) {
+        let mut s = StopStrings::new(stops.iter().map(|x| x.to_string()).collect());
+        let mut out = String::new();
+        for p in pieces {
+            out.push_str(&s.feed(p));
+        }
+        if !s.matched() {
+            out.push_str(&s.finish());
+        }
+        (out, s.matched())
+    }
+
+    #[test]
+    fn stop_strings_cut_before_the_match_even_across_pieces() {
+        assert_eq!(run(&["END"], &["abc E", "N", "Dxyz"]), ("abc ".to_string(), true));
+        assert_eq!(run(&["END", "c"], &["ab", "cEND"]), ("ab".to_string(), true));
+        assert_eq!(run(&["zz"], &["abc", "def"]), ("abcdef".to_string(), false));
+        assert_eq!(run(&[], &["a", "b"]), ("ab".to_string(), false));
+    }
+
+    #[test]
+    fn held_back_text_is_released_only_when_it_cannot_start_a_match() {
+        let mut s = StopStrings::new(vec!["STOP".into()]);
+        assert_eq!(s.feed("hello ST"), "hello");
+        assert_eq!(s.feed("ay"), " S");
+        assert_eq!(s.feed("é日本"), "Tayé日");
+        assert_eq!(s.finish(), "本");
+    }
+}

@@ -1,0 +1,337 @@
+//! The hyper 1 server: accept loop with graceful shutdown, routing, and the chat/completions handlers.
+//!
+//! Invariants:
+//! - One port serves HTTP/1.1 (keep-alive, no idle timeout: AIPerf keeps pooled connections for 300 s), h2 with
+//!   prior knowledge, and the WebSocket upgrade at `GET /v1/responses` (rust-stack.md §2.2, §2.3).
+//! - On shutdown the listener closes first, in-flight HTTP requests get [`DRAIN_TIMEOUT`] to finish, and open
+//!   WebSockets are closed through `AppState::shutdown`.
+//! - Every answer is counted in `sparkd:http_requests_total{endpoint,status}`; every error answer also in
+//!   `sparkd:errors_total{kind}` and carries OpenAI's error JSON.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::header::{HeaderValue, CACHE_CONTROL, CONTENT_TYPE};
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use serde_json::{json, Value};
+use sparkd_kernels::TokenId;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use super::error::ApiError;
+use super::generate::{Generation, GenerationSpec, Progress};
+use super::openai::{self, Prompt, StreamOptions, ValidRequest};
+use super::sse::SseWriter;
+use super::wire::{self, Chunk, ChunkChoice, ChunkHeader, ChunkKind, UsageJson};
+use super::{new_id, responses, unix_now, ws, AppState};
+use crate::metrics as m;
+
+/// How long in-flight requests may run after a shutdown signal.
+pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The response body type of every route.
+pub type Body = http_body_util::combinators::BoxBody<Bytes, Infallible>;
+
+/// Serves until `stop` turns true, then drains.
+pub async fn serve(listener: TcpListener, state: Arc<AppState>, mut stop: watch::Receiver<bool>) {
+    let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let (stream, _peer) = match accepted {
+                    Ok(conn) => conn,
+                    Err(e) => {
+                        tracing::warn!("accept failed: {e}");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                // Token streaming: no Nagle delay.
+                let _ = stream.set_nodelay(true);
+                let st = state.clone();
+                let svc = service_fn(move |req| route(st.clone(), req));
+                let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
+                let conn = graceful.watch(conn.into_owned());
+                tokio::spawn(async move {
+                    if let Err(e) = conn.await {
+                        tracing::debug!("connection ended with an error: {e}");
+                    }
+                });
+            }
+            _ = stop.changed() => break,
+        }
+    }
+    drop(listener);
+    tracing::info!("shutting down: draining open requests (at most {DRAIN_TIMEOUT:?})");
+    tokio::select! {
+        _ = graceful.shutdown() => {},
+        _ = tokio::time::sleep(DRAIN_TIMEOUT) => tracing::warn!("drain timed out; closing open connections"),
+    }
+}
+
+/// Dispatches one request.
+pub async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
+    let arrival = Instant::now();
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    let (endpoint, result) = match (&method, path.as_str()) {
+        (&Method::GET, "/health") => ("health", Ok(json_response(StatusCode::OK, &json!({"status": "ok"})))),
+        (&Method::GET, "/metrics") => ("metrics", Ok(metrics_response(&state))),
+        (&Method::GET, "/v1/models") => ("models", Ok(models_response(&state))),
+        (&Method::POST, "/v1/chat/completions") => {
+            ("chat_completions", chat_or_completion(&state, req, arrival, ChunkKind::Chat).await)
+        }
+        (&Method::POST, "/v1/completions") => {
+            ("completions", chat_or_completion(&state, req, arrival, ChunkKind::Completion).await)
+        }
+        (&Method::POST, "/v1/responses") => ("responses", responses::http(&state, req, arrival).await),
+        (&Method::GET, "/v1/responses") => ("responses_ws", ws::upgrade(&state, req)),
+        _ => ("other", Err(ApiError::NotFound { method: method.to_string(), path: path.clone() })),
+    };
+    let response = result.unwrap_or_else(|e| error_response(&e));
+    metrics::counter!(m::HTTP_REQUESTS_TOTAL, "endpoint" => endpoint, "status" => response.status().as_str().to_owned())
+        .increment(1);
+    Ok(response)
+}
+
+/// OpenAI error JSON with the error's status; counted in `sparkd:errors_total`.
+pub fn error_response(e: &ApiError) -> Response<Body> {
+    e.count();
+    tracing::debug!(kind = e.kind(), "request failed: {e}");
+    bytes_response(e.status(), "application/json", Bytes::from(e.to_json()))
+}
+
+fn bytes_response(status: StatusCode, content_type: &'static str, body: Bytes) -> Response<Body> {
+    let mut r = Response::new(Full::new(body).boxed());
+    *r.status_mut() = status;
+    r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    r
+}
+
+/// A JSON body.
+pub fn json_response(status: StatusCode, value: &Value) -> Response<Body> {
+    bytes_response(status, "application/json", Bytes::from(value.to_string()))
+}
+
+/// An SSE response around a channel body.
+pub fn sse_response(body: http_body_util::channel::Channel<Bytes, Infallible>) -> Response<Body> {
+    let mut r = Response::new(body.boxed());
+    let h = r.headers_mut();
+    h.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    h.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    h.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    r
+}
+
+fn metrics_response(state: &AppState) -> Response<Body> {
+    bytes_response(StatusCode::OK, "text/plain; version=0.0.4; charset=utf-8", Bytes::from(state.metrics.render()))
+}
+
+fn models_response(state: &AppState) -> Response<Body> {
+    json_response(
+        StatusCode::OK,
+        &json!({"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": state.started_unix, "owned_by": "sparkd",
+            "root": state.model_name, "max_model_len": state.max_model_len,
+        }]}),
+    )
+}
+
+/// Reads the whole body, at most `--max-body-bytes`, and parses it as JSON.
+pub async fn read_json(state: &AppState, req: Request<Incoming>) -> Result<Value, ApiError> {
+    let limit = state.max_body_bytes;
+    let collected = Limited::new(req.into_body(), limit).collect().await.map_err(|e| {
+        if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
+            ApiError::BodyTooLarge { limit }
+        } else {
+            ApiError::InvalidJson(format!("reading the body failed: {e}"))
+        }
+    })?;
+    openai::parse_body(&collected.to_bytes())
+}
+
+/// The prompt's token ids; token-id prompts are checked against the vocabulary.
+pub fn prompt_tokens(state: &AppState, prompt: &Prompt) -> Result<Vec<TokenId>, ApiError> {
+    match prompt {
+        Prompt::Chat(messages) => Ok(state.template.render(messages)?),
+        Prompt::Text(text) => Ok(state.tokenizer().encode(text)),
+        Prompt::Tokens(ids) => {
+            let vocab = state.tokenizer().vocab_size();
+            if let Some(i) = ids.iter().position(|&t| t as usize >= vocab) {
+                return Err(ApiError::field(
+                    format!("prompt[{i}]"),
+                    format!("`prompt[{i}]` = {} is outside the vocabulary (size {vocab})", ids[i]),
+                ));
+            }
+            Ok(ids.clone())
+        }
+    }
+}
+
+async fn chat_or_completion(
+    state: &Arc<AppState>,
+    req: Request<Incoming>,
+    arrival: Instant,
+    kind: ChunkKind,
+) -> Result<Response<Body>, ApiError> {
+    let body = read_json(state, req).await?;
+    let valid = match kind {
+        ChunkKind::Chat => openai::chat_request(&body)?,
+        ChunkKind::Completion => openai::completion_request(&body)?,
+    };
+    let prompt = prompt_tokens(state, &valid.prompt)?;
+    let max_tokens = openai::check_context(prompt.len(), valid.params.max_tokens, state.max_model_len)?;
+    let echo_text = match (&valid.prompt, valid.echo) {
+        (Prompt::Text(t), true) => Some(t.clone()),
+        (Prompt::Tokens(ids), true) => Some(state.tokenizer().decode_lossy(ids)?),
+        _ => None,
+    };
+    let spec = GenerationSpec {
+        prompt,
+        continue_from: None,
+        keep_as: None,
+        params: valid.params.clone(),
+        max_tokens,
+        arrival,
+    };
+    let generation = Generation::start(state, spec).await?;
+    let id = new_id(if kind == ChunkKind::Chat { "chatcmpl-" } else { "cmpl-" });
+    if valid.stream.stream {
+        let (writer, body) = SseWriter::new();
+        let st = state.clone();
+        tokio::spawn(async move { stream_chunks(st, generation, kind, id, valid, writer).await });
+        Ok(sse_response(body))
+    } else {
+        collect_body(state, generation, kind, &id, &valid, echo_text).await
+    }
+}
+
+/// Runs a generation to its end and answers with one JSON body.
+async fn collect_body(
+    state: &AppState,
+    mut generation: Generation,
+    kind: ChunkKind,
+    id: &str,
+    valid: &ValidRequest,
+    echo: Option<String>,
+) -> Result<Response<Body>, ApiError> {
+    let mut text = echo.unwrap_or_default();
+    let echo_len = text.len();
+    let mut logprobs = Vec::new();
+    let outcome = loop {
+        match generation.next().await? {
+            Progress::Delta(d) => {
+                text.push_str(&d.text);
+                logprobs.extend(d.logprobs);
+            }
+            Progress::Done(o) => break o,
+        }
+    };
+    let lp = valid.params.logprobs.map(|_| match kind {
+        ChunkKind::Chat => wire::chat_logprobs(state.tokenizer(), &logprobs),
+        ChunkKind::Completion => wire::completion_logprobs(state.tokenizer(), &logprobs, echo_len),
+    });
+    let header = ChunkHeader { id, created: unix_now(), model: &state.model_name };
+    Ok(json_response(StatusCode::OK, &wire::full_body(kind, header, &text, lp, &outcome)))
+}
+
+/// Streams a generation as chat/completion chunks; returns when done or when the client leaves (dropping the
+/// generation, which cancels it).
+async fn stream_chunks(
+    state: Arc<AppState>,
+    mut generation: Generation,
+    kind: ChunkKind,
+    id: String,
+    valid: ValidRequest,
+    mut w: SseWriter,
+) {
+    let header = ChunkHeader { id: &id, created: unix_now(), model: &state.model_name };
+    let StreamOptions { include_usage, continuous_usage, .. } = valid.stream;
+    let want_logprobs = valid.params.logprobs.is_some();
+    let mut text_len = 0usize;
+    if kind == ChunkKind::Chat {
+        let first = Chunk {
+            header,
+            choice: Some(ChunkChoice { role: Some("assistant"), text: "", logprobs: None, finish_reason: None }),
+            usage: None,
+            timings: None,
+            spec: None,
+        };
+        if w.data_with(|out| wire::write_chunk(out, kind, first)).await.is_err() {
+            return;
+        }
+    }
+    loop {
+        let progress = match generation.next().await {
+            Ok(p) => p,
+            Err(e) => {
+                e.count();
+                let _ = w.data(&json!({"error": e.body()})).await;
+                let _ = w.done().await;
+                return;
+            }
+        };
+        match progress {
+            Progress::Delta(d) => {
+                if d.text.is_empty() && !(want_logprobs && !d.logprobs.is_empty()) {
+                    continue;
+                }
+                let logprobs = want_logprobs.then(|| match kind {
+                    ChunkKind::Chat => wire::chat_logprobs(state.tokenizer(), &d.logprobs),
+                    ChunkKind::Completion => wire::completion_logprobs(state.tokenizer(), &d.logprobs, text_len),
+                });
+                text_len += d.text.len();
+                let chunk = Chunk {
+                    header,
+                    choice: Some(ChunkChoice { role: None, text: &d.text, logprobs, finish_reason: None }),
+                    usage: continuous_usage.then(|| {
+                        UsageJson::new(generation.prompt_tokens(), d.completion_tokens, generation.cached_tokens())
+                    }),
+                    timings: None,
+                    spec: None,
+                };
+                if w.data_with(|out| wire::write_chunk(out, kind, chunk)).await.is_err() {
+                    return;
+                }
+            }
+            Progress::Done(o) => {
+                let last = Chunk {
+                    header,
+                    choice: Some(ChunkChoice {
+                        role: None,
+                        text: "",
+                        logprobs: None,
+                        finish_reason: Some(o.finish_reason),
+                    }),
+                    usage: continuous_usage.then(|| UsageJson::from_usage(&o.usage)),
+                    timings: (!include_usage).then_some(&o.timings),
+                    spec: if include_usage { None } else { o.spec.as_ref() },
+                };
+                if w.data_with(|out| wire::write_chunk(out, kind, last)).await.is_err() {
+                    return;
+                }
+                if include_usage {
+                    let usage_chunk = Chunk {
+                        header,
+                        choice: None,
+                        usage: Some(UsageJson::from_usage(&o.usage)),
+                        timings: Some(&o.timings),
+                        spec: o.spec.as_ref(),
+                    };
+                    if w.data_with(|out| wire::write_chunk(out, kind, usage_chunk)).await.is_err() {
+                        return;
+                    }
+                }
+                let _ = w.done().await;
+                return;
+            }
+        }
+    }
+}

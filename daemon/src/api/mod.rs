@@ -1,0 +1,126 @@
+//! The serving surface: HTTP (OpenAI chat/completions/responses, SSE), the Responses WebSocket, `/metrics`.
+//!
+//! Layout (aesthetics.md §6 rule 1): [`http`] (hyper server, routes, graceful shutdown), [`openai`] (request
+//! parsing and validation), [`wire`] (response JSON), [`sse`] (event-stream bodies), [`ws`] (Responses
+//! WebSocket mode), [`generate`] (one request's life against the engine: detokenize, stop strings, usage and
+//! timings), [`error`] (the one error type and its HTTP mapping).
+//!
+//! Invariants:
+//! - The API layer never touches the model: it talks to the engine thread only through [`EngineHandle`]
+//!   (bounded channels). Control-plane maps ([`AppState::kept`]) hold no engine state, only what the API needs
+//!   to render continuations.
+//! - A request whose client goes away is cancelled in the engine (its [`generate::Generation`] is dropped).
+
+pub mod error;
+pub mod generate;
+pub mod http;
+pub mod openai;
+pub mod responses;
+pub mod sse;
+pub mod wire;
+pub mod ws;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use dashmap::DashMap;
+use metrics_exporter_prometheus::PrometheusHandle;
+use sparkd_kernels::TokenId;
+use tokio::sync::watch;
+
+use crate::engine::types::{EngineHandle, RequestId};
+use crate::metrics::{InteractivityWindow, INTERACTIVITY_P90_TOKENS_PER_SECOND};
+use crate::tokenizer::{ChatTemplate, Tokenizer};
+
+/// Finished requests the P90 interactivity gauge looks back over (at most this many ...).
+pub const INTERACTIVITY_WINDOW_REQUESTS: usize = 1000;
+/// ... and none older than this.
+pub const INTERACTIVITY_WINDOW: Duration = Duration::from_secs(300);
+
+/// What the API remembers of a kept response, to render a continuation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KeptResponse {
+    /// The last token of the kept state (decides whether the continuation starts with `<|im_end|>`).
+    pub last_token: TokenId,
+    /// Tokens in the kept state (prompt + output), for the context-length check.
+    pub len: usize,
+}
+
+/// Everything a connection task needs. Shared as `Arc<AppState>`.
+pub struct AppState {
+    pub engine: EngineHandle,
+    pub template: ChatTemplate,
+    pub model_name: String,
+    pub max_model_len: usize,
+    pub max_body_bytes: usize,
+    pub metrics: PrometheusHandle,
+    /// Kept responses by id (the Responses API's `store`).
+    pub kept: DashMap<String, KeptResponse>,
+    /// Turns to `true` when the server shuts down (WebSockets close on it).
+    pub shutdown: watch::Receiver<bool>,
+    /// Unix time of start-up (`created` of `/v1/models`).
+    pub started_unix: u64,
+    interactivity: Mutex<InteractivityWindow>,
+    next_request: AtomicU64,
+}
+
+impl AppState {
+    pub fn new(
+        engine: EngineHandle,
+        template: ChatTemplate,
+        model_name: String,
+        max_model_len: usize,
+        max_body_bytes: usize,
+        metrics: PrometheusHandle,
+        shutdown: watch::Receiver<bool>,
+    ) -> Self {
+        AppState {
+            engine,
+            template,
+            model_name,
+            max_model_len,
+            max_body_bytes,
+            metrics,
+            kept: DashMap::new(),
+            shutdown,
+            started_unix: unix_now(),
+            interactivity: Mutex::new(InteractivityWindow::new(INTERACTIVITY_WINDOW_REQUESTS, INTERACTIVITY_WINDOW)),
+            next_request: AtomicU64::new(1),
+        }
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        self.template.tokenizer()
+    }
+
+    /// A fresh request id.
+    pub fn next_request_id(&self) -> RequestId {
+        RequestId(self.next_request.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// Adds a finished request's mean ITL to the window and refreshes the P90 interactivity gauge.
+    pub fn record_request_itl(&self, itl_seconds: f64) {
+        let now = Instant::now();
+        let value = {
+            let mut window = self.interactivity.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            window.record(now, itl_seconds);
+            window.p90_interactivity(now)
+        };
+        metrics::gauge!(INTERACTIVITY_P90_TOKENS_PER_SECOND).set(value.unwrap_or(0.0));
+    }
+}
+
+/// Seconds since the Unix epoch.
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// A random-looking id with a prefix (`chatcmpl-…`, `resp_…`), unique within the process.
+pub fn new_id(prefix: &str) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    let mixed = (nanos ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    format!("{prefix}{mixed:016x}{n:04x}")
+}

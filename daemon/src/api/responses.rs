@@ -1,0 +1,178 @@
+//! The Responses API, shared by `POST /v1/responses` (JSON or SSE) and the WebSocket mode ([`super::ws`]).
+//!
+//! Invariants:
+//! - A request with `previous_response_id` sends the engine only the new input's tokens (rendered by
+//!   [`ChatTemplate::render_continuation`](crate::tokenizer::ChatTemplate::render_continuation)) with
+//!   `continue_from`; the engine restores (or forks) the kept state, so only the suffix is prefilled.
+//! - With `store` (the default), the final state is kept under the response's id and remembered in
+//!   [`AppState::kept`] once the response ends; an unknown `previous_response_id` is a 400 naming the field.
+//! - Event order of one stream: `response.created`, `response.output_item.added`,
+//!   `response.content_part.added`, `response.output_text.delta`…, `response.output_text.done`,
+//!   `response.content_part.done`, `response.output_item.done`, then one terminal event,
+//!   `response.completed` (status completed) or `response.incomplete` (length limit or cancel); or `error`.
+//!   Every event carries an increasing `sequence_number`.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use hyper::body::Incoming;
+use hyper::{Request, Response, StatusCode};
+use serde_json::{json, Value};
+
+use super::error::ApiError;
+use super::generate::{Generation, GenerationSpec, Outcome, Progress};
+use super::http::{json_response, read_json, sse_response, Body};
+use super::openai::{self, ValidResponsesRequest};
+use super::sse::{Disconnected, SseWriter};
+use super::wire::{self, ResponseHeader};
+use super::{new_id, unix_now, AppState, KeptResponse};
+use crate::engine::types::ResponseId;
+
+/// Where a stream's events go: an SSE body or a WebSocket (which tags them with the `stream_id`).
+pub trait EventSink {
+    /// Sends one event object (it has a `type`).
+    fn send(&mut self, event: Value) -> impl std::future::Future<Output = Result<(), Disconnected>> + Send;
+}
+
+impl EventSink for SseWriter {
+    async fn send(&mut self, event: Value) -> Result<(), Disconnected> {
+        let name = event["type"].as_str().unwrap_or("message").to_owned();
+        self.event(&name, &event).await
+    }
+}
+
+/// Validates, renders and submits a Responses request.
+pub async fn start(
+    state: &Arc<AppState>,
+    req: &ValidResponsesRequest,
+    arrival: Instant,
+) -> Result<(Generation, ResponseHeader), ApiError> {
+    let (prompt, kept_len) = match &req.previous_response_id {
+        Some(prev) => {
+            let kept = state.kept.get(prev).map(|k| *k).ok_or_else(|| ApiError::UnknownResponse(prev.clone()))?;
+            (state.template.render_continuation(&[kept.last_token], &req.input)?, kept.len)
+        }
+        None => (state.template.render(&req.input)?, 0),
+    };
+    let max_tokens = openai::check_context(kept_len + prompt.len(), req.params.max_tokens, state.max_model_len)?;
+    let header = ResponseHeader {
+        id: new_id("resp_"),
+        item_id: new_id("msg_"),
+        created_at: unix_now(),
+        model: state.model_name.clone(),
+        previous_response_id: req.previous_response_id.clone(),
+        max_output_tokens: req.params.max_tokens,
+        store: req.store,
+    };
+    let spec = GenerationSpec {
+        prompt,
+        continue_from: req.previous_response_id.clone().map(ResponseId),
+        keep_as: req.store.then(|| ResponseId(header.id.clone())),
+        params: req.params.clone(),
+        max_tokens,
+        arrival,
+    };
+    let generation = Generation::start(state, spec).await?;
+    Ok((generation, header))
+}
+
+/// Remembers a stored response so it can be continued.
+fn remember(state: &AppState, header: &ResponseHeader, outcome: &Outcome) {
+    if let (true, Some(last_token)) = (header.store, outcome.last_token) {
+        let len = outcome.usage.prompt_tokens + outcome.usage.completion_tokens;
+        state.kept.insert(header.id.clone(), KeptResponse { last_token, len });
+    }
+}
+
+/// The `error` event.
+pub fn error_event(e: &ApiError) -> Value {
+    let body = e.body();
+    json!({"type": "error", "code": body.code, "message": body.message, "param": body.param, "error": body})
+}
+
+/// Streams one response's events into `sink`. Returns when the response ended or the sink is gone (dropping
+/// the generation cancels it).
+pub async fn stream<S: EventSink>(
+    state: &AppState,
+    mut generation: Generation,
+    header: ResponseHeader,
+    want_logprobs: bool,
+    sink: &mut S,
+) -> Result<(), Disconnected> {
+    let mut seq = 0u64;
+    let mut send = |mut event: Value| {
+        event["sequence_number"] = json!(seq);
+        seq += 1;
+        event
+    };
+    sink.send(send(
+        json!({"type": "response.created", "response": wire::response_object(&header, "in_progress", None, None)}),
+    ))
+    .await?;
+    sink.send(send(json!({"type": "response.output_item.added", "output_index": 0,
+                           "item": wire::message_item(&header, "", "in_progress")})))
+        .await?;
+    sink.send(send(json!({"type": "response.content_part.added", "item_id": header.item_id, "output_index": 0,
+                           "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}})))
+        .await?;
+    let mut text = String::new();
+    let outcome = loop {
+        match generation.next().await {
+            Ok(Progress::Delta(d)) => {
+                if d.text.is_empty() && !(want_logprobs && !d.logprobs.is_empty()) {
+                    continue;
+                }
+                let logprobs = want_logprobs.then(|| wire::chat_logprobs(state.tokenizer(), &d.logprobs));
+                text.push_str(&d.text);
+                sink.send(send(wire::text_delta_event(&header, &d.text, logprobs))).await?;
+            }
+            Ok(Progress::Done(o)) => break o,
+            Err(e) => {
+                e.count();
+                sink.send(send(error_event(&e))).await?;
+                return Ok(());
+            }
+        }
+    };
+    remember(state, &header, &outcome);
+    sink.send(send(json!({"type": "response.output_text.done", "item_id": header.item_id, "output_index": 0,
+                           "content_index": 0, "text": text})))
+        .await?;
+    sink.send(send(json!({"type": "response.content_part.done", "item_id": header.item_id, "output_index": 0,
+                           "content_index": 0, "part": {"type": "output_text", "text": text, "annotations": []}})))
+        .await?;
+    sink.send(send(json!({"type": "response.output_item.done", "output_index": 0,
+                           "item": wire::message_item(&header, &text, "completed")})))
+        .await?;
+    let (status, event_type) = wire::terminal_status(&outcome);
+    sink.send(send(
+        json!({"type": event_type, "response": wire::response_object(&header, status, Some(&text), Some(&outcome))}),
+    ))
+    .await
+}
+
+/// `POST /v1/responses`.
+pub async fn http(state: &Arc<AppState>, req: Request<Incoming>, arrival: Instant) -> Result<Response<Body>, ApiError> {
+    let body = read_json(state, req).await?;
+    let valid = openai::responses_request(&body)?;
+    let (mut generation, header) = start(state, &valid, arrival).await?;
+    let want_logprobs = valid.params.logprobs.is_some();
+    if valid.stream {
+        let (mut writer, body) = SseWriter::new();
+        let st = state.clone();
+        tokio::spawn(async move {
+            let _ = stream(&st, generation, header, want_logprobs, &mut writer).await;
+        });
+        return Ok(sse_response(body));
+    }
+    let mut text = String::new();
+    let outcome = loop {
+        match generation.next().await? {
+            Progress::Delta(d) => text.push_str(&d.text),
+            Progress::Done(o) => break o,
+        }
+    };
+    remember(state, &header, &outcome);
+    let (status, _) = wire::terminal_status(&outcome);
+    Ok(json_response(StatusCode::OK, &wire::response_object(&header, status, Some(&text), Some(&outcome))))
+}

@@ -1,0 +1,230 @@
+//! The Responses API in WebSocket mode at `GET /v1/responses` (upgraded on the HTTP port).
+//!
+//! Client events: `response.create` (the Responses request, at the top level or under `response`, plus an
+//! optional `stream_id`), `response.cancel` (`response_id` or `stream_id`). Server events: those of
+//! [`super::responses::stream`], each tagged with the `stream_id` of its stream, and `error`.
+//!
+//! Invariants:
+//! - One socket carries many concurrent streams; each runs in its own task and writes through one bounded
+//!   outgoing queue, so a slow socket slows only its own streams.
+//! - When the socket closes (client gone, or server shutdown) every stream task on it is aborted, which drops
+//!   its generation and cancels it in the engine.
+//! - A bad client event gets an `error` event; the socket stays open.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use dashmap::DashMap;
+use futures_util::{SinkExt, StreamExt};
+use hyper::body::Incoming;
+use hyper::header::{HeaderValue, CONNECTION, SEC_WEBSOCKET_ACCEPT, SEC_WEBSOCKET_KEY, SEC_WEBSOCKET_VERSION, UPGRADE};
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
+use tokio_tungstenite::tungstenite::protocol::Role;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::WebSocketStream;
+
+use super::error::ApiError;
+use super::http::Body;
+use super::openai;
+use super::responses::{self, EventSink};
+use super::sse::Disconnected;
+use super::AppState;
+use crate::engine::types::RequestId;
+use crate::metrics as m;
+
+/// Outgoing messages queued per socket.
+pub const WS_OUTGOING: usize = 256;
+
+/// Answers the upgrade request with 101 and serves the socket in a task.
+pub fn upgrade(state: &Arc<AppState>, mut req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
+    let headers = req.headers();
+    let is_upgrade =
+        headers.get(UPGRADE).and_then(|v| v.to_str().ok()).is_some_and(|v| v.eq_ignore_ascii_case("websocket"));
+    if !is_upgrade {
+        return Err(ApiError::field("upgrade", "GET /v1/responses needs `Upgrade: websocket` (use POST for HTTP)"));
+    }
+    if headers.get(SEC_WEBSOCKET_VERSION).and_then(|v| v.to_str().ok()) != Some("13") {
+        return Err(ApiError::field("sec-websocket-version", "only WebSocket version 13 is supported"));
+    }
+    let key = headers
+        .get(SEC_WEBSOCKET_KEY)
+        .ok_or_else(|| ApiError::field("sec-websocket-key", "the `Sec-WebSocket-Key` header is required"))?;
+    let accept = derive_accept_key(key.as_bytes());
+    let on_upgrade = hyper::upgrade::on(&mut req);
+    let st = state.clone();
+    tokio::spawn(async move {
+        match on_upgrade.await {
+            Ok(upgraded) => {
+                let ws = WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Server, None).await;
+                serve_socket(st, ws).await;
+            }
+            Err(e) => tracing::debug!("websocket upgrade failed: {e}"),
+        }
+    });
+    let mut r = Response::new(http_body_util::BodyExt::boxed(http_body_util::Empty::new()));
+    *r.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+    let h = r.headers_mut();
+    h.insert(UPGRADE, HeaderValue::from_static("websocket"));
+    h.insert(CONNECTION, HeaderValue::from_static("Upgrade"));
+    h.insert(SEC_WEBSOCKET_ACCEPT, HeaderValue::from_str(&accept).map_err(|e| ApiError::Internal(e.to_string()))?);
+    Ok(r)
+}
+
+/// Sends a stream's events to the socket's outgoing queue, tagged with its `stream_id`.
+struct WsSink {
+    out: mpsc::Sender<Message>,
+    stream_id: Option<String>,
+}
+
+impl EventSink for WsSink {
+    async fn send(&mut self, mut event: Value) -> Result<(), Disconnected> {
+        if let Some(id) = &self.stream_id {
+            event["stream_id"] = json!(id);
+        }
+        self.out.send(Message::Text(event.to_string().into())).await.map_err(|_| Disconnected)
+    }
+}
+
+/// Requests in flight on one socket, by response id and by stream id (for `response.cancel`).
+type Active = Arc<DashMap<String, RequestId>>;
+
+async fn serve_socket<S>(state: Arc<AppState>, ws: WebSocketStream<S>)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    metrics::gauge!(m::WEBSOCKETS_OPEN).increment(1.0);
+    let (mut sink, mut incoming) = ws.split();
+    let (out_tx, mut out_rx) = mpsc::channel::<Message>(WS_OUTGOING);
+    let writer = tokio::spawn(async move {
+        while let Some(msg) = out_rx.recv().await {
+            let closing = matches!(msg, Message::Close(_));
+            if sink.send(msg).await.is_err() || closing {
+                break;
+            }
+        }
+        let _ = sink.close().await;
+    });
+    let active: Active = Arc::new(DashMap::new());
+    let mut streams = JoinSet::new();
+    let mut shutdown = state.shutdown.clone();
+    loop {
+        tokio::select! {
+            msg = incoming.next() => match msg {
+                Some(Ok(Message::Text(text))) => {
+                    handle_event(&state, &out_tx, &active, &mut streams, text.as_str()).await;
+                }
+                Some(Ok(Message::Binary(bytes))) => match std::str::from_utf8(&bytes) {
+                    Ok(text) => handle_event(&state, &out_tx, &active, &mut streams, text).await,
+                    Err(_) => send_error(&out_tx, None, &ApiError::InvalidJson("binary frame is not UTF-8".into())).await,
+                },
+                Some(Ok(Message::Ping(payload))) => {
+                    let _ = out_tx.send(Message::Pong(payload)).await;
+                }
+                Some(Ok(Message::Close(_))) | None | Some(Err(_)) => break,
+                Some(Ok(_)) => {}
+            },
+            Some(_) = streams.join_next(), if !streams.is_empty() => {}
+            _ = shutdown.changed() => {
+                let _ = out_tx.send(Message::Close(None)).await;
+                break;
+            }
+        }
+    }
+    // Aborting the stream tasks drops their generations, which cancels them in the engine.
+    streams.abort_all();
+    drop(out_tx);
+    let _ = writer.await;
+    metrics::gauge!(m::WEBSOCKETS_OPEN).decrement(1.0);
+}
+
+async fn send_error(out: &mpsc::Sender<Message>, stream_id: Option<&str>, e: &ApiError) {
+    e.count();
+    let mut event = responses::error_event(e);
+    if let Some(id) = stream_id {
+        event["stream_id"] = json!(id);
+    }
+    let _ = out.send(Message::Text(event.to_string().into())).await;
+}
+
+async fn handle_event(
+    state: &Arc<AppState>,
+    out: &mpsc::Sender<Message>,
+    active: &Active,
+    streams: &mut JoinSet<()>,
+    text: &str,
+) {
+    let arrival = Instant::now();
+    let value = match openai::parse_body(text.as_bytes()) {
+        Ok(v) => v,
+        Err(e) => return send_error(out, None, &e).await,
+    };
+    let stream_id = match &value["stream_id"] {
+        Value::String(s) => Some(s.clone()),
+        Value::Number(n) => Some(n.to_string()),
+        _ => None,
+    };
+    match value["type"].as_str() {
+        Some("response.create") => {
+            let valid = match openai::responses_request(&value) {
+                Ok(v) => v,
+                Err(e) => return send_error(out, stream_id.as_deref(), &e).await,
+            };
+            let (generation, header) = match responses::start(state, &valid, arrival).await {
+                Ok(started) => started,
+                Err(e) => return send_error(out, stream_id.as_deref(), &e).await,
+            };
+            let request = generation.id();
+            active.insert(header.id.clone(), request);
+            if let Some(sid) = &valid.stream_id {
+                active.insert(sid.clone(), request);
+            }
+            let mut sink = WsSink { out: out.clone(), stream_id: valid.stream_id.clone() };
+            let st = state.clone();
+            let act = active.clone();
+            let want_logprobs = valid.params.logprobs.is_some();
+            streams.spawn(async move {
+                let response_id = header.id.clone();
+                let _ = responses::stream(&st, generation, header, want_logprobs, &mut sink).await;
+                act.remove(&response_id);
+                if let Some(sid) = &sink.stream_id {
+                    act.remove_if(sid, |_, r| *r == request);
+                }
+            });
+        }
+        Some("response.cancel") => {
+            let key = value["response_id"].as_str().map(str::to_owned).or(stream_id.clone());
+            let Some(key) = key else {
+                let e = ApiError::field("response_id", "`response.cancel` needs `response_id` or `stream_id`");
+                return send_error(out, None, &e).await;
+            };
+            let request = active.get(&key).map(|r| *r);
+            match request {
+                Some(id) => {
+                    if let Err(e) = state.engine.cancel(id).await {
+                        send_error(out, stream_id.as_deref(), &e.into()).await;
+                    }
+                }
+                None => {
+                    let e =
+                        ApiError::field("response_id", format!("no response `{key}` is in progress on this socket"));
+                    send_error(out, stream_id.as_deref(), &e).await;
+                }
+            }
+        }
+        other => {
+            let e = ApiError::field(
+                "type",
+                format!(
+                    "unknown client event type {:?} (expected response.create or response.cancel)",
+                    other.unwrap_or("")
+                ),
+            );
+            send_error(out, stream_id.as_deref(), &e).await;
+        }
+    }
+}

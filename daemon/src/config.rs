@@ -1,0 +1,199 @@
+//! Server options of `sparkd serve`: the command-line surface and what it turns into.
+//!
+//! Invariants:
+//! - Every option has a default that lets `sparkd serve` run on a fresh machine with no arguments (the built-in
+//!   synthetic `k3-tiny` on the CPU, 127.0.0.1:8000).
+//! - [`ServeArgs::validate`] rejects inconsistent values with an error naming the flag, before anything is
+//!   loaded; nothing here panics on input.
+//! - Engine limits are passed on as an [`EngineConfig`]; this module never reaches into the engine.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use crate::engine::spec::SpecArgs;
+use crate::engine::types::{
+    EngineConfig, DEFAULT_COMMAND_QUEUE, DEFAULT_HOST_BUDGET_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFIX_CACHE_BYTES, DEFAULT_STATE_BUDGET_BYTES,
+};
+
+/// The synthetic config served when no `--model` is given.
+pub const DEFAULT_SYNTHETIC_CONFIG: &str = "k3-tiny";
+/// Context length when neither `--max-model-len` nor the model caps it lower.
+pub const DEFAULT_MAX_MODEL_LEN: usize = 131_072;
+/// How long idle HTTP connections are kept open (AIPerf pools connections for 300 s; agentx.md §3.1).
+pub const KEEP_ALIVE_SECS: u64 = 330;
+/// Largest request body accepted (AgentX turns of 200k tokens are about 1 MB of JSON; aiperf-offline.md §2).
+pub const DEFAULT_MAX_BODY_BYTES: usize = 64 << 20;
+
+/// Which backend runs the model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Device {
+    /// The CPU reference backend.
+    Cpu,
+    /// The CUDA backend (NVIDIA GPUs).
+    Cuda,
+    /// A runner that does no math (deterministic tokens): for overhead benchmarks and fast tests.
+    Null,
+}
+
+/// `sparkd serve` options.
+#[derive(Clone, Debug, clap::Args)]
+pub struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1", env = "SPARKD_HOST")]
+    pub host: String,
+    /// Port to listen on (0 = any free port; the chosen one is logged).
+    #[arg(long, default_value_t = 8000, env = "SPARKD_PORT")]
+    pub port: u16,
+    /// Checkpoint folder (config.json + safetensors). Without it: the built-in synthetic k3-tiny, seed 0.
+    #[arg(long, value_name = "DIR")]
+    pub model: Option<PathBuf>,
+    /// Backend.
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    pub device: Device,
+    /// Model name reported by /v1/models, in responses and as the `model_name` metric label.
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Longest prompt + output, in tokens.
+    #[arg(long, default_value_t = DEFAULT_MAX_MODEL_LEN)]
+    pub max_model_len: usize,
+    /// Most sequences running at once.
+    #[arg(long, default_value_t = DEFAULT_MAX_NUM_SEQS)]
+    pub max_num_seqs: usize,
+    /// Most tokens computed per engine step (prefill chunks + decode rows + drafts).
+    #[arg(long, default_value_t = DEFAULT_MAX_NUM_BATCHED_TOKENS)]
+    pub max_num_batched_tokens: usize,
+    /// Device bytes for sequence states (live and kept).
+    #[arg(long, default_value_t = DEFAULT_STATE_BUDGET_BYTES)]
+    pub state_budget_bytes: usize,
+    /// Host bytes for kept states offloaded from the device.
+    #[arg(long, default_value_t = DEFAULT_HOST_BUDGET_BYTES)]
+    pub host_offload_bytes: usize,
+    /// Host bytes for prefix-cache snapshots (0 disables the prefix cache).
+    #[arg(long, default_value_t = DEFAULT_PREFIX_CACHE_BYTES)]
+    pub prefix_cache_bytes: usize,
+    /// Largest request body, in bytes.
+    #[arg(long, default_value_t = DEFAULT_MAX_BODY_BYTES)]
+    pub max_body_bytes: usize,
+    /// Speculative decoding (`--spec`, `--num-spec-tokens`, `--spec-synthetic-al`, `--spec-budget`, ...).
+    #[command(flatten)]
+    pub spec: SpecArgs,
+}
+
+/// A server option that does not make sense.
+#[derive(Debug, thiserror::Error)]
+#[error("--{flag}: {reason}")]
+pub struct ConfigError {
+    pub flag: &'static str,
+    pub reason: String,
+}
+
+impl ServeArgs {
+    /// Checks the values that clap's types cannot.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let positive = [
+            ("max-model-len", self.max_model_len),
+            ("max-num-seqs", self.max_num_seqs),
+            ("max-num-batched-tokens", self.max_num_batched_tokens),
+            ("state-budget-bytes", self.state_budget_bytes),
+            ("max-body-bytes", self.max_body_bytes),
+        ];
+        if let Some((flag, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            return Err(ConfigError { flag, reason: "must be at least 1".into() });
+        }
+        if let Some(dir) = &self.model {
+            if !dir.is_dir() {
+                return Err(ConfigError { flag: "model", reason: format!("{} is not a folder", dir.display()) });
+            }
+        }
+        self.listen_addr()?;
+        Ok(())
+    }
+
+    /// The socket address to bind.
+    pub fn listen_addr(&self) -> Result<SocketAddr, ConfigError> {
+        let text = if self.host.contains(':') {
+            format!("[{}]:{}", self.host, self.port)
+        } else {
+            format!("{}:{}", self.host, self.port)
+        };
+        text.parse()
+            .map_err(|e| ConfigError { flag: "host", reason: format!("`{}` is not an IP address ({e})", self.host) })
+    }
+
+    /// The name the model is served under: `--served-model-name`, else the checkpoint folder's name, else the
+    /// synthetic config's name.
+    pub fn model_name(&self) -> String {
+        if let Some(name) = &self.served_model_name {
+            return name.clone();
+        }
+        match &self.model {
+            Some(dir) => dir
+                .canonicalize()
+                .ok()
+                .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
+                .unwrap_or_else(|| dir.display().to_string()),
+            None => DEFAULT_SYNTHETIC_CONFIG.to_string(),
+        }
+    }
+
+    /// The engine's limits and budgets.
+    pub fn engine_config(&self) -> EngineConfig {
+        EngineConfig {
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_num_seqs: self.max_num_seqs,
+            command_queue: DEFAULT_COMMAND_QUEUE,
+            state_budget_bytes: self.state_budget_bytes,
+            host_budget_bytes: self.host_offload_bytes,
+            prefix_cache_bytes: self.prefix_cache_bytes,
+            // Set by `serve` from `spec.to_config()` (which reads the SPS profile file).
+            spec: Default::default(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    fn parse(args: &[&str]) -> ServeArgs {
+        let mut all = vec!["sparkd"];
+        all.extend_from_slice(args);
+        Cli::try_parse_from(all).expect("parses").serve
+    }
+
+    #[test]
+    fn defaults_serve_the_synthetic_model_on_loopback() {
+        let a = parse(&[]);
+        a.validate().unwrap();
+        assert_eq!(a.listen_addr().unwrap().to_string(), "127.0.0.1:8000");
+        assert_eq!(a.model_name(), "k3-tiny");
+        assert_eq!(a.device, Device::Cpu);
+        assert_eq!(a.engine_config().max_num_seqs, DEFAULT_MAX_NUM_SEQS);
+    }
+
+    #[test]
+    fn bad_values_name_the_flag() {
+        let err = parse(&["--max-num-seqs", "0"]).validate().unwrap_err();
+        assert_eq!(err.flag, "max-num-seqs");
+        let err = parse(&["--host", "not-an-ip"]).validate().unwrap_err();
+        assert!(err.to_string().starts_with("--host:"), "{err}");
+        let err = parse(&["--model", "/definitely/not/here"]).validate().unwrap_err();
+        assert_eq!(err.flag, "model");
+        assert!(Cli::try_parse_from(["sparkd", "--device", "tpu"]).is_err());
+    }
+
+    #[test]
+    fn ipv6_hosts_and_served_names() {
+        let a = parse(&["--host", "::1", "--port", "9000", "--served-model-name", "kimi"]);
+        assert_eq!(a.listen_addr().unwrap().to_string(), "[::1]:9000");
+        assert_eq!(a.model_name(), "kimi");
+    }
+}

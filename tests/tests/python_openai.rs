@@ -1,0 +1,33 @@
+//! The official `openai` Python package as a client: one streaming chat against `sparkd serve --device null`.
+//! Skips (and says so) when python3 or the package is missing; `scripts/test.sh` installs it.
+
+use std::process::Command;
+
+use sparkd_tests::Server;
+
+fn python_has_openai() -> bool {
+    Command::new("python3").args(["-c", "import openai"]).output().map(|o| o.status.success()).unwrap_or(false)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_python_client_streams_a_chat() {
+    if !python_has_openai() {
+        println!("SKIPPED openai_python_client_streams_a_chat: python3 or its `openai` package is missing (scripts/test.sh installs it)");
+        return;
+    }
+    let s = Server::start(&["--device", "null", "--served-model-name", "kimi-null"]).await.expect("server starts");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/python/openai_stream.py");
+    let base = s.base.clone();
+    let out = tokio::task::spawn_blocking(move || Command::new("python3").args([script, &base, "kimi-null"]).output())
+        .await
+        .unwrap()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "openai client failed:\nstdout: {}\nstderr: {}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).expect("a JSON summary");
+    assert!(summary["chunks"].as_u64().unwrap() >= 3);
+}
