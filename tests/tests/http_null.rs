@@ -269,6 +269,11 @@ async fn metrics_parse_and_hold_every_documented_metric_with_sane_values() {
         .unwrap();
     for spec in sparkd::metrics::ALL_METRICS {
         let family = spec.name;
+        let (label, values) = spec.labels;
+        if !label.is_empty() && values.is_empty() {
+            // Labelled with values known only when recorded (e.g. a draft position): absent until then.
+            continue;
+        }
         assert!(m.types.contains_key(family), "{family} is missing from /metrics");
         assert!(m.help.get(family).is_some_and(|h| !h.is_empty()), "{family} has no HELP");
         let expected = match spec.kind {
