@@ -14,6 +14,7 @@ pub mod bench;
 pub mod compile;
 pub mod device;
 pub mod forward;
+pub mod matrix;
 pub mod ops;
 pub mod runner;
 pub mod validate;

@@ -13,6 +13,9 @@
 //! 3. Verify + rollback on the device: a window verified and cut back to `m` tokens leaves exactly the
 //!    device state that running the `m` tokens leaves, and it agrees with the CPU reference's state.
 //!
+//! 4. The batch × window matrix (`cuda::matrix`): batches 1..64 × windows 1..8, fresh and reused
+//!    state, exact on the device (batch invariance, reuse, rollback) and close to the CPU.
+//!
 //! Invariant: `run` never panics on a machine without a GPU; it returns the `Device` error.
 
 use cudarc::driver::CudaSlice;
@@ -27,6 +30,7 @@ use crate::cpu::moe::{latent_moe, Routing};
 use crate::cpu::ops::situ_rows;
 use crate::cpu::weights::{FfnWeights, MixerWeights};
 use crate::cuda::forward::{DeviceModel, DeviceRow, DeviceState};
+use crate::cuda::matrix::{run_case, MatrixCase};
 use crate::cuda::ops::{Gemm, Gpu};
 use crate::cuda::weights::{DevFfn, DevMixer, DevWeights};
 use crate::error::{KernelError, Result};
@@ -43,11 +47,22 @@ pub struct ValidationOptions {
     pub weights_seed: u64,
     /// Teacher-forced positions.
     pub positions: usize,
+    /// Batch sizes of the batch × window matrix (`cuda::matrix`).
+    pub batches: Vec<usize>,
+    /// Windows 1..=max_window of the matrix.
+    pub max_window: usize,
 }
 
 impl Default for ValidationOptions {
     fn default() -> Self {
-        ValidationOptions { ordinal: 0, preset: "k3-tiny".into(), weights_seed: 7, positions: 48 }
+        ValidationOptions {
+            ordinal: 0,
+            preset: "k3-tiny".into(),
+            weights_seed: 7,
+            positions: 48,
+            batches: vec![1, 2, 4, 8, 16, 32, 64],
+            max_window: 8,
+        }
     }
 }
 
@@ -106,6 +121,9 @@ pub struct ValidationReport {
     pub ops: Vec<OpCheck>,
     pub whole_model: Vec<WholeModel>,
     pub rollback: Vec<RollbackCheck>,
+    pub matrix: Vec<MatrixCase>,
+    /// Matrix cases that passed, of all.
+    pub matrix_passed: usize,
     pub pass: bool,
 }
 
@@ -159,8 +177,20 @@ pub fn run(opts: &ValidationOptions) -> Result<ValidationReport> {
     for accepted in [1usize, 3, 6] {
         rollback.push(verify_rollback(&gpu, &dev, &cpu, accepted)?);
     }
+    let mut matrix = Vec::new();
+    for &batch in &opts.batches {
+        for window in 1..=opts.max_window {
+            for reused in [false, true] {
+                matrix.push(run_case(&gpu, &dev, &cpu, batch, window, reused)?);
+            }
+        }
+    }
     gpu.synchronize()?;
-    let pass = ops.iter().all(|o| o.pass) && whole_model.iter().all(|w| w.pass) && rollback.iter().all(|r| r.pass);
+    let matrix_passed = matrix.iter().filter(|c| c.pass).count();
+    let pass = ops.iter().all(|o| o.pass)
+        && whole_model.iter().all(|w| w.pass)
+        && rollback.iter().all(|r| r.pass)
+        && matrix_passed == matrix.len();
     Ok(ValidationReport {
         options: opts.clone(),
         device: gpu.info.clone(),
@@ -170,6 +200,8 @@ pub fn run(opts: &ValidationOptions) -> Result<ValidationReport> {
         ops,
         whole_model,
         rollback,
+        matrix,
+        matrix_passed,
         pass,
     })
 }
