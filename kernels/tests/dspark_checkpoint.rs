@@ -68,7 +68,7 @@ fn synthetic_drafter_round_trips_through_a_folder() {
 
     // A drafter loaded from the folder drafts exactly like one loaded from the generator.
     let model = CpuModel::<f32>::load(target.clone(), &SyntheticWeights::new(target.clone(), 11)).unwrap();
-    let from_disk = DrafterModel::<f32>::load(cfg.clone(), &target, &ckpt).unwrap();
+    let from_disk = DrafterModel::<f32>::open(dir.path(), &target).unwrap();
     let from_synth = DrafterModel::<f32>::load(cfg.clone(), &target, &synth).unwrap();
     let state = from_disk.new_state(0);
     let greedy = SamplingParams::greedy();

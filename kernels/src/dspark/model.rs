@@ -155,6 +155,13 @@ impl<F: Real> DrafterModel<F> {
         })
     }
 
+    /// Opens a drafter folder (`config.json` + `model.safetensors`, see `dspark::schema`) and loads it
+    /// for `target`.
+    pub fn open(dir: &std::path::Path, target: &ModelConfig) -> Result<Self> {
+        let ckpt = crate::dspark::schema::DrafterCheckpoint::open(dir, target)?;
+        Self::load(ckpt.config().clone(), target, &ckpt)
+    }
+
     pub fn config(&self) -> &DrafterConfig {
         &self.cfg
     }
