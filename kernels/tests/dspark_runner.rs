@@ -6,6 +6,7 @@
 
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
+use sparkd_kernels::acceptance::{AcceptanceMode, SyntheticSchedule};
 use sparkd_kernels::cpu::CpuRunner;
 use sparkd_kernels::dspark::{DrafterConfig, DrafterModel, SyntheticDrafterWeights};
 use sparkd_kernels::runner::{DraftProposal, DraftRequest, RowInput, RowOutput, SampleRequest, SamplingParams};
@@ -151,6 +152,17 @@ fn drafter_context_after_verify_and_rollback_equals_a_fresh_run() {
     assert_eq!(out.num_accepted, 3);
     emitted.extend(&out.tokens);
     assert_eq!(emitted[..], reference[..emitted.len()]);
+    // A selected model draft whose acceptance is forced: its accepted drafts enter the context too.
+    let anchor = *emitted.last().unwrap();
+    let proposal = r.draft(&[draft_req(a, anchor, 4, &greedy)]).unwrap().remove(0);
+    r.select_proposal(a).unwrap();
+    r.set_acceptance(AcceptanceMode::Synthetic(SyntheticSchedule::from_rates(vec![1.0, 1.0, 1.0]).unwrap()));
+    let tokens: Vec<TokenId> = std::iter::once(anchor).chain(proposal.tokens[..3].iter().copied()).collect();
+    let forced = r.step(&[row(a, tokens, &greedy, 3)]);
+    r.set_acceptance(AcceptanceMode::Standard);
+    let forced = forced.unwrap().remove(0);
+    assert_eq!(forced.tokens[..3], proposal.tokens[..3]);
+    emitted.extend(&forced.tokens);
 
     let len = r.state_len(a).unwrap();
     assert_eq!(len, p.len() + emitted.len() - 1);
