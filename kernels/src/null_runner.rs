@@ -205,6 +205,16 @@ impl Runner for NullRunner {
         Ok(self.insert(state))
     }
 
+    /// NullRunner emits only ids of [`NULL_TOKEN_RANGE`]; a mask is accepted when it allows them all.
+    fn set_token_mask(&mut self, mask: crate::runner::TokenMask) -> Result<()> {
+        match NULL_TOKEN_RANGE.clone().find(|id| !mask.is_allowed(*id)) {
+            Some(id) => {
+                Err(KernelError::InvalidInput(format!("the null runner emits token {id}, which the mask forbids")))
+            }
+            None => Ok(()),
+        }
+    }
+
     fn step(&mut self, rows: &[RowInput]) -> Result<Vec<RowOutput>> {
         for (i, row) in rows.iter().enumerate() {
             self.check_row(row)?;

@@ -112,6 +112,46 @@ pub struct DraftProposal {
     pub confidences: Vec<f32>,
 }
 
+/// The token ids a runner may emit (sampled, correction and bonus tokens). A tokenizer whose
+/// vocabulary has holes (the built-in cl100k ranks leave K3 ids 100,256..163,583 without a token)
+/// masks them, so that every emitted id decodes. Masked ids get logit `-inf` before sampling and
+/// acceptance (so a masked draft is always rejected) and `-inf` log-probability.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenMask {
+    /// Ascending ids that may not be emitted.
+    disallowed: Vec<TokenId>,
+    vocab: usize,
+}
+
+impl TokenMask {
+    /// A mask over `vocab` ids allowing exactly those for which `allowed` is true.
+    pub fn from_fn(vocab: usize, allowed: impl Fn(TokenId) -> bool) -> Self {
+        let disallowed = (0..vocab as TokenId).filter(|id| !allowed(*id)).collect();
+        TokenMask { disallowed, vocab }
+    }
+
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    pub fn is_allowed(&self, id: TokenId) -> bool {
+        (id as usize) < self.vocab && self.disallowed.binary_search(&id).is_err()
+    }
+
+    pub fn num_allowed(&self) -> usize {
+        self.vocab - self.disallowed.len()
+    }
+
+    /// Sets the masked entries of each `[vocab]` row of `logits` to `-inf`.
+    pub fn apply(&self, logits: &mut [f32]) {
+        for row in logits.chunks_exact_mut(self.vocab) {
+            for id in &self.disallowed {
+                row[*id as usize] = f32::NEG_INFINITY;
+            }
+        }
+    }
+}
+
 /// The error of the drafter methods on a runner that has no drafter.
 pub fn no_drafter() -> crate::error::KernelError {
     crate::error::KernelError::InvalidInput("this runner has no drafter".into())
@@ -154,6 +194,14 @@ pub trait Runner: Send {
 
     /// Runs one step over the rows; returns one output per row, in order.
     fn step(&mut self, rows: &[RowInput]) -> Result<Vec<RowOutput>>;
+
+    /// Restricts the tokens the runner emits from now on (see [`TokenMask`]).
+    fn set_token_mask(&mut self, _mask: TokenMask) -> Result<()> {
+        Err(crate::error::KernelError::InvalidInput(format!(
+            "the {} runner cannot restrict the tokens it emits",
+            self.device_name()
+        )))
+    }
 
     /// The block size γ the attached drafter was built for; `None` without a drafter.
     fn drafter_block_size(&self) -> Option<usize> {

@@ -47,3 +47,53 @@ fn cpu_seeded_sampling_ignores_batching() {
 fn cpu_bad_input_is_rejected_without_side_effects() {
     contract_bad_input_is_rejected_without_side_effects(&mut *runner());
 }
+
+#[test]
+fn cpu_token_mask_keeps_masked_ids_out_of_every_emitted_token() {
+    use sparkd_kernels::runner::{RowInput, SampleRequest, SamplingParams, TokenMask};
+    use sparkd_kernels::{Runner, TokenId};
+    let mut guard = runner();
+    let r: &mut dyn Runner = &mut *guard;
+    let vocab = r.config().vocab_size;
+    let p: Vec<TokenId> = (0..8).map(|i| 17 + i * 1000).collect();
+    let greedy = SamplingParams::greedy();
+    let unmasked_state = r.alloc_state().unwrap();
+    prefill(r, unmasked_state, &p[..7]);
+    let unmasked = decode(r, unmasked_state, p[7], 4, &greedy);
+
+    // Forbid the unmasked greedy choice and everything above 100,256 (the built-in tokenizer's holes).
+    let banned = unmasked[0];
+    r.set_token_mask(TokenMask::from_fn(vocab, |id| id < 100_256 && id != banned)).unwrap();
+    let state = r.alloc_state().unwrap();
+    prefill(r, state, &p[..7]);
+    let sampled = SamplingParams { temperature: 1.0, top_p: 1.0, top_k: 0, seed: 5, logprobs: Some(2) };
+    let out = r
+        .step(&[RowInput {
+            state,
+            tokens: vec![p[7]],
+            sample: Some(SampleRequest { params: greedy.clone(), draft_len: 0 }),
+        }])
+        .unwrap()
+        .remove(0);
+    assert_ne!(out.tokens[0], banned);
+    assert!(out.tokens[0] < 100_256);
+    let more = decode(r, state, out.tokens[0], 16, &sampled);
+    assert!(more.iter().all(|t| *t < 100_256 && *t != banned), "{more:?}");
+    // A draft of a masked id is always rejected.
+    let verify = r
+        .step(&[RowInput {
+            state,
+            tokens: vec![more[15], banned],
+            sample: Some(SampleRequest { params: greedy.clone(), draft_len: 1 }),
+        }])
+        .unwrap()
+        .remove(0);
+    assert_eq!(verify.num_accepted, 0);
+    // Masks that do not fit are refused.
+    assert!(r.set_token_mask(TokenMask::from_fn(vocab - 1, |_| true)).is_err());
+    assert!(r.set_token_mask(TokenMask::from_fn(vocab, |_| false)).is_err());
+    // Leave the shared runner unrestricted for the other tests.
+    r.set_token_mask(TokenMask::from_fn(vocab, |_| true)).unwrap();
+    r.free_state(state).unwrap();
+    r.free_state(unmasked_state).unwrap();
+}

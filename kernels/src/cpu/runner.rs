@@ -17,7 +17,7 @@ use crate::config::ModelConfig;
 use crate::cpu::forward::{CpuModel, Probe, WindowRow};
 use crate::dspark::{DrafterModel, DrafterSlot};
 use crate::error::{KernelError, Result};
-use crate::runner::{DraftProposal, DraftRequest, RowInput, RowOutput, Runner, StateId};
+use crate::runner::{DraftProposal, DraftRequest, RowInput, RowOutput, Runner, StateId, TokenMask};
 use crate::state::SeqState;
 use crate::tensor::WeightSource;
 
@@ -29,6 +29,8 @@ pub struct CpuRunner {
     acceptance: AcceptanceMode,
     /// The attached DSpark drafter, if any.
     drafter: Option<DrafterSlot>,
+    /// Tokens the runner may not emit.
+    token_mask: Option<TokenMask>,
 }
 
 impl CpuRunner {
@@ -40,6 +42,7 @@ impl CpuRunner {
             next_id: 1,
             acceptance: AcceptanceMode::Standard,
             drafter: None,
+            token_mask: None,
         })
     }
 
@@ -180,6 +183,19 @@ impl Runner for CpuRunner {
         Ok(self.insert(state))
     }
 
+    fn set_token_mask(&mut self, mask: TokenMask) -> Result<()> {
+        let vocab = self.model.cfg.vocab_size;
+        if mask.vocab() != vocab || mask.num_allowed() == 0 {
+            return Err(KernelError::InvalidInput(format!(
+                "a token mask over {} ids with {} allowed does not fit a vocabulary of {vocab}",
+                mask.vocab(),
+                mask.num_allowed()
+            )));
+        }
+        self.token_mask = Some(mask);
+        Ok(())
+    }
+
     fn step(&mut self, rows: &[RowInput]) -> Result<Vec<RowOutput>> {
         self.validate(rows)?;
         // Present and distinct: checked by `validate`.
@@ -204,7 +220,12 @@ impl Runner for CpuRunner {
         let forward = self.model.forward_probed(&mut windows, &mut probe);
         drop(windows);
         let mut row_start = 0usize; // the row's first token among all the step's tokens
-        let result = forward.and_then(|outs| {
+        let result = forward.and_then(|mut outs| {
+            if let Some(mask) = &self.token_mask {
+                for out in outs.iter_mut() {
+                    mask.apply(&mut out.logits);
+                }
+            }
             let vocab = self.model.cfg.vocab_size;
             let mut results = Vec::with_capacity(rows.len());
             for (((row, out), state), start) in rows.iter().zip(outs).zip(states.iter_mut()).zip(&start_lens) {
