@@ -48,4 +48,22 @@ fn drafter_cost_per_proposal_on_k3_tiny() {
         last = r.step(&[row]).unwrap()[0].tokens[0];
     }
     println!("target, one greedy decode step: {:.2} ms", t.elapsed().as_secs_f64() / reps as f64 * 1e3);
+
+    // Acceptance of the random synthetic drafter's greedy drafts, verified with q (expected low).
+    let (mut accepted, mut drafted) = (0usize, 0usize);
+    for _ in 0..reps {
+        let req = DraftRequest { state: fork, anchor: last, num_drafts: gamma, params: greedy.clone() };
+        let proposal = r.draft(&[req]).unwrap().remove(0);
+        r.select_proposal(fork).unwrap();
+        let row = RowInput {
+            state: fork,
+            tokens: std::iter::once(last).chain(proposal.tokens).collect(),
+            sample: Some(SampleRequest { params: greedy.clone(), draft_len: gamma }),
+        };
+        let out = r.step(&[row]).unwrap().remove(0);
+        accepted += out.num_accepted;
+        drafted += gamma;
+        last = *out.tokens.last().unwrap();
+    }
+    println!("synthetic drafter, greedy: {accepted} of {drafted} drafts accepted over {reps} rounds");
 }
