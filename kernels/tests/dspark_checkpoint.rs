@@ -1,6 +1,6 @@
 //! The drafter checkpoint folder: a synthetic write reads back byte for byte, a drafter loads from
 //! it and drafts like one loaded from the generator, and malformed folders give errors that name the
-//! tensor, the field or the file.
+//! tensor, the field or the file; the backbone attends non-causally inside the block and reads the context.
 
 use std::path::Path;
 
@@ -153,4 +153,36 @@ fn malformed_drafter_folders_name_what_is_wrong() {
     assert_eq!(open_err(&bad_json).kind(), "config");
 
     assert_eq!(open_err(&root.path().join("absent")).kind(), "checkpoint_file");
+}
+
+#[test]
+fn the_backbone_is_non_causal_in_the_block_and_reads_the_context() {
+    let (target, cfg) = tiny();
+    let model = CpuModel::<f32>::load(target.clone(), &SyntheticWeights::new(target.clone(), 11)).unwrap();
+    let drafter = DrafterModel::<f32>::load(cfg.clone(), &target, &SyntheticDrafterWeights::new(cfg, 2)).unwrap();
+    let d = target.hidden_size;
+    let empty = drafter.new_state(0);
+    let (h3, _) = drafter.block_forward(&model, &empty, 42, 3).unwrap();
+    let (h4, _) = drafter.block_forward(&model, &empty, 42, 4).unwrap();
+    // The anchor attends to the mask positions after it, so a longer block changes it.
+    assert_ne!(h3[..d], h4[..d]);
+    // RoPE tells the identical mask tokens apart.
+    assert_ne!(h4[d..2 * d], h4[2 * d..3 * d]);
+    // Context entries (one per committed token, from the target's taps) change the block.
+    let mut ctx = drafter.new_state(0);
+    let taps: Vec<Vec<f32>> = (0..drafter.config().num_taps())
+        .map(|i| (0..2 * d).map(|j| ((i * 31 + j) % 17) as f32 / 8.0 - 1.0).collect())
+        .collect();
+    let views: Vec<&[f32]> = taps.iter().map(Vec::as_slice).collect();
+    drafter.append_context(&mut ctx, &views).unwrap();
+    assert_eq!(ctx.len(), 2);
+    let (with_ctx, _) = drafter.block_forward(&model, &ctx, 42, 3).unwrap();
+    assert_ne!(with_ctx, h3);
+    // Rolling the context back to empty restores the empty-context block exactly.
+    ctx.truncate(0);
+    assert_eq!(drafter.block_forward(&model, &ctx, 42, 3).unwrap().0, h3);
+    // Taps of the wrong count or width are errors.
+    assert!(drafter.append_context(&mut ctx, &views[1..]).is_err());
+    let short: Vec<&[f32]> = taps.iter().map(|t| &t[..d + 1]).collect();
+    assert!(drafter.append_context(&mut ctx, &short).is_err());
 }
