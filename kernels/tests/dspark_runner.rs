@@ -283,6 +283,8 @@ fn drafter_api_errors_change_nothing() {
     let wrong_anchor = vec![p[4], proposal.tokens[0]];
     assert!(r.step(&[row(s, wrong_anchor, &greedy, 1)]).is_err());
     assert!(r.step(&[RowInput { state: s, tokens: vec![p[5]], sample: None }]).is_err());
+    let other_params = SamplingParams { temperature: 0.7, ..greedy.clone() };
+    assert!(r.step(&[row(s, vec![p[5], proposal.tokens[0]], &other_params, 1)]).is_err());
     assert_eq!(r.state_len(s).unwrap(), 5);
     assert_eq!(r.drafter().unwrap().context(s).unwrap().len(), 5);
     // The proposal is still selected and verifies; the step then drops it.

@@ -7,7 +7,9 @@
 //!   exactly the tokens it commits).
 //! - A state has at most one pending proposal: the last `draft` for it, dropped by any step on the
 //!   state. A step uses the proposal's `q` only when the proposal was selected, and then only after
-//!   the row was checked to be `[anchor, prefix of the proposal]` at the proposal's position.
+//!   the row was checked to be `[anchor, prefix of the proposal]` at the proposal's position, with the
+//!   sampling parameters the proposal was drafted with (so `q` is the distribution the drafts came from).
+//! - Greedy proposals keep no `q`: greedy verification never reads it.
 
 use std::collections::HashMap;
 
@@ -15,7 +17,7 @@ use crate::cpu::forward::CpuModel;
 use crate::dspark::model::DrafterModel;
 use crate::dspark::state::DrafterState;
 use crate::error::{KernelError, Result};
-use crate::runner::{DraftProposal, DraftRequest, RowInput, StateId, TokenId};
+use crate::runner::{DraftProposal, DraftRequest, RowInput, SamplingParams, StateId, TokenId};
 
 /// A proposal kept for verification.
 #[derive(Debug)]
@@ -23,8 +25,10 @@ struct Pending {
     /// The anchor's position (the committed length when drafted).
     position: usize,
     anchor: TokenId,
+    /// The parameters `q` was processed with; the verifying row must use the same.
+    params: SamplingParams,
     tokens: Vec<TokenId>,
-    /// `[tokens.len(), vocab]`
+    /// `[tokens.len(), vocab]`; empty for greedy drafts, whose verification never reads `q`.
     logits: Vec<f32>,
     selected: bool,
 }
@@ -101,11 +105,13 @@ impl DrafterSlot {
                 return Err(KernelError::InvalidInput(format!("{} appears twice in one draft call", row.state)));
             }
             let block = self.model.draft(target, ctx, row.anchor, row.num_drafts, &row.params)?;
+            let logits = if row.params.is_greedy() { Vec::new() } else { block.logits };
             let pending = Pending {
                 position: len,
                 anchor: row.anchor,
+                params: row.params.clone(),
                 tokens: block.tokens,
-                logits: block.logits,
+                logits,
                 selected: false,
             };
             made.push((row.state, pending, block.confidences));
@@ -139,6 +145,10 @@ impl DrafterSlot {
         if row.tokens.len() != sample.draft_len + 1 || state_len != p.position {
             return bad("the row must be [anchor, drafts] at the position the proposal was drafted for");
         }
+        let (a, b) = (&sample.params, &p.params);
+        if (a.temperature, a.top_p, a.top_k, a.seed) != (b.temperature, b.top_p, b.top_k, b.seed) {
+            return bad("the row's sampling parameters differ from those the proposal was drafted with");
+        }
         if row.tokens[0] != p.anchor {
             return bad("the row's first token is not the proposal's anchor");
         }
@@ -151,7 +161,7 @@ impl DrafterSlot {
     /// Drops a stepped state's pending proposal; returns its `q` logits `[draft_len, vocab]` when it
     /// was selected (the row was checked by [`Self::check_row`]).
     pub fn take_selected(&mut self, id: StateId, draft_len: usize) -> Option<Vec<f32>> {
-        let p = self.pending.remove(&id).filter(|p| p.selected)?;
+        let p = self.pending.remove(&id).filter(|p| p.selected && !p.logits.is_empty())?;
         let vocab = self.model.config().vocab_size;
         let mut logits = p.logits;
         logits.truncate(draft_len * vocab);
