@@ -72,8 +72,8 @@ fn synthetic_drafter_round_trips_through_a_folder() {
     let from_synth = DrafterModel::<f32>::load(cfg.clone(), &target, &synth).unwrap();
     let state = from_disk.new_state(0);
     let greedy = SamplingParams::greedy();
-    let a = from_disk.draft(&model, &state, 42, 3, &greedy).unwrap();
-    let b = from_synth.draft(&model, &state, 42, 3, &greedy).unwrap();
+    let a = from_disk.draft(&model, &state, 42, 3, &greedy, None).unwrap();
+    let b = from_synth.draft(&model, &state, 42, 3, &greedy, None).unwrap();
     assert_eq!(a, b);
     assert_eq!(a.logits.len(), 3 * target.vocab_size);
 }

@@ -9,7 +9,9 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 use sparkd_kernels::acceptance::{AcceptanceMode, SyntheticSchedule};
 use sparkd_kernels::cpu::CpuRunner;
 use sparkd_kernels::dspark::{DrafterConfig, DrafterModel, SyntheticDrafterWeights};
-use sparkd_kernels::runner::{DraftProposal, DraftRequest, RowInput, RowOutput, SampleRequest, SamplingParams};
+use sparkd_kernels::runner::{
+    DraftProposal, DraftRequest, RowInput, RowOutput, SampleRequest, SamplingParams, TokenMask,
+};
 use sparkd_kernels::synth::SyntheticWeights;
 use sparkd_kernels::{ModelConfig, Runner, StateId, TokenId};
 
@@ -299,4 +301,26 @@ fn drafter_api_errors_change_nothing() {
     let err = null.draft(&[draft_req(StateId(1), 0, 3, &greedy)]).unwrap_err();
     assert!(err.to_string().contains("no drafter"), "{err}");
     assert_eq!(null.drafter_block_size(), None);
+}
+
+#[test]
+fn drafts_respect_the_runners_token_mask() {
+    let cfg = ModelConfig::preset("k3-tiny").unwrap();
+    let mut r = CpuRunner::new(cfg.clone(), &SyntheticWeights::new(cfg.clone(), 11)).unwrap();
+    let dcfg = DrafterConfig::preset("k3-tiny").unwrap();
+    r.attach_drafter(DrafterModel::load(dcfg.clone(), &cfg, &SyntheticDrafterWeights::new(dcfg, 3)).unwrap()).unwrap();
+    r.set_token_mask(TokenMask::from_fn(cfg.vocab_size, |id| id % 3 == 0)).unwrap();
+    let greedy = SamplingParams::greedy();
+    let hot = SamplingParams { temperature: 2.0, top_p: 1.0, top_k: 0, seed: 9, logprobs: None };
+    for params in [&greedy, &hot] {
+        let s = r.alloc_state().unwrap();
+        prefill(&mut r, s, &prompt(6, 40));
+        let proposal = r.draft(&[draft_req(s, 3, 7, params)]).unwrap().remove(0);
+        assert!(proposal.tokens.iter().all(|t| t % 3 == 0), "{:?}", proposal.tokens);
+        r.select_proposal(s).unwrap();
+        let tokens: Vec<TokenId> = std::iter::once(3).chain(proposal.tokens).collect();
+        let out = r.step(&[row(s, tokens, params, 7)]).unwrap().remove(0);
+        assert!(out.tokens.iter().all(|t| t % 3 == 0), "{:?}", out.tokens);
+        r.free_state(s).unwrap();
+    }
 }

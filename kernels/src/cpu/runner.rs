@@ -276,7 +276,7 @@ impl Runner for CpuRunner {
         let slot = self.drafter.as_mut().ok_or_else(crate::runner::no_drafter)?;
         let states = &self.states;
         let state_len = |id: StateId| states.get(&id).map(|s| s.len).ok_or(KernelError::UnknownState(id.0));
-        slot.draft(&self.model, state_len, rows)
+        slot.draft(&self.model, state_len, self.token_mask.as_ref(), rows)
     }
 
     fn select_proposal(&mut self, state: StateId) -> Result<()> {

@@ -32,7 +32,7 @@ use crate::dspark::schema::{
 use crate::dspark::state::DrafterState;
 use crate::error::{KernelError, Result};
 use crate::float::Real;
-use crate::runner::{SamplingParams, TokenId};
+use crate::runner::{SamplingParams, TokenId, TokenMask};
 use crate::sampling::{argmax, hash3, Distribution};
 use crate::state::MlaCache;
 use crate::tensor::{TensorSpec, WeightSource};
@@ -270,7 +270,8 @@ impl<F: Real> DrafterModel<F> {
 
     /// One round for one row: the backbone pass, then the Markov loop drafting `n` tokens from the
     /// anchor (greedy for greedy `params`, else sampled from `q_k` with the draft stream at the
-    /// draft's position `P + k`).
+    /// draft's position `P + k`). Ids outside `mask` (the runner's emittable tokens) get logit `-inf`
+    /// in every `q_k`, so the drafter never proposes a token the target may not emit.
     pub fn draft(
         &self,
         target: &CpuModel<F>,
@@ -278,6 +279,7 @@ impl<F: Real> DrafterModel<F> {
         anchor: TokenId,
         n: usize,
         params: &SamplingParams,
+        mask: Option<&TokenMask>,
     ) -> Result<BlockDraft> {
         crate::sampling::check_params(params)?;
         let (hidden, base) = self.block_forward(target, state, anchor, n)?;
@@ -291,8 +293,11 @@ impl<F: Real> DrafterModel<F> {
         for k in 0..n {
             let e = &self.markov_w1[prev as usize * r..(prev as usize + 1) * r]; // W1[x_{k-1}], [r]
             let bias = self.markov_w2.forward(e); // [V]
-            let logits: Vec<f32> =
+            let mut logits: Vec<f32> =
                 base[k * vocab..(k + 1) * vocab].iter().zip(&bias).map(|(u, b)| (*u + *b).to_f32()).collect();
+            if let Some(m) = mask {
+                m.apply(&mut logits);
+            }
             let h = &hidden[k * d..(k + 1) * d];
             let z = dot(&self.confidence_w[..d], h) + dot(&self.confidence_w[d..], e) + self.confidence_b;
             let position = (state.len() + 1 + k) as u64;

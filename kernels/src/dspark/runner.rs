@@ -17,7 +17,7 @@ use crate::cpu::forward::CpuModel;
 use crate::dspark::model::DrafterModel;
 use crate::dspark::state::DrafterState;
 use crate::error::{KernelError, Result};
-use crate::runner::{DraftProposal, DraftRequest, RowInput, SamplingParams, StateId, TokenId};
+use crate::runner::{DraftProposal, DraftRequest, RowInput, SamplingParams, StateId, TokenId, TokenMask};
 
 /// A proposal kept for verification.
 #[derive(Debug)]
@@ -82,11 +82,13 @@ impl DrafterSlot {
     }
 
     /// Drafts every row; `state_len` gives the target's committed length of a state (checked to
-    /// equal the context's). Nothing is kept unless every row succeeds.
+    /// equal the context's), `mask` the runner's emittable tokens. Nothing is kept unless every row
+    /// succeeds.
     pub fn draft(
         &mut self,
         target: &CpuModel<f32>,
         state_len: impl Fn(StateId) -> Result<usize>,
+        mask: Option<&TokenMask>,
         rows: &[DraftRequest],
     ) -> Result<Vec<DraftProposal>> {
         // (state, pending, confidences) per row.
@@ -104,7 +106,7 @@ impl DrafterSlot {
             if made.iter().any(|(id, _, _)| *id == row.state) {
                 return Err(KernelError::InvalidInput(format!("{} appears twice in one draft call", row.state)));
             }
-            let block = self.model.draft(target, ctx, row.anchor, row.num_drafts, &row.params)?;
+            let block = self.model.draft(target, ctx, row.anchor, row.num_drafts, &row.params, mask)?;
             let logits = if row.params.is_greedy() { Vec::new() } else { block.logits };
             let pending = Pending {
                 position: len,
