@@ -4,6 +4,8 @@
 //! (clap's usage errors exit 2, everything else 1), never a panic. `sparkd serve` with no arguments serves the
 //! built-in synthetic k3-tiny (seed 0) on the CPU at 127.0.0.1:8000.
 
+mod bench_cli;
+
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -18,7 +20,9 @@ use sparkd::tokenizer::{export_hf, ChatTemplate, Tokenizer};
 use sparkd_kernels::checkpoint::Checkpoint;
 use sparkd_kernels::config::PRESET_NAMES;
 use sparkd_kernels::cpu::CpuRunner;
+use sparkd_kernels::cuda::CudaRunner;
 use sparkd_kernels::null_runner::NullRunner;
+use sparkd_kernels::runner::TokenMask;
 use sparkd_kernels::synth::{write_checkpoint, SyntheticWeights};
 use sparkd_kernels::{ModelConfig, Runner};
 use tokio::sync::watch;
@@ -38,7 +42,17 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Serve the OpenAI-compatible HTTP/SSE and WebSocket APIs.
-    Serve(ServeArgs),
+    Serve {
+        #[command(flatten)]
+        args: ServeArgs,
+        /// Without --model: the synthetic config generated in memory (k3-tiny, k3-mini, k3-mini-wide).
+        #[arg(long, default_value = DEFAULT_SYNTHETIC_CONFIG)]
+        synthetic: String,
+    },
+    /// Decode benchmark on synthetic weights (JSON report; a table on stderr).
+    Bench(bench_cli::BenchArgs),
+    /// The CUDA backend's correctness matrix against the CPU reference (JSON report).
+    Validate(bench_cli::ValidateArgs),
     /// Write a synthetic checkpoint in the real K3 layout.
     Synth {
         /// Named config (k3-tiny, k3-mini, k3-mini-wide, k3).
@@ -82,7 +96,13 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let result = match cli.command {
-        Command::Serve(args) => serve(args),
+        Command::Serve { args, synthetic } => serve(args, &synthetic),
+        Command::Bench(args) => bench_cli::bench(&args),
+        Command::Validate(args) => match bench_cli::validate(&args) {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(anyhow::anyhow!("validation failed; see the report")),
+            Err(e) => Err(e),
+        },
         Command::Synth { config, seed, out, max_shard_bytes } => synth(&config, seed, &out, max_shard_bytes),
         Command::Tokenizer { export, model } => export_tokenizer(&export, model.as_deref()),
     };
@@ -135,17 +155,20 @@ fn export_tokenizer(dir: &Path, model: Option<&Path>) -> Result<()> {
 }
 
 /// The runner `--device` and `--model` ask for (prepared for the speculation settings `spec`), and its config.
-fn build_runner(args: &ServeArgs, spec: &SpecConfig) -> Result<(Box<dyn Runner>, ModelConfig)> {
+fn build_runner(args: &ServeArgs, spec: &SpecConfig, synthetic: &str) -> Result<(Box<dyn Runner>, ModelConfig)> {
     let checkpoint = match &args.model {
         Some(dir) => Some(Checkpoint::open(dir).with_context(|| format!("opening the checkpoint {}", dir.display()))?),
         None => None,
     };
     let cfg = match &checkpoint {
         Some(c) => c.config().clone(),
-        None => ModelConfig::preset(DEFAULT_SYNTHETIC_CONFIG)?,
+        None => ModelConfig::preset(synthetic).with_context(|| format!("--synthetic {synthetic}"))?,
     };
     let runner: Box<dyn Runner> = match (args.device, &checkpoint) {
-        (Device::Cuda, _) => bail!("--device cuda: the CUDA backend is not built yet; use --device cpu or null"),
+        (Device::Cuda, Some(c)) => Box::new(CudaRunner::new(0, cfg.clone(), c)?),
+        (Device::Cuda, None) => {
+            Box::new(CudaRunner::new(0, cfg.clone(), &SyntheticWeights::new(cfg.clone(), BUILTIN_SEED))?)
+        }
         (Device::Null, _) => {
             spec.check_null_runner()?;
             Box::new(NullRunner::new(cfg.clone()))
@@ -162,14 +185,30 @@ fn build_runner(args: &ServeArgs, spec: &SpecConfig) -> Result<(Box<dyn Runner>,
     Ok((runner, cfg))
 }
 
-fn serve(args: ServeArgs) -> Result<()> {
+/// Keeps the model from emitting ids the tokenizer cannot decode (the built-in tokenizer's cl100k ranks
+/// leave K3 ids 100,256..163,583 empty, and a synthetic model would sample them). A runner that cannot
+/// mask still serves; its text then skips those ids, which the log says.
+fn restrict_to_tokenizer(runner: &mut dyn Runner, tokenizer: &Tokenizer, cfg: &ModelConfig) {
+    let mask = TokenMask::from_fn(cfg.vocab_size, |id| tokenizer.token_bytes(id).is_some());
+    if mask.num_allowed() == cfg.vocab_size {
+        return;
+    }
+    let holes = cfg.vocab_size - mask.num_allowed();
+    match runner.set_token_mask(mask) {
+        Ok(()) => tracing::info!("{holes} ids without a token in the tokenizer are never emitted"),
+        Err(e) => tracing::warn!("{holes} ids have no token in the tokenizer and may be emitted without text: {e}"),
+    }
+}
+
+fn serve(args: ServeArgs, synthetic: &str) -> Result<()> {
     args.validate()?;
     let addr = args.listen_addr()?;
     let model_name = args.model_name();
     let tokenizer = load_tokenizer(args.model.as_deref())?;
-    let template = ChatTemplate::new(tokenizer)?;
+    let template = ChatTemplate::new(tokenizer.clone())?;
     let spec = args.spec.to_config()?;
-    let (runner, cfg) = build_runner(&args, &spec)?;
+    let (mut runner, cfg) = build_runner(&args, &spec, synthetic)?;
+    restrict_to_tokenizer(runner.as_mut(), &tokenizer, &cfg);
     tracing::info!("{}", describe_spec(&spec));
     let max_model_len = args.max_model_len.min(cfg.max_position_embeddings);
     tracing::info!(
