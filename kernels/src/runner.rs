@@ -215,7 +215,8 @@ pub trait Runner: Send {
     }
 
     /// Marks `state`'s pending proposal as the drafts of its next step: that step's row must be
-    /// `[anchor, x_1..x_l]` with `x_1..x_l` a prefix of the proposal, and is verified with `q`.
+    /// `[anchor, x_1..x_l]` with `x_1..x_l` a prefix of the proposal, with the sampling parameters the
+    /// proposal was drafted with, and is verified with `q`.
     fn select_proposal(&mut self, _state: StateId) -> Result<()> {
         Err(no_drafter())
     }
