@@ -1,0 +1,193 @@
+//! `sparkd bench` and `sparkd validate`: the argument structs and what they run.
+//!
+//! Invariants: every number comes from `sparkd_kernels` (`bench`, `cuda::bench`, `cuda::validate`);
+//! this file only parses, runs and prints. The JSON report goes to `--out` (or stdout when it is
+//! absent) and a readable table to stderr, so `sparkd bench --device cuda > report.json` works.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use sparkd::config::Device;
+use sparkd_kernels::acceptance::{AcceptanceMode, SyntheticSchedule};
+use sparkd_kernels::bench::{run_decode_bench, DecodeBench};
+use sparkd_kernels::config::PRESET_NAMES;
+use sparkd_kernels::cpu::CpuRunner;
+use sparkd_kernels::cuda::bench::{self as cuda_bench, CudaBenchOptions};
+use sparkd_kernels::cuda::ops::Gemm;
+use sparkd_kernels::cuda::validate::{self, ValidationOptions};
+use sparkd_kernels::synth::SyntheticWeights;
+use sparkd_kernels::ModelConfig;
+
+/// The linear layers' GEMM on CUDA.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum GemmArg {
+    /// One warp per output: a token's result does not depend on its batch (the served default).
+    BatchInvariant,
+    /// cuBLAS GemmEx.
+    Cublas,
+}
+
+/// `sparkd bench` options.
+#[derive(Clone, Debug, clap::Args)]
+pub struct BenchArgs {
+    /// Named config (k3-tiny, k3-mini, k3-mini-wide), synthetic weights generated in memory.
+    #[arg(long, default_value = "k3-tiny")]
+    pub config: String,
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    pub device: Device,
+    /// Batch sizes, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64")]
+    pub batch: Vec<usize>,
+    /// Timed decode steps per measurement.
+    #[arg(long, default_value_t = 16)]
+    pub steps: usize,
+    /// Tokens prefilled before decoding.
+    #[arg(long, default_value_t = 128)]
+    pub prompt_len: usize,
+    /// Draft tokens verified per step in the batch sweep.
+    #[arg(long, default_value_t = 0)]
+    pub draft_len: usize,
+    /// Forced mean acceptance length (bonus included) for the batch sweep; needs --draft-len.
+    #[arg(long)]
+    pub synthetic_al: Option<f64>,
+    /// CUDA: verify windows ℓ = 1..=N timed at batch 1 (0: none).
+    #[arg(long, default_value_t = 8)]
+    pub max_verify: usize,
+    /// CUDA: skip the forced AL = 6, ℓ = 7 measurement at batch 1.
+    #[arg(long)]
+    pub no_forced: bool,
+    #[arg(long, value_enum, default_value_t = GemmArg::BatchInvariant)]
+    pub gemm: GemmArg,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Write the JSON report here (default: stdout).
+    #[arg(long, value_name = "FILE")]
+    pub out: Option<PathBuf>,
+}
+
+/// `sparkd validate` options.
+#[derive(Clone, Debug, clap::Args)]
+pub struct ValidateArgs {
+    /// Only `cuda`: the CUDA backend is checked against the CPU reference.
+    #[arg(long, value_enum, default_value_t = Device::Cuda)]
+    pub device: Device,
+    #[arg(long, default_value = "k3-tiny")]
+    pub config: String,
+    /// Batch sizes of the batch × window matrix, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64")]
+    pub batch: Vec<usize>,
+    /// Windows 1..=N of the matrix.
+    #[arg(long, default_value_t = 8)]
+    pub max_window: usize,
+    /// Teacher-forced positions of the whole-model check.
+    #[arg(long, default_value_t = 48)]
+    pub positions: usize,
+    /// Write the JSON report here (default: stdout).
+    #[arg(long, value_name = "FILE")]
+    pub out: Option<PathBuf>,
+}
+
+fn check_config(config: &str) -> Result<ModelConfig> {
+    if !PRESET_NAMES.contains(&config) {
+        bail!("--config: unknown config `{config}` (expected one of {})", PRESET_NAMES.join(", "));
+    }
+    Ok(ModelConfig::preset(config)?)
+}
+
+fn emit(json: &str, out: Option<&PathBuf>) -> Result<()> {
+    match out {
+        Some(path) => std::fs::write(path, json).with_context(|| format!("--out: writing {}", path.display())),
+        None => {
+            println!("{json}");
+            Ok(())
+        }
+    }
+}
+
+pub fn bench(args: &BenchArgs) -> Result<()> {
+    let cfg = check_config(&args.config)?;
+    if args.batch.is_empty() || args.batch.contains(&0) || args.steps == 0 {
+        bail!("--batch and --steps: every value must be at least 1");
+    }
+    if args.synthetic_al.is_some() && args.draft_len == 0 {
+        bail!("--synthetic-al needs --draft-len of at least 1");
+    }
+    match args.device {
+        Device::Cuda => {
+            let opts = CudaBenchOptions {
+                weights_seed: args.seed,
+                gemm: match args.gemm {
+                    GemmArg::BatchInvariant => Gemm::BatchInvariant,
+                    GemmArg::Cublas => Gemm::Cublas,
+                },
+                batches: args.batch.clone(),
+                steps: args.steps,
+                prompt_len: args.prompt_len,
+                draft_len: args.draft_len,
+                synthetic_al: args.synthetic_al,
+                verify_lens: (1..=args.max_verify).collect(),
+                forced: (!args.no_forced).then_some((7, 6.0)),
+                ..CudaBenchOptions::for_preset(&args.config)
+            };
+            let report = cuda_bench::run(&opts)?;
+            eprint!("{}", report.table());
+            emit(&serde_json::to_string_pretty(&report)?, args.out.as_ref())
+        }
+        Device::Cpu => {
+            let mut runner = CpuRunner::new(cfg.clone(), &SyntheticWeights::new(cfg, args.seed))?;
+            if let Some(al) = args.synthetic_al {
+                runner.set_acceptance(AcceptanceMode::Synthetic(SyntheticSchedule::from_acceptance_length(
+                    al,
+                    args.draft_len,
+                )?));
+            }
+            let mut results = Vec::new();
+            eprintln!("sparkd bench: {} on the CPU\nbatch  step ms  tok/s", args.config);
+            for &batch in &args.batch {
+                let bench =
+                    DecodeBench { batch, prompt_len: args.prompt_len, steps: args.steps, draft_len: args.draft_len };
+                let r = run_decode_bench(&mut runner, &bench)?;
+                eprintln!("{:>5}  {:>7.3}  {:>8.1}", batch, r.step_ms, r.tokens_per_second);
+                results.push(r);
+            }
+            emit(&serde_json::to_string_pretty(&results)?, args.out.as_ref())
+        }
+        Device::Null => bail!("--device null has no math to benchmark; use cpu or cuda"),
+    }
+}
+
+pub fn validate(args: &ValidateArgs) -> Result<bool> {
+    check_config(&args.config)?;
+    if args.device != Device::Cuda {
+        bail!("--device: validate checks the CUDA backend against the CPU reference; only `cuda` is accepted");
+    }
+    if args.batch.is_empty() || args.batch.contains(&0) || args.max_window == 0 || args.positions == 0 {
+        bail!("--batch, --max-window and --positions: every value must be at least 1");
+    }
+    let opts = ValidationOptions {
+        preset: args.config.clone(),
+        positions: args.positions,
+        batches: args.batch.clone(),
+        max_window: args.max_window,
+        ..ValidationOptions::default()
+    };
+    let report = validate::run(&opts)?;
+    let failed_ops: Vec<&str> = report.ops.iter().filter(|o| !o.pass).map(|o| o.op.as_str()).collect();
+    eprintln!(
+        "sparkd validate: {} on {}: {} ({} ops checked, failing: {:?}; whole model {}/{} pass; rollback {}/{} pass; \
+         matrix {}/{} cases pass)",
+        args.config,
+        report.device.name,
+        if report.pass { "PASS" } else { "FAIL" },
+        report.ops.len(),
+        failed_ops,
+        report.whole_model.iter().filter(|w| w.pass).count(),
+        report.whole_model.len(),
+        report.rollback.iter().filter(|r| r.pass).count(),
+        report.rollback.len(),
+        report.matrix_passed,
+        report.matrix.len()
+    );
+    emit(&serde_json::to_string_pretty(&report)?, args.out.as_ref())?;
+    Ok(report.pass)
+}
