@@ -32,6 +32,20 @@ pub struct DecodeBenchResult {
     pub step_ms: f64,
     /// Target steps per generated token (1 for plain decoding; 1/AL with speculation).
     pub steps_per_token: f64,
+    /// CPU time the process spent during the timed steps (all threads; Linux only), and generated
+    /// tokens per CPU-second: the figure that stays meaningful on a shared, loaded machine.
+    pub cpu_seconds: Option<f64>,
+    pub tokens_per_cpu_second: Option<f64>,
+}
+
+/// User + system CPU seconds of this process so far, from `/proc/self/stat` (clock ticks of 1/100 s).
+fn process_cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    Some(ticks / 100.0)
 }
 
 /// Runs the benchmark; deterministic prompts of ordinary token ids.
@@ -62,6 +76,7 @@ fn timed_decode(runner: &mut dyn Runner, bench: &DecodeBench, states: &[crate::S
     }
     let mut last: Vec<TokenId> = (0..states.len()).map(|row| *prompt(row).last().unwrap_or(&0)).collect();
     let sample = SampleRequest { params: SamplingParams::greedy(), draft_len: bench.draft_len };
+    let cpu_start = process_cpu_seconds();
     let start = Instant::now();
     let mut generated = 0usize;
     for _ in 0..bench.steps {
@@ -77,6 +92,7 @@ fn timed_decode(runner: &mut dyn Runner, bench: &DecodeBench, states: &[crate::S
         }
     }
     let seconds = start.elapsed().as_secs_f64();
+    let cpu_seconds = cpu_start.zip(process_cpu_seconds()).map(|(a, b)| b - a);
     Ok(DecodeBenchResult {
         config: bench.clone(),
         seconds,
@@ -84,5 +100,7 @@ fn timed_decode(runner: &mut dyn Runner, bench: &DecodeBench, states: &[crate::S
         tokens_per_second: generated as f64 / seconds,
         step_ms: seconds * 1e3 / bench.steps.max(1) as f64,
         steps_per_token: (bench.steps * states.len()) as f64 / generated.max(1) as f64,
+        cpu_seconds,
+        tokens_per_cpu_second: cpu_seconds.filter(|c| *c > 0.0).map(|c| generated as f64 / c),
     })
 }
