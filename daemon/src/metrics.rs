@@ -8,7 +8,8 @@
 //! - Counters carry the `_total` suffix in their name, so the text exposition says
 //!   `# TYPE vllm:prompt_tokens_total counter` exactly as Python `prometheus_client` does (agentx.md §5.3).
 //! - Every series carries the global labels `model_name` and `engine` (vLLM's label set); the only other labels
-//!   are low-cardinality enums (`finished_reason`, `kind`, `tier`, `endpoint`, `status`). Never a request,
+//!   are low-cardinality enums (`finished_reason`, `kind`, `tier`, `endpoint`, `status`, and the draft `position`,
+//!   at most `--num-spec-tokens` values). Never a request,
 //!   response or session id.
 //! - Every histogram has explicit buckets (without them the exporter would render summaries).
 //! - [`install`] registers every metric at zero, so `/metrics` lists the whole set from the first scrape.
@@ -16,9 +17,11 @@
 //! Who records what (so nothing is counted twice):
 //! - the engine thread: TTFT, per-token ITL (a step committing k tokens records k samples of interval/k), the
 //!   per-step interval, queue/prefill/decode/inference time, prompt tokens computed, generation tokens,
-//!   prefix-cache queries/hits, running/waiting, KV/state usage, sessions, speculation counters;
+//!   prefix-cache queries/hits, running/waiting, KV/state usage, sessions, speculation counters, client
+//!   disconnects (a failed send on a request's event channel), and the errors it raises itself;
 //! - the API layer: end-to-end latency, per-request TPOT, `request_success`, request prompt/generation length,
-//!   P90 interactivity, API errors by kind, HTTP requests by endpoint and status, open WebSockets.
+//!   P90 interactivity, the errors it raises (validation, context length, engine gone), HTTP requests by
+//!   endpoint and status, open WebSockets.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -70,9 +73,18 @@ pub const SPEC_DECODE_NUM_DRAFTS_TOTAL: &str = "vllm:spec_decode_num_drafts_tota
 pub const SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL: &str = "vllm:spec_decode_num_draft_tokens_total";
 /// Counter: draft tokens accepted (the bonus token excluded).
 pub const SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL: &str = "vllm:spec_decode_num_accepted_tokens_total";
+/// Counter with label `position` (0-based draft position): rounds in which that position was accepted.
+pub const SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_TOTAL: &str = "vllm:spec_decode_num_accepted_tokens_per_pos_total";
 
 // ---- sparkd names ----
 
+/// Gauge: mean acceptance length since start-up, `1 + accepted / drafts` (bonus included). For a benchmark
+/// window use the counters' deltas instead, as vLLM's tools do.
+pub const SPEC_DECODE_MEAN_ACCEPTANCE_LENGTH: &str = "sparkd:spec_decode_mean_acceptance_length";
+/// Counter: verify rounds whose acceptance was forced (`--spec-synthetic-al`; included in `num_drafts`).
+pub const SPEC_DECODE_NUM_SYNTHETIC_DRAFTS_TOTAL: &str = "sparkd:spec_decode_num_synthetic_drafts_total";
+/// Gauge: the forced mean acceptance length (`--spec-synthetic-al`), 0 when acceptance is not forced.
+pub const SPEC_DECODE_FORCED_ACCEPTANCE_LENGTH: &str = "sparkd:spec_decode_forced_acceptance_length";
 /// Gauge: 1 / P90 of per-request mean ITL over the recent window ([`InteractivityWindow`]), tokens/s/user.
 pub const INTERACTIVITY_P90_TOKENS_PER_SECOND: &str = "sparkd:interactivity_p90_tokens_per_second";
 /// Histogram: seconds per engine step that emitted tokens (one sample per step per request).
@@ -190,6 +202,19 @@ pub const ALL_METRICS: &[MetricSpec] = &[
     spec(SPEC_DECODE_NUM_DRAFTS_TOTAL, Counter, "Number of verify steps that carried draft tokens."),
     spec(SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL, Counter, "Number of draft tokens proposed."),
     spec(SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL, Counter, "Number of draft tokens accepted (bonus token excluded)."),
+    labelled(
+        SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_TOTAL,
+        Counter,
+        ("position", &[]),
+        "Verify rounds in which the draft token at this position was accepted.",
+    ),
+    spec(SPEC_DECODE_MEAN_ACCEPTANCE_LENGTH, Gauge, "Mean acceptance length since start-up (bonus token included)."),
+    spec(
+        SPEC_DECODE_NUM_SYNTHETIC_DRAFTS_TOTAL,
+        Counter,
+        "Verify rounds whose acceptance was forced (synthetic acceptance length; the text is not the model's).",
+    ),
+    spec(SPEC_DECODE_FORCED_ACCEPTANCE_LENGTH, Gauge, "Forced mean acceptance length, 0 when acceptance is not forced."),
     spec(
         INTERACTIVITY_P90_TOKENS_PER_SECOND,
         Gauge,

@@ -65,6 +65,22 @@ pub enum HybridRule {
     Fixed(f64),
 }
 
+impl HybridRule {
+    /// The hybrid choice between a suffix draft of score `suffix_score` and a model draft made for
+    /// the same round (the engine drafts with the runner itself, then asks this).
+    pub fn choose(self, suffix: Draft, suffix_score: f64, model: Draft) -> (Draft, DraftSource) {
+        let threshold = match self {
+            HybridRule::ModelExpected => model.expected_accepted(),
+            HybridRule::Fixed(t) => t,
+        };
+        if !suffix.is_empty() && suffix_score >= threshold {
+            (suffix, DraftSource::Suffix)
+        } else {
+            (model, DraftSource::Model)
+        }
+    }
+}
+
 /// Which source a hybrid draft came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DraftSource {
@@ -88,15 +104,7 @@ impl HybridProposer {
     pub fn propose_with_source(&mut self, seq: SeqKey, context: &[TokenId], max_len: usize) -> (Draft, DraftSource) {
         let (suffix, score) = self.suffix.propose_scored(seq, context, max_len);
         let model = self.model.propose(seq, context, max_len);
-        let threshold = match self.rule {
-            HybridRule::ModelExpected => model.expected_accepted(),
-            HybridRule::Fixed(t) => t,
-        };
-        if !suffix.is_empty() && score >= threshold {
-            (suffix, DraftSource::Suffix)
-        } else {
-            (model, DraftSource::Model)
-        }
+        self.rule.choose(suffix, score, model)
     }
 }
 

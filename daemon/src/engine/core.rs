@@ -2,8 +2,10 @@
 //! responses and the prefix cache.
 //!
 //! Loop (each turn): take commands (block only when there is no work) → admit waiting requests and
-//! give each a state (fork of a kept response, prefix-cache import, or a fresh one) → plan a step →
-//! `runner.step` → apply the outputs → snapshots, finishes, events → memory budget → metrics.
+//! give each a state (fork of a kept response, prefix-cache import, or a fresh one) → with
+//! speculation on, draft for every decode row and attach the drafts to verify ([`Speculator`]) →
+//! plan a step → `runner.step` → apply the outputs → snapshots, finishes, events → memory budget →
+//! metrics.
 //!
 //! Invariants:
 //! - Only this thread touches the runner and `StateId`s; no lock is held anywhere around the model.
@@ -14,6 +16,8 @@
 //!   be kept is kept all the same.
 //! - A runner error fails every request of that step (their states are freed, never kept) and the
 //!   engine goes on with the rest.
+//! - Every request that got a state began on the speculator and ends on it exactly once (finish,
+//!   cancel, client gone, failure), so per-request proposer memory never leaks.
 //! - Prefix-cache snapshots are taken where they pay: at the last block boundary of each prompt
 //!   (prefill chunks are planned to end exactly there) and at the last block boundary passed while
 //!   decoding, stored when the request finishes.
@@ -31,6 +35,7 @@ use tokio::sync::mpsc::{self, error::TryRecvError, error::TrySendError};
 use super::prefix_cache::PrefixCache;
 use super::scheduler::{FinishedSeq, Scheduler, SchedulerLimits, StepOutcome, StepPlan};
 use super::sessions::{EvictionPolicy, LruPolicy, SessionStore};
+use super::speculator::{DraftSlot, Speculator};
 use super::types::{
     EngineCommand, EngineConfig, EngineError, EngineEvent, EngineHandle, FinishReason, GenerateRequest, RequestId,
     ResponseId,
@@ -74,7 +79,7 @@ pub fn spawn(runner: Box<dyn Runner>, config: EngineConfig) -> Result<Engine, En
 /// Starts the engine thread. It stops on [`Engine::shutdown`], or when every [`EngineHandle`] is
 /// dropped and its work is done.
 pub fn spawn_with_policy(
-    runner: Box<dyn Runner>,
+    mut runner: Box<dyn Runner>,
     config: EngineConfig,
     policy: Box<dyn EvictionPolicy>,
 ) -> Result<Engine, EngineError> {
@@ -83,8 +88,12 @@ pub fn spawn_with_policy(
             "engine config: max_num_batched_tokens, max_num_seqs and command_queue must be at least 1".into(),
         ));
     }
+    let speculator = match config.spec.is_on() {
+        true => Some(Speculator::new(config.spec.clone(), runner.as_mut(), config.max_num_batched_tokens)?),
+        false => None,
+    };
     let (tx, rx) = mpsc::channel(config.command_queue);
-    let engine = EngineCore::new(runner, config, policy, rx);
+    let engine = EngineCore::new(runner, config, policy, speculator, rx);
     let thread = std::thread::Builder::new()
         .name("sparkd-engine".into())
         .spawn(move || engine.run())
@@ -109,6 +118,8 @@ struct Live {
     pending_snapshot: Option<(Vec<sparkd_kernels::TokenId>, SeqState)>,
     /// The terminal event was queued; the entry goes once the backlog is delivered.
     done: bool,
+    /// The request's own cap on draft tokens per step.
+    num_spec_tokens: Option<usize>,
 }
 
 struct EngineCore {
@@ -122,6 +133,8 @@ struct EngineCore {
     sessions: SessionStore,
     prefix: PrefixCache,
     live: HashMap<RequestId, Live>,
+    /// Drafts and their statistics; `None` with speculation off.
+    speculator: Option<Speculator>,
 }
 
 impl EngineCore {
@@ -129,15 +142,18 @@ impl EngineCore {
         runner: Box<dyn Runner>,
         config: EngineConfig,
         policy: Box<dyn EvictionPolicy>,
+        speculator: Option<Speculator>,
         commands: mpsc::Receiver<EngineCommand>,
     ) -> Self {
         let limits = SchedulerLimits {
             max_num_batched_tokens: config.max_num_batched_tokens,
             max_num_seqs: config.max_num_seqs,
         };
+        let mut scheduler = Scheduler::new(limits, MLA_BLOCK_TOKENS);
+        scheduler.set_forced_acceptance(speculator.as_ref().is_some_and(Speculator::is_synthetic));
         EngineCore {
             runner,
-            scheduler: Scheduler::new(limits, MLA_BLOCK_TOKENS),
+            scheduler,
             sessions: SessionStore::new(policy, config.host_budget_bytes),
             prefix: PrefixCache::new(MLA_BLOCK_TOKENS, config.prefix_cache_bytes),
             config,
@@ -145,6 +161,7 @@ impl EngineCore {
             commands_open: true,
             stopping: false,
             live: HashMap::new(),
+            speculator,
         }
     }
 
@@ -160,12 +177,15 @@ impl EngineCore {
                 if !self.commands_open && self.live.is_empty() {
                     break;
                 }
+                // Idle: the gauges must still show the requests that just left (cancelled, client gone).
+                self.record_gauges();
                 if self.live.values().any(|l| !l.backlog.is_empty()) {
                     std::thread::sleep(BACKLOG_RETRY);
                 }
                 continue;
             }
             self.admit();
+            self.attach_drafts();
             let plan = self.scheduler.schedule(Instant::now());
             if !plan.is_empty() {
                 self.step(&plan);
@@ -262,6 +282,7 @@ impl EngineCore {
                 last_token: None,
                 pending_snapshot: None,
                 done: false,
+                num_spec_tokens: request.num_spec_tokens,
             },
         );
     }
@@ -326,8 +347,13 @@ impl EngineCore {
             Some(r) => r,
             None => (self.runner.alloc_state()?, 0),
         };
+        let mut num_spec_tokens = None;
         if let Some(live) = self.live.get_mut(&id) {
             live.state = Some(state);
+            num_spec_tokens = live.num_spec_tokens;
+        }
+        if let Some(speculator) = &mut self.speculator {
+            speculator.begin(id, &tokens, num_spec_tokens);
         }
         let block = self.prefix.block_tokens();
         let prompt_end = prompt_len / block * block;
@@ -339,6 +365,42 @@ impl EngineCore {
         };
         counter!(names::PROMPT_TOKENS_TOTAL).increment(tokens.len().saturating_sub(computed) as u64);
         self.scheduler.restore(id, computed, stops).map_err(|e| EngineError::InvalidRequest(e.to_string()))
+    }
+
+    /// Drafts for every decode row and attaches the drafts the budget verifies (speculation on). A
+    /// drafter failure fails the requests it drafted for.
+    fn attach_drafts(&mut self) {
+        let Some(speculator) = &mut self.speculator else { return };
+        let slots: Vec<DraftSlot<'_>> = self
+            .scheduler
+            .decode_slots()
+            .into_iter()
+            .filter_map(|s| {
+                let state = self.live.get(&s.id)?.state?;
+                let (context, new_tokens_left, sampling) = (s.tokens, s.new_tokens_left, s.sampling);
+                Some(DraftSlot { id: s.id, state, context, new_tokens_left, sampling })
+            })
+            .collect();
+        if slots.is_empty() {
+            return;
+        }
+        let ids: Vec<RequestId> = slots.iter().map(|s| s.id).collect();
+        let drafts = speculator.propose(self.runner.as_mut(), &slots);
+        drop(slots);
+        match drafts {
+            Ok(drafts) => {
+                for (id, draft) in ids.into_iter().zip(drafts) {
+                    if let Err(e) = self.scheduler.set_drafts(id, draft) {
+                        tracing::warn!(request = %id, error = %e, "attaching drafts failed");
+                    }
+                }
+            }
+            Err(e) => {
+                let err = EngineError::from(e);
+                tracing::error!(error = %err, rows = ids.len(), "drafting failed");
+                ids.into_iter().for_each(|id| self.fail(id, err.clone()));
+            }
+        }
     }
 
     fn step(&mut self, plan: &StepPlan) {
@@ -404,13 +466,12 @@ impl EngineCore {
 
     /// Records per-step metrics: speculation counters, TTFT for first tokens, k ITL samples for k tokens.
     fn record_step(&mut self, plan: &StepPlan, outcome: &StepOutcome, done: Instant) {
-        for (drafted, accepted) in outcome.events.iter().filter_map(|(_, e)| match e {
-            EngineEvent::Tokens { drafted, accepted, .. } if *drafted > 0 => Some((*drafted, *accepted)),
-            _ => None,
-        }) {
-            counter!(names::SPEC_DECODE_NUM_DRAFTS_TOTAL).increment(1);
-            counter!(names::SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL).increment(drafted as u64);
-            counter!(names::SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL).increment(accepted as u64);
+        if let Some(speculator) = &mut self.speculator {
+            for (_, event) in &outcome.events {
+                if let EngineEvent::Tokens { drafted, accepted, .. } = event {
+                    speculator.record(*drafted, *accepted);
+                }
+            }
         }
         debug_assert!(plan.num_tokens() <= self.config.max_num_batched_tokens);
         for &(id, count) in &outcome.emitted {
@@ -506,7 +567,11 @@ impl EngineCore {
     /// Fails a request: frees its state (never kept) and sends `Failed`.
     fn fail(&mut self, id: RequestId, error: EngineError) {
         counter!(names::ERRORS_TOTAL, "kind" => error.kind()).increment(1);
-        self.scheduler.remove(id, FinishReason::Cancelled);
+        if let Some(finished) = self.scheduler.remove(id, FinishReason::Cancelled) {
+            if let Some(speculator) = &mut self.speculator {
+                speculator.end(id, &finished.tokens);
+            }
+        }
         if let Some(live) = self.live.get_mut(&id) {
             live.keep_as = None;
             live.pending_snapshot = None;
@@ -521,6 +586,9 @@ impl EngineCore {
 
     /// A request left the scheduler: store its decode snapshot, keep or free its state, record its times.
     fn release(&mut self, finished: FinishedSeq) {
+        if let Some(speculator) = &mut self.speculator {
+            speculator.end(finished.id, &finished.tokens);
+        }
         let Some(live) = self.live.get_mut(&finished.id) else { return };
         if let Some((tokens, snapshot)) = live.pending_snapshot.take() {
             self.prefix.insert(&tokens, snapshot);

@@ -1,6 +1,7 @@
 //! The engine: one thread that owns the runner, every sequence state, the scheduler, kept
-//! responses (sessions) and the prefix cache, and talks to the rest of the daemon only through
-//! bounded channels ([`types`] is the contract).
+//! responses (sessions), the prefix cache and the speculator (drafts, verify budgets and their
+//! statistics; settings in [`spec`]), and talks to the rest of the daemon only through bounded
+//! channels ([`types`] is the contract).
 //!
 //! Invariant: nothing outside this module touches a `Runner` or a `StateId`; no lock is held
 //! around the model.
@@ -9,8 +10,12 @@ pub mod core;
 pub mod prefix_cache;
 pub mod scheduler;
 pub mod sessions;
+pub mod spec;
+pub mod speculator;
 pub mod types;
 
+#[cfg(test)]
+mod spec_tests;
 #[cfg(test)]
 mod tests;
 

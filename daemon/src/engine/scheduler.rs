@@ -70,13 +70,15 @@ impl Sequence {
         self.tokens.len() - self.prompt_len
     }
 
-    fn usage(&self) -> Usage {
+    /// `forced`: the runner forces acceptance, so a request that verified drafts is flagged.
+    fn usage(&self, forced: bool) -> Usage {
         Usage {
             prompt_tokens: self.prompt_len,
             completion_tokens: self.output_len(),
             cached_tokens: self.cached,
             draft_tokens: self.draft_tokens,
             accepted_draft_tokens: self.accepted_draft_tokens,
+            forced_acceptance: forced && self.draft_tokens > 0,
         }
     }
 }
@@ -174,11 +176,50 @@ pub struct Scheduler {
     block_tokens: usize,
     waiting: VecDeque<Sequence>,
     running: Vec<Sequence>,
+    /// Drafts are accepted by a forced schedule (usage is flagged).
+    forced_acceptance: bool,
+}
+
+/// A running sequence that decodes at the next step, as a proposer sees it.
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeSlot<'a> {
+    pub id: RequestId,
+    /// Prompt plus output; the last token is the one the next step feeds.
+    pub tokens: &'a [TokenId],
+    /// Output tokens the sequence may still produce.
+    pub new_tokens_left: usize,
+    pub sampling: &'a SamplingParams,
 }
 
 impl Scheduler {
     pub fn new(limits: SchedulerLimits, block_tokens: usize) -> Self {
-        Scheduler { limits, block_tokens: block_tokens.max(1), waiting: VecDeque::new(), running: Vec::new() }
+        Scheduler {
+            limits,
+            block_tokens: block_tokens.max(1),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            forced_acceptance: false,
+        }
+    }
+
+    /// Declares that the runner forces draft acceptance (`Usage::forced_acceptance`).
+    pub fn set_forced_acceptance(&mut self, forced: bool) {
+        self.forced_acceptance = forced;
+    }
+
+    /// Running sequences whose next row decodes (they have output and exactly one unfed token), in
+    /// admission order: the rows that can carry drafts.
+    pub fn decode_slots(&self) -> Vec<DecodeSlot<'_>> {
+        self.running
+            .iter()
+            .filter(|s| s.output_len() > 0 && s.computed + 1 == s.tokens.len())
+            .map(|s| DecodeSlot {
+                id: s.id,
+                tokens: &s.tokens,
+                new_tokens_left: s.max_tokens.saturating_sub(s.output_len()),
+                sampling: &s.sampling,
+            })
+            .collect()
     }
 
     pub fn num_waiting(&self) -> usize {
@@ -379,12 +420,13 @@ impl Scheduler {
             }
             if let Some(reason) = finish {
                 let seq = self.running.remove(index);
-                outcome.events.push((seq.id, EngineEvent::Finished { reason, usage: seq.usage() }));
+                let usage = seq.usage(self.forced_acceptance);
+                outcome.events.push((seq.id, EngineEvent::Finished { reason, usage }));
                 outcome.finished.push(FinishedSeq {
                     id: seq.id,
                     reason,
                     computed: seq.computed,
-                    usage: seq.usage(),
+                    usage,
                     tokens: seq.tokens,
                 });
             }
@@ -425,7 +467,8 @@ impl Scheduler {
             let i = self.waiting.iter().position(|s| s.id == id)?;
             self.waiting.remove(i)?
         };
-        Some(FinishedSeq { id, reason, computed: seq.computed, usage: seq.usage(), tokens: seq.tokens })
+        let usage = seq.usage(self.forced_acceptance);
+        Some(FinishedSeq { id, reason, computed: seq.computed, usage, tokens: seq.tokens })
     }
 
     /// Whether the sequence is in the running set (it may hold a state).
@@ -451,6 +494,7 @@ mod tests {
             ignore_eos: false,
             stop_token_ids: vec![2],
             arrival: Instant::now(),
+            num_spec_tokens: None,
         }
     }
 

@@ -20,6 +20,8 @@ use sparkd_kernels::runner::{SamplingParams, TokenLogprob};
 use sparkd_kernels::{KernelError, TokenId};
 use tokio::sync::mpsc;
 
+use super::spec::SpecConfig;
+
 /// Unique id of one generation request (assigned by the API layer).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct RequestId(pub u64);
@@ -61,6 +63,9 @@ pub struct GenerateRequest {
     pub stop_token_ids: Vec<TokenId>,
     /// When the request arrived at the API (queue time and TTFT are measured from here).
     pub arrival: Instant,
+    /// Most draft tokens to verify per step for this request (the request's `speculation.num_tokens`);
+    /// capped by the server's `--num-spec-tokens`; `None`: the server's value; `Some(0)`: no drafts.
+    pub num_spec_tokens: Option<usize>,
 }
 
 /// A command to the engine thread.
@@ -110,6 +115,8 @@ pub struct Usage {
     pub draft_tokens: usize,
     /// Draft tokens accepted (bonus tokens excluded).
     pub accepted_draft_tokens: usize,
+    /// The drafts' acceptance was forced (`--spec-synthetic-al`): the text is not the model's.
+    pub forced_acceptance: bool,
 }
 
 /// What the engine tells the API about one request.
@@ -182,7 +189,7 @@ pub const DEFAULT_HOST_BUDGET_BYTES: usize = 16 << 30;
 pub const DEFAULT_PREFIX_CACHE_BYTES: usize = 8 << 30;
 
 /// Engine limits and budgets.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct EngineConfig {
     /// Tokens computed per step at most (prefill chunks plus decode rows plus drafts).
     pub max_num_batched_tokens: usize,
@@ -196,6 +203,8 @@ pub struct EngineConfig {
     pub host_budget_bytes: usize,
     /// Host bytes for prefix-cache snapshots (0 disables the prefix cache).
     pub prefix_cache_bytes: usize,
+    /// Speculative decoding (off by default).
+    pub spec: SpecConfig,
 }
 
 impl Default for EngineConfig {
@@ -207,6 +216,7 @@ impl Default for EngineConfig {
             state_budget_bytes: DEFAULT_STATE_BUDGET_BYTES,
             host_budget_bytes: DEFAULT_HOST_BUDGET_BYTES,
             prefix_cache_bytes: DEFAULT_PREFIX_CACHE_BYTES,
+            spec: SpecConfig::default(),
         }
     }
 }

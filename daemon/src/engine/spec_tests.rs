@@ -1,0 +1,286 @@
+//! Speculative decoding through the real engine thread: greedy output with speculation equals
+//! output without it (every method, ℓ = 1..8, batches of 1..16 mixed-length prompts, every budget),
+//! an oracle draft is accepted at rate 1, a forced acceptance length is met and flagged, the
+//! per-request override caps drafts. The wide sweep runs on the NullRunner (its greedy tokens are a
+//! known function of the history); DSpark, the hybrid and the forced AL run on the CPU k3-tiny with
+//! its synthetic drafter, with every window at most 16 tokens (where a window's forward equals
+//! token-by-token decoding bit for bit, so spec-off and spec-on runs are comparable exactly).
+
+use std::time::Instant;
+
+use sparkd_kernels::cpu::CpuRunner;
+use sparkd_kernels::null_runner::NullRunner;
+use sparkd_kernels::runner::SamplingParams;
+use sparkd_kernels::synth::SyntheticWeights;
+use sparkd_kernels::{ModelConfig, Runner, TokenId};
+use sparkd_spec::sps::SpsPoint;
+use sparkd_spec::{ForcedAcceptance, SpsProfile};
+use tokio::sync::mpsc;
+
+use super::core::{spawn, Engine};
+use super::spec::{SpecBudget, SpecConfig, SpecMethod};
+use super::types::*;
+
+/// What one request received.
+#[derive(Debug, Default)]
+struct Outcome {
+    tokens: Vec<TokenId>,
+    /// `(drafted, accepted)` of every round that verified drafts.
+    rounds: Vec<(usize, usize)>,
+    usage: Option<Usage>,
+    failed: Option<EngineError>,
+}
+
+impl Outcome {
+    fn drafted(&self) -> usize {
+        self.rounds.iter().map(|r| r.0).sum()
+    }
+
+    fn accepted(&self) -> usize {
+        self.rounds.iter().map(|r| r.1).sum()
+    }
+
+    /// Mean acceptance length, `1 + accepted / rounds` (vLLM's definition).
+    fn acceptance_length(&self) -> f64 {
+        1.0 + self.accepted() as f64 / self.rounds.len().max(1) as f64
+    }
+}
+
+fn collect(mut rx: mpsc::Receiver<EngineEvent>) -> Outcome {
+    let mut o = Outcome::default();
+    while let Some(event) = rx.blocking_recv() {
+        match event {
+            EngineEvent::Started { .. } => {}
+            EngineEvent::Tokens { tokens, drafted, accepted, .. } => {
+                o.tokens.extend(tokens);
+                if drafted > 0 {
+                    o.rounds.push((drafted, accepted));
+                }
+            }
+            EngineEvent::Finished { usage, .. } => o.usage = Some(usage),
+            EngineEvent::Failed(e) => o.failed = Some(e),
+        }
+    }
+    o
+}
+
+struct Harness {
+    engine: Option<Engine>,
+    next_id: u64,
+}
+
+impl Harness {
+    fn new(runner: Box<dyn Runner>, spec: SpecConfig, max_num_batched_tokens: usize) -> Self {
+        let config = EngineConfig { max_num_batched_tokens, max_num_seqs: 16, spec, ..EngineConfig::default() };
+        Harness { engine: Some(spawn(runner, config).expect("engine starts")), next_id: 1 }
+    }
+
+    /// Runs `requests` (prompt, max_tokens, per-request ℓ) concurrently, greedy.
+    fn run(&mut self, requests: &[(Vec<TokenId>, usize, Option<usize>)]) -> Vec<Outcome> {
+        self.run_with(requests, &SamplingParams::greedy())
+    }
+
+    fn run_with(
+        &mut self,
+        requests: &[(Vec<TokenId>, usize, Option<usize>)],
+        sampling: &SamplingParams,
+    ) -> Vec<Outcome> {
+        let handle = self.engine.as_ref().expect("running").handle();
+        let receivers: Vec<_> = requests
+            .iter()
+            .map(|(prompt, max_tokens, num_spec_tokens)| {
+                let (tx, rx) = mpsc::channel(4);
+                let request = GenerateRequest {
+                    id: RequestId(self.next_id),
+                    prompt: prompt.clone(),
+                    continue_from: None,
+                    keep_as: None,
+                    sampling: sampling.clone(),
+                    max_tokens: *max_tokens,
+                    ignore_eos: true,
+                    stop_token_ids: Vec::new(),
+                    arrival: Instant::now(),
+                    num_spec_tokens: *num_spec_tokens,
+                };
+                self.next_id += 1;
+                handle.blocking_send(EngineCommand::Generate { request, events: tx }).expect("engine alive");
+                rx
+            })
+            .collect();
+        receivers.into_iter().map(collect).collect()
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        if let Some(engine) = self.engine.take() {
+            engine.shutdown();
+        }
+    }
+}
+
+fn spec(method: SpecMethod, num_spec_tokens: usize) -> SpecConfig {
+    SpecConfig { method, num_spec_tokens, ..SpecConfig::default() }
+}
+
+fn null_runner() -> Box<dyn Runner> {
+    Box::new(NullRunner::new(ModelConfig::preset("k3-tiny").expect("preset")))
+}
+
+/// A prompt of `len` tokens that repeats a short phrase (agent traffic is repetitive).
+fn prompt(seed: u32, len: usize) -> Vec<TokenId> {
+    (0..len as u32).map(|i| 200 + (seed * 13 + i % (3 + seed % 5)) % 3000).collect()
+}
+
+fn profile() -> SpsProfile {
+    let points = [(1, 100.0), (8, 95.0), (32, 60.0), (128, 20.0)];
+    SpsProfile::from_points(points.iter().map(|&(b, s)| SpsPoint { batch_tokens: b, steps_per_second: s }).collect())
+        .expect("profile")
+}
+
+/// A batch of `n` requests with mixed prompt lengths and output lengths.
+fn batch(n: usize, salt: u32) -> Vec<(Vec<TokenId>, usize, Option<usize>)> {
+    (0..n as u32).map(|i| (prompt(i + salt, 3 + (i as usize * 17) % 60), 5 + (i as usize * 7) % 30, None)).collect()
+}
+
+#[test]
+fn greedy_output_is_unchanged_by_model_free_speculation_at_every_length_and_batch() {
+    let batches = [1, 5, 16];
+    for method in [SpecMethod::Suffix, SpecMethod::Ngram] {
+        for len in 1..=8 {
+            let n = batches[len % batches.len()];
+            let mut h = Harness::new(null_runner(), spec(method, len), 64);
+            let requests = batch(n, len as u32);
+            // Twice: the second time the suffix proposer's global tree knows every output.
+            for round in 0..2 {
+                let outcomes = h.run(&requests);
+                for ((p, max_tokens, _), o) in requests.iter().zip(&outcomes) {
+                    assert!(o.failed.is_none(), "{method:?} ℓ={len}: {:?}", o.failed);
+                    assert_eq!(o.tokens, NullRunner::greedy_continuation(p, *max_tokens), "{method:?} ℓ={len}");
+                    assert!(o.rounds.iter().all(|&(d, a)| d <= len && a <= d));
+                    let usage = o.usage.expect("finished");
+                    assert_eq!((usage.draft_tokens, usage.accepted_draft_tokens), (o.drafted(), o.accepted()));
+                    assert!(!usage.forced_acceptance);
+                }
+                if method == SpecMethod::Suffix && round == 1 {
+                    let accepted: usize = outcomes.iter().map(Outcome::accepted).sum();
+                    assert!(accepted > 0, "ℓ={len}: the second pass drafts the outputs of the first");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn load_aware_budgets_stay_lossless() {
+    for budget in [SpecBudget::Dspark, SpecBudget::Production] {
+        let cfg = SpecConfig { budget, sps_profile: Some(profile()), ..spec(SpecMethod::Suffix, 6) };
+        let mut h = Harness::new(null_runner(), cfg, 48);
+        let requests = batch(12, 40);
+        for _ in 0..2 {
+            for ((p, max_tokens, _), o) in requests.iter().zip(h.run(&requests)) {
+                assert_eq!(o.tokens, NullRunner::greedy_continuation(p, *max_tokens), "{budget:?}");
+            }
+        }
+    }
+    // A static threshold of 1 verifies only drafts the proposer is certain of.
+    let cfg = SpecConfig { threshold: 1.0, ..spec(SpecMethod::Ngram, 4) };
+    let mut h = Harness::new(null_runner(), cfg, 64);
+    let requests = batch(4, 50);
+    for ((p, max_tokens, _), o) in requests.iter().zip(h.run(&requests)) {
+        assert_eq!(o.tokens, NullRunner::greedy_continuation(p, *max_tokens));
+        assert!(o.rounds.is_empty(), "n-gram confidence 0.7 never reaches survival 1");
+    }
+}
+
+#[test]
+fn an_oracle_draft_is_accepted_at_rate_one() {
+    // The second request repeats the first: its suffix drafts come from the first's output, which
+    // is exactly what the target emits again.
+    let mut h = Harness::new(null_runner(), spec(SpecMethod::Suffix, 8), 64);
+    let request = vec![(prompt(7, 40), 120, None)];
+    let first = h.run(&request).remove(0);
+    let second = h.run(&request).remove(0);
+    assert_eq!(first.tokens, second.tokens);
+    assert!(second.rounds.len() >= 10, "{:?}", second.rounds);
+    assert_eq!(second.accepted(), second.drafted(), "every oracle draft is accepted");
+    assert!(second.acceptance_length() > 5.0, "AL {}", second.acceptance_length());
+    // Fewer target steps: every round emits accepted + 1 tokens.
+    let rounds_without_drafts = 120 - second.rounds.iter().map(|r| r.1 + 1).sum::<usize>();
+    assert!(second.rounds.len() + rounds_without_drafts < 40);
+}
+
+#[test]
+fn the_per_request_override_lowers_the_draft_length() {
+    let mut h = Harness::new(null_runner(), spec(SpecMethod::Suffix, 8), 64);
+    let p = prompt(3, 30);
+    h.run(&[(p.clone(), 60, None)]);
+    let outcomes = h.run(&[(p.clone(), 60, Some(2)), (p.clone(), 60, Some(0)), (p.clone(), 60, Some(100))]);
+    let expected = NullRunner::greedy_continuation(&p, 60);
+    assert!(outcomes.iter().all(|o| o.tokens == expected));
+    assert!(!outcomes[0].rounds.is_empty() && outcomes[0].rounds.iter().all(|r| r.0 <= 2));
+    assert!(outcomes[1].rounds.is_empty(), "num_tokens 0 turns speculation off");
+    assert!(outcomes[2].rounds.iter().any(|r| r.0 > 2) && outcomes[2].rounds.iter().all(|r| r.0 <= 8));
+}
+
+#[test]
+fn dspark_needs_a_runner_with_a_drafter() {
+    let config = EngineConfig { spec: spec(SpecMethod::Dspark, 7), ..EngineConfig::default() };
+    let err = spawn(null_runner(), config).expect_err("refused");
+    assert!(err.to_string().contains("drafter"), "{err}");
+}
+
+/// The CPU k3-tiny runner, with the synthetic drafter when the method uses one.
+fn cpu_runner(cfg: &SpecConfig) -> Box<dyn Runner> {
+    let model = ModelConfig::preset("k3-tiny").expect("preset");
+    let mut r = CpuRunner::new(model.clone(), &SyntheticWeights::new(model, 5)).expect("cpu runner");
+    cfg.prepare_cpu_runner(&mut r, None, "k3-tiny").expect("drafter");
+    Box::new(r)
+}
+
+/// Token ids spread over the vocabulary (the synthetic model's embeddings are random).
+fn cpu_prompt(len: usize, salt: u32) -> Vec<TokenId> {
+    (0..len as u32).map(|i| (i * 7919 + salt * 104_729 + 13) % 100_000).collect()
+}
+
+#[test]
+fn cpu_greedy_output_is_unchanged_by_dspark_hybrid_and_suffix() {
+    let requests: Vec<_> = [(5, 7), (12, 6)]
+        .iter()
+        .enumerate()
+        .map(|(i, &(len, max_tokens))| (cpu_prompt(len, i as u32), max_tokens, None))
+        .collect();
+    let off = SpecConfig::default();
+    let reference: Vec<Vec<TokenId>> =
+        Harness::new(cpu_runner(&off), off, 16).run(&requests).into_iter().map(|o| o.tokens).collect();
+    for (method, len) in [(SpecMethod::Dspark, 8), (SpecMethod::Hybrid, 3)] {
+        let cfg = spec(method, len);
+        let outcomes = Harness::new(cpu_runner(&cfg), cfg, 16).run(&requests);
+        for (o, want) in outcomes.iter().zip(&reference) {
+            assert!(o.failed.is_none(), "{method:?}: {:?}", o.failed);
+            assert_eq!(&o.tokens, want, "{method:?} ℓ={len}");
+        }
+        if method == SpecMethod::Dspark {
+            assert!(outcomes.iter().all(|o| !o.rounds.is_empty()), "DSpark drafts every decode step");
+        }
+    }
+}
+
+#[test]
+fn a_forced_acceptance_length_is_met_and_flagged() {
+    // ℓ = 7, AL = 6: the minimum-variance schedule accepts exactly 5 drafts in every full round; only
+    // the last round of each request can be cut by max_tokens. Tolerance: 0.25.
+    for method in [SpecMethod::Dspark, SpecMethod::Suffix] {
+        let synthetic = ForcedAcceptance::Length(6.0).schedule(7).expect("schedule");
+        let cfg = SpecConfig { synthetic: Some(synthetic), ..spec(method, 7) };
+        let requests = vec![(cpu_prompt(6, 1), 31, None)];
+        let outcomes = Harness::new(cpu_runner(&cfg), cfg, 32).run(&requests);
+        for o in &outcomes {
+            assert!(o.failed.is_none(), "{method:?}: {:?}", o.failed);
+            assert_eq!(o.tokens.len(), 31);
+            let al = o.acceptance_length();
+            assert!((al - 6.0).abs() <= 0.25, "{method:?}: AL {al} from {:?}", o.rounds);
+            assert!(o.usage.expect("finished").forced_acceptance, "flagged synthetic");
+        }
+    }
+}
