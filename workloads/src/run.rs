@@ -1,0 +1,132 @@
+//! One replay run or a sweep, from loaded traces to a [`RunReport`]: the glue behind the CLI.
+//!
+//! Invariants: traces are read and the token pool is vetted once per invocation, before any
+//! request; a sweep runs its concurrencies one after another with the same seed and traces.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::dag::{sessions, Session};
+use crate::error::{ReplayError, Result};
+use crate::metrics::summarize;
+use crate::pareto::frontier;
+use crate::replay::{replay, ReplayOptions, RunOutcome};
+use crate::report::{tool_name, RunConfig, RunReport, SweepReport};
+use crate::synth::{HistoryMode, Synth, TokenPool};
+use crate::trace::read_all;
+use crate::transport::chat::ChatTransport;
+use crate::transport::ws::WsTransport;
+
+/// Which wire protocol a run uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransportKind {
+    /// `/v1/chat/completions`, full history each turn.
+    Chat,
+    /// Responses WebSocket, `previous_response_id` chaining.
+    Ws,
+}
+
+impl TransportKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportKind::Chat => "chat",
+            TransportKind::Ws => "ws",
+        }
+    }
+
+    pub fn history(self) -> HistoryMode {
+        match self {
+            TransportKind::Chat => HistoryMode::Resend,
+            TransportKind::Ws => HistoryMode::ServerKept,
+        }
+    }
+}
+
+/// Everything a run needs besides the concurrency.
+#[derive(Clone, Debug)]
+pub struct RunSpec {
+    pub url: String,
+    pub transport: TransportKind,
+    pub traces: Vec<PathBuf>,
+    pub options: ReplayOptions,
+    pub token_scale: f64,
+    pub gpus: u32,
+    /// A checkpoint folder with `tiktoken.model`; `None` uses the daemon's built-in tokenizer.
+    pub tokenizer_dir: Option<PathBuf>,
+}
+
+/// Loaded inputs, shared by every run of a sweep.
+pub struct Prepared {
+    pub sessions: Arc<Vec<Session>>,
+    pub synth: Arc<Synth>,
+}
+
+/// Reads the traces and vets the token pool.
+pub fn prepare(spec: &RunSpec) -> Result<Prepared> {
+    let files = read_all(&spec.traces)?;
+    let sessions: Vec<Session> = sessions(&files).into_iter().filter(|s| !s.main.turns.is_empty()).collect();
+    if sessions.is_empty() {
+        return Err(ReplayError::option("--traces", "the traces hold no main-agent requests"));
+    }
+    let tokenizer = crate::codec::daemon_tokenizer(spec.tokenizer_dir.as_deref())?;
+    let pool = TokenPool::build(&tokenizer)?;
+    let synth = Synth::new(pool, spec.token_scale)?;
+    Ok(Prepared { sessions: Arc::new(sessions), synth: Arc::new(synth) })
+}
+
+/// Runs once at `concurrency`.
+pub async fn run_once(spec: &RunSpec, prepared: &Prepared, concurrency: usize) -> Result<RunReport> {
+    let mut options = spec.options.clone();
+    options.concurrency = concurrency;
+    options.history = spec.transport.history();
+    let outcome: RunOutcome = match spec.transport {
+        TransportKind::Chat => {
+            let t = Arc::new(ChatTransport::new(&spec.url)?);
+            replay(t, prepared.synth.clone(), prepared.sessions.clone(), options.clone()).await?
+        }
+        TransportKind::Ws => {
+            let t = Arc::new(WsTransport::new(&spec.url)?);
+            replay(t, prepared.synth.clone(), prepared.sessions.clone(), options.clone()).await?
+        }
+    };
+    let secs = |d: Option<Duration>| d.map(|d| d.as_secs_f64());
+    Ok(RunReport {
+        tool: tool_name(),
+        config: RunConfig {
+            url: spec.url.clone(),
+            transport: spec.transport.name().into(),
+            model: options.model.clone(),
+            concurrency,
+            duration_s: secs(options.duration),
+            max_requests: options.max_requests,
+            time_scale: options.time_scale,
+            token_scale: spec.token_scale,
+            system_idle_cap_s: secs(options.system_idle_cap),
+            tree_idle_cap_s: secs(options.tree_idle_cap),
+            start_ratio: options.start_ratio,
+            seed: options.seed,
+            gpus: spec.gpus,
+            traces: spec.traces.iter().map(|p| p.display().to_string()).collect(),
+            sessions: prepared.sessions.len(),
+        },
+        summary: summarize(&outcome.records, spec.gpus),
+        warmup_requests: outcome.warmup_requests,
+        plays: outcome.plays,
+        wall_s: outcome.wall_s,
+        idle_skipped_s: outcome.idle_skipped_s,
+        records: outcome.records,
+    })
+}
+
+/// Runs each concurrency in turn and computes the frontier.
+pub async fn sweep(spec: &RunSpec, prepared: &Prepared, concurrencies: &[usize]) -> Result<SweepReport> {
+    let mut runs = Vec::new();
+    for &c in concurrencies {
+        let report = run_once(spec, prepared, c).await?;
+        eprintln!("concurrency {c}:\n{}", crate::metrics::summary_table(&report.summary));
+        runs.push(report);
+    }
+    let points: Vec<_> = runs.iter().map(RunReport::point).collect();
+    Ok(SweepReport { tool: tool_name(), frontier: frontier(&points), points, runs })
+}
