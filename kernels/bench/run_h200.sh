@@ -25,10 +25,10 @@ export LD_LIBRARY_PATH
 step() { # step NAME LIMIT_S CMD...
   local name=$1 limit=$2; shift 2
   echo "=== $(date -u +%FT%TZ) $name (limit ${limit}s): $*" | tee -a "$LOG"
-  local t0=$(date +%s.%N)
+  local t0=$(date +%s)
   timeout "$limit" "$@" >>"$LOG" 2>&1
   local rc=$?
-  echo "=== $name rc=$rc in $(echo "$(date +%s.%N) - $t0" | bc) s" | tee -a "$LOG"
+  echo "=== $name rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$LOG"
 }
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv; nproc; free -g; } >>"$LOG" 2>&1
 if ls .whl/*.whl >/dev/null 2>&1; then
