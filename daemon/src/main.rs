@@ -165,9 +165,13 @@ fn build_runner(args: &ServeArgs, spec: &SpecConfig, synthetic: &str) -> Result<
         None => ModelConfig::preset(synthetic).with_context(|| format!("--synthetic {synthetic}"))?,
     };
     let runner: Box<dyn Runner> = match (args.device, &checkpoint) {
-        (Device::Cuda, Some(c)) => Box::new(CudaRunner::new(0, cfg.clone(), c)?),
-        (Device::Cuda, None) => {
-            Box::new(CudaRunner::new(0, cfg.clone(), &SyntheticWeights::new(cfg.clone(), BUILTIN_SEED))?)
+        (Device::Cuda, checkpoint) => {
+            let mut runner = match checkpoint {
+                Some(c) => CudaRunner::new(0, cfg.clone(), c)?,
+                None => CudaRunner::new(0, cfg.clone(), &SyntheticWeights::new(cfg.clone(), BUILTIN_SEED))?,
+            };
+            spec.prepare_cuda_runner(&mut runner)?;
+            Box::new(runner)
         }
         (Device::Null, _) => {
             spec.check_null_runner()?;
@@ -178,7 +182,7 @@ fn build_runner(args: &ServeArgs, spec: &SpecConfig, synthetic: &str) -> Result<
                 Some(c) => CpuRunner::new(cfg.clone(), c)?,
                 None => CpuRunner::new(cfg.clone(), &SyntheticWeights::new(cfg.clone(), BUILTIN_SEED))?,
             };
-            spec.prepare_cpu_runner(&mut runner, args.model.as_deref(), DEFAULT_SYNTHETIC_CONFIG)?;
+            spec.prepare_cpu_runner(&mut runner, args.model.as_deref(), synthetic)?;
             Box::new(runner)
         }
     };

@@ -17,7 +17,9 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use sparkd_kernels::acceptance::AcceptanceMode;
 use sparkd_kernels::cpu::CpuRunner;
+use sparkd_kernels::cuda::CudaRunner;
 use sparkd_kernels::dspark::{DrafterCheckpoint, DrafterConfig, DrafterModel, SyntheticDrafterWeights, DRAFTER_DIR};
 use sparkd_kernels::runner::{RowInput, SampleRequest, SamplingParams};
 use sparkd_kernels::{KernelError, Runner, StateId, TokenId};
@@ -240,7 +242,19 @@ impl SpecConfig {
             runner.attach_drafter(model).map_err(|e| bad(flag, e.to_string()))?;
         }
         if let Some(schedule) = &self.synthetic {
-            runner.set_acceptance(sparkd_kernels::acceptance::AcceptanceMode::Synthetic(schedule.clone()));
+            runner.set_acceptance(AcceptanceMode::Synthetic(schedule.clone()));
+        }
+        Ok(())
+    }
+
+    /// Sets the forced acceptance on the CUDA runner; DSpark drafts are not on CUDA yet, so a method
+    /// that needs the drafter is refused.
+    pub fn prepare_cuda_runner(&self, runner: &mut CudaRunner) -> Result<(), SpecSettingError> {
+        if self.method.needs_drafter() {
+            return Err(bad("spec", format!("{} needs a DSpark drafter; CUDA has none yet", self.method.as_str())));
+        }
+        if let Some(schedule) = &self.synthetic {
+            runner.set_acceptance(AcceptanceMode::Synthetic(schedule.clone()));
         }
         Ok(())
     }
