@@ -8,6 +8,7 @@
 #   bench_mini_cublas.json  the k3-mini sweep with cuBLAS GEMMs
 #   bench_wide.json      k3-mini-wide (57 GB) load time and a short sweep
 # Binaries are built on the CPU host and carried in .bin/ (sparkd, cuda_runner); fla-core as a wheel in .whl/.
+# ONLY="name ..." runs just those steps (serve_check names the serve block).
 # Each step has its own time limit so the whole script ends inside one 600 s call; a failed step is logged
 # and the next one runs.
 set -u
@@ -22,8 +23,10 @@ for d in $(python3 -c 'import nvidia, os; p=nvidia.__path__[0]; print(" ".join(o
   LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}:$d"
 done
 export LD_LIBRARY_PATH
+want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
 step() { # step NAME LIMIT_S CMD...
   local name=$1 limit=$2; shift 2
+  want "$name" || return 0
   echo "=== $(date -u +%FT%TZ) $name (limit ${limit}s): $*" | tee -a "$LOG"
   local t0=$(date +%s)
   timeout "$limit" "$@" >>"$LOG" 2>&1
@@ -42,14 +45,16 @@ step validate 60 "$BIN/sparkd" validate --device cuda --config k3-tiny --out "$O
 step contract 30 "$BIN/cuda_runner" --test-threads=1 --skip cuda_matches_the_cpu_reference
 
 # The daemon on the GPU: k3-mini generated in memory, one SSE chat and a two-turn WebSocket session.
-"$BIN/sparkd" serve --device cuda --synthetic k3-mini --port 8000 >"$OUT/serve_log.txt" 2>&1 &
-SERVER=$!
-for _ in $(seq 1 60); do grep -q "listening on" "$OUT/serve_log.txt" && break; sleep 1; done
-step serve_check 45 python3 kernels/bench/serve_check.py --base http://127.0.0.1:8000 --out "$OUT/serve.json"
-kill "$SERVER"; wait "$SERVER" 2>/dev/null
-cat "$OUT/serve_log.txt" >>"$LOG"; rm -f "$OUT/serve_log.txt"
+if want serve_check; then
+  "$BIN/sparkd" serve --device cuda --synthetic k3-mini --port 8000 >"$OUT/serve_log.txt" 2>&1 &
+  SERVER=$!
+  for _ in $(seq 1 60); do grep -q "listening on" "$OUT/serve_log.txt" && break; sleep 1; done
+  step serve_check 45 python3 kernels/bench/serve_check.py --base http://127.0.0.1:8000 --out "$OUT/serve.json"
+  kill "$SERVER"; wait "$SERVER" 2>/dev/null
+  cat "$OUT/serve_log.txt" >>"$LOG"; rm -f "$OUT/serve_log.txt"
+fi
 
-step bench_mini_cublas 60 "$BIN/sparkd" bench --device cuda --config k3-mini --gemm cublas --steps 8 --prompt-len 64 \
+step bench_mini_cublas 150 "$BIN/sparkd" bench --device cuda --config k3-mini --gemm cublas --steps 8 --prompt-len 64 \
   --max-verify 0 --no-forced --out "$OUT/bench_mini_cublas.json"
 step bench_wide 80 "$BIN/sparkd" bench --device cuda --config k3-mini-wide --gemm cublas --batch 1,8,64 --steps 4 \
   --prompt-len 16 --max-verify 0 --no-forced --out "$OUT/bench_wide.json"

@@ -169,7 +169,8 @@ class Moe:
         flat = idx.reshape(-1)
         order = torch.argsort(flat)
         tok = (order // self.k)
-        counts = torch.bincount(flat, minlength=self.e)
+        # scatter_add, not bincount: bincount reads its max back to the host, which graph capture forbids.
+        counts = torch.zeros(self.e, device="cuda", dtype=torch.int64).scatter_add_(0, flat, torch.ones_like(flat))
         offs = torch.cumsum(counts, 0).to(torch.int32)
         zs = z[tok]  # [B*k, latent], expert-sorted
         h = torch._grouped_mm(zs, self.w13, offs=offs)  # [B*k, 2*ed]

@@ -498,10 +498,13 @@ impl CudaBenchReport {
             o.preset, self.device.name, o.gemm, o.prompt_len, o.steps
         );
         s += &format!(
-            "load: {:.1} GB of weights in {:.1} s ({:.2} GB/s); kernels ready in {:.2} s; copy bandwidth {:.0} GB/s (read+write)\n",
+            "load: {:.1} GB of weights in {:.1} s ({:.2} GB/s; host fetch/generation {:.1} s, upload {:.1} s); kernels ready \
+             in {:.2} s; copy bandwidth {:.0} GB/s (read+write)\n",
             self.load.weight_bytes as f64 / 1e9,
             self.load.weights_seconds,
             self.load.weight_bytes as f64 / 1e9 / self.load.weights_seconds,
+            self.load.fetch_seconds,
+            self.load.upload_seconds,
             self.load.kernel_setup_seconds,
             self.copy_bytes_per_second / 1e9
         );

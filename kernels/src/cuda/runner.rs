@@ -38,6 +38,9 @@ pub struct LoadStats {
     pub kernel_setup_seconds: f64,
     /// Fetching (or generating) every tensor and uploading it.
     pub weights_seconds: f64,
+    /// The part of `weights_seconds` spent fetching (or generating) tensors on the host, and copying.
+    pub fetch_seconds: f64,
+    pub upload_seconds: f64,
     pub weight_bytes: usize,
 }
 
@@ -63,6 +66,8 @@ impl CudaRunner {
         let load = LoadStats {
             kernel_setup_seconds,
             weights_seconds: t1.elapsed().as_secs_f64(),
+            fetch_seconds: weights.fetch_seconds,
+            upload_seconds: weights.upload_seconds,
             weight_bytes: weights.bytes,
         };
         Ok(CudaRunner {

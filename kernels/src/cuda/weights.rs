@@ -8,6 +8,7 @@
 //! AttnRes pseudo-query `norm * proj` are computed on the host in f32, as `cpu::weights` computes them.
 
 use std::collections::HashMap;
+use std::time::Instant;
 
 use cudarc::driver::CudaSlice;
 use half::bf16;
@@ -115,6 +116,9 @@ pub struct DevWeights {
     pub lm_head: DevLinear,
     /// Bytes uploaded.
     pub bytes: usize,
+    /// Seconds the load spent fetching (or generating) tensors on the host, and copying them over.
+    pub fetch_seconds: f64,
+    pub upload_seconds: f64,
 }
 
 struct Uploader<'a> {
@@ -122,16 +126,37 @@ struct Uploader<'a> {
     specs: HashMap<String, TensorSpec>,
     src: &'a dyn WeightSource,
     bytes: usize,
+    /// Seconds spent fetching (or generating) tensors, and uploading them.
+    fetch_seconds: f64,
+    upload_seconds: f64,
 }
 
 impl Uploader<'_> {
-    fn raw(&self, name: &str) -> Result<HostTensor> {
-        let spec = self.specs.get(name).ok_or_else(|| KernelError::MissingTensor { name: name.to_string() })?;
-        self.src.tensor(spec)
+    fn raw(&mut self, name: &str) -> Result<HostTensor> {
+        let spec = self.specs.get(name).ok_or_else(|| KernelError::MissingTensor { name: name.to_string() })?.clone();
+        self.fetch(&spec)
+    }
+
+    fn fetch(&mut self, spec: &TensorSpec) -> Result<HostTensor> {
+        let t0 = Instant::now();
+        let t = self.src.tensor(spec);
+        self.fetch_seconds += t0.elapsed().as_secs_f64();
+        t
+    }
+
+    fn put<T>(&mut self, up: impl FnOnce(&Gpu) -> Result<T>) -> Result<T> {
+        let t0 = Instant::now();
+        let out = up(self.gpu);
+        self.upload_seconds += t0.elapsed().as_secs_f64();
+        out
     }
 
     fn bf16(&mut self, name: &str) -> Result<CudaSlice<bf16>> {
         let t = self.raw(name)?;
+        self.upload_bf16(name, &t)
+    }
+
+    fn upload_bf16(&mut self, name: &str, t: &HostTensor) -> Result<CudaSlice<bf16>> {
         if t.dtype != DType::Bf16 {
             return Err(KernelError::TensorMismatch {
                 name: name.into(),
@@ -140,19 +165,20 @@ impl Uploader<'_> {
             });
         }
         self.bytes += t.bytes().len();
-        self.gpu.upload_bytes(t.bytes())
+        self.put(|gpu| gpu.upload_bytes(t.bytes()))
     }
 
     fn f32(&mut self, name: &str) -> Result<CudaSlice<f32>> {
         let v = self.raw(name)?.to_f32()?;
         self.bytes += v.len() * 4;
-        self.gpu.upload(&v)
+        self.put(|gpu| gpu.upload(&v))
     }
 
     fn linear(&mut self, name: &str) -> Result<DevLinear> {
+        // Fetched once: the shape and the bytes come from the same tensor.
         let t = self.raw(name)?;
         let (out_dim, in_dim) = (t.shape[0], t.shape[1..].iter().product());
-        Ok(DevLinear { w: self.bf16(name)?, out_dim, in_dim })
+        Ok(DevLinear { w: self.upload_bf16(name, &t)?, out_dim, in_dim })
     }
 
     fn norm(&mut self, name: &str, eps: f32) -> Result<DevNorm> {
@@ -164,7 +190,7 @@ impl Uploader<'_> {
         let p = self.raw(proj)?.to_f32()?;
         let q: Vec<f32> = n.iter().zip(&p).map(|(a, b)| a * b).collect();
         self.bytes += q.len() * 4;
-        self.gpu.upload(&q)
+        self.put(|gpu| gpu.upload(&q))
     }
 
     fn mlp(&mut self, prefix: &str) -> Result<DevMlp> {
@@ -192,7 +218,7 @@ impl Uploader<'_> {
         for e in 0..experts {
             let specs = expert_specs(cfg, l, e, proj);
             for (spec, dst, per) in [(&specs[0], &packed, per_packed), (&specs[1], &scales, per_scales)] {
-                let t = self.src.tensor(spec)?;
+                let t = self.fetch(spec)?;
                 if t.bytes().len() != per {
                     return Err(KernelError::TensorMismatch {
                         name: spec.name.clone(),
@@ -200,7 +226,7 @@ impl Uploader<'_> {
                         found: format!("{} bytes", t.bytes().len()),
                     });
                 }
-                self.gpu.upload_bytes_at(self.gpu.ptr(dst) + (e * per) as u64, t.bytes())?;
+                self.put(|gpu| gpu.upload_bytes_at(gpu.ptr(dst) + (e * per) as u64, t.bytes()))?;
                 self.bytes += per;
             }
         }
@@ -221,7 +247,7 @@ impl DevWeights {
             }
         }
         let specs = model_tensors(cfg).into_iter().map(|s| (s.name.clone(), s)).collect();
-        let mut up = Uploader { gpu, specs, src, bytes: 0 };
+        let mut up = Uploader { gpu, specs, src, bytes: 0, fetch_seconds: 0.0, upload_seconds: 0.0 };
         let eps = cfg.rms_norm_eps;
         let mut layers = Vec::with_capacity(cfg.num_layers());
         for (l, kind) in cfg.layers.iter().enumerate() {
@@ -290,6 +316,15 @@ impl DevWeights {
         let out_res = up.attn_res("model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight")?;
         let norm = up.norm("model.norm.weight", eps)?;
         let lm_head = up.linear("lm_head.weight")?;
-        Ok(DevWeights { embed, layers, out_res, norm, lm_head, bytes: up.bytes })
+        Ok(DevWeights {
+            embed,
+            layers,
+            out_res,
+            norm,
+            lm_head,
+            bytes: up.bytes,
+            fetch_seconds: up.fetch_seconds,
+            upload_seconds: up.upload_seconds,
+        })
     }
 }
