@@ -22,6 +22,10 @@ pub struct RequestRecord {
     /// 0 for the main agent, 1 for a subagent.
     pub depth: u8,
     pub lane: usize,
+    /// True when the turn extended its chain's context (the previous prompt and answer are a
+    /// prefix of this one); false for a chain's first turn and for a restart (compaction).
+    #[serde(default)]
+    pub continues: bool,
     /// Seconds since the profiling phase started.
     pub start_s: f64,
     pub end_s: f64,
@@ -252,6 +256,7 @@ mod tests {
             turn: 0,
             depth: 0,
             lane: 0,
+            continues: false,
             start_s: start,
             end_s: end,
             ttft_s: Some(0.1),

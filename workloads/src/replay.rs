@@ -541,7 +541,7 @@ async fn run_turn<C: Connection>(
     }
     let s = &shared.sessions[session];
     let input = conv.plan(&shared.synth, s.scope, s.block_size, chain, k);
-    let (planned_in, planned_out) = (input.context_tokens, input.max_output_tokens);
+    let (planned_in, planned_out, continues) = (input.context_tokens, input.max_output_tokens, input.continues);
     shared.gate.request_started();
     shared.inflight.fetch_add(1, Ordering::SeqCst);
     let start = Instant::now();
@@ -565,6 +565,7 @@ async fn run_turn<C: Connection>(
         turn: k,
         depth,
         lane,
+        continues,
         start_s: shared.since_start(start),
         end_s: shared.since_start(end),
         ttft_s: None,

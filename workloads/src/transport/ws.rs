@@ -5,9 +5,13 @@
 //!   is a separate `stream_id` on it, so subagents run as parallel streams of one socket.
 //! - A turn that continues its chain sends only the new messages with `previous_response_id`;
 //!   the server keeps the context (and its real output) between turns.
-//! - One reader task routes server events to the waiting turn by `stream_id` (top-level or inside
-//!   `response`); an event for no waiting stream is ignored. A closed socket fails every waiting
-//!   turn with a connection error.
+//! - One reader task routes server events to the waiting turn by `stream_id` (sparkd tags every
+//!   event of a stream with it at the top level; `response.stream_id` is also read); an event for
+//!   no waiting stream is ignored. A closed socket fails every waiting turn with a connection error.
+//! - A turn ends at `response.completed` (stopped) or `response.incomplete` (length limit; every
+//!   replayed turn ends there, since it sends `ignore_eos` with `max_output_tokens`), both carrying
+//!   `response.usage` (`input_tokens`, `output_tokens`, `input_tokens_details.cached_tokens`); an
+//!   incomplete response cut short by a cancel is an error. `error` ends the turn with its `message`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -167,12 +171,18 @@ impl WsConnection {
                     outcome.last_content = Some(now);
                     outcome.content_chunks += 1;
                 }
-                "response.completed" => {
+                kind @ ("response.completed" | "response.incomplete") => {
                     let response = event.get("response").cloned().unwrap_or_default();
+                    let reason = response.get("incomplete_details").and_then(|d| d.get("reason"));
+                    if kind == "response.incomplete" && reason.and_then(|r| r.as_str()) != Some("max_output_tokens") {
+                        let reason = reason.map_or_else(|| "none given".to_owned(), |r| r.to_string());
+                        return Err(ReplayError::Protocol(format!("response incomplete: {reason}")));
+                    }
                     outcome.response_id = response_id(&event).or(outcome.response_id);
                     let usage = response
                         .get("usage")
-                        .ok_or_else(|| ReplayError::Protocol("response.completed without usage".into()))?;
+                        .filter(|u| !u.is_null())
+                        .ok_or_else(|| ReplayError::Protocol(format!("{kind} without usage")))?;
                     let (prompt, completion, cached) = parse_usage(usage);
                     outcome.prompt_tokens = prompt;
                     outcome.completion_tokens = completion.unwrap_or(0);
@@ -182,7 +192,7 @@ impl WsConnection {
                 }
                 "error" => {
                     let body = event.get("error").map_or_else(|| event.to_string(), |e| e.to_string());
-                    let status = event.get("status").and_then(|s| s.as_u64()).unwrap_or(500) as u16;
+                    let status = error_status(&event);
                     return Err(ReplayError::Server { status, body });
                 }
                 _ => {}
@@ -191,6 +201,40 @@ impl WsConnection {
     }
 }
 
+/// sparkd's `error` event names no HTTP status; its `code` tells a bad request (400, which is
+/// how a context overflow is recognised) from a server fault (500).
+fn error_status(event: &serde_json::Value) -> u16 {
+    if let Some(status) = event.get("status").and_then(serde_json::Value::as_u64) {
+        return status as u16;
+    }
+    let error = event.get("error").unwrap_or(event);
+    let code = error.get("code").and_then(|c| c.as_str()).unwrap_or("");
+    let kind = error.get("type").and_then(|c| c.as_str()).unwrap_or("");
+    if kind == "invalid_request_error" || code == "context_length_exceeded" {
+        400
+    } else {
+        500
+    }
+}
+
 fn response_id(event: &serde_json::Value) -> Option<String> {
     event.get("response").and_then(|r| r.get("id")).and_then(|i| i.as_str()).map(str::to_owned)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_events_map_to_a_status_that_keeps_context_overflows_recognisable() {
+        let overflow = serde_json::json!({"type": "error", "code": "context_length_exceeded", "stream_id": "a",
+            "error": {"type": "invalid_request_error", "code": "context_length_exceeded",
+                      "message": "This model's maximum context length is 8 tokens"}});
+        assert_eq!(error_status(&overflow), 400);
+        assert_eq!(stream_id_of(&overflow).as_deref(), Some("a"));
+        let engine =
+            serde_json::json!({"type": "error", "error": {"type": "server_error", "code": "engine_unavailable"}});
+        assert_eq!(error_status(&engine), 500);
+        assert_eq!(stream_id_of(&engine), None);
+    }
 }
