@@ -85,24 +85,42 @@ impl Harness {
         requests: &[(Vec<TokenId>, usize, Option<usize>)],
         sampling: &SamplingParams,
     ) -> Vec<Outcome> {
-        let handle = self.engine.as_ref().expect("running").handle();
-        let receivers: Vec<_> = requests
+        let requests: Vec<GenerateRequest> = requests
             .iter()
             .map(|(prompt, max_tokens, num_spec_tokens)| {
+                let mut request = self.request(prompt.clone(), *max_tokens);
+                request.sampling = sampling.clone();
+                request.num_spec_tokens = *num_spec_tokens;
+                request
+            })
+            .collect();
+        self.submit(requests)
+    }
+
+    /// A greedy request with the next id.
+    fn request(&mut self, prompt: Vec<TokenId>, max_tokens: usize) -> GenerateRequest {
+        self.next_id += 1;
+        GenerateRequest {
+            id: RequestId(self.next_id),
+            prompt,
+            continue_from: None,
+            keep_as: None,
+            sampling: SamplingParams::greedy(),
+            max_tokens,
+            ignore_eos: true,
+            stop_token_ids: Vec::new(),
+            arrival: Instant::now(),
+            num_spec_tokens: None,
+        }
+    }
+
+    /// Runs `requests` concurrently.
+    fn submit(&mut self, requests: Vec<GenerateRequest>) -> Vec<Outcome> {
+        let handle = self.engine.as_ref().expect("running").handle();
+        let receivers: Vec<_> = requests
+            .into_iter()
+            .map(|request| {
                 let (tx, rx) = mpsc::channel(4);
-                let request = GenerateRequest {
-                    id: RequestId(self.next_id),
-                    prompt: prompt.clone(),
-                    continue_from: None,
-                    keep_as: None,
-                    sampling: sampling.clone(),
-                    max_tokens: *max_tokens,
-                    ignore_eos: true,
-                    stop_token_ids: Vec::new(),
-                    arrival: Instant::now(),
-                    num_spec_tokens: *num_spec_tokens,
-                };
-                self.next_id += 1;
                 handle.blocking_send(EngineCommand::Generate { request, events: tx }).expect("engine alive");
                 rx
             })
@@ -221,6 +239,46 @@ fn the_per_request_override_lowers_the_draft_length() {
     assert!(!outcomes[0].rounds.is_empty() && outcomes[0].rounds.iter().all(|r| r.0 <= 2));
     assert!(outcomes[1].rounds.is_empty(), "num_tokens 0 turns speculation off");
     assert!(outcomes[2].rounds.iter().any(|r| r.0 > 2) && outcomes[2].rounds.iter().all(|r| r.0 <= 8));
+}
+
+#[test]
+fn seeded_sampling_is_unchanged_by_speculation_on_the_null_runner() {
+    // The null runner's distribution is a point mass at a seeded function of (history, position), so
+    // lossless verification must reproduce the spec-off tokens exactly, sampled or not.
+    let sampling = SamplingParams { temperature: 1.0, top_p: 0.9, top_k: 50, seed: 42, logprobs: None };
+    let requests = batch(6, 70);
+    let reference = Harness::new(null_runner(), SpecConfig::default(), 64).run_with(&requests, &sampling);
+    let mut h = Harness::new(null_runner(), spec(SpecMethod::Suffix, 5), 64);
+    for round in 0..2 {
+        let outcomes = h.run_with(&requests, &sampling);
+        for (o, want) in outcomes.iter().zip(&reference) {
+            assert_eq!(o.tokens, want.tokens, "round {round}");
+        }
+        if round == 1 {
+            assert!(outcomes.iter().map(Outcome::accepted).sum::<usize>() > 0);
+        }
+    }
+}
+
+#[test]
+fn a_continued_turn_is_lossless_and_its_output_drafts_a_resent_history() {
+    let mut h = Harness::new(null_runner(), spec(SpecMethod::Suffix, 6), 64);
+    let p1 = prompt(9, 30);
+    let mut turn1 = h.request(p1.clone(), 40);
+    turn1.keep_as = Some(ResponseId("resp_s".into()));
+    let out1 = h.submit(vec![turn1]).remove(0).tokens;
+    let new: Vec<TokenId> = out1[..20].to_vec();
+    let mut turn2 = h.request(new.clone(), 30);
+    turn2.continue_from = Some(ResponseId("resp_s".into()));
+    let o = h.submit(vec![turn2]).remove(0);
+    let history: Vec<TokenId> = p1.iter().chain(&out1).chain(&new).copied().collect();
+    assert!(o.failed.is_none(), "{:?}", o.failed);
+    assert_eq!(o.tokens, NullRunner::greedy_continuation(&history, 30));
+    // The same conversation resent whole (as AIPerf does): turn 2's output is in the global tree.
+    let resent = h.request(history.clone(), 30);
+    let again = h.submit(vec![resent]).remove(0);
+    assert_eq!(again.tokens, o.tokens);
+    assert!(again.accepted() > 0 && again.accepted() == again.drafted(), "{:?}", again.rounds);
 }
 
 #[test]
