@@ -23,9 +23,9 @@ use sparkd_workloads::report::RunReport;
 use sparkd_workloads::run::{prepare, run_once, RunSpec, TransportKind};
 use sparkd_workloads::synth::HistoryMode;
 
-/// Small traces: two short main-agent sessions and one with subagents (parallel streams on one lane).
-const TRACES: [&str; 3] = ["trace_0538.json", "trace_0598.json", "trace_0277.json"];
-const MAX_REQUESTS: usize = 16;
+/// Small traces: a short main-agent session and two with subagents (parallel streams on one lane).
+const TRACES: [&str; 3] = ["trace_0538.json", "trace_0291.json", "trace_0277.json"];
+const MAX_REQUESTS: usize = 40;
 const CONCURRENCY: usize = 2;
 
 /// The Weka trace folder, or `None` (after saying the test is skipped) when the workloads are absent.
@@ -108,10 +108,12 @@ fn check(report: &RunReport, transport: &str) {
             assert!(cached > 0, "{what}: a turn that extends its chain reused no cached prefix");
         }
     }
+    let subagent_turns = records.iter().filter(|r| r.depth > 0).count();
+    assert!(subagent_turns > 0, "{transport}: no subagent turn ran, so parallel chains went untested");
     assert!(continued > 0, "{transport}: no turn extended its chain, so prefix reuse went untested");
     let summary = &report.summary;
     eprintln!(
-        "{transport}: {} requests ({continued} extending their chain), cache hit rate {:.2}, TTFT p50 {:.4}s, ITL p50 {:.5}s",
+        "{transport}: {} requests ({continued} extending their chain, {subagent_turns} of subagents), cache hit rate {:.2}, TTFT p50 {:.4}s, ITL p50 {:.5}s",
         records.len(),
         summary.cache_hit_rate,
         summary.ttft_s.p50,
