@@ -117,8 +117,8 @@ async fn stop_strings_cut_the_text_and_finish_with_stop() {
             let events = s.sse_all("/v1/chat/completions", &body).await.unwrap();
             let reason = events
                 .iter()
-                .filter_map(|e| e.data["choices"].get(0)?.get("finish_reason")?.as_str().map(str::to_owned))
-                .last();
+                .rev()
+                .find_map(|e| e.data["choices"].get(0)?.get("finish_reason")?.as_str().map(str::to_owned));
             let usage = events.iter().rev().find_map(|e| e.data.get("usage")?.get("completion_tokens")?.as_u64());
             (sse_text(&events), reason.unwrap(), usage.unwrap())
         } else {

@@ -280,7 +280,7 @@ async fn stream_chunks(
         };
         match progress {
             Progress::Delta(d) => {
-                if d.text.is_empty() && !(want_logprobs && !d.logprobs.is_empty()) {
+                if d.text.is_empty() && (!want_logprobs || d.logprobs.is_empty()) {
                     continue;
                 }
                 let logprobs = want_logprobs.then(|| match kind {

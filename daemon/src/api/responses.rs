@@ -119,7 +119,7 @@ pub async fn stream<S: EventSink>(
     let outcome = loop {
         match generation.next().await {
             Ok(Progress::Delta(d)) => {
-                if d.text.is_empty() && !(want_logprobs && !d.logprobs.is_empty()) {
+                if d.text.is_empty() && (!want_logprobs || d.logprobs.is_empty()) {
                     continue;
                 }
                 let logprobs = want_logprobs.then(|| wire::chat_logprobs(state.tokenizer(), &d.logprobs));
