@@ -41,22 +41,30 @@ __device__ float mxfp4_row_dot(const u8 *packed, const u8 *scales, const __nv_bf
     return acc;
 }
 
+// The router's fp32 logits, one warp per (token, expert): grid = (ceil(E / warps), n), blockDim 256.
+// h: [n, d]; w: [E, d]; logits: [n, E]. (Split from moe_route so that E dot products run across the whole
+// GPU instead of in one block per token; each dot keeps the same lane striding and reduction order.)
+extern "C" __global__ void moe_router_logits(const __nv_bfloat16 *h, const __nv_bfloat16 *w, float *logits, int d,
+                                             int E) {
+    int e = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (e >= E) return;
+    const __nv_bfloat16 *x = h + (long)blockIdx.y * d;
+    float acc = 0.0f;
+    for (int c = lane; c < d; c += 32) acc += ld(x, c) * ld(w, (long)e * d + c);
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (lane == 0) logits[(long)blockIdx.y * E + e] = acc;
+}
+
 // grid = n tokens, blockDim 256; dynamic shared memory 2 * E floats.
-// h: [n, d]; w: [E, d]; bias: [E]; idx: [n, k] chosen experts ascending; wts: [n, k]; margin: [n].
-extern "C" __global__ void moe_route(const __nv_bfloat16 *h, const __nv_bfloat16 *w, const float *bias, int *idx,
-                                     float *wts, float *margin, int d, int E, int k, int renormalize, float scale) {
+// logits: [n, E] from moe_router_logits; bias: [E]; idx: [n, k] chosen experts ascending; wts: [n, k];
+// margin: [n].
+extern "C" __global__ void moe_route(const float *logits, const float *bias, int *idx, float *wts, float *margin,
+                                     int E, int k, int renormalize, float scale) {
     extern __shared__ float sm[];
     float *score = sm, *choice = sm + E;
-    const __nv_bfloat16 *x = h + (long)blockIdx.x * d;
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    for (int e = warp; e < E; e += warps) {
-        float acc = 0.0f;
-        for (int c = lane; c < d; c += 32) acc += ld(x, c) * ld(w, (long)e * d + c);
-        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        if (lane == 0) {
-            score[e] = sigmoidf_(acc);
-            choice[e] = score[e] + bias[e];
-        }
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        score[e] = sigmoidf_(logits[(long)blockIdx.x * E + e]);
+        choice[e] = score[e] + bias[e];
     }
     __syncthreads();
     if (threadIdx.x != 0) return;

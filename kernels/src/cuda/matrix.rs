@@ -82,7 +82,10 @@ fn download(gpu: &Gpu, logits: &cudarc::driver::CudaSlice<half::bf16>, n: usize)
 }
 
 /// One row alone over `toks` in one fresh window: logits from `from`, and the routing trace.
-fn alone(gpu: &Gpu, dev: &DeviceModel, toks: &[TokenId], from: usize) -> Result<(Vec<f32>, Vec<Vec<Routing<f32>>>)> {
+/// Routing of every token at every MoE layer, `[layer][token]`.
+type Trace = Vec<Vec<Routing<f32>>>;
+
+fn alone(gpu: &Gpu, dev: &DeviceModel, toks: &[TokenId], from: usize) -> Result<(Vec<f32>, Trace)> {
     let mut st = DeviceState::new(gpu, &dev.cfg)?;
     let mut trace = Vec::new();
     let mut rows = [DeviceRow { state: &mut st, tokens: toks, logits_from: from, snapshots_from: None }];

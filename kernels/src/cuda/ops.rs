@@ -55,6 +55,7 @@ struct Kernels {
     kda_conv: CudaFunction,
     kda_recurrence: CudaFunction,
     mla_attend: CudaFunction,
+    moe_router_logits: CudaFunction,
     moe_route: CudaFunction,
     moe_gate_up: CudaFunction,
     moe_down_combine: CudaFunction,
@@ -143,6 +144,7 @@ impl Gpu {
             kda_conv: f(1, "kda_conv")?,
             kda_recurrence: f(1, "kda_recurrence")?,
             mla_attend: f(2, "mla_attend")?,
+            moe_router_logits: f(3, "moe_router_logits")?,
             moe_route: f(3, "moe_route")?,
             moe_gate_up: f(3, "moe_gate_up")?,
             moe_down_combine: f(3, "moe_down_combine")?,
@@ -533,7 +535,8 @@ impl Gpu {
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("mla_attend"))
     }
 
-    /// The router of `n` tokens: `idx`, `wts` `[n, k]`, `margin` `[n]`.
+    /// The router of `n` tokens: `idx`, `wts` `[n, k]`, `margin` `[n]`. Two launches: the fp32 logits
+    /// `[n, experts]` (one warp per token and expert), then the per-token selection.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_route(
         &self,
@@ -550,14 +553,25 @@ impl Gpu {
         renormalize: bool,
         scale: f32,
     ) -> Result<()> {
+        let logits = self.zeros::<f32>(n * experts)?; // [n, E]
+        let logits_ptr = self.ptr(&logits);
+        let cfg = LaunchConfig {
+            grid_dim: (experts.div_ceil(8) as u32, n as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (d, e) = (d as i32, experts as i32);
+        let mut b = self.stream.launch_builder(&self.k.moe_router_logits);
+        b.arg(&h).arg(&w).arg(&logits_ptr).arg(&d).arg(&e);
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_router_logits"))?;
         let cfg = LaunchConfig {
             grid_dim: (n as u32, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: (2 * experts * 4) as u32,
         };
-        let (d, e, k, rn) = (d as i32, experts as i32, k as i32, renormalize as i32);
+        let (k, rn) = (k as i32, renormalize as i32);
         let mut b = self.stream.launch_builder(&self.k.moe_route);
-        b.arg(&h).arg(&w).arg(&bias).arg(&idx).arg(&wts).arg(&margin).arg(&d).arg(&e).arg(&k).arg(&rn).arg(&scale);
+        b.arg(&logits_ptr).arg(&bias).arg(&idx).arg(&wts).arg(&margin).arg(&e).arg(&k).arg(&rn).arg(&scale);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_route"))
     }
 
