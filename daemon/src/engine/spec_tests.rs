@@ -325,6 +325,21 @@ fn cpu_greedy_output_is_unchanged_by_dspark_hybrid_and_suffix() {
 }
 
 #[test]
+fn dspark_drafts_after_a_prefix_cache_restore() {
+    // The second request restores the first's prompt snapshot at 64 tokens: its drafter context starts
+    // empty there, and drafting must still work and stay lossless.
+    let cfg = spec(SpecMethod::Dspark, 4);
+    let mut h = Harness::new(cpu_runner(&cfg), cfg, 16);
+    let request = vec![(cpu_prompt(70, 3), 4, None)];
+    let first = h.run(&request).remove(0);
+    let second = h.run(&request).remove(0);
+    assert!(first.failed.is_none() && second.failed.is_none(), "{:?} {:?}", first.failed, second.failed);
+    assert_eq!(second.usage.expect("finished").cached_tokens, 64);
+    assert_eq!(first.tokens, second.tokens);
+    assert!(!second.rounds.is_empty());
+}
+
+#[test]
 fn a_forced_acceptance_length_is_met_and_flagged() {
     // ℓ = 7, AL = 6: the minimum-variance schedule accepts exactly 5 drafts in every full round; only
     // the last round of each request can be cut by max_tokens. Tolerance: 0.25.
