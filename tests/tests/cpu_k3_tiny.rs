@@ -62,7 +62,8 @@ async fn cpu_streaming_chat_and_multi_turn_prefix_reuse() {
     // Prefix-cache counters saw it.
     let m = s.metrics().await.unwrap();
     assert!(m.value("vllm:prefix_cache_hits_total", &[]).unwrap() >= cached as f64);
-    assert!(m.value("vllm:prefix_cache_queries_total", &[]).unwrap() >= (p1 + p2) as f64 - 1.0);
+    // Each request queries every prompt token but its last, which is always computed.
+    assert!(m.value("vllm:prefix_cache_queries_total", &[]).unwrap() >= (p1 + p2) as f64 - 2.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
