@@ -152,6 +152,40 @@ impl TokenMask {
     }
 }
 
+/// Checks a step's rows for what every backend rejects before touching any state: a state named twice,
+/// an empty row, a token id outside `vocab`, unusable sampling parameters, or more drafts than the row
+/// holds after its anchor. `known` says whether the runner has a state.
+pub fn check_rows(rows: &[RowInput], vocab: usize, known: impl Fn(StateId) -> bool) -> Result<()> {
+    use crate::error::KernelError;
+    let mut seen = std::collections::HashSet::new();
+    for row in rows {
+        if !known(row.state) {
+            return Err(KernelError::UnknownState(row.state.0));
+        }
+        if !seen.insert(row.state) {
+            return Err(KernelError::InvalidInput(format!("{} appears twice in one step", row.state)));
+        }
+        if row.tokens.is_empty() {
+            return Err(KernelError::InvalidInput(format!("{} has no tokens", row.state)));
+        }
+        if let Some(bad) = row.tokens.iter().find(|t| **t as usize >= vocab) {
+            return Err(KernelError::InvalidInput(format!("token id {bad} outside the vocabulary of {vocab}")));
+        }
+        if let Some(s) = &row.sample {
+            crate::sampling::check_params(&s.params)?;
+            if s.draft_len >= row.tokens.len() {
+                return Err(KernelError::InvalidInput(format!(
+                    "{} drafts need at least {} tokens, the row has {}",
+                    s.draft_len,
+                    s.draft_len + 1,
+                    row.tokens.len()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The error of the drafter methods on a runner that has no drafter.
 pub fn no_drafter() -> crate::error::KernelError {
     crate::error::KernelError::InvalidInput("this runner has no drafter".into())

@@ -92,32 +92,10 @@ impl CpuRunner {
     }
 
     fn validate(&self, rows: &[RowInput]) -> Result<()> {
-        let vocab = self.model.cfg.vocab_size;
-        let mut seen = std::collections::HashSet::new();
-        for row in rows {
-            self.state(row.state)?;
-            if !seen.insert(row.state) {
-                return Err(KernelError::InvalidInput(format!("{} appears twice in one step", row.state)));
-            }
-            if row.tokens.is_empty() {
-                return Err(KernelError::InvalidInput(format!("{} has no tokens", row.state)));
-            }
-            if let Some(bad) = row.tokens.iter().find(|t| **t as usize >= vocab) {
-                return Err(KernelError::InvalidInput(format!("token id {bad} outside the vocabulary of {vocab}")));
-            }
-            if let Some(d) = &self.drafter {
+        crate::runner::check_rows(rows, self.model.cfg.vocab_size, |id| self.states.contains_key(&id))?;
+        if let Some(d) = &self.drafter {
+            for row in rows {
                 d.check_row(row, self.state(row.state)?.len)?;
-            }
-            if let Some(s) = &row.sample {
-                crate::sampling::check_params(&s.params)?;
-                if s.draft_len >= row.tokens.len() {
-                    return Err(KernelError::InvalidInput(format!(
-                        "{} drafts need at least {} tokens, the row has {}",
-                        s.draft_len,
-                        s.draft_len + 1,
-                        row.tokens.len()
-                    )));
-                }
             }
         }
         Ok(())

@@ -16,7 +16,7 @@
 //! - Commit and rollback happen on the device: the KDA states and conv windows saved after the last
 //!   accepted token are copied back, and the MLA length moves back.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use half::bf16;
 
@@ -131,32 +131,7 @@ impl CudaRunner {
     }
 
     fn validate(&self, rows: &[RowInput]) -> Result<()> {
-        let vocab = self.model.cfg.vocab_size;
-        let mut seen = HashSet::new();
-        for row in rows {
-            self.state(row.state)?;
-            if !seen.insert(row.state) {
-                return Err(KernelError::InvalidInput(format!("{} appears twice in one step", row.state)));
-            }
-            if row.tokens.is_empty() {
-                return Err(KernelError::InvalidInput(format!("{} has no tokens", row.state)));
-            }
-            if let Some(bad) = row.tokens.iter().find(|t| **t as usize >= vocab) {
-                return Err(KernelError::InvalidInput(format!("token id {bad} outside the vocabulary of {vocab}")));
-            }
-            if let Some(s) = &row.sample {
-                crate::sampling::check_params(&s.params)?;
-                if s.draft_len >= row.tokens.len() {
-                    return Err(KernelError::InvalidInput(format!(
-                        "{} drafts need at least {} tokens, the row has {}",
-                        s.draft_len,
-                        s.draft_len + 1,
-                        row.tokens.len()
-                    )));
-                }
-            }
-        }
-        Ok(())
+        crate::runner::check_rows(rows, self.model.cfg.vocab_size, |id| self.state(id).is_ok())
     }
 
     /// Runs the forward and the acceptance rule over states taken out of the map.
