@@ -157,6 +157,25 @@ impl<F: Real> SeqState<F> {
         SeqState { len: 0, kda, mla }
     }
 
+    /// Checks that this state has the layers and widths of `cfg`'s model (an imported state must).
+    pub fn check_fits(&self, cfg: &ModelConfig) -> crate::error::Result<()> {
+        let fresh = SeqState::<F>::new(cfg);
+        let kda_ok =
+            self.kda.len() == fresh.kda.len()
+                && self.kda.iter().zip(&fresh.kda).all(|(k, f)| {
+                    k.s.len() == f.s.len() && k.conv.iter().zip(&f.conv).all(|(a, b)| a.len() == b.len())
+                });
+        let latent = cfg.mla.latent_dim();
+        let mla_ok = self.mla.len() == fresh.mla.len()
+            && self.mla.iter().all(|m| m.len() == self.len && m.latent_dim() == latent);
+        if !kda_ok || !mla_ok {
+            return Err(crate::error::KernelError::InvalidInput(
+                "imported state does not match the model's layers".into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// Rolls every MLA cache back to `len` tokens.
     pub fn truncate_mla(&mut self, len: usize) {
         for c in &mut self.mla {
@@ -197,6 +216,18 @@ impl<F: Real> SeqState<F> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_state_fits_only_its_own_model() {
+        let tiny = ModelConfig::preset("k3-tiny").unwrap();
+        let mini = ModelConfig::preset("k3-mini").unwrap();
+        let mut state = SeqState::<f32>::new(&tiny);
+        assert!(state.check_fits(&tiny).is_ok());
+        assert!(state.check_fits(&mini).is_err());
+        // A length that disagrees with the MLA caches is refused too.
+        state.len = 3;
+        assert!(state.check_fits(&tiny).is_err());
+    }
 
     #[test]
     fn mla_cache_blocks_are_copy_on_write() {

@@ -274,18 +274,7 @@ impl Runner for CudaRunner {
     }
 
     fn import_state(&mut self, state: SeqState) -> Result<StateId> {
-        let fresh = SeqState::<f32>::new(&self.model.cfg);
-        let kda_ok =
-            state.kda.len() == fresh.kda.len()
-                && state.kda.iter().zip(&fresh.kda).all(|(k, f)| {
-                    k.s.len() == f.s.len() && k.conv.iter().zip(&f.conv).all(|(a, b)| a.len() == b.len())
-                });
-        let latent = self.model.cfg.mla.latent_dim();
-        let mla_ok = state.mla.len() == fresh.mla.len()
-            && state.mla.iter().all(|m| m.len() == state.len && m.latent_dim() == latent);
-        if !kda_ok || !mla_ok {
-            return Err(KernelError::InvalidInput("imported state does not match the model's layers".into()));
-        }
+        state.check_fits(&self.model.cfg)?;
         let dev = DeviceState::import(&self.gpu, &self.model.cfg, &state)?;
         Ok(self.insert(dev))
     }
