@@ -153,6 +153,7 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
             emit(&serde_json::to_string_pretty(&results)?, args.out.as_ref())
         }
         Device::Null => bail!("--device null has no math to benchmark; use cpu or cuda"),
+        Device::Auto => bench(&BenchArgs { device: args.device.resolve(), ..args.clone() }),
     }
 }
 
