@@ -17,6 +17,7 @@ pub mod forward;
 pub mod matrix;
 pub mod ops;
 pub mod runner;
+pub mod sample;
 pub mod validate;
 pub mod weights;
 
