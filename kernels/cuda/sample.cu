@@ -56,7 +56,9 @@ typedef unsigned short u16;
 #define ACCEPT_STREAM 1ull // sampling::RngStream::Accept
 
 #define MAX_TOP_N 64
-// Status words per row: token, accepted, error code, error id.
+// Status words per row (STATUS_WORDS): token, accepted, error code, error id, f32 bits of the token's and
+// the draft's log-probabilities.
+#define STATUS_WORDS 6
 #define ERR_BAD_LOGIT 1
 #define ERR_ALL_MASKED 2
 
@@ -464,11 +466,10 @@ struct Residual {
     __device__ double operator()(int i, u32 bits, u32 &rk, u32 &rp) const { return raw(i, bits, rk, rp) / total; }
 };
 
-// One block per row: grid = rows, block = SAMPLE_THREADS. desc [rows, DESC_WORDS]; status [rows, 4]
-// (token, accepted, error code, error id); lps [rows, 2] (log-probability of the token, of the draft);
-// top_ids / top_lps [rows, MAX_TOP_N].
+// One block per row: grid = rows, block = SAMPLE_THREADS. desc [rows, DESC_WORDS]; status
+// [rows, STATUS_WORDS]; top [rows, MAX_TOP_N, 2] (id, f32 bits of its log-probability), best first.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
-    sample_rows(const u64 *desc, const u32 *mask, int vocab, u32 *status, float *lps, u32 *top_ids, float *top_lps) {
+    sample_rows(const u64 *desc, const u32 *mask, int vocab, u32 *status, u32 *top) {
     __shared__ Shared s;
     const u64 *d = desc + (long)blockIdx.x * DESC_WORDS;
     RowView r = {(const u16 *)d[D_LOGITS], mask, vocab};
@@ -482,7 +483,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     int seg = (vocab + SAMPLE_THREADS - 1) / SAMPLE_THREADS;
     int begin = threadIdx.x * seg, end = min(begin + seg, vocab);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    u32 *st = status + (long)blockIdx.x * 4;
+    u32 *st = status + (long)blockIdx.x * STATUS_WORDS;
 
     // Pass 1: argmax (float compare, lowest id on ties, as sampling::argmax) and bad values.
     if (threadIdx.x == 0) s.bad_id = NO_ID;
@@ -626,10 +627,11 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
                     s.top_ids[b] = id;
                     s.top_keys[b] = k;
                 }
+                u32 *out = top + (long)blockIdx.x * MAX_TOP_N * 2;
                 for (u32 a = 0; a < n; a++) {
-                    top_ids[(long)blockIdx.x * MAX_TOP_N + a] = s.top_ids[a];
-                    top_lps[(long)blockIdx.x * MAX_TOP_N + a] =
-                        (float)((double)value_of_bits(bits_of_key(s.top_keys[a])) - log_total);
+                    out[2 * a] = s.top_ids[a];
+                    out[2 * a + 1] =
+                        __float_as_uint((float)((double)value_of_bits(bits_of_key(s.top_keys[a])) - log_total));
                 }
             }
         }
@@ -639,7 +641,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         st[1] = accepted;
         st[2] = 0;
         st[3] = 0;
-        lps[2 * (long)blockIdx.x] = lp_token;
-        lps[2 * (long)blockIdx.x + 1] = lp_draft;
+        st[4] = __float_as_uint(lp_token);
+        st[5] = __float_as_uint(lp_draft);
     }
 }

@@ -400,7 +400,6 @@ impl Gpu {
 
     /// Sampling, log-probabilities and acceptance of `rows` logits rows described by `desc` (see
     /// `cuda::sample`): one block of 1024 threads per row.
-    #[allow(clippy::too_many_arguments)]
     pub fn sample_rows(
         &self,
         desc: DPtr,
@@ -408,14 +407,12 @@ impl Gpu {
         vocab: usize,
         rows: usize,
         status: DPtr,
-        lps: DPtr,
-        top_ids: DPtr,
-        top_lps: DPtr,
+        top: DPtr,
     ) -> Result<()> {
         let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
         let v = vocab as i32;
         let mut b = self.stream.launch_builder(&self.k.sample_rows);
-        b.arg(&desc).arg(&mask).arg(&v).arg(&status).arg(&lps).arg(&top_ids).arg(&top_lps);
+        b.arg(&desc).arg(&mask).arg(&v).arg(&status).arg(&top);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("sample_rows"))
     }
 

@@ -34,6 +34,9 @@ pub const MAX_TOP_N: usize = 64;
 
 /// u64 words per row descriptor (`DESC_WORDS` in sample.cu).
 const DESC_WORDS: usize = 10;
+/// u32 words of a row's result (`STATUS_WORDS` in sample.cu): token, accepted, error code, error id,
+/// f32 bits of the token's and of the draft's log-probability.
+const STATUS_WORDS: usize = 6;
 const NO_ID: u32 = u32::MAX;
 const MODE_SAMPLE: u64 = 0;
 const MODE_VERIFY: u64 = 1;
@@ -167,34 +170,18 @@ fn launch(gpu: &Gpu, vocab: usize, jobs: &[RowJob<'_>], mask: Option<&DeviceToke
         job.encode(&mut words);
     }
     let desc = gpu.upload(&words)?;
-    let status = gpu.zeros::<u32>(rows * 4)?; // [rows, 4]: token, accepted, error, error id
-    let lps = gpu.zeros::<f32>(rows * 2)?; // [rows, 2]: token, draft
+    let status = gpu.zeros::<u32>(rows * STATUS_WORDS)?; // [rows, STATUS_WORDS]
     let want_top = jobs.iter().any(|j| j.params.logprobs.is_some_and(|n| n > 0));
-    let top_len = if want_top { rows * MAX_TOP_N } else { 1 };
-    let top_ids = gpu.zeros::<u32>(top_len)?; // [rows, MAX_TOP_N]
-    let top_lps = gpu.zeros::<f32>(top_len)?;
+    let top_len = if want_top { rows * MAX_TOP_N * 2 } else { 1 };
+    let top = gpu.zeros::<u32>(top_len)?; // [rows, MAX_TOP_N, 2]: id, f32 bits of its log-probability
     let mask_ptr = mask.map_or(NULL, |m| m.ptr(gpu));
-    gpu.sample_rows(
-        gpu.ptr(&desc),
-        mask_ptr,
-        vocab,
-        rows,
-        gpu.ptr(&status),
-        gpu.ptr(&lps),
-        gpu.ptr(&top_ids),
-        gpu.ptr(&top_lps),
-    )?;
-    let status = gpu.download(&status, rows * 4)?;
-    let lps = gpu.download(&lps, rows * 2)?;
-    let (top_ids, top_lps) = if want_top {
-        (gpu.download(&top_ids, top_len)?, gpu.download(&top_lps, top_len)?)
-    } else {
-        (Vec::new(), Vec::new())
-    };
+    gpu.sample_rows(gpu.ptr(&desc), mask_ptr, vocab, rows, gpu.ptr(&status), gpu.ptr(&top))?;
+    let status = gpu.download(&status, rows * STATUS_WORDS)?;
+    let top = if want_top { gpu.download(&top, top_len)? } else { Vec::new() };
     jobs.iter()
         .enumerate()
         .map(|(r, job)| {
-            let st = &status[r * 4..r * 4 + 4];
+            let st = &status[r * STATUS_WORDS..(r + 1) * STATUS_WORDS];
             match st[2] {
                 0 => {}
                 ERR_BAD_LOGIT => {
@@ -208,12 +195,13 @@ fn launch(gpu: &Gpu, vocab: usize, jobs: &[RowJob<'_>], mask: Option<&DeviceToke
                 }
             }
             let n = job.params.logprobs.unwrap_or(0).min(vocab);
-            let top = (0..n).map(|i| (top_ids[r * MAX_TOP_N + i], top_lps[r * MAX_TOP_N + i])).collect();
+            let at = |i: usize| r * MAX_TOP_N * 2 + 2 * i;
+            let top = (0..n).map(|i| (top[at(i)], f32::from_bits(top[at(i) + 1]))).collect();
             Ok(RowResult {
                 token: st[0],
                 accepted: st[1] != 0,
-                logprob_token: lps[2 * r],
-                logprob_draft: lps[2 * r + 1],
+                logprob_token: f32::from_bits(st[4]),
+                logprob_draft: f32::from_bits(st[5]),
                 top,
             })
         })
@@ -332,7 +320,7 @@ pub fn verify_rows(
                 for i in 0..=l {
                     jobs.push(RowJob {
                         logits: logits_row(i),
-                        q: row.q.map_or(NULL, |q| q + (i * vocab * 4) as u64),
+                        q: row.q.filter(|_| i < l).map_or(NULL, |q| q + (i * vocab * 4) as u64),
                         probs_out: NULL,
                         params: row.params,
                         position: row.first_position + i as u64,
