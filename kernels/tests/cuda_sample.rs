@@ -60,6 +60,19 @@ fn logit_rows(seed: u64) -> Vec<bf16> {
     out
 }
 
+/// `f(0..n)` on all cores, in order (the CPU reference is the slow side of these tests).
+fn par_map<T: Send>(n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
+    let threads = std::thread::available_parallelism().map_or(4, |t| t.get()).min(n.max(1));
+    let chunk = n.div_ceil(threads);
+    std::thread::scope(|sc| {
+        let f = &f;
+        let handles: Vec<_> = (0..threads)
+            .map(|t| sc.spawn(move || (t * chunk..((t + 1) * chunk).min(n)).map(f).collect::<Vec<T>>()))
+            .collect();
+        handles.into_iter().flat_map(|h| h.join().unwrap()).collect()
+    })
+}
+
 fn host_row(rows: &[bf16], r: usize, mask: Option<&TokenMask>) -> Vec<f32> {
     let mut row: Vec<f32> = rows[r * VOCAB..(r + 1) * VOCAB].iter().map(|x| x.to_f32()).collect();
     if let Some(m) = mask {
@@ -159,10 +172,27 @@ fn sampling_and_processed_probabilities_match_the_cpu() {
             )
             .unwrap();
             let host_probs = g.download(&probs, ROWS * VOCAB).unwrap();
-            for r in 0..ROWS {
+            // Per row: (cpu token, near a boundary, (worst relative error, support differences) when compared).
+            let cpu_rows = par_map(ROWS, |r| {
                 let logits = host_row(&rows, r, m);
                 let cpu = sampling::sample(&logits, &params[r], positions[r]).unwrap();
                 let d = Distribution::from_logits(&logits, &params[r]).unwrap();
+                let u = uniform(params[r].seed, positions[r], RngStream::Token);
+                let near = !params[r].is_greedy() && near_boundary(&d, u, tokens[r], cpu, CDF_EPS);
+                let probs_check = (ci % 3 == 0).then(|| {
+                    let (mut worst, mut diff) = (0.0f64, 0usize);
+                    for (p_dev, p_cpu) in host_probs[r * VOCAB..(r + 1) * VOCAB].iter().zip(d.probs()) {
+                        if (*p_dev > 0.0) != (*p_cpu > 0.0) {
+                            diff += 1;
+                        } else if *p_cpu > 1e-30 {
+                            worst = worst.max((*p_dev as f64 - p_cpu).abs() / p_cpu);
+                        }
+                    }
+                    (worst, diff)
+                });
+                (cpu, near, probs_check)
+            });
+            for (r, (cpu, near, probs_check)) in cpu_rows.into_iter().enumerate() {
                 let got = tokens[r];
                 if masked {
                     assert!(mask.is_allowed(got), "masked id {got} emitted");
@@ -170,22 +200,14 @@ fn sampling_and_processed_probabilities_match_the_cpu() {
                 tally.rows += 1;
                 if got == cpu {
                     tally.identical += 1;
-                } else if !params[r].is_greedy()
-                    && near_boundary(&d, uniform(params[r].seed, positions[r], RngStream::Token), got, cpu, CDF_EPS)
-                {
+                } else if near {
                     tally.near_boundary += 1;
                 } else {
                     tally.unexplained.push(format!("{base:?} masked {masked} row {r}: device {got}, cpu {cpu}"));
                 }
-                if ci % 3 == 0 {
-                    let dev_row = &host_probs[r * VOCAB..(r + 1) * VOCAB];
-                    for (p_dev, p_cpu) in dev_row.iter().zip(d.probs()) {
-                        if (*p_dev > 0.0) != (*p_cpu > 0.0) {
-                            support_diff += 1;
-                        } else if *p_cpu > 1e-30 {
-                            worst_rel = worst_rel.max((*p_dev as f64 - p_cpu).abs() / p_cpu);
-                        }
-                    }
+                if let Some((worst, diff)) = probs_check {
+                    worst_rel = worst_rel.max(worst);
+                    support_diff += diff;
                     compared += 1;
                 }
             }
@@ -339,7 +361,8 @@ fn verify_matches_acceptance_verify() {
             let alone =
                 sample::verify_rows(&g, VOCAB, &verify[windows - 1..], masked.then_some(&dmask), &mode).unwrap();
             assert_eq!(alone[0], verdicts[windows - 1], "a verdict depends on the batch");
-            for w in 0..windows {
+            // Per window: the CPU verdict, and whether a difference from the device's is near a boundary.
+            let cpu_windows = par_map(windows, |w| {
                 let target: Vec<f32> = (0..=l).flat_map(|i| host_row(&rows, w * (l + 1) + i, m)).collect();
                 let q_logits: Option<Vec<f32>> =
                     with_q.then(|| (0..l).flat_map(|i| host_row(&rows, q_rows(w) + i, None)).collect());
@@ -351,6 +374,20 @@ fn verify_matches_acceptance_verify() {
                     first_position: first_positions[w],
                 };
                 let cpu = acceptance::verify(&window, &params[w], &mode).unwrap();
+                let got = &verdicts[w];
+                let near = cpu.tokens != got.tokens
+                    && explain(
+                        &target,
+                        q_logits.as_deref(),
+                        &drafts_of[w],
+                        &params[w],
+                        first_positions[w],
+                        &cpu.tokens,
+                        &got.tokens,
+                    );
+                (cpu, near)
+            });
+            for (w, (cpu, near)) in cpu_windows.into_iter().enumerate() {
                 let got = &verdicts[w];
                 if masked {
                     assert!(got.tokens[got.num_accepted..].iter().all(|t| mask.is_allowed(*t)), "masked id emitted");
@@ -364,23 +401,15 @@ fn verify_matches_acceptance_verify() {
                         assert_eq!(a.token, b.token);
                         let ids = |t: &[(TokenId, f32)]| t.iter().map(|x| x.0).collect::<Vec<_>>();
                         assert_eq!(ids(&a.top), ids(&b.top), "top alternatives differ");
-                        let diffs = std::iter::once((a.logprob, b.logprob))
+                        let pairs = std::iter::once((a.logprob, b.logprob))
                             .chain(a.top.iter().zip(&b.top).map(|(x, y)| (x.1, y.1)));
-                        for (x, y) in diffs {
+                        for (x, y) in pairs {
                             if x.is_finite() || y.is_finite() {
                                 lp_worst = lp_worst.max((x as f64 - y as f64).abs());
                             }
                         }
                     }
-                } else if explain(
-                    &target,
-                    q_logits.as_deref(),
-                    &drafts_of[w],
-                    &params[w],
-                    first_positions[w],
-                    &cpu.tokens,
-                    &got.tokens,
-                ) {
+                } else if near {
                     tally.near_boundary += 1;
                 } else {
                     tally.unexplained.push(format!(
