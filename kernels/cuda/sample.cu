@@ -18,7 +18,9 @@
 //   Rust's `total_cmp`) and 256-bin radix histograms find the k-th best key; ties at that key are kept
 //   lowest id first by a block prefix count. Top-p does the same over mass: the high-byte bins carry
 //   fixed-point mass (2^-62 units, exact integer sums), the chosen bin's keys exact f64 mass
-//   (count * p, all ids of one key having the same p).
+//   (count * p, all ids of one key having the same p). Top-p ranks -0 and +0 as one key (equal
+//   probability, the CPU's rank by probability) unless top-k ran first (the CPU then keeps logit order).
+// - Normalisations multiply by a reciprocal (the CPU divides): a last-bit difference, inside the tolerance.
 // - The CPU sums in other orders (best-first, one sequential pass), so sums differ in the last bits;
 //   a decision differs only where a threshold (u, top_p) lies within ~1e-12 of a cumulative mass.
 // Selection by histograms follows FlashInfer's and vLLM's GPU top-k/top-p samplers (threshold search
@@ -266,20 +268,42 @@ __device__ u32 tie_offset(const RowView &r, int seg, u32 key, const KeepRule &in
     return block_exclusive_u32(count, s);
 }
 
+// Adds each lane's (1, m) to (hist, mass)[bin] (bin NO_ID: nothing): one warp-wide integer sum and one
+// atomic per distinct bin of the warp, so contended bins cost few shared atomics. Every lane must call it.
+__device__ void warp_add_mass(u32 *hist, u64 *mass, u32 bin, u64 m) {
+    u32 pending = __ballot_sync(FULL_MASK, bin != NO_ID);
+    while (pending) {
+        int leader = __ffs(pending) - 1;
+        u32 b = __shfl_sync(FULL_MASK, bin, leader);
+        bool mine = bin == b;
+        u32 group = __ballot_sync(FULL_MASK, mine);
+        u64 sum = mine ? m : 0ull;
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, o);
+        if ((int)(threadIdx.x & 31) == leader) {
+            atomicAdd(&hist[b], (u32)__popc(group));
+            atomicAdd(&mass[b], sum);
+        }
+        pending &= ~group;
+    }
+}
+
 // The processed target distribution of a sampling row (temperature > 0).
 struct Target {
-    double inv_t, smax, total1, total2;
+    double inv_t, smax, inv_total1;
     KeepRule topk, topp;
+    // Top-p ranks by probability, where -0 and +0 tie (the CPU's `best_first` on probabilities),
+    // except after top-k, whose order (by logit, -0 below +0) the CPU keeps.
+    bool merge_zero;
     u32 run_k0, run_p0; // this thread's tie offsets
     __device__ __forceinline__ double weight(u32 bits) const {
         return exp((double)value_of_bits(bits) * inv_t - smax);
     }
+    __device__ __forceinline__ u32 pkey(u32 bits) const { return order_key(merge_zero && bits == 0x8000u ? 0u : bits); }
     // p_i before the final normalisation (e_i / total1), 0 when top-k or top-p removed the id.
     __device__ __forceinline__ double kept_mass(u32 bits, u32 &run_k, u32 &run_p) const {
-        u32 k = order_key(bits);
-        if (!topk.take(k, run_k)) return 0.0;
-        if (!topp.take(k, run_p)) return 0.0;
-        return weight(bits) / total1;
+        if (!topk.take(order_key(bits), run_k)) return 0.0;
+        if (!topp.take(pkey(bits), run_p)) return 0.0;
+        return weight(bits) * inv_total1;
     }
 };
 
@@ -301,6 +325,7 @@ __device__ void build_target(const RowView &r, int seg, float temperature, u32 t
     t.smax = (double)max_v * t.inv_t;
     t.topk.on = top_k > 0 && top_k < (u32)r.vocab;
     t.topp.on = false;
+    t.merge_zero = !t.topk.on;
     t.run_k0 = 0;
     t.run_p0 = 0;
     if (t.topk.on) {
@@ -318,99 +343,101 @@ __device__ void build_target(const RowView &r, int seg, float temperature, u32 t
         u32 b = bits_at(r, i);
         if (t.topk.take(order_key(b), run)) local += t.weight(b);
     }
-    t.total1 = block_sum_f64(local, s);
-    if (top_p < 1.0f) {
-        double tp = (double)top_p;
-        zero_hist(s);
-        run = t.run_k0;
-        for (int j = 0; j < seg; j++) {
-            int i = begin + j;
-            u32 key = NO_ID;
-            u64 m = 0;
-            if (i < r.vocab) {
-                u32 b = bits_at(r, i);
-                u32 k = order_key(b);
-                if (t.topk.take(k, run)) {
-                    key = k;
-                    m = __double2ull_rn(t.weight(b) / t.total1 * FIXED_ONE);
-                }
-            }
-            // Ids of one key have the same mass: one atomic per key present in the warp.
-            u32 peers = __match_any_sync(FULL_MASK, key);
-            if (key != NO_ID && (int)(threadIdx.x & 31) == __ffs(peers) - 1) {
-                atomicAdd(&s.hist[key >> 8], (u32)__popc(peers));
-                atomicAdd(&s.mass[key >> 8], m * (u64)__popc(peers));
+    t.inv_total1 = 1.0 / block_sum_f64(local, s);
+    if (!(top_p < 1.0f)) return;
+    double tp = (double)top_p;
+    double to_fixed = t.inv_total1 * FIXED_ONE;
+    zero_hist(s);
+    run = t.run_k0;
+    for (int j = 0; j < seg; j++) {
+        int i = begin + j;
+        u32 bin = NO_ID;
+        u64 m = 0;
+        if (i < r.vocab) {
+            u32 b = bits_at(r, i);
+            if (t.topk.take(order_key(b), run)) {
+                bin = t.pkey(b) >> 8;
+                m = __double2ull_rn(t.weight(b) * to_fixed);
             }
         }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            u64 tp_fixed = (u64)(tp * FIXED_ONE);
-            u64 acc = 0;
-            int high = -1;
-            for (int h = 255; h >= 0; h--) {
-                if (s.hist[h] == 0) continue;
-                if (acc + s.mass[h] >= tp_fixed) {
-                    high = h;
-                    break;
-                }
-                acc += s.mass[h];
-            }
-            s.sel_a = (u32)high;
-            s.sel_mass = acc;
-        }
-        __syncthreads();
-        int high = (int)s.sel_a;
-        u64 acc_high = s.sel_mass;
-        if (high >= 0) {
-            zero_hist(s);
-            run = t.run_k0;
-            for (int j = 0; j < seg; j++) {
-                int i = begin + j;
-                u32 bin = NO_ID;
-                if (i < r.vocab) {
-                    u32 k = order_key(bits_at(r, i));
-                    if (t.topk.take(k, run) && (int)(k >> 8) == high) bin = k & 255u;
-                }
-                warp_count(s.hist, bin);
-            }
-            __syncthreads();
-            if (threadIdx.x == 0) {
-                double above = (double)acc_high / FIXED_ONE;
-                u32 chosen = NO_ID, ties = 0;
-                for (int l = 255; l >= 0; l--) {
-                    u32 cnt = s.hist[l];
-                    if (cnt == 0) continue;
-                    u32 key = ((u32)high << 8) | (u32)l;
-                    double pk = t.weight(bits_of_key(key)) / t.total1;
-                    chosen = key;
-                    ties = cnt;
-                    if (above + (double)cnt * pk >= tp) {
-                        ties = top_p_ties(above, pk, cnt, tp);
-                        break;
-                    }
-                    above += (double)cnt * pk;
-                }
-                s.sel_a = chosen;
-                s.sel_b = ties;
-            }
-            __syncthreads();
-            t.topp.on = true;
-            t.topp.key = s.sel_a;
-            t.topp.ties = s.sel_b;
-            t.run_p0 = tie_offset(r, seg, t.topp.key, t.topk, t.run_k0, s);
-        }
+        warp_add_mass(s.hist, s.mass, bin, m);
     }
-    // total2: what top-p kept (the CPU's final normalisation).
-    local = 0.0;
-    u32 rk = t.run_k0, rp = t.run_p0;
-    for (int i = begin; i < end; i++) local += t.kept_mass(bits_at(r, i), rk, rp);
-    t.total2 = block_sum_f64(local, s);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u64 tp_fixed = (u64)(tp * FIXED_ONE);
+        u64 acc = 0;
+        int high = -1;
+        for (int h = 255; h >= 0; h--) {
+            if (s.hist[h] == 0) continue;
+            if (acc + s.mass[h] >= tp_fixed) {
+                high = h;
+                break;
+            }
+            acc += s.mass[h];
+        }
+        s.sel_a = (u32)high;
+        s.sel_mass = acc;
+    }
+    __syncthreads();
+    int high = (int)s.sel_a;
+    u64 acc_high = s.sel_mass;
+    // Rounding left the mass below top_p everywhere: nothing is cut.
+    if (high < 0) return;
+    zero_hist(s);
+    run = t.run_k0;
+    for (int j = 0; j < seg; j++) {
+        int i = begin + j;
+        u32 bin = NO_ID;
+        if (i < r.vocab) {
+            u32 b = bits_at(r, i);
+            if (t.topk.take(order_key(b), run)) {
+                u32 k = t.pkey(b);
+                if ((int)(k >> 8) == high) bin = k & 255u;
+            }
+        }
+        warp_count(s.hist, bin);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double above = (double)acc_high / FIXED_ONE;
+        u32 chosen = NO_ID, ties = 0;
+        for (int l = 255; l >= 0; l--) {
+            u32 cnt = s.hist[l];
+            if (cnt == 0) continue;
+            u32 key = ((u32)high << 8) | (u32)l;
+            double pk = t.weight(bits_of_key(key)) * t.inv_total1;
+            chosen = key;
+            ties = cnt;
+            if (above + (double)cnt * pk >= tp) {
+                ties = top_p_ties(above, pk, cnt, tp);
+                break;
+            }
+            above += (double)cnt * pk;
+        }
+        s.sel_a = chosen;
+        s.sel_b = ties;
+    }
+    __syncthreads();
+    t.topp.on = true;
+    t.topp.key = s.sel_a;
+    t.topp.ties = s.sel_b;
+    // The thread's prefix of top-k-kept ids tied at the top-p key.
+    u32 count = 0;
+    run = t.run_k0;
+    for (int i = begin; i < end; i++) {
+        u32 b = bits_at(r, i);
+        if (t.topk.take(order_key(b), run) && t.pkey(b) == t.topp.key) count++;
+    }
+    t.run_p0 = block_exclusive_u32(count, s);
 }
 
-// Inverse CDF over ascending ids of the weights `w(i)` at `u`: the lowest id whose cumulative weight
-// exceeds u, else the last id of positive weight. `W` is a functor double(int i, u32 bits, u32 &rk, u32 &rp).
+// Inverse CDF over ascending ids of the normalised weights w(i) / sum(w): the lowest id whose cumulative
+// weight exceeds u, else the last id of positive weight; NO_ID when the weights sum to 0. `W` is a
+// functor double(int i, u32 bits, u32 &rk, u32 &rp) giving unnormalised weights >= 0. `total`
+// receives sum(w) (one scan gives both the total and each segment's prefix).
 template <typename W>
-__device__ u32 inverse_cdf(const RowView &r, int seg, const Target &t, double u, const W &w, Shared &s) {
+__device__ u32 inverse_cdf(const RowView &r, int seg, const Target &t, double u, const W &w, Shared &s,
+                           double *total) {
     int begin = threadIdx.x * seg, end = min(begin + seg, r.vocab);
     double local = 0.0;
     u32 rk = t.run_k0, rp = t.run_p0;
@@ -418,7 +445,12 @@ __device__ u32 inverse_cdf(const RowView &r, int seg, const Target &t, double u,
         double f = w(i, bits_at(r, i), rk, rp);
         if (f > 0.0) local += f;
     }
-    double acc = block_exclusive_f64(local, s);
+    double prefix = block_exclusive_f64(local, s);
+    double sum = s.scratch[SAMPLE_WARPS - 1];
+    *total = sum;
+    if (!(sum > 0.0)) return NO_ID;
+    double inv = 1.0 / sum;
+    double acc = prefix * inv;
     if (threadIdx.x == 0) {
         s.hit = NO_ID;
         s.last_plus1 = 0;
@@ -428,7 +460,7 @@ __device__ u32 inverse_cdf(const RowView &r, int seg, const Target &t, double u,
     rp = t.run_p0;
     u32 last = NO_ID;
     for (int i = begin; i < end; i++) {
-        double f = w(i, bits_at(r, i), rk, rp);
+        double f = w(i, bits_at(r, i), rk, rp) * inv;
         if (f > 0.0) {
             acc += f;
             last = (u32)i;
@@ -440,30 +472,28 @@ __device__ u32 inverse_cdf(const RowView &r, int seg, const Target &t, double u,
     }
     if (last != NO_ID) atomicMax(&s.last_plus1, last + 1);
     __syncthreads();
-    u32 token = s.hit != NO_ID ? s.hit : (s.last_plus1 > 0 ? s.last_plus1 - 1 : 0u);
+    u32 token = s.hit != NO_ID ? s.hit : s.last_plus1 - 1;
     __syncthreads();
     return token;
 }
 
-struct TargetProb {
+// p_i before the final normalisation by total2.
+struct KeptMass {
     const Target *t;
-    __device__ double operator()(int, u32 bits, u32 &rk, u32 &rp) const {
-        return t->kept_mass(bits, rk, rp) / t->total2;
-    }
+    __device__ double operator()(int, u32 bits, u32 &rk, u32 &rp) const { return t->kept_mass(bits, rk, rp); }
 };
 
-// max(p - q, 0) / total (total > 0); q one-hot on `draft` when `q` is null.
+// max(p - q, 0), p = kept mass / total2; q one-hot on `draft` when `q` is null.
 struct Residual {
     const Target *t;
     const float *q;
     u32 draft;
-    double total;
-    __device__ double raw(int i, u32 bits, u32 &rk, u32 &rp) const {
-        double p = t->kept_mass(bits, rk, rp) / t->total2;
+    double inv_total2;
+    __device__ double operator()(int i, u32 bits, u32 &rk, u32 &rp) const {
+        double p = t->kept_mass(bits, rk, rp) * inv_total2;
         double qi = q ? (double)q[i] : ((u32)i == draft ? 1.0 : 0.0);
         return fmax(p - qi, 0.0);
     }
-    __device__ double operator()(int i, u32 bits, u32 &rk, u32 &rp) const { return raw(i, bits, rk, rp) / total; }
 };
 
 // One block per row: grid = rows, block = SAMPLE_THREADS. desc [rows, DESC_WORDS]; status
@@ -546,20 +576,23 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     } else {
         Target t;
         build_target(r, seg, temperature, top_k, top_p, max_v, s, t);
-        TargetProb p = {&t};
-        if (probs_out) {
-            u32 rk = t.run_k0, rp = t.run_p0;
-            for (int i = begin; i < end; i++) probs_out[i] = (float)p(i, bits_at(r, i), rk, rp);
-        }
+        KeptMass kept = {&t};
+        double u = uniform01(seed, position, stream);
+        double total2;
         if (mode == MODE_VERIFY && draft != NO_ID) {
+            double local = 0.0;
+            u32 rk = t.run_k0, rp = t.run_p0;
+            for (int i = begin; i < end; i++) local += t.kept_mass(bits_at(r, i), rk, rp);
+            total2 = block_sum_f64(local, s);
             // The draft's probability: its owner replays its segment's tie counters up to it.
             if (threadIdx.x == 0) s.draft_p = 0.0;
             __syncthreads();
             if ((int)draft >= begin && (int)draft < end) {
-                u32 rk = t.run_k0, rp = t.run_p0;
-                double px = 0.0;
-                for (int i = begin; i <= (int)draft; i++) px = p(i, bits_at(r, i), rk, rp);
-                s.draft_p = px;
+                rk = t.run_k0;
+                rp = t.run_p0;
+                double m = 0.0;
+                for (int i = begin; i <= (int)draft; i++) m = t.kept_mass(bits_at(r, i), rk, rp);
+                s.draft_p = m / total2;
             }
             __syncthreads();
             double px = s.draft_p;
@@ -568,17 +601,24 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
                 accepted = 1;
                 token = draft;
             } else {
-                Residual res = {&t, q, draft, 1.0};
-                double local = 0.0;
-                u32 rk = t.run_k0, rp = t.run_p0;
-                for (int i = begin; i < end; i++) local += res.raw(i, bits_at(r, i), rk, rp);
-                res.total = block_sum_f64(local, s);
-                double u = uniform01(seed, position, stream);
+                Residual res = {&t, q, draft, 1.0 / total2};
+                double w_total;
+                token = inverse_cdf(r, seg, t, u, res, s, &w_total);
                 // Rounding can leave no residual mass although the draft was rejected: then p itself.
-                token = res.total > 0.0 ? inverse_cdf(r, seg, t, u, res, s) : inverse_cdf(r, seg, t, u, p, s);
+                if (token == NO_ID) token = inverse_cdf(r, seg, t, u, kept, s, &total2);
             }
         } else if (mode != MODE_PROBS) {
-            token = inverse_cdf(r, seg, t, uniform01(seed, position, stream), p, s);
+            token = inverse_cdf(r, seg, t, u, kept, s, &total2);
+        } else {
+            double local = 0.0;
+            u32 rk = t.run_k0, rp = t.run_p0;
+            for (int i = begin; i < end; i++) local += t.kept_mass(bits_at(r, i), rk, rp);
+            total2 = block_sum_f64(local, s);
+        }
+        if (probs_out) {
+            double inv_total2 = 1.0 / total2;
+            u32 rk = t.run_k0, rp = t.run_p0;
+            for (int i = begin; i < end; i++) probs_out[i] = (float)(t.kept_mass(bits_at(r, i), rk, rp) * inv_total2);
         }
     }
     if (mode == MODE_PROBS) token = NO_ID;

@@ -474,6 +474,28 @@ fn sampling_step_time() {
             eprintln!("sampling step {name:>18} batch {batch:>2}: {us:8.1} us");
         }
     }
+    // Verify windows of 3 one-hot drafts (4 logits rows each): 1 window and 16 windows (64 rows).
+    let p = SamplingParams { temperature: 1.0, top_p: 1.0, top_k: 0, seed: 1, logprobs: None };
+    let drafts: Vec<TokenId> = vec![5, 6, 7];
+    for windows in [1usize, 16] {
+        let rows: Vec<VerifyRow> = (0..windows)
+            .map(|w| VerifyRow {
+                logits: g.ptr(&dev) + (w * 4 * VOCAB * 2) as u64,
+                drafts: &drafts,
+                params: &p,
+                first_position: 10,
+                q: None,
+            })
+            .collect();
+        let run = || sample::verify_rows(&g, VOCAB, &rows, None, &AcceptanceMode::Standard).unwrap();
+        run();
+        let t0 = std::time::Instant::now();
+        for _ in 0..20 {
+            run();
+        }
+        let us = t0.elapsed().as_secs_f64() * 1e6 / 20.0;
+        eprintln!("verify step t1, {windows:>2} windows of 3 drafts: {us:8.1} us");
+    }
 }
 
 #[test]
