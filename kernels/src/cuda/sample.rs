@@ -352,43 +352,56 @@ pub fn verify_rows(
         }
     }
     let results = launch(gpu, vocab, &jobs, mask)?;
-    let lp = |r: &RowResult, token: TokenId, logprob: f32| TokenLogprob { token, logprob, top: r.top.clone() };
-    rows.iter()
+    Ok(rows
+        .iter()
         .zip(spans)
         .map(|(row, (first, synthetic))| {
-            let want = row.params.logprobs.is_some();
-            let mut tokens = Vec::with_capacity(row.drafts.len() + 1);
-            let mut logprobs = Vec::new();
-            match synthetic {
-                None => {
-                    for (i, r) in results[first..first + row.drafts.len() + 1].iter().enumerate() {
-                        tokens.push(r.token);
-                        if want {
-                            logprobs.push(lp(r, r.token, r.logprob_token));
-                        }
-                        if i < row.drafts.len() && !r.accepted {
-                            break;
-                        }
-                    }
+            assemble(row.drafts, row.params.logprobs.is_some(), &results[first..], synthetic)
+        })
+        .collect())
+}
+
+/// One window's verdict from its rows' results (`results[0]` is its first launched row). Standard
+/// (`synthetic` None): row i's token is the accepted draft, the correction or the bonus; the first row
+/// whose draft was not accepted ends the window. Forced (`Some((from, accepted))`, rows `from..=accepted`
+/// launched): the accepted drafts, then row `accepted`'s sample.
+fn assemble(
+    drafts: &[TokenId],
+    want_logprobs: bool,
+    results: &[RowResult],
+    synthetic: Option<(usize, usize)>,
+) -> Verdict {
+    let lp = |r: &RowResult, token: TokenId, logprob: f32| TokenLogprob { token, logprob, top: r.top.clone() };
+    let mut tokens = Vec::with_capacity(drafts.len() + 1);
+    let mut logprobs = Vec::new();
+    match synthetic {
+        None => {
+            for (i, r) in results[..drafts.len() + 1].iter().enumerate() {
+                tokens.push(r.token);
+                if want_logprobs {
+                    logprobs.push(lp(r, r.token, r.logprob_token));
                 }
-                Some((from, accepted)) => {
-                    tokens.extend_from_slice(&row.drafts[..accepted]);
-                    let window = &results[first..first + accepted - from + 1];
-                    if want {
-                        for (r, &d) in window.iter().zip(&row.drafts[..accepted]) {
-                            logprobs.push(lp(r, d, r.logprob_draft));
-                        }
-                    }
-                    let last = &window[accepted - from];
-                    tokens.push(last.token);
-                    if want {
-                        logprobs.push(lp(last, last.token, last.logprob_token));
-                    }
+                if i < drafts.len() && !r.accepted {
+                    break;
                 }
             }
-            Ok(Verdict { num_accepted: tokens.len() - 1, tokens, logprobs, synthetic: synthetic.is_some() })
-        })
-        .collect()
+        }
+        Some((from, accepted)) => {
+            tokens.extend_from_slice(&drafts[..accepted]);
+            let window = &results[..accepted - from + 1];
+            if want_logprobs {
+                for (r, &d) in window.iter().zip(&drafts[..accepted]) {
+                    logprobs.push(lp(r, d, r.logprob_draft));
+                }
+            }
+            let last = &window[accepted - from];
+            tokens.push(last.token);
+            if want_logprobs {
+                logprobs.push(lp(last, last.token, last.logprob_token));
+            }
+        }
+    }
+    Verdict { num_accepted: tokens.len() - 1, tokens, logprobs, synthetic: synthetic.is_some() }
 }
 
 /// `sampling::hash3` computed on the device for each `(seed, position, stream)`, to check the port.
@@ -417,6 +430,40 @@ mod tests {
             let bit = words[id as usize / 32] >> (id % 32) & 1 == 1;
             assert_eq!(bit, id < 70 && mask.is_allowed(id), "id {id}");
         }
+    }
+
+    fn result(token: TokenId, accepted: bool) -> RowResult {
+        RowResult { token, accepted, logprob_token: -(token as f32), logprob_draft: -0.5, top: vec![(token, -1.0)] }
+    }
+
+    #[test]
+    fn a_standard_window_stops_at_the_first_rejection() {
+        let drafts = [4, 5, 6];
+        let rows = [result(4, true), result(9, false), result(6, true), result(1, false)];
+        let v = assemble(&drafts, true, &rows, None);
+        assert_eq!((v.tokens.clone(), v.num_accepted, v.synthetic), (vec![4, 9], 1, false));
+        assert_eq!(v.logprobs.iter().map(|l| (l.token, l.logprob)).collect::<Vec<_>>(), vec![(4, -4.0), (9, -9.0)]);
+        let all = [result(4, true), result(5, true), result(6, true), result(2, false)];
+        let v = assemble(&drafts, false, &all, None);
+        assert_eq!((v.tokens, v.num_accepted, v.logprobs.len()), (vec![4, 5, 6, 2], 3, 0));
+        let v = assemble(&[], false, &[result(7, false)], None);
+        assert_eq!(v.tokens, vec![7]);
+    }
+
+    #[test]
+    fn a_forced_window_emits_the_accepted_drafts_then_its_sample() {
+        let drafts = [4, 5, 6];
+        // Without log-probabilities only row `accepted` is launched.
+        let v = assemble(&drafts, false, &[result(8, false)], Some((2, 2)));
+        assert_eq!((v.tokens, v.num_accepted, v.synthetic), (vec![4, 5, 8], 2, true));
+        // With them, rows 0..=accepted: the drafts carry their rows' draft log-probabilities.
+        let rows = [result(1, false), result(2, false), result(8, false)];
+        let v = assemble(&drafts, true, &rows, Some((0, 2)));
+        assert_eq!(v.tokens, vec![4, 5, 8]);
+        assert_eq!(
+            v.logprobs.iter().map(|l| (l.token, l.logprob)).collect::<Vec<_>>(),
+            vec![(4, -0.5), (5, -0.5), (8, -8.0)]
+        );
     }
 
     #[test]
