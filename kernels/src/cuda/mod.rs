@@ -8,7 +8,7 @@
 //!   activations between ops are bf16 exactly where the reference rounds with `Real::act`, islands
 //!   (norms, AttnRes, router, SiTU, KDA state) are fp32. The two differ only in fp32 summation order.
 //! - All work runs on one stream in issue order; host copies happen only for token ids, routing
-//!   traces asked for by validation, and the logits rows of non-greedy rows (see `runner`).
+//!   traces asked for by validation, and the per-row results of `sample` (tokens, log-probabilities).
 
 pub mod bench;
 pub mod compile;
@@ -17,6 +17,7 @@ pub mod forward;
 pub mod matrix;
 pub mod ops;
 pub mod runner;
+pub mod sample;
 pub mod validate;
 pub mod weights;
 

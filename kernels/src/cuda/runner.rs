@@ -4,30 +4,24 @@
 //! - The runner owns every [`DeviceState`] it hands out, keyed by `StateId`; a step validates all of
 //!   its input (the same checks as `CpuRunner`) before it touches any state, so a rejected step
 //!   changes nothing, and it always puts the rows' states back.
-//! - Greedy rows under the standard acceptance rule are decided on the device: one argmax per
-//!   logits row, and only the token ids come back to the host, where the acceptance rule compares
-//!   them with the drafts (vLLM's greedy rule, as in `acceptance::verify`).
-//! - Greedy rows under forced acceptance are decided on the device too: the schedule gives the accepted
-//!   count (as `acceptance::verify` draws it) and the device argmax the bonus token.
-//! - Rows that sample (temperature > 0) or ask for log-probabilities
-//!   copy their `draft_len + 1` logits rows to the host and use `acceptance::verify`, the same code
-//!   the CPU runner uses, so the counter-based RNG draws are identical. (On-device sampling is a later
-//!   issue; this keeps one implementation of the rule until then.)
+//! - Every row is decided on the device (`cuda::sample::verify_rows`, one launch per step): greedy,
+//!   sampling, log-probabilities and forced acceptance, with the token mask applied first. Only the
+//!   emitted tokens and requested log-probabilities come back; logits never leave the device.
+//!   `acceptance::verify` stays the CPU reference the device rule is tested against.
 //! - Commit and rollback happen on the device: the KDA states and conv windows saved after the last
 //!   accepted token are copied back, and the MLA length moves back.
 
 use std::collections::HashMap;
 
-use half::bf16;
-
-use crate::acceptance::{self, AcceptanceMode, VerifyWindow};
+use crate::acceptance::AcceptanceMode;
 use crate::config::ModelConfig;
 use crate::cpu::moe::Routing;
 use crate::cuda::forward::{DeviceModel, DeviceRow, DeviceState};
 use crate::cuda::ops::{Gemm, Gpu};
+use crate::cuda::sample::{verify_rows, DeviceTokenMask, VerifyRow};
 use crate::cuda::weights::DevWeights;
 use crate::error::{KernelError, Result};
-use crate::runner::{RowInput, RowOutput, Runner, StateId, TokenId};
+use crate::runner::{RowInput, RowOutput, Runner, StateId, TokenMask};
 use crate::state::SeqState;
 use crate::tensor::WeightSource;
 
@@ -52,6 +46,8 @@ pub struct CudaRunner {
     states: HashMap<StateId, DeviceState>,
     next_id: u64,
     acceptance: AcceptanceMode,
+    /// The ids the runner may emit ([`Runner::set_token_mask`]); `None`: all.
+    token_mask: Option<DeviceTokenMask>,
 }
 
 impl CudaRunner {
@@ -77,6 +73,7 @@ impl CudaRunner {
             states: HashMap::new(),
             next_id: 1,
             acceptance: AcceptanceMode::Standard,
+            token_mask: None,
         })
     }
 
@@ -158,84 +155,47 @@ impl CudaRunner {
         let start_lens: Vec<usize> = windows.iter().map(|w| w.state.len).collect();
         let out = self.model.forward(gpu, &mut windows, trace)?;
         drop(windows);
-        let total_rows: usize = out.rows.iter().map(|r| r.1).sum();
-        let on_device =
-            |row: &RowInput| row.sample.as_ref().is_some_and(|s| s.params.is_greedy() && s.params.logprobs.is_none());
-        let argmax = if rows.iter().any(on_device) {
-            let ids = gpu.zeros::<u32>(total_rows)?;
-            gpu.argmax(gpu.ptr(&out.logits), total_rows, cfg.vocab_size, gpu.ptr(&ids))?;
-            gpu.download(&ids, total_rows)?
-        } else {
-            Vec::new()
-        };
         let vocab = cfg.vocab_size;
+        let logits = gpu.ptr(&out.logits);
+        let windows: Vec<VerifyRow> = rows
+            .iter()
+            .zip(&out.rows)
+            .zip(&start_lens)
+            .filter_map(|((row, &(first, _)), start)| {
+                let sample = row.sample.as_ref()?;
+                let t = row.tokens.len();
+                Some(VerifyRow {
+                    logits: logits + (first * vocab * 2) as u64,
+                    drafts: &row.tokens[t - sample.draft_len..],
+                    params: &sample.params,
+                    first_position: (start + t - sample.draft_len) as u64,
+                    q: None,
+                })
+            })
+            .collect();
+        let mut verdicts = verify_rows(gpu, vocab, &windows, self.token_mask.as_ref(), &self.acceptance)?.into_iter();
         let mut results = Vec::with_capacity(rows.len());
-        for (((row, (first, count)), undo), (state, start)) in
-            rows.iter().zip(out.rows).zip(out.undo).zip(states.iter_mut().zip(&start_lens))
-        {
+        for ((row, undo), state) in rows.iter().zip(out.undo).zip(states.iter_mut()) {
             let Some(sample) = &row.sample else {
                 results.push(RowOutput::default());
                 continue;
             };
+            let verdict = verdicts
+                .next()
+                .ok_or_else(|| KernelError::Device("the device verify returned fewer verdicts than rows".into()))?;
             let t = row.tokens.len();
-            let drafts = &row.tokens[t - sample.draft_len..];
-            let (tokens, logprobs) = if on_device(row) {
-                let argmax = &argmax[first..first + count];
-                let tokens = match &self.acceptance {
-                    AcceptanceMode::Standard => greedy_accept(argmax, drafts),
-                    AcceptanceMode::Synthetic(schedule) => {
-                        // `acceptance::verify`'s forced rule, with the greedy token taken on the device.
-                        let first_position = (start + t - sample.draft_len) as u64;
-                        let accepted = schedule.accepted_count(sample.params.seed, first_position, drafts.len());
-                        let mut tokens = drafts[..accepted].to_vec();
-                        tokens.push(argmax[accepted]);
-                        tokens
-                    }
-                };
-                (tokens, Vec::new())
-            } else {
-                let host: Vec<bf16> = {
-                    let view = out.logits.slice(first * vocab..(first + count) * vocab);
-                    let mut v = vec![bf16::ZERO; count * vocab];
-                    gpu.stream
-                        .memcpy_dtoh(&view, &mut v)
-                        .map_err(|e| KernelError::Device(format!("logits copy: {e}")))?;
-                    v
-                };
-                let target: Vec<f32> = host.into_iter().map(f32::from).collect();
-                let window = VerifyWindow {
-                    target_logits: &target,
-                    vocab,
-                    drafts,
-                    draft_logits: None,
-                    first_position: (start + t - sample.draft_len) as u64,
-                };
-                let verdict = acceptance::verify(&window, &sample.params, &self.acceptance)?;
-                (verdict.tokens, verdict.logprobs)
-            };
-            let num_accepted = tokens.len() - 1;
             if let Some(undo) = undo {
-                undo.commit(gpu, cfg, state, t - sample.draft_len + num_accepted)?;
+                undo.commit(gpu, cfg, state, t - sample.draft_len + verdict.num_accepted)?;
             }
-            results.push(RowOutput { tokens, num_accepted, logprobs });
+            results.push(RowOutput {
+                tokens: verdict.tokens,
+                num_accepted: verdict.num_accepted,
+                logprobs: verdict.logprobs,
+            });
         }
         gpu.synchronize()?;
         Ok(results)
     }
-}
-
-/// vLLM's greedy rule on the target argmaxes of a window (`argmax[i]` is the token at draft `i`'s
-/// position): emit the argmax while it equals the draft; the first mismatch, or the bonus, ends it.
-pub fn greedy_accept(argmax: &[TokenId], drafts: &[TokenId]) -> Vec<TokenId> {
-    let mut tokens = Vec::with_capacity(drafts.len() + 1);
-    for (target, draft) in argmax.iter().zip(drafts) {
-        tokens.push(*target);
-        if target != draft {
-            return tokens;
-        }
-    }
-    tokens.push(argmax[drafts.len()]);
-    tokens
 }
 
 impl Runner for CudaRunner {
@@ -282,17 +242,17 @@ impl Runner for CudaRunner {
     fn step(&mut self, rows: &[RowInput]) -> Result<Vec<RowOutput>> {
         self.step_with_trace(rows, None)
     }
-}
 
-#[cfg(test)]
-mod tests {
-    use super::greedy_accept;
-
-    #[test]
-    fn greedy_accept_follows_the_vllm_rule() {
-        assert_eq!(greedy_accept(&[1, 2, 3], &[1, 2]), vec![1, 2, 3]);
-        assert_eq!(greedy_accept(&[2, 3], &[1]), vec![2]);
-        assert_eq!(greedy_accept(&[4, 7, 6, 1], &[4, 5, 6]), vec![4, 7]);
-        assert_eq!(greedy_accept(&[5], &[]), vec![5]);
+    fn set_token_mask(&mut self, mask: TokenMask) -> Result<()> {
+        let vocab = self.model.cfg.vocab_size;
+        if mask.vocab() != vocab || mask.num_allowed() == 0 {
+            return Err(KernelError::InvalidInput(format!(
+                "a token mask over {} ids with {} allowed does not fit a vocabulary of {vocab}",
+                mask.vocab(),
+                mask.num_allowed()
+            )));
+        }
+        self.token_mask = Some(DeviceTokenMask::upload(&self.gpu, &mask)?);
+        Ok(())
     }
 }
