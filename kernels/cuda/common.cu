@@ -133,18 +133,3 @@ extern "C" __global__ void argmax_rows(const __nv_bfloat16 *logits, int vocab, u
     }
     if (threadIdx.x == 0) out[blockIdx.x] = best_i[0] == 0xffffffffu ? 0u : best_i[0];
 }
-
-// y[t, o] = bf(sum_c w[o, c] x[t, c]) with one warp per output; every (t, o) is computed the same way
-// whatever the batch, so results do not depend on what else is batched (cuBLAS picks its algorithm by
-// shape). grid = (ceil(out / warps), n tokens).
-extern "C" __global__ void linear_rows(const __nv_bfloat16 *w, const __nv_bfloat16 *x, __nv_bfloat16 *y, int out_dim,
-                                       int in_dim) {
-    int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (o >= out_dim) return;
-    const __nv_bfloat16 *wr = w + (long)o * in_dim;
-    const __nv_bfloat16 *xr = x + (long)blockIdx.y * in_dim;
-    float acc = 0.0f;
-    for (int c = threadIdx.x & 31; c < in_dim; c += 32) acc += ld(wr, c) * ld(xr, c);
-    for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
-    if ((threadIdx.x & 31) == 0) y[(long)blockIdx.y * out_dim + o] = __float2bfloat16_rn(acc);
-}
