@@ -48,6 +48,7 @@ struct Kernels {
     embed_gather: CudaFunction,
     rms_norm: CudaFunction,
     attn_res_read: CudaFunction,
+    attn_res_norm: CudaFunction,
     add_in_place: CudaFunction,
     situ: CudaFunction,
     sigmoid_gate: CudaFunction,
@@ -161,6 +162,7 @@ impl Gpu {
             embed_gather: f(0, "embed_gather")?,
             rms_norm: f(0, "rms_norm")?,
             attn_res_read: f(0, "attn_res_read")?,
+            attn_res_norm: f(0, "attn_res_norm")?,
             add_in_place: f(0, "add_in_place")?,
             situ: f(0, "situ")?,
             sigmoid_gate: f(0, "sigmoid_gate")?,
@@ -378,6 +380,46 @@ impl Gpu {
         let mut b = self.stream.launch_builder(&self.k.attn_res_read);
         b.arg(&sources).arg(&slot).arg(&nsrc).arg(&q).arg(&out).arg(&d).arg(&eps);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("attn_res_read"))
+    }
+
+    /// The residual add, AttnRes read and RMSNorm fused (`attn_res_norm` in common.cu): when `addend`
+    /// is not [`NULL`], the live slot (the last of `nsrc`) first becomes `bf(live + addend)`; then
+    /// `out = rms_norm(read)`, `[n, d]`. Bit-identical to [`Gpu::add`], [`Gpu::attn_res_read`] and
+    /// [`Gpu::rms_norm`] in sequence, in one launch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_res_norm(
+        &self,
+        sources: DPtr,
+        slot: usize,
+        nsrc: usize,
+        q: DPtr,
+        addend: DPtr,
+        norm: (DPtr, f32),
+        out: DPtr,
+        n: usize,
+        d: usize,
+        eps: f32,
+    ) -> Result<()> {
+        if nsrc == 0 || nsrc > 64 {
+            return Err(KernelError::InvalidInput(format!("AttnRes read over {nsrc} sources (1..=64 supported)")));
+        }
+        if d > 12_288 {
+            return Err(KernelError::InvalidInput(format!("fused AttnRes read + norm of width {d} (at most 12288)")));
+        }
+        let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: (d * 4) as u32 };
+        let (slot, nsrc, d) = (slot as i64, nsrc as i32, d as i32);
+        let mut b = self.stream.launch_builder(&self.k.attn_res_norm);
+        b.arg(&sources)
+            .arg(&slot)
+            .arg(&nsrc)
+            .arg(&q)
+            .arg(&addend)
+            .arg(&norm.0)
+            .arg(&norm.1)
+            .arg(&out)
+            .arg(&d)
+            .arg(&eps);
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("attn_res_norm"))
     }
 
     /// `a = bf(a + b)` over `len` elements.
