@@ -21,8 +21,8 @@
 //
 // Block: 256 threads = 8 warps = (8 / split) row teams x split K shares; a team owns 32 weight rows
 // (two 16-row MMA tiles). Grid: (ceil(N / (32 * 8 / split)), ceil(M / 64)).
-// Design follows the split of work in FlashInfer/vLLM skinny GEMV kernels (weights streamed once,
-// activations reused from shared memory); the code is ours.
+// Each warp loads the next two k32 steps of weights before multiplying the current two, so loads stay
+// in flight while the tensor cores work (at decode sizes the GEMM is meant to be bound by HBM bandwidth).
 #include <cuda_bf16.h>
 
 typedef unsigned int u32;
@@ -30,6 +30,7 @@ typedef unsigned int u32;
 #define KC 512          // K columns staged per chunk
 #define XS_STRIDE 520   // staged row stride in elements (16 bytes of padding spread the banks)
 #define WARPS 8
+#define STAGE_BATCH 4 // staging loads in flight per thread
 
 __device__ __forceinline__ void mma_bf16(float *c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -46,6 +47,35 @@ __device__ __forceinline__ uint4 load_w8(const __nv_bfloat16 *w, int row, int k,
     if (vec) return __ldcs(reinterpret_cast<const uint4 *>(p));
     unsigned short h[8];
     for (int j = 0; j < 8; j++) h[j] = k + j < kdim ? __bfloat16_as_ushort(p[j]) : (unsigned short)0;
+    v.x = h[0] | ((u32)h[1] << 16);
+    v.y = h[2] | ((u32)h[3] << 16);
+    v.z = h[4] | ((u32)h[5] << 16);
+    v.w = h[6] | ((u32)h[7] << 16);
+    return v;
+}
+
+// The weights of two k32 steps from `kb`: [step][row tile][rows g / g + 8] of a 32-row team whose
+// thread row is `row` (= team row + g), 8 k from kb + 32 step + 8 t each.
+__device__ __forceinline__ void load_pair(uint4 (&a)[2][2][2], const __nv_bfloat16 *w, int row, int kb, int n,
+                                          int kdim, bool vec, int t) {
+#pragma unroll
+    for (int q = 0; q < 2; q++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            a[q][r][0] = load_w8(w, row + r * 16, kb + q * 32 + 8 * t, n, kdim, vec);
+            a[q][r][1] = load_w8(w, row + r * 16 + 8, kb + q * 32 + 8 * t, n, kdim, vec);
+        }
+}
+
+// x[m0 + r, kc + c .. kc + c + 8] of the token chunk (zero past mc or K).
+__device__ __forceinline__ uint4 load_x8(const __nv_bfloat16 *x, int r, int c, int m0, int mc, int kc, int kdim,
+                                         bool vec) {
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (r >= mc || kc + c >= kdim) return v;
+    const __nv_bfloat16 *p = x + (long)(m0 + r) * kdim + kc + c;
+    if (vec) return *reinterpret_cast<const uint4 *>(p);
+    unsigned short h[8];
+    for (int j = 0; j < 8; j++) h[j] = kc + c + j < kdim ? __bfloat16_as_ushort(p[j]) : (unsigned short)0;
     v.x = h[0] | ((u32)h[1] << 16);
     v.y = h[2] | ((u32)h[3] << 16);
     v.z = h[4] | ((u32)h[5] << 16);
@@ -86,51 +116,58 @@ __device__ void skinny_gemm(const __nv_bfloat16 *__restrict__ w, const __nv_bflo
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[r][j][e] = 0.0f;
 
+    // This warp's k32 steps of a chunk start at `first`; weights go two steps (a "pair") at a time and
+    // the next pair is loaded before the current one is multiplied, across chunk boundaries too
+    // (loads past K return zeros without touching memory).
+    const int first = ks * steps * 32;
+    uint4 a[2][2][2]; // [step][row tile][rows g / g + 8]
+    load_pair(a, w, row0 + g, first, n, kdim, wvec, t);
     for (int kc = 0; kc < kdim; kc += KC) {
         __syncthreads(); // the previous chunk is consumed
-        // Stage x[m0 .. m0 + 8 NT, kc .. kc + KC] (zero past mc and K).
-        for (int i = threadIdx.x; i < 8 * NT * (KC / 8); i += blockDim.x) {
-            int r = i / (KC / 8), c = (i % (KC / 8)) * 8;
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (r < mc && kc + c < kdim) {
-                const __nv_bfloat16 *p = x + (long)(m0 + r) * kdim + kc + c;
-                if (xvec) {
-                    v = *reinterpret_cast<const uint4 *>(p);
-                } else {
-                    unsigned short h[8];
-                    for (int j = 0; j < 8; j++) h[j] = kc + c + j < kdim ? __bfloat16_as_ushort(p[j]) : (unsigned short)0;
-                    v = make_uint4(h[0] | ((u32)h[1] << 16), h[2] | ((u32)h[3] << 16), h[4] | ((u32)h[5] << 16),
-                                   h[6] | ((u32)h[7] << 16));
-                }
+        // Stage x[m0 .. m0 + 8 NT, kc .. kc + KC] (zero past mc and K), four loads in flight per thread.
+#pragma unroll
+        for (int u0 = 0; u0 < 2 * NT; u0 += STAGE_BATCH) {
+            uint4 v[STAGE_BATCH];
+#pragma unroll
+            for (int u = 0; u < STAGE_BATCH; u++) {
+                int i = threadIdx.x + (u0 + u) * 256;
+                v[u] = u0 + u < 2 * NT ? load_x8(x, i / (KC / 8), (i % (KC / 8)) * 8, m0, mc, kc, kdim, xvec)
+                                       : make_uint4(0u, 0u, 0u, 0u);
             }
-            *reinterpret_cast<uint4 *>(xs + r * XS_STRIDE + c) = v;
+#pragma unroll
+            for (int u = 0; u < STAGE_BATCH; u++) {
+                int i = threadIdx.x + (u0 + u) * 256;
+                if (u0 + u < 2 * NT) *reinterpret_cast<uint4 *>(xs + (i / (KC / 8)) * XS_STRIDE + (i % (KC / 8)) * 8) = v[u];
+            }
         }
         __syncthreads();
-        // This warp's steps of the chunk, two k32 steps at a time (weights of both loaded first).
         for (int s = 0; s < steps; s += 2) {
-            int kb = kc + (ks * steps + s) * 32;
-            if (kb >= kdim) break;
-            uint4 a[2][2][2]; // [step][row tile][rows g / g + 8]
+            int kb = kc + first + s * 32;
+            int next = s + 2 < steps ? kb + 64 : kc + KC + first;
+            uint4 nx[2][2][2];
+            load_pair(nx, w, row0 + g, next, n, kdim, wvec, t);
+            if (kb < kdim) {
+#pragma unroll
+                for (int q = 0; q < 2; q++) {
+                    int col = kb - kc + q * 32 + 8 * t;
+#pragma unroll
+                    for (int j = 0; j < NT; j++) {
+                        uint4 b = *reinterpret_cast<const uint4 *>(xs + (j * 8 + g) * XS_STRIDE + col); // [8 tokens, 8 k]
+#pragma unroll
+                        for (int r = 0; r < 2; r++) {
+                            mma_bf16(acc[r][j], a[q][r][0].x, a[q][r][1].x, a[q][r][0].y, a[q][r][1].y, b.x, b.y);
+                            mma_bf16(acc[r][j], a[q][r][0].z, a[q][r][1].z, a[q][r][0].w, a[q][r][1].w, b.z, b.w);
+                        }
+                    }
+                }
+            }
 #pragma unroll
             for (int q = 0; q < 2; q++)
 #pragma unroll
                 for (int r = 0; r < 2; r++) {
-                    a[q][r][0] = load_w8(w, row0 + r * 16 + g, kb + q * 32 + 8 * t, n, kdim, wvec);
-                    a[q][r][1] = load_w8(w, row0 + r * 16 + g + 8, kb + q * 32 + 8 * t, n, kdim, wvec);
+                    a[q][r][0] = nx[q][r][0];
+                    a[q][r][1] = nx[q][r][1];
                 }
-#pragma unroll
-            for (int q = 0; q < 2; q++) {
-                int col = kb - kc + q * 32 + 8 * t;
-#pragma unroll
-                for (int j = 0; j < NT; j++) {
-                    uint4 b = *reinterpret_cast<const uint4 *>(xs + (j * 8 + g) * XS_STRIDE + col); // [8 tokens, 8 k]
-#pragma unroll
-                    for (int r = 0; r < 2; r++) {
-                        mma_bf16(acc[r][j], a[q][r][0].x, a[q][r][1].x, a[q][r][0].y, a[q][r][1].y, b.x, b.y);
-                        mma_bf16(acc[r][j], a[q][r][0].z, a[q][r][1].z, a[q][r][0].w, a[q][r][1].w, b.z, b.w);
-                    }
-                }
-            }
         }
     }
 
@@ -171,14 +208,15 @@ __device__ void skinny_gemm(const __nv_bfloat16 *__restrict__ w, const __nv_bflo
             }
 }
 
-// One entry point per token-tile count: chunks of up to 8, 16, 32 and 64 tokens.
-#define SKINNY_GEMM(NT)                                                                                              \
-    extern "C" __global__ void __launch_bounds__(256) skinny_gemm_t##NT(                                            \
+// One entry point per token-tile count: chunks of up to 8, 16, 32 and 64 tokens (64: one block per SM,
+// for the registers of 64 accumulators and two weight pairs).
+#define SKINNY_GEMM(NT, MIN_BLOCKS)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) skinny_gemm_t##NT(                                            \
         const __nv_bfloat16 *w, const __nv_bfloat16 *x, __nv_bfloat16 *y, int n, int kdim, int mtotal,              \
         const int *seg, int nseg, int split, int vec) {                                                            \
         skinny_gemm<NT>(w, x, y, n, kdim, mtotal, seg, nseg, split, vec);                                           \
     }
-SKINNY_GEMM(1)
-SKINNY_GEMM(2)
-SKINNY_GEMM(4)
-SKINNY_GEMM(8)
+SKINNY_GEMM(1, 2)
+SKINNY_GEMM(2, 2)
+SKINNY_GEMM(4, 2)
+SKINNY_GEMM(8, 1)
