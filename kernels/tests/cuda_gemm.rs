@@ -215,3 +215,16 @@ fn gemm_bandwidth() {
         }
     }
 }
+
+#[test]
+fn the_k_split_follows_the_weight_shape_as_tuned_on_the_h200() {
+    // No GPU needed: the split is a pure function of (out, in), so a token's summation order never
+    // depends on the batch. Values from the H200 sweep of `gemm_bandwidth` over the k3-mini shapes.
+    assert_eq!(skinny_split(163_840, 7168), 1, "lm_head: 5,120 row teams already fill the GPU");
+    assert_eq!(skinny_split(49_376, 7168), 1, "KDA merged input projection");
+    assert_eq!(skinny_split(33_792, 7168), 2, "dense gate / up");
+    assert_eq!(skinny_split(14_400, 7168), 4, "MLA merged input projection");
+    assert_eq!(skinny_split(7168, 12_288), 8, "o_proj: 224 row teams need the K split");
+    assert_eq!(skinny_split(3584, 7168), 8, "MoE latent down");
+    assert_eq!(skinny_split(12_288, 128), 1, "f_b: K below one staged chunk is never split");
+}
