@@ -21,7 +21,7 @@ use sparkd_kernels::ModelConfig;
 /// The linear layers' GEMM on CUDA.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum GemmArg {
-    /// One warp per output: a token's result does not depend on its batch (the served default).
+    /// The skinny tensor-core GEMM: a token's result does not depend on its batch (the served default).
     BatchInvariant,
     /// cuBLAS GemmEx.
     Cublas,
