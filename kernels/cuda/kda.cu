@@ -3,9 +3,11 @@
 // (follows fla's fused_recurrent KDA: one program per (head, sequence) with the state held on chip).
 //
 // Invariants:
-// - One block per (head, row); thread j owns channel j of the head: its q/k/v conv windows and column j
-//   of the head's state S [K, V] (fp32, in registers for the whole window). Key channels i are walked in
-//   ascending order, the order of the CPU reference (kernels/src/cpu/kda.rs `recurrent_step`).
+// - One block per (head, row); channel j of the head (its q/k/v conv windows) and column j of the head's
+//   state S [K, V] (fp32, in registers for the whole window) belong to thread j (chunked kernel) or to the
+//   lane pair 2j, 2j+1 (recurrent kernel, each half of the key rows). Within a thread key channels i are
+//   walked in ascending order, as the CPU reference does (kernels/src/cpu/kda.rs `recurrent_step`); the
+//   recurrent kernel adds the two halves' partial sums last.
 // - A row's result depends only on its own table entry and inputs (batch invariance, bit for bit).
 // - Conv windows hold the last kw-1 pre-conv inputs (bf16); conv outputs are rounded to bf16 as the
 //   CPU rounds them with `act`.
@@ -89,78 +91,110 @@ __device__ __forceinline__ void store_windows(const i64 *e, float win[3][8], int
     }
 }
 
-// The conv outputs of token `tok` (window position ti) for channel c; the new inputs go to hist.
+// One token's inputs for channel c of head h: pre-conv q, k, v, the forget-gate input, beta and output-gate logits.
+struct TokenIn {
+    __nv_bfloat16 x[3];
+    float f, b, g;
+};
+
+__device__ __forceinline__ TokenIn load_token(const KdaArgs &A, i64 tok, int c, int h, int P) {
+    TokenIn in;
+    in.x[0] = A.q[tok * P + c];
+    in.x[1] = A.k[tok * P + c];
+    in.x[2] = A.v[tok * P + c];
+    in.f = ld(A.f, tok * P + c);
+    in.b = ld(A.b, tok * A.H + h);
+    in.g = ld(A.g, tok * P + c);
+    return in;
+}
+
+// The conv outputs of window position ti for channel c from its raw inputs; the new inputs go to hist.
 __device__ __forceinline__ void conv_token(const KdaArgs &A, const i64 *e, float win[3][8], int c, int P, int t,
-                                           i64 tok, int ti, float out[3]) {
+                                           int ti, const __nv_bfloat16 raw[3], float out[3]) {
     __nv_bfloat16 *hist = (__nv_bfloat16 *)e[E_HIST];
-    const __nv_bfloat16 *xs[3] = {A.q, A.k, A.v};
     const float *ws[3] = {A.wq, A.wk, A.wv};
     for (int x = 0; x < 3; x++) {
-        __nv_bfloat16 raw = xs[x][tok * P + c];
-        if (hist) hist[((i64)x * (A.kw - 1 + t) + A.kw - 1 + ti) * P + c] = raw;
-        out[x] = conv_step(win[x], __bfloat162float(raw), ws[x], c, A.kw);
+        if (hist) hist[((i64)x * (A.kw - 1 + t) + A.kw - 1 + ti) * P + c] = raw[x];
+        out[x] = conv_step(win[x], __bfloat162float(raw[x]), ws[x], c, A.kw);
     }
 }
 
-// grid = (H, rows); blockDim = K. Rows with mode != 0 are left to the chunked kernel.
+// grid = (H, rows); blockDim = 2K. Rows with mode != 0 are left to the chunked kernel. Threads 2j and 2j+1
+// (one warp's lane pair) share channel j: each keeps half of column j of S (key rows [half * K/2, (half + 1) * K/2)),
+// and the pair adds its two partial sums (u and the read), so a column's state stays in registers without spills.
 template <int K>
 __device__ void kda_step(const i64 *table, KdaArgs A) {
     __shared__ float q[K], k[K], decay[K];
+    const int HALF = K / 2;
     const i64 *e = table + (i64)blockIdx.y * KDA_ENTRY;
     if (e[E_MODE] != 0) return;
-    int h = blockIdx.x, j = threadIdx.x, H = A.H, P = H * K, kw = A.kw;
-    int c = h * K + j;
+    int h = blockIdx.x, j = threadIdx.x >> 1, half = threadIdx.x & 1, H = A.H, P = H * K, kw = A.kw;
+    int c = h * K + j, i0 = half * HALF;
     i64 offset = e[E_OFFSET];
     int t = (int)e[E_T], from = (int)e[E_FROM];
     float *S = (float *)e[E_S] + (i64)h * K * K;
     float *snaps = (float *)e[E_SNAPS];
+    // Both threads of a pair run channel j's conv (identical values); the first one writes windows and history.
+    i64 quiet[KDA_ENTRY];
+    for (int f = 0; f < KDA_ENTRY; f++) quiet[f] = e[f];
+    if (half) quiet[E_HIST] = 0;
     float win[3][8];
-    load_windows(e, win, c, P, kw, t);
-    float s[K];  // column j of the head's state
+    load_windows(quiet, win, c, P, kw, t);
+    float s[HALF];  // rows i0 .. i0 + K/2 of column j
 #pragma unroll
-    for (int i = 0; i < K; i++) s[i] = S[i * K + j];
+    for (int i = 0; i < HALF; i++) s[i] = S[(i0 + i) * K + j];
     float scale = 1.0f / sqrtf((float)K);
+    TokenIn cur = load_token(A, offset, c, h, P);
     for (int ti = 0; ti < t; ti++) {
         i64 tok = offset + ti;
+        // The next token's inputs are loaded while this one computes.
+        TokenIn next = cur;
+        if (ti + 1 < t) next = load_token(A, tok + 1, c, h, P);
         float x[3];
-        conv_token(A, e, win, c, P, t, tok, ti, x);
-        float qq = block_sum(x[0] * x[0]), kk = block_sum(x[1] * x[1]);
+        conv_token(A, quiet, win, c, P, t, ti, cur.x, x);
+        float own = half ? 0.0f : 1.0f;
+        float qq = block_sum(own * x[0] * x[0]), kk = block_sum(own * x[1] * x[1]);
         float qn = (1.0f / sqrtf(qq + A.l2_eps)) * scale;
         float kn = 1.0f / sqrtf(kk + A.l2_eps);
-        q[j] = x[0] * qn;
-        k[j] = x[1] * kn;
-        float z = A.a[h] * (ld(A.f, tok * P + c) + A.dt_bias[c]);
-        decay[j] = expf(A.lower_bound * sigmoidf_(z));
-        float beta = sigmoidf_(ld(A.b, tok * H + h));
-        __syncthreads();
-        // Decay the rows, then the delta-rule error u_j = v_j - sum_i k_i S[i, j].
-        float u = x[2];
-#pragma unroll
-        for (int i = 0; i < K; i++) {
-            s[i] *= decay[i];
-            u -= k[i] * s[i];
+        if (!half) {
+            q[j] = x[0] * qn;
+            k[j] = x[1] * kn;
+            float z = A.a[h] * (cur.f + A.dt_bias[c]);
+            decay[j] = expf(A.lower_bound * sigmoidf_(z));
         }
+        float beta = sigmoidf_(cur.b);
+        __syncthreads();
+        // Decay the rows, then the delta-rule error u_j = v_j - sum_i k_i S[i, j] (two half sums).
+        float pk = 0.0f;
+#pragma unroll
+        for (int i = 0; i < HALF; i++) {
+            s[i] *= decay[i0 + i];
+            pk += k[i0 + i] * s[i];
+        }
+        float u = x[2] - (pk + __shfl_xor_sync(0xffffffffu, pk, 1));
         // Rank-1 write, then the read with the updated state.
-        float out = 0.0f;
 #pragma unroll
-        for (int i = 0; i < K; i++) s[i] += beta * k[i] * u;
+        for (int i = 0; i < HALF; i++) s[i] += beta * k[i0 + i] * u;
+        float pq = 0.0f;
 #pragma unroll
-        for (int i = 0; i < K; i++) out += q[i] * s[i];
+        for (int i = 0; i < HALF; i++) pq += q[i0 + i] * s[i];
+        float out = pq + __shfl_xor_sync(0xffffffffu, pq, 1);
         // Gated output RMSNorm of the head (fp32), then bf16.
-        float ss = block_sum(out * out);
+        float ss = block_sum(own * out * out);
         float r = 1.0f / sqrtf(ss / (float)K + A.norm_eps);
-        A.o[tok * P + c] = __float2bfloat16_rn(out * r * A.o_norm[j] * sigmoidf_(ld(A.g, tok * P + c)));
+        if (!half) A.o[tok * P + c] = __float2bfloat16_rn(out * r * A.o_norm[j] * sigmoidf_(cur.g));
         int m = ti + 1;
         if (snaps && m >= from && m < t) {
             float *dst = snaps + ((i64)(m - from) * H + h) * K * K;
 #pragma unroll
-            for (int i = 0; i < K; i++) dst[i * K + j] = s[i];
+            for (int i = 0; i < HALF; i++) dst[(i0 + i) * K + j] = s[i];
         }
+        cur = next;
         __syncthreads();
     }
 #pragma unroll
-    for (int i = 0; i < K; i++) S[i * K + j] = s[i];
-    store_windows(e, win, c, P, kw);
+    for (int i = 0; i < HALF; i++) S[(i0 + i) * K + j] = s[i];
+    if (!half) store_windows(e, win, c, P, kw);
 }
 
 #define CHUNK 16
@@ -180,6 +214,7 @@ __device__ void kda_chunk(const i64 *table, KdaArgs A) {
     __shared__ float gs[CHUNK][K];  // G, then W
     __shared__ float us[CHUNK][K];  // v, then U, then V'
     __shared__ float os[CHUNK][K];  // raw outputs
+    __shared__ __nv_bfloat16 gate[CHUNK][K];  // output-gate logits
     __shared__ float lm[CHUNK][CHUNK], am[CHUNK][CHUNK];
     __shared__ float beta[CHUNK], qn[CHUNK], kn[CHUNK], decay_n[K];
     const i64 *e = table + (i64)blockIdx.y * KDA_ENTRY;
@@ -198,19 +233,31 @@ __device__ void kda_chunk(const i64 *table, KdaArgs A) {
     float scale = 1.0f / sqrtf((float)K);
     for (int start = 0; start < t; start += CHUNK) {
         int n = min(CHUNK, t - start);
-        // Conv, gates and the cumulative log-decay of channel c.
+        // The chunk's inputs of channel c, all loads in flight at once (raw q, k, v staged in qs, ks, us).
+#pragma unroll
+        for (int i = 0; i < CHUNK; i++) {
+            if (i >= n) break;
+            TokenIn in = load_token(A, offset + start + i, c, h, P);
+            qs[i][j] = __bfloat162float(in.x[0]);
+            ks[i][j] = __bfloat162float(in.x[1]);
+            us[i][j] = __bfloat162float(in.x[2]);
+            gs[i][j] = in.f;
+            gate[i][j] = __float2bfloat16_rn(in.g);
+            if (j == 0) beta[i] = sigmoidf_(in.b);
+        }
+        // Conv, gates and the cumulative log-decay of channel c (own column only: no barrier needed).
         float gcum = 0.0f;
         for (int i = 0; i < n; i++) {
-            i64 tok = offset + start + i;
+            __nv_bfloat16 raw[3] = {__float2bfloat16_rn(qs[i][j]), __float2bfloat16_rn(ks[i][j]),
+                                    __float2bfloat16_rn(us[i][j])};
             float x[3];
-            conv_token(A, e, win, c, P, t, tok, start + i, x);
+            conv_token(A, e, win, c, P, t, start + i, raw, x);
             qs[i][j] = x[0];
             ks[i][j] = x[1];
             us[i][j] = x[2];
-            float z = A.a[h] * (ld(A.f, tok * P + c) + A.dt_bias[c]);
+            float z = A.a[h] * (gs[i][j] + A.dt_bias[c]);
             gcum += A.lower_bound * sigmoidf_(z);
             gs[i][j] = gcum;
-            if (j == 0) beta[i] = sigmoidf_(ld(A.b, tok * H + h));
         }
         __syncthreads();
         // l2 norms, one warp per token.
@@ -273,16 +320,18 @@ __device__ void kda_chunk(const i64 *table, KdaArgs A) {
         decay_n[j] = expf(gn);
         __syncthreads();
         // V' = U - W S and O = (Q e^G) S + A V' (column j).
+        // (Four partial sums per product, added in a fixed order, keep the FMA chains short.)
         for (int i = 0; i < n; i++) {
-            float acc = us[i][j];
+            float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-            for (int cc = 0; cc < K; cc++) acc -= gs[i][cc] * s[cc];
-            us[i][j] = acc;
+            for (int cc = 0; cc < K; cc++) p[cc & 3] += gs[i][cc] * s[cc];
+            us[i][j] -= (p[0] + p[1]) + (p[2] + p[3]);
         }
         for (int i = 0; i < n; i++) {
-            float acc = 0.0f;
+            float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-            for (int cc = 0; cc < K; cc++) acc += qs[i][cc] * s[cc];
+            for (int cc = 0; cc < K; cc++) p[cc & 3] += qs[i][cc] * s[cc];
+            float acc = (p[0] + p[1]) + (p[2] + p[3]);
             for (int jj = 0; jj <= i; jj++) acc += am[i][jj] * us[jj][j];
             os[i][j] = acc;
         }
@@ -305,7 +354,8 @@ __device__ void kda_chunk(const i64 *table, KdaArgs A) {
         __syncthreads();
         for (int i = 0; i < n; i++) {
             i64 tok = offset + start + i;
-            A.o[tok * P + c] = __float2bfloat16_rn(os[i][j] * qn[i] * A.o_norm[j] * sigmoidf_(ld(A.g, tok * P + c)));
+            A.o[tok * P + c] =
+                __float2bfloat16_rn(os[i][j] * qn[i] * A.o_norm[j] * sigmoidf_(__bfloat162float(gate[i][j])));
         }
         __syncthreads();
     }
@@ -315,7 +365,7 @@ __device__ void kda_chunk(const i64 *table, KdaArgs A) {
 }
 
 #define KDA_KERNELS(K)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(K) kda_step_##K(const i64 *table, KdaArgs args) {           \
+    extern "C" __global__ void __launch_bounds__(2 * K) kda_step_##K(const i64 *table, KdaArgs args) {       \
         kda_step<K>(table, args);                                                                              \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(K) kda_chunk_##K(const i64 *table, KdaArgs args) {          \

@@ -167,35 +167,51 @@ extern "C" __global__ void mla_split(const i64 *table, const i64 *tok_row, const
     }
 }
 
-// Merge of the splits in ascending order, o_lat = bf(sum_s e^{m_s - M} o_s / sum_s e^{m_s - M} l_s), then
-// out = bf(W_UV_h o_lat), W_UV_h = kv_b rows [h * per_head + nope, (h + 1) * per_head).
-// grid = (n, H); blockDim 128; dynamic shared memory r floats. out: [n, H * v].
+#define MERGE_TOKENS 8
+
+// Merge of each token's splits in ascending order, o_lat = bf(sum_s e^{m_s - M} o_s / sum_s e^{m_s - M} l_s), then
+// out = bf(W_UV_h o_lat), W_UV_h = kv_b rows [h * per_head + nope, (h + 1) * per_head), for MERGE_TOKENS tokens per
+// block so that W_UV_h is read once per tile (each token's sums are its own: tiling does not change them).
+// grid = (H, ceil(n / MERGE_TOKENS)); blockDim 128; dynamic shared memory MERGE_TOKENS * r floats. out: [n, H * v].
 extern "C" __global__ void mla_merge(const float *part_o, const float *part_m, const float *part_l,
-                                     const __nv_bfloat16 *kv_b, __nv_bfloat16 *out, int splits, int H, int nope,
+                                     const __nv_bfloat16 *kv_b, __nv_bfloat16 *out, int n, int splits, int H, int nope,
                                      int vdim, int r) {
-    extern __shared__ float o_lat[];
-    i64 tok = blockIdx.x;
-    int h = blockIdx.y, per_head = nope + vdim;
-    i64 base = (tok * H + h) * splits;
-    float M = -INF_F;
-    for (int s = 0; s < splits; s++) M = fmaxf(M, part_m[base + s]);
-    float L = 0.0f;
-    for (int s = 0; s < splits; s++)
-        if (part_l[base + s] > 0.0f) L += expf(part_m[base + s] - M) * part_l[base + s];
-    for (int c = threadIdx.x; c < r; c += blockDim.x) {
-        float acc = 0.0f;
+    extern __shared__ float o_lat[];  // [MERGE_TOKENS, r]
+    int h = blockIdx.x, per_head = nope + vdim;
+    i64 tok0 = (i64)blockIdx.y * MERGE_TOKENS;
+    int tokens = (int)min((i64)MERGE_TOKENS, n - tok0);
+    for (int tk = 0; tk < tokens; tk++) {
+        i64 base = ((tok0 + tk) * H + h) * splits;
+        float M = -INF_F;
+        for (int s = 0; s < splits; s++) M = fmaxf(M, part_m[base + s]);
+        float L = 0.0f;
         for (int s = 0; s < splits; s++)
-            if (part_l[base + s] > 0.0f) acc += expf(part_m[base + s] - M) * part_o[(base + s) * r + c];
-        o_lat[c] = bf_round(acc / L);
+            if (part_l[base + s] > 0.0f) L += expf(part_m[base + s] - M) * part_l[base + s];
+        for (int c = threadIdx.x; c < r; c += blockDim.x) {
+            float acc = 0.0f;
+            for (int s = 0; s < splits; s++)
+                if (part_l[base + s] > 0.0f) acc += expf(part_m[base + s] - M) * part_o[(base + s) * r + c];
+            o_lat[tk * r + c] = bf_round(acc / L);
+        }
     }
     __syncthreads();
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    __nv_bfloat16 *orow = out + (tok * H + h) * vdim;
     for (int jw = warp; jw < vdim; jw += warps) {
         const __nv_bfloat16 *wrow = kv_b + (i64)(h * per_head + nope + jw) * r;
-        float acc = 0.0f;
-        for (int c = lane; c < r; c += 32) acc += ld(wrow, c) * o_lat[c];
-        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        if (lane == 0) orow[jw] = __float2bfloat16_rn(acc);
+        float acc[MERGE_TOKENS];
+#pragma unroll
+        for (int tk = 0; tk < MERGE_TOKENS; tk++) acc[tk] = 0.0f;
+        for (int c = lane; c < r; c += 32) {
+            float w = ld(wrow, c);
+#pragma unroll
+            for (int tk = 0; tk < MERGE_TOKENS; tk++)
+                if (tk < tokens) acc[tk] += w * o_lat[tk * r + c];
+        }
+#pragma unroll
+        for (int tk = 0; tk < MERGE_TOKENS; tk++) {
+            float a = acc[tk];
+            for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+            if (lane == 0 && tk < tokens) out[((tok0 + tk) * H + h) * vdim + jw] = __float2bfloat16_rn(a);
+        }
     }
 }

@@ -25,7 +25,10 @@ fn gpu() -> Option<Gpu> {
 
 fn assert_all_pass(checks: &[OpCheck]) {
     for c in checks {
-        eprintln!("{:<90} rel_l2 {:.3e} (max |Δ| {:.3e}, bound {:.1e}) {}", c.op, c.rel_l2, c.max_abs, c.tolerance, c.pass);
+        eprintln!(
+            "{:<90} rel_l2 {:.3e} (max |Δ| {:.3e}, bound {:.1e}) {}",
+            c.op, c.rel_l2, c.max_abs, c.tolerance, c.pass
+        );
     }
     assert!(checks.iter().all(|c| c.pass), "a check failed; see above");
 }

@@ -132,7 +132,8 @@ fn the_kernel_cache_can_be_filled_on_a_host_without_a_gpu() {
         return;
     };
     with_nvrtc("the_kernel_cache_can_be_filled_on_a_host_without_a_gpu", |root| {
-        let compiler = Compiler { arch: "sm_90a".into(), include_dir: root.join("include"), cache_dir: Some(dir.into()) };
+        let compiler =
+            Compiler { arch: "sm_90a".into(), include_dir: root.join("include"), cache_dir: Some(dir.into()) };
         for src in &SOURCES {
             let cubin = compiler.cubin(src).unwrap();
             eprintln!("cached {} ({} bytes) as {}", src.name, cubin.len(), compiler.cache_key(src).unwrap());

@@ -38,8 +38,9 @@ const MLA_MAX_SPLITS: usize = 64;
 const MLA_SPLIT_MAX_WINDOW: usize = 16;
 /// `r <= MAX_CH * 128` in `mla_split`.
 const MLA_MAX_RANK: usize = 8 * 128;
-/// Tokens per block of `mla_absorb` (`ABSORB_TOKENS` in `mla.cu`).
+/// Tokens per block of `mla_absorb` and `mla_merge` (`ABSORB_TOKENS`, `MERGE_TOKENS` in `mla.cu`).
 const ABSORB_TOKENS: usize = 8;
+const MERGE_TOKENS: usize = 8;
 
 /// The default window length from which KDA runs its chunked form (see the measurements in the
 /// repository's BENCHMARKS.md).
@@ -61,7 +62,9 @@ const KDA_HEAD_DIMS: [usize; 2] = [32, 128];
 
 impl AttnKernels {
     pub(crate) fn load(kda: &Arc<CudaModule>, mla: &Arc<CudaModule>) -> Result<Self> {
-        let f = |m: &Arc<CudaModule>, name: &str| m.load_function(name).map_err(|e| device_err(&format!("kernel {name}"), e));
+        let f = |m: &Arc<CudaModule>, name: &str| {
+            m.load_function(name).map_err(|e| device_err(&format!("kernel {name}"), e))
+        };
         let by_dim = |prefix: &str| -> Result<[CudaFunction; 2]> {
             Ok([f(kda, &format!("{prefix}_32"))?, f(kda, &format!("{prefix}_128"))?])
         };
@@ -276,16 +279,20 @@ impl Gpu {
             return Ok(());
         }
         let table = tables.kda + (layer * tables.rows * KDA_ENTRY * 8) as u64;
-        let cfg =
-            LaunchConfig { grid_dim: (args.heads as u32, tables.rows as u32, 1), block_dim: (dk as u32, 1, 1), shared_mem_bytes: 0 };
+        // The recurrent kernel runs two threads per channel, the chunked one one.
         let forms = [
-            (tables.any_recurrent, &self.attn.kda_step[which], "kda_step"),
-            (tables.any_chunked, &self.attn.kda_chunk[which], "kda_chunk"),
+            (tables.any_recurrent, &self.attn.kda_step[which], "kda_step", 2 * dk),
+            (tables.any_chunked, &self.attn.kda_chunk[which], "kda_chunk", dk),
         ];
-        for (present, func, name) in forms {
+        for (present, func, name, threads) in forms {
             if !present {
                 continue;
             }
+            let cfg = LaunchConfig {
+                grid_dim: (args.heads as u32, tables.rows as u32, 1),
+                block_dim: (threads as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
             let mut b = self.stream.launch_builder(func);
             b.arg(&table).arg(args);
             // SAFETY: the table's addresses are live buffers of the rows' states and undo records, and the
@@ -339,7 +346,8 @@ impl Gpu {
         let part_o = self.zeros::<f32>(n * h * splits * r)?; // [n, H, splits, r]
         let part_m = self.zeros::<f32>(n * h * splits)?;
         let part_l = self.zeros::<f32>(n * h * splits)?;
-        let (q_lat, part_o, part_m, part_l) = (self.ptr(&q_lat), self.ptr(&part_o), self.ptr(&part_m), self.ptr(&part_l));
+        let (q_lat, part_o, part_m, part_l) =
+            (self.ptr(&q_lat), self.ptr(&part_o), self.ptr(&part_m), self.ptr(&part_l));
         let ints = |xs: &[usize]| xs.iter().map(|x| *x as i32).collect::<Vec<i32>>();
 
         let cfg = LaunchConfig {
@@ -373,8 +381,12 @@ impl Gpu {
         // SAFETY: the caches hold every visible entry (appended before); partials hold [n, H, splits(, r)].
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("mla_split"))?;
 
-        let cfg = LaunchConfig { grid_dim: (n as u32, h as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: (r * 4) as u32 };
-        let a = ints(&[splits, h, nope, vdim, r]);
+        let cfg = LaunchConfig {
+            grid_dim: (h as u32, n.div_ceil(MERGE_TOKENS) as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: (MERGE_TOKENS * r * 4) as u32,
+        };
+        let a = ints(&[n, splits, h, nope, vdim, r]);
         let mut b = self.stream.launch_builder(&self.attn.mla_merge);
         b.arg(&part_o).arg(&part_m).arg(&part_l).arg(&kv_b).arg(&out);
         for x in &a {

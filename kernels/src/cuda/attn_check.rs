@@ -138,14 +138,7 @@ pub fn kda_forms(gpu: &Gpu, preset: &str, t: usize, seed: u64, with_cpu: bool) -
         checks.push(compare("kda chunked vs CPU chunked: fp32 state", &chunked.state, &cpu_state.s, TOL_STATE_CPU));
         checks.push(compare("kda recurrent vs CPU chunked: fp32 state", &recurrent.state, &cpu_state.s, TOL_STATE_CPU));
     }
-    Ok(KdaForms {
-        heads,
-        head_dim: dk,
-        tokens: t,
-        recurrent_ms: recurrent.ms,
-        chunked_ms: chunked.ms,
-        checks,
-    })
+    Ok(KdaForms { heads, head_dim: dk, tokens: t, recurrent_ms: recurrent.ms, chunked_ms: chunked.ms, checks })
 }
 
 /// The split MLA attention of `dev`'s first MLA layer after a context of `context` tokens: one row
@@ -162,7 +155,8 @@ pub fn mla_long_context(
     let cfg = &dev.cfg;
     let d = cfg.hidden_size;
     let l = cfg.mla_layers().first().copied().ok_or_else(|| KernelError::InvalidInput("no MLA layer".into()))?;
-    let (MixerWeights::Mla(cw), DevMixer::Mla(dw)) = (&cpu.weights.layers[l].mixer, &dev.weights.layers[l].mixer) else {
+    let (MixerWeights::Mla(cw), DevMixer::Mla(dw)) = (&cpu.weights.layers[l].mixer, &dev.weights.layers[l].mixer)
+    else {
         return Err(KernelError::Device("CPU and device weights disagree on an MLA layer".into()));
     };
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(41);
