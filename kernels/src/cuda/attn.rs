@@ -10,7 +10,8 @@
 //! - A row's KDA form and MLA split span depend only on that row (its window length, snapshots and
 //!   cache length), never on the batch, so every row's result is independent of the other rows.
 //! - Windows that keep snapshots (verify windows) always run the recurrent form; the chunked form takes
-//!   windows of at least [`DeviceModel::kda_chunked_min`](crate::cuda::forward::DeviceModel) tokens.
+//!   windows of at least [`DeviceModel::kda_chunked_min`](crate::cuda::forward::DeviceModel) tokens
+//!   (by default none: see [`KDA_CHUNKED_MIN_TOKENS`]).
 //! - Layouts match the `#define`s at the top of `kda.cu` (`KDA_ENTRY`) and `mla.cu` (`MLA_ENTRY`).
 
 use std::sync::{Arc, Mutex};
@@ -42,9 +43,14 @@ const MLA_MAX_RANK: usize = 8 * 128;
 const ABSORB_TOKENS: usize = 8;
 const MERGE_TOKENS: usize = 8;
 
-/// The default window length from which KDA runs its chunked form (see the measurements in the
-/// repository's BENCHMARKS.md).
-pub const KDA_CHUNKED_MIN_TOKENS: usize = 64;
+/// The default window length from which KDA runs its chunked form: never. Measured on an H200
+/// (2026-11-30, one row, 96 heads of 128) the CUDA-core chunked kernel is no faster than the recurrent
+/// one (16 / 64 / 256 / 2,048 tokens: 0.083 / 0.260 / 1.060 / 8.41 ms against 0.083 / 0.259 / 1.002 /
+/// 8.02 ms): both are bound by one block per head walking its tokens in order. The chunked form pays off
+/// once its three 16 x 128 x 128 products per chunk run on tensor cores and its state-independent part
+/// (conv, norms, L, A, W, U) runs for all chunks in parallel, as in fla's chunk_kda; until then it is
+/// selected only through [`DeviceModel::kda_chunked_min`](crate::cuda::forward::DeviceModel).
+pub const KDA_CHUNKED_MIN_TOKENS: usize = usize::MAX;
 
 /// The kernels of `kda.cu` and `mla.cu`.
 pub(crate) struct AttnKernels {
@@ -244,8 +250,8 @@ impl StepTables {
             n,
             max_t: rows.iter().map(|r| r.tokens.len()).max().unwrap_or(0),
             mla_splits,
-            any_chunked: forms.iter().any(|f| *f == 1),
-            any_recurrent: forms.iter().any(|f| *f == 0),
+            any_chunked: forms.contains(&1),
+            any_recurrent: forms.contains(&0),
             undo,
         })
     }
