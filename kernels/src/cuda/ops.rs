@@ -22,6 +22,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
+use crate::cuda::attn::AttnKernels;
 use crate::cuda::compile::{Compiler, SOURCES};
 use crate::cuda::device::{device_err, info, DeviceInfo};
 use crate::error::{KernelError, Result};
@@ -56,9 +57,6 @@ struct Kernels {
     argmax_rows: CudaFunction,
     /// `skinny_gemm_t{1,2,4,8}`: token chunks of up to 8, 16, 32, 64 tokens.
     skinny_gemm: [CudaFunction; 4],
-    kda_conv: CudaFunction,
-    kda_recurrence: CudaFunction,
-    mla_attend: CudaFunction,
     moe_router_logits: CudaFunction,
     moe_route: CudaFunction,
     moe_gate_up: CudaFunction,
@@ -99,6 +97,7 @@ pub struct Gpu {
     pub stream: Arc<CudaStream>,
     blas: CudaBlas,
     k: Kernels,
+    pub(crate) attn: AttnKernels,
     pub info: DeviceInfo,
     pub gemm: Gemm,
     counters: Counters,
@@ -159,9 +158,9 @@ impl Gpu {
                 .map_err(|e| device_err(&format!("loading {}", src.name), e))?;
             modules.insert(src.name, m);
         }
-        let f = |module: &str, name: &str| {
-            let m = modules.get(module).ok_or_else(|| KernelError::Device(format!("no kernel source {module}")))?;
-            m.load_function(name).map_err(|e| device_err(&format!("kernel {name} of {module}"), e))
+        let module = |name: &str| modules.get(name).ok_or_else(|| KernelError::Device(format!("no kernel source {name}")));
+        let f = |src: &str, name: &str| {
+            module(src)?.load_function(name).map_err(|e| device_err(&format!("kernel {name} of {src}"), e))
         };
         let k = Kernels {
             embed_gather: f("common.cu", "embed_gather")?,
@@ -173,9 +172,6 @@ impl Gpu {
             sigmoid_gate: f("common.cu", "sigmoid_gate")?,
             gather_rows: f("common.cu", "gather_rows")?,
             argmax_rows: f("common.cu", "argmax_rows")?,
-            kda_conv: f("kda.cu", "kda_conv")?,
-            kda_recurrence: f("kda.cu", "kda_recurrence")?,
-            mla_attend: f("mla.cu", "mla_attend")?,
             moe_router_logits: f("moe.cu", "moe_router_logits")?,
             moe_route: f("moe.cu", "moe_route")?,
             moe_gate_up: f("moe.cu", "moe_gate_up")?,
@@ -196,6 +192,7 @@ impl Gpu {
             )
             .map_err(|e| device_err("allowing the skinny GEMM its shared memory", e))?;
         }
+        let attn = AttnKernels::load(module("kda.cu")?, module("mla.cu")?)?;
         let stream = ctx.default_stream();
         let blas = CudaBlas::new(stream.clone()).map_err(|e| device_err("creating the cuBLAS handle", e))?;
         Ok(Gpu {
@@ -203,6 +200,7 @@ impl Gpu {
             stream,
             blas,
             k,
+            attn,
             info,
             gemm: Gemm::BatchInvariant,
             counters: Counters::default(),
@@ -210,7 +208,7 @@ impl Gpu {
         })
     }
 
-    fn count_launch(&self) {
+    pub(crate) fn count_launch(&self) {
         self.counters.launches.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -637,96 +635,6 @@ impl Gpu {
         }
         .map(|_| self.count_launch())
         .map_err(|e| device_err("cublasGemmEx", e))
-    }
-
-    /// Conv + SiLU of one of q/k/v over a window of `t` tokens (see `kda.cu`).
-    #[allow(clippy::too_many_arguments)]
-    pub fn kda_conv(
-        &self,
-        x: DPtr,
-        window: DPtr,
-        w: DPtr,
-        out: DPtr,
-        hist: DPtr,
-        t: usize,
-        p: usize,
-        kw: usize,
-    ) -> Result<()> {
-        if kw > 8 {
-            return Err(KernelError::InvalidInput(format!("conv kernel {kw} > 8 is not supported on CUDA")));
-        }
-        let (t, p_, kw) = (t as i32, p as i32, kw as i32);
-        let mut b = self.stream.launch_builder(&self.k.kda_conv);
-        b.arg(&x).arg(&window).arg(&w).arg(&out).arg(&hist).arg(&t).arg(&p_).arg(&kw);
-        unsafe { b.launch(grid_1d(p, 128)) }.map(|_| self.count_launch()).map_err(launch_err("kda_conv"))
-    }
-
-    /// The KDA recurrence of every head over `t` tokens (see `kda.cu` for the argument layouts).
-    #[allow(clippy::too_many_arguments)]
-    pub fn kda_recurrence(
-        &self,
-        qkv: [DPtr; 3],
-        f: DPtr,
-        beta: DPtr,
-        gate: DPtr,
-        s: DPtr,
-        a: DPtr,
-        dt_bias: DPtr,
-        o_norm: DPtr,
-        o: DPtr,
-        snaps: DPtr,
-        t: usize,
-        heads: usize,
-        dk: usize,
-        lower_bound: f32,
-        norm_eps: f32,
-        snap_from: usize,
-    ) -> Result<()> {
-        if dk % 32 != 0 || dk > 1024 {
-            return Err(KernelError::InvalidInput(format!("KDA head_dim {dk} must be a multiple of 32 up to 1024")));
-        }
-        let cfg = LaunchConfig {
-            grid_dim: (heads as u32, 1, 1),
-            block_dim: (dk as u32, 1, 1),
-            shared_mem_bytes: (3 * dk * 4) as u32,
-        };
-        let (t, h, dk_) = (t as i32, heads as i32, dk as i32);
-        let (l2_eps, from) = (crate::config::L2_NORM_EPS, snap_from as i32);
-        let mut b = self.stream.launch_builder(&self.k.kda_recurrence);
-        b.arg(&qkv[0]).arg(&qkv[1]).arg(&qkv[2]).arg(&f).arg(&beta).arg(&gate);
-        b.arg(&s).arg(&a).arg(&dt_bias).arg(&o_norm).arg(&o).arg(&snaps);
-        b.arg(&t).arg(&h).arg(&dk_).arg(&lower_bound).arg(&l2_eps).arg(&norm_eps).arg(&from);
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("kda_recurrence"))
-    }
-
-    /// Absorbed MLA attention of a window of `t` tokens whose entries are already in `cache`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn mla_attend(
-        &self,
-        m: &crate::config::MlaConfig,
-        q: DPtr,
-        cache: DPtr,
-        kv_b: DPtr,
-        scores: DPtr,
-        out: DPtr,
-        first: usize,
-        t: usize,
-    ) -> Result<()> {
-        let r = m.kv_lora_rank;
-        let cfg = LaunchConfig {
-            grid_dim: (t as u32, m.num_heads as u32, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: (2 * r * 4) as u32,
-        };
-        let scale = 1.0f32 / (m.q_head_dim() as f32).sqrt();
-        let ints = [first, t, m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, r].map(|x| x as i32);
-        let mut b = self.stream.launch_builder(&self.k.mla_attend);
-        b.arg(&q).arg(&cache).arg(&kv_b).arg(&scores).arg(&out);
-        for i in &ints {
-            b.arg(i);
-        }
-        b.arg(&scale);
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("mla_attend"))
     }
 
     /// The router of `n` tokens: `idx`, `wts` `[n, k]`, `margin` `[n]`. Two launches: the fp32 logits

@@ -128,7 +128,7 @@ pub struct ValidationReport {
     pub pass: bool,
 }
 
-fn compare(op: &str, gpu: &[f32], cpu: &[f32], tolerance: f64) -> OpCheck {
+pub(crate) fn compare(op: &str, gpu: &[f32], cpu: &[f32], tolerance: f64) -> OpCheck {
     let (mut num, mut den, mut max_abs) = (0.0f64, 0.0f64, 0.0f64);
     for (g, c) in gpu.iter().zip(cpu) {
         let d = (*g as f64 - *c as f64).abs();
@@ -142,15 +142,15 @@ fn compare(op: &str, gpu: &[f32], cpu: &[f32], tolerance: f64) -> OpCheck {
 }
 
 /// Random values rounded to bf16, `[n]`.
-fn random_bf16(rng: &mut rand_chacha::ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
+pub(crate) fn random_bf16(rng: &mut rand_chacha::ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
     (0..n).map(|_| bf16::from_f32(rng.gen_range(-scale..scale)).to_f32()).collect()
 }
 
-fn up(gpu: &Gpu, x: &[f32]) -> Result<CudaSlice<bf16>> {
+pub(crate) fn up(gpu: &Gpu, x: &[f32]) -> Result<CudaSlice<bf16>> {
     gpu.upload(&x.iter().map(|v| bf16::from_f32(*v)).collect::<Vec<_>>())
 }
 
-fn down(gpu: &Gpu, x: &CudaSlice<bf16>, n: usize) -> Result<Vec<f32>> {
+pub(crate) fn down(gpu: &Gpu, x: &CudaSlice<bf16>, n: usize) -> Result<Vec<f32>> {
     Ok(gpu.download(x, n)?.into_iter().map(f32::from).collect())
 }
 
@@ -164,7 +164,7 @@ pub fn run(opts: &ValidationOptions) -> Result<ValidationReport> {
     let nvrtc_version = crate::cuda::compile::nvrtc_version()?;
     let weights = DevWeights::load(&gpu, &cfg, &src)?;
     let weights_bytes = weights.bytes;
-    let dev = DeviceModel { cfg: cfg.clone(), weights };
+    let dev = DeviceModel::new(cfg.clone(), weights);
     let cpu: CpuModel<f32> = CpuModel::load(cfg.clone(), &src)?;
 
     let ops = op_checks(&mut gpu, &dev, &cpu)?;
@@ -300,16 +300,15 @@ fn op_checks(gpu: &mut Gpu, dev: &DeviceModel, cpu: &CpuModel<f32>) -> Result<Ve
             let hd = up(gpu, hw)?;
             let tokens = vec![0 as TokenId; t];
             let mut rows = [DeviceRow { state: &mut dev_state, tokens: &tokens, logits_from: t, snapshots_from: None }];
-            let offsets = [0, t];
+            let tables = dev.step_tables(gpu, &mut rows, &[0, t])?;
             let (a, name) = match (&lw.mixer, &dlw.mixer) {
                 (MixerWeights::Kda(w), DevMixer::Kda(dw)) => {
-                    let mut undo = vec![Vec::new()];
-                    let a = dev.kda(gpu, dw, gpu.ptr(&hd), &mut rows, &offsets, 0, &mut undo)?;
+                    let a = dev.kda(gpu, dw, gpu.ptr(&hd), &tables, 0)?;
                     want.extend(cpu_kda(cfg, w, &mut cpu_state, hw));
                     (a, "kda layer (conv, recurrence, gated norm, projections)")
                 }
                 (MixerWeights::Mla(w), DevMixer::Mla(dw)) => {
-                    let a = dev.mla(gpu, dw, gpu.ptr(&hd), &mut rows, &offsets, 0)?;
+                    let a = dev.mla(gpu, dw, gpu.ptr(&hd), &tables, 0)?;
                     want.extend(cpu_mla(cfg, w, &mut cpu_state, hw));
                     (a, "mla layer (absorbed attention over the latent cache, gate, projections)")
                 }
@@ -371,7 +370,7 @@ fn cpu_kda(
 }
 
 /// The CPU forward's MLA block on normalised hidden rows `h` `[t, d]`.
-fn cpu_mla(
+pub(crate) fn cpu_mla(
     cfg: &ModelConfig,
     w: &crate::cpu::weights::MlaWeights<f32>,
     state: &mut SeqState<f32>,
