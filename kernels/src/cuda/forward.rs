@@ -22,7 +22,7 @@ use half::bf16;
 use crate::config::ModelConfig;
 use crate::cpu::moe::Routing;
 use crate::cuda::attn::{KdaArgs, StepBuffer, StepTables, KDA_CHUNKED_MIN_TOKENS};
-use crate::cuda::ops::{DPtr, Gpu, NULL};
+use crate::cuda::ops::{moe_group_len, DPtr, Gpu, NULL};
 use crate::cuda::weights::{
     DevFfn, DevKda, DevLinear, DevMerged, DevMixer, DevMla, DevMlp, DevMoe, DevNorm, DevWeights,
 };
@@ -535,36 +535,41 @@ impl DeviceModel {
                     .collect(),
             );
         }
-        let z = self.linear(gpu, &w.down, hn, n)?;
-        let act = gpu.zeros::<bf16>(n * k * inter)?;
+        // Group the pairs by expert on the device, so each expert's weights are read once for its tokens.
+        let group = gpu.zeros::<i32>(moe_group_len(e))?;
+        let pairs = gpu.zeros::<i32>(n * k)?; // [n k], grouped by expert
+        gpu.moe_group(gpu.ptr(&idx), n, k, e, gpu.ptr(&group), gpu.ptr(&pairs))?;
+        let grouping = (gpu.ptr(&group), gpu.ptr(&pairs));
+        let z = self.linear(gpu, &w.down, hn, n)?; // [n, latent]
+        let act = gpu.zeros::<bf16>(n * k * inter)?; // [n k, inter]
         let pair = |x: &crate::cuda::weights::DevExperts| (gpu.ptr(&x.packed), gpu.ptr(&x.scales));
         gpu.moe_gate_up(
             gpu.ptr(&z),
             pair(&w.w1),
             pair(&w.w3),
-            gpu.ptr(&idx),
+            grouping,
             gpu.ptr(&act),
             n,
             k,
+            e,
             latent,
             inter,
             self.cfg.situ_beta,
             self.cfg.situ_linear_beta,
         )?;
-        let combined = gpu.zeros::<bf16>(n * latent)?;
-        gpu.moe_down_combine(
-            gpu.ptr(&act),
-            pair(&w.w2),
-            gpu.ptr(&idx),
+        let expert_out = gpu.zeros::<bf16>(n * k * latent)?; // [n k, latent]
+        gpu.moe_down(gpu.ptr(&act), pair(&w.w2), grouping, gpu.ptr(&expert_out), n, k, e, latent, inter)?;
+        let normed = gpu.zeros::<bf16>(n * latent)?; // [n, latent]
+        gpu.moe_combine_norm(
+            gpu.ptr(&expert_out),
             gpu.ptr(&wts),
-            gpu.ptr(&combined),
+            gpu.ptr(&w.norm.w),
+            gpu.ptr(&normed),
             n,
             k,
             latent,
-            inter,
+            w.norm.eps,
         )?;
-        let normed = gpu.zeros::<bf16>(n * latent)?;
-        self.norm_rows(gpu, &w.norm, gpu.ptr(&combined), gpu.ptr(&normed), n, latent)?;
         let routed = self.linear(gpu, &w.up, gpu.ptr(&normed), n)?;
         if let Some(shared) = &w.shared {
             let sh = self.situ_mlp(gpu, shared, hn, n)?;

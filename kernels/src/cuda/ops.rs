@@ -59,8 +59,10 @@ struct Kernels {
     skinny_gemm: [CudaFunction; 4],
     moe_router_logits: CudaFunction,
     moe_route: CudaFunction,
+    moe_group: CudaFunction,
     moe_gate_up: CudaFunction,
-    moe_down_combine: CudaFunction,
+    moe_down: CudaFunction,
+    moe_combine_norm: CudaFunction,
     sample_rows: CudaFunction,
     rng_hash3: CudaFunction,
 }
@@ -174,8 +176,10 @@ impl Gpu {
             argmax_rows: f("common.cu", "argmax_rows")?,
             moe_router_logits: f("moe.cu", "moe_router_logits")?,
             moe_route: f("moe.cu", "moe_route")?,
+            moe_group: f("moe.cu", "moe_group")?,
             moe_gate_up: f("moe.cu", "moe_gate_up")?,
-            moe_down_combine: f("moe.cu", "moe_down_combine")?,
+            moe_down: f("moe.cu", "moe_down")?,
+            moe_combine_norm: f("moe.cu", "moe_combine_norm")?,
             sample_rows: f("sample.cu", "sample_rows")?,
             rng_hash3: f("sample.cu", "rng_hash3")?,
             skinny_gemm: [
@@ -677,66 +681,120 @@ impl Gpu {
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_route"))
     }
 
-    /// Gate/up + SiTU of the chosen experts: `a` `[n, k, I]`.
+    /// Groups the routed (token, slot) pairs by expert on the device (no host synchronisation): `group`
+    /// ([`moe_group_len`] ints: the active experts and where each one's pairs start) and `pairs` `[n k]`
+    /// (`t * k + j`, grouped by expert, tokens ascending), from `idx` `[n, k]` (ascending per token).
+    pub fn moe_group(&self, idx: DPtr, n: usize, k: usize, experts: usize, group: DPtr, pairs: DPtr) -> Result<()> {
+        let cfg =
+            LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: (2 * experts * 4) as u32 };
+        if cfg.shared_mem_bytes > 48 * 1024 {
+            return Err(KernelError::InvalidInput(format!("grouping {experts} experts needs too much shared memory")));
+        }
+        let (n, k, e) = (n as i32, k as i32, experts as i32);
+        let mut b = self.stream.launch_builder(&self.k.moe_group);
+        b.arg(&idx).arg(&n).arg(&k).arg(&e).arg(&group).arg(&pairs);
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_group"))
+    }
+
+    /// Gate/up + SiTU per active expert over its grouped pairs: `a` `[n k, inter]` (row `t * k + j`).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_gate_up(
         &self,
         z: DPtr,
         w1: (DPtr, DPtr),
         w3: (DPtr, DPtr),
-        idx: DPtr,
+        grouping: (DPtr, DPtr),
         a: DPtr,
         n: usize,
         k: usize,
+        experts: usize,
         latent: usize,
         inter: usize,
         beta: f32,
         lbeta: f32,
     ) -> Result<()> {
+        check_expert_width("latent", latent)?;
         let cfg = LaunchConfig {
-            grid_dim: ((n * k) as u32, inter.div_ceil(8) as u32, 1),
+            grid_dim: (active_slots(n, k, experts), inter.div_ceil(8) as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (k, dl, di) = (k as i32, latent as i32, inter as i32);
+        let (k, e, dl, di) = (k as i32, experts as i32, latent as i32, inter as i32);
         let mut b = self.stream.launch_builder(&self.k.moe_gate_up);
-        b.arg(&z)
-            .arg(&w1.0)
-            .arg(&w1.1)
-            .arg(&w3.0)
-            .arg(&w3.1)
-            .arg(&idx)
-            .arg(&a)
-            .arg(&k)
-            .arg(&dl)
-            .arg(&di)
-            .arg(&beta)
-            .arg(&lbeta);
+        b.arg(&z).arg(&w1.0).arg(&w1.1).arg(&w3.0).arg(&w3.1).arg(&grouping.0).arg(&grouping.1).arg(&a);
+        b.arg(&k).arg(&e).arg(&dl).arg(&di).arg(&beta).arg(&lbeta);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_gate_up"))
     }
 
-    /// Down projections and the fp32 combine: `out` `[n, latent]`.
+    /// Down projection per active expert over its grouped pairs: `y` `[n k, latent]` (row `t * k + j`).
     #[allow(clippy::too_many_arguments)]
-    pub fn moe_down_combine(
+    pub fn moe_down(
         &self,
         a: DPtr,
         w2: (DPtr, DPtr),
-        idx: DPtr,
+        grouping: (DPtr, DPtr),
+        y: DPtr,
+        n: usize,
+        k: usize,
+        experts: usize,
+        latent: usize,
+        inter: usize,
+    ) -> Result<()> {
+        check_expert_width("expert", inter)?;
+        let cfg = LaunchConfig {
+            grid_dim: (active_slots(n, k, experts), latent.div_ceil(8) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (e, dl, di) = (experts as i32, latent as i32, inter as i32);
+        let mut b = self.stream.launch_builder(&self.k.moe_down);
+        b.arg(&a).arg(&w2.0).arg(&w2.1).arg(&grouping.0).arg(&grouping.1).arg(&y).arg(&e).arg(&dl).arg(&di);
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_down"))
+    }
+
+    /// The weighted combine of each token's `k` expert outputs `y` `[n k, latent]` in slot order, then the
+    /// routed RMSNorm with weight `norm_w`: `out` `[n, latent]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_combine_norm(
+        &self,
+        y: DPtr,
         wts: DPtr,
+        norm_w: DPtr,
         out: DPtr,
         n: usize,
         k: usize,
         latent: usize,
-        inter: usize,
+        eps: f32,
     ) -> Result<()> {
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, latent.div_ceil(8) as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (k, dl, di) = (k as i32, latent as i32, inter as i32);
-        let mut b = self.stream.launch_builder(&self.k.moe_down_combine);
-        b.arg(&a).arg(&w2.0).arg(&w2.1).arg(&idx).arg(&wts).arg(&out).arg(&k).arg(&dl).arg(&di);
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_down_combine"))
+        let cfg =
+            LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: (latent * 4) as u32 };
+        if cfg.shared_mem_bytes > 48 * 1024 {
+            return Err(KernelError::InvalidInput(format!("a routed norm over {latent} values is not supported")));
+        }
+        let (k, dl) = (k as i32, latent as i32);
+        let mut b = self.stream.launch_builder(&self.k.moe_combine_norm);
+        b.arg(&y).arg(&wts).arg(&norm_w).arg(&out).arg(&k).arg(&dl).arg(&eps);
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_combine_norm"))
     }
+}
+
+/// Ints of the grouping buffer [`Gpu::moe_group`] writes for `experts` experts: the active count, the
+/// active experts `[experts]`, and the start of each active expert's pairs `[experts + 1]`.
+pub fn moe_group_len(experts: usize) -> usize {
+    2 * experts + 2
+}
+
+/// Blocks along the active-expert axis of the grouped expert kernels: at most `n k` pairs, at most `experts`.
+fn active_slots(n: usize, k: usize, experts: usize) -> u32 {
+    (n * k).min(experts) as u32
+}
+
+/// The grouped expert kernels read a row's codes 32 inputs (16 bytes) per lane at a time.
+fn check_expert_width(what: &str, inputs: usize) -> Result<()> {
+    if inputs == 0 || inputs % 32 != 0 {
+        return Err(KernelError::InvalidInput(format!(
+            "MoE {what} width {inputs}: the grouped MXFP4 kernels need a positive multiple of 32"
+        )));
+    }
+    Ok(())
 }
