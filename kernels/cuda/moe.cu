@@ -27,14 +27,27 @@ __device__ __forceinline__ float e8m0(u8 b) {
 
 // The router's fp32 logits, one warp per (token, expert): grid = (ceil(E / warps), n), blockDim 256.
 // h: [n, d]; w: [E, d]; logits: [n, E]. (Split from moe_route so that E dot products run across the whole
-// GPU instead of in one block per token; each dot keeps the same lane striding and reduction order.)
+// GPU instead of in one block per token.) Each lane reads 8 inputs (16 bytes) at a time, 4 loads in flight, and
+// sums them in element order; the lanes' partials meet in a fixed butterfly, so the logit of a token does not
+// depend on the batch.
 extern "C" __global__ void moe_router_logits(const __nv_bfloat16 *h, const __nv_bfloat16 *w, float *logits, int d,
                                              int E) {
     int e = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (e >= E) return;
-    const __nv_bfloat16 *x = h + (long)blockIdx.y * d;
+    const __nv_bfloat16 *x = h + (long)blockIdx.y * d, *wr = w + (long)e * d;
     float acc = 0.0f;
-    for (int c = lane; c < d; c += 32) acc += ld(x, c) * ld(w, (long)e * d + c);
+    int vec = d % 8 == 0 ? d / 8 : 0;  // 16-byte chunks (rows start 16-byte aligned when d is a multiple of 8)
+#pragma unroll 4
+    for (int c = lane; c < vec; c += 32) {
+        uint4 xv = ((const uint4 *)x)[c], wv = ((const uint4 *)wr)[c];
+        unsigned int xs[4] = {xv.x, xv.y, xv.z, xv.w}, ws[4] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            acc += __uint_as_float(xs[i] << 16) * __uint_as_float(ws[i] << 16);
+            acc += __uint_as_float(xs[i] & 0xffff0000u) * __uint_as_float(ws[i] & 0xffff0000u);
+        }
+    }
+    for (int c = vec * 8 + lane; c < d; c += 32) acc += ld(x, c) * ld(wr, c);
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
     if (lane == 0) logits[(long)blockIdx.y * E + e] = acc;
 }
@@ -51,21 +64,34 @@ extern "C" __global__ void moe_route(const float *logits, const float *bias, int
         choice[e] = score[e] + bias[e];
     }
     __syncthreads();
-    if (threadIdx.x != 0) return;
+    if (threadIdx.x >= 32) return;
+    int lane = threadIdx.x;
     int *out_idx = idx + (long)blockIdx.x * k;
     float *out_w = wts + (long)blockIdx.x * k;
-    // k passes of "best remaining" (larger choice, then lower index); chosen entries are marked -inf.
+    // k passes of "best remaining" (larger choice, then lower index) by one warp: lane L scans experts L, L + 32,
+    // ... in order, then a butterfly keeps the larger choice, ties to the lower index: a strict total order, so
+    // every lane gets the expert a sequential scan would. The owner lane marks the chosen entry -inf.
     float last = 0.0f;
     for (int j = 0; j < k; j++) {
-        int best = -1;
-        for (int e = 0; e < E; e++)
-            if (choice[e] != -INF_F && (best < 0 || choice[e] > choice[best])) best = e;
-        out_idx[j] = best;
-        last = choice[best];
-        choice[best] = -INF_F;
+        float bv = -INF_F;
+        int bi = -1;
+        for (int e = lane; e < E; e += 32) {
+            float v = choice[e];
+            if (v != -INF_F && (bi < 0 || v > bv)) { bv = v; bi = e; }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
+        }
+        if (lane == 0) out_idx[j] = bi;
+        last = bv;
+        if (bi >= 0 && (bi & 31) == lane) choice[bi] = -INF_F;
     }
     float next = -INF_F;
-    for (int e = 0; e < E; e++) next = fmaxf(next, choice[e]);
+    for (int e = lane; e < E; e += 32) next = fmaxf(next, choice[e]);
+    for (int o = 16; o > 0; o >>= 1) next = fmaxf(next, __shfl_xor_sync(0xffffffffu, next, o));
+    if (lane != 0) return;
     margin[blockIdx.x] = k < E ? last - next : 0.0f;
     // Ascending expert order (insertion sort of k entries).
     for (int a = 1; a < k; a++) {
@@ -81,7 +107,6 @@ extern "C" __global__ void moe_route(const float *logits, const float *bias, int
     }
     for (int j = 0; j < k; j++) out_w[j] *= scale;
 }
-
 
 // ---- Grouped routed experts ----------------------------------------------------------------------------------
 // After the router, the (token, slot) pairs are grouped by expert on the device (moe_group), so that the expert
