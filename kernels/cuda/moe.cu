@@ -27,14 +27,27 @@ __device__ __forceinline__ float e8m0(u8 b) {
 
 // The router's fp32 logits, one warp per (token, expert): grid = (ceil(E / warps), n), blockDim 256.
 // h: [n, d]; w: [E, d]; logits: [n, E]. (Split from moe_route so that E dot products run across the whole
-// GPU instead of in one block per token; each dot keeps the same lane striding and reduction order.)
+// GPU instead of in one block per token.) Each lane reads 8 inputs (16 bytes) at a time, 4 loads in flight, and
+// sums them in element order; the lanes' partials meet in a fixed butterfly, so the logit of a token does not
+// depend on the batch.
 extern "C" __global__ void moe_router_logits(const __nv_bfloat16 *h, const __nv_bfloat16 *w, float *logits, int d,
                                              int E) {
     int e = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (e >= E) return;
-    const __nv_bfloat16 *x = h + (long)blockIdx.y * d;
+    const __nv_bfloat16 *x = h + (long)blockIdx.y * d, *wr = w + (long)e * d;
     float acc = 0.0f;
-    for (int c = lane; c < d; c += 32) acc += ld(x, c) * ld(w, (long)e * d + c);
+    int vec = d % 8 == 0 ? d / 8 : 0;  // 16-byte chunks (rows start 16-byte aligned when d is a multiple of 8)
+#pragma unroll 4
+    for (int c = lane; c < vec; c += 32) {
+        uint4 xv = ((const uint4 *)x)[c], wv = ((const uint4 *)wr)[c];
+        unsigned int xs[4] = {xv.x, xv.y, xv.z, xv.w}, ws[4] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            acc += __uint_as_float(xs[i] << 16) * __uint_as_float(ws[i] << 16);
+            acc += __uint_as_float(xs[i] & 0xffff0000u) * __uint_as_float(ws[i] & 0xffff0000u);
+        }
+    }
+    for (int c = vec * 8 + lane; c < d; c += 32) acc += ld(x, c) * ld(wr, c);
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
     if (lane == 0) logits[(long)blockIdx.y * E + e] = acc;
 }
@@ -51,21 +64,34 @@ extern "C" __global__ void moe_route(const float *logits, const float *bias, int
         choice[e] = score[e] + bias[e];
     }
     __syncthreads();
-    if (threadIdx.x != 0) return;
+    if (threadIdx.x >= 32) return;
+    int lane = threadIdx.x;
     int *out_idx = idx + (long)blockIdx.x * k;
     float *out_w = wts + (long)blockIdx.x * k;
-    // k passes of "best remaining" (larger choice, then lower index); chosen entries are marked -inf.
+    // k passes of "best remaining" (larger choice, then lower index) by one warp: lane L scans experts L, L + 32,
+    // ... in order, then a butterfly keeps the larger choice, ties to the lower index: a strict total order, so
+    // every lane gets the expert a sequential scan would. The owner lane marks the chosen entry -inf.
     float last = 0.0f;
     for (int j = 0; j < k; j++) {
-        int best = -1;
-        for (int e = 0; e < E; e++)
-            if (choice[e] != -INF_F && (best < 0 || choice[e] > choice[best])) best = e;
-        out_idx[j] = best;
-        last = choice[best];
-        choice[best] = -INF_F;
+        float bv = -INF_F;
+        int bi = -1;
+        for (int e = lane; e < E; e += 32) {
+            float v = choice[e];
+            if (v != -INF_F && (bi < 0 || v > bv)) { bv = v; bi = e; }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
+        }
+        if (lane == 0) out_idx[j] = bi;
+        last = bv;
+        if (bi >= 0 && (bi & 31) == lane) choice[bi] = -INF_F;
     }
     float next = -INF_F;
-    for (int e = 0; e < E; e++) next = fmaxf(next, choice[e]);
+    for (int e = lane; e < E; e += 32) next = fmaxf(next, choice[e]);
+    for (int o = 16; o > 0; o >>= 1) next = fmaxf(next, __shfl_xor_sync(0xffffffffu, next, o));
+    if (lane != 0) return;
     margin[blockIdx.x] = k < E ? last - next : 0.0f;
     // Ascending expert order (insertion sort of k entries).
     for (int a = 1; a < k; a++) {
@@ -82,7 +108,6 @@ extern "C" __global__ void moe_route(const float *logits, const float *bias, int
     for (int j = 0; j < k; j++) out_w[j] *= scale;
 }
 
-
 // ---- Grouped routed experts ----------------------------------------------------------------------------------
 // After the router, the (token, slot) pairs are grouped by expert on the device (moe_group), so that the expert
 // kernels read an expert's MXFP4 weights once for all the tokens that chose it (follows the idea of vLLM's
@@ -98,7 +123,6 @@ extern "C" __global__ void moe_route(const float *logits, const float *bias, int
 // fixed order, then a fixed butterfly; nothing depends on which other tokens share the expert, so a token's
 // result is bit-identical whatever the batch. No float atomics anywhere.
 
-#define MOE_TOKENS 8            // tokens (pairs) per pass over the weights a lane holds
 #define MOE_GROUPS_IN_FLIGHT 4  // 32-input groups of a row each lane loads before using the first
 
 typedef unsigned int u32;
@@ -193,16 +217,18 @@ extern "C" __global__ void moe_group(const int *idx, int n, int k, int E, int *g
     }
 }
 
-// One warp's pass of NM MXFP4 weight rows (NM = 2: gate and up) over up to MOE_TOKENS pairs. Lane L takes the
-// 32-input groups L, L + 32, ... of each row (16 packed bytes and one scale each, from `packed[m]`, `scales[m]`),
+// One warp's pass of NM MXFP4 weight rows (NM = 2: gate and up) over T pairs. Lane L takes the 32-input
+// groups L, L + 32, ... of each row (16 packed bytes and one scale each, from `packed[m]`, `scales[m]`),
 // MOE_GROUPS_IN_FLIGHT of them at a time, all loaded before the first is used (a K3 row of 3584 inputs is one
-// such chunk), dequantises each word of codes once and applies it to every pair's input row (bf16, at element
-// offset x[j] of `in`). acc[m][j] receives the lane's partial dot of row m and pair j (valid j < live); each
-// pair's sum runs over the lane's groups in the same order every time.
-template <int NM>
+// such chunk; the first chunk is requested before the pairs' rows are looked up). Each word of codes is
+// dequantised once and applied to every pair's input row: row pairs[j] / div of `in`, `width` bf16 wide.
+// acc[m][j] receives the lane's partial dot of row m and pair j; each pair's sum runs over the lane's groups in
+// the same order whatever T is, so a token's result does not depend on how its expert's pairs were split.
+template <int NM, int T>
 __device__ __forceinline__ void rows_pass(const u8 *const packed[NM], const u8 *const scales[NM], int lane,
-                                          int groups, const __nv_bfloat16 *in, const int x[MOE_TOKENS], int live,
-                                          float acc[NM][MOE_TOKENS]) {
+                                          int groups, const __nv_bfloat16 *in, const int *pairs, int div, int width,
+                                          float acc[NM][T]) {
+    int x[T];
     for (int g0 = 0; g0 < groups; g0 += 32 * MOE_GROUPS_IN_FLIGHT) {
         uint4 q[NM][MOE_GROUPS_IN_FLIGHT];
         u8 sb[NM][MOE_GROUPS_IN_FLIGHT];
@@ -216,6 +242,10 @@ __device__ __forceinline__ void rows_pass(const u8 *const packed[NM], const u8 *
                     sb[m][i] = __ldg(scales[m] + g);
                 }
         }
+        if (g0 == 0) {
+#pragma unroll
+            for (int j = 0; j < T; j++) x[j] = (pairs[j] / div) * width;
+        }
 #pragma unroll
         for (int i = 0; i < MOE_GROUPS_IN_FLIGHT; i++) {
             int g = g0 + lane + 32 * i;
@@ -225,24 +255,53 @@ __device__ __forceinline__ void rows_pass(const u8 *const packed[NM], const u8 *
                 float w[NM][8];
 #pragma unroll
                 for (int m = 0; m < NM; m++) dequant_word(word_of(q[m][i], wi), e8m0(sb[m][i]), w[m]);
+                uint4 xv[T];
 #pragma unroll
-                for (int j = 0; j < MOE_TOKENS; j++) {
-                    if (j < live) {
-                        uint4 xv = *(const uint4 *)(in + x[j] + g * 32 + wi * 8);
+                for (int j = 0; j < T; j++) xv[j] = *(const uint4 *)(in + x[j] + g * 32 + wi * 8);
 #pragma unroll
-                        for (int m = 0; m < NM; m++) acc[m][j] = dot8(w[m], xv, acc[m][j]);
-                    }
-                }
-                // Keeps the compiler from hoisting every pair's input loads of the chunk at once (register spills).
-                asm volatile("" ::: "memory");
+                for (int j = 0; j < T; j++)
+#pragma unroll
+                    for (int m = 0; m < NM; m++) acc[m][j] = dot8(w[m], xv[j], acc[m][j]);
+                // With many pairs, keeps the compiler from hoisting every word's input loads at once (spills).
+                if (T > 2) asm volatile("" ::: "memory");
             }
         }
     }
 }
 
+// The butterfly sums of acc[m][0..T) over the warp; lane j < T returns pair j's sums in out[m].
+template <int NM, int T>
+__device__ __forceinline__ void lane_sums(float acc[NM][T], int lane, float out[NM]) {
+#pragma unroll
+    for (int j = 0; j < T; j++)
+#pragma unroll
+        for (int m = 0; m < NM; m++) {
+            float v = warp_sum(acc[m][j]);
+            if (lane == j) out[m] = v;
+        }
+}
+
+// Gate/up + SiTU of pairs[0..T) for one row (see moe_gate_up).
+template <int T>
+__device__ __forceinline__ void gate_up_pass(const u8 *const packed[2], const u8 *const scales[2], int lane,
+                                             int groups, const __nv_bfloat16 *z, const int *pairs, int k, int D,
+                                             __nv_bfloat16 *a, int I, int row, float beta, float lbeta) {
+    float acc[2][T], sums[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < T; j++) acc[0][j] = acc[1][j] = 0.0f;
+    rows_pass<2, T>(packed, scales, lane, groups, z, pairs, k, D, acc);
+    lane_sums<2, T>(acc, lane, sums);
+    if (lane < T) {
+        float g = bf_round(sums[0]), u = bf_round(sums[1]);
+        a[(long)pairs[lane] * I + row] =
+            __float2bfloat16_rn((beta * tanhf(g / beta) * sigmoidf_(g)) * (lbeta * tanhf(u / lbeta)));
+    }
+}
+
 // Gate/up + SiTU per active expert: a[p, r] = bf(SiTU(bf(w1_e[r] z_t), bf(w3_e[r] z_t))) for every pair p = t k + j
-// of expert e. grid = (min(n k, E), ceil(I / warps)), blockDim 256; one warp per output row r: its w1 and w3 codes
-// come from HBM once, for the first MOE_TOKENS pairs (later passes find them in the caches).
+// of expert e. grid = (min(n k, E), ceil(I / warps)), blockDim 256; one warp per output row r. The expert's pairs
+// go in passes of 8 while 8 remain, then one of 4, 2 and 1 as needed: the row's w1 and w3 codes come from HBM
+// for the first pass (later passes find them in the caches), and no pass computes for absent pairs.
 // z: [n, D]; w1/w3 packed [E, I, D/2], scales [E, I, D/32]; a: [n k, I].
 extern "C" __global__ void __launch_bounds__(256, 2)
     moe_gate_up(const __nv_bfloat16 *z, const u8 *w1p, const u8 *w1s, const u8 *w3p, const u8 *w3s, const int *group,
@@ -252,36 +311,32 @@ extern "C" __global__ void __launch_bounds__(256, 2)
     int row = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= I) return;
     long e = group[1 + slot];
-    int first = group[1 + E + slot], end = group[2 + E + slot], groups = D / 32;
+    int p = group[1 + E + slot], end = group[2 + E + slot], groups = D / 32;
     long r = e * I + row;
     const u8 *packed[2] = {w1p + r * (D / 2), w3p + r * (D / 2)}, *scales[2] = {w1s + r * groups, w3s + r * groups};
-    for (int base = first; base < end; base += MOE_TOKENS) {
-        int live = min(MOE_TOKENS, end - base), x[MOE_TOKENS];
-        float acc[2][MOE_TOKENS];
-#pragma unroll
-        for (int j = 0; j < MOE_TOKENS; j++) {
-            x[j] = (pairs[base + min(j, live - 1)] / k) * D;
-            acc[0][j] = 0.0f;
-            acc[1][j] = 0.0f;
-        }
-        rows_pass<2>(packed, scales, lane, groups, z, x, live, acc);
-        // Lane j keeps pair j's sums.
-        float gv = 0.0f, uv = 0.0f;
-#pragma unroll
-        for (int j = 0; j < MOE_TOKENS; j++) {
-            if (j < live) {
-                float gs = warp_sum(acc[0][j]), us = warp_sum(acc[1][j]);
-                if (lane == j) { gv = bf_round(gs); uv = bf_round(us); }
-            }
-        }
-        if (lane < live)
-            a[(long)pairs[base + lane] * I + row] =
-                __float2bfloat16_rn((beta * tanhf(gv / beta) * sigmoidf_(gv)) * (lbeta * tanhf(uv / lbeta)));
-    }
+#define GATE_UP_PASS(T) gate_up_pass<T>(packed, scales, lane, groups, z, pairs + p, k, D, a, I, row, beta, lbeta)
+    for (; end - p >= 8; p += 8) GATE_UP_PASS(8);
+    if (end - p >= 4) { GATE_UP_PASS(4); p += 4; }
+    if (end - p >= 2) { GATE_UP_PASS(2); p += 2; }
+    if (end - p >= 1) GATE_UP_PASS(1);
+#undef GATE_UP_PASS
 }
 
-// Down projection per active expert: y[p, c] = bf(w2_e[c] a[p]) for every pair p of expert e.
-// grid = (min(n k, E), ceil(D / warps)), blockDim 256; one warp per output channel c.
+// Down projection of pairs[0..T) for one output channel (see moe_down).
+template <int T>
+__device__ __forceinline__ void down_pass(const u8 *const packed[1], const u8 *const scales[1], int lane, int groups,
+                                          const __nv_bfloat16 *a, const int *pairs, int I, __nv_bfloat16 *y, int D,
+                                          int c) {
+    float acc[1][T], sums[1] = {0.0f};
+#pragma unroll
+    for (int j = 0; j < T; j++) acc[0][j] = 0.0f;
+    rows_pass<1, T>(packed, scales, lane, groups, a, pairs, 1, I, acc);
+    lane_sums<1, T>(acc, lane, sums);
+    if (lane < T) y[(long)pairs[lane] * D + c] = __float2bfloat16_rn(sums[0]);
+}
+
+// Down projection per active expert: y[p, c] = bf(w2_e[c] a[p]) for every pair p of expert e, in passes as
+// moe_gate_up. grid = (min(n k, E), ceil(D / warps)), blockDim 256; one warp per output channel c.
 // a: [n k, I]; w2 packed [E, D, I/2], scales [E, D, I/32]; y: [n k, D].
 extern "C" __global__ void __launch_bounds__(256)
     moe_down(const __nv_bfloat16 *a, const u8 *w2p, const u8 *w2s, const int *group, const int *pairs,
@@ -291,28 +346,15 @@ extern "C" __global__ void __launch_bounds__(256)
     int c = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (c >= D) return;
     long e = group[1 + slot];
-    int first = group[1 + E + slot], end = group[2 + E + slot], groups = I / 32;
+    int p = group[1 + E + slot], end = group[2 + E + slot], groups = I / 32;
     long r = e * D + c;
     const u8 *packed[1] = {w2p + r * (I / 2)}, *scales[1] = {w2s + r * groups};
-    for (int base = first; base < end; base += MOE_TOKENS) {
-        int live = min(MOE_TOKENS, end - base), x[MOE_TOKENS];
-        float acc[1][MOE_TOKENS];
-#pragma unroll
-        for (int j = 0; j < MOE_TOKENS; j++) {
-            x[j] = pairs[base + min(j, live - 1)] * I;
-            acc[0][j] = 0.0f;
-        }
-        rows_pass<1>(packed, scales, lane, groups, a, x, live, acc);
-        float v = 0.0f;  // lane j keeps pair j's sum
-#pragma unroll
-        for (int j = 0; j < MOE_TOKENS; j++) {
-            if (j < live) {
-                float sum = warp_sum(acc[0][j]);
-                if (lane == j) v = sum;
-            }
-        }
-        if (lane < live) y[(long)pairs[base + lane] * D + c] = __float2bfloat16_rn(v);
-    }
+#define DOWN_PASS(T) down_pass<T>(packed, scales, lane, groups, a, pairs + p, I, y, D, c)
+    for (; end - p >= 8; p += 8) DOWN_PASS(8);
+    if (end - p >= 4) { DOWN_PASS(4); p += 4; }
+    if (end - p >= 2) { DOWN_PASS(2); p += 2; }
+    if (end - p >= 1) DOWN_PASS(1);
+#undef DOWN_PASS
 }
 
 // Sum of `v` over the block (blockDim.x a multiple of 32); every thread gets the total. The same reduction
@@ -331,15 +373,19 @@ __device__ float block_sum(float v) {
 
 // The weighted combine in slot order (ascending experts) and the routed RMSNorm, per token:
 // c = bf(sum_j wts[t, j] y[t k + j]); out[t] = bf(w * bf(c * rsqrt(mean(c^2) + eps))).
-// grid = n tokens, blockDim 256; dynamic shared memory D floats. y: [n k, D]; wts: [n, k]; out: [n, D].
+// grid = n tokens, blockDim 512; dynamic shared memory D + k floats. y: [n k, D]; wts: [n, k]; out: [n, D].
 extern "C" __global__ void moe_combine_norm(const __nv_bfloat16 *y, const float *wts, const __nv_bfloat16 *w,
                                             __nv_bfloat16 *out, int k, int D, float eps) {
     extern __shared__ float combined[];
+    float *wt = combined + D;
     long t = blockIdx.x;
+    for (int j = threadIdx.x; j < k; j += blockDim.x) wt[j] = wts[t * k + j];
+    __syncthreads();
     float ss = 0.0f;
     for (int c = threadIdx.x; c < D; c += blockDim.x) {
         float acc = 0.0f;
-        for (int j = 0; j < k; j++) acc += ld(y, (t * k + j) * D + c) * wts[t * k + j];
+#pragma unroll 16
+        for (int j = 0; j < k; j++) acc += ld(y, (t * k + j) * D + c) * wt[j];
         float v = bf_round(acc);
         combined[c] = v;
         ss += v * v;

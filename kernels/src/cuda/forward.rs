@@ -506,9 +506,9 @@ impl DeviceModel {
     ) -> Result<CudaSlice<bf16>> {
         let c = &self.cfg.moe;
         let (e, k, latent, inter) = (c.num_experts, c.top_k, c.latent_dim, c.expert_dim);
-        let idx = gpu.zeros::<i32>(n * k)?;
-        let wts = gpu.zeros::<f32>(n * k)?;
-        let margin = gpu.zeros::<f32>(n)?;
+        let idx = gpu.uninit::<i32>(n * k)?; // [n, k], written in full by the router
+        let wts = gpu.uninit::<f32>(n * k)?;
+        let margin = gpu.uninit::<f32>(n)?;
         gpu.moe_route(
             hn,
             gpu.ptr(&w.router.w),
@@ -535,13 +535,14 @@ impl DeviceModel {
                     .collect(),
             );
         }
-        // Group the pairs by expert on the device, so each expert's weights are read once for its tokens.
-        let group = gpu.zeros::<i32>(moe_group_len(e))?;
-        let pairs = gpu.zeros::<i32>(n * k)?; // [n k], grouped by expert
+        // Group the pairs by expert on the device, so each expert's weights are read once for its tokens. The
+        // grouping and expert buffers are written in full by their kernels (no memsets).
+        let group = gpu.uninit::<i32>(moe_group_len(e))?;
+        let pairs = gpu.uninit::<i32>(n * k)?; // [n k], grouped by expert
         gpu.moe_group(gpu.ptr(&idx), n, k, e, gpu.ptr(&group), gpu.ptr(&pairs))?;
         let grouping = (gpu.ptr(&group), gpu.ptr(&pairs));
         let z = self.linear(gpu, &w.down, hn, n)?; // [n, latent]
-        let act = gpu.zeros::<bf16>(n * k * inter)?; // [n k, inter]
+        let act = gpu.uninit::<bf16>(n * k * inter)?; // [n k, inter]
         let pair = |x: &crate::cuda::weights::DevExperts| (gpu.ptr(&x.packed), gpu.ptr(&x.scales));
         gpu.moe_gate_up(
             gpu.ptr(&z),
@@ -557,9 +558,9 @@ impl DeviceModel {
             self.cfg.situ_beta,
             self.cfg.situ_linear_beta,
         )?;
-        let expert_out = gpu.zeros::<bf16>(n * k * latent)?; // [n k, latent]
+        let expert_out = gpu.uninit::<bf16>(n * k * latent)?; // [n k, latent]
         gpu.moe_down(gpu.ptr(&act), pair(&w.w2), grouping, gpu.ptr(&expert_out), n, k, e, latent, inter)?;
-        let normed = gpu.zeros::<bf16>(n * latent)?; // [n, latent]
+        let normed = gpu.uninit::<bf16>(n * latent)?; // [n, latent]
         gpu.moe_combine_norm(
             gpu.ptr(&expert_out),
             gpu.ptr(&wts),

@@ -275,6 +275,13 @@ impl Gpu {
         self.stream.alloc_zeros::<T>(n.max(1)).map_err(|e| device_err(&format!("allocating {n} elements"), e))
     }
 
+    /// A device buffer of `n` elements (at least one) left uninitialised: only for outputs that a kernel writes
+    /// in full before anything reads them (it saves the memset of [`Gpu::zeros`]).
+    pub fn uninit<T: DeviceRepr>(&self, n: usize) -> Result<CudaSlice<T>> {
+        // SAFETY: plain device memory; the caller's contract (above) keeps uninitialised values from being read.
+        unsafe { self.stream.alloc::<T>(n.max(1)) }.map_err(|e| device_err(&format!("allocating {n} elements"), e))
+    }
+
     pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
         if host.is_empty() {
             // SAFETY: a one-element allocation that nothing reads.
@@ -659,7 +666,7 @@ impl Gpu {
         renormalize: bool,
         scale: f32,
     ) -> Result<()> {
-        let logits = self.zeros::<f32>(n * experts)?; // [n, E]
+        let logits = self.uninit::<f32>(n * experts)?; // [n, E], written in full by moe_router_logits
         let logits_ptr = self.ptr(&logits);
         let cfg = LaunchConfig {
             grid_dim: (experts.div_ceil(8) as u32, n as u32, 1),
@@ -766,8 +773,11 @@ impl Gpu {
         latent: usize,
         eps: f32,
     ) -> Result<()> {
-        let cfg =
-            LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: (latent * 4) as u32 };
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (512, 1, 1),
+            shared_mem_bytes: ((latent + k) * 4) as u32,
+        };
         if cfg.shared_mem_bytes > 48 * 1024 {
             return Err(KernelError::InvalidInput(format!("a routed norm over {latent} values is not supported")));
         }

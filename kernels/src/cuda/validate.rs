@@ -6,7 +6,8 @@
 //!    the residual add and RMSNorm), SiTU, the linear layers (both
 //!    GEMMs), a KDA layer (projections, conv, recurrence, gated norm, o_proj; output and state over
 //!    two consecutive windows), an MLA layer (two windows over the latent cache) and the latent MoE
-//!    (router decisions compared separately). Tolerances are relative L2 errors sized for one bf16
+//!    (router decisions compared separately), the MoE also over batches of 1, 3, 16 and 64 tokens (idle experts,
+//!    shared experts, several passes per expert) with each token bit-identical across those batches. Tolerances are relative L2 errors sized for one bf16
 //!    rounding step (2^-8) per output, since the two sides differ only in fp32 summation order.
 //! 2. The whole model teacher-forced (every position sees the same input tokens), per GEMM: logits
 //!    relative L2 per position, greedy argmax agreement, and the router flip rate with the first flip's
