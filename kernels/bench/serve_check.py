@@ -1,4 +1,5 @@
-"""Drives a running `sparkd serve` once: one streaming chat completion over SSE, then a two-turn
+"""Drives a running `sparkd serve` once: a greedy and a sampled (temperature, top-p, log-probabilities) streaming
+chat completion over SSE, then a two-turn
 WebSocket Responses session (the second turn continues the first by previous_response_id).
 Prints one JSON object with what came back and how long it took (time to first token, tokens/s).
 
@@ -13,12 +14,13 @@ import time
 import aiohttp
 
 
-async def chat_stream(session, base, model, max_tokens):
+async def chat_stream(session, base, model, max_tokens, sampling=None):
     body = {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0,
             "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": "Write a haiku about GPUs."}]}
+    body.update(sampling or {})
     t0 = time.perf_counter()
-    first, chunks, text, usage = None, 0, "", None
+    first, chunks, text, usage, logprobs = None, 0, "", None, 0
     async with session.post(f"{base}/v1/chat/completions", json=body) as r:
         status = r.status
         async for raw in r.content:
@@ -32,6 +34,7 @@ async def chat_stream(session, base, model, max_tokens):
             if ev.get("usage"):
                 usage = ev["usage"]
             for ch in ev.get("choices", []):
+                logprobs += len((ch.get("logprobs") or {}).get("content") or [])
                 delta = ch.get("delta", {}).get("content") or ""
                 if delta:
                     first = first or time.perf_counter()
@@ -40,7 +43,7 @@ async def chat_stream(session, base, model, max_tokens):
     t1 = time.perf_counter()
     out_tokens = (usage or {}).get("completion_tokens", chunks)
     return {"status": status, "ttft_s": (first - t0) if first else None, "total_s": t1 - t0, "chunks": chunks,
-            "usage": usage, "text": text[:200],
+            "usage": usage, "text": text[:200], "logprob_entries": logprobs,
             "decode_tokens_per_s": (out_tokens - 1) / (t1 - first) if first and out_tokens > 1 and t1 > first else None}
 
 
@@ -77,6 +80,9 @@ async def main():
         model = models["data"][0]["id"]
         report["model"] = model
         report["chat_stream"] = await chat_stream(s, args.base, model, args.max_tokens)
+        report["chat_stream_sampled"] = await chat_stream(
+            s, args.base, model, args.max_tokens,
+            {"temperature": 0.8, "top_p": 0.9, "seed": 7, "logprobs": True, "top_logprobs": 3})
         async with s.ws_connect(f"{args.base.replace('http', 'ws', 1)}/v1/responses") as ws:
             t1 = await ws_turn(ws, {"type": "response.create", "stream_id": "main", "model": model,
                                     "instructions": "You are a coding agent.", "input": "List the files.",
