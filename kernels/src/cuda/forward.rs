@@ -152,7 +152,7 @@ impl DeviceState {
 }
 
 /// Grows an MLA cache to hold at least `tokens` entries (doubling), keeping its contents.
-fn reserve(gpu: &Gpu, m: &mut DeviceMla, tokens: usize, ld: usize) -> Result<()> {
+pub(crate) fn reserve(gpu: &Gpu, m: &mut DeviceMla, tokens: usize, ld: usize) -> Result<()> {
     if tokens <= m.capacity {
         return Ok(());
     }
@@ -225,6 +225,9 @@ pub struct DeviceOutput {
     /// Per row: `(first logits row, number of rows)`.
     pub rows: Vec<(usize, usize)>,
     pub undo: Vec<Option<DeviceUndo>>,
+    /// `[taps, tokens, d]` bf16: the hidden states of the tapped layers (see [`DeviceModel::forward_tapped`])
+    /// at every token, tokens in row order; `None` when no layer was tapped.
+    pub taps: Option<CudaSlice<bf16>>,
 }
 
 /// The model on the device.
@@ -266,10 +269,29 @@ impl DeviceModel {
         &self,
         gpu: &Gpu,
         rows: &mut [DeviceRow<'_>],
+        trace: Option<&mut Vec<Vec<Routing<f32>>>>,
+    ) -> Result<DeviceOutput> {
+        self.forward_tapped(gpu, rows, trace, &[])
+    }
+
+    /// [`Self::forward`], also keeping the hidden state of every layer in `tap_layers` (ascending, never
+    /// the last layer) at every token, as `cpu::Probe::tap_layers` defines it: the pre-attention
+    /// AttnRes read of layer `l + 1`, before its input norm (the DSpark drafter's context features).
+    pub fn forward_tapped(
+        &self,
+        gpu: &Gpu,
+        rows: &mut [DeviceRow<'_>],
         mut trace: Option<&mut Vec<Vec<Routing<f32>>>>,
+        tap_layers: &[usize],
     ) -> Result<DeviceOutput> {
         let cfg = &self.cfg;
         let d = cfg.hidden_size;
+        if let Some(bad) = tap_layers.iter().find(|l| **l + 1 >= cfg.num_layers()) {
+            return Err(KernelError::InvalidInput(format!(
+                "tap layer {bad} is not below the last of the model's {} layers",
+                cfg.num_layers()
+            )));
+        }
         let mut offsets = vec![0usize];
         for r in rows.iter() {
             if r.tokens.is_empty() {
@@ -299,6 +321,7 @@ impl DeviceModel {
         // [n, d] each: the AttnRes read and its normalised form.
         let (h_buf, hn_buf) = (gpu.zeros::<bf16>(n * d)?, gpu.zeros::<bf16>(n * d)?);
         let (h, hn) = (gpu.ptr(&h_buf), gpu.ptr(&hn_buf));
+        let taps = if tap_layers.is_empty() { None } else { Some(gpu.zeros::<bf16>(tap_layers.len() * n * d)?) };
         let mut sealed = 0usize;
         let mut undo_kda: Vec<Vec<KdaUndo>> = rows.iter().map(|_| Vec::new()).collect();
         let (mut kda_idx, mut mla_idx) = (0usize, 0usize);
@@ -313,6 +336,11 @@ impl DeviceModel {
             } else {
                 gpu.attn_res_read(gpu.ptr(&res), slot, sealed + 1, gpu.ptr(&lw.attn_res), h, n, d, eps)?;
                 self.norm_rows(gpu, &lw.input_norm, h, hn, n, d)?;
+            }
+            let tap = l.checked_sub(1).and_then(|prev| tap_layers.iter().position(|t| *t == prev));
+            if let (Some(i), Some(taps)) = (tap, &taps) {
+                let read = if sealed == 0 { res_at(0) } else { h };
+                gpu.copy::<bf16>(gpu.ptr(taps) + (i * n * d * 2) as u64, read, n * d)?;
             }
             let live_fresh = cfg.seals_before(l);
             if live_fresh {
@@ -391,7 +419,7 @@ impl DeviceModel {
             undo.push(row.snapshots_from.map(|from| DeviceUndo { start_len: row.state.len, from, window_len: t, kda }));
             row.state.len += t;
         }
-        Ok(DeviceOutput { logits, rows: out_rows, undo })
+        Ok(DeviceOutput { logits, rows: out_rows, undo, taps })
     }
 
     #[allow(clippy::too_many_arguments)]

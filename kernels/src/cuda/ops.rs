@@ -163,7 +163,7 @@ impl Gpu {
         })
     }
 
-    fn count_launch(&self) {
+    pub(crate) fn count_launch(&self) {
         self.counters.launches.fetch_add(1, Ordering::Relaxed);
     }
 

@@ -15,6 +15,10 @@
 //!   issue; this keeps one implementation of the rule until then.)
 //! - Commit and rollback happen on the device: the KDA states and conv windows saved after the last
 //!   accepted token are copied back, and the MLA length moves back.
+//! - With a DSpark drafter attached ([`CudaRunner::attach_drafter`]), the forward taps the layers the
+//!   drafter reads and each row's drafter context grows by the taps of exactly the tokens the step
+//!   commits (`cuda::drafter_slot`). A selected sampled proposal's `q` is copied to the host for
+//!   `acceptance::verify`, like the target logits of sampled rows.
 
 use std::collections::HashMap;
 
@@ -23,11 +27,14 @@ use half::bf16;
 use crate::acceptance::{self, AcceptanceMode, VerifyWindow};
 use crate::config::ModelConfig;
 use crate::cpu::moe::Routing;
+use crate::cuda::drafter::DeviceDrafter;
+use crate::cuda::drafter_slot::DeviceDrafterSlot;
 use crate::cuda::forward::{DeviceModel, DeviceRow, DeviceState};
 use crate::cuda::ops::{Gemm, Gpu};
 use crate::cuda::weights::DevWeights;
+use crate::dspark::DrafterConfig;
 use crate::error::{KernelError, Result};
-use crate::runner::{RowInput, RowOutput, Runner, StateId, TokenId};
+use crate::runner::{DraftProposal, DraftRequest, RowInput, RowOutput, Runner, StateId, TokenId};
 use crate::state::SeqState;
 use crate::tensor::WeightSource;
 
@@ -52,6 +59,8 @@ pub struct CudaRunner {
     states: HashMap<StateId, DeviceState>,
     next_id: u64,
     acceptance: AcceptanceMode,
+    /// The attached DSpark drafter, if any.
+    drafter: Option<DeviceDrafterSlot>,
 }
 
 impl CudaRunner {
@@ -77,7 +86,27 @@ impl CudaRunner {
             states: HashMap::new(),
             next_id: 1,
             acceptance: AcceptanceMode::Standard,
+            drafter: None,
         })
+    }
+
+    /// Uploads the DSpark drafter `cfg` from `source` and attaches it (the target's embedding and
+    /// lm_head are shared). States that already exist get an empty drafter context starting at their
+    /// current length, as on the CPU.
+    pub fn attach_drafter(&mut self, cfg: DrafterConfig, source: &dyn WeightSource) -> Result<()> {
+        cfg.check_against(&self.model.cfg)?;
+        let mut slot = DeviceDrafterSlot::new(DeviceDrafter::load(&self.gpu, cfg, source)?);
+        for (id, state) in &self.states {
+            slot.add_state(&self.gpu, *id, state.len)?;
+        }
+        self.gpu.synchronize()?;
+        self.drafter = Some(slot);
+        Ok(())
+    }
+
+    /// The attached drafter and its per-sequence device contexts.
+    pub fn drafter(&self) -> Option<&DeviceDrafterSlot> {
+        self.drafter.as_ref()
     }
 
     /// Switches between the lossless acceptance rule and forced acceptance (benchmarks only).
@@ -119,11 +148,14 @@ impl CudaRunner {
         result
     }
 
-    fn insert(&mut self, state: DeviceState) -> StateId {
+    fn insert(&mut self, state: DeviceState) -> Result<StateId> {
         let id = StateId(self.next_id);
         self.next_id += 1;
+        if let Some(d) = &mut self.drafter {
+            d.add_state(&self.gpu, id, state.len)?;
+        }
         self.states.insert(id, state);
-        id
+        Ok(id)
     }
 
     fn state(&self, id: StateId) -> Result<&DeviceState> {
@@ -131,12 +163,18 @@ impl CudaRunner {
     }
 
     fn validate(&self, rows: &[RowInput]) -> Result<()> {
-        crate::runner::check_rows(rows, self.model.cfg.vocab_size, |id| self.state(id).is_ok())
+        crate::runner::check_rows(rows, self.model.cfg.vocab_size, |id| self.state(id).is_ok())?;
+        if let Some(d) = &self.drafter {
+            for row in rows {
+                d.check_row(row, self.state(row.state)?.len)?;
+            }
+        }
+        Ok(())
     }
 
     /// Runs the forward and the acceptance rule over states taken out of the map.
     fn run(
-        &self,
+        &mut self,
         rows: &[RowInput],
         states: &mut [DeviceState],
         trace: Option<&mut Vec<Vec<Routing<f32>>>>,
@@ -156,8 +194,13 @@ impl CudaRunner {
             })
             .collect();
         let start_lens: Vec<usize> = windows.iter().map(|w| w.state.len).collect();
-        let out = self.model.forward(gpu, &mut windows, trace)?;
+        let tap_layers = self.drafter.as_ref().map(|d| d.tap_layers().to_vec()).unwrap_or_default();
+        let mut out = self.model.forward_tapped(gpu, &mut windows, trace, &tap_layers)?;
         drop(windows);
+        let taps = out.taps.take();
+        // (state, first token of the row in the step, tokens committed): the drafter context's growth.
+        let mut commits = Vec::with_capacity(rows.len());
+        let mut row_start = 0usize;
         let total_rows: usize = out.rows.iter().map(|r| r.1).sum();
         let on_device =
             |row: &RowInput| row.sample.as_ref().is_some_and(|s| s.params.is_greedy() && s.params.logprobs.is_none());
@@ -173,11 +216,21 @@ impl CudaRunner {
         for (((row, (first, count)), undo), (state, start)) in
             rows.iter().zip(out.rows).zip(out.undo).zip(states.iter_mut().zip(&start_lens))
         {
+            let t = row.tokens.len();
+            let first_token = row_start;
+            row_start += t;
             let Some(sample) = &row.sample else {
+                if let Some(d) = &mut self.drafter {
+                    d.take_selected(gpu, row.state, 0)?;
+                }
+                commits.push((row.state, first_token, t));
                 results.push(RowOutput::default());
                 continue;
             };
-            let t = row.tokens.len();
+            let draft_q = match &mut self.drafter {
+                Some(d) => d.take_selected(gpu, row.state, sample.draft_len)?,
+                None => None,
+            };
             let drafts = &row.tokens[t - sample.draft_len..];
             let (tokens, logprobs) = if on_device(row) {
                 let argmax = &argmax[first..first + count];
@@ -207,7 +260,7 @@ impl CudaRunner {
                     target_logits: &target,
                     vocab,
                     drafts,
-                    draft_logits: None,
+                    draft_logits: draft_q.as_deref(),
                     first_position: (start + t - sample.draft_len) as u64,
                 };
                 let verdict = acceptance::verify(&window, &sample.params, &self.acceptance)?;
@@ -217,7 +270,11 @@ impl CudaRunner {
             if let Some(undo) = undo {
                 undo.commit(gpu, cfg, state, t - sample.draft_len + num_accepted)?;
             }
+            commits.push((row.state, first_token, t - sample.draft_len + num_accepted));
             results.push(RowOutput { tokens, num_accepted, logprobs });
+        }
+        if let (Some(d), Some(taps)) = (&mut self.drafter, &taps) {
+            d.commit(gpu, taps, row_start, &commits)?;
         }
         gpu.synchronize()?;
         Ok(results)
@@ -249,15 +306,22 @@ impl Runner for CudaRunner {
 
     fn alloc_state(&mut self) -> Result<StateId> {
         let state = DeviceState::new(&self.gpu, &self.model.cfg)?;
-        Ok(self.insert(state))
+        self.insert(state)
     }
 
     fn fork_state(&mut self, src: StateId) -> Result<StateId> {
         let copy = self.state(src)?.duplicate(&self.gpu, &self.model.cfg)?;
-        Ok(self.insert(copy))
+        let id = self.insert(copy)?;
+        if let Some(d) = &mut self.drafter {
+            d.fork_state(&self.gpu, src, id)?;
+        }
+        Ok(id)
     }
 
     fn free_state(&mut self, id: StateId) -> Result<()> {
+        if let Some(d) = &mut self.drafter {
+            d.remove_state(id);
+        }
         self.states.remove(&id).map(|_| ()).ok_or(KernelError::UnknownState(id.0))
     }
 
@@ -266,7 +330,8 @@ impl Runner for CudaRunner {
     }
 
     fn state_bytes(&self, id: StateId) -> Result<usize> {
-        Ok(self.state(id)?.bytes(&self.model.cfg))
+        let drafter = self.drafter.as_ref().map_or(0, |d| d.state_bytes(id));
+        Ok(self.state(id)?.bytes(&self.model.cfg) + drafter)
     }
 
     fn export_state(&self, id: StateId) -> Result<SeqState> {
@@ -276,11 +341,28 @@ impl Runner for CudaRunner {
     fn import_state(&mut self, state: SeqState) -> Result<StateId> {
         state.check_fits(&self.model.cfg)?;
         let dev = DeviceState::import(&self.gpu, &self.model.cfg, &state)?;
-        Ok(self.insert(dev))
+        self.insert(dev)
     }
 
     fn step(&mut self, rows: &[RowInput]) -> Result<Vec<RowOutput>> {
         self.step_with_trace(rows, None)
+    }
+
+    fn drafter_block_size(&self) -> Option<usize> {
+        self.drafter.as_ref().map(|d| d.model().config().block_size)
+    }
+
+    fn draft(&mut self, rows: &[DraftRequest]) -> Result<Vec<DraftProposal>> {
+        let slot = self.drafter.as_mut().ok_or_else(crate::runner::no_drafter)?;
+        let states = &self.states;
+        let state_len = |id: StateId| states.get(&id).map(|s| s.len).ok_or(KernelError::UnknownState(id.0));
+        let proposals = slot.draft(&self.gpu, &self.model, state_len, rows)?;
+        self.gpu.synchronize()?;
+        Ok(proposals)
+    }
+
+    fn select_proposal(&mut self, state: StateId) -> Result<()> {
+        self.drafter.as_mut().ok_or_else(crate::runner::no_drafter)?.select(state)
     }
 }
 
