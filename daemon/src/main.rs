@@ -170,7 +170,7 @@ fn build_runner(args: &ServeArgs, spec: &SpecConfig, synthetic: &str) -> Result<
                 Some(c) => CudaRunner::new(0, cfg.clone(), c)?,
                 None => CudaRunner::new(0, cfg.clone(), &SyntheticWeights::new(cfg.clone(), BUILTIN_SEED))?,
             };
-            spec.prepare_cuda_runner(&mut runner)?;
+            spec.prepare_cuda_runner(&mut runner, args.model.as_deref(), synthetic)?;
             Box::new(runner)
         }
         (Device::Null, _) => {
