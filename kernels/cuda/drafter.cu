@@ -136,7 +136,8 @@ extern "C" __global__ void mla_attend_block(const __nv_bfloat16 *q, const __nv_b
 }
 
 // Markov step k of every row (dspark.md §1.2, §2.1), one warp per vocabulary entry:
-//   e = W1[x_{k-1}] (x_0 = the anchor), logits[t, v] = U[t, v] + bf(W2[v] . e) (fp32),
+//   e = W1[x_{k-1}] (x_0 = the anchor), logits[t, v] = U[t, v] + bf(W2[v] . e) (fp32), or -inf where
+//   the token mask (bit v % 32 of word v / 32 set: allowed; null: all allowed) forbids v,
 //   conf[t] = sigmoid(w[:d] . h_t + w[d:] . e + b) (computed by block x = 0),
 // with t = base[row] + k the row's block position k. Rows with count[row] <= k are skipped.
 // U: [N, V] bf16; hidden: [N, d]; w1, w2: [V, r]; cw: [d + r]; tokens: [R, stride] (column 0 = the
@@ -144,7 +145,7 @@ extern "C" __global__ void mla_attend_block(const __nv_bfloat16 *q, const __nv_b
 extern "C" __global__ void markov_step(int k, const __nv_bfloat16 *U, const __nv_bfloat16 *hidden,
                                        const __nv_bfloat16 *w1, const __nv_bfloat16 *w2, const __nv_bfloat16 *cw,
                                        float cb, const int *base, const int *count, const u32 *tokens, int stride,
-                                       float *logits, float *conf, int V, int r, int d) {
+                                       const u32 *mask, float *logits, float *conf, int V, int r, int d) {
     int row = blockIdx.y;
     if (k >= count[row]) return;
     long t = base[row] + k;
@@ -156,7 +157,8 @@ extern "C" __global__ void markov_step(int k, const __nv_bfloat16 *U, const __nv
         float acc = 0.0f;
         for (int c = lane; c < r; c += 32) acc += ld(wr, c) * ld(e, c);
         for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        if (lane == 0) logits[t * V + v] = ld(U, t * V + v) + bf_round(acc);
+        bool allowed = mask == 0 || ((mask[v >> 5] >> (v & 31)) & 1u);
+        if (lane == 0) logits[t * V + v] = allowed ? ld(U, t * V + v) + bf_round(acc) : -INF_F;
     }
     if (blockIdx.x == 0) {
         const __nv_bfloat16 *h = hidden + t * d;

@@ -2,8 +2,8 @@
 //! `dspark_runner.rs` uses on the CPU): the device drafter against the CPU drafter on identical taps
 //! (contexts within bf16 rounding, greedy drafts equal except on stated near-ties, confidences within
 //! a bf16 tolerance), a drafter context that follows commit, rollback, forks and imports, greedy
-//! losslessness with model drafts, sampled drafts verified with `q`, and the errors of the drafter
-//! API. On a machine without a CUDA driver every test says plainly that it skipped.
+//! losslessness with model drafts, sampled drafts verified with the device `q`, drafts inside the
+//! token mask, and the errors of the drafter API. On a machine without a CUDA driver every test says plainly that it skipped.
 //!
 //! `cuda_draft_cost` is a measurement (`-- --ignored --nocapture`; `SPARKD_DRAFT_BENCH_MINI=1` adds
 //! k3-mini): the time of one batched draft call at γ = 7 for batch 1 and 8.
@@ -16,7 +16,7 @@ use sparkd_kernels::cuda::device::driver_present;
 use sparkd_kernels::cuda::drafter::{BlockRow, DrafterContext};
 use sparkd_kernels::cuda::CudaRunner;
 use sparkd_kernels::dspark::{DrafterConfig, DrafterModel, DrafterState, SyntheticDrafterWeights};
-use sparkd_kernels::runner::{DraftRequest, RowInput, RowOutput, SampleRequest, SamplingParams};
+use sparkd_kernels::runner::{DraftRequest, RowInput, RowOutput, SampleRequest, SamplingParams, TokenMask};
 use sparkd_kernels::state::SeqState;
 use sparkd_kernels::synth::SyntheticWeights;
 use sparkd_kernels::{ModelConfig, Runner, StateId, TokenId};
@@ -173,7 +173,7 @@ fn cuda_drafter_matches_the_cpu_drafter_on_identical_taps() {
         .zip(&anchors)
         .map(|(context, anchor)| BlockRow { context, anchor: *anchor, num_drafts: gamma, params: &greedy })
         .collect();
-    let drafts = dev.draft(gpu, r.model(), &mut block).unwrap();
+    let drafts = dev.draft(gpu, r.model(), None, &mut block).unwrap();
     for (i, (cpu_ctx, anchor)) in cpu_states.iter().zip(&anchors).enumerate() {
         let want = cpu_drafter.draft(&cpu, cpu_ctx, *anchor, gamma, &greedy, None).unwrap();
         let (got, conf) = (&drafts.tokens[i], &drafts.confidences[i]);
@@ -334,7 +334,47 @@ fn cuda_sampled_drafts_are_reproducible_and_verified_with_q() {
     assert_eq!(once, r.draft(&[draft_req(s, p[7], 7, &params(1))]).unwrap());
     let others: Vec<_> = (2..6).map(|seed| r.draft(&[draft_req(s, p[7], 7, &params(seed))]).unwrap()).collect();
     assert!(others.iter().any(|o| o[0].tokens != once[0].tokens));
+    // The same drafts verified with the device q (selected) and one-hot (not selected) differ for some
+    // seed: q changes both the accept test and the residual distribution.
+    let mut differs = false;
+    for seed in 0..6 {
+        let mut verify = |select: bool| {
+            let f = r.fork_state(s).unwrap();
+            let proposal = r.draft(&[draft_req(f, p[7], 4, &params(seed))]).unwrap().remove(0);
+            if select {
+                r.select_proposal(f).unwrap();
+            }
+            let tokens: Vec<TokenId> = std::iter::once(p[7]).chain(proposal.tokens).collect();
+            let out = r.step(&[row(f, tokens, &params(seed), 4)]).unwrap().remove(0);
+            r.free_state(f).unwrap();
+            out
+        };
+        let with_q = verify(true);
+        assert_eq!(with_q, verify(true), "verification with q is reproducible");
+        differs |= with_q != verify(false);
+    }
+    assert!(differs, "q never changed a verdict");
     r.free_state(s).unwrap();
+}
+
+#[test]
+fn cuda_drafts_respect_the_token_mask() {
+    if skipped("the token mask of device drafts") {
+        return;
+    }
+    let cfg = ModelConfig::preset("k3-tiny").unwrap();
+    let mut r = CudaRunner::new(0, cfg.clone(), &SyntheticWeights::new(cfg.clone(), TARGET_SEED)).unwrap();
+    let dcfg = DrafterConfig::preset("k3-tiny").unwrap();
+    r.attach_drafter(dcfg.clone(), &SyntheticDrafterWeights::new(dcfg, DRAFTER_SEED)).unwrap();
+    r.set_token_mask(TokenMask::from_fn(cfg.vocab_size, |id| id % 3 == 0)).unwrap();
+    let s = r.alloc_state().unwrap();
+    let p = prompt(9, 60);
+    prefill(&mut r, s, &p[..8]);
+    let sampled = SamplingParams { temperature: 1.0, top_p: 1.0, top_k: 0, seed: 2, logprobs: None };
+    for params in [SamplingParams::greedy(), sampled] {
+        let proposal = r.draft(&[draft_req(s, p[8], 7, &params)]).unwrap().remove(0);
+        assert!(proposal.tokens.iter().all(|t| t % 3 == 0), "{:?}", proposal.tokens);
+    }
 }
 
 #[test]

@@ -16,9 +16,13 @@
 //!   and CPU drafters differ only by fp32 summation order (bf16 rounding flips, not wrong math).
 //! - A context's entries cover positions `start..len()` for every draft layer alike; a block forward
 //!   writes its block's latents past `len()` as scratch and never changes `len()`.
-//! - Sampled drafts (temperature > 0) copy each step's logits row to the host and sample with the CPU
-//!   code (`sampling::Distribution`, the draft stream `dspark::model::draft_uniform`), because the
-//!   next Markov step needs the sampled token; greedy drafts never leave the device until the end.
+//! - Ids the runner's token mask forbids get logit `-inf` in every `logits_k`, as on the CPU.
+//! - Sampled drafts (temperature > 0) copy each step's fp32 logits row to the host, sample it with the
+//!   CPU code (`sampling::Distribution`, the draft stream `dspark::model::draft_uniform`) and upload
+//!   the processed distribution as that draft's `q` (f32 probabilities, the layout
+//!   `cuda::sample::verify_rows` reads). `cuda::sample` reads bf16 logits, and rounding the fp32 Markov
+//!   logits to bf16 would change the distribution the CPU drafter defines; greedy drafts never leave
+//!   the device until the end.
 //! - All work runs on the runner's one stream (see `cuda::ops`).
 
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
@@ -29,7 +33,8 @@ use crate::config::MLA_NORM_EPS;
 use crate::cuda::compile::{Compiler, SOURCES};
 use crate::cuda::device::device_err;
 use crate::cuda::forward::{reserve, DeviceMla, DeviceModel};
-use crate::cuda::ops::{DPtr, Gpu};
+use crate::cuda::ops::{DPtr, Gpu, NULL};
+use crate::cuda::sample::DeviceTokenMask;
 use crate::cuda::weights::{DevLinear, DevMlp, DevNorm};
 use crate::dspark::config::{DrafterConfig, MAX_BLOCK};
 use crate::dspark::model::draft_uniform;
@@ -169,9 +174,9 @@ pub struct BlockDrafts {
     pub tokens: Vec<Vec<TokenId>>,
     /// Per row, `c_k` per draft.
     pub confidences: Vec<Vec<f32>>,
-    /// `[Σ num_drafts, V]` fp32: the logits `q_k` was built from (before temperature), rows in row
-    /// order; row `r`'s start at `first[r]`.
-    pub logits: CudaSlice<f32>,
+    /// `[Σ num_drafts, V]` f32, rows in row order (row `r`'s start at `first[r]`): the processed draft
+    /// distributions `q_k` of sampled rows; zeros for greedy rows.
+    pub q: CudaSlice<f32>,
     pub first: Vec<usize>,
 }
 
@@ -399,7 +404,13 @@ impl DeviceDrafter {
 
     /// One batched block forward and Markov loop for every row (greedy rows by device argmax, sampled
     /// rows on the host, see the module invariants). Row contexts are not changed (their scratch is).
-    pub fn draft(&self, gpu: &Gpu, target: &DeviceModel, rows: &mut [BlockRow<'_>]) -> Result<BlockDrafts> {
+    pub fn draft(
+        &self,
+        gpu: &Gpu,
+        target: &DeviceModel,
+        mask: Option<&DeviceTokenMask>,
+        rows: &mut [BlockRow<'_>],
+    ) -> Result<BlockDrafts> {
         let cfg = &self.cfg;
         let (d, vocab, r) = (cfg.hidden_size, cfg.vocab_size, cfg.markov_rank);
         let mla = cfg.mla();
@@ -427,7 +438,7 @@ impl DeviceDrafter {
         }
         let stride = rows.iter().map(|r| r.num_drafts).max().unwrap_or(0) + 1;
         if n == 0 {
-            return Ok(BlockDrafts { tokens: Vec::new(), confidences: Vec::new(), logits: gpu.zeros(0)?, first });
+            return Ok(BlockDrafts { tokens: Vec::new(), confidences: Vec::new(), q: gpu.zeros(0)?, first });
         }
         // [n] block tokens and positions, rows in order.
         let mut block_tokens = Vec::with_capacity(n);
@@ -507,7 +518,19 @@ impl DeviceDrafter {
         let base = gpu.upload(&to_i32(first.iter().copied())?)?;
         let count = gpu.upload(&to_i32(rows.iter().map(|r| r.num_drafts))?)?;
         let logits = gpu.zeros::<f32>(n * vocab)?; // [n, V]
+        let sampled = rows.iter().any(|r| !r.params.is_greedy());
+        let q = gpu.zeros::<f32>(if sampled { n * vocab } else { 0 })?; // [n, V] when any row samples
         let conf = gpu.zeros::<f32>(n)?;
+        let mask_ptr = match mask {
+            Some(m) if m.vocab() != vocab => {
+                return Err(KernelError::InvalidInput(format!(
+                    "a token mask over {} ids does not fit the drafter's vocabulary of {vocab}",
+                    m.vocab()
+                )))
+            }
+            Some(m) => m.ptr(gpu),
+            None => NULL,
+        };
         let (u_ptr, h_ptr, w1, w2, cw) = (
             gpu.ptr(&base_logits),
             gpu.ptr(&hidden),
@@ -530,7 +553,8 @@ impl DeviceDrafter {
             let k_ = k as i32;
             let mut b = gpu.stream.launch_builder(&self.kernels.markov_step);
             b.arg(&k_).arg(&u_ptr).arg(&h_ptr).arg(&w1).arg(&w2).arg(&cw).arg(&cb);
-            b.arg(&base_ptr).arg(&count_ptr).arg(&tok_ptr).arg(&stride_).arg(&logits_ptr).arg(&conf_ptr);
+            b.arg(&base_ptr).arg(&count_ptr).arg(&tok_ptr).arg(&stride_).arg(&mask_ptr).arg(&logits_ptr);
+            b.arg(&conf_ptr);
             b.arg(&v_).arg(&r_).arg(&d_);
             unsafe { b.launch(step_cfg) }.map(|_| gpu.count_launch()).map_err(Self::launch_err("markov_step"))?;
             let mut b = gpu.stream.launch_builder(&self.kernels.argmax_step);
@@ -545,9 +569,11 @@ impl DeviceDrafter {
                 let view = logits.slice(at..at + vocab);
                 gpu.stream.memcpy_dtoh(&view, &mut host).map_err(|e| device_err("draft logits copy", e))?;
                 let position = (row.context.len() + 1 + k) as u64;
-                let token =
-                    Distribution::from_logits(&host, row.params)?.sample_with(draft_uniform(row.params.seed, position));
+                let dist = Distribution::from_logits(&host, row.params)?;
+                let token = dist.sample_with(draft_uniform(row.params.seed, position));
                 gpu.upload_bytes_at(tok_ptr + ((i * stride + k + 1) * 4) as u64, &token.to_le_bytes())?;
+                let probs: Vec<u8> = dist.probs().iter().flat_map(|p| (*p as f32).to_le_bytes()).collect();
+                gpu.upload_bytes_at(gpu.ptr(&q) + (at * 4) as u64, &probs)?;
             }
         }
         let all_tokens = gpu.download(&draft_tokens, rows.len() * stride)?;
@@ -558,6 +584,6 @@ impl DeviceDrafter {
             .map(|(i, row)| all_tokens[i * stride + 1..=i * stride + row.num_drafts].to_vec())
             .collect();
         let confidences = rows.iter().zip(&first).map(|(row, s)| all_conf[*s..s + row.num_drafts].to_vec()).collect();
-        Ok(BlockDrafts { tokens, confidences, logits, first })
+        Ok(BlockDrafts { tokens, confidences, q, first })
     }
 }

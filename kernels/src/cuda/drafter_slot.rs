@@ -9,7 +9,8 @@
 //!   starting at its length, as on the CPU: `export_state` carries no drafter context, so drafts after
 //!   an import attend over the tokens committed since (still verified losslessly).
 //! - A state has at most one pending proposal: the last `draft` for it, dropped by any step on the
-//!   state. Its `q` (the draft logits `[num_drafts, V]` fp32, before temperature) stays on the device;
+//!   state. Its `q` (the processed draft distributions `[num_drafts, V]` f32, as
+//!   `cuda::sample::probs_from_logits` writes them) stays on the device for `cuda::sample::verify_rows`;
 //!   greedy proposals keep none, since greedy verification never reads it. A selected proposal's row
 //!   is checked by `dspark::runner::Pending::check_row` before any state changes.
 
@@ -21,6 +22,7 @@ use half::bf16;
 use crate::cuda::drafter::{BlockRow, DeviceDrafter, DrafterContext};
 use crate::cuda::forward::DeviceModel;
 use crate::cuda::ops::Gpu;
+use crate::cuda::sample::DeviceTokenMask;
 use crate::dspark::runner::Pending;
 use crate::error::{KernelError, Result};
 use crate::runner::{DraftProposal, DraftRequest, RowInput, StateId};
@@ -81,6 +83,7 @@ impl DeviceDrafterSlot {
         &mut self,
         gpu: &Gpu,
         target: &DeviceModel,
+        mask: Option<&DeviceTokenMask>,
         state_len: impl Fn(StateId) -> Result<usize>,
         rows: &[DraftRequest],
     ) -> Result<Vec<DraftProposal>> {
@@ -106,7 +109,7 @@ impl DeviceDrafterSlot {
                 .zip(rows)
                 .map(|(context, r)| BlockRow { context, anchor: r.anchor, num_drafts: r.num_drafts, params: &r.params })
                 .collect();
-            self.model.draft(gpu, target, &mut block)
+            self.model.draft(gpu, target, mask, &mut block)
         };
         let positions: Vec<usize> = contexts.iter().map(DrafterContext::len).collect();
         for (row, context) in rows.iter().zip(contexts) {
@@ -120,11 +123,7 @@ impl DeviceDrafterSlot {
                 None
             } else {
                 let q = gpu.zeros::<f32>(row.num_drafts * vocab)?;
-                gpu.copy::<f32>(
-                    gpu.ptr(&q),
-                    gpu.ptr(&drafts.logits) + (first * vocab * 4) as u64,
-                    row.num_drafts * vocab,
-                )?;
+                gpu.copy::<f32>(gpu.ptr(&q), gpu.ptr(&drafts.q) + (first * vocab * 4) as u64, row.num_drafts * vocab)?;
                 Some(q)
             };
             made.push(Pending { position, anchor: row.anchor, params: row.params.clone(), tokens, q, selected: false });
@@ -158,11 +157,10 @@ impl DeviceDrafterSlot {
     }
 
     /// Drops a stepped state's pending proposal; when it was selected and sampled, returns its `q`
-    /// logits `[draft_len, V]` copied to the host, for `acceptance::verify` (the host verification
-    /// path of the runner's sampled rows).
-    pub fn take_selected(&mut self, gpu: &Gpu, id: StateId, draft_len: usize) -> Result<Option<Vec<f32>>> {
-        let Some(q) = self.pending.remove(&id).filter(|p| p.selected).and_then(|p| p.q) else { return Ok(None) };
-        Ok(Some(gpu.download(&q, draft_len * self.model.config().vocab_size)?))
+    /// (`[num_drafts, V]` processed probabilities on the device; the row was checked by
+    /// [`Self::check_row`], so its drafts are a prefix of the proposal).
+    pub fn take_selected(&mut self, id: StateId) -> Option<CudaSlice<f32>> {
+        self.pending.remove(&id).filter(|p| p.selected).and_then(|p| p.q)
     }
 
     /// Appends to each state's context the taps (`[m, tokens, d]`, the forward's) of the `count` tokens

@@ -10,7 +10,7 @@
 //! - The DSpark drafter (`drafter`, `drafter_slot`) runs on the same stream with the same rounding
 //!   rules as the target forward, and reads the target's embedding and lm_head in place.
 //! - All work runs on one stream in issue order; host copies happen only for token ids, routing
-//!   traces asked for by validation, and the logits rows of non-greedy rows (see `runner`).
+//!   traces asked for by validation, and the per-row results of `sample` (tokens, log-probabilities).
 
 pub mod bench;
 pub mod compile;
@@ -21,6 +21,7 @@ pub mod forward;
 pub mod matrix;
 pub mod ops;
 pub mod runner;
+pub mod sample;
 pub mod validate;
 pub mod weights;
 

@@ -59,6 +59,8 @@ struct Kernels {
     moe_route: CudaFunction,
     moe_gate_up: CudaFunction,
     moe_down_combine: CudaFunction,
+    sample_rows: CudaFunction,
+    rng_hash3: CudaFunction,
 }
 
 /// Stream operations issued, for benchmarks.
@@ -148,6 +150,8 @@ impl Gpu {
             moe_route: f(3, "moe_route")?,
             moe_gate_up: f(3, "moe_gate_up")?,
             moe_down_combine: f(3, "moe_down_combine")?,
+            sample_rows: f(4, "sample_rows")?,
+            rng_hash3: f(4, "rng_hash3")?,
         };
         let stream = ctx.default_stream();
         let blas = CudaBlas::new(stream.clone()).map_err(|e| device_err("creating the cuBLAS handle", e))?;
@@ -392,6 +396,32 @@ impl Gpu {
         let mut b = self.stream.launch_builder(&self.k.argmax_rows);
         b.arg(&logits).arg(&v).arg(&out);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("argmax_rows"))
+    }
+
+    /// Sampling, log-probabilities and acceptance of `rows` logits rows described by `desc` (see
+    /// `cuda::sample`): one block of 1024 threads per row.
+    pub fn sample_rows(
+        &self,
+        desc: DPtr,
+        mask: DPtr,
+        vocab: usize,
+        rows: usize,
+        status: DPtr,
+        top: DPtr,
+    ) -> Result<()> {
+        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        let v = vocab as i32;
+        let mut b = self.stream.launch_builder(&self.k.sample_rows);
+        b.arg(&desc).arg(&mask).arg(&v).arg(&status).arg(&top);
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("sample_rows"))
+    }
+
+    /// `out[i] = hash3(seeds[i], positions[i], streams[i])` (u64) on the device, for `n` triples.
+    pub fn rng_hash3(&self, seeds: DPtr, positions: DPtr, streams: DPtr, out: DPtr, n: usize) -> Result<()> {
+        let ni = n as i32;
+        let mut b = self.stream.launch_builder(&self.k.rng_hash3);
+        b.arg(&seeds).arg(&positions).arg(&streams).arg(&out).arg(&ni);
+        unsafe { b.launch(grid_1d(n, 256)) }.map(|_| self.count_launch()).map_err(launch_err("rng_hash3"))
     }
 
     /// `y[n, out] = bf(x[n, in] · w[out, in]ᵀ)` with fp32 accumulation, by the selected [`Gemm`].

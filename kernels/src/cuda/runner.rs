@@ -4,37 +4,30 @@
 //! - The runner owns every [`DeviceState`] it hands out, keyed by `StateId`; a step validates all of
 //!   its input (the same checks as `CpuRunner`) before it touches any state, so a rejected step
 //!   changes nothing, and it always puts the rows' states back.
-//! - Greedy rows under the standard acceptance rule are decided on the device: one argmax per
-//!   logits row, and only the token ids come back to the host, where the acceptance rule compares
-//!   them with the drafts (vLLM's greedy rule, as in `acceptance::verify`).
-//! - Greedy rows under forced acceptance are decided on the device too: the schedule gives the accepted
-//!   count (as `acceptance::verify` draws it) and the device argmax the bonus token.
-//! - Rows that sample (temperature > 0) or ask for log-probabilities
-//!   copy their `draft_len + 1` logits rows to the host and use `acceptance::verify`, the same code
-//!   the CPU runner uses, so the counter-based RNG draws are identical. (On-device sampling is a later
-//!   issue; this keeps one implementation of the rule until then.)
+//! - Every row is decided on the device (`cuda::sample::verify_rows`, one launch per step): greedy,
+//!   sampling, log-probabilities and forced acceptance, with the token mask applied first. Only the
+//!   emitted tokens and requested log-probabilities come back; logits never leave the device.
+//!   `acceptance::verify` stays the CPU reference the device rule is tested against.
 //! - Commit and rollback happen on the device: the KDA states and conv windows saved after the last
 //!   accepted token are copied back, and the MLA length moves back.
 //! - With a DSpark drafter attached ([`CudaRunner::attach_drafter`]), the forward taps the layers the
 //!   drafter reads and each row's drafter context grows by the taps of exactly the tokens the step
-//!   commits (`cuda::drafter_slot`). A selected sampled proposal's `q` is copied to the host for
-//!   `acceptance::verify`, like the target logits of sampled rows.
+//!   commits (`cuda::drafter_slot`); a selected sampled proposal is verified with its device `q`.
 
 use std::collections::HashMap;
 
-use half::bf16;
-
-use crate::acceptance::{self, AcceptanceMode, VerifyWindow};
+use crate::acceptance::AcceptanceMode;
 use crate::config::ModelConfig;
 use crate::cpu::moe::Routing;
 use crate::cuda::drafter::DeviceDrafter;
 use crate::cuda::drafter_slot::DeviceDrafterSlot;
 use crate::cuda::forward::{DeviceModel, DeviceRow, DeviceState};
 use crate::cuda::ops::{Gemm, Gpu};
+use crate::cuda::sample::{verify_rows, DeviceTokenMask, VerifyRow};
 use crate::cuda::weights::DevWeights;
 use crate::dspark::DrafterConfig;
 use crate::error::{KernelError, Result};
-use crate::runner::{DraftProposal, DraftRequest, RowInput, RowOutput, Runner, StateId, TokenId};
+use crate::runner::{DraftProposal, DraftRequest, RowInput, RowOutput, Runner, StateId, TokenMask};
 use crate::state::SeqState;
 use crate::tensor::WeightSource;
 
@@ -59,6 +52,8 @@ pub struct CudaRunner {
     states: HashMap<StateId, DeviceState>,
     next_id: u64,
     acceptance: AcceptanceMode,
+    /// The ids the runner may emit ([`Runner::set_token_mask`]); `None`: all.
+    token_mask: Option<DeviceTokenMask>,
     /// The attached DSpark drafter, if any.
     drafter: Option<DeviceDrafterSlot>,
 }
@@ -86,6 +81,7 @@ impl CudaRunner {
             states: HashMap::new(),
             next_id: 1,
             acceptance: AcceptanceMode::Standard,
+            token_mask: None,
             drafter: None,
         })
     }
@@ -195,104 +191,66 @@ impl CudaRunner {
             .collect();
         let start_lens: Vec<usize> = windows.iter().map(|w| w.state.len).collect();
         let tap_layers = self.drafter.as_ref().map(|d| d.tap_layers().to_vec()).unwrap_or_default();
-        let mut out = self.model.forward_tapped(gpu, &mut windows, trace, &tap_layers)?;
+        let out = self.model.forward_tapped(gpu, &mut windows, trace, &tap_layers)?;
         drop(windows);
-        let taps = out.taps.take();
-        // (state, first token of the row in the step, tokens committed): the drafter context's growth.
+        let vocab = cfg.vocab_size;
+        let logits = gpu.ptr(&out.logits);
+        // Every stepped state's pending proposal is dropped; a selected sampled one lends its `q`.
+        let mut draft_q = Vec::with_capacity(rows.len());
+        for row in rows {
+            let q = self.drafter.as_mut().and_then(|d| d.take_selected(row.state));
+            draft_q.push(q.filter(|_| row.sample.is_some()));
+        }
+        let windows: Vec<VerifyRow> = rows
+            .iter()
+            .zip(&out.rows)
+            .zip(&start_lens)
+            .zip(&draft_q)
+            .filter_map(|(((row, &(first, _)), start), q)| {
+                let sample = row.sample.as_ref()?;
+                let t = row.tokens.len();
+                Some(VerifyRow {
+                    logits: logits + (first * vocab * 2) as u64,
+                    drafts: &row.tokens[t - sample.draft_len..],
+                    params: &sample.params,
+                    first_position: (start + t - sample.draft_len) as u64,
+                    q: q.as_ref().map(|q| gpu.ptr(q)),
+                })
+            })
+            .collect();
+        let mut verdicts = verify_rows(gpu, vocab, &windows, self.token_mask.as_ref(), &self.acceptance)?.into_iter();
+        let mut results = Vec::with_capacity(rows.len());
+        // (state, first token of the row in the step, tokens committed): the drafter contexts' growth.
         let mut commits = Vec::with_capacity(rows.len());
         let mut row_start = 0usize;
-        let total_rows: usize = out.rows.iter().map(|r| r.1).sum();
-        let on_device =
-            |row: &RowInput| row.sample.as_ref().is_some_and(|s| s.params.is_greedy() && s.params.logprobs.is_none());
-        let argmax = if rows.iter().any(on_device) {
-            let ids = gpu.zeros::<u32>(total_rows)?;
-            gpu.argmax(gpu.ptr(&out.logits), total_rows, cfg.vocab_size, gpu.ptr(&ids))?;
-            gpu.download(&ids, total_rows)?
-        } else {
-            Vec::new()
-        };
-        let vocab = cfg.vocab_size;
-        let mut results = Vec::with_capacity(rows.len());
-        for (((row, (first, count)), undo), (state, start)) in
-            rows.iter().zip(out.rows).zip(out.undo).zip(states.iter_mut().zip(&start_lens))
-        {
-            let t = row.tokens.len();
+        for ((row, undo), state) in rows.iter().zip(out.undo).zip(states.iter_mut()) {
             let first_token = row_start;
-            row_start += t;
+            row_start += row.tokens.len();
             let Some(sample) = &row.sample else {
-                if let Some(d) = &mut self.drafter {
-                    d.take_selected(gpu, row.state, 0)?;
-                }
-                commits.push((row.state, first_token, t));
+                commits.push((row.state, first_token, row.tokens.len()));
                 results.push(RowOutput::default());
                 continue;
             };
-            let draft_q = match &mut self.drafter {
-                Some(d) => d.take_selected(gpu, row.state, sample.draft_len)?,
-                None => None,
-            };
-            let drafts = &row.tokens[t - sample.draft_len..];
-            let (tokens, logprobs) = if on_device(row) {
-                let argmax = &argmax[first..first + count];
-                let tokens = match &self.acceptance {
-                    AcceptanceMode::Standard => greedy_accept(argmax, drafts),
-                    AcceptanceMode::Synthetic(schedule) => {
-                        // `acceptance::verify`'s forced rule, with the greedy token taken on the device.
-                        let first_position = (start + t - sample.draft_len) as u64;
-                        let accepted = schedule.accepted_count(sample.params.seed, first_position, drafts.len());
-                        let mut tokens = drafts[..accepted].to_vec();
-                        tokens.push(argmax[accepted]);
-                        tokens
-                    }
-                };
-                (tokens, Vec::new())
-            } else {
-                let host: Vec<bf16> = {
-                    let view = out.logits.slice(first * vocab..(first + count) * vocab);
-                    let mut v = vec![bf16::ZERO; count * vocab];
-                    gpu.stream
-                        .memcpy_dtoh(&view, &mut v)
-                        .map_err(|e| KernelError::Device(format!("logits copy: {e}")))?;
-                    v
-                };
-                let target: Vec<f32> = host.into_iter().map(f32::from).collect();
-                let window = VerifyWindow {
-                    target_logits: &target,
-                    vocab,
-                    drafts,
-                    draft_logits: draft_q.as_deref(),
-                    first_position: (start + t - sample.draft_len) as u64,
-                };
-                let verdict = acceptance::verify(&window, &sample.params, &self.acceptance)?;
-                (verdict.tokens, verdict.logprobs)
-            };
-            let num_accepted = tokens.len() - 1;
+            let verdict = verdicts
+                .next()
+                .ok_or_else(|| KernelError::Device("the device verify returned fewer verdicts than rows".into()))?;
+            let t = row.tokens.len();
             if let Some(undo) = undo {
-                undo.commit(gpu, cfg, state, t - sample.draft_len + num_accepted)?;
+                undo.commit(gpu, cfg, state, t - sample.draft_len + verdict.num_accepted)?;
             }
-            commits.push((row.state, first_token, t - sample.draft_len + num_accepted));
-            results.push(RowOutput { tokens, num_accepted, logprobs });
+            commits.push((row.state, first_token, t - sample.draft_len + verdict.num_accepted));
+            results.push(RowOutput {
+                tokens: verdict.tokens,
+                num_accepted: verdict.num_accepted,
+                logprobs: verdict.logprobs,
+            });
         }
-        if let (Some(d), Some(taps)) = (&mut self.drafter, &taps) {
+        if let (Some(d), Some(taps)) = (&mut self.drafter, &out.taps) {
             d.commit(gpu, taps, row_start, &commits)?;
         }
         gpu.synchronize()?;
         Ok(results)
     }
-}
-
-/// vLLM's greedy rule on the target argmaxes of a window (`argmax[i]` is the token at draft `i`'s
-/// position): emit the argmax while it equals the draft; the first mismatch, or the bonus, ends it.
-pub fn greedy_accept(argmax: &[TokenId], drafts: &[TokenId]) -> Vec<TokenId> {
-    let mut tokens = Vec::with_capacity(drafts.len() + 1);
-    for (target, draft) in argmax.iter().zip(drafts) {
-        tokens.push(*target);
-        if target != draft {
-            return tokens;
-        }
-    }
-    tokens.push(argmax[drafts.len()]);
-    tokens
 }
 
 impl Runner for CudaRunner {
@@ -348,6 +306,19 @@ impl Runner for CudaRunner {
         self.step_with_trace(rows, None)
     }
 
+    fn set_token_mask(&mut self, mask: TokenMask) -> Result<()> {
+        let vocab = self.model.cfg.vocab_size;
+        if mask.vocab() != vocab || mask.num_allowed() == 0 {
+            return Err(KernelError::InvalidInput(format!(
+                "a token mask over {} ids with {} allowed does not fit a vocabulary of {vocab}",
+                mask.vocab(),
+                mask.num_allowed()
+            )));
+        }
+        self.token_mask = Some(DeviceTokenMask::upload(&self.gpu, &mask)?);
+        Ok(())
+    }
+
     fn drafter_block_size(&self) -> Option<usize> {
         self.drafter.as_ref().map(|d| d.model().config().block_size)
     }
@@ -356,25 +327,12 @@ impl Runner for CudaRunner {
         let slot = self.drafter.as_mut().ok_or_else(crate::runner::no_drafter)?;
         let states = &self.states;
         let state_len = |id: StateId| states.get(&id).map(|s| s.len).ok_or(KernelError::UnknownState(id.0));
-        let proposals = slot.draft(&self.gpu, &self.model, state_len, rows)?;
+        let proposals = slot.draft(&self.gpu, &self.model, self.token_mask.as_ref(), state_len, rows)?;
         self.gpu.synchronize()?;
         Ok(proposals)
     }
 
     fn select_proposal(&mut self, state: StateId) -> Result<()> {
         self.drafter.as_mut().ok_or_else(crate::runner::no_drafter)?.select(state)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::greedy_accept;
-
-    #[test]
-    fn greedy_accept_follows_the_vllm_rule() {
-        assert_eq!(greedy_accept(&[1, 2, 3], &[1, 2]), vec![1, 2, 3]);
-        assert_eq!(greedy_accept(&[2, 3], &[1]), vec![2]);
-        assert_eq!(greedy_accept(&[4, 7, 6, 1], &[4, 5, 6]), vec![4, 7]);
-        assert_eq!(greedy_accept(&[5], &[]), vec![5]);
     }
 }

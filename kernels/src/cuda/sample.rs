@@ -1,0 +1,495 @@
+//! Sampling, log-probabilities, the token mask and the speculative acceptance rules on the device
+//! (`kernels/cuda/sample.cu`), so that full logits never cross to the host.
+//!
+//! Invariants:
+//! - Every row is decided by the same function as the CPU reference: `sampling::Distribution::from_logits`
+//!   (mask as `-inf` first, then temperature → top-k → top-p, ties to the lowest id), the inverse CDF
+//!   over ascending ids at `sampling::uniform(seed, position, stream)` (the counter RNG, ported bit for
+//!   bit), `acceptance::verify`'s accept test and residual, and `sampling::logprobs`.
+//! - A row's result depends only on the row (fixed reduction order, integer histograms), never on
+//!   what else is launched with it.
+//! - Sums run in f64 in another order than the CPU's, so a token can differ from the CPU's only where
+//!   `u` (or `top_p`) lies within about 1e-12 of a cumulative mass; log-probabilities agree to f32
+//!   rounding. Draft distributions `q` arrive as f32 probabilities (the CPU computes them in f64), so
+//!   with a device `q` the accept test and residual agree to about 1e-7 relative.
+//! - Only the small per-row results come back: tokens, accept flags and requested log-probabilities.
+//! - Input checks (parameters, draft ids, mask size, `top_n`) happen on the host before any launch; a
+//!   row whose logits hold NaN or +inf, or are all masked, is a [`KernelError::InvalidInput`].
+//!
+//! API for callers that keep distributions on the device (the DSpark drafter): [`probs_from_logits`]
+//! (the processed `q`), [`sample_rows`] (one token per row with any RNG stream, e.g.
+//! `dspark::model::DRAFT_STREAM`), and [`verify_rows`] (the acceptance rule over verify windows, with
+//! one-hot or device `q`).
+
+use cudarc::driver::CudaSlice;
+
+use crate::acceptance::{AcceptanceMode, Verdict};
+use crate::cuda::ops::{DPtr, Gpu, NULL};
+use crate::error::{KernelError, Result};
+use crate::runner::{SamplingParams, TokenId, TokenLogprob, TokenMask};
+use crate::sampling::{check_params, RngStream};
+
+/// The most top-N alternatives a row may ask for with its log-probabilities.
+pub const MAX_TOP_N: usize = 64;
+
+/// u64 words per row descriptor (`DESC_WORDS` in sample.cu).
+const DESC_WORDS: usize = 10;
+/// u32 words of a row's result (`STATUS_WORDS` in sample.cu): token, accepted, error code, error id,
+/// f32 bits of the token's and of the draft's log-probability.
+const STATUS_WORDS: usize = 6;
+const NO_ID: u32 = u32::MAX;
+const MODE_SAMPLE: u64 = 0;
+const MODE_VERIFY: u64 = 1;
+const MODE_PROBS: u64 = 2;
+const ERR_BAD_LOGIT: u32 = 1;
+
+/// The token mask on the device: `[ceil(vocab / 32)]` u32 words, bit `id % 32` of word `id / 32` set
+/// when `id` may be emitted.
+pub struct DeviceTokenMask {
+    words: CudaSlice<u32>,
+    vocab: usize,
+}
+
+impl DeviceTokenMask {
+    /// Uploads `mask`; it must allow at least one id.
+    pub fn upload(gpu: &Gpu, mask: &TokenMask) -> Result<Self> {
+        if mask.num_allowed() == 0 {
+            return Err(KernelError::InvalidInput("a token mask must allow at least one id".into()));
+        }
+        Ok(DeviceTokenMask { words: gpu.upload(&mask_words(mask))?, vocab: mask.vocab() })
+    }
+
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    /// The device address of the words.
+    pub fn ptr(&self, gpu: &Gpu) -> DPtr {
+        gpu.ptr(&self.words)
+    }
+}
+
+/// The bit words of `mask` (bit set: allowed).
+pub fn mask_words(mask: &TokenMask) -> Vec<u32> {
+    let mut words = vec![0u32; mask.vocab().div_ceil(32)];
+    for id in 0..mask.vocab() as TokenId {
+        if mask.is_allowed(id) {
+            words[id as usize / 32] |= 1 << (id % 32);
+        }
+    }
+    words
+}
+
+/// One logits row's job for the kernel.
+#[derive(Clone, Debug)]
+struct RowJob<'a> {
+    /// bf16 `[vocab]`.
+    logits: DPtr,
+    /// f32 `[vocab]` processed draft probabilities; [`NULL`]: one-hot on `draft`.
+    q: DPtr,
+    /// f32 `[vocab]` processed probabilities out; [`NULL`]: none.
+    probs_out: DPtr,
+    params: &'a SamplingParams,
+    position: u64,
+    stream: u64,
+    draft: Option<TokenId>,
+    mode: u64,
+}
+
+impl RowJob<'_> {
+    fn encode(&self, out: &mut Vec<u64>) {
+        let p = self.params;
+        let top_n = p.logprobs.map_or(0, |n| n as u64 + 1);
+        out.extend_from_slice(&[
+            self.logits,
+            self.q,
+            self.probs_out,
+            p.seed,
+            self.position,
+            self.stream,
+            p.temperature.to_bits() as u64 | (p.top_p.to_bits() as u64) << 32,
+            p.top_k.min(u32::MAX as usize) as u64 | (self.draft.unwrap_or(NO_ID) as u64) << 32,
+            top_n,
+            self.mode,
+        ]);
+    }
+}
+
+/// What the kernel decided for one row.
+#[derive(Clone, Debug, PartialEq)]
+struct RowResult {
+    /// The sampled (or residual, or accepted draft) token; the argmax for greedy rows.
+    token: TokenId,
+    /// The draft passed the accept test (greedy: it equals the argmax).
+    accepted: bool,
+    logprob_token: f32,
+    logprob_draft: f32,
+    /// Best first, as many as asked.
+    top: Vec<(TokenId, f32)>,
+}
+
+fn check_job(job: &RowJob<'_>, vocab: usize) -> Result<()> {
+    check_params(job.params)?;
+    if let Some(n) = job.params.logprobs {
+        if n > MAX_TOP_N {
+            return Err(KernelError::InvalidInput(format!(
+                "{n} top log-probabilities asked for; the CUDA sampler returns at most {MAX_TOP_N}"
+            )));
+        }
+    }
+    if let Some(d) = job.draft {
+        if d as usize >= vocab {
+            return Err(KernelError::InvalidInput(format!("draft token {d} is outside a vocabulary of {vocab}")));
+        }
+    }
+    Ok(())
+}
+
+/// Runs the kernel over `jobs` (one launch) and brings back each row's result.
+fn launch(gpu: &Gpu, vocab: usize, jobs: &[RowJob<'_>], mask: Option<&DeviceTokenMask>) -> Result<Vec<RowResult>> {
+    if vocab == 0 || vocab > i32::MAX as usize {
+        return Err(KernelError::InvalidInput(format!("a vocabulary of {vocab} ids cannot be sampled")));
+    }
+    if let Some(m) = mask {
+        if m.vocab != vocab {
+            return Err(KernelError::InvalidInput(format!(
+                "a token mask over {} ids does not fit a vocabulary of {vocab}",
+                m.vocab
+            )));
+        }
+    }
+    for job in jobs {
+        check_job(job, vocab)?;
+    }
+    if jobs.is_empty() {
+        return Ok(Vec::new());
+    }
+    let rows = jobs.len();
+    let mut words = Vec::with_capacity(rows * DESC_WORDS);
+    for job in jobs {
+        job.encode(&mut words);
+    }
+    let desc = gpu.upload(&words)?;
+    let status = gpu.zeros::<u32>(rows * STATUS_WORDS)?; // [rows, STATUS_WORDS]
+    let want_top = jobs.iter().any(|j| j.params.logprobs.is_some_and(|n| n > 0));
+    let top_len = if want_top { rows * MAX_TOP_N * 2 } else { 1 };
+    let top = gpu.zeros::<u32>(top_len)?; // [rows, MAX_TOP_N, 2]: id, f32 bits of its log-probability
+    let mask_ptr = mask.map_or(NULL, |m| m.ptr(gpu));
+    gpu.sample_rows(gpu.ptr(&desc), mask_ptr, vocab, rows, gpu.ptr(&status), gpu.ptr(&top))?;
+    let status = gpu.download(&status, rows * STATUS_WORDS)?;
+    let top = if want_top { gpu.download(&top, top_len)? } else { Vec::new() };
+    jobs.iter()
+        .enumerate()
+        .map(|(r, job)| {
+            let st = &status[r * STATUS_WORDS..(r + 1) * STATUS_WORDS];
+            match st[2] {
+                0 => {}
+                ERR_BAD_LOGIT => {
+                    return Err(KernelError::InvalidInput(format!(
+                        "logits row {r}: the logit of token {} is NaN or +inf",
+                        st[3]
+                    )))
+                }
+                _ => {
+                    return Err(KernelError::InvalidInput(format!("logits row {r}: every logit is -inf (all masked)")))
+                }
+            }
+            let n = job.params.logprobs.unwrap_or(0).min(vocab);
+            let at = |i: usize| r * MAX_TOP_N * 2 + 2 * i;
+            let top = (0..n).map(|i| (top[at(i)], f32::from_bits(top[at(i) + 1]))).collect();
+            Ok(RowResult {
+                token: st[0],
+                accepted: st[1] != 0,
+                logprob_token: f32::from_bits(st[4]),
+                logprob_draft: f32::from_bits(st[5]),
+                top,
+            })
+        })
+        .collect()
+}
+
+fn check_rows_params(rows: usize, params: &[SamplingParams]) -> Result<()> {
+    if params.len() != rows {
+        return Err(KernelError::InvalidInput(format!("{} sampling parameters for {rows} logits rows", params.len())));
+    }
+    Ok(())
+}
+
+/// Writes the processed distribution (`Distribution::from_logits` with `params[r]`, after `mask`) of
+/// each of the `rows` bf16 logits rows `logits` `[rows, vocab]` into `out`, f32 `[rows, vocab]`.
+/// Greedy parameters give the one-hot distribution on the argmax.
+pub fn probs_from_logits(
+    gpu: &Gpu,
+    logits: DPtr,
+    rows: usize,
+    vocab: usize,
+    params: &[SamplingParams],
+    mask: Option<&DeviceTokenMask>,
+    out: DPtr,
+) -> Result<()> {
+    check_rows_params(rows, params)?;
+    let jobs: Vec<RowJob<'_>> = params
+        .iter()
+        .enumerate()
+        .map(|(r, p)| RowJob {
+            logits: logits + (r * vocab * 2) as u64,
+            q: NULL,
+            probs_out: out + (r * vocab * 4) as u64,
+            params: p,
+            position: 0,
+            stream: 0,
+            draft: None,
+            mode: MODE_PROBS,
+        })
+        .collect();
+    launch(gpu, vocab, &jobs, mask).map(|_| ())
+}
+
+/// One token per bf16 logits row of `logits` `[rows, vocab]`: the argmax for greedy `params[r]`, else
+/// the inverse CDF of the processed distribution at `hash3(seed, positions[r], stream) >> 11` · 2^-53
+/// (`RngStream::Token as u64` gives `sampling::sample`; `dspark::model::DRAFT_STREAM` gives the CPU
+/// drafter's `draft_uniform`). `probs_out`, when given, receives the processed distributions, f32
+/// `[rows, vocab]`, as [`probs_from_logits`] writes them.
+#[allow(clippy::too_many_arguments)]
+pub fn sample_rows(
+    gpu: &Gpu,
+    logits: DPtr,
+    rows: usize,
+    vocab: usize,
+    params: &[SamplingParams],
+    positions: &[u64],
+    stream: u64,
+    mask: Option<&DeviceTokenMask>,
+    probs_out: Option<DPtr>,
+) -> Result<Vec<TokenId>> {
+    check_rows_params(rows, params)?;
+    if positions.len() != rows {
+        return Err(KernelError::InvalidInput(format!("{} positions for {rows} logits rows", positions.len())));
+    }
+    let jobs: Vec<RowJob<'_>> = params
+        .iter()
+        .zip(positions)
+        .enumerate()
+        .map(|(r, (p, &position))| RowJob {
+            logits: logits + (r * vocab * 2) as u64,
+            q: NULL,
+            probs_out: probs_out.map_or(NULL, |o| o + (r * vocab * 4) as u64),
+            params: p,
+            position,
+            stream,
+            draft: None,
+            mode: MODE_SAMPLE,
+        })
+        .collect();
+    Ok(launch(gpu, vocab, &jobs, mask)?.into_iter().map(|r| r.token).collect())
+}
+
+/// One request's verify window on the device.
+#[derive(Clone, Copy, Debug)]
+pub struct VerifyRow<'a> {
+    /// bf16 `[drafts.len() + 1, vocab]`: row i gives the token at `first_position + i`.
+    pub logits: DPtr,
+    pub drafts: &'a [TokenId],
+    pub params: &'a SamplingParams,
+    /// Absolute position of the first draft token (the number of tokens before it).
+    pub first_position: u64,
+    /// f32 `[drafts.len(), vocab]` processed probabilities the drafts were sampled from (as
+    /// [`probs_from_logits`] writes them); `None` for model-free drafts (one-hot `q`).
+    pub q: Option<DPtr>,
+}
+
+/// `acceptance::verify` on the device for every window, in one launch: returns one verdict per row
+/// (accepted drafts, then the correction or bonus token; log-probabilities when asked).
+pub fn verify_rows(
+    gpu: &Gpu,
+    vocab: usize,
+    rows: &[VerifyRow<'_>],
+    mask: Option<&DeviceTokenMask>,
+    mode: &AcceptanceMode,
+) -> Result<Vec<Verdict>> {
+    let token = RngStream::Token as u64;
+    let mut jobs = Vec::new();
+    // Per window: (first job, accepted count decided on the host for forced acceptance).
+    let mut spans = Vec::with_capacity(rows.len());
+    for row in rows {
+        let l = row.drafts.len();
+        let logits_row = |i: usize| row.logits + (i * vocab * 2) as u64;
+        let first = jobs.len();
+        match mode {
+            AcceptanceMode::Standard => {
+                for i in 0..=l {
+                    jobs.push(RowJob {
+                        logits: logits_row(i),
+                        q: row.q.filter(|_| i < l).map_or(NULL, |q| q + (i * vocab * 4) as u64),
+                        probs_out: NULL,
+                        params: row.params,
+                        position: row.first_position + i as u64,
+                        stream: token,
+                        draft: row.drafts.get(i).copied(),
+                        mode: if i < l { MODE_VERIFY } else { MODE_SAMPLE },
+                    });
+                }
+                spans.push((first, None));
+            }
+            AcceptanceMode::Synthetic(schedule) => {
+                // The accepted drafts are emitted as they are; only their log-probabilities need rows.
+                let accepted = schedule.accepted_count(row.params.seed, row.first_position, l);
+                let from = if row.params.logprobs.is_some() { 0 } else { accepted };
+                for i in from..=accepted {
+                    jobs.push(RowJob {
+                        logits: logits_row(i),
+                        q: NULL,
+                        probs_out: NULL,
+                        params: row.params,
+                        position: row.first_position + i as u64,
+                        stream: token,
+                        draft: row.drafts.get(i).copied(),
+                        mode: MODE_SAMPLE,
+                    });
+                }
+                spans.push((first, Some((from, accepted))));
+            }
+        }
+    }
+    let results = launch(gpu, vocab, &jobs, mask)?;
+    Ok(rows
+        .iter()
+        .zip(spans)
+        .map(|(row, (first, synthetic))| {
+            assemble(row.drafts, row.params.logprobs.is_some(), &results[first..], synthetic)
+        })
+        .collect())
+}
+
+/// One window's verdict from its rows' results (`results[0]` is its first launched row). Standard
+/// (`synthetic` None): row i's token is the accepted draft, the correction or the bonus; the first row
+/// whose draft was not accepted ends the window. Forced (`Some((from, accepted))`, rows `from..=accepted`
+/// launched): the accepted drafts, then row `accepted`'s sample.
+fn assemble(
+    drafts: &[TokenId],
+    want_logprobs: bool,
+    results: &[RowResult],
+    synthetic: Option<(usize, usize)>,
+) -> Verdict {
+    let lp = |r: &RowResult, token: TokenId, logprob: f32| TokenLogprob { token, logprob, top: r.top.clone() };
+    let mut tokens = Vec::with_capacity(drafts.len() + 1);
+    let mut logprobs = Vec::new();
+    match synthetic {
+        None => {
+            for (i, r) in results[..drafts.len() + 1].iter().enumerate() {
+                tokens.push(r.token);
+                if want_logprobs {
+                    logprobs.push(lp(r, r.token, r.logprob_token));
+                }
+                if i < drafts.len() && !r.accepted {
+                    break;
+                }
+            }
+        }
+        Some((from, accepted)) => {
+            tokens.extend_from_slice(&drafts[..accepted]);
+            let window = &results[..accepted - from + 1];
+            if want_logprobs {
+                for (r, &d) in window.iter().zip(&drafts[..accepted]) {
+                    logprobs.push(lp(r, d, r.logprob_draft));
+                }
+            }
+            let last = &window[accepted - from];
+            tokens.push(last.token);
+            if want_logprobs {
+                logprobs.push(lp(last, last.token, last.logprob_token));
+            }
+        }
+    }
+    Verdict { num_accepted: tokens.len() - 1, tokens, logprobs, synthetic: synthetic.is_some() }
+}
+
+/// `sampling::hash3` computed on the device for each `(seed, position, stream)`, to check the port.
+pub fn hash3_on_device(gpu: &Gpu, inputs: &[(u64, u64, u64)]) -> Result<Vec<u64>> {
+    let seeds: Vec<u64> = inputs.iter().map(|x| x.0).collect();
+    let positions: Vec<u64> = inputs.iter().map(|x| x.1).collect();
+    let streams: Vec<u64> = inputs.iter().map(|x| x.2).collect();
+    let (s, p, st) = (gpu.upload(&seeds)?, gpu.upload(&positions)?, gpu.upload(&streams)?);
+    let out = gpu.zeros::<u64>(inputs.len())?;
+    if !inputs.is_empty() {
+        gpu.rng_hash3(gpu.ptr(&s), gpu.ptr(&p), gpu.ptr(&st), gpu.ptr(&out), inputs.len())?;
+    }
+    gpu.download(&out, inputs.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mask_words_set_exactly_the_allowed_bits() {
+        let mask = TokenMask::from_fn(70, |id| id % 3 != 0 && id != 65);
+        let words = mask_words(&mask);
+        assert_eq!(words.len(), 3);
+        for id in 0..96u32 {
+            let bit = words[id as usize / 32] >> (id % 32) & 1 == 1;
+            assert_eq!(bit, id < 70 && mask.is_allowed(id), "id {id}");
+        }
+    }
+
+    fn result(token: TokenId, accepted: bool) -> RowResult {
+        RowResult { token, accepted, logprob_token: -(token as f32), logprob_draft: -0.5, top: vec![(token, -1.0)] }
+    }
+
+    #[test]
+    fn a_standard_window_stops_at_the_first_rejection() {
+        let drafts = [4, 5, 6];
+        let rows = [result(4, true), result(9, false), result(6, true), result(1, false)];
+        let v = assemble(&drafts, true, &rows, None);
+        assert_eq!((v.tokens.clone(), v.num_accepted, v.synthetic), (vec![4, 9], 1, false));
+        assert_eq!(v.logprobs.iter().map(|l| (l.token, l.logprob)).collect::<Vec<_>>(), vec![(4, -4.0), (9, -9.0)]);
+        let all = [result(4, true), result(5, true), result(6, true), result(2, false)];
+        let v = assemble(&drafts, false, &all, None);
+        assert_eq!((v.tokens, v.num_accepted, v.logprobs.len()), (vec![4, 5, 6, 2], 3, 0));
+        let v = assemble(&[], false, &[result(7, false)], None);
+        assert_eq!(v.tokens, vec![7]);
+    }
+
+    #[test]
+    fn a_forced_window_emits_the_accepted_drafts_then_its_sample() {
+        let drafts = [4, 5, 6];
+        // Without log-probabilities only row `accepted` is launched.
+        let v = assemble(&drafts, false, &[result(8, false)], Some((2, 2)));
+        assert_eq!((v.tokens, v.num_accepted, v.synthetic), (vec![4, 5, 8], 2, true));
+        // With them, rows 0..=accepted: the drafts carry their rows' draft log-probabilities.
+        let rows = [result(1, false), result(2, false), result(8, false)];
+        let v = assemble(&drafts, true, &rows, Some((0, 2)));
+        assert_eq!(v.tokens, vec![4, 5, 8]);
+        assert_eq!(
+            v.logprobs.iter().map(|l| (l.token, l.logprob)).collect::<Vec<_>>(),
+            vec![(4, -0.5), (5, -0.5), (8, -8.0)]
+        );
+    }
+
+    #[test]
+    fn a_descriptor_packs_every_field() {
+        let params = SamplingParams { temperature: 0.7, top_p: 0.9, top_k: 40, seed: 99, logprobs: Some(5) };
+        let job = RowJob {
+            logits: 0x1000,
+            q: 0x2000,
+            probs_out: NULL,
+            params: &params,
+            position: 17,
+            stream: 2,
+            draft: Some(123),
+            mode: MODE_VERIFY,
+        };
+        let mut words = Vec::new();
+        job.encode(&mut words);
+        assert_eq!(words.len(), DESC_WORDS);
+        assert_eq!(&words[..6], &[0x1000, 0x2000, 0, 99, 17, 2]);
+        assert_eq!(f32::from_bits(words[6] as u32), 0.7);
+        assert_eq!(f32::from_bits((words[6] >> 32) as u32), 0.9);
+        assert_eq!((words[7] as u32, (words[7] >> 32) as u32), (40, 123));
+        assert_eq!((words[8], words[9]), (6, MODE_VERIFY));
+        let none = RowJob { draft: None, params: &SamplingParams::greedy(), ..job };
+        let mut words = Vec::new();
+        none.encode(&mut words);
+        assert_eq!(((words[7] >> 32) as u32, words[8]), (NO_ID, 0));
+    }
+}
