@@ -21,7 +21,7 @@ use sparkd_kernels::ModelConfig;
 /// The linear layers' GEMM on CUDA.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum GemmArg {
-    /// One warp per output: a token's result does not depend on its batch (the served default).
+    /// The skinny tensor-core GEMM: a token's result does not depend on its batch (the served default).
     BatchInvariant,
     /// cuBLAS GemmEx.
     Cublas,
@@ -153,6 +153,7 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
             emit(&serde_json::to_string_pretty(&results)?, args.out.as_ref())
         }
         Device::Null => bail!("--device null has no math to benchmark; use cpu or cuda"),
+        Device::Auto => bench(&BenchArgs { device: args.device.resolve(), ..args.clone() }),
     }
 }
 

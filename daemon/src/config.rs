@@ -2,7 +2,7 @@
 //!
 //! Invariants:
 //! - Every option has a default that lets `sparkd serve` run on a fresh machine with no arguments (the built-in
-//!   synthetic `k3-tiny` on the CPU, 127.0.0.1:8000).
+//!   synthetic `k3-tiny`, 127.0.0.1:8000, on the GPU when one is usable and on the CPU reference otherwise).
 //! - [`ServeArgs::validate`] rejects inconsistent values with an error naming the flag, before anything is
 //!   loaded; nothing here panics on input.
 //! - Engine limits are passed on as an [`EngineConfig`]; this module never reaches into the engine.
@@ -28,12 +28,38 @@ pub const DEFAULT_MAX_BODY_BYTES: usize = 64 << 20;
 /// Which backend runs the model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Device {
+    /// CUDA when a GPU with its libraries (driver, NVRTC, cuBLAS) is usable, else the CPU reference.
+    Auto,
     /// The CPU reference backend.
     Cpu,
     /// The CUDA backend (NVIDIA GPUs).
     Cuda,
     /// A runner that does no math (deterministic tokens): for overhead benchmarks and fast tests.
     Null,
+}
+
+impl Device {
+    /// The backend this choice means on this machine: `auto` is CUDA when device 0 opens with its libraries
+    /// (driver, NVRTC, cuBLAS), else the CPU; the others are themselves. Logs what `auto` found.
+    pub fn resolve(self) -> Device {
+        if self != Device::Auto {
+            return self;
+        }
+        match sparkd_kernels::cuda::device::probe(0) {
+            Ok(info) => {
+                tracing::info!(
+                    "--device auto: {} (compute capability {:?}) found, using CUDA",
+                    info.name,
+                    info.compute_capability
+                );
+                Device::Cuda
+            }
+            Err(e) => {
+                tracing::info!("--device auto: no usable GPU ({e}); using the CPU reference");
+                Device::Cpu
+            }
+        }
+    }
 }
 
 /// `sparkd serve` options.
@@ -48,8 +74,11 @@ pub struct ServeArgs {
     /// Checkpoint folder (config.json + safetensors). Without it: the built-in synthetic k3-tiny, seed 0.
     #[arg(long, value_name = "DIR")]
     pub model: Option<PathBuf>,
+    /// Without --model: the synthetic config generated in memory (k3-tiny, k3-mini, k3-mini-wide).
+    #[arg(long, default_value = DEFAULT_SYNTHETIC_CONFIG)]
+    pub synthetic: String,
     /// Backend.
-    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    #[arg(long, value_enum, default_value_t = Device::Auto)]
     pub device: Device,
     /// Model name reported by /v1/models, in responses and as the `model_name` metric label.
     #[arg(long)]
@@ -122,7 +151,7 @@ impl ServeArgs {
     }
 
     /// The name the model is served under: `--served-model-name`, else the checkpoint folder's name, else the
-    /// synthetic config's name.
+    /// synthetic config's name (`--synthetic`).
     pub fn model_name(&self) -> String {
         if let Some(name) = &self.served_model_name {
             return name.clone();
@@ -133,7 +162,7 @@ impl ServeArgs {
                 .ok()
                 .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
                 .unwrap_or_else(|| dir.display().to_string()),
-            None => DEFAULT_SYNTHETIC_CONFIG.to_string(),
+            None => self.synthetic.clone(),
         }
     }
 
@@ -175,7 +204,7 @@ mod tests {
         a.validate().unwrap();
         assert_eq!(a.listen_addr().unwrap().to_string(), "127.0.0.1:8000");
         assert_eq!(a.model_name(), "k3-tiny");
-        assert_eq!(a.device, Device::Cpu);
+        assert_eq!(a.device, Device::Auto);
         assert_eq!(a.engine_config().max_num_seqs, DEFAULT_MAX_NUM_SEQS);
     }
 
@@ -195,5 +224,6 @@ mod tests {
         let a = parse(&["--host", "::1", "--port", "9000", "--served-model-name", "kimi"]);
         assert_eq!(a.listen_addr().unwrap().to_string(), "[::1]:9000");
         assert_eq!(a.model_name(), "kimi");
+        assert_eq!(parse(&["--synthetic", "k3-mini"]).model_name(), "k3-mini");
     }
 }

@@ -2,7 +2,7 @@
 //!
 //! Invariants: bad arguments or unloadable inputs end in one clear error line on stderr and a non-zero exit
 //! (clap's usage errors exit 2, everything else 1), never a panic. `sparkd serve` with no arguments serves the
-//! built-in synthetic k3-tiny (seed 0) on the CPU at 127.0.0.1:8000.
+//! built-in synthetic k3-tiny (seed 0) at 127.0.0.1:8000, on the GPU when one is usable, else on the CPU.
 
 mod bench_cli;
 
@@ -45,9 +45,6 @@ enum Command {
     Serve {
         #[command(flatten)]
         args: ServeArgs,
-        /// Without --model: the synthetic config generated in memory (k3-tiny, k3-mini, k3-mini-wide).
-        #[arg(long, default_value = DEFAULT_SYNTHETIC_CONFIG)]
-        synthetic: String,
     },
     /// Decode benchmark on synthetic weights (JSON report; a table on stderr).
     Bench(bench_cli::BenchArgs),
@@ -96,7 +93,7 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let result = match cli.command {
-        Command::Serve { args, synthetic } => serve(args, &synthetic),
+        Command::Serve { args } => serve(args),
         Command::Bench(args) => bench_cli::bench(&args),
         Command::Validate(args) => match bench_cli::validate(&args) {
             Ok(true) => Ok(()),
@@ -155,36 +152,44 @@ fn export_tokenizer(dir: &Path, model: Option<&Path>) -> Result<()> {
 }
 
 /// The runner `--device` and `--model` ask for (prepared for the speculation settings `spec`), and its config.
-fn build_runner(args: &ServeArgs, spec: &SpecConfig, synthetic: &str) -> Result<(Box<dyn Runner>, ModelConfig)> {
+/// With `--device auto`, a GPU whose runner fails to start is reported and the CPU reference serves instead.
+fn build_runner(args: &ServeArgs, spec: &SpecConfig) -> Result<(Box<dyn Runner>, ModelConfig)> {
     let checkpoint = match &args.model {
         Some(dir) => Some(Checkpoint::open(dir).with_context(|| format!("opening the checkpoint {}", dir.display()))?),
         None => None,
     };
+    let synthetic = args.synthetic.as_str();
     let cfg = match &checkpoint {
         Some(c) => c.config().clone(),
         None => ModelConfig::preset(synthetic).with_context(|| format!("--synthetic {synthetic}"))?,
     };
-    let runner: Box<dyn Runner> = match (args.device, &checkpoint) {
-        (Device::Cuda, checkpoint) => {
-            let mut runner = match checkpoint {
-                Some(c) => CudaRunner::new(0, cfg.clone(), c)?,
-                None => CudaRunner::new(0, cfg.clone(), &SyntheticWeights::new(cfg.clone(), BUILTIN_SEED))?,
-            };
-            spec.prepare_cuda_runner(&mut runner, args.model.as_deref(), synthetic)?;
-            Box::new(runner)
-        }
-        (Device::Null, _) => {
+    let cpu_runner = || -> Result<Box<dyn Runner>> {
+        let mut runner = match &checkpoint {
+            Some(c) => CpuRunner::new(cfg.clone(), c)?,
+            None => CpuRunner::new(cfg.clone(), &SyntheticWeights::new(cfg.clone(), BUILTIN_SEED))?,
+        };
+        spec.prepare_cpu_runner(&mut runner, args.model.as_deref(), synthetic)?;
+        Ok(Box::new(runner))
+    };
+    let cuda_runner = || -> Result<Box<dyn Runner>> {
+        let mut runner = match &checkpoint {
+            Some(c) => CudaRunner::new(0, cfg.clone(), c)?,
+            None => CudaRunner::new(0, cfg.clone(), &SyntheticWeights::new(cfg.clone(), BUILTIN_SEED))?,
+        };
+        spec.prepare_cuda_runner(&mut runner, args.model.as_deref(), synthetic)?;
+        Ok(Box::new(runner))
+    };
+    let runner = match args.device.resolve() {
+        Device::Cuda if args.device == Device::Auto => cuda_runner().or_else(|e| {
+            tracing::warn!("--device auto: the CUDA runner did not start ({e:#}); using the CPU reference");
+            cpu_runner()
+        })?,
+        Device::Cuda => cuda_runner()?,
+        Device::Null => {
             spec.check_null_runner()?;
             Box::new(NullRunner::new(cfg.clone()))
         }
-        (Device::Cpu, checkpoint) => {
-            let mut runner = match checkpoint {
-                Some(c) => CpuRunner::new(cfg.clone(), c)?,
-                None => CpuRunner::new(cfg.clone(), &SyntheticWeights::new(cfg.clone(), BUILTIN_SEED))?,
-            };
-            spec.prepare_cpu_runner(&mut runner, args.model.as_deref(), synthetic)?;
-            Box::new(runner)
-        }
+        Device::Cpu | Device::Auto => cpu_runner()?,
     };
     Ok((runner, cfg))
 }
@@ -204,14 +209,14 @@ fn restrict_to_tokenizer(runner: &mut dyn Runner, tokenizer: &Tokenizer, cfg: &M
     }
 }
 
-fn serve(args: ServeArgs, synthetic: &str) -> Result<()> {
+fn serve(args: ServeArgs) -> Result<()> {
     args.validate()?;
     let addr = args.listen_addr()?;
     let model_name = args.model_name();
     let tokenizer = load_tokenizer(args.model.as_deref())?;
     let template = ChatTemplate::new(tokenizer.clone())?;
     let spec = args.spec.to_config()?;
-    let (mut runner, cfg) = build_runner(&args, &spec, synthetic)?;
+    let (mut runner, cfg) = build_runner(&args, &spec)?;
     restrict_to_tokenizer(runner.as_mut(), &tokenizer, &cfg);
     tracing::info!("{}", describe_spec(&spec));
     let max_model_len = args.max_model_len.min(cfg.max_position_embeddings);

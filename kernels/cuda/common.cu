@@ -1,5 +1,5 @@
 // sparkd: elementwise and per-row kernels of the K3 forward (embedding gather, RMSNorm, AttnRes read,
-// residual add, SiTU, the MLA output gate, row gathers and greedy argmax).
+// residual add, the three fused, SiTU, the MLA output gate, row gathers and greedy argmax).
 //
 // Invariants: activations between ops are bf16 (the values the CPU reference rounds with `Real::act`);
 // every reduction runs in fp32; each kernel rounds its output once, where the CPU reference does.
@@ -77,6 +77,51 @@ extern "C" __global__ void attn_res_read(const __nv_bfloat16 *sources, long slot
     }
 }
 
+// The residual add, AttnRes read and RMSNorm of one token in one kernel: when `addend` is given, the
+// live source (the last slot) first becomes bf(live + addend) (written back); then the read as
+// attn_res_read (kept in shared memory, bf16-rounded), then rms_norm of it with weight `norm_w`.
+// Bit-identical to add_in_place, attn_res_read and rms_norm in sequence at 256 threads: the same
+// per-thread column order and block reductions. grid = n tokens, 256 threads, d floats of shared memory.
+extern "C" __global__ void attn_res_norm(__nv_bfloat16 *sources, long slot, int nsrc, const float *q,
+                                         const __nv_bfloat16 *addend, const __nv_bfloat16 *norm_w, float norm_eps,
+                                         __nv_bfloat16 *out, int d, float eps) {
+    extern __shared__ float read[]; // [d]
+    __shared__ float score[64];
+    long t = blockIdx.x;
+    if (addend != nullptr) {
+        __nv_bfloat16 *live = sources + (nsrc - 1) * slot + t * d;
+        for (int c = threadIdx.x; c < d; c += blockDim.x)
+            live[c] = __float2bfloat16_rn(ld(live, c) + ld(addend, t * d + c));
+    }
+    for (int i = 0; i < nsrc; i++) {
+        const __nv_bfloat16 *v = sources + i * slot + t * d;
+        float dq = 0.0f, ss = 0.0f;
+        for (int c = threadIdx.x; c < d; c += blockDim.x) { float x = ld(v, c); dq += x * q[c]; ss += x * x; }
+        dq = block_sum(dq);
+        ss = block_sum(ss);
+        if (threadIdx.x == 0) score[i] = dq * (1.0f / sqrtf(ss / (float)d + eps));
+    }
+    __syncthreads();
+    float m = score[0];
+    for (int i = 1; i < nsrc; i++) m = fmaxf(m, score[i]);
+    float p[64];
+    float total = 0.0f;
+    for (int i = 0; i < nsrc; i++) { p[i] = expf(score[i] - m); total += p[i]; }
+    for (int i = 0; i < nsrc; i++) p[i] = p[i] / total;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        float acc = 0.0f;
+        for (int i = 0; i < nsrc; i++) acc += p[i] * ld(sources + i * slot + t * d, c);
+        float v = bf_round(acc);
+        read[c] = v;
+        ss += v * v;
+    }
+    ss = block_sum(ss);
+    float r = 1.0f / sqrtf(ss / (float)d + norm_eps);
+    for (int c = threadIdx.x; c < d; c += blockDim.x)
+        out[t * d + c] = __float2bfloat16_rn(ld(norm_w, c) * bf_round(read[c] * r));
+}
+
 // a = bf(a + b) (the bf16 residual add).
 extern "C" __global__ void add_in_place(__nv_bfloat16 *a, const __nv_bfloat16 *b, long n) {
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
@@ -132,19 +177,4 @@ extern "C" __global__ void argmax_rows(const __nv_bfloat16 *logits, int vocab, u
         __syncthreads();
     }
     if (threadIdx.x == 0) out[blockIdx.x] = best_i[0] == 0xffffffffu ? 0u : best_i[0];
-}
-
-// y[t, o] = bf(sum_c w[o, c] x[t, c]) with one warp per output; every (t, o) is computed the same way
-// whatever the batch, so results do not depend on what else is batched (cuBLAS picks its algorithm by
-// shape). grid = (ceil(out / warps), n tokens).
-extern "C" __global__ void linear_rows(const __nv_bfloat16 *w, const __nv_bfloat16 *x, __nv_bfloat16 *y, int out_dim,
-                                       int in_dim) {
-    int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (o >= out_dim) return;
-    const __nv_bfloat16 *wr = w + (long)o * in_dim;
-    const __nv_bfloat16 *xr = x + (long)blockIdx.y * in_dim;
-    float acc = 0.0f;
-    for (int c = threadIdx.x & 31; c < in_dim; c += 32) acc += ld(wr, c) * ld(xr, c);
-    for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
-    if ((threadIdx.x & 31) == 0) y[(long)blockIdx.y * out_dim + o] = __float2bfloat16_rn(acc);
 }

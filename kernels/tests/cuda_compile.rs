@@ -73,7 +73,7 @@ fn every_kernel_compiles_for_sm90a_and_sm100a() {
         let mut failures = Vec::new();
         for arch in ["sm_90a", "sm_100a"] {
             let compiler = Compiler { arch: arch.to_string(), include_dir: root.join("include"), cache_dir: None };
-            for src in &SOURCES {
+            for src in SOURCES {
                 match compiler.compile(src) {
                     Ok(cubin) => {
                         assert!(cubin.starts_with(b"\x7fELF"), "{} for {arch} is not an ELF cubin", src.name);

@@ -421,18 +421,15 @@ fn weight_bytes(w: &DevWeights, cfg: &ModelConfig) -> (u64, u64) {
             + norm(&layer.post_norm);
         dense += match &layer.mixer {
             DevMixer::Kda(k) => {
-                [&k.q_proj, &k.k_proj, &k.v_proj, &k.g_proj, &k.o_proj, &k.f_a_proj, &k.f_b_proj, &k.b_proj]
-                    .iter()
-                    .map(|l| lin(l))
-                    .sum::<u64>()
+                (k.in_proj.w.len() * 2) as u64
+                    + lin(&k.o_proj)
+                    + lin(&k.f_b_proj)
                     + ((k.conv.iter().map(|c| c.len()).sum::<usize>() + k.a.len() + k.dt_bias.len() + k.o_norm.len())
                         * 4) as u64
             }
             DevMixer::Mla(m) => {
-                [&m.q_a_proj, &m.q_b_proj, &m.kv_a_proj, &m.kv_b_proj, &m.g_proj, &m.o_proj]
-                    .iter()
-                    .map(|l| lin(l))
-                    .sum::<u64>()
+                (m.in_proj.w.len() * 2) as u64
+                    + [&m.q_b_proj, &m.kv_b_proj, &m.o_proj].iter().map(|l| lin(l)).sum::<u64>()
                     + norm(&m.q_a_norm)
                     + norm(&m.kv_a_norm)
             }

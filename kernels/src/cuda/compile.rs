@@ -28,12 +28,13 @@ pub struct KernelSource {
 }
 
 /// Every CUDA source of the crate.
-pub const SOURCES: [KernelSource; 6] = [
+pub const SOURCES: &[KernelSource] = &[
     KernelSource { name: "common.cu", code: include_str!("../../cuda/common.cu") },
     KernelSource { name: "kda.cu", code: include_str!("../../cuda/kda.cu") },
     KernelSource { name: "mla.cu", code: include_str!("../../cuda/mla.cu") },
     KernelSource { name: "moe.cu", code: include_str!("../../cuda/moe.cu") },
     KernelSource { name: "sample.cu", code: include_str!("../../cuda/sample.cu") },
+    KernelSource { name: "gemm.cu", code: include_str!("../../cuda/gemm.cu") },
     KernelSource { name: "drafter.cu", code: include_str!("../../cuda/drafter.cu") },
 ];
 

@@ -11,6 +11,8 @@
 //! - AttnRes sources live in one buffer of slots `[slots, n, d]`: sealed blocks in seal order, the
 //!   live sum in slot `sealed` (follows shared/reference/k3-architecture.md §2.1: a seal before the
 //!   attention of layer `l % block == 0`; the pre-attention read is skipped while nothing is sealed).
+//!   Each read is fused with the RMSNorm after it and with the residual add before it
+//!   (`Gpu::attn_res_norm`), so an FFN output is added to the live slot by the next layer's read.
 //! - Logits are produced only for the positions rows ask for, and stay on the device.
 
 use cudarc::driver::CudaSlice;
@@ -19,7 +21,9 @@ use half::bf16;
 use crate::config::ModelConfig;
 use crate::cpu::moe::Routing;
 use crate::cuda::ops::{DPtr, Gpu, NULL};
-use crate::cuda::weights::{DevFfn, DevKda, DevLinear, DevMixer, DevMla, DevMlp, DevMoe, DevNorm, DevWeights};
+use crate::cuda::weights::{
+    DevFfn, DevKda, DevLinear, DevMerged, DevMixer, DevMla, DevMlp, DevMoe, DevNorm, DevWeights,
+};
 use crate::error::{KernelError, Result};
 use crate::runner::TokenId;
 use crate::state::{KdaState, MlaCache, SeqState};
@@ -243,6 +247,15 @@ impl DeviceModel {
         Ok(y)
     }
 
+    /// A merged projection: one GEMM, parts segment-major (see [`DevMerged`]); returns the buffer and
+    /// the device address of each part.
+    fn linear_parts(&self, gpu: &Gpu, m: &DevMerged, x: DPtr, n: usize) -> Result<(CudaSlice<bf16>, Vec<DPtr>)> {
+        let y = gpu.zeros::<bf16>(n * m.out_dim())?;
+        gpu.linear_parts(gpu.ptr(&m.w), &m.bounds, gpu.ptr(&m.bounds_dev), m.in_dim, x, n, gpu.ptr(&y))?;
+        let parts = m.bounds[..m.bounds.len() - 1].iter().map(|b| gpu.ptr(&y) + (n * b * 2) as u64).collect();
+        Ok((y, parts))
+    }
+
     fn norm_rows(&self, gpu: &Gpu, norm: &DevNorm, x: DPtr, y: DPtr, rows: usize, dim: usize) -> Result<()> {
         gpu.rms_norm(x, dim, gpu.ptr(&norm.w), y, dim, rows, dim, norm.eps)
     }
@@ -318,29 +331,53 @@ impl DeviceModel {
         let res = gpu.zeros::<bf16>(slots * slot)?; // [slots, n, d]
         let res_at = |i: usize| gpu.ptr(&res) + (i * slot * 2) as u64;
         gpu.embed(gpu.ptr(&self.weights.embed), gpu.ptr(&tokens), res_at(0), n, d)?;
-        // [n, d] each: the AttnRes read and its normalised form.
-        let (h_buf, hn_buf) = (gpu.zeros::<bf16>(n * d)?, gpu.zeros::<bf16>(n * d)?);
-        let (h, hn) = (gpu.ptr(&h_buf), gpu.ptr(&hn_buf));
+        // [n, d]: the normalised AttnRes read, the input of each mixer and FFN.
+        let hn_buf = gpu.zeros::<bf16>(n * d)?;
+        let hn = gpu.ptr(&hn_buf);
         let taps = if tap_layers.is_empty() { None } else { Some(gpu.zeros::<bf16>(tap_layers.len() * n * d)?) };
         let mut sealed = 0usize;
         let mut undo_kda: Vec<Vec<KdaUndo>> = rows.iter().map(|_| Vec::new()).collect();
         let (mut kda_idx, mut mla_idx) = (0usize, 0usize);
         let eps = cfg.rms_norm_eps;
+        // The last FFN output, added to the live slot by the next read (one fused launch).
+        let mut pending: Option<CudaSlice<bf16>> = None;
         for (l, lw) in self.weights.layers.iter().enumerate() {
             gpu.mark(match lw.mixer {
                 DevMixer::Kda(_) => SPAN_KDA,
                 DevMixer::Mla(_) => SPAN_MLA,
             })?;
+            let input_norm = (gpu.ptr(&lw.input_norm.w), lw.input_norm.eps);
             if sealed == 0 {
+                if let Some(f) = pending.take() {
+                    gpu.add(res_at(0), gpu.ptr(&f), n * d)?;
+                }
                 self.norm_rows(gpu, &lw.input_norm, res_at(0), hn, n, d)?;
             } else {
-                gpu.attn_res_read(gpu.ptr(&res), slot, sealed + 1, gpu.ptr(&lw.attn_res), h, n, d, eps)?;
-                self.norm_rows(gpu, &lw.input_norm, h, hn, n, d)?;
+                let addend = pending.take();
+                let add = addend.as_ref().map_or(NULL, |f| gpu.ptr(f));
+                gpu.attn_res_norm(
+                    gpu.ptr(&res),
+                    slot,
+                    sealed + 1,
+                    gpu.ptr(&lw.attn_res),
+                    add,
+                    input_norm,
+                    hn,
+                    n,
+                    d,
+                    eps,
+                )?;
             }
+            // The tap of layer l - 1 is the pre-norm read just taken: the live sum, or the AttnRes read
+            // (recomputed unfused, bit-identical to the one inside `attn_res_norm`).
             let tap = l.checked_sub(1).and_then(|prev| tap_layers.iter().position(|t| *t == prev));
             if let (Some(i), Some(taps)) = (tap, &taps) {
-                let read = if sealed == 0 { res_at(0) } else { h };
-                gpu.copy::<bf16>(gpu.ptr(taps) + (i * n * d * 2) as u64, read, n * d)?;
+                let dst = gpu.ptr(taps) + (i * n * d * 2) as u64;
+                if sealed == 0 {
+                    gpu.copy::<bf16>(dst, res_at(0), n * d)?;
+                } else {
+                    gpu.attn_res_read(gpu.ptr(&res), slot, sealed + 1, gpu.ptr(&lw.attn_res), dst, n, d, eps)?;
+                }
             }
             let live_fresh = cfg.seals_before(l);
             if live_fresh {
@@ -358,21 +395,26 @@ impl DeviceModel {
                     out
                 }
             };
-            if live_fresh {
+            // A fresh live slot is a copy of the mixer output; otherwise the read adds it.
+            let add = if live_fresh {
                 gpu.copy::<bf16>(res_at(sealed), gpu.ptr(&a), n * d)?;
+                NULL
             } else {
-                gpu.add(res_at(sealed), gpu.ptr(&a), n * d)?;
-            }
+                gpu.ptr(&a)
+            };
             gpu.mark(match lw.ffn {
                 DevFfn::Dense(_) => SPAN_DENSE,
                 DevFfn::Moe(_) => SPAN_MOE,
             })?;
-            gpu.attn_res_read(gpu.ptr(&res), slot, sealed + 1, gpu.ptr(&lw.mlp_res), h, n, d, eps)?;
-            self.norm_rows(gpu, &lw.post_norm, h, hn, n, d)?;
+            let post_norm = (gpu.ptr(&lw.post_norm.w), lw.post_norm.eps);
+            gpu.attn_res_norm(gpu.ptr(&res), slot, sealed + 1, gpu.ptr(&lw.mlp_res), add, post_norm, hn, n, d, eps)?;
             let f = match &lw.ffn {
                 DevFfn::Dense(w) => self.situ_mlp(gpu, w, hn, n)?,
                 DevFfn::Moe(w) => self.moe(gpu, w, hn, n, trace.as_deref_mut())?,
             };
+            pending = Some(f);
+        }
+        if let Some(f) = pending.take() {
             gpu.add(res_at(sealed), gpu.ptr(&f), n * d)?;
         }
 
@@ -390,19 +432,10 @@ impl DeviceModel {
             let idx = gpu.upload(&wanted)?;
             let packed = gpu.zeros::<bf16>((sealed + 1) * nw * d)?;
             gpu.gather_rows(gpu.ptr(&res), slot, gpu.ptr(&idx), nw, gpu.ptr(&packed), nw * d, sealed + 1, d)?;
-            let hw = gpu.zeros::<bf16>(nw * d)?;
-            gpu.attn_res_read(
-                gpu.ptr(&packed),
-                nw * d,
-                sealed + 1,
-                gpu.ptr(&self.weights.out_res),
-                gpu.ptr(&hw),
-                nw,
-                d,
-                eps,
-            )?;
             let hwn = gpu.zeros::<bf16>(nw * d)?;
-            self.norm_rows(gpu, &self.weights.norm, gpu.ptr(&hw), gpu.ptr(&hwn), nw, d)?;
+            let norm = (gpu.ptr(&self.weights.norm.w), self.weights.norm.eps);
+            let out_res = gpu.ptr(&self.weights.out_res);
+            gpu.attn_res_norm(gpu.ptr(&packed), nw * d, sealed + 1, out_res, NULL, norm, gpu.ptr(&hwn), nw, d, eps)?;
             let lm = &self.weights.lm_head;
             gpu.linear(gpu.ptr(&lm.w), lm.out_dim, lm.in_dim, gpu.ptr(&hwn), nw, gpu.ptr(&logits))?;
         }
@@ -436,18 +469,14 @@ impl DeviceModel {
         let k = &self.cfg.kda;
         let (p, heads, dk, kw) = (k.proj_dim(), k.num_heads, k.head_dim, k.conv_kernel);
         let n = offsets[rows.len()];
-        let qkv = [
-            self.linear(gpu, &w.q_proj, hn, n)?,
-            self.linear(gpu, &w.k_proj, hn, n)?,
-            self.linear(gpu, &w.v_proj, hn, n)?,
-        ];
-        let fa = self.linear(gpu, &w.f_a_proj, hn, n)?;
-        let f = self.linear(gpu, &w.f_b_proj, gpu.ptr(&fa), n)?;
-        let b = self.linear(gpu, &w.b_proj, hn, n)?;
-        let g = self.linear(gpu, &w.g_proj, hn, n)?;
+        // One GEMM for q, k, v, g [n, P] each, f_a [n, head_dim] and b [n, H] (weights::KDA_IN_PARTS).
+        let (_proj, parts) = self.linear_parts(gpu, &w.in_proj, hn, n)?;
+        let (qkv, g, b) = ([parts[0], parts[1], parts[2]], parts[3], parts[5]);
+        let f = self.linear(gpu, &w.f_b_proj, parts[4], n)?;
         let conv_out = gpu.zeros::<bf16>(3 * n * p)?; // [3, n, P]
         let o = gpu.zeros::<bf16>(n * p)?;
         let at = |buf: &CudaSlice<bf16>, elem: usize| gpu.ptr(buf) + (elem * 2) as u64;
+        let at_ptr = |base: DPtr, elem: usize| base + (elem * 2) as u64;
         for (ri, row) in rows.iter_mut().enumerate() {
             let (s, t) = (offsets[ri], offsets[ri + 1] - offsets[ri]);
             let st = &mut row.state.kda[layer];
@@ -461,7 +490,7 @@ impl DeviceModel {
             for x in 0..3 {
                 let hist_ptr = hist.as_ref().map_or(NULL, |hs| gpu.ptr(&hs[x]));
                 gpu.kda_conv(
-                    at(&qkv[x], s * p),
+                    at_ptr(qkv[x], s * p),
                     gpu.ptr(&st.conv[x]),
                     gpu.ptr(&w.conv[x]),
                     at(&conv_out, x * n * p + s * p),
@@ -478,8 +507,8 @@ impl DeviceModel {
             gpu.kda_recurrence(
                 [at(&conv_out, s * p), at(&conv_out, n * p + s * p), at(&conv_out, 2 * n * p + s * p)],
                 at(&f, s * p),
-                at(&b, s * heads),
-                at(&g, s * p),
+                at_ptr(b, s * heads),
+                at_ptr(g, s * p),
                 gpu.ptr(&st.s),
                 gpu.ptr(&w.a),
                 gpu.ptr(&w.dt_bias),
@@ -513,23 +542,21 @@ impl DeviceModel {
         let n = offsets[rows.len()];
         let (r, ld, qw, vw) =
             (m.kv_lora_rank, m.latent_dim(), m.num_heads * m.q_head_dim(), m.num_heads * m.v_head_dim);
-        let qa = self.linear(gpu, &w.q_a_proj, hn, n)?;
+        // One GEMM for q_a [n, q_lora_rank], kv_a [n, r + rope] and the gate g [n, H * v] (weights::MLA_IN_PARTS).
+        let (_proj, parts) = self.linear_parts(gpu, &w.in_proj, hn, n)?;
+        let (qa, kva, gate) = (parts[0], parts[1], parts[2]);
         let qa_n = gpu.zeros::<bf16>(n * m.q_lora_rank)?;
-        self.norm_rows(gpu, &w.q_a_norm, gpu.ptr(&qa), gpu.ptr(&qa_n), n, m.q_lora_rank)?;
+        self.norm_rows(gpu, &w.q_a_norm, qa, gpu.ptr(&qa_n), n, m.q_lora_rank)?;
         let q = self.linear(gpu, &w.q_b_proj, gpu.ptr(&qa_n), n)?;
-        let kva = self.linear(gpu, &w.kv_a_proj, hn, n)?; // [n, r + rope]; normalise c in place
-        gpu.rms_norm(gpu.ptr(&kva), ld, gpu.ptr(&w.kv_a_norm.w), gpu.ptr(&kva), ld, n, r, w.kv_a_norm.eps)?;
+        // Normalise the c part of kv_a in place.
+        gpu.rms_norm(kva, ld, gpu.ptr(&w.kv_a_norm.w), kva, ld, n, r, w.kv_a_norm.eps)?;
         let o = gpu.zeros::<bf16>(n * vw)?;
         for (ri, row) in rows.iter_mut().enumerate() {
             let (s, t) = (offsets[ri], offsets[ri + 1] - offsets[ri]);
             let first = row.state.len;
             let cache = &mut row.state.mla[layer];
             reserve(gpu, cache, first + t, ld)?;
-            gpu.copy::<bf16>(
-                gpu.ptr(&cache.cache) + (first * ld * 2) as u64,
-                gpu.ptr(&kva) + (s * ld * 2) as u64,
-                t * ld,
-            )?;
+            gpu.copy::<bf16>(gpu.ptr(&cache.cache) + (first * ld * 2) as u64, kva + (s * ld * 2) as u64, t * ld)?;
             let scores = gpu.zeros::<f32>(t * m.num_heads * (first + t))?;
             gpu.mla_attend(
                 m,
@@ -542,9 +569,8 @@ impl DeviceModel {
                 t,
             )?;
         }
-        let gate = self.linear(gpu, &w.g_proj, hn, n)?;
         let gated = gpu.zeros::<bf16>(n * vw)?;
-        gpu.sigmoid_gate(gpu.ptr(&o), gpu.ptr(&gate), gpu.ptr(&gated), n * vw)?;
+        gpu.sigmoid_gate(gpu.ptr(&o), gate, gpu.ptr(&gated), n * vw)?;
         self.linear(gpu, &w.o_proj, gpu.ptr(&gated), n)
     }
 

@@ -8,8 +8,9 @@
 //! - Shapes are checked by the callers (the weight loader and the forward); kernels trust them.
 //! - Every launch and memory operation is counted ([`Gpu::issued`]); while a profile is recorded,
 //!   [`Gpu::mark`] puts timed events on the stream, so spans of the forward are timed on the device.
-//! - GEMMs have two implementations: cuBLAS (`cublasGemmEx`, bf16 in/out, fp32 accumulate) and a
-//!   warp-per-output kernel whose result for a token does not depend on the batch (see [`Gemm`]).
+//! - GEMMs have two implementations: cuBLAS (`cublasGemmEx`, bf16 in/out, fp32 accumulate) and the
+//!   skinny tensor-core kernel of `gemm.cu`, whose result for a token does not depend on the batch
+//!   (see [`Gemm`]); its K split is a function of the weight's shape alone ([`skinny_split`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -37,8 +38,9 @@ pub enum Gemm {
     /// cuBLAS `GemmEx`: fastest, but its algorithm (and so the fp32 summation order) depends on the
     /// number of tokens in the batch.
     Cublas,
-    /// One warp per output: batch-invariant, so a seeded request gives the same tokens whatever is
-    /// batched with it (the runner contract), at some cost in speed.
+    /// The skinny tensor-core GEMM (`gemm.cu`): each weight read once per 64 tokens, every output
+    /// summed in a fixed order, so it is batch-invariant bit for bit: a seeded request gives the same
+    /// tokens whatever is batched with it (the runner contract).
     BatchInvariant,
 }
 
@@ -46,12 +48,14 @@ struct Kernels {
     embed_gather: CudaFunction,
     rms_norm: CudaFunction,
     attn_res_read: CudaFunction,
+    attn_res_norm: CudaFunction,
     add_in_place: CudaFunction,
     situ: CudaFunction,
     sigmoid_gate: CudaFunction,
     gather_rows: CudaFunction,
     argmax_rows: CudaFunction,
-    linear_rows: CudaFunction,
+    /// `skinny_gemm_t{1,2,4,8}`: token chunks of up to 8, 16, 32, 64 tokens.
+    skinny_gemm: [CudaFunction; 4],
     kda_conv: CudaFunction,
     kda_recurrence: CudaFunction,
     mla_attend: CudaFunction,
@@ -105,6 +109,31 @@ fn launch_err(name: &str) -> impl Fn(cudarc::driver::DriverError) -> KernelError
     move |e| device_err(&format!("launching {name}"), e)
 }
 
+/// Tokens per chunk of the skinny GEMM (each chunk reads the weight once).
+const SKINNY_TOKENS: usize = 64;
+
+/// Dynamic shared memory of the skinny GEMM for `tiles` token tiles of 8: the staged x chunk,
+/// `[8 tiles, 520]` bf16 (the split reduction reuses it).
+fn skinny_smem_bytes(tiles: usize) -> usize {
+    8 * tiles * 520 * 2
+}
+
+/// The K split of the skinny GEMM for a `[out_dim, in_dim]` weight: the fewest warps per 32-row team
+/// (1, 2, 4, 8) that give at least `SKINNY_WARPS` warps in all; no split below one staged chunk of
+/// K (512), where the later warps of a team would have nothing to read. A function of the shape
+/// alone, so results stay batch-invariant.
+pub fn skinny_split(out_dim: usize, in_dim: usize) -> usize {
+    // Measured on an H200 over the k3-mini shapes at 1, 8 and 64 tokens (best total time): about
+    // 1,100-2,000 warps in all, i.e. 8-16 resident warps per SM, each streaming its own rows.
+    const SKINNY_WARPS: usize = 1152;
+    let teams = out_dim.div_ceil(32);
+    let mut split = 1;
+    while split < 8 && teams * split < SKINNY_WARPS && in_dim >= 512 {
+        split *= 2;
+    }
+    split
+}
+
 fn grid_1d(n: usize, block: u32) -> LaunchConfig {
     let blocks = n.div_ceil(block as usize).clamp(1, 65_535) as u32;
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 }
@@ -122,37 +151,51 @@ impl Gpu {
             include_dir: crate::cuda::compile::default_include_dir(),
             cache_dir: crate::cuda::compile::default_cache_dir(),
         };
-        let mut modules = Vec::new();
-        for src in &SOURCES {
+        let mut modules = std::collections::HashMap::new();
+        for src in SOURCES {
             let cubin = compiler.cubin(src)?;
             let m = ctx
                 .load_module(Ptx::from_binary(cubin))
                 .map_err(|e| device_err(&format!("loading {}", src.name), e))?;
-            modules.push(m);
+            modules.insert(src.name, m);
         }
-        let f = |module: usize, name: &str| {
-            modules[module].load_function(name).map_err(|e| device_err(&format!("kernel {name}"), e))
+        let f = |module: &str, name: &str| {
+            let m = modules.get(module).ok_or_else(|| KernelError::Device(format!("no kernel source {module}")))?;
+            m.load_function(name).map_err(|e| device_err(&format!("kernel {name} of {module}"), e))
         };
         let k = Kernels {
-            embed_gather: f(0, "embed_gather")?,
-            rms_norm: f(0, "rms_norm")?,
-            attn_res_read: f(0, "attn_res_read")?,
-            add_in_place: f(0, "add_in_place")?,
-            situ: f(0, "situ")?,
-            sigmoid_gate: f(0, "sigmoid_gate")?,
-            gather_rows: f(0, "gather_rows")?,
-            argmax_rows: f(0, "argmax_rows")?,
-            linear_rows: f(0, "linear_rows")?,
-            kda_conv: f(1, "kda_conv")?,
-            kda_recurrence: f(1, "kda_recurrence")?,
-            mla_attend: f(2, "mla_attend")?,
-            moe_router_logits: f(3, "moe_router_logits")?,
-            moe_route: f(3, "moe_route")?,
-            moe_gate_up: f(3, "moe_gate_up")?,
-            moe_down_combine: f(3, "moe_down_combine")?,
-            sample_rows: f(4, "sample_rows")?,
-            rng_hash3: f(4, "rng_hash3")?,
+            embed_gather: f("common.cu", "embed_gather")?,
+            rms_norm: f("common.cu", "rms_norm")?,
+            attn_res_read: f("common.cu", "attn_res_read")?,
+            attn_res_norm: f("common.cu", "attn_res_norm")?,
+            add_in_place: f("common.cu", "add_in_place")?,
+            situ: f("common.cu", "situ")?,
+            sigmoid_gate: f("common.cu", "sigmoid_gate")?,
+            gather_rows: f("common.cu", "gather_rows")?,
+            argmax_rows: f("common.cu", "argmax_rows")?,
+            kda_conv: f("kda.cu", "kda_conv")?,
+            kda_recurrence: f("kda.cu", "kda_recurrence")?,
+            mla_attend: f("mla.cu", "mla_attend")?,
+            moe_router_logits: f("moe.cu", "moe_router_logits")?,
+            moe_route: f("moe.cu", "moe_route")?,
+            moe_gate_up: f("moe.cu", "moe_gate_up")?,
+            moe_down_combine: f("moe.cu", "moe_down_combine")?,
+            sample_rows: f("sample.cu", "sample_rows")?,
+            rng_hash3: f("sample.cu", "rng_hash3")?,
+            skinny_gemm: [
+                f("gemm.cu", "skinny_gemm_t1")?,
+                f("gemm.cu", "skinny_gemm_t2")?,
+                f("gemm.cu", "skinny_gemm_t4")?,
+                f("gemm.cu", "skinny_gemm_t8")?,
+            ],
         };
+        for (tiles, func) in [1usize, 2, 4, 8].iter().zip(&k.skinny_gemm) {
+            func.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                skinny_smem_bytes(*tiles) as i32,
+            )
+            .map_err(|e| device_err("allowing the skinny GEMM its shared memory", e))?;
+        }
         let stream = ctx.default_stream();
         let blas = CudaBlas::new(stream.clone()).map_err(|e| device_err("creating the cuBLAS handle", e))?;
         Ok(Gpu {
@@ -346,6 +389,46 @@ impl Gpu {
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("attn_res_read"))
     }
 
+    /// The residual add, AttnRes read and RMSNorm fused (`attn_res_norm` in common.cu): when `addend`
+    /// is not [`NULL`], the live slot (the last of `nsrc`) first becomes `bf(live + addend)`; then
+    /// `out = rms_norm(read)`, `[n, d]`. Bit-identical to [`Gpu::add`], [`Gpu::attn_res_read`] and
+    /// [`Gpu::rms_norm`] in sequence, in one launch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_res_norm(
+        &self,
+        sources: DPtr,
+        slot: usize,
+        nsrc: usize,
+        q: DPtr,
+        addend: DPtr,
+        norm: (DPtr, f32),
+        out: DPtr,
+        n: usize,
+        d: usize,
+        eps: f32,
+    ) -> Result<()> {
+        if nsrc == 0 || nsrc > 64 {
+            return Err(KernelError::InvalidInput(format!("AttnRes read over {nsrc} sources (1..=64 supported)")));
+        }
+        if d > 12_288 {
+            return Err(KernelError::InvalidInput(format!("fused AttnRes read + norm of width {d} (at most 12288)")));
+        }
+        let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: (d * 4) as u32 };
+        let (slot, nsrc, d) = (slot as i64, nsrc as i32, d as i32);
+        let mut b = self.stream.launch_builder(&self.k.attn_res_norm);
+        b.arg(&sources)
+            .arg(&slot)
+            .arg(&nsrc)
+            .arg(&q)
+            .arg(&addend)
+            .arg(&norm.0)
+            .arg(&norm.1)
+            .arg(&out)
+            .arg(&d)
+            .arg(&eps);
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("attn_res_norm"))
+    }
+
     /// `a = bf(a + b)` over `len` elements.
     pub fn add(&self, a: DPtr, b_: DPtr, len: usize) -> Result<()> {
         let n = len as i64;
@@ -429,17 +512,98 @@ impl Gpu {
         match self.gemm {
             Gemm::Cublas => self.linear_cublas(w, out_dim, in_dim, x, n, y),
             Gemm::BatchInvariant => {
-                let cfg = LaunchConfig {
-                    grid_dim: (out_dim.div_ceil(8) as u32, n as u32, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                let (o, i) = (out_dim as i32, in_dim as i32);
-                let mut b = self.stream.launch_builder(&self.k.linear_rows);
-                b.arg(&w).arg(&x).arg(&y).arg(&o).arg(&i);
-                unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("linear_rows"))
+                self.linear_skinny(w, out_dim, in_dim, x, n, y, None, skinny_split(out_dim, in_dim))
             }
         }
+    }
+
+    /// A merged projection: `w` stacks parts of `bounds[i + 1] - bounds[i]` rows (`bounds` starts at 0
+    /// and ends at the total), and the result is segment-major: part `i` is a contiguous
+    /// `[n, bounds[i + 1] - bounds[i]]` block at element offset `n * bounds[i]` of `y`, exactly as if
+    /// each part had run alone. `bounds_dev` holds `bounds` as i32 on the device.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_parts(
+        &self,
+        w: DPtr,
+        bounds: &[usize],
+        bounds_dev: DPtr,
+        in_dim: usize,
+        x: DPtr,
+        n: usize,
+        y: DPtr,
+    ) -> Result<()> {
+        let out_dim = *bounds.last().unwrap_or(&0);
+        if bounds.len() < 2 || bounds[0] != 0 || bounds.windows(2).any(|b| b[0] > b[1]) || out_dim > i32::MAX as usize {
+            return Err(KernelError::InvalidInput(format!(
+                "merged projection bounds {bounds:?} are not ascending from 0"
+            )));
+        }
+        match self.gemm {
+            Gemm::Cublas => {
+                for b in bounds.windows(2) {
+                    let part_w = w + (b[0] * in_dim * 2) as u64;
+                    self.linear_cublas(part_w, b[1] - b[0], in_dim, x, n, y + (n * b[0] * 2) as u64)?;
+                }
+                Ok(())
+            }
+            Gemm::BatchInvariant => self.linear_skinny(
+                w,
+                out_dim,
+                in_dim,
+                x,
+                n,
+                y,
+                Some((bounds_dev, bounds.len() - 1)),
+                skinny_split(out_dim, in_dim),
+            ),
+        }
+    }
+
+    /// The skinny GEMM with an explicit K split (1, 2, 4 or 8 warps per row team), row-major output or
+    /// segment-major output `(bounds on the device, parts)`. Results are batch-invariant for a fixed
+    /// `split`; [`Gpu::linear`] takes [`skinny_split`] of the shape, and benchmarks try the others.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_skinny(
+        &self,
+        w: DPtr,
+        out_dim: usize,
+        in_dim: usize,
+        x: DPtr,
+        n: usize,
+        y: DPtr,
+        parts: Option<(DPtr, usize)>,
+        split: usize,
+    ) -> Result<()> {
+        if ![1, 2, 4, 8].contains(&split) {
+            return Err(KernelError::InvalidInput(format!("skinny GEMM split {split} (1, 2, 4 or 8 supported)")));
+        }
+        if out_dim > i32::MAX as usize || in_dim > i32::MAX as usize || n > i32::MAX as usize {
+            return Err(KernelError::InvalidInput(format!(
+                "GEMM of [{n}, {in_dim}] x [{out_dim}, {in_dim}] is too large"
+            )));
+        }
+        if n == 0 || out_dim == 0 {
+            return Ok(());
+        }
+        let chunks = n.div_ceil(SKINNY_TOKENS);
+        if chunks > 65_535 {
+            return Err(KernelError::InvalidInput(format!("GEMM of {n} tokens (at most {} per call)", 65_535 * 64)));
+        }
+        let tiles = n.min(SKINNY_TOKENS).div_ceil(8).next_power_of_two();
+        let func = &self.k.skinny_gemm[tiles.trailing_zeros() as usize];
+        let rows_per_block = 32 * (8 / split);
+        let cfg = LaunchConfig {
+            grid_dim: (out_dim.div_ceil(rows_per_block) as u32, chunks as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: skinny_smem_bytes(tiles) as u32,
+        };
+        let aligned = |p: DPtr| p % 16 == 0 && in_dim % 8 == 0;
+        let vec = aligned(w) as i32 | ((aligned(x) as i32) << 1);
+        let (seg, nseg) = parts.unwrap_or((NULL, 0));
+        let (nn, kk, mm, nseg, split) = (out_dim as i32, in_dim as i32, n as i32, nseg as i32, split as i32);
+        let mut b = self.stream.launch_builder(func);
+        b.arg(&w).arg(&x).arg(&y).arg(&nn).arg(&kk).arg(&mm).arg(&seg).arg(&nseg).arg(&split).arg(&vec);
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("skinny_gemm"))
     }
 
     /// The cuBLAS GEMM: row-major `y = x wᵀ` is column-major `yᵀ = w xᵀ` with `w` transposed

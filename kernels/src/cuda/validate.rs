@@ -2,7 +2,8 @@
 //! serde-serialisable [`ValidationReport`] (for `sparkd validate` and the GPU test binary).
 //!
 //! What it checks (shared/DESIGN.md, "Testing the numbers"):
-//! 1. Op by op on identical bf16 inputs: RMSNorm, the AttnRes read, SiTU, the linear layers (both
+//! 1. Op by op on identical bf16 inputs: RMSNorm, the AttnRes read (alone and fused with
+//!    the residual add and RMSNorm), SiTU, the linear layers (both
 //!    GEMMs), a KDA layer (projections, conv, recurrence, gated norm, o_proj; output and state over
 //!    two consecutive windows), an MLA layer (two windows over the latent cache) and the latent MoE
 //!    (router decisions compared separately). Tolerances are relative L2 errors sized for one bf16
@@ -234,6 +235,27 @@ fn op_checks(gpu: &mut Gpu, dev: &DeviceModel, cpu: &CpuModel<f32>) -> Result<Ve
     gpu.attn_res_read(gpu.ptr(&sd), n * d, 3, gpu.ptr(&dl1.mlp_res), gpu.ptr(&y), n, d, cfg.rms_norm_eps)?;
     let refs: Vec<&[f32]> = srcs.iter().map(|s| s.as_slice()).collect();
     out.push(compare("attn_res_read", &down(gpu, &y, n * d)?, &l1.mlp_res.read(&refs), TOL_ONE_ROUNDING));
+
+    // The residual add, AttnRes read and RMSNorm fused (the forward's form), against the CPU's three
+    // steps: the live source becomes bf(live + addend), then read, then norm.
+    let addend = random_bf16(&mut rng, n * d, 1.0);
+    let ad = up(gpu, &addend)?;
+    let norm = (gpu.ptr(&dl1.post_norm.w), dl1.post_norm.eps);
+    gpu.attn_res_norm(
+        gpu.ptr(&sd),
+        n * d,
+        3,
+        gpu.ptr(&dl1.mlp_res),
+        gpu.ptr(&ad),
+        norm,
+        gpu.ptr(&y),
+        n,
+        d,
+        cfg.rms_norm_eps,
+    )?;
+    let live: Vec<f32> = srcs[2].iter().zip(&addend).map(|(a, b)| bf16::from_f32(a + b).to_f32()).collect();
+    let want = l1.post_norm.forward(&l1.mlp_res.read(&[&srcs[0], &srcs[1], &live]));
+    out.push(compare("attn_res_norm (add + read + norm)", &down(gpu, &y, n * d)?, &want, TOL_ONE_ROUNDING));
 
     // SiTU.
     let g = random_bf16(&mut rng, n * d, 8.0);

@@ -6,6 +6,9 @@
 //! never holds more than one tensor at a time, so a large checkpoint does not need host memory for the
 //! whole model. Derived values match the CPU reference exactly: `a = exp(A_log[..num_heads])` and the
 //! AttnRes pseudo-query `norm * proj` are computed on the host in f32, as `cpu::weights` computes them.
+//! The projections a mixer applies to the same input are stacked at load into one matrix
+//! ([`DevMerged`]: KDA's q, k, v, g, f_a, b and MLA's q_a, kv_a, g), uploaded part by part into their
+//! rows, so each runs as one GEMM whose output parts keep the separate tensors' layouts.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -26,6 +29,30 @@ pub struct DevLinear {
     pub in_dim: usize,
 }
 
+/// Projections of the same input stacked into one bf16 matrix `[sum of outs, in]` (rows in part
+/// order), run as one GEMM with a segment-major output (`Gpu::linear_parts`): part `i` is its own
+/// contiguous `[n, bounds[i + 1] - bounds[i]]` block at element offset `n * bounds[i]`.
+pub struct DevMerged {
+    pub w: CudaSlice<bf16>,
+    pub in_dim: usize,
+    /// Row boundaries of the parts: `[0, out_0, out_0 + out_1, .., total]`.
+    pub bounds: Vec<usize>,
+    /// `bounds` as i32 on the device.
+    pub bounds_dev: CudaSlice<i32>,
+}
+
+impl DevMerged {
+    /// Total output width.
+    pub fn out_dim(&self) -> usize {
+        self.bounds[self.bounds.len() - 1]
+    }
+}
+
+/// The parts of [`DevKda::in_proj`], in row order.
+pub const KDA_IN_PARTS: [&str; 6] = ["q_proj", "k_proj", "v_proj", "g_proj", "f_a_proj", "b_proj"];
+/// The parts of [`DevMla::in_proj`], in row order.
+pub const MLA_IN_PARTS: [&str; 3] = ["q_a_proj", "kv_a_proj_with_mqa", "g_proj"];
+
 /// A bf16 norm weight with its epsilon.
 pub struct DevNorm {
     pub w: CudaSlice<bf16>,
@@ -33,14 +60,10 @@ pub struct DevNorm {
 }
 
 pub struct DevKda {
-    pub q_proj: DevLinear,
-    pub k_proj: DevLinear,
-    pub v_proj: DevLinear,
-    pub g_proj: DevLinear,
+    /// q, k, v, g, f_a, b ([`KDA_IN_PARTS`]) of the normalised input.
+    pub in_proj: DevMerged,
     pub o_proj: DevLinear,
-    pub f_a_proj: DevLinear,
     pub f_b_proj: DevLinear,
-    pub b_proj: DevLinear,
     /// q, k, v conv weights, each `[P, kernel]` f32.
     pub conv: [CudaSlice<f32>; 3],
     /// `exp(A_log[h])`, `[H]`.
@@ -52,13 +75,12 @@ pub struct DevKda {
 }
 
 pub struct DevMla {
-    pub q_a_proj: DevLinear,
+    /// q_a, kv_a (with the rope part), g ([`MLA_IN_PARTS`]) of the normalised input.
+    pub in_proj: DevMerged,
     pub q_a_norm: DevNorm,
     pub q_b_proj: DevLinear,
-    pub kv_a_proj: DevLinear,
     pub kv_a_norm: DevNorm,
     pub kv_b_proj: DevLinear,
-    pub g_proj: DevLinear,
     pub o_proj: DevLinear,
 }
 
@@ -181,6 +203,48 @@ impl Uploader<'_> {
         Ok(DevLinear { w: self.upload_bf16(name, &t)?, out_dim, in_dim })
     }
 
+    /// The bf16 matrices `names` stacked into one; shapes come from the schema, so the device matrix is
+    /// allocated before any part is fetched and the host holds one part at a time.
+    fn merged(&mut self, names: &[String]) -> Result<DevMerged> {
+        let mut bounds = vec![0usize];
+        let mut in_dim = None;
+        for name in names {
+            let spec = self.specs.get(name).ok_or_else(|| KernelError::MissingTensor { name: name.clone() })?;
+            let (rows, cols) = match &spec.shape {
+                crate::tensor::ShapeRule::Exact(s) if s.len() == 2 => (s[0], s[1]),
+                other => {
+                    return Err(KernelError::InvalidInput(format!("`{name}` is not a matrix in the schema: {other:?}")))
+                }
+            };
+            if *in_dim.get_or_insert(cols) != cols {
+                return Err(KernelError::TensorMismatch {
+                    name: name.clone(),
+                    expected: format!("{} input columns, as the projections merged with it", in_dim.unwrap_or(0)),
+                    found: format!("{cols}"),
+                });
+            }
+            bounds.push(bounds[bounds.len() - 1] + rows);
+        }
+        let in_dim = in_dim.unwrap_or(0);
+        let w = self.gpu.zeros::<bf16>(bounds[bounds.len() - 1] * in_dim)?;
+        for (name, rows) in names.iter().zip(bounds.windows(2)) {
+            let t = self.raw(name)?;
+            let expected = (rows[1] - rows[0]) * in_dim * 2;
+            if t.dtype != DType::Bf16 || t.bytes().len() != expected {
+                return Err(KernelError::TensorMismatch {
+                    name: name.clone(),
+                    expected: format!("BF16, {expected} bytes"),
+                    found: format!("{}, {} bytes", t.dtype.name(), t.bytes().len()),
+                });
+            }
+            self.put(|gpu| gpu.upload_bytes_at(gpu.ptr(&w) + (rows[0] * in_dim * 2) as u64, t.bytes()))?;
+            self.bytes += expected;
+        }
+        let table: Vec<i32> = bounds.iter().map(|b| *b as i32).collect();
+        let bounds_dev = self.put(|gpu| gpu.upload(&table))?;
+        Ok(DevMerged { w, in_dim, bounds, bounds_dev })
+    }
+
     fn norm(&mut self, name: &str, eps: f32) -> Result<DevNorm> {
         Ok(DevNorm { w: self.bf16(name)?, eps })
     }
@@ -257,14 +321,9 @@ impl DevWeights {
                     let a_log = up.raw(&n("self_attn.A_log"))?.to_f32()?;
                     let a: Vec<f32> = a_log[..cfg.kda.num_heads].iter().map(|x| x.exp()).collect();
                     DevMixer::Kda(Box::new(DevKda {
-                        q_proj: up.linear(&n("self_attn.q_proj.weight"))?,
-                        k_proj: up.linear(&n("self_attn.k_proj.weight"))?,
-                        v_proj: up.linear(&n("self_attn.v_proj.weight"))?,
-                        g_proj: up.linear(&n("self_attn.g_proj.weight"))?,
+                        in_proj: up.merged(&KDA_IN_PARTS.map(|p| n(&format!("self_attn.{p}.weight"))))?,
                         o_proj: up.linear(&n("self_attn.o_proj.weight"))?,
-                        f_a_proj: up.linear(&n("self_attn.f_a_proj.weight"))?,
                         f_b_proj: up.linear(&n("self_attn.f_b_proj.weight"))?,
-                        b_proj: up.linear(&n("self_attn.b_proj.weight"))?,
                         conv: [
                             up.f32(&n("self_attn.q_conv1d.weight"))?,
                             up.f32(&n("self_attn.k_conv1d.weight"))?,
@@ -276,13 +335,11 @@ impl DevWeights {
                     }))
                 }
                 Mixer::Mla => DevMixer::Mla(Box::new(DevMla {
-                    q_a_proj: up.linear(&n("self_attn.q_a_proj.weight"))?,
+                    in_proj: up.merged(&MLA_IN_PARTS.map(|p| n(&format!("self_attn.{p}.weight"))))?,
                     q_a_norm: up.norm(&n("self_attn.q_a_layernorm.weight"), crate::config::MLA_NORM_EPS)?,
                     q_b_proj: up.linear(&n("self_attn.q_b_proj.weight"))?,
-                    kv_a_proj: up.linear(&n("self_attn.kv_a_proj_with_mqa.weight"))?,
                     kv_a_norm: up.norm(&n("self_attn.kv_a_layernorm.weight"), crate::config::MLA_NORM_EPS)?,
                     kv_b_proj: up.linear(&n("self_attn.kv_b_proj.weight"))?,
-                    g_proj: up.linear(&n("self_attn.g_proj.weight"))?,
                     o_proj: up.linear(&n("self_attn.o_proj.weight"))?,
                 })),
             };
