@@ -1,15 +1,28 @@
-// sparkd: Kimi Delta Attention for one sequence window: the short causal conv with SiLU, and the
-// per-head recurrence (gates, l2 norms, delta rule, gated output RMSNorm), token by token.
+// sparkd: Kimi Delta Attention for every row of a step in one launch: the short causal conv with SiLU,
+// the gates, the l2 norms of q and k, the delta-rule recurrence and the gated output RMSNorm, fused
+// (follows fla's fused_recurrent KDA: one program per (head, sequence) with the state held on chip).
 //
-// Invariants: the state S of a head is [K, V] fp32, decayed by rows; column j of S is owned by
-// thread j, which walks the key channels i in ascending order, the order of the CPU reference
-// (kernels/src/cpu/kda.rs `recurrent_step`). Conv windows hold the last kw-1 pre-conv inputs (bf16).
-// With snapshots on, the layer state after m window tokens is written for every from <= m < t, so a
-// verify window can be cut back exactly (fla's IS_SPEC_DECODING per-token states).
-// Math: shared/reference/k3-architecture.md §2.4.
+// Invariants:
+// - One block per (head, row); channel j of the head (its q/k/v conv windows) and column j of the head's
+//   state S [K, V] (fp32, in registers for the whole window) belong to thread j (chunked kernel) or to the
+//   lane pair 2j, 2j+1 (recurrent kernel, each half of the key rows). Within a thread key channels i are
+//   walked in ascending order, as the CPU reference does (kernels/src/cpu/kda.rs `recurrent_step`); the
+//   recurrent kernel adds the two halves' partial sums last.
+// - A row's result depends only on its own table entry and inputs (batch invariance, bit for bit).
+// - Conv windows hold the last kw-1 pre-conv inputs (bf16); conv outputs are rounded to bf16 as the
+//   CPU rounds them with `act`.
+// - With snapshots on (entry `snaps` non-null) the state after m window tokens is written for every
+//   snap_from <= m < t, and the conv history (old window, then the window's inputs) to `hist`, so a
+//   verify window can be cut back exactly (fla's IS_SPEC_DECODING per-token states).
+// - The chunked kernel (kda_chunk_*) takes the rows whose entry says mode 1 (long windows without
+//   snapshots), the recurrent kernel (kda_step_*) the others; each skips the other's rows.
+// Math: shared/reference/k3-architecture.md §2.4 (decode) and §3.2 (chunked WY form).
 #include <cuda_bf16.h>
 
-__device__ __forceinline__ float ld(const __nv_bfloat16 *p, long i) { return __bfloat162float(p[i]); }
+typedef long long i64;
+
+__device__ __forceinline__ float ld(const __nv_bfloat16 *p, i64 i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ float bf_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the total.
@@ -26,80 +39,338 @@ __device__ float block_sum(float v) {
     return t;
 }
 
-// Depthwise causal conv + SiLU over a window of t tokens for one of q/k/v.
-// x: [t, P] new pre-conv inputs; window: [kw-1, P] (state, updated in place); w: [P, kw] fp32
-// (tap kw-1 multiplies the current token); out: [t, P]; hist (optional): [kw-1+t, P], the old window
-// followed by the new inputs, kept so that a verify window can restore the window after m tokens.
-extern "C" __global__ void kda_conv(const __nv_bfloat16 *x, __nv_bfloat16 *window, const float *w,
-                                    __nv_bfloat16 *out, __nv_bfloat16 *hist, int t, int P, int kw) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= P) return;
-    float win[8];  // kw <= 8
-    for (int j = 0; j < kw - 1; j++) {
-        win[j] = ld(window, (long)j * P + c);
-        if (hist) hist[(long)j * P + c] = window[(long)j * P + c];
-    }
-    for (int ti = 0; ti < t; ti++) {
-        win[kw - 1] = ld(x, (long)ti * P + c);
-        if (hist) hist[(long)(kw - 1 + ti) * P + c] = x[(long)ti * P + c];
-        float acc = 0.0f;
-        for (int j = 0; j < kw; j++) acc += w[c * kw + j] * win[j];
-        out[(long)ti * P + c] = __float2bfloat16_rn(acc * sigmoidf_(acc));
-        for (int j = 0; j < kw - 1; j++) win[j] = win[j + 1];
-    }
-    for (int j = 0; j < kw - 1; j++) window[(long)j * P + c] = __float2bfloat16_rn(win[j]);
+// One row's entry of the step table (i64 fields; kernels/src/cuda/attn.rs `KDA_ENTRY` writes them).
+#define E_S 0          // float S [H, K, K]
+#define E_CONV 1       // 3 x bf16 window [kw-1, P] (q, k, v)
+#define E_SNAPS 4      // float [t - from, H, K, K] or 0
+#define E_HIST 5       // bf16 [3, kw-1+t, P] or 0
+#define E_OFFSET 6     // first token of the row in the step
+#define E_T 7          // tokens of the row
+#define E_FROM 8       // first m whose state is snapshotted
+#define E_MODE 9       // 0: recurrent, 1: chunked
+#define KDA_ENTRY 10
+
+// The inputs shared by both kernels. qkv: 3 x [n, P] pre-conv; conv_w: 3 x [P, kw] fp32 (tap kw-1 multiplies
+// the current token); f: [n, P] forget-gate input; b: [n, H] beta logits; g: [n, P] output-gate logits;
+// a: exp(A_log) [H]; dt_bias: [P]; o_norm: [K]; o: [n, P] gated, normalised outputs.
+struct KdaArgs {
+    const __nv_bfloat16 *q, *k, *v;
+    const float *wq, *wk, *wv;
+    const __nv_bfloat16 *f, *b, *g;
+    const float *a, *dt_bias, *o_norm;
+    __nv_bfloat16 *o;
+    int H, kw;
+    float lower_bound, l2_eps, norm_eps;
+};
+
+// Conv + SiLU of one channel for one new input: shifts `win` (kw-1 old inputs, oldest first).
+__device__ __forceinline__ float conv_step(float *win, float x, const float *w, int c, int kw) {
+    win[kw - 1] = x;
+    float acc = 0.0f;
+    for (int j = 0; j < kw; j++) acc += w[c * kw + j] * win[j];
+    for (int j = 0; j < kw - 1; j++) win[j] = win[j + 1];
+    return bf_round(acc * sigmoidf_(acc));
 }
 
-// The recurrence of one head over t tokens; grid = heads, blockDim = dk (= dv, a multiple of 32).
-// qc, kc, vc: [t, P] conv outputs; f: [t, P] forget-gate input; b: [t, H] beta logits; g: [t, P]
-// output-gate logits; S: [H, dk, dk]; a: exp(A_log) [H]; dt_bias: [P]; o_norm: [dk];
-// o: [t, P] gated, normalised outputs; snaps (optional): [t - from, H, dk, dk].
-extern "C" __global__ void kda_recurrence(const __nv_bfloat16 *qc, const __nv_bfloat16 *kc, const __nv_bfloat16 *vc,
-                                          const __nv_bfloat16 *f, const __nv_bfloat16 *b, const __nv_bfloat16 *g,
-                                          float *S, const float *a, const float *dt_bias, const float *o_norm,
-                                          __nv_bfloat16 *o, float *snaps, int t, int H, int dk, float lower_bound,
-                                          float l2_eps, float norm_eps, int snap_from) {
-    extern __shared__ float sm[];
-    float *q = sm, *k = sm + dk, *decay = sm + 2 * dk;
-    int h = blockIdx.x, j = threadIdx.x;
-    int P = H * dk;
-    float *s = S + (long)h * dk * dk;
-    float scale = 1.0f / sqrtf((float)dk);
+// The conv windows of channel c, loaded into registers (kw <= 8), and the old window copied to hist.
+__device__ __forceinline__ void load_windows(const i64 *e, float win[3][8], int c, int P, int kw, int t) {
+    __nv_bfloat16 *hist = (__nv_bfloat16 *)e[E_HIST];
+    for (int x = 0; x < 3; x++) {
+        const __nv_bfloat16 *w = (const __nv_bfloat16 *)e[E_CONV + x];
+        for (int j = 0; j < kw - 1; j++) {
+            win[x][j] = ld(w, (i64)j * P + c);
+            if (hist) hist[((i64)x * (kw - 1 + t) + j) * P + c] = w[(i64)j * P + c];
+        }
+    }
+}
+
+__device__ __forceinline__ void store_windows(const i64 *e, float win[3][8], int c, int P, int kw) {
+    for (int x = 0; x < 3; x++) {
+        __nv_bfloat16 *w = (__nv_bfloat16 *)e[E_CONV + x];
+        for (int j = 0; j < kw - 1; j++) w[(i64)j * P + c] = __float2bfloat16_rn(win[x][j]);
+    }
+}
+
+// One token's inputs for channel c of head h: pre-conv q, k, v, the forget-gate input, beta and output-gate logits.
+struct TokenIn {
+    __nv_bfloat16 x[3];
+    float f, b, g;
+};
+
+__device__ __forceinline__ TokenIn load_token(const KdaArgs &A, i64 tok, int c, int h, int P) {
+    TokenIn in;
+    in.x[0] = A.q[tok * P + c];
+    in.x[1] = A.k[tok * P + c];
+    in.x[2] = A.v[tok * P + c];
+    in.f = ld(A.f, tok * P + c);
+    in.b = ld(A.b, tok * A.H + h);
+    in.g = ld(A.g, tok * P + c);
+    return in;
+}
+
+// The conv outputs of window position ti for channel c from its raw inputs; the new inputs go to hist.
+__device__ __forceinline__ void conv_token(const KdaArgs &A, const i64 *e, float win[3][8], int c, int P, int t,
+                                           int ti, const __nv_bfloat16 raw[3], float out[3]) {
+    __nv_bfloat16 *hist = (__nv_bfloat16 *)e[E_HIST];
+    const float *ws[3] = {A.wq, A.wk, A.wv};
+    for (int x = 0; x < 3; x++) {
+        if (hist) hist[((i64)x * (A.kw - 1 + t) + A.kw - 1 + ti) * P + c] = raw[x];
+        out[x] = conv_step(win[x], __bfloat162float(raw[x]), ws[x], c, A.kw);
+    }
+}
+
+// grid = (H, rows); blockDim = 2K. Rows with mode != 0 are left to the chunked kernel. Threads 2j and 2j+1
+// (one warp's lane pair) share channel j: each keeps half of column j of S (key rows [half * K/2, (half + 1) * K/2)),
+// and the pair adds its two partial sums (u and the read), so a column's state stays in registers without spills.
+template <int K>
+__device__ void kda_step(const i64 *table, KdaArgs A) {
+    __shared__ float q[K], k[K], decay[K];
+    const int HALF = K / 2;
+    const i64 *e = table + (i64)blockIdx.y * KDA_ENTRY;
+    if (e[E_MODE] != 0) return;
+    int h = blockIdx.x, j = threadIdx.x >> 1, half = threadIdx.x & 1, H = A.H, P = H * K, kw = A.kw;
+    int c = h * K + j, i0 = half * HALF;
+    i64 offset = e[E_OFFSET];
+    int t = (int)e[E_T], from = (int)e[E_FROM];
+    float *S = (float *)e[E_S] + (i64)h * K * K;
+    float *snaps = (float *)e[E_SNAPS];
+    // Both threads of a pair run channel j's conv (identical values); the first one writes windows and history.
+    i64 quiet[KDA_ENTRY];
+    for (int f = 0; f < KDA_ENTRY; f++) quiet[f] = e[f];
+    if (half) quiet[E_HIST] = 0;
+    float win[3][8];
+    load_windows(quiet, win, c, P, kw, t);
+    float s[HALF];  // rows i0 .. i0 + K/2 of column j
+#pragma unroll
+    for (int i = 0; i < HALF; i++) s[i] = S[(i0 + i) * K + j];
+    float scale = 1.0f / sqrtf((float)K);
+    TokenIn cur = load_token(A, offset, c, h, P);
     for (int ti = 0; ti < t; ti++) {
-        long off = (long)ti * P + h * dk;
-        float qv = ld(qc, off + j), kv = ld(kc, off + j);
-        float qq = block_sum(qv * qv), kk = block_sum(kv * kv);
-        float qn = (1.0f / sqrtf(qq + l2_eps)) * scale;
-        float kn = 1.0f / sqrtf(kk + l2_eps);
-        q[j] = qv * qn;
-        k[j] = kv * kn;
-        float z = a[h] * (ld(f, off + j) + dt_bias[h * dk + j]);
-        decay[j] = expf(lower_bound * sigmoidf_(z));
-        float beta = sigmoidf_(ld(b, (long)ti * H + h));
+        i64 tok = offset + ti;
+        // The next token's inputs are loaded while this one computes.
+        TokenIn next = cur;
+        if (ti + 1 < t) next = load_token(A, tok + 1, c, h, P);
+        float x[3];
+        conv_token(A, quiet, win, c, P, t, ti, cur.x, x);
+        float own = half ? 0.0f : 1.0f;
+        float qq = block_sum(own * x[0] * x[0]), kk = block_sum(own * x[1] * x[1]);
+        float qn = (1.0f / sqrtf(qq + A.l2_eps)) * scale;
+        float kn = 1.0f / sqrtf(kk + A.l2_eps);
+        if (!half) {
+            q[j] = x[0] * qn;
+            k[j] = x[1] * kn;
+            float z = A.a[h] * (cur.f + A.dt_bias[c]);
+            decay[j] = expf(A.lower_bound * sigmoidf_(z));
+        }
+        float beta = sigmoidf_(cur.b);
         __syncthreads();
-        // Decay the rows, then the delta-rule error u_j = v_j - sum_i k_i S[i, j].
-        float u = ld(vc, off + j);
-        for (int i = 0; i < dk; i++) {
-            float sij = s[i * dk + j] * decay[i];
-            s[i * dk + j] = sij;
-            u -= k[i] * sij;
+        // Decay the rows, then the delta-rule error u_j = v_j - sum_i k_i S[i, j] (two half sums).
+        float pk = 0.0f;
+#pragma unroll
+        for (int i = 0; i < HALF; i++) {
+            s[i] *= decay[i0 + i];
+            pk += k[i0 + i] * s[i];
         }
+        float u = x[2] - (pk + __shfl_xor_sync(0xffffffffu, pk, 1));
         // Rank-1 write, then the read with the updated state.
-        float out = 0.0f;
-        for (int i = 0; i < dk; i++) {
-            float sij = s[i * dk + j] + beta * k[i] * u;
-            s[i * dk + j] = sij;
-        }
-        for (int i = 0; i < dk; i++) out += q[i] * s[i * dk + j];
+#pragma unroll
+        for (int i = 0; i < HALF; i++) s[i] += beta * k[i0 + i] * u;
+        float pq = 0.0f;
+#pragma unroll
+        for (int i = 0; i < HALF; i++) pq += q[i0 + i] * s[i];
+        float out = pq + __shfl_xor_sync(0xffffffffu, pq, 1);
         // Gated output RMSNorm of the head (fp32), then bf16.
-        float ss = block_sum(out * out);
-        float r = 1.0f / sqrtf(ss / (float)dk + norm_eps);
-        o[off + j] = __float2bfloat16_rn(out * r * o_norm[j] * sigmoidf_(ld(g, off + j)));
+        float ss = block_sum(own * out * out);
+        float r = 1.0f / sqrtf(ss / (float)K + A.norm_eps);
+        if (!half) A.o[tok * P + c] = __float2bfloat16_rn(out * r * A.o_norm[j] * sigmoidf_(cur.g));
         int m = ti + 1;
-        if (snaps && m >= snap_from && m < t) {
-            float *dst = snaps + ((long)(m - snap_from) * H + h) * dk * dk;
-            for (int i = 0; i < dk; i++) dst[i * dk + j] = s[i * dk + j];
+        if (snaps && m >= from && m < t) {
+            float *dst = snaps + ((i64)(m - from) * H + h) * K * K;
+#pragma unroll
+            for (int i = 0; i < HALF; i++) dst[(i0 + i) * K + j] = s[i];
+        }
+        cur = next;
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < HALF; i++) S[(i0 + i) * K + j] = s[i];
+    if (!half) store_windows(e, win, c, P, kw);
+}
+
+#define CHUNK 16
+
+// The chunked (WY / UT) form over chunks of CHUNK tokens, for rows of mode 1 (no snapshots). grid = (H, rows);
+// blockDim = K. Per chunk of n tokens with in-chunk cumulative log-decay G [n, K] (kernels/src/cpu/kda.rs
+// `chunked_head`, after fla's naive_chunk_kda):
+//   L[i, j] = beta_i sum_c k_i e^{G_i - G_j} k_j (j < i),  A[i, j] = sum_c q_i e^{G_i - G_j} k_j (j <= i),
+//   (I + L) [W | U] = diag(beta) [e^G * K | V]  (forward substitution),  V' = U - W S,
+//   O = (Q * e^G) S + A V',  S <- diag(e^{G_n}) S + (e^{G_n - G} * K)^T V'.
+// Thread j keeps column j of S in registers and owns column j of the per-token rows (U / V', O) in shared
+// memory; rows read across channels (q, k, G, W) are shared too.
+template <int K>
+__device__ void kda_chunk(const i64 *table, KdaArgs A) {
+    __shared__ float qs[CHUNK][K];  // q, then q * e^G
+    __shared__ float ks[CHUNK][K];  // k, then e^{G_n - G} * k
+    __shared__ float gs[CHUNK][K];  // G, then W
+    __shared__ float us[CHUNK][K];  // v, then U, then V'
+    __shared__ float os[CHUNK][K];  // raw outputs
+    __shared__ __nv_bfloat16 gate[CHUNK][K];  // output-gate logits
+    __shared__ float lm[CHUNK][CHUNK], am[CHUNK][CHUNK];
+    __shared__ float beta[CHUNK], qn[CHUNK], kn[CHUNK], decay_n[K];
+    const i64 *e = table + (i64)blockIdx.y * KDA_ENTRY;
+    if (e[E_MODE] != 1) return;
+    int h = blockIdx.x, j = threadIdx.x, H = A.H, P = H * K, kw = A.kw;
+    int c = h * K + j;
+    int warp = j >> 5, lane = j & 31, warps = K >> 5;
+    i64 offset = e[E_OFFSET];
+    int t = (int)e[E_T];
+    float *S = (float *)e[E_S] + (i64)h * K * K;
+    float win[3][8];
+    load_windows(e, win, c, P, kw, t);
+    float s[K];
+#pragma unroll
+    for (int i = 0; i < K; i++) s[i] = S[i * K + j];
+    float scale = 1.0f / sqrtf((float)K);
+    for (int start = 0; start < t; start += CHUNK) {
+        int n = min(CHUNK, t - start);
+        // The chunk's inputs of channel c, all loads in flight at once (raw q, k, v staged in qs, ks, us).
+#pragma unroll
+        for (int i = 0; i < CHUNK; i++) {
+            if (i >= n) break;
+            TokenIn in = load_token(A, offset + start + i, c, h, P);
+            qs[i][j] = __bfloat162float(in.x[0]);
+            ks[i][j] = __bfloat162float(in.x[1]);
+            us[i][j] = __bfloat162float(in.x[2]);
+            gs[i][j] = in.f;
+            gate[i][j] = __float2bfloat16_rn(in.g);
+            if (j == 0) beta[i] = sigmoidf_(in.b);
+        }
+        // Conv, gates and the cumulative log-decay of channel c (own column only: no barrier needed).
+        float gcum = 0.0f;
+        for (int i = 0; i < n; i++) {
+            __nv_bfloat16 raw[3] = {__float2bfloat16_rn(qs[i][j]), __float2bfloat16_rn(ks[i][j]),
+                                    __float2bfloat16_rn(us[i][j])};
+            float x[3];
+            conv_token(A, e, win, c, P, t, start + i, raw, x);
+            qs[i][j] = x[0];
+            ks[i][j] = x[1];
+            us[i][j] = x[2];
+            float z = A.a[h] * (gs[i][j] + A.dt_bias[c]);
+            gcum += A.lower_bound * sigmoidf_(z);
+            gs[i][j] = gcum;
+        }
+        __syncthreads();
+        // l2 norms, one warp per token.
+        for (int i = warp; i < n; i += warps) {
+            float a2 = 0.0f, b2 = 0.0f;
+            for (int cc = lane; cc < K; cc += 32) {
+                a2 += qs[i][cc] * qs[i][cc];
+                b2 += ks[i][cc] * ks[i][cc];
+            }
+            for (int o = 16; o > 0; o >>= 1) {
+                a2 += __shfl_xor_sync(0xffffffffu, a2, o);
+                b2 += __shfl_xor_sync(0xffffffffu, b2, o);
+            }
+            if (lane == 0) {
+                qn[i] = (1.0f / sqrtf(a2 + A.l2_eps)) * scale;
+                kn[i] = 1.0f / sqrtf(b2 + A.l2_eps);
+            }
+        }
+        __syncthreads();
+        for (int i = 0; i < n; i++) {
+            qs[i][j] *= qn[i];
+            ks[i][j] *= kn[i];
+        }
+        __syncthreads();
+        // L and A, one warp per (i, j) pair.
+        for (int pair = warp; pair < n * n; pair += warps) {
+            int i = pair / n, jj = pair % n;
+            if (jj > i) continue;
+            float kl = 0.0f, qa = 0.0f;
+            for (int cc = lane; cc < K; cc += 32) {
+                float d = expf(gs[i][cc] - gs[jj][cc]) * ks[jj][cc];
+                kl += ks[i][cc] * d;
+                qa += qs[i][cc] * d;
+            }
+            for (int o = 16; o > 0; o >>= 1) {
+                kl += __shfl_xor_sync(0xffffffffu, kl, o);
+                qa += __shfl_xor_sync(0xffffffffu, qa, o);
+            }
+            if (lane == 0) {
+                lm[i][jj] = jj < i ? beta[i] * kl : 0.0f;
+                am[i][jj] = qa;
+            }
+        }
+        __syncthreads();
+        // Column j of W (into gs) and U (into us) by forward substitution; q * e^G and e^{G_n - G} * k in place.
+        float gn = gs[n - 1][j];
+        for (int i = 0; i < n; i++) {
+            float g = gs[i][j];
+            float w = beta[i] * expf(g) * ks[i][j];
+            float u = beta[i] * us[i][j];
+            for (int jj = 0; jj < i; jj++) {
+                w -= lm[i][jj] * gs[jj][j];
+                u -= lm[i][jj] * us[jj][j];
+            }
+            gs[i][j] = w;
+            us[i][j] = u;
+            qs[i][j] *= expf(g);
+            ks[i][j] *= expf(gn - g);
+        }
+        decay_n[j] = expf(gn);
+        __syncthreads();
+        // V' = U - W S and O = (Q e^G) S + A V' (column j).
+        // (Four partial sums per product, added in a fixed order, keep the FMA chains short.)
+        for (int i = 0; i < n; i++) {
+            float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int cc = 0; cc < K; cc++) p[cc & 3] += gs[i][cc] * s[cc];
+            us[i][j] -= (p[0] + p[1]) + (p[2] + p[3]);
+        }
+        for (int i = 0; i < n; i++) {
+            float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int cc = 0; cc < K; cc++) p[cc & 3] += qs[i][cc] * s[cc];
+            float acc = (p[0] + p[1]) + (p[2] + p[3]);
+            for (int jj = 0; jj <= i; jj++) acc += am[i][jj] * us[jj][j];
+            os[i][j] = acc;
+        }
+        // S <- diag(e^{G_n}) S + (e^{G_n - G} K)^T V'.
+#pragma unroll
+        for (int cc = 0; cc < K; cc++) s[cc] *= decay_n[cc];
+        for (int i = 0; i < n; i++) {
+            float u = us[i][j];
+#pragma unroll
+            for (int cc = 0; cc < K; cc++) s[cc] += ks[i][cc] * u;
+        }
+        __syncthreads();
+        // Gated output RMSNorm per token: squares summed one warp per token.
+        for (int i = warp; i < n; i += warps) {
+            float a2 = 0.0f;
+            for (int cc = lane; cc < K; cc += 32) a2 += os[i][cc] * os[i][cc];
+            for (int o = 16; o > 0; o >>= 1) a2 += __shfl_xor_sync(0xffffffffu, a2, o);
+            if (lane == 0) qn[i] = 1.0f / sqrtf(a2 / (float)K + A.norm_eps);
+        }
+        __syncthreads();
+        for (int i = 0; i < n; i++) {
+            i64 tok = offset + start + i;
+            A.o[tok * P + c] =
+                __float2bfloat16_rn(os[i][j] * qn[i] * A.o_norm[j] * sigmoidf_(__bfloat162float(gate[i][j])));
         }
         __syncthreads();
     }
+#pragma unroll
+    for (int i = 0; i < K; i++) S[i * K + j] = s[i];
+    store_windows(e, win, c, P, kw);
 }
+
+#define KDA_KERNELS(K)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(2 * K) kda_step_##K(const i64 *table, KdaArgs args) {       \
+        kda_step<K>(table, args);                                                                              \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(K) kda_chunk_##K(const i64 *table, KdaArgs args) {          \
+        kda_chunk<K>(table, args);                                                                             \
+    }
+
+KDA_KERNELS(32)
+KDA_KERNELS(128)

@@ -121,3 +121,22 @@ fn a_kernel_that_does_not_compile_is_an_error_with_the_nvrtc_log() {
         assert!(err.to_string().contains("undefined_name"), "{err}");
     });
 }
+
+/// `SPARKD_FILL_KERNEL_CACHE=DIR` fills DIR with every kernel's sm_90a CUBIN under the key the runtime
+/// uses, so that a GPU machine started bare can begin from a warm cache (copy DIR to its
+/// `SPARKD_KERNEL_CACHE`, and give it the same NVRTC version and `SPARKD_CUDA_INCLUDE` path string).
+#[test]
+fn the_kernel_cache_can_be_filled_on_a_host_without_a_gpu() {
+    let Some(dir) = std::env::var_os("SPARKD_FILL_KERNEL_CACHE") else {
+        eprintln!("SKIPPED: SPARKD_FILL_KERNEL_CACHE is not set; no cache was filled");
+        return;
+    };
+    with_nvrtc("the_kernel_cache_can_be_filled_on_a_host_without_a_gpu", |root| {
+        let compiler =
+            Compiler { arch: "sm_90a".into(), include_dir: root.join("include"), cache_dir: Some(dir.into()) };
+        for src in SOURCES {
+            let cubin = compiler.cubin(src).unwrap();
+            eprintln!("cached {} ({} bytes) as {}", src.name, cubin.len(), compiler.cache_key(src).unwrap());
+        }
+    });
+}

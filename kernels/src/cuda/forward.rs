@@ -7,7 +7,8 @@
 //!   [`DeviceUndo::commit`], which restores the KDA states and conv windows saved after `m` tokens and
 //!   moves the MLA length back (the latent entries past it are simply overwritten later).
 //! - Per-token work (projections, AttnRes, norms, FFN) is batched over every token of every row; the
-//!   KDA recurrence and MLA attention run per row over that row's device state.
+//!   KDA and MLA mixers run one batched launch per kernel for all rows, each row over its own device
+//!   state, found through the step's row table (`cuda::attn`), built once per forward.
 //! - AttnRes sources live in one buffer of slots `[slots, n, d]`: sealed blocks in seal order, the
 //!   live sum in slot `sealed` (follows shared/reference/k3-architecture.md §2.1: a seal before the
 //!   attention of layer `l % block == 0`; the pre-attention read is skipped while nothing is sealed).
@@ -20,7 +21,8 @@ use half::bf16;
 
 use crate::config::ModelConfig;
 use crate::cpu::moe::Routing;
-use crate::cuda::ops::{DPtr, Gpu, NULL};
+use crate::cuda::attn::{KdaArgs, StepBuffer, StepTables, KDA_CHUNKED_MIN_TOKENS};
+use crate::cuda::ops::{moe_group_len, DPtr, Gpu, NULL};
 use crate::cuda::weights::{
     DevFfn, DevKda, DevLinear, DevMerged, DevMixer, DevMla, DevMlp, DevMoe, DevNorm, DevWeights,
 };
@@ -175,15 +177,15 @@ pub struct DeviceUndo {
     start_len: usize,
     from: usize,
     window_len: usize,
-    kda: Vec<KdaUndo>,
+    kda: KdaUndo,
 }
 
-/// One KDA layer's part of a [`DeviceUndo`].
+/// The KDA part of a [`DeviceUndo`], every KDA layer of one row (written by the batched KDA kernel).
 pub struct KdaUndo {
-    /// The states after `m` tokens for `from <= m < window_len`, `[window_len - from, H, dk, dk]`.
-    snaps: CudaSlice<f32>,
-    /// The q/k/v conv histories `[kernel - 1 + window_len, P]` (old window, then the window's inputs).
-    hist: [CudaSlice<bf16>; 3],
+    /// The states after `m` tokens for `from <= m < window_len`, `[layers, window_len - from, H, dk, dk]`.
+    pub(crate) snaps: CudaSlice<f32>,
+    /// The q/k/v conv histories `[layers, 3, kernel - 1 + window_len, P]` (old window, then the window's inputs).
+    pub(crate) hist: CudaSlice<bf16>,
 }
 
 impl DeviceUndo {
@@ -200,11 +202,15 @@ impl DeviceUndo {
         }
         let k = &cfg.kda;
         let (state_len, p, kw) = (k.num_heads * k.head_dim * k.head_dim, k.proj_dim(), k.conv_kernel);
-        for (layer, undo) in state.kda.iter_mut().zip(&self.kda) {
-            let snap = gpu.ptr(&undo.snaps) + ((m - self.from) * state_len * 4) as u64;
+        let (snaps, hist) = (gpu.ptr(&self.kda.snaps), gpu.ptr(&self.kda.hist));
+        let kept = self.window_len - self.from;
+        let hist_len = kw - 1 + self.window_len;
+        for (l, layer) in state.kda.iter_mut().enumerate() {
+            let snap = snaps + ((l * kept + m - self.from) * state_len * 4) as u64;
             gpu.copy::<f32>(gpu.ptr(&layer.s), snap, state_len)?;
-            for (window, hist) in layer.conv.iter().zip(&undo.hist) {
-                gpu.copy::<bf16>(gpu.ptr(window), gpu.ptr(hist) + (m * p * 2) as u64, (kw - 1) * p)?;
+            for (x, window) in layer.conv.iter().enumerate() {
+                let rows = hist + (((l * 3 + x) * hist_len + m) * p * 2) as u64;
+                gpu.copy::<bf16>(gpu.ptr(window), rows, (kw - 1) * p)?;
             }
         }
         state.len = self.start_len + m;
@@ -238,9 +244,23 @@ pub struct DeviceOutput {
 pub struct DeviceModel {
     pub cfg: ModelConfig,
     pub weights: DevWeights,
+    /// KDA windows of at least this many tokens without snapshots run the chunked form.
+    pub kda_chunked_min: usize,
+    /// Where each step's row table is uploaded.
+    tables: StepBuffer,
 }
 
 impl DeviceModel {
+    pub fn new(cfg: ModelConfig, weights: DevWeights) -> Self {
+        DeviceModel { cfg, weights, kda_chunked_min: KDA_CHUNKED_MIN_TOKENS, tables: StepBuffer::default() }
+    }
+
+    /// Grows the rows' MLA caches for their windows, allocates their snapshot buffers and uploads the
+    /// step's row table (see `cuda::attn`).
+    pub fn step_tables(&self, gpu: &Gpu, rows: &mut [DeviceRow<'_>], offsets: &[usize]) -> Result<StepTables> {
+        StepTables::build(gpu, &self.cfg, &self.tables, rows, offsets, self.kda_chunked_min)
+    }
+
     fn linear(&self, gpu: &Gpu, w: &DevLinear, x: DPtr, n: usize) -> Result<CudaSlice<bf16>> {
         let y = gpu.zeros::<bf16>(n * w.out_dim)?;
         gpu.linear(gpu.ptr(&w.w), w.out_dim, w.in_dim, x, n, gpu.ptr(&y))?;
@@ -336,7 +356,7 @@ impl DeviceModel {
         let hn = gpu.ptr(&hn_buf);
         let taps = if tap_layers.is_empty() { None } else { Some(gpu.zeros::<bf16>(tap_layers.len() * n * d)?) };
         let mut sealed = 0usize;
-        let mut undo_kda: Vec<Vec<KdaUndo>> = rows.iter().map(|_| Vec::new()).collect();
+        let mut tables = self.step_tables(gpu, rows, &offsets)?;
         let (mut kda_idx, mut mla_idx) = (0usize, 0usize);
         let eps = cfg.rms_norm_eps;
         // The last FFN output, added to the live slot by the next read (one fused launch).
@@ -385,12 +405,12 @@ impl DeviceModel {
             }
             let a = match &lw.mixer {
                 DevMixer::Kda(w) => {
-                    let out = self.kda(gpu, w, hn, rows, &offsets, kda_idx, &mut undo_kda)?;
+                    let out = self.kda(gpu, w, hn, &tables, kda_idx)?;
                     kda_idx += 1;
                     out
                 }
                 DevMixer::Mla(w) => {
-                    let out = self.mla(gpu, w, hn, rows, &offsets, mla_idx)?;
+                    let out = self.mla(gpu, w, hn, &tables, mla_idx)?;
                     mla_idx += 1;
                     out
                 }
@@ -444,104 +464,56 @@ impl DeviceModel {
         let mut out_rows = Vec::with_capacity(rows.len());
         let mut undo = Vec::with_capacity(rows.len());
         let mut cursor = 0;
-        for (row, kda) in rows.iter_mut().zip(undo_kda) {
+        for (row, kda) in rows.iter_mut().zip(std::mem::take(&mut tables.undo)) {
             let t = row.tokens.len();
             let count = t - row.logits_from;
             out_rows.push((cursor, count));
             cursor += count;
-            undo.push(row.snapshots_from.map(|from| DeviceUndo { start_len: row.state.len, from, window_len: t, kda }));
+            undo.push(match (row.snapshots_from, kda) {
+                (Some(from), Some(kda)) => Some(DeviceUndo { start_len: row.state.len, from, window_len: t, kda }),
+                _ => None,
+            });
             row.state.len += t;
         }
         Ok(DeviceOutput { logits, rows: out_rows, undo, taps })
     }
 
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn kda(
-        &self,
-        gpu: &Gpu,
-        w: &DevKda,
-        hn: DPtr,
-        rows: &mut [DeviceRow<'_>],
-        offsets: &[usize],
-        layer: usize,
-        undo: &mut [Vec<KdaUndo>],
-    ) -> Result<CudaSlice<bf16>> {
+    /// A KDA layer over every row of the step (`tables` from [`DeviceModel::step_tables`]): the input
+    /// projections, then one batched launch for conv, gates, norms, recurrence and gated norm, then `o_proj`.
+    pub fn kda(&self, gpu: &Gpu, w: &DevKda, hn: DPtr, tables: &StepTables, layer: usize) -> Result<CudaSlice<bf16>> {
         let k = &self.cfg.kda;
-        let (p, heads, dk, kw) = (k.proj_dim(), k.num_heads, k.head_dim, k.conv_kernel);
-        let n = offsets[rows.len()];
+        let (p, heads) = (k.proj_dim(), k.num_heads);
+        let n = tables.tokens();
         // One GEMM for q, k, v, g [n, P] each, f_a [n, head_dim] and b [n, H] (weights::KDA_IN_PARTS).
         let (_proj, parts) = self.linear_parts(gpu, &w.in_proj, hn, n)?;
-        let (qkv, g, b) = ([parts[0], parts[1], parts[2]], parts[3], parts[5]);
         let f = self.linear(gpu, &w.f_b_proj, parts[4], n)?;
-        let conv_out = gpu.zeros::<bf16>(3 * n * p)?; // [3, n, P]
-        let o = gpu.zeros::<bf16>(n * p)?;
-        let at = |buf: &CudaSlice<bf16>, elem: usize| gpu.ptr(buf) + (elem * 2) as u64;
-        let at_ptr = |base: DPtr, elem: usize| base + (elem * 2) as u64;
-        for (ri, row) in rows.iter_mut().enumerate() {
-            let (s, t) = (offsets[ri], offsets[ri + 1] - offsets[ri]);
-            let st = &mut row.state.kda[layer];
-            let snap_from = row.snapshots_from;
-            let hist: Option<[CudaSlice<bf16>; 3]> = match snap_from {
-                Some(_) => {
-                    Some([gpu.zeros((kw - 1 + t) * p)?, gpu.zeros((kw - 1 + t) * p)?, gpu.zeros((kw - 1 + t) * p)?])
-                }
-                None => None,
-            };
-            for x in 0..3 {
-                let hist_ptr = hist.as_ref().map_or(NULL, |hs| gpu.ptr(&hs[x]));
-                gpu.kda_conv(
-                    at_ptr(qkv[x], s * p),
-                    gpu.ptr(&st.conv[x]),
-                    gpu.ptr(&w.conv[x]),
-                    at(&conv_out, x * n * p + s * p),
-                    hist_ptr,
-                    t,
-                    p,
-                    kw,
-                )?;
-            }
-            let snaps = match snap_from {
-                Some(from) => Some(gpu.zeros::<f32>((t - from) * heads * dk * dk)?),
-                None => None,
-            };
-            gpu.kda_recurrence(
-                [at(&conv_out, s * p), at(&conv_out, n * p + s * p), at(&conv_out, 2 * n * p + s * p)],
-                at(&f, s * p),
-                at_ptr(b, s * heads),
-                at_ptr(g, s * p),
-                gpu.ptr(&st.s),
-                gpu.ptr(&w.a),
-                gpu.ptr(&w.dt_bias),
-                gpu.ptr(&w.o_norm),
-                at(&o, s * p),
-                snaps.as_ref().map_or(NULL, |x| gpu.ptr(x)),
-                t,
-                heads,
-                dk,
-                k.gate_lower_bound,
-                self.cfg.rms_norm_eps,
-                snap_from.unwrap_or(0),
-            )?;
-            if let (Some(snaps), Some(hist)) = (snaps, hist) {
-                undo[ri].push(KdaUndo { snaps, hist });
-            }
-        }
+        let o = gpu.zeros::<bf16>(n * p)?; // [n, P]
+        let args = KdaArgs {
+            qkv: [parts[0], parts[1], parts[2]],
+            conv_w: [gpu.ptr(&w.conv[0]), gpu.ptr(&w.conv[1]), gpu.ptr(&w.conv[2])],
+            f: gpu.ptr(&f),
+            b: parts[5],
+            g: parts[3],
+            a: gpu.ptr(&w.a),
+            dt_bias: gpu.ptr(&w.dt_bias),
+            o_norm: gpu.ptr(&w.o_norm),
+            o: gpu.ptr(&o),
+            heads: heads as i32,
+            kw: k.conv_kernel as i32,
+            lower_bound: k.gate_lower_bound,
+            l2_eps: crate::config::L2_NORM_EPS,
+            norm_eps: self.cfg.rms_norm_eps,
+        };
+        gpu.kda_layer(tables, layer, k.head_dim, &args)?;
         self.linear(gpu, &w.o_proj, gpu.ptr(&o), n)
     }
 
-    pub(crate) fn mla(
-        &self,
-        gpu: &Gpu,
-        w: &DevMla,
-        hn: DPtr,
-        rows: &mut [DeviceRow<'_>],
-        offsets: &[usize],
-        layer: usize,
-    ) -> Result<CudaSlice<bf16>> {
+    /// An MLA layer over every row of the step: the projections, the latent cache append, the batched
+    /// split attention (see `cuda::attn`), the output gate and `o_proj`.
+    pub fn mla(&self, gpu: &Gpu, w: &DevMla, hn: DPtr, tables: &StepTables, layer: usize) -> Result<CudaSlice<bf16>> {
         let m = &self.cfg.mla;
-        let n = offsets[rows.len()];
-        let (r, ld, qw, vw) =
-            (m.kv_lora_rank, m.latent_dim(), m.num_heads * m.q_head_dim(), m.num_heads * m.v_head_dim);
+        let n = tables.tokens();
+        let (r, ld, vw) = (m.kv_lora_rank, m.latent_dim(), m.num_heads * m.v_head_dim);
         // One GEMM for q_a [n, q_lora_rank], kv_a [n, r + rope] and the gate g [n, H * v] (weights::MLA_IN_PARTS).
         let (_proj, parts) = self.linear_parts(gpu, &w.in_proj, hn, n)?;
         let (qa, kva, gate) = (parts[0], parts[1], parts[2]);
@@ -550,25 +522,9 @@ impl DeviceModel {
         let q = self.linear(gpu, &w.q_b_proj, gpu.ptr(&qa_n), n)?;
         // Normalise the c part of kv_a in place.
         gpu.rms_norm(kva, ld, gpu.ptr(&w.kv_a_norm.w), kva, ld, n, r, w.kv_a_norm.eps)?;
-        let o = gpu.zeros::<bf16>(n * vw)?;
-        for (ri, row) in rows.iter_mut().enumerate() {
-            let (s, t) = (offsets[ri], offsets[ri + 1] - offsets[ri]);
-            let first = row.state.len;
-            let cache = &mut row.state.mla[layer];
-            reserve(gpu, cache, first + t, ld)?;
-            gpu.copy::<bf16>(gpu.ptr(&cache.cache) + (first * ld * 2) as u64, kva + (s * ld * 2) as u64, t * ld)?;
-            let scores = gpu.zeros::<f32>(t * m.num_heads * (first + t))?;
-            gpu.mla_attend(
-                m,
-                gpu.ptr(&q) + (s * qw * 2) as u64,
-                gpu.ptr(&cache.cache),
-                gpu.ptr(&w.kv_b_proj.w),
-                gpu.ptr(&scores),
-                gpu.ptr(&o) + (s * vw * 2) as u64,
-                first,
-                t,
-            )?;
-        }
+        gpu.mla_append(tables, layer, kva, ld)?;
+        let o = gpu.zeros::<bf16>(n * vw)?; // [n, H * v]
+        gpu.mla_attention(m, tables, layer, gpu.ptr(&q), gpu.ptr(&w.kv_b_proj.w), gpu.ptr(&o))?;
         let gated = gpu.zeros::<bf16>(n * vw)?;
         gpu.sigmoid_gate(gpu.ptr(&o), gate, gpu.ptr(&gated), n * vw)?;
         self.linear(gpu, &w.o_proj, gpu.ptr(&gated), n)
@@ -613,36 +569,41 @@ impl DeviceModel {
                     .collect(),
             );
         }
-        let z = self.linear(gpu, &w.down, hn, n)?;
-        let act = gpu.zeros::<bf16>(n * k * inter)?;
+        // Group the pairs by expert on the device, so each expert's weights are read once for its tokens.
+        let group = gpu.zeros::<i32>(moe_group_len(e))?;
+        let pairs = gpu.zeros::<i32>(n * k)?; // [n k], grouped by expert
+        gpu.moe_group(gpu.ptr(&idx), n, k, e, gpu.ptr(&group), gpu.ptr(&pairs))?;
+        let grouping = (gpu.ptr(&group), gpu.ptr(&pairs));
+        let z = self.linear(gpu, &w.down, hn, n)?; // [n, latent]
+        let act = gpu.zeros::<bf16>(n * k * inter)?; // [n k, inter]
         let pair = |x: &crate::cuda::weights::DevExperts| (gpu.ptr(&x.packed), gpu.ptr(&x.scales));
         gpu.moe_gate_up(
             gpu.ptr(&z),
             pair(&w.w1),
             pair(&w.w3),
-            gpu.ptr(&idx),
+            grouping,
             gpu.ptr(&act),
             n,
             k,
+            e,
             latent,
             inter,
             self.cfg.situ_beta,
             self.cfg.situ_linear_beta,
         )?;
-        let combined = gpu.zeros::<bf16>(n * latent)?;
-        gpu.moe_down_combine(
-            gpu.ptr(&act),
-            pair(&w.w2),
-            gpu.ptr(&idx),
+        let expert_out = gpu.zeros::<bf16>(n * k * latent)?; // [n k, latent]
+        gpu.moe_down(gpu.ptr(&act), pair(&w.w2), grouping, gpu.ptr(&expert_out), n, k, e, latent, inter)?;
+        let normed = gpu.zeros::<bf16>(n * latent)?; // [n, latent]
+        gpu.moe_combine_norm(
+            gpu.ptr(&expert_out),
             gpu.ptr(&wts),
-            gpu.ptr(&combined),
+            gpu.ptr(&w.norm.w),
+            gpu.ptr(&normed),
             n,
             k,
             latent,
-            inter,
+            w.norm.eps,
         )?;
-        let normed = gpu.zeros::<bf16>(n * latent)?;
-        self.norm_rows(gpu, &w.norm, gpu.ptr(&combined), gpu.ptr(&normed), n, latent)?;
         let routed = self.linear(gpu, &w.up, gpu.ptr(&normed), n)?;
         if let Some(shared) = &w.shared {
             let sh = self.situ_mlp(gpu, shared, hn, n)?;

@@ -12,6 +12,8 @@
 //! - All work runs on one stream in issue order; host copies happen only for token ids, routing
 //!   traces asked for by validation, and the per-row results of `sample` (tokens, log-probabilities).
 
+pub mod attn;
+pub mod attn_check;
 pub mod bench;
 pub mod compile;
 pub mod device;

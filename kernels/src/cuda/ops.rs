@@ -22,6 +22,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
+use crate::cuda::attn::AttnKernels;
 use crate::cuda::compile::{Compiler, SOURCES};
 use crate::cuda::device::{device_err, info, DeviceInfo};
 use crate::error::{KernelError, Result};
@@ -56,13 +57,12 @@ struct Kernels {
     argmax_rows: CudaFunction,
     /// `skinny_gemm_t{1,2,4,8}`: token chunks of up to 8, 16, 32, 64 tokens.
     skinny_gemm: [CudaFunction; 4],
-    kda_conv: CudaFunction,
-    kda_recurrence: CudaFunction,
-    mla_attend: CudaFunction,
     moe_router_logits: CudaFunction,
     moe_route: CudaFunction,
+    moe_group: CudaFunction,
     moe_gate_up: CudaFunction,
-    moe_down_combine: CudaFunction,
+    moe_down: CudaFunction,
+    moe_combine_norm: CudaFunction,
     sample_rows: CudaFunction,
     rng_hash3: CudaFunction,
 }
@@ -99,6 +99,7 @@ pub struct Gpu {
     pub stream: Arc<CudaStream>,
     blas: CudaBlas,
     k: Kernels,
+    pub(crate) attn: AttnKernels,
     pub info: DeviceInfo,
     pub gemm: Gemm,
     counters: Counters,
@@ -159,9 +160,9 @@ impl Gpu {
                 .map_err(|e| device_err(&format!("loading {}", src.name), e))?;
             modules.insert(src.name, m);
         }
-        let f = |module: &str, name: &str| {
-            let m = modules.get(module).ok_or_else(|| KernelError::Device(format!("no kernel source {module}")))?;
-            m.load_function(name).map_err(|e| device_err(&format!("kernel {name} of {module}"), e))
+        let module = |name: &str| modules.get(name).ok_or_else(|| KernelError::Device(format!("no kernel source {name}")));
+        let f = |src: &str, name: &str| {
+            module(src)?.load_function(name).map_err(|e| device_err(&format!("kernel {name} of {src}"), e))
         };
         let k = Kernels {
             embed_gather: f("common.cu", "embed_gather")?,
@@ -173,13 +174,12 @@ impl Gpu {
             sigmoid_gate: f("common.cu", "sigmoid_gate")?,
             gather_rows: f("common.cu", "gather_rows")?,
             argmax_rows: f("common.cu", "argmax_rows")?,
-            kda_conv: f("kda.cu", "kda_conv")?,
-            kda_recurrence: f("kda.cu", "kda_recurrence")?,
-            mla_attend: f("mla.cu", "mla_attend")?,
             moe_router_logits: f("moe.cu", "moe_router_logits")?,
             moe_route: f("moe.cu", "moe_route")?,
+            moe_group: f("moe.cu", "moe_group")?,
             moe_gate_up: f("moe.cu", "moe_gate_up")?,
-            moe_down_combine: f("moe.cu", "moe_down_combine")?,
+            moe_down: f("moe.cu", "moe_down")?,
+            moe_combine_norm: f("moe.cu", "moe_combine_norm")?,
             sample_rows: f("sample.cu", "sample_rows")?,
             rng_hash3: f("sample.cu", "rng_hash3")?,
             skinny_gemm: [
@@ -196,6 +196,7 @@ impl Gpu {
             )
             .map_err(|e| device_err("allowing the skinny GEMM its shared memory", e))?;
         }
+        let attn = AttnKernels::load(module("kda.cu")?, module("mla.cu")?)?;
         let stream = ctx.default_stream();
         let blas = CudaBlas::new(stream.clone()).map_err(|e| device_err("creating the cuBLAS handle", e))?;
         Ok(Gpu {
@@ -203,6 +204,7 @@ impl Gpu {
             stream,
             blas,
             k,
+            attn,
             info,
             gemm: Gemm::BatchInvariant,
             counters: Counters::default(),
@@ -639,96 +641,6 @@ impl Gpu {
         .map_err(|e| device_err("cublasGemmEx", e))
     }
 
-    /// Conv + SiLU of one of q/k/v over a window of `t` tokens (see `kda.cu`).
-    #[allow(clippy::too_many_arguments)]
-    pub fn kda_conv(
-        &self,
-        x: DPtr,
-        window: DPtr,
-        w: DPtr,
-        out: DPtr,
-        hist: DPtr,
-        t: usize,
-        p: usize,
-        kw: usize,
-    ) -> Result<()> {
-        if kw > 8 {
-            return Err(KernelError::InvalidInput(format!("conv kernel {kw} > 8 is not supported on CUDA")));
-        }
-        let (t, p_, kw) = (t as i32, p as i32, kw as i32);
-        let mut b = self.stream.launch_builder(&self.k.kda_conv);
-        b.arg(&x).arg(&window).arg(&w).arg(&out).arg(&hist).arg(&t).arg(&p_).arg(&kw);
-        unsafe { b.launch(grid_1d(p, 128)) }.map(|_| self.count_launch()).map_err(launch_err("kda_conv"))
-    }
-
-    /// The KDA recurrence of every head over `t` tokens (see `kda.cu` for the argument layouts).
-    #[allow(clippy::too_many_arguments)]
-    pub fn kda_recurrence(
-        &self,
-        qkv: [DPtr; 3],
-        f: DPtr,
-        beta: DPtr,
-        gate: DPtr,
-        s: DPtr,
-        a: DPtr,
-        dt_bias: DPtr,
-        o_norm: DPtr,
-        o: DPtr,
-        snaps: DPtr,
-        t: usize,
-        heads: usize,
-        dk: usize,
-        lower_bound: f32,
-        norm_eps: f32,
-        snap_from: usize,
-    ) -> Result<()> {
-        if dk % 32 != 0 || dk > 1024 {
-            return Err(KernelError::InvalidInput(format!("KDA head_dim {dk} must be a multiple of 32 up to 1024")));
-        }
-        let cfg = LaunchConfig {
-            grid_dim: (heads as u32, 1, 1),
-            block_dim: (dk as u32, 1, 1),
-            shared_mem_bytes: (3 * dk * 4) as u32,
-        };
-        let (t, h, dk_) = (t as i32, heads as i32, dk as i32);
-        let (l2_eps, from) = (crate::config::L2_NORM_EPS, snap_from as i32);
-        let mut b = self.stream.launch_builder(&self.k.kda_recurrence);
-        b.arg(&qkv[0]).arg(&qkv[1]).arg(&qkv[2]).arg(&f).arg(&beta).arg(&gate);
-        b.arg(&s).arg(&a).arg(&dt_bias).arg(&o_norm).arg(&o).arg(&snaps);
-        b.arg(&t).arg(&h).arg(&dk_).arg(&lower_bound).arg(&l2_eps).arg(&norm_eps).arg(&from);
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("kda_recurrence"))
-    }
-
-    /// Absorbed MLA attention of a window of `t` tokens whose entries are already in `cache`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn mla_attend(
-        &self,
-        m: &crate::config::MlaConfig,
-        q: DPtr,
-        cache: DPtr,
-        kv_b: DPtr,
-        scores: DPtr,
-        out: DPtr,
-        first: usize,
-        t: usize,
-    ) -> Result<()> {
-        let r = m.kv_lora_rank;
-        let cfg = LaunchConfig {
-            grid_dim: (t as u32, m.num_heads as u32, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: (2 * r * 4) as u32,
-        };
-        let scale = 1.0f32 / (m.q_head_dim() as f32).sqrt();
-        let ints = [first, t, m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, r].map(|x| x as i32);
-        let mut b = self.stream.launch_builder(&self.k.mla_attend);
-        b.arg(&q).arg(&cache).arg(&kv_b).arg(&scores).arg(&out);
-        for i in &ints {
-            b.arg(i);
-        }
-        b.arg(&scale);
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("mla_attend"))
-    }
-
     /// The router of `n` tokens: `idx`, `wts` `[n, k]`, `margin` `[n]`. Two launches: the fp32 logits
     /// `[n, experts]` (one warp per token and expert), then the per-token selection.
     #[allow(clippy::too_many_arguments)]
@@ -769,66 +681,120 @@ impl Gpu {
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_route"))
     }
 
-    /// Gate/up + SiTU of the chosen experts: `a` `[n, k, I]`.
+    /// Groups the routed (token, slot) pairs by expert on the device (no host synchronisation): `group`
+    /// ([`moe_group_len`] ints: the active experts and where each one's pairs start) and `pairs` `[n k]`
+    /// (`t * k + j`, grouped by expert, tokens ascending), from `idx` `[n, k]` (ascending per token).
+    pub fn moe_group(&self, idx: DPtr, n: usize, k: usize, experts: usize, group: DPtr, pairs: DPtr) -> Result<()> {
+        let cfg =
+            LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: (2 * experts * 4) as u32 };
+        if cfg.shared_mem_bytes > 48 * 1024 {
+            return Err(KernelError::InvalidInput(format!("grouping {experts} experts needs too much shared memory")));
+        }
+        let (n, k, e) = (n as i32, k as i32, experts as i32);
+        let mut b = self.stream.launch_builder(&self.k.moe_group);
+        b.arg(&idx).arg(&n).arg(&k).arg(&e).arg(&group).arg(&pairs);
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_group"))
+    }
+
+    /// Gate/up + SiTU per active expert over its grouped pairs: `a` `[n k, inter]` (row `t * k + j`).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_gate_up(
         &self,
         z: DPtr,
         w1: (DPtr, DPtr),
         w3: (DPtr, DPtr),
-        idx: DPtr,
+        grouping: (DPtr, DPtr),
         a: DPtr,
         n: usize,
         k: usize,
+        experts: usize,
         latent: usize,
         inter: usize,
         beta: f32,
         lbeta: f32,
     ) -> Result<()> {
+        check_expert_width("latent", latent)?;
         let cfg = LaunchConfig {
-            grid_dim: ((n * k) as u32, inter.div_ceil(8) as u32, 1),
+            grid_dim: (active_slots(n, k, experts), inter.div_ceil(8) as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (k, dl, di) = (k as i32, latent as i32, inter as i32);
+        let (k, e, dl, di) = (k as i32, experts as i32, latent as i32, inter as i32);
         let mut b = self.stream.launch_builder(&self.k.moe_gate_up);
-        b.arg(&z)
-            .arg(&w1.0)
-            .arg(&w1.1)
-            .arg(&w3.0)
-            .arg(&w3.1)
-            .arg(&idx)
-            .arg(&a)
-            .arg(&k)
-            .arg(&dl)
-            .arg(&di)
-            .arg(&beta)
-            .arg(&lbeta);
+        b.arg(&z).arg(&w1.0).arg(&w1.1).arg(&w3.0).arg(&w3.1).arg(&grouping.0).arg(&grouping.1).arg(&a);
+        b.arg(&k).arg(&e).arg(&dl).arg(&di).arg(&beta).arg(&lbeta);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_gate_up"))
     }
 
-    /// Down projections and the fp32 combine: `out` `[n, latent]`.
+    /// Down projection per active expert over its grouped pairs: `y` `[n k, latent]` (row `t * k + j`).
     #[allow(clippy::too_many_arguments)]
-    pub fn moe_down_combine(
+    pub fn moe_down(
         &self,
         a: DPtr,
         w2: (DPtr, DPtr),
-        idx: DPtr,
+        grouping: (DPtr, DPtr),
+        y: DPtr,
+        n: usize,
+        k: usize,
+        experts: usize,
+        latent: usize,
+        inter: usize,
+    ) -> Result<()> {
+        check_expert_width("expert", inter)?;
+        let cfg = LaunchConfig {
+            grid_dim: (active_slots(n, k, experts), latent.div_ceil(8) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (e, dl, di) = (experts as i32, latent as i32, inter as i32);
+        let mut b = self.stream.launch_builder(&self.k.moe_down);
+        b.arg(&a).arg(&w2.0).arg(&w2.1).arg(&grouping.0).arg(&grouping.1).arg(&y).arg(&e).arg(&dl).arg(&di);
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_down"))
+    }
+
+    /// The weighted combine of each token's `k` expert outputs `y` `[n k, latent]` in slot order, then the
+    /// routed RMSNorm with weight `norm_w`: `out` `[n, latent]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_combine_norm(
+        &self,
+        y: DPtr,
         wts: DPtr,
+        norm_w: DPtr,
         out: DPtr,
         n: usize,
         k: usize,
         latent: usize,
-        inter: usize,
+        eps: f32,
     ) -> Result<()> {
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, latent.div_ceil(8) as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (k, dl, di) = (k as i32, latent as i32, inter as i32);
-        let mut b = self.stream.launch_builder(&self.k.moe_down_combine);
-        b.arg(&a).arg(&w2.0).arg(&w2.1).arg(&idx).arg(&wts).arg(&out).arg(&k).arg(&dl).arg(&di);
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_down_combine"))
+        let cfg =
+            LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: (latent * 4) as u32 };
+        if cfg.shared_mem_bytes > 48 * 1024 {
+            return Err(KernelError::InvalidInput(format!("a routed norm over {latent} values is not supported")));
+        }
+        let (k, dl) = (k as i32, latent as i32);
+        let mut b = self.stream.launch_builder(&self.k.moe_combine_norm);
+        b.arg(&y).arg(&wts).arg(&norm_w).arg(&out).arg(&k).arg(&dl).arg(&eps);
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_combine_norm"))
     }
+}
+
+/// Ints of the grouping buffer [`Gpu::moe_group`] writes for `experts` experts: the active count, the
+/// active experts `[experts]`, and the start of each active expert's pairs `[experts + 1]`.
+pub fn moe_group_len(experts: usize) -> usize {
+    2 * experts + 2
+}
+
+/// Blocks along the active-expert axis of the grouped expert kernels: at most `n k` pairs, at most `experts`.
+fn active_slots(n: usize, k: usize, experts: usize) -> u32 {
+    (n * k).min(experts) as u32
+}
+
+/// The grouped expert kernels read a row's codes 32 inputs (16 bytes) per lane at a time.
+fn check_expert_width(what: &str, inputs: usize) -> Result<()> {
+    if inputs == 0 || inputs % 32 != 0 {
+        return Err(KernelError::InvalidInput(format!(
+            "MoE {what} width {inputs}: the grouped MXFP4 kernels need a positive multiple of 32"
+        )));
+    }
+    Ok(())
 }

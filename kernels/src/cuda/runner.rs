@@ -77,7 +77,7 @@ impl CudaRunner {
         Ok(CudaRunner {
             gpu,
             load,
-            model: DeviceModel { cfg, weights },
+            model: DeviceModel::new(cfg, weights),
             states: HashMap::new(),
             next_id: 1,
             acceptance: AcceptanceMode::Standard,

@@ -1,0 +1,423 @@
+//! The batched KDA and MLA kernels of a step (`kda.cu`, `mla.cu`): the per-step row table they read, and
+//! one [`Gpu`] method per launch.
+//!
+//! Invariants:
+//! - One table per step: per (KDA layer, row) the state, conv-window and snapshot addresses and the row's
+//!   token range and form; per (MLA layer, row) the cache address, length before the window, token range and
+//!   split span; per token its row. It is built on the host after every MLA cache of the step has been
+//!   grown, and uploaded once into a device buffer that the model keeps ([`StepBuffer`]), so that a
+//!   later CUDA-graph capture sees fixed addresses.
+//! - A row's KDA form and MLA split span depend only on that row (its window length, snapshots and
+//!   cache length), never on the batch, so every row's result is independent of the other rows.
+//! - Windows that keep snapshots (verify windows) always run the recurrent form; the chunked form takes
+//!   windows of at least [`DeviceModel::kda_chunked_min`](crate::cuda::forward::DeviceModel) tokens
+//!   (by default none: see [`KDA_CHUNKED_MIN_TOKENS`]).
+//! - Layouts match the `#define`s at the top of `kda.cu` (`KDA_ENTRY`) and `mla.cu` (`MLA_ENTRY`).
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use half::bf16;
+
+use crate::config::ModelConfig;
+use crate::cuda::device::device_err;
+use crate::cuda::forward::{reserve, DeviceRow, KdaUndo};
+use crate::cuda::ops::{DPtr, Gpu};
+use crate::error::{KernelError, Result};
+
+/// i64 fields per (KDA layer, row) entry: S, 3 conv windows, snapshots, history, offset, t, from, form.
+pub const KDA_ENTRY: usize = 10;
+/// i64 fields per (MLA layer, row) entry: cache, first, offset, t, split span.
+pub const MLA_ENTRY: usize = 5;
+/// Positions per tile of the MLA split kernel (`TILE` in `mla.cu`).
+const MLA_TILE: usize = 64;
+/// The smallest split span of a decode / verify row, and the most splits one token gets.
+const MLA_MIN_SPAN: usize = 256;
+const MLA_MAX_SPLITS: usize = 64;
+/// Rows of at most this many tokens are split over their cache (decode and verify windows); longer
+/// windows have enough tokens to fill the GPU with one split each.
+const MLA_SPLIT_MAX_WINDOW: usize = 16;
+/// `r <= MAX_CH * 128` in `mla_split`.
+const MLA_MAX_RANK: usize = 8 * 128;
+/// Tokens per block of `mla_absorb` and `mla_merge` (`ABSORB_TOKENS`, `MERGE_TOKENS` in `mla.cu`).
+const ABSORB_TOKENS: usize = 8;
+const MERGE_TOKENS: usize = 8;
+
+/// The default window length from which KDA runs its chunked form: never. Measured on an H200
+/// (2026-11-30, one row, 96 heads of 128) the CUDA-core chunked kernel is no faster than the recurrent
+/// one (16 / 64 / 256 / 2,048 tokens: 0.083 / 0.260 / 1.060 / 8.41 ms against 0.083 / 0.259 / 1.002 /
+/// 8.02 ms): both are bound by one block per head walking its tokens in order. The chunked form pays off
+/// once its three 16 x 128 x 128 products per chunk run on tensor cores and its state-independent part
+/// (conv, norms, L, A, W, U) runs for all chunks in parallel, as in fla's chunk_kda; until then it is
+/// selected only through [`DeviceModel::kda_chunked_min`](crate::cuda::forward::DeviceModel).
+pub const KDA_CHUNKED_MIN_TOKENS: usize = usize::MAX;
+
+/// The kernels of `kda.cu` and `mla.cu`.
+pub(crate) struct AttnKernels {
+    /// `kda_step_{32,128}` and `kda_chunk_{32,128}`, by head dim ([`KDA_HEAD_DIMS`]).
+    kda_step: [CudaFunction; 2],
+    kda_chunk: [CudaFunction; 2],
+    mla_append: CudaFunction,
+    mla_absorb: CudaFunction,
+    mla_split: CudaFunction,
+    mla_merge: CudaFunction,
+}
+
+/// The head dims the KDA kernels are instantiated for (k3-tiny and K3).
+const KDA_HEAD_DIMS: [usize; 2] = [32, 128];
+
+impl AttnKernels {
+    pub(crate) fn load(kda: &Arc<CudaModule>, mla: &Arc<CudaModule>) -> Result<Self> {
+        let f = |m: &Arc<CudaModule>, name: &str| {
+            m.load_function(name).map_err(|e| device_err(&format!("kernel {name}"), e))
+        };
+        let by_dim = |prefix: &str| -> Result<[CudaFunction; 2]> {
+            Ok([f(kda, &format!("{prefix}_32"))?, f(kda, &format!("{prefix}_128"))?])
+        };
+        Ok(AttnKernels {
+            kda_step: by_dim("kda_step")?,
+            kda_chunk: by_dim("kda_chunk")?,
+            mla_append: f(mla, "mla_append")?,
+            mla_absorb: f(mla, "mla_absorb")?,
+            mla_split: f(mla, "mla_split")?,
+            mla_merge: f(mla, "mla_merge")?,
+        })
+    }
+}
+
+/// The arguments `kda_step_*` / `kda_chunk_*` take besides the table (`KdaArgs` in `kda.cu`, same layout).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct KdaArgs {
+    /// Pre-conv q, k, v, each `[n, P]` bf16.
+    pub qkv: [DPtr; 3],
+    /// Conv weights of q, k, v, each `[P, kw]` fp32.
+    pub conv_w: [DPtr; 3],
+    /// `[n, P]` forget-gate input, `[n, H]` beta logits, `[n, P]` output-gate logits (bf16).
+    pub f: DPtr,
+    pub b: DPtr,
+    pub g: DPtr,
+    /// `exp(A_log)` `[H]`, `dt_bias` `[P]`, `o_norm` `[K]` (fp32).
+    pub a: DPtr,
+    pub dt_bias: DPtr,
+    pub o_norm: DPtr,
+    /// `[n, P]` bf16 output.
+    pub o: DPtr,
+    pub heads: i32,
+    pub kw: i32,
+    pub lower_bound: f32,
+    pub l2_eps: f32,
+    pub norm_eps: f32,
+}
+
+// SAFETY: plain old data with the C layout of `KdaArgs` in kda.cu (pointers, then ints, then floats).
+unsafe impl DeviceRepr for KdaArgs {}
+
+/// The device buffer the step tables are uploaded into, kept for the model's life.
+#[derive(Default)]
+pub struct StepBuffer {
+    buf: Mutex<Option<CudaSlice<i64>>>,
+}
+
+impl StepBuffer {
+    /// Uploads `table` into the buffer (grown by doubling) and returns its device address. The copy is
+    /// synchronous after the stream drains, so no kernel of an earlier step still reads the old contents.
+    fn upload(&self, gpu: &Gpu, table: &[i64]) -> Result<DPtr> {
+        let mut guard = self.buf.lock().map_err(|_| KernelError::Device("the step table lock is poisoned".into()))?;
+        let fits = guard.as_ref().is_some_and(|b| b.len() >= table.len());
+        if !fits {
+            let old = guard.as_ref().map_or(0, |b| b.len());
+            *guard = Some(gpu.zeros::<i64>(table.len().max(2 * old).max(256))?);
+        }
+        let buf = guard.as_ref().ok_or_else(|| KernelError::Device("no step table buffer".into()))?;
+        let ptr = gpu.ptr(buf);
+        let bytes: Vec<u8> = table.iter().flat_map(|v| v.to_le_bytes()).collect();
+        gpu.upload_bytes_at(ptr, &bytes)?;
+        Ok(ptr)
+    }
+}
+
+/// A step's tables on the device and what the rows keep for rollback.
+pub struct StepTables {
+    /// `[kda layers, rows, KDA_ENTRY]`, `[mla layers, rows, MLA_ENTRY]`, `[n]` token rows (i64).
+    kda: DPtr,
+    mla: DPtr,
+    tok_row: DPtr,
+    rows: usize,
+    /// Tokens of the step and of its longest row.
+    n: usize,
+    max_t: usize,
+    /// Splits of the most split token (the grid of `mla_split`).
+    mla_splits: usize,
+    any_chunked: bool,
+    any_recurrent: bool,
+    /// Per row: the snapshots and conv histories of every KDA layer (rows that asked for snapshots).
+    pub(crate) undo: Vec<Option<KdaUndo>>,
+}
+
+/// The split span of an MLA row whose window has `t` tokens after `first` cached ones.
+fn mla_span(first: usize, t: usize) -> usize {
+    let visible = first + t;
+    if t > MLA_SPLIT_MAX_WINDOW {
+        return visible;
+    }
+    visible.div_ceil(MLA_MAX_SPLITS).div_ceil(MLA_TILE).max(1).saturating_mul(MLA_TILE).max(MLA_MIN_SPAN)
+}
+
+impl StepTables {
+    /// Grows every MLA cache of the rows to hold their windows, allocates the rows' snapshot buffers, and
+    /// uploads the table. `offsets[r]..offsets[r + 1]` are row `r`'s tokens; windows of at least
+    /// `chunked_min` tokens without snapshots take the chunked KDA form.
+    pub fn build(
+        gpu: &Gpu,
+        cfg: &ModelConfig,
+        buffer: &StepBuffer,
+        rows: &mut [DeviceRow<'_>],
+        offsets: &[usize],
+        chunked_min: usize,
+    ) -> Result<Self> {
+        let k = &cfg.kda;
+        let (p, kw, state_len) = (k.proj_dim(), k.conv_kernel, k.num_heads * k.head_dim * k.head_dim);
+        let (kda_layers, mla_layers) = (cfg.kda_layers().len(), cfg.mla_layers().len());
+        let nrows = rows.len();
+        let n = offsets[nrows];
+        let ld = cfg.mla.latent_dim();
+        let mut undo = Vec::with_capacity(nrows);
+        let mut forms = Vec::with_capacity(nrows);
+        for row in rows.iter_mut() {
+            let t = row.tokens.len();
+            let first = row.state.len;
+            for cache in row.state.mla.iter_mut() {
+                reserve(gpu, cache, first + t, ld)?;
+            }
+            undo.push(match row.snapshots_from {
+                Some(from) => Some(KdaUndo {
+                    snaps: gpu.zeros::<f32>(kda_layers * (t - from) * state_len)?,
+                    hist: gpu.zeros::<bf16>(kda_layers * 3 * (kw - 1 + t) * p)?,
+                }),
+                None => None,
+            });
+            forms.push(i64::from(row.snapshots_from.is_none() && t >= chunked_min));
+        }
+        let mut table = Vec::with_capacity((kda_layers * KDA_ENTRY + mla_layers * MLA_ENTRY) * nrows + n);
+        for layer in 0..kda_layers {
+            for (ri, row) in rows.iter().enumerate() {
+                let st = &row.state.kda[layer];
+                let t = row.tokens.len();
+                let (snaps, hist, from) = match (&undo[ri], row.snapshots_from) {
+                    (Some(u), Some(from)) => (
+                        gpu.ptr(&u.snaps) + (layer * (t - from) * state_len * 4) as u64,
+                        gpu.ptr(&u.hist) + (layer * 3 * (kw - 1 + t) * p * 2) as u64,
+                        from,
+                    ),
+                    _ => (0, 0, 0),
+                };
+                table.extend([
+                    gpu.ptr(&st.s) as i64,
+                    gpu.ptr(&st.conv[0]) as i64,
+                    gpu.ptr(&st.conv[1]) as i64,
+                    gpu.ptr(&st.conv[2]) as i64,
+                    snaps as i64,
+                    hist as i64,
+                    offsets[ri] as i64,
+                    t as i64,
+                    from as i64,
+                    forms[ri],
+                ]);
+            }
+        }
+        let mut mla_splits = 1;
+        for layer in 0..mla_layers {
+            for (ri, row) in rows.iter().enumerate() {
+                let (first, t) = (row.state.len, row.tokens.len());
+                let span = mla_span(first, t);
+                mla_splits = mla_splits.max((first + t).div_ceil(span));
+                let cache = gpu.ptr(&row.state.mla[layer].cache);
+                table.extend([cache as i64, first as i64, offsets[ri] as i64, t as i64, span as i64]);
+            }
+        }
+        for ri in 0..nrows {
+            table.extend(std::iter::repeat_n(ri as i64, offsets[ri + 1] - offsets[ri]));
+        }
+        let base = buffer.upload(gpu, &table)?;
+        let kda_bytes = (kda_layers * nrows * KDA_ENTRY * 8) as u64;
+        let mla_bytes = (mla_layers * nrows * MLA_ENTRY * 8) as u64;
+        Ok(StepTables {
+            kda: base,
+            mla: base + kda_bytes,
+            tok_row: base + kda_bytes + mla_bytes,
+            rows: nrows,
+            n,
+            max_t: rows.iter().map(|r| r.tokens.len()).max().unwrap_or(0),
+            mla_splits,
+            any_chunked: forms.contains(&1),
+            any_recurrent: forms.contains(&0),
+            undo,
+        })
+    }
+
+    /// Tokens of the step.
+    pub fn tokens(&self) -> usize {
+        self.n
+    }
+
+    /// Splits of the most split token of the step (the `splits` dimension of the MLA partials).
+    pub fn mla_splits(&self) -> usize {
+        self.mla_splits
+    }
+}
+
+fn launch_err(name: &str) -> impl Fn(cudarc::driver::DriverError) -> KernelError + '_ {
+    move |e| device_err(&format!("launching {name}"), e)
+}
+
+impl Gpu {
+    /// Conv, gates, norms, recurrence (or chunked form) and gated norm of KDA layer `layer` for every row of
+    /// the step: one launch per form present (see `kda.cu`).
+    pub fn kda_layer(&self, tables: &StepTables, layer: usize, dk: usize, args: &KdaArgs) -> Result<()> {
+        let which = KDA_HEAD_DIMS.iter().position(|d| *d == dk).ok_or_else(|| {
+            KernelError::InvalidInput(format!("KDA head_dim {dk} is not supported on CUDA (32 or 128)"))
+        })?;
+        if args.kw < 1 || args.kw > 8 {
+            return Err(KernelError::InvalidInput(format!("conv kernel {} is not supported on CUDA (1..=8)", args.kw)));
+        }
+        if tables.rows == 0 {
+            return Ok(());
+        }
+        let table = tables.kda + (layer * tables.rows * KDA_ENTRY * 8) as u64;
+        // The recurrent kernel runs two threads per channel, the chunked one one.
+        let forms = [
+            (tables.any_recurrent, &self.attn.kda_step[which], "kda_step", 2 * dk),
+            (tables.any_chunked, &self.attn.kda_chunk[which], "kda_chunk", dk),
+        ];
+        for (present, func, name, threads) in forms {
+            if !present {
+                continue;
+            }
+            let cfg = LaunchConfig {
+                grid_dim: (args.heads as u32, tables.rows as u32, 1),
+                block_dim: (threads as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = self.stream.launch_builder(func);
+            b.arg(&table).arg(args);
+            // SAFETY: the table's addresses are live buffers of the rows' states and undo records, and the
+            // argument buffers are `[n, ..]` as documented on `KdaArgs` (callers' contract).
+            unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err(name))?;
+        }
+        Ok(())
+    }
+
+    /// Writes the window's latent entries `[n, latent_dim]` into the rows' caches of MLA layer `layer`.
+    pub fn mla_append(&self, tables: &StepTables, layer: usize, latent: DPtr, ld: usize) -> Result<()> {
+        if tables.rows == 0 {
+            return Ok(());
+        }
+        let table = tables.mla + (layer * tables.rows * MLA_ENTRY * 8) as u64;
+        let cfg = LaunchConfig {
+            grid_dim: (tables.max_t as u32, tables.rows as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let ld = ld as i32;
+        let mut b = self.stream.launch_builder(&self.attn.mla_append);
+        b.arg(&table).arg(&latent).arg(&ld);
+        // SAFETY: every cache was grown to hold its window when the table was built.
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("mla_append"))
+    }
+
+    /// Absorbed MLA attention of every token of the step over its row's cache of layer `layer`:
+    /// `q` `[n, H * (nope + rope)]`, `kv_b` `[H * (nope + v), r]`, `out` `[n, H * v]`. Three launches: the
+    /// absorbed queries, the split attention, the merge with `W_UV`.
+    pub fn mla_attention(
+        &self,
+        m: &crate::config::MlaConfig,
+        tables: &StepTables,
+        layer: usize,
+        q: DPtr,
+        kv_b: DPtr,
+        out: DPtr,
+    ) -> Result<()> {
+        let (h, r, nope, rope, vdim) =
+            (m.num_heads, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim);
+        if r > MLA_MAX_RANK {
+            return Err(KernelError::InvalidInput(format!("MLA kv_lora_rank {r} > {MLA_MAX_RANK} is not supported")));
+        }
+        let n = tables.n;
+        if n == 0 {
+            return Ok(());
+        }
+        let q_lat = self.zeros::<f32>(n * h * r)?; // [n, H, r]
+        let splits = tables.mla_splits;
+        let part_o = self.zeros::<f32>(n * h * splits * r)?; // [n, H, splits, r]
+        let part_m = self.zeros::<f32>(n * h * splits)?;
+        let part_l = self.zeros::<f32>(n * h * splits)?;
+        let (q_lat, part_o, part_m, part_l) =
+            (self.ptr(&q_lat), self.ptr(&part_o), self.ptr(&part_m), self.ptr(&part_l));
+        let ints = |xs: &[usize]| xs.iter().map(|x| *x as i32).collect::<Vec<i32>>();
+
+        let cfg = LaunchConfig {
+            grid_dim: (h as u32, n.div_ceil(ABSORB_TOKENS) as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: (ABSORB_TOKENS * nope * 4) as u32,
+        };
+        let a = ints(&[n, h, nope, rope, vdim, r]);
+        let mut b = self.stream.launch_builder(&self.attn.mla_absorb);
+        b.arg(&q).arg(&kv_b).arg(&q_lat);
+        for x in &a {
+            b.arg(x);
+        }
+        // SAFETY: shapes as documented; q_lat holds [n, H, r].
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("mla_absorb"))?;
+
+        let table = tables.mla + (layer * tables.rows * MLA_ENTRY * 8) as u64;
+        let scale = 1.0f32 / (m.q_head_dim() as f32).sqrt();
+        let cfg = LaunchConfig {
+            grid_dim: (splits as u32, h as u32, n as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: ((r + rope) * 4) as u32,
+        };
+        let a = ints(&[h, nope, rope, r]);
+        let mut b = self.stream.launch_builder(&self.attn.mla_split);
+        b.arg(&table).arg(&tables.tok_row).arg(&q).arg(&q_lat).arg(&part_o).arg(&part_m).arg(&part_l);
+        for x in &a {
+            b.arg(x);
+        }
+        b.arg(&scale);
+        // SAFETY: the caches hold every visible entry (appended before); partials hold [n, H, splits(, r)].
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("mla_split"))?;
+
+        let cfg = LaunchConfig {
+            grid_dim: (h as u32, n.div_ceil(MERGE_TOKENS) as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: (MERGE_TOKENS * r * 4) as u32,
+        };
+        let a = ints(&[n, splits, h, nope, vdim, r]);
+        let mut b = self.stream.launch_builder(&self.attn.mla_merge);
+        b.arg(&part_o).arg(&part_m).arg(&part_l).arg(&kv_b).arg(&out);
+        for x in &a {
+            b.arg(x);
+        }
+        // SAFETY: as above; out holds [n, H * v].
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("mla_merge"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decode_rows_split_long_caches_and_windows_do_not() {
+        assert_eq!(mla_span(0, 1), MLA_MIN_SPAN);
+        assert_eq!(mla_span(100, 8), MLA_MIN_SPAN);
+        // 4,096 cached tokens: 16 splits of 256.
+        assert_eq!(4097usize.div_ceil(mla_span(4096, 1)), 17);
+        // Very long caches keep at most MLA_MAX_SPLITS splits, in whole tiles.
+        let span = mla_span(1_000_000, 1);
+        assert!(1_000_001usize.div_ceil(span) <= MLA_MAX_SPLITS);
+        assert_eq!(span % MLA_TILE, 0);
+        // A prefill chunk attends in one split per token.
+        assert_eq!(mla_span(10, 100), 110);
+    }
+}

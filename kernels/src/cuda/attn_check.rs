@@ -1,0 +1,227 @@
+//! Checks of the batched attention kernels on long inputs, on the present device: the chunked KDA form
+//! against the CPU's chunked form and against the device's own recurrent form, and the split MLA
+//! attention over a context of thousands of tokens against the CPU reference. Used by the GPU tests
+//! (`kernels/tests/cuda_attn.rs`), which also print the timings.
+//!
+//! Invariants: inputs are random bf16 values (never zeros); every comparison reports the relative L2
+//! error and its tolerance, and nothing here panics on a machine without a GPU (it returns the error).
+
+use half::bf16;
+use rand::{Rng, SeedableRng};
+
+use crate::config::ModelConfig;
+use crate::cpu::forward::CpuModel;
+use crate::cpu::kda::{kda_window, KdaInputs};
+use crate::cpu::ops::Linear;
+use crate::cpu::weights::{KdaWeights, MixerWeights};
+use crate::cuda::attn::{KdaArgs, StepBuffer, StepTables};
+use crate::cuda::forward::{DeviceModel, DeviceRow, DeviceState};
+use crate::cuda::ops::Gpu;
+use crate::cuda::validate::{compare, cpu_mla, down, random_bf16, up, OpCheck};
+use crate::cuda::weights::DevMixer;
+use crate::error::{KernelError, Result};
+use crate::runner::TokenId;
+use crate::state::{KdaState, SeqState};
+
+/// Relative L2 bound for fp32 states of two forms of the recurrence (the issue's ~1e-5).
+const TOL_STATE: f64 = 1e-5;
+/// Relative L2 bound for fp32 states against the CPU: the conv outputs are rounded to bf16 on both sides
+/// after fp32 sums whose contraction differs (FMA on the device), so a rare rounding flip enters the state.
+const TOL_STATE_CPU: f64 = 5e-5;
+/// Bound for bf16 outputs that differ by fp32 summation order (one bf16 rounding step, 2^-8).
+const TOL_BF16_OUT: f64 = 4e-3;
+
+/// The chunked and recurrent KDA forms over one long window of one row.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct KdaForms {
+    pub heads: usize,
+    pub head_dim: usize,
+    pub tokens: usize,
+    /// Device time of the one KDA launch, each form.
+    pub recurrent_ms: f64,
+    pub chunked_ms: f64,
+    pub checks: Vec<OpCheck>,
+}
+
+/// One form's run: outputs `[t, P]` and the final state.
+struct FormRun {
+    out: Vec<f32>,
+    state: Vec<f32>,
+    ms: f64,
+}
+
+/// Runs KDA layer 0's kernels of `preset`'s dims over one window of `t` random tokens from a random
+/// state, in both forms; with `with_cpu`, also the CPU's chunked form (`t > 16`) on the same inputs.
+pub fn kda_forms(gpu: &Gpu, preset: &str, t: usize, seed: u64, with_cpu: bool) -> Result<KdaForms> {
+    let cfg = ModelConfig::preset(preset)?;
+    let k = &cfg.kda;
+    let (p, heads, dk, kw) = (k.proj_dim(), k.num_heads, k.head_dim, k.conv_kernel);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let mut vals = |n: usize, lo: f32, hi: f32| -> Vec<f32> { (0..n).map(|_| rng.gen_range(lo..hi)).collect() };
+    let w = KdaWeights::<f32> {
+        q_proj: Linear::new(0, 0, Vec::new()),
+        k_proj: Linear::new(0, 0, Vec::new()),
+        v_proj: Linear::new(0, 0, Vec::new()),
+        g_proj: Linear::new(0, 0, Vec::new()),
+        o_proj: Linear::new(0, 0, Vec::new()),
+        f_a_proj: Linear::new(0, 0, Vec::new()),
+        f_b_proj: Linear::new(0, 0, Vec::new()),
+        b_proj: Linear::new(0, 0, Vec::new()),
+        conv: [vals(p * kw, -0.5, 0.5), vals(p * kw, -0.5, 0.5), vals(p * kw, -0.5, 0.5)],
+        a: vals(heads, 1.0, 16.0),
+        dt_bias: vals(p, -5.0, -1.0),
+        o_norm: vals(dk, 0.5, 1.5),
+        o_norm_eps: cfg.rms_norm_eps,
+    };
+    let start = KdaState::<f32> {
+        s: vals(heads * dk * dk, -0.5, 0.5),
+        conv: [0, 1, 2].map(|_| random_bf16(&mut rng, (kw - 1) * p, 2.0)),
+    };
+    let qkv = [0, 1, 2].map(|_| random_bf16(&mut rng, t * p, 2.0));
+    let f = random_bf16(&mut rng, t * p, 2.0);
+    let b = random_bf16(&mut rng, t * heads, 2.0);
+    let g = random_bf16(&mut rng, t * p, 2.0);
+
+    let dev_in = [up(gpu, &qkv[0])?, up(gpu, &qkv[1])?, up(gpu, &qkv[2])?, up(gpu, &f)?, up(gpu, &b)?, up(gpu, &g)?];
+    let conv_w = [gpu.upload(&w.conv[0])?, gpu.upload(&w.conv[1])?, gpu.upload(&w.conv[2])?];
+    let (a, dt_bias, o_norm) = (gpu.upload(&w.a)?, gpu.upload(&w.dt_bias)?, gpu.upload(&w.o_norm)?);
+    let buffer = StepBuffer::default();
+    let tokens = vec![0 as TokenId; t];
+    let run_form = |chunked_min: usize| -> Result<FormRun> {
+        let mut host = SeqState::<f32>::new(&cfg);
+        host.kda[0] = start.clone();
+        let mut state = DeviceState::import(gpu, &cfg, &host)?;
+        let mut rows = [DeviceRow { state: &mut state, tokens: &tokens, logits_from: t, snapshots_from: None }];
+        let tables = StepTables::build(gpu, &cfg, &buffer, &mut rows, &[0, t], chunked_min)?;
+        let o = gpu.zeros::<bf16>(t * p)?;
+        let args = KdaArgs {
+            qkv: [gpu.ptr(&dev_in[0]), gpu.ptr(&dev_in[1]), gpu.ptr(&dev_in[2])],
+            conv_w: [gpu.ptr(&conv_w[0]), gpu.ptr(&conv_w[1]), gpu.ptr(&conv_w[2])],
+            f: gpu.ptr(&dev_in[3]),
+            b: gpu.ptr(&dev_in[4]),
+            g: gpu.ptr(&dev_in[5]),
+            a: gpu.ptr(&a),
+            dt_bias: gpu.ptr(&dt_bias),
+            o_norm: gpu.ptr(&o_norm),
+            o: gpu.ptr(&o),
+            heads: heads as i32,
+            kw: kw as i32,
+            lower_bound: k.gate_lower_bound,
+            l2_eps: crate::config::L2_NORM_EPS,
+            norm_eps: cfg.rms_norm_eps,
+        };
+        gpu.synchronize()?;
+        gpu.start_profile();
+        gpu.mark("kda")?;
+        gpu.kda_layer(&tables, 0, dk, &args)?;
+        gpu.mark("end")?;
+        let ms = gpu.finish_profile()?.first().map_or(0.0, |s| s.ms);
+        let out = down(gpu, &o, t * p)?;
+        let state = gpu.download(&state.kda[0].s, heads * dk * dk)?;
+        Ok(FormRun { out, state, ms })
+    };
+    // Warm both kernels once (module load, first-launch costs), then time.
+    run_form(usize::MAX)?;
+    run_form(1)?;
+    let recurrent = run_form(usize::MAX)?;
+    let chunked = run_form(1)?;
+
+    let mut checks = vec![
+        compare("kda chunked vs recurrent (device): outputs", &chunked.out, &recurrent.out, TOL_BF16_OUT),
+        compare("kda chunked vs recurrent (device): fp32 state", &chunked.state, &recurrent.state, TOL_STATE),
+    ];
+    if with_cpu {
+        let mut cpu_state = start.clone();
+        let inputs = KdaInputs { qkv: [&qkv[0], &qkv[1], &qkv[2]], f: &f, b: &b, g: &g };
+        let want = kda_window(k, &w, &mut cpu_state, &inputs, None);
+        checks.push(compare("kda chunked vs CPU chunked: outputs", &chunked.out, &want, TOL_BF16_OUT));
+        checks.push(compare("kda chunked vs CPU chunked: fp32 state", &chunked.state, &cpu_state.s, TOL_STATE_CPU));
+        checks.push(compare("kda recurrent vs CPU chunked: fp32 state", &recurrent.state, &cpu_state.s, TOL_STATE_CPU));
+    }
+    Ok(KdaForms { heads, head_dim: dk, tokens: t, recurrent_ms: recurrent.ms, chunked_ms: chunked.ms, checks })
+}
+
+/// The split MLA attention of `dev`'s first MLA layer after a context of `context` tokens: one row
+/// prefills the context in one window, then decodes `window` tokens batched with a short second row.
+/// Checks the decode outputs against the CPU reference over the same inputs, and that the batched
+/// result equals the row run alone (bit for bit).
+pub fn mla_long_context(
+    gpu: &Gpu,
+    dev: &DeviceModel,
+    cpu: &CpuModel<f32>,
+    context: usize,
+    window: usize,
+) -> Result<Vec<OpCheck>> {
+    let cfg = &dev.cfg;
+    let d = cfg.hidden_size;
+    let l = cfg.mla_layers().first().copied().ok_or_else(|| KernelError::InvalidInput("no MLA layer".into()))?;
+    let (MixerWeights::Mla(cw), DevMixer::Mla(dw)) = (&cpu.weights.layers[l].mixer, &dev.weights.layers[l].mixer)
+    else {
+        return Err(KernelError::Device("CPU and device weights disagree on an MLA layer".into()));
+    };
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(41);
+    let h = random_bf16(&mut rng, (context + window) * d, 1.0); // [context + window, d]
+    let short = random_bf16(&mut rng, 3 * d, 1.0);
+
+    // Row 0 prefills its context; the short row 1 runs 3 tokens, then both decode.
+    let mut long_state = DeviceState::new(gpu, cfg)?;
+    let mut short_state = DeviceState::new(gpu, cfg)?;
+    let ctx_tokens = vec![0 as TokenId; context];
+    let step = |rows: &mut [DeviceRow<'_>], hidden: &[f32]| -> Result<Vec<f32>> {
+        let mut offsets = vec![0];
+        for r in rows.iter() {
+            offsets.push(offsets[offsets.len() - 1] + r.tokens.len());
+        }
+        let n = offsets[rows.len()];
+        let hd = up(gpu, hidden)?;
+        let tables = dev.step_tables(gpu, rows, &offsets)?;
+        let a = dev.mla(gpu, dw, gpu.ptr(&hd), &tables, 0)?;
+        for r in rows.iter_mut() {
+            r.state.len += r.tokens.len();
+        }
+        down(gpu, &a, n * d)
+    };
+    step(
+        &mut [DeviceRow { state: &mut long_state, tokens: &ctx_tokens, logits_from: context, snapshots_from: None }],
+        &h[..context * d],
+    )?;
+    let three = vec![0 as TokenId; 3];
+    step(&mut [DeviceRow { state: &mut short_state, tokens: &three, logits_from: 3, snapshots_from: None }], &short)?;
+    let mut alone_state = long_state.duplicate(gpu, cfg)?;
+    let win_tokens = vec![0 as TokenId; window];
+    let mut hidden = h[context * d..].to_vec();
+    hidden.extend_from_slice(&short[..window.min(3) * d]);
+    let short_tokens = vec![0 as TokenId; window.min(3)];
+    let batched = step(
+        &mut [
+            DeviceRow { state: &mut long_state, tokens: &win_tokens, logits_from: window, snapshots_from: None },
+            DeviceRow { state: &mut short_state, tokens: &short_tokens, logits_from: 0, snapshots_from: None },
+        ],
+        &hidden,
+    )?;
+    let alone = step(
+        &mut [DeviceRow { state: &mut alone_state, tokens: &win_tokens, logits_from: window, snapshots_from: None }],
+        &h[context * d..],
+    )?;
+    let got = &batched[..window * d];
+    let max_abs = got.iter().zip(&alone).map(|(x, y)| (x - y).abs() as f64).fold(0.0, f64::max);
+
+    // The CPU over the same sequence: the context in one window, then the decode window.
+    let mut cs = SeqState::<f32>::new(cfg);
+    cpu_mla(cfg, cw, &mut cs, &h[..context * d]);
+    let want = cpu_mla(cfg, cw, &mut cs, &h[context * d..]);
+    let mut checks = vec![compare(
+        &format!("mla split attention after {context} cached tokens, {window}-token window (vs CPU)"),
+        got,
+        &want,
+        2e-2,
+    )];
+    checks.push(OpCheck {
+        op: "mla split attention: batched row equals the row alone (max |Δ|)".into(),
+        rel_l2: max_abs,
+        max_abs,
+        tolerance: 0.0,
+        pass: max_abs == 0.0,
+    });
+    Ok(checks)
+}

@@ -1,0 +1,72 @@
+//! The batched attention kernels on a GPU, on long inputs: the chunked KDA form against the CPU's chunked
+//! form and the device's recurrent form, and the split MLA attention over a context of thousands of
+//! tokens against the CPU. On a machine without a CUDA driver each test says plainly that it skipped.
+//!
+//! The KDA forms are also run at K3's dims (96 heads of 128) over a 2,048-token window, and both forms'
+//! device times are printed (not asserted: performance numbers go to BENCHMARKS.md).
+
+use sparkd_kernels::cpu::forward::CpuModel;
+use sparkd_kernels::cuda::attn_check::{kda_forms, mla_long_context};
+use sparkd_kernels::cuda::device::driver_present;
+use sparkd_kernels::cuda::forward::DeviceModel;
+use sparkd_kernels::cuda::ops::Gpu;
+use sparkd_kernels::cuda::validate::OpCheck;
+use sparkd_kernels::cuda::weights::DevWeights;
+use sparkd_kernels::synth::SyntheticWeights;
+use sparkd_kernels::ModelConfig;
+
+fn gpu() -> Option<Gpu> {
+    if !driver_present() {
+        eprintln!("SKIPPED: no CUDA driver on this machine; the CUDA attention kernels were NOT checked");
+        return None;
+    }
+    Some(Gpu::new(0).unwrap())
+}
+
+fn assert_all_pass(checks: &[OpCheck]) {
+    for c in checks {
+        eprintln!(
+            "{:<90} rel_l2 {:.3e} (max |Δ| {:.3e}, bound {:.1e}) {}",
+            c.op, c.rel_l2, c.max_abs, c.tolerance, c.pass
+        );
+    }
+    assert!(checks.iter().all(|c| c.pass), "a check failed; see above");
+}
+
+#[test]
+fn chunked_kda_matches_the_cpu_and_the_recurrent_form() {
+    let Some(gpu) = gpu() else { return };
+    // Several chunks and a partial one, from a non-zero state.
+    let mut checks = Vec::new();
+    for t in [17, 100] {
+        checks.extend(kda_forms(&gpu, "k3-tiny", t, 5 + t as u64, true).unwrap().checks);
+    }
+    assert_all_pass(&checks);
+}
+
+#[test]
+fn chunked_kda_at_k3_dims_matches_the_recurrent_form_and_reports_times() {
+    let Some(gpu) = gpu() else { return };
+    let mut checks = Vec::new();
+    for t in [16, 64, 256, 2048] {
+        let forms = kda_forms(&gpu, "k3-mini", t, 9, false).unwrap();
+        eprintln!(
+            "KDA layer, one row of {t} tokens, {} heads of {}: recurrent {:.3} ms, chunked {:.3} ms",
+            forms.heads, forms.head_dim, forms.recurrent_ms, forms.chunked_ms
+        );
+        checks.extend(forms.checks);
+    }
+    assert_all_pass(&checks);
+}
+
+#[test]
+fn split_mla_attention_over_a_long_context_matches_the_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let cfg = ModelConfig::preset("k3-tiny").unwrap();
+    let src = SyntheticWeights::new(cfg.clone(), 7);
+    let dev = DeviceModel::new(cfg.clone(), DevWeights::load(&gpu, &cfg, &src).unwrap());
+    let cpu: CpuModel<f32> = CpuModel::load(cfg, &src).unwrap();
+    for window in [1, 4] {
+        assert_all_pass(&mla_long_context(&gpu, &dev, &cpu, 3000, window).unwrap());
+    }
+}
