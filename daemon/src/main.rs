@@ -176,7 +176,7 @@ fn build_runner(args: &ServeArgs, spec: &SpecConfig) -> Result<(Box<dyn Runner>,
             Some(c) => CudaRunner::new(0, cfg.clone(), c)?,
             None => CudaRunner::new(0, cfg.clone(), &SyntheticWeights::new(cfg.clone(), BUILTIN_SEED))?,
         };
-        spec.prepare_cuda_runner(&mut runner)?;
+        spec.prepare_cuda_runner(&mut runner, args.model.as_deref(), synthetic)?;
         Ok(Box::new(runner))
     };
     let runner = match args.device.resolve() {

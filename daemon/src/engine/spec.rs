@@ -22,9 +22,13 @@ use sparkd_kernels::cpu::CpuRunner;
 use sparkd_kernels::cuda::CudaRunner;
 use sparkd_kernels::dspark::{DrafterCheckpoint, DrafterConfig, DrafterModel, SyntheticDrafterWeights, DRAFTER_DIR};
 use sparkd_kernels::runner::{RowInput, SampleRequest, SamplingParams};
-use sparkd_kernels::{KernelError, Runner, StateId, TokenId};
+use sparkd_kernels::tensor::WeightSource;
+use sparkd_kernels::{KernelError, ModelConfig, Runner, StateId, TokenId};
 use sparkd_spec::suffix::SuffixConfig;
 use sparkd_spec::{ForcedAcceptance, SpsProfile, SyntheticSchedule};
+
+/// A drafter's config and the source of its weights (a checkpoint folder or a synthetic generator).
+type DrafterSource = (DrafterConfig, Box<dyn WeightSource>);
 
 /// ℓ when `--spec dspark` is given without `--num-spec-tokens` (DSpark's γ = 7, dspark.md §1.3).
 pub const DSPARK_DEFAULT_NUM_SPEC_TOKENS: usize = 7;
@@ -209,8 +213,38 @@ impl SpecConfig {
         self.is_on() && self.budget != SpecBudget::Static && self.sps_profile.is_none()
     }
 
-    /// Attaches the DSpark drafter the method needs (`MODEL/drafter`, or, when `model_dir` is `None`,
-    /// a synthetic drafter for the built-in synthetic preset `builtin`) and sets the forced
+    /// The DSpark drafter the method needs, if any: its config and weights from `MODEL/drafter`, or,
+    /// when `model_dir` is `None`, a synthetic drafter for the built-in synthetic preset `builtin`.
+    fn drafter_source(
+        &self,
+        target: &ModelConfig,
+        model_dir: Option<&Path>,
+        builtin: &str,
+    ) -> Result<Option<DrafterSource>, SpecSettingError> {
+        if !self.method.needs_drafter() {
+            return Ok(None);
+        }
+        let flag = "spec";
+        Ok(Some(match model_dir {
+            Some(dir) => {
+                let path = dir.join(DRAFTER_DIR);
+                if !path.is_dir() {
+                    return Err(bad(
+                        flag,
+                        format!("{} needs a DSpark drafter in {}", self.method.as_str(), path.display()),
+                    ));
+                }
+                let ckpt = DrafterCheckpoint::open(&path, target).map_err(|e| bad(flag, e.to_string()))?;
+                (ckpt.config().clone(), Box::new(ckpt))
+            }
+            None => {
+                let cfg = DrafterConfig::for_target(builtin, target).map_err(|e| bad(flag, e.to_string()))?;
+                (cfg.clone(), Box::new(SyntheticDrafterWeights::new(cfg, BUILTIN_DRAFTER_SEED)))
+            }
+        }))
+    }
+
+    /// Attaches the DSpark drafter the method needs (see [`Self::drafter_source`]) and sets the forced
     /// acceptance, if any.
     pub fn prepare_cpu_runner(
         &self,
@@ -218,28 +252,11 @@ impl SpecConfig {
         model_dir: Option<&Path>,
         builtin: &str,
     ) -> Result<(), SpecSettingError> {
-        if self.method.needs_drafter() {
-            let target = runner.config().clone();
-            let flag = "spec";
-            let model = match model_dir {
-                Some(dir) => {
-                    let path = dir.join(DRAFTER_DIR);
-                    if !path.is_dir() {
-                        return Err(bad(
-                            flag,
-                            format!("{} needs a DSpark drafter in {}", self.method.as_str(), path.display()),
-                        ));
-                    }
-                    let ckpt = DrafterCheckpoint::open(&path, &target).map_err(|e| bad(flag, e.to_string()))?;
-                    DrafterModel::load(ckpt.config().clone(), &target, &ckpt)
-                }
-                None => {
-                    let cfg = DrafterConfig::for_target(builtin, &target).map_err(|e| bad(flag, e.to_string()))?;
-                    DrafterModel::load(cfg.clone(), &target, &SyntheticDrafterWeights::new(cfg, BUILTIN_DRAFTER_SEED))
-                }
-            }
-            .map_err(|e| bad(flag, format!("loading the DSpark drafter: {e}")))?;
-            runner.attach_drafter(model).map_err(|e| bad(flag, e.to_string()))?;
+        let target = runner.config().clone();
+        if let Some((cfg, source)) = self.drafter_source(&target, model_dir, builtin)? {
+            let model = DrafterModel::load(cfg, &target, source.as_ref())
+                .map_err(|e| bad("spec", format!("loading the DSpark drafter: {e}")))?;
+            runner.attach_drafter(model).map_err(|e| bad("spec", e.to_string()))?;
         }
         if let Some(schedule) = &self.synthetic {
             runner.set_acceptance(AcceptanceMode::Synthetic(schedule.clone()));
@@ -247,11 +264,18 @@ impl SpecConfig {
         Ok(())
     }
 
-    /// Sets the forced acceptance on the CUDA runner; DSpark drafts are not on CUDA yet, so a method
-    /// that needs the drafter is refused.
-    pub fn prepare_cuda_runner(&self, runner: &mut CudaRunner) -> Result<(), SpecSettingError> {
-        if self.method.needs_drafter() {
-            return Err(bad("spec", format!("{} needs a DSpark drafter; CUDA has none yet", self.method.as_str())));
+    /// [`Self::prepare_cpu_runner`] for the CUDA runner: the same drafter, uploaded to the device.
+    pub fn prepare_cuda_runner(
+        &self,
+        runner: &mut CudaRunner,
+        model_dir: Option<&Path>,
+        builtin: &str,
+    ) -> Result<(), SpecSettingError> {
+        let target = runner.config().clone();
+        if let Some((cfg, source)) = self.drafter_source(&target, model_dir, builtin)? {
+            runner
+                .attach_drafter(cfg, source.as_ref())
+                .map_err(|e| bad("spec", format!("loading the DSpark drafter: {e}")))?;
         }
         if let Some(schedule) = &self.synthetic {
             runner.set_acceptance(AcceptanceMode::Synthetic(schedule.clone()));
@@ -323,7 +347,6 @@ pub fn describe(cfg: &SpecConfig) -> String {
 mod tests {
     use super::*;
     use clap::Parser;
-    use sparkd_kernels::ModelConfig;
 
     #[derive(Parser)]
     struct Cli {

@@ -35,6 +35,7 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource { name: "moe.cu", code: include_str!("../../cuda/moe.cu") },
     KernelSource { name: "sample.cu", code: include_str!("../../cuda/sample.cu") },
     KernelSource { name: "gemm.cu", code: include_str!("../../cuda/gemm.cu") },
+    KernelSource { name: "drafter.cu", code: include_str!("../../cuda/drafter.cu") },
 ];
 
 /// Where NVRTC finds `cuda_bf16.h`: `SPARKD_CUDA_INCLUDE`, then `$CUDA_HOME/include`,

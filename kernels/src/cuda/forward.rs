@@ -235,6 +235,9 @@ pub struct DeviceOutput {
     /// Per row: `(first logits row, number of rows)`.
     pub rows: Vec<(usize, usize)>,
     pub undo: Vec<Option<DeviceUndo>>,
+    /// `[taps, tokens, d]` bf16: the hidden states of the tapped layers (see [`DeviceModel::forward_tapped`])
+    /// at every token, tokens in row order; `None` when no layer was tapped.
+    pub taps: Option<CudaSlice<bf16>>,
 }
 
 /// The model on the device.
@@ -299,10 +302,29 @@ impl DeviceModel {
         &self,
         gpu: &Gpu,
         rows: &mut [DeviceRow<'_>],
+        trace: Option<&mut Vec<Vec<Routing<f32>>>>,
+    ) -> Result<DeviceOutput> {
+        self.forward_tapped(gpu, rows, trace, &[])
+    }
+
+    /// [`Self::forward`], also keeping the hidden state of every layer in `tap_layers` (ascending, never
+    /// the last layer) at every token, as `cpu::Probe::tap_layers` defines it: the pre-attention
+    /// AttnRes read of layer `l + 1`, before its input norm (the DSpark drafter's context features).
+    pub fn forward_tapped(
+        &self,
+        gpu: &Gpu,
+        rows: &mut [DeviceRow<'_>],
         mut trace: Option<&mut Vec<Vec<Routing<f32>>>>,
+        tap_layers: &[usize],
     ) -> Result<DeviceOutput> {
         let cfg = &self.cfg;
         let d = cfg.hidden_size;
+        if let Some(bad) = tap_layers.iter().find(|l| **l + 1 >= cfg.num_layers()) {
+            return Err(KernelError::InvalidInput(format!(
+                "tap layer {bad} is not below the last of the model's {} layers",
+                cfg.num_layers()
+            )));
+        }
         let mut offsets = vec![0usize];
         for r in rows.iter() {
             if r.tokens.is_empty() {
@@ -332,6 +354,7 @@ impl DeviceModel {
         // [n, d]: the normalised AttnRes read, the input of each mixer and FFN.
         let hn_buf = gpu.zeros::<bf16>(n * d)?;
         let hn = gpu.ptr(&hn_buf);
+        let taps = if tap_layers.is_empty() { None } else { Some(gpu.zeros::<bf16>(tap_layers.len() * n * d)?) };
         let mut sealed = 0usize;
         let mut tables = self.step_tables(gpu, rows, &offsets)?;
         let (mut kda_idx, mut mla_idx) = (0usize, 0usize);
@@ -364,6 +387,17 @@ impl DeviceModel {
                     d,
                     eps,
                 )?;
+            }
+            // The tap of layer l - 1 is the pre-norm read just taken: the live sum, or the AttnRes read
+            // (recomputed unfused, bit-identical to the one inside `attn_res_norm`).
+            let tap = l.checked_sub(1).and_then(|prev| tap_layers.iter().position(|t| *t == prev));
+            if let (Some(i), Some(taps)) = (tap, &taps) {
+                let dst = gpu.ptr(taps) + (i * n * d * 2) as u64;
+                if sealed == 0 {
+                    gpu.copy::<bf16>(dst, res_at(0), n * d)?;
+                } else {
+                    gpu.attn_res_read(gpu.ptr(&res), slot, sealed + 1, gpu.ptr(&lw.attn_res), dst, n, d, eps)?;
+                }
             }
             let live_fresh = cfg.seals_before(l);
             if live_fresh {
@@ -441,7 +475,7 @@ impl DeviceModel {
             });
             row.state.len += t;
         }
-        Ok(DeviceOutput { logits, rows: out_rows, undo })
+        Ok(DeviceOutput { logits, rows: out_rows, undo, taps })
     }
 
     /// A KDA layer over every row of the step (`tables` from [`DeviceModel::step_tables`]): the input

@@ -7,6 +7,8 @@
 //! - The device forward computes the same function as the CPU reference (`crate::cpu`), op for op:
 //!   activations between ops are bf16 exactly where the reference rounds with `Real::act`, islands
 //!   (norms, AttnRes, router, SiTU, KDA state) are fp32. The two differ only in fp32 summation order.
+//! - The DSpark drafter (`drafter`, `drafter_slot`) runs on the same stream with the same rounding
+//!   rules as the target forward, and reads the target's embedding and lm_head in place.
 //! - All work runs on one stream in issue order; host copies happen only for token ids, routing
 //!   traces asked for by validation, and the per-row results of `sample` (tokens, log-probabilities).
 
@@ -15,6 +17,8 @@ pub mod attn_check;
 pub mod bench;
 pub mod compile;
 pub mod device;
+pub mod drafter;
+pub mod drafter_slot;
 pub mod forward;
 pub mod matrix;
 pub mod ops;

@@ -10,18 +10,24 @@
 //!   `acceptance::verify` stays the CPU reference the device rule is tested against.
 //! - Commit and rollback happen on the device: the KDA states and conv windows saved after the last
 //!   accepted token are copied back, and the MLA length moves back.
+//! - With a DSpark drafter attached ([`CudaRunner::attach_drafter`]), the forward taps the layers the
+//!   drafter reads and each row's drafter context grows by the taps of exactly the tokens the step
+//!   commits (`cuda::drafter_slot`); a selected sampled proposal is verified with its device `q`.
 
 use std::collections::HashMap;
 
 use crate::acceptance::AcceptanceMode;
 use crate::config::ModelConfig;
 use crate::cpu::moe::Routing;
+use crate::cuda::drafter::DeviceDrafter;
+use crate::cuda::drafter_slot::DeviceDrafterSlot;
 use crate::cuda::forward::{DeviceModel, DeviceRow, DeviceState};
 use crate::cuda::ops::{Gemm, Gpu};
 use crate::cuda::sample::{verify_rows, DeviceTokenMask, VerifyRow};
 use crate::cuda::weights::DevWeights;
+use crate::dspark::DrafterConfig;
 use crate::error::{KernelError, Result};
-use crate::runner::{RowInput, RowOutput, Runner, StateId, TokenMask};
+use crate::runner::{DraftProposal, DraftRequest, RowInput, RowOutput, Runner, StateId, TokenMask};
 use crate::state::SeqState;
 use crate::tensor::WeightSource;
 
@@ -48,6 +54,8 @@ pub struct CudaRunner {
     acceptance: AcceptanceMode,
     /// The ids the runner may emit ([`Runner::set_token_mask`]); `None`: all.
     token_mask: Option<DeviceTokenMask>,
+    /// The attached DSpark drafter, if any.
+    drafter: Option<DeviceDrafterSlot>,
 }
 
 impl CudaRunner {
@@ -74,7 +82,27 @@ impl CudaRunner {
             next_id: 1,
             acceptance: AcceptanceMode::Standard,
             token_mask: None,
+            drafter: None,
         })
+    }
+
+    /// Uploads the DSpark drafter `cfg` from `source` and attaches it (the target's embedding and
+    /// lm_head are shared). States that already exist get an empty drafter context starting at their
+    /// current length, as on the CPU.
+    pub fn attach_drafter(&mut self, cfg: DrafterConfig, source: &dyn WeightSource) -> Result<()> {
+        cfg.check_against(&self.model.cfg)?;
+        let mut slot = DeviceDrafterSlot::new(DeviceDrafter::load(&self.gpu, cfg, source)?);
+        for (id, state) in &self.states {
+            slot.add_state(&self.gpu, *id, state.len)?;
+        }
+        self.gpu.synchronize()?;
+        self.drafter = Some(slot);
+        Ok(())
+    }
+
+    /// The attached drafter and its per-sequence device contexts.
+    pub fn drafter(&self) -> Option<&DeviceDrafterSlot> {
+        self.drafter.as_ref()
     }
 
     /// Switches between the lossless acceptance rule and forced acceptance (benchmarks only).
@@ -116,11 +144,14 @@ impl CudaRunner {
         result
     }
 
-    fn insert(&mut self, state: DeviceState) -> StateId {
+    fn insert(&mut self, state: DeviceState) -> Result<StateId> {
         let id = StateId(self.next_id);
         self.next_id += 1;
+        if let Some(d) = &mut self.drafter {
+            d.add_state(&self.gpu, id, state.len)?;
+        }
         self.states.insert(id, state);
-        id
+        Ok(id)
     }
 
     fn state(&self, id: StateId) -> Result<&DeviceState> {
@@ -128,12 +159,18 @@ impl CudaRunner {
     }
 
     fn validate(&self, rows: &[RowInput]) -> Result<()> {
-        crate::runner::check_rows(rows, self.model.cfg.vocab_size, |id| self.state(id).is_ok())
+        crate::runner::check_rows(rows, self.model.cfg.vocab_size, |id| self.state(id).is_ok())?;
+        if let Some(d) = &self.drafter {
+            for row in rows {
+                d.check_row(row, self.state(row.state)?.len)?;
+            }
+        }
+        Ok(())
     }
 
     /// Runs the forward and the acceptance rule over states taken out of the map.
     fn run(
-        &self,
+        &mut self,
         rows: &[RowInput],
         states: &mut [DeviceState],
         trace: Option<&mut Vec<Vec<Routing<f32>>>>,
@@ -153,15 +190,23 @@ impl CudaRunner {
             })
             .collect();
         let start_lens: Vec<usize> = windows.iter().map(|w| w.state.len).collect();
-        let out = self.model.forward(gpu, &mut windows, trace)?;
+        let tap_layers = self.drafter.as_ref().map(|d| d.tap_layers().to_vec()).unwrap_or_default();
+        let out = self.model.forward_tapped(gpu, &mut windows, trace, &tap_layers)?;
         drop(windows);
         let vocab = cfg.vocab_size;
         let logits = gpu.ptr(&out.logits);
+        // Every stepped state's pending proposal is dropped; a selected sampled one lends its `q`.
+        let mut draft_q = Vec::with_capacity(rows.len());
+        for row in rows {
+            let q = self.drafter.as_mut().and_then(|d| d.take_selected(row.state));
+            draft_q.push(q.filter(|_| row.sample.is_some()));
+        }
         let windows: Vec<VerifyRow> = rows
             .iter()
             .zip(&out.rows)
             .zip(&start_lens)
-            .filter_map(|((row, &(first, _)), start)| {
+            .zip(&draft_q)
+            .filter_map(|(((row, &(first, _)), start), q)| {
                 let sample = row.sample.as_ref()?;
                 let t = row.tokens.len();
                 Some(VerifyRow {
@@ -169,14 +214,20 @@ impl CudaRunner {
                     drafts: &row.tokens[t - sample.draft_len..],
                     params: &sample.params,
                     first_position: (start + t - sample.draft_len) as u64,
-                    q: None,
+                    q: q.as_ref().map(|q| gpu.ptr(q)),
                 })
             })
             .collect();
         let mut verdicts = verify_rows(gpu, vocab, &windows, self.token_mask.as_ref(), &self.acceptance)?.into_iter();
         let mut results = Vec::with_capacity(rows.len());
+        // (state, first token of the row in the step, tokens committed): the drafter contexts' growth.
+        let mut commits = Vec::with_capacity(rows.len());
+        let mut row_start = 0usize;
         for ((row, undo), state) in rows.iter().zip(out.undo).zip(states.iter_mut()) {
+            let first_token = row_start;
+            row_start += row.tokens.len();
             let Some(sample) = &row.sample else {
+                commits.push((row.state, first_token, row.tokens.len()));
                 results.push(RowOutput::default());
                 continue;
             };
@@ -187,11 +238,15 @@ impl CudaRunner {
             if let Some(undo) = undo {
                 undo.commit(gpu, cfg, state, t - sample.draft_len + verdict.num_accepted)?;
             }
+            commits.push((row.state, first_token, t - sample.draft_len + verdict.num_accepted));
             results.push(RowOutput {
                 tokens: verdict.tokens,
                 num_accepted: verdict.num_accepted,
                 logprobs: verdict.logprobs,
             });
+        }
+        if let (Some(d), Some(taps)) = (&mut self.drafter, &out.taps) {
+            d.commit(gpu, taps, row_start, &commits)?;
         }
         gpu.synchronize()?;
         Ok(results)
@@ -209,15 +264,22 @@ impl Runner for CudaRunner {
 
     fn alloc_state(&mut self) -> Result<StateId> {
         let state = DeviceState::new(&self.gpu, &self.model.cfg)?;
-        Ok(self.insert(state))
+        self.insert(state)
     }
 
     fn fork_state(&mut self, src: StateId) -> Result<StateId> {
         let copy = self.state(src)?.duplicate(&self.gpu, &self.model.cfg)?;
-        Ok(self.insert(copy))
+        let id = self.insert(copy)?;
+        if let Some(d) = &mut self.drafter {
+            d.fork_state(&self.gpu, src, id)?;
+        }
+        Ok(id)
     }
 
     fn free_state(&mut self, id: StateId) -> Result<()> {
+        if let Some(d) = &mut self.drafter {
+            d.remove_state(id);
+        }
         self.states.remove(&id).map(|_| ()).ok_or(KernelError::UnknownState(id.0))
     }
 
@@ -226,7 +288,8 @@ impl Runner for CudaRunner {
     }
 
     fn state_bytes(&self, id: StateId) -> Result<usize> {
-        Ok(self.state(id)?.bytes(&self.model.cfg))
+        let drafter = self.drafter.as_ref().map_or(0, |d| d.state_bytes(id));
+        Ok(self.state(id)?.bytes(&self.model.cfg) + drafter)
     }
 
     fn export_state(&self, id: StateId) -> Result<SeqState> {
@@ -236,7 +299,7 @@ impl Runner for CudaRunner {
     fn import_state(&mut self, state: SeqState) -> Result<StateId> {
         state.check_fits(&self.model.cfg)?;
         let dev = DeviceState::import(&self.gpu, &self.model.cfg, &state)?;
-        Ok(self.insert(dev))
+        self.insert(dev)
     }
 
     fn step(&mut self, rows: &[RowInput]) -> Result<Vec<RowOutput>> {
@@ -254,5 +317,22 @@ impl Runner for CudaRunner {
         }
         self.token_mask = Some(DeviceTokenMask::upload(&self.gpu, &mask)?);
         Ok(())
+    }
+
+    fn drafter_block_size(&self) -> Option<usize> {
+        self.drafter.as_ref().map(|d| d.model().config().block_size)
+    }
+
+    fn draft(&mut self, rows: &[DraftRequest]) -> Result<Vec<DraftProposal>> {
+        let slot = self.drafter.as_mut().ok_or_else(crate::runner::no_drafter)?;
+        let states = &self.states;
+        let state_len = |id: StateId| states.get(&id).map(|s| s.len).ok_or(KernelError::UnknownState(id.0));
+        let proposals = slot.draft(&self.gpu, &self.model, self.token_mask.as_ref(), state_len, rows)?;
+        self.gpu.synchronize()?;
+        Ok(proposals)
+    }
+
+    fn select_proposal(&mut self, state: StateId) -> Result<()> {
+        self.drafter.as_mut().ok_or_else(crate::runner::no_drafter)?.select(state)
     }
 }

@@ -19,25 +19,53 @@ use crate::dspark::state::DrafterState;
 use crate::error::{KernelError, Result};
 use crate::runner::{DraftProposal, DraftRequest, RowInput, SamplingParams, StateId, TokenId, TokenMask};
 
-/// A proposal kept for verification.
+/// A proposal kept for verification; `Q` holds its draft distributions (host logits on the CPU, a
+/// device buffer on CUDA).
 #[derive(Debug)]
-struct Pending {
+pub(crate) struct Pending<Q> {
     /// The anchor's position (the committed length when drafted).
-    position: usize,
-    anchor: TokenId,
+    pub position: usize,
+    pub anchor: TokenId,
     /// The parameters `q` was processed with; the verifying row must use the same.
-    params: SamplingParams,
-    tokens: Vec<TokenId>,
-    /// `[tokens.len(), vocab]`; empty for greedy drafts, whose verification never reads `q`.
-    logits: Vec<f32>,
-    selected: bool,
+    pub params: SamplingParams,
+    pub tokens: Vec<TokenId>,
+    pub q: Q,
+    pub selected: bool,
+}
+
+impl<Q> Pending<Q> {
+    /// Checks a step row against this proposal when it is selected (before any state changes): the row
+    /// must sample, be `[anchor, prefix of the proposal]` at the proposal's position, with the
+    /// parameters the proposal was drafted with.
+    pub fn check_row(&self, row: &RowInput, state_len: usize) -> Result<()> {
+        if !self.selected {
+            return Ok(());
+        }
+        let bad = |why: &str| Err(KernelError::InvalidInput(format!("{}: selected proposal: {why}", row.state)));
+        let Some(sample) = &row.sample else { return bad("the row must sample") };
+        if row.tokens.len() != sample.draft_len + 1 || state_len != self.position {
+            return bad("the row must be [anchor, drafts] at the position the proposal was drafted for");
+        }
+        let (a, b) = (&sample.params, &self.params);
+        if (a.temperature, a.top_p, a.top_k, a.seed) != (b.temperature, b.top_p, b.top_k, b.seed) {
+            return bad("the row's sampling parameters differ from those the proposal was drafted with");
+        }
+        if row.tokens[0] != self.anchor {
+            return bad("the row's first token is not the proposal's anchor");
+        }
+        if sample.draft_len > self.tokens.len() || row.tokens[1..] != self.tokens[..sample.draft_len] {
+            return bad("the row's drafts are not a prefix of the proposal");
+        }
+        Ok(())
+    }
 }
 
 /// The drafter of a CPU runner and its per-sequence data.
 pub struct DrafterSlot {
     model: DrafterModel<f32>,
     contexts: HashMap<StateId, DrafterState<f32>>,
-    pending: HashMap<StateId, Pending>,
+    /// `q`: `[tokens.len(), vocab]` logits; empty for greedy drafts, whose verification never reads it.
+    pending: HashMap<StateId, Pending<Vec<f32>>>,
 }
 
 impl DrafterSlot {
@@ -92,7 +120,7 @@ impl DrafterSlot {
         rows: &[DraftRequest],
     ) -> Result<Vec<DraftProposal>> {
         // (state, pending, confidences) per row.
-        let mut made: Vec<(StateId, Pending, Vec<f32>)> = Vec::with_capacity(rows.len());
+        let mut made: Vec<(StateId, Pending<Vec<f32>>, Vec<f32>)> = Vec::with_capacity(rows.len());
         for row in rows {
             let len = state_len(row.state)?;
             let ctx = self.context(row.state)?;
@@ -113,7 +141,7 @@ impl DrafterSlot {
                 anchor: row.anchor,
                 params: row.params.clone(),
                 tokens: block.tokens,
-                logits,
+                q: logits,
                 selected: false,
             };
             made.push((row.state, pending, block.confidences));
@@ -141,31 +169,15 @@ impl DrafterSlot {
 
     /// Checks a step row against its state's selected proposal, if any (before any state changes).
     pub fn check_row(&self, row: &RowInput, state_len: usize) -> Result<()> {
-        let Some(p) = self.pending.get(&row.state).filter(|p| p.selected) else { return Ok(()) };
-        let bad = |why: &str| Err(KernelError::InvalidInput(format!("{}: selected proposal: {why}", row.state)));
-        let Some(sample) = &row.sample else { return bad("the row must sample") };
-        if row.tokens.len() != sample.draft_len + 1 || state_len != p.position {
-            return bad("the row must be [anchor, drafts] at the position the proposal was drafted for");
-        }
-        let (a, b) = (&sample.params, &p.params);
-        if (a.temperature, a.top_p, a.top_k, a.seed) != (b.temperature, b.top_p, b.top_k, b.seed) {
-            return bad("the row's sampling parameters differ from those the proposal was drafted with");
-        }
-        if row.tokens[0] != p.anchor {
-            return bad("the row's first token is not the proposal's anchor");
-        }
-        if sample.draft_len > p.tokens.len() || row.tokens[1..] != p.tokens[..sample.draft_len] {
-            return bad("the row's drafts are not a prefix of the proposal");
-        }
-        Ok(())
+        self.pending.get(&row.state).map_or(Ok(()), |p| p.check_row(row, state_len))
     }
 
     /// Drops a stepped state's pending proposal; returns its `q` logits `[draft_len, vocab]` when it
     /// was selected (the row was checked by [`Self::check_row`]).
     pub fn take_selected(&mut self, id: StateId, draft_len: usize) -> Option<Vec<f32>> {
-        let p = self.pending.remove(&id).filter(|p| p.selected && !p.logits.is_empty())?;
+        let p = self.pending.remove(&id).filter(|p| p.selected && !p.q.is_empty())?;
         let vocab = self.model.config().vocab_size;
-        let mut logits = p.logits;
+        let mut logits = p.q;
         logits.truncate(draft_len * vocab);
         Some(logits)
     }

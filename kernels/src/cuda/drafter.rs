@@ -1,0 +1,589 @@
+//! The DSpark drafter on the device ([`DeviceDrafter`]): its weights, the per-sequence context cache
+//! ([`DrafterContext`]), the context append from target taps, and one batched block forward with the
+//! sequential Markov head and the confidence head for every row.
+//!
+//! Follows the CPU drafter (`dspark::model`, shared/reference/dspark.md §1.1–§1.2, §2.1) op for op:
+//! - context: `H_ctx = RMSNorm(W_c · concat(taps))` per committed token, then per draft layer the latent
+//!   entry `[kv_a_norm(c) | rope(k_rot, position)]` of `kv_a_proj_with_mqa(H_ctx)`;
+//! - block: `[anchor, MASK × (n−1)]` at positions `P..P+n−1` (P = the context's length), pre-norm RoPE
+//!   MLA layers whose queries see every context entry and every entry of their own block (non-causal),
+//!   a dense SiTU MLP, the final norm, and the target's lm_head giving `U` `[n, V]`;
+//! - Markov loop: `logits_k = U_k + bf(W2 · W1[x_{k−1}])` in fp32 (x_0 = the anchor), `x_k` its argmax
+//!   for greedy rows, `c_k = σ(wᵀ[h_k ; W1[x_{k−1}]] + b)`.
+//!
+//! Invariants:
+//! - Activations are bf16 exactly where the CPU drafter rounds them, reductions fp32, so the device
+//!   and CPU drafters differ only by fp32 summation order (bf16 rounding flips, not wrong math).
+//! - A context's entries cover positions `start..len()` for every draft layer alike; a block forward
+//!   writes its block's latents past `len()` as scratch and never changes `len()`.
+//! - Ids the runner's token mask forbids get logit `-inf` in every `logits_k`, as on the CPU.
+//! - Sampled drafts (temperature > 0) copy each step's fp32 logits row to the host, sample it with the
+//!   CPU code (`sampling::Distribution`, the draft stream `dspark::model::draft_uniform`) and upload
+//!   the processed distribution as that draft's `q` (f32 probabilities, the layout
+//!   `cuda::sample::verify_rows` reads). `cuda::sample` reads bf16 logits, and rounding the fp32 Markov
+//!   logits to bf16 would change the distribution the CPU drafter defines; greedy drafts never leave
+//!   the device until the end.
+//! - All work runs on the runner's one stream (see `cuda::ops`).
+
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::Ptx;
+use half::bf16;
+
+use crate::config::MLA_NORM_EPS;
+use crate::cuda::compile::{Compiler, SOURCES};
+use crate::cuda::device::device_err;
+use crate::cuda::forward::{reserve, DeviceMla, DeviceModel};
+use crate::cuda::ops::{DPtr, Gpu, NULL};
+use crate::cuda::sample::DeviceTokenMask;
+use crate::cuda::weights::{DevLinear, DevMlp, DevNorm};
+use crate::dspark::config::{DrafterConfig, MAX_BLOCK};
+use crate::dspark::model::draft_uniform;
+use crate::dspark::schema::{
+    draft_layer_name, drafter_tensors, CONFIDENCE_BIAS, CONFIDENCE_WEIGHT, CONTEXT_NORM, CONTEXT_PROJ, FINAL_NORM,
+    MARKOV_W1, MARKOV_W2,
+};
+use crate::dspark::DrafterState;
+use crate::error::{KernelError, Result};
+use crate::runner::{SamplingParams, TokenId};
+use crate::sampling::Distribution;
+use crate::tensor::{DType, TensorSpec, WeightSource};
+
+/// The kernels of `kernels/cuda/drafter.cu`.
+struct DrafterKernels {
+    concat_taps: CudaFunction,
+    rope_rows: CudaFunction,
+    mla_attend_block: CudaFunction,
+    markov_step: CudaFunction,
+    argmax_step: CudaFunction,
+}
+
+impl DrafterKernels {
+    fn load(gpu: &Gpu) -> Result<Self> {
+        let src = SOURCES
+            .iter()
+            .find(|s| s.name == "drafter.cu")
+            .ok_or_else(|| KernelError::Device("drafter.cu is not among the kernel sources".into()))?;
+        let compiler = Compiler {
+            arch: gpu.info.arch(),
+            include_dir: crate::cuda::compile::default_include_dir(),
+            cache_dir: crate::cuda::compile::default_cache_dir(),
+        };
+        let module = gpu
+            .ctx
+            .load_module(Ptx::from_binary(compiler.cubin(src)?))
+            .map_err(|e| device_err("loading drafter.cu", e))?;
+        let f = |name: &str| module.load_function(name).map_err(|e| device_err(&format!("kernel {name}"), e));
+        Ok(DrafterKernels {
+            concat_taps: f("concat_taps")?,
+            rope_rows: f("rope_rows")?,
+            mla_attend_block: f("mla_attend_block")?,
+            markov_step: f("markov_step")?,
+            argmax_step: f("argmax_step")?,
+        })
+    }
+}
+
+/// One draft layer's weights: RoPE MLA (no output gate) and a dense SiTU MLP, pre-norm.
+struct DraftLayer {
+    input_norm: DevNorm,
+    q_a_proj: DevLinear,
+    q_a_norm: DevNorm,
+    q_b_proj: DevLinear,
+    kv_a_proj: DevLinear,
+    kv_a_norm: DevNorm,
+    /// `[H * (nope + v), kv_lora]`
+    kv_b_proj: DevLinear,
+    o_proj: DevLinear,
+    post_norm: DevNorm,
+    mlp: DevMlp,
+}
+
+/// A sequence's drafter context on the device: per draft layer, latent entries `[capacity, latent]`
+/// bf16 of the committed tokens at positions `start..len()`.
+pub struct DrafterContext {
+    start: usize,
+    entries: usize,
+    layers: Vec<DeviceMla>,
+}
+
+impl DrafterContext {
+    /// An empty context whose first entry will be the token at position `start`.
+    pub fn new(gpu: &Gpu, cfg: &DrafterConfig, start: usize) -> Result<Self> {
+        let mut layers = Vec::with_capacity(cfg.num_draft_layers);
+        for _ in 0..cfg.num_draft_layers {
+            layers.push(DeviceMla { cache: gpu.zeros(0)?, capacity: 0 });
+        }
+        Ok(DrafterContext { start, entries: 0, layers })
+    }
+
+    /// The position after the last entry (the target's committed length).
+    pub fn len(&self) -> usize {
+        self.start + self.entries
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// A device copy (a fork).
+    pub fn duplicate(&self, gpu: &Gpu, cfg: &DrafterConfig) -> Result<Self> {
+        let ld = cfg.mla().latent_dim();
+        let mut out = DrafterContext::new(gpu, cfg, self.start)?;
+        out.entries = self.entries;
+        for (dst, src) in out.layers.iter_mut().zip(&self.layers) {
+            reserve(gpu, dst, self.entries, ld)?;
+            gpu.copy::<bf16>(gpu.ptr(&dst.cache), gpu.ptr(&src.cache), self.entries * ld)?;
+        }
+        Ok(out)
+    }
+
+    /// Device bytes held.
+    pub fn bytes(&self, cfg: &DrafterConfig) -> usize {
+        self.layers.iter().map(|m| m.capacity * cfg.mla().latent_dim() * 2).sum()
+    }
+
+    /// A host copy in the CPU drafter's layout (bf16 values as f32), for comparisons.
+    pub fn export(&self, gpu: &Gpu, cfg: &DrafterConfig) -> Result<DrafterState<f32>> {
+        let ld = cfg.mla().latent_dim();
+        let mut state = DrafterState::new(cfg.num_draft_layers, ld, self.start);
+        let layers: Vec<Vec<f32>> = self
+            .layers
+            .iter()
+            .map(|m| Ok(gpu.download(&m.cache, self.entries * ld)?.into_iter().map(f32::from).collect()))
+            .collect::<Result<_>>()?;
+        for t in 0..self.entries {
+            let entries: Vec<&[f32]> = layers.iter().map(|l| &l[t * ld..(t + 1) * ld]).collect();
+            state.push(&entries);
+        }
+        Ok(state)
+    }
+}
+
+/// One row of a block forward.
+pub struct BlockRow<'a> {
+    pub context: &'a mut DrafterContext,
+    pub anchor: TokenId,
+    /// Drafts to make (the block length), 1..=[`MAX_BLOCK`].
+    pub num_drafts: usize,
+    pub params: &'a SamplingParams,
+}
+
+/// What one batched block forward produced.
+pub struct BlockDrafts {
+    /// Per row, its drafts.
+    pub tokens: Vec<Vec<TokenId>>,
+    /// Per row, `c_k` per draft.
+    pub confidences: Vec<Vec<f32>>,
+    /// `[Σ num_drafts, V]` f32, rows in row order (row `r`'s start at `first[r]`): the processed draft
+    /// distributions `q_k` of sampled rows; zeros for greedy rows.
+    pub q: CudaSlice<f32>,
+    pub first: Vec<usize>,
+}
+
+/// A drafter's weights on the device, with its kernels.
+pub struct DeviceDrafter {
+    cfg: DrafterConfig,
+    kernels: DrafterKernels,
+    context_proj: DevLinear,
+    context_norm: DevNorm,
+    layers: Vec<DraftLayer>,
+    norm: DevNorm,
+    /// `[V, r]`
+    markov_w1: CudaSlice<bf16>,
+    /// `[V, r]`
+    markov_w2: CudaSlice<bf16>,
+    /// `[d + r]`
+    confidence_w: CudaSlice<bf16>,
+    confidence_b: f32,
+    /// Bytes uploaded.
+    pub bytes: usize,
+}
+
+/// Uploads the drafter's tensors from a source, each checked against `dspark::schema`.
+struct Loader<'a> {
+    gpu: &'a Gpu,
+    specs: Vec<TensorSpec>,
+    src: &'a dyn WeightSource,
+    bytes: usize,
+}
+
+impl Loader<'_> {
+    fn bf16(&mut self, name: &str) -> Result<(CudaSlice<bf16>, Vec<usize>)> {
+        let spec = self
+            .specs
+            .iter()
+            .find(|s| s.name == name)
+            .ok_or_else(|| KernelError::MissingTensor { name: name.to_string() })?;
+        let t = self.src.tensor(spec)?;
+        if t.dtype != DType::Bf16 {
+            return Err(KernelError::TensorMismatch {
+                name: name.into(),
+                expected: "BF16".into(),
+                found: t.dtype.name().into(),
+            });
+        }
+        self.bytes += t.bytes().len();
+        Ok((self.gpu.upload_bytes(t.bytes())?, t.shape.clone()))
+    }
+
+    fn linear(&mut self, name: &str) -> Result<DevLinear> {
+        let (w, shape) = self.bf16(name)?;
+        Ok(DevLinear { w, out_dim: shape[0], in_dim: shape[1..].iter().product() })
+    }
+
+    fn norm(&mut self, name: &str, eps: f32) -> Result<DevNorm> {
+        Ok(DevNorm { w: self.bf16(name)?.0, eps })
+    }
+}
+
+/// `[n, out]` = `x [n, in] · wᵀ`, a fresh buffer.
+fn linear(gpu: &Gpu, w: &DevLinear, x: DPtr, n: usize) -> Result<CudaSlice<bf16>> {
+    let y = gpu.zeros::<bf16>(n * w.out_dim)?;
+    gpu.linear(gpu.ptr(&w.w), w.out_dim, w.in_dim, x, n, gpu.ptr(&y))?;
+    Ok(y)
+}
+
+/// RMSNorm of `[n, dim]` rows into a fresh buffer.
+fn norm(gpu: &Gpu, w: &DevNorm, x: DPtr, n: usize, dim: usize) -> Result<CudaSlice<bf16>> {
+    let y = gpu.zeros::<bf16>(n * dim)?;
+    gpu.rms_norm(x, dim, gpu.ptr(&w.w), gpu.ptr(&y), dim, n, dim, w.eps)?;
+    Ok(y)
+}
+
+fn to_i32(values: impl Iterator<Item = usize>) -> Result<Vec<i32>> {
+    values
+        .map(|v| i32::try_from(v).map_err(|_| KernelError::InvalidInput(format!("{v} does not fit a device int"))))
+        .collect()
+}
+
+impl DeviceDrafter {
+    /// Uploads and checks every drafter tensor from `src` (the target's embedding and lm_head are read
+    /// in place from the target's weights); `cfg` must have been checked against the target.
+    pub fn load(gpu: &Gpu, cfg: DrafterConfig, src: &dyn WeightSource) -> Result<Self> {
+        let kernels = DrafterKernels::load(gpu)?;
+        let mut up = Loader { gpu, specs: drafter_tensors(&cfg), src, bytes: 0 };
+        let eps = cfg.rms_norm_eps;
+        let mut layers = Vec::with_capacity(cfg.num_draft_layers);
+        for i in 0..cfg.num_draft_layers {
+            let n = |s: &str| draft_layer_name(i, s);
+            layers.push(DraftLayer {
+                input_norm: up.norm(&n("input_layernorm.weight"), eps)?,
+                q_a_proj: up.linear(&n("self_attn.q_a_proj.weight"))?,
+                q_a_norm: up.norm(&n("self_attn.q_a_layernorm.weight"), MLA_NORM_EPS)?,
+                q_b_proj: up.linear(&n("self_attn.q_b_proj.weight"))?,
+                kv_a_proj: up.linear(&n("self_attn.kv_a_proj_with_mqa.weight"))?,
+                kv_a_norm: up.norm(&n("self_attn.kv_a_layernorm.weight"), MLA_NORM_EPS)?,
+                kv_b_proj: up.linear(&n("self_attn.kv_b_proj.weight"))?,
+                o_proj: up.linear(&n("self_attn.o_proj.weight"))?,
+                post_norm: up.norm(&n("post_attention_layernorm.weight"), eps)?,
+                mlp: DevMlp {
+                    gate: up.linear(&n("mlp.gate_proj.weight"))?,
+                    up: up.linear(&n("mlp.up_proj.weight"))?,
+                    down: up.linear(&n("mlp.down_proj.weight"))?,
+                },
+            });
+        }
+        let bias_spec = up
+            .specs
+            .iter()
+            .find(|s| s.name == CONFIDENCE_BIAS)
+            .ok_or_else(|| KernelError::MissingTensor { name: CONFIDENCE_BIAS.to_string() })?;
+        let confidence_b = src.tensor(bias_spec)?.to_f32()?[0];
+        Ok(DeviceDrafter {
+            kernels,
+            context_proj: up.linear(CONTEXT_PROJ)?,
+            context_norm: up.norm(CONTEXT_NORM, eps)?,
+            layers,
+            norm: up.norm(FINAL_NORM, eps)?,
+            markov_w1: up.bf16(MARKOV_W1)?.0,
+            markov_w2: up.bf16(MARKOV_W2)?.0,
+            confidence_w: up.bf16(CONFIDENCE_WEIGHT)?.0,
+            confidence_b,
+            bytes: up.bytes + 4,
+            cfg,
+        })
+    }
+
+    pub fn config(&self) -> &DrafterConfig {
+        &self.cfg
+    }
+
+    fn launch_err(name: &'static str) -> impl Fn(cudarc::driver::DriverError) -> KernelError {
+        move |e| device_err(&format!("launching {name}"), e)
+    }
+
+    /// RoPE in place of `vectors` vectors at `x + v * stride + offset` (elements), vector `v` at
+    /// position `positions[v / group]`.
+    #[allow(clippy::too_many_arguments)]
+    fn rope(
+        &self,
+        gpu: &Gpu,
+        x: DPtr,
+        stride: usize,
+        offset: usize,
+        group: usize,
+        positions: DPtr,
+        vectors: usize,
+    ) -> Result<()> {
+        let len = self.cfg.qk_rope_head_dim;
+        let pairs = vectors * len / 2;
+        let cfg = LaunchConfig {
+            grid_dim: (pairs.div_ceil(256).max(1) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (stride, offset, len, group, vectors) =
+            (stride as i64, offset as i32, len as i32, group as i32, vectors as i64);
+        let theta = self.cfg.rope_theta;
+        let mut b = gpu.stream.launch_builder(&self.kernels.rope_rows);
+        b.arg(&x).arg(&stride).arg(&offset).arg(&len).arg(&group).arg(&positions).arg(&vectors).arg(&theta);
+        unsafe { b.launch(cfg) }.map(|_| gpu.count_launch()).map_err(Self::launch_err("rope_rows"))
+    }
+
+    /// Latent entries `[n, kv_lora + rope]` of rows `h` `[n, d]` at `positions` (`[n]` i32).
+    fn latents(&self, gpu: &Gpu, layer: &DraftLayer, h: DPtr, positions: DPtr, n: usize) -> Result<CudaSlice<bf16>> {
+        let m = self.cfg.mla();
+        let (r, ld) = (m.kv_lora_rank, m.latent_dim());
+        let kva = linear(gpu, &layer.kv_a_proj, h, n)?;
+        let p = gpu.ptr(&kva);
+        gpu.rms_norm(p, ld, gpu.ptr(&layer.kv_a_norm.w), p, ld, n, r, layer.kv_a_norm.eps)?;
+        self.rope(gpu, p, ld, r, 1, positions, n)?;
+        Ok(kva)
+    }
+
+    /// Appends context entries to each `(context, count)` from `taps` (`[m, tokens, d]`, the
+    /// forward's taps): context `i` gets the taps of the `count` tokens starting at token `first`.
+    pub fn append_context(
+        &self,
+        gpu: &Gpu,
+        taps: &CudaSlice<bf16>,
+        tokens: usize,
+        rows: &mut [(&mut DrafterContext, usize, usize)],
+    ) -> Result<()> {
+        let (d, m) = (self.cfg.hidden_size, self.cfg.num_taps());
+        let wanted: Vec<u32> =
+            rows.iter().flat_map(|(_, first, count)| (*first as u32)..((first + count) as u32)).collect();
+        let n = wanted.len();
+        if n == 0 {
+            return Ok(());
+        }
+        if wanted.iter().any(|t| *t as usize >= tokens) || taps.len() < m * tokens * d {
+            return Err(KernelError::InvalidInput(format!("drafter taps of {tokens} tokens do not cover the commits")));
+        }
+        let idx = gpu.upload(&wanted)?;
+        let concat = gpu.zeros::<bf16>(n * m * d)?; // [n, m·d]
+        let cfg = LaunchConfig { grid_dim: (n as u32, m as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let (slot, d_) = ((tokens * d) as i64, d as i32);
+        let (taps_ptr, idx_ptr, out_ptr) = (gpu.ptr(taps), gpu.ptr(&idx), gpu.ptr(&concat));
+        let mut b = gpu.stream.launch_builder(&self.kernels.concat_taps);
+        b.arg(&taps_ptr).arg(&slot).arg(&idx_ptr).arg(&out_ptr).arg(&d_);
+        unsafe { b.launch(cfg) }.map(|_| gpu.count_launch()).map_err(Self::launch_err("concat_taps"))?;
+        let projected = linear(gpu, &self.context_proj, gpu.ptr(&concat), n)?;
+        let ctx = norm(gpu, &self.context_norm, gpu.ptr(&projected), n, d)?; // [n, d]
+        let positions = gpu.upload(&to_i32(rows.iter().flat_map(|(c, _, count)| c.len()..c.len() + count))?)?;
+        let ld = self.cfg.mla().latent_dim();
+        for (li, layer) in self.layers.iter().enumerate() {
+            let kva = self.latents(gpu, layer, gpu.ptr(&ctx), gpu.ptr(&positions), n)?;
+            let mut at = 0usize;
+            for (context, _, count) in rows.iter_mut() {
+                let cache = &mut context.layers[li];
+                reserve(gpu, cache, context.entries + *count, ld)?;
+                gpu.copy::<bf16>(
+                    gpu.ptr(&cache.cache) + (context.entries * ld * 2) as u64,
+                    gpu.ptr(&kva) + (at * ld * 2) as u64,
+                    *count * ld,
+                )?;
+                at += *count;
+            }
+        }
+        for (context, _, count) in rows.iter_mut() {
+            context.entries += *count;
+        }
+        Ok(())
+    }
+
+    /// One batched block forward and Markov loop for every row (greedy rows by device argmax, sampled
+    /// rows on the host, see the module invariants). Row contexts are not changed (their scratch is).
+    pub fn draft(
+        &self,
+        gpu: &Gpu,
+        target: &DeviceModel,
+        mask: Option<&DeviceTokenMask>,
+        rows: &mut [BlockRow<'_>],
+    ) -> Result<BlockDrafts> {
+        let cfg = &self.cfg;
+        let (d, vocab, r) = (cfg.hidden_size, cfg.vocab_size, cfg.markov_rank);
+        let mla = cfg.mla();
+        let (heads, qh, ld) = (mla.num_heads, mla.q_head_dim(), mla.latent_dim());
+        for row in rows.iter() {
+            crate::sampling::check_params(row.params)?;
+            if row.anchor as usize >= vocab {
+                return Err(KernelError::InvalidInput(format!(
+                    "anchor token {} outside the vocabulary of {vocab}",
+                    row.anchor
+                )));
+            }
+            if row.num_drafts == 0 || row.num_drafts > MAX_BLOCK {
+                return Err(KernelError::InvalidInput(format!(
+                    "a draft block of {} tokens is outside 1..={MAX_BLOCK}",
+                    row.num_drafts
+                )));
+            }
+        }
+        let mut first = Vec::with_capacity(rows.len());
+        let mut n = 0usize;
+        for row in rows.iter() {
+            first.push(n);
+            n += row.num_drafts;
+        }
+        let stride = rows.iter().map(|r| r.num_drafts).max().unwrap_or(0) + 1;
+        if n == 0 {
+            return Ok(BlockDrafts { tokens: Vec::new(), confidences: Vec::new(), q: gpu.zeros(0)?, first });
+        }
+        // [n] block tokens and positions, rows in order.
+        let mut block_tokens = Vec::with_capacity(n);
+        let mut positions = Vec::with_capacity(n);
+        for row in rows.iter() {
+            for k in 0..row.num_drafts {
+                block_tokens.push(if k == 0 { row.anchor } else { cfg.mask_token_id });
+                positions.push(row.context.len() + k);
+            }
+        }
+        let tokens = gpu.upload(&block_tokens)?;
+        let positions = gpu.upload(&to_i32(positions.into_iter())?)?;
+        let x = gpu.zeros::<bf16>(n * d)?; // [n, d] residual stream
+        gpu.embed(gpu.ptr(&target.weights.embed), gpu.ptr(&tokens), gpu.ptr(&x), n, d)?;
+        let scale = 1.0f32 / (qh as f32).sqrt();
+        for (li, layer) in self.layers.iter().enumerate() {
+            let h = norm(gpu, &layer.input_norm, gpu.ptr(&x), n, d)?;
+            let qa = linear(gpu, &layer.q_a_proj, gpu.ptr(&h), n)?;
+            let qa_n = norm(gpu, &layer.q_a_norm, gpu.ptr(&qa), n, mla.q_lora_rank)?;
+            let q = linear(gpu, &layer.q_b_proj, gpu.ptr(&qa_n), n)?; // [n, H·qh]
+            self.rope(gpu, gpu.ptr(&q), qh, mla.qk_nope_head_dim, heads, gpu.ptr(&positions), n * heads)?;
+            let block = self.latents(gpu, layer, gpu.ptr(&h), gpu.ptr(&positions), n)?; // [n, ld]
+            let o = gpu.zeros::<bf16>(n * heads * mla.v_head_dim)?; // [n, H·v]
+            for (row, s) in rows.iter_mut().zip(&first) {
+                let (t, entries) = (row.num_drafts, row.context.entries);
+                let cache = &mut row.context.layers[li];
+                reserve(gpu, cache, entries + t, ld)?;
+                gpu.copy::<bf16>(
+                    gpu.ptr(&cache.cache) + (entries * ld * 2) as u64,
+                    gpu.ptr(&block) + (s * ld * 2) as u64,
+                    t * ld,
+                )?;
+                let visible = entries + t;
+                let scores = gpu.zeros::<f32>(t * heads * visible)?; // [t, H, visible]
+                let launch = LaunchConfig {
+                    grid_dim: (t as u32, heads as u32, 1),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: (2 * mla.kv_lora_rank * 4) as u32,
+                };
+                let ints =
+                    [visible, heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim, mla.kv_lora_rank]
+                        .map(|v| v as i32);
+                let q_ptr = gpu.ptr(&q) + (s * heads * qh * 2) as u64;
+                let (cache_ptr, kv_b, sc) = (gpu.ptr(&cache.cache), gpu.ptr(&layer.kv_b_proj.w), gpu.ptr(&scores));
+                let o_ptr = gpu.ptr(&o) + (s * heads * mla.v_head_dim * 2) as u64;
+                let mut b = gpu.stream.launch_builder(&self.kernels.mla_attend_block);
+                b.arg(&q_ptr).arg(&cache_ptr).arg(&kv_b).arg(&sc).arg(&o_ptr);
+                for i in &ints {
+                    b.arg(i);
+                }
+                b.arg(&scale);
+                unsafe { b.launch(launch) }
+                    .map(|_| gpu.count_launch())
+                    .map_err(Self::launch_err("mla_attend_block"))?;
+            }
+            let attn = linear(gpu, &layer.o_proj, gpu.ptr(&o), n)?;
+            gpu.add(gpu.ptr(&x), gpu.ptr(&attn), n * d)?;
+            let hn = norm(gpu, &layer.post_norm, gpu.ptr(&x), n, d)?;
+            let g = linear(gpu, &layer.mlp.gate, gpu.ptr(&hn), n)?;
+            let u = linear(gpu, &layer.mlp.up, gpu.ptr(&hn), n)?;
+            let a = gpu.zeros::<bf16>(n * layer.mlp.gate.out_dim)?;
+            let len = n * layer.mlp.gate.out_dim;
+            gpu.situ(gpu.ptr(&g), gpu.ptr(&u), gpu.ptr(&a), len, cfg.situ_beta, cfg.situ_linear_beta)?;
+            let f = linear(gpu, &layer.mlp.down, gpu.ptr(&a), n)?;
+            gpu.add(gpu.ptr(&x), gpu.ptr(&f), n * d)?;
+        }
+        let hidden = norm(gpu, &self.norm, gpu.ptr(&x), n, d)?; // [n, d]
+        let lm = &target.weights.lm_head;
+        let base_logits = linear(gpu, lm, gpu.ptr(&hidden), n)?; // U: [n, V]
+
+        // The Markov loop: one step per block position for every row at once.
+        let mut host_tokens = vec![0u32; rows.len() * stride]; // [R, stride]: anchor, then drafts
+        for (i, row) in rows.iter().enumerate() {
+            host_tokens[i * stride] = row.anchor;
+        }
+        let draft_tokens = gpu.upload(&host_tokens)?;
+        let base = gpu.upload(&to_i32(first.iter().copied())?)?;
+        let count = gpu.upload(&to_i32(rows.iter().map(|r| r.num_drafts))?)?;
+        let logits = gpu.zeros::<f32>(n * vocab)?; // [n, V]
+        let sampled = rows.iter().any(|r| !r.params.is_greedy());
+        let q = gpu.zeros::<f32>(if sampled { n * vocab } else { 0 })?; // [n, V] when any row samples
+        let conf = gpu.zeros::<f32>(n)?;
+        let mask_ptr = match mask {
+            Some(m) if m.vocab() != vocab => {
+                return Err(KernelError::InvalidInput(format!(
+                    "a token mask over {} ids does not fit the drafter's vocabulary of {vocab}",
+                    m.vocab()
+                )))
+            }
+            Some(m) => m.ptr(gpu),
+            None => NULL,
+        };
+        let (u_ptr, h_ptr, w1, w2, cw) = (
+            gpu.ptr(&base_logits),
+            gpu.ptr(&hidden),
+            gpu.ptr(&self.markov_w1),
+            gpu.ptr(&self.markov_w2),
+            gpu.ptr(&self.confidence_w),
+        );
+        let (base_ptr, count_ptr, tok_ptr, logits_ptr, conf_ptr) =
+            (gpu.ptr(&base), gpu.ptr(&count), gpu.ptr(&draft_tokens), gpu.ptr(&logits), gpu.ptr(&conf));
+        let (stride_, v_, r_, d_) = (stride as i32, vocab as i32, r as i32, d as i32);
+        let cb = self.confidence_b;
+        let step_cfg = LaunchConfig {
+            grid_dim: (vocab.div_ceil(8) as u32, rows.len() as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let argmax_cfg =
+            LaunchConfig { grid_dim: (rows.len() as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        for k in 0..stride - 1 {
+            let k_ = k as i32;
+            let mut b = gpu.stream.launch_builder(&self.kernels.markov_step);
+            b.arg(&k_).arg(&u_ptr).arg(&h_ptr).arg(&w1).arg(&w2).arg(&cw).arg(&cb);
+            b.arg(&base_ptr).arg(&count_ptr).arg(&tok_ptr).arg(&stride_).arg(&mask_ptr).arg(&logits_ptr);
+            b.arg(&conf_ptr);
+            b.arg(&v_).arg(&r_).arg(&d_);
+            unsafe { b.launch(step_cfg) }.map(|_| gpu.count_launch()).map_err(Self::launch_err("markov_step"))?;
+            let mut b = gpu.stream.launch_builder(&self.kernels.argmax_step);
+            b.arg(&k_).arg(&logits_ptr).arg(&base_ptr).arg(&count_ptr).arg(&tok_ptr).arg(&stride_).arg(&v_);
+            unsafe { b.launch(argmax_cfg) }.map(|_| gpu.count_launch()).map_err(Self::launch_err("argmax_step"))?;
+            for (i, row) in rows.iter().enumerate() {
+                if row.params.is_greedy() || k >= row.num_drafts {
+                    continue;
+                }
+                let at = (first[i] + k) * vocab;
+                let mut host = vec![0f32; vocab];
+                let view = logits.slice(at..at + vocab);
+                gpu.stream.memcpy_dtoh(&view, &mut host).map_err(|e| device_err("draft logits copy", e))?;
+                let position = (row.context.len() + 1 + k) as u64;
+                let dist = Distribution::from_logits(&host, row.params)?;
+                let token = dist.sample_with(draft_uniform(row.params.seed, position));
+                gpu.upload_bytes_at(tok_ptr + ((i * stride + k + 1) * 4) as u64, &token.to_le_bytes())?;
+                let probs: Vec<u8> = dist.probs().iter().flat_map(|p| (*p as f32).to_le_bytes()).collect();
+                gpu.upload_bytes_at(gpu.ptr(&q) + (at * 4) as u64, &probs)?;
+            }
+        }
+        let all_tokens = gpu.download(&draft_tokens, rows.len() * stride)?;
+        let all_conf = gpu.download(&conf, n)?;
+        let tokens = rows
+            .iter()
+            .enumerate()
+            .map(|(i, row)| all_tokens[i * stride + 1..=i * stride + row.num_drafts].to_vec())
+            .collect();
+        let confidences = rows.iter().zip(&first).map(|(row, s)| all_conf[*s..s + row.num_drafts].to_vec()).collect();
+        Ok(BlockDrafts { tokens, confidences, q, first })
+    }
+}
