@@ -7,6 +7,7 @@
 #   torch_mini.json    kernels/bench/torch_baseline.py at the same shapes (eager and CUDA-graphed)
 #   serve.json         sparkd serve --device cuda --synthetic k3-mini --spec dspark: one SSE chat + a two-turn
 #                      WebSocket session (kernels/bench/serve_check.py)
+#   bench_quick.json   k3-mini at batch 1, 8, 64 only (only when named in ONLY)
 #   bench_wide.json    k3-mini-wide (57 GB) load time and a short sweep (only when named in ONLY)
 # Binaries are built on the CPU host and carried: $BIN (sparkd and the GPU test binaries cuda_runner,
 # cuda_sample, cuda_attn, cuda_gemm, cuda_drafter; optionally kc/ with CUBINs filled by the cuda_compile test and
@@ -75,6 +76,8 @@ if want serve_check; then
   cat "$OUT/serve_log.txt" >>"$LOG"; rm -f "$OUT/serve_log.txt"
 fi
 
+[[ " ${ONLY:-} " == *" bench_quick "* ]] && step bench_quick 90 "$SPARKD" bench --device cuda --config k3-mini \
+  --batch 1,8,64 --steps 8 --prompt-len 64 --max-verify 0 --no-forced --out "$OUT/bench_quick.json"
 [[ " ${ONLY:-} " == *" bench_wide "* ]] && step bench_wide 80 "$SPARKD" bench --device cuda --config k3-mini-wide --batch 1,8,64 --steps 4 \
   --prompt-len 16 --max-verify 0 --no-forced --out "$OUT/bench_wide.json"
 grep "^===" "$LOG"
