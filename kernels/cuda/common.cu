@@ -150,31 +150,3 @@ extern "C" __global__ void gather_rows(const __nv_bfloat16 *src, long src_slot, 
     __nv_bfloat16 *o = out + blockIdx.y * out_slot + (long)blockIdx.x * d;
     for (int c = threadIdx.x; c < d; c += blockDim.x) o[c] = s[c];
 }
-
-// Greedy token per row: argmax, lowest id on ties; grid = rows, 1024 threads.
-extern "C" __global__ void argmax_rows(const __nv_bfloat16 *logits, int vocab, u32 *out) {
-    __shared__ float best_v[1024];
-    __shared__ u32 best_i[1024];
-    const __nv_bfloat16 *row = logits + (long)blockIdx.x * vocab;
-    float bv = -INF_F;
-    u32 bi = 0xffffffffu;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        float v = ld(row, i);
-        if (v > bv) { bv = v; bi = i; }
-    }
-    best_v[threadIdx.x] = bv;
-    best_i[threadIdx.x] = bi;
-    __syncthreads();
-    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-        if (threadIdx.x < s) {
-            float ov = best_v[threadIdx.x + s];
-            u32 oi = best_i[threadIdx.x + s];
-            if (ov > best_v[threadIdx.x] || (ov == best_v[threadIdx.x] && oi < best_i[threadIdx.x])) {
-                best_v[threadIdx.x] = ov;
-                best_i[threadIdx.x] = oi;
-            }
-        }
-        __syncthreads();
-    }
-    if (threadIdx.x == 0) out[blockIdx.x] = best_i[0] == 0xffffffffu ? 0u : best_i[0];
-}

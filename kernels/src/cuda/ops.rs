@@ -54,7 +54,6 @@ struct Kernels {
     situ: CudaFunction,
     sigmoid_gate: CudaFunction,
     gather_rows: CudaFunction,
-    argmax_rows: CudaFunction,
     /// `skinny_gemm_t{1,2,4,8}`: token chunks of up to 8, 16, 32, 64 tokens.
     skinny_gemm: [CudaFunction; 4],
     moe_router_logits: CudaFunction,
@@ -160,7 +159,8 @@ impl Gpu {
                 .map_err(|e| device_err(&format!("loading {}", src.name), e))?;
             modules.insert(src.name, m);
         }
-        let module = |name: &str| modules.get(name).ok_or_else(|| KernelError::Device(format!("no kernel source {name}")));
+        let module =
+            |name: &str| modules.get(name).ok_or_else(|| KernelError::Device(format!("no kernel source {name}")));
         let f = |src: &str, name: &str| {
             module(src)?.load_function(name).map_err(|e| device_err(&format!("kernel {name} of {src}"), e))
         };
@@ -173,7 +173,6 @@ impl Gpu {
             situ: f("common.cu", "situ")?,
             sigmoid_gate: f("common.cu", "sigmoid_gate")?,
             gather_rows: f("common.cu", "gather_rows")?,
-            argmax_rows: f("common.cu", "argmax_rows")?,
             moe_router_logits: f("moe.cu", "moe_router_logits")?,
             moe_route: f("moe.cu", "moe_route")?,
             moe_group: f("moe.cu", "moe_group")?,
@@ -479,15 +478,6 @@ impl Gpu {
         let mut b = self.stream.launch_builder(&self.k.gather_rows);
         b.arg(&src).arg(&ss).arg(&rows).arg(&out).arg(&os).arg(&d);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("gather_rows"))
-    }
-
-    /// Greedy token of each of `rows` logits rows into `out` (u32).
-    pub fn argmax(&self, logits: DPtr, rows: usize, vocab: usize, out: DPtr) -> Result<()> {
-        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-        let v = vocab as i32;
-        let mut b = self.stream.launch_builder(&self.k.argmax_rows);
-        b.arg(&logits).arg(&v).arg(&out);
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("argmax_rows"))
     }
 
     /// Sampling, log-probabilities and acceptance of `rows` logits rows described by `desc` (see
