@@ -7,12 +7,14 @@
 #   torch_mini.json    kernels/bench/torch_baseline.py at the same shapes (eager and CUDA-graphed)
 #   serve.json         sparkd serve --device cuda --synthetic k3-mini --spec dspark: one SSE chat + a two-turn
 #                      WebSocket session (kernels/bench/serve_check.py)
+#   validate_tiny256.json, validate_mini.json  256 teacher-forced positions on k3-tiny; k3-mini (real widths)
 #   bench_quick.json   k3-mini at batch 1, 8, 64 only (only when named in ONLY)
 #   bench_wide.json    k3-mini-wide (57 GB) load time and a short sweep (only when named in ONLY)
 # Binaries are built on the CPU host and carried: $BIN (sparkd and the GPU test binaries cuda_runner,
-# cuda_sample, cuda_attn, cuda_gemm, cuda_drafter; optionally kc/ with CUBINs filled by the cuda_compile test and
+# cuda_sample, cuda_attn, cuda_gemm, cuda_drafter, cuda_moe; optionally kc/ with CUBINs filled by the cuda_compile test and
 # fallback/sparkd), $BEFORE/sparkd; fla-core as a wheel in .whl/.
-# When validation fails and $BIN/fallback/sparkd exists, the benchmarks run that binary instead (the log says so).
+# When validation or a GPU test fails and $BIN/fallback/sparkd exists, the benchmarks run that binary instead (the
+# log says so).
 # ONLY="name ..." runs just those steps. Each step has its own time limit; a failed step is logged and the next
 # one runs.
 set -u
@@ -51,15 +53,20 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 
 SPARKD="$BIN/sparkd"
+FAILED=""
 step validate 60 "$SPARKD" validate --device cuda --config k3-tiny --out "$OUT/validate.json"
-if want validate && ! grep -q '"pass": true' "$OUT/validate.json" 2>/dev/null && [ -x "$BIN/fallback/sparkd" ]; then
-  SPARKD="$BIN/fallback/sparkd"
-  echo "=== FALLBACK: validation did not pass; the benchmarks use $SPARKD" | tee -a "$LOG"
-fi
-for t in cuda_runner cuda_sample cuda_attn cuda_gemm cuda_drafter; do
-  [ -x "$BIN/$t" ] && step "$t" 30 "$BIN/$t" --test-threads=1 --nocapture --skip cuda_matches_the_cpu_reference
+want validate && ! grep -q '"pass": true' "$OUT/validate.json" 2>/dev/null && FAILED="$FAILED validate"
+for t in cuda_runner cuda_sample cuda_attn cuda_gemm cuda_drafter cuda_moe; do
+  if [ -x "$BIN/$t" ]; then
+    step "$t" 40 "$BIN/$t" --test-threads=1 --nocapture --skip cuda_matches_the_cpu_reference || FAILED="$FAILED $t"
+  fi
 done
+if [ -n "$FAILED" ] && [ -x "$BIN/fallback/sparkd" ]; then
+  SPARKD="$BIN/fallback/sparkd"
+  echo "=== FALLBACK: failed:$FAILED; the benchmarks use $SPARKD" | tee -a "$LOG"
+fi
 [ -x "$BIN/cuda_drafter" ] && step draft_cost 30 "$BIN/cuda_drafter" --ignored --nocapture cuda_draft_cost
+[ -x "$BIN/cuda_moe" ] && step moe_bandwidth 30 "$BIN/cuda_moe" --ignored --nocapture --test-threads=1
 
 step bench_mini 150 "$SPARKD" bench --device cuda --config k3-mini --steps 8 --prompt-len 64 --out "$OUT/bench_mini.json"
 step bench_before 75 "$BEFORE/sparkd" bench --device cuda --config k3-mini --gemm cublas --batch 1,8,64 --steps 8 \
@@ -75,6 +82,13 @@ if want serve_check; then
   kill "$SERVER"; wait "$SERVER" 2>/dev/null
   cat "$OUT/serve_log.txt" >>"$LOG"; rm -f "$OUT/serve_log.txt"
 fi
+
+# Greedy agreement over 256 teacher-forced positions (k3-tiny), and real-width layers: k3-mini (8 layers at K3's
+# widths) against the CPU reference with a small matrix (the CPU forward at 7,168 wide is the cost).
+step validate_tiny256 60 "$SPARKD" validate --device cuda --config k3-tiny --positions 256 --batch 1 --max-window 1 \
+  --out "$OUT/validate_tiny256.json"
+step validate_mini 170 "$SPARKD" validate --device cuda --config k3-mini --positions 256 --batch 1,4 --max-window 2 \
+  --out "$OUT/validate_mini.json"
 
 [[ " ${ONLY:-} " == *" bench_quick "* ]] && step bench_quick 90 "$SPARKD" bench --device cuda --config k3-mini \
   --batch 1,8,64 --steps 8 --prompt-len 64 --max-verify 0 --no-forced --out "$OUT/bench_quick.json"
