@@ -586,7 +586,7 @@ fn bad_rows_and_parameters_are_errors() {
 }
 
 /// Not a benchmark of record: the sampling launch (descriptor upload, kernel, result download) per
-/// step at batch 1 and 64, for three parameter sets.
+/// step at batch 1 and 64, for four parameter sets; f32 draft draws; verify windows.
 #[test]
 fn sampling_step_time() {
     let Some(g) = gpu() else { return };
@@ -612,6 +612,38 @@ fn sampling_step_time() {
             }
             let us = t0.elapsed().as_secs_f64() * 1e6 / iters as f64;
             eprintln!("sampling step {name:>18} batch {batch:>2}: {us:8.1} us");
+        }
+    }
+    // f32 draws as the drafter issues them (plan upload, one launch, status download), batch 1 and 8.
+    let f32_rows = g.upload(&f32_logit_rows(11)[..8 * VOCAB]).unwrap();
+    let probs = g.zeros::<f32>(8 * VOCAB).unwrap();
+    let tokens = g.zeros::<u32>(8).unwrap();
+    for (name, p) in [
+        ("t1", SamplingParams { temperature: 1.0, top_p: 1.0, top_k: 0, seed: 1, logprobs: None }),
+        ("t0.7 p0.9", SamplingParams { temperature: 0.7, top_p: 0.9, top_k: 0, seed: 1, logprobs: None }),
+    ] {
+        for batch in [1usize, 8] {
+            let draws: Vec<DeviceDraw> = (0..batch)
+                .map(|r| DeviceDraw {
+                    logits: g.ptr(&f32_rows) + (r * VOCAB * 4) as u64,
+                    probs_out: g.ptr(&probs) + (r * VOCAB * 4) as u64,
+                    token_out: g.ptr(&tokens) + (r * 4) as u64,
+                    params: &p,
+                    position: r as u64,
+                })
+                .collect();
+            let run = || {
+                let plan = DrawPlan::new(&g, VOCAB, std::slice::from_ref(&draws), DRAFT_STREAM).unwrap();
+                plan.launch(&g, 0).unwrap();
+                plan.finish(&g).unwrap();
+            };
+            run();
+            let t0 = std::time::Instant::now();
+            for _ in 0..20 {
+                run();
+            }
+            let us = t0.elapsed().as_secs_f64() * 1e6 / 20.0;
+            eprintln!("f32 draft draw {name:>10} batch {batch}: {us:8.1} us");
         }
     }
     // Verify windows of 3 one-hot drafts (4 logits rows each): 1 window and 16 windows (64 rows).
