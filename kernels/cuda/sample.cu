@@ -20,8 +20,9 @@
 //   find the k-th best key; ties at that key are kept lowest id first by a block prefix count. Top-p
 //   does the same over mass: the bins of every byte but the lowest carry fixed-point mass (2^-62 units,
 //   exact integer sums, so a chosen bin's sub-bins sum to its mass), the lowest byte's keys exact f64
-//   mass (count * p, all ids of one key having the same p). The bf16 path is the two-byte case. Top-p ranks -0 and +0 as one key (equal
-//   probability, the CPU's rank by probability) unless top-k ran first (the CPU then keeps logit order).
+//   mass (count * p, all ids of one key having the same p). The bf16 path is the two-byte case. Top-p
+//   ranks -0 and +0 as one key (equal probability, the CPU's rank by probability) unless top-k ran
+//   first (the CPU then keeps logit order).
 // - Normalisations multiply by a reciprocal (the CPU divides): a last-bit difference, inside the tolerance.
 // - The CPU sums in other orders (best-first, one sequential pass), so sums differ in the last bits;
 //   a decision differs only where a threshold (u, top_p) lies within ~1e-12 of a cumulative mass.

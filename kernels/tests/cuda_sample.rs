@@ -291,8 +291,8 @@ fn f32_rows_draw_like_the_cpu_drafter() {
             .map(|r| SamplingParams { seed: (ci * 1000 + r) as u64, logprobs: Some(2), ..base.clone() })
             .collect();
         let positions: Vec<u64> = (0..ROWS).map(|r| 100 + (r * 37 + ci) as u64).collect();
-        let tokens = g.zeros::<u32>(2 * ROWS).unwrap(); // [2, ROWS]: one slot per row and group
-                                                        // Group 0 is never launched: its token slots must stay untouched.
+        // [2, ROWS]: one token slot per row and group. Group 0 is never launched: its slots stay 0.
+        let tokens = g.zeros::<u32>(2 * ROWS).unwrap();
         let group = |slot: usize| -> Vec<DeviceDraw<'_>> {
             (0..ROWS)
                 .map(|r| DeviceDraw {
