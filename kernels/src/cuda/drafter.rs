@@ -402,7 +402,7 @@ impl DeviceDrafter {
     }
 
     /// One batched block forward and Markov loop for every row (greedy rows by device argmax, sampled
-    /// rows on the host, see the module invariants). Row contexts are not changed (their scratch is).
+    /// rows by device draws, see the module invariants). Row contexts are not changed (their scratch is).
     pub fn draft(
         &self,
         gpu: &Gpu,
