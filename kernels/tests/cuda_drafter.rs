@@ -229,7 +229,8 @@ fn cuda_drafter_matches_the_cpu_drafter_on_identical_taps() {
 /// logits sampled on the device) must equal the CPU drafter's, and its `q` must be the CPU's
 /// distribution up to the logit noise. A differing token is allowed only where the CPU's inverse CDF at
 /// the draft uniform lies within the L1 distance between the device `q` and the CPU distribution (the
-/// most any cumulative mass can move), plus 1e-9; such cases are counted.
+/// most any cumulative mass can move), plus 1e-6 (q is f32); such cases are counted. The L1 bound itself
+/// is loose (the logits differ by bf16 flips upstream); `cuda_sample` checks q on identical logits.
 #[test]
 fn cuda_sampled_drafts_match_the_cpu_drafter_on_identical_taps() {
     if skipped("sampled device drafts against the CPU drafter") {
@@ -300,7 +301,7 @@ fn cuda_sampled_drafts_match_the_cpu_drafter_on_identical_taps() {
                     "{p:?} row {i} draft {k}: cpu {} vs cuda {} (|cdf - u| {off:.3e}, L1 {l1:.3e})",
                     want.tokens[k], got[k]
                 );
-                assert!(off <= l1 + 1e-9, "row {i} draft {k}: a sampled draft differs away from any boundary");
+                assert!(off <= l1 + 1e-6, "row {i} draft {k}: a sampled draft differs away from any boundary");
                 near += 1;
                 break;
             }
@@ -310,7 +311,7 @@ fn cuda_sampled_drafts_match_the_cpu_drafter_on_identical_taps() {
         "sampled device vs CPU drafter: {equal}/{compared} drafts equal, {near} near a boundary; worst L1(q, p_cpu) \
          {worst_l1:.3e}; max |Δcontext| {worst_ctx:.2e}"
     );
-    assert!(worst_l1 < 0.25, "device q differs from the CPU distribution by L1 {worst_l1}");
+    assert!(worst_l1 < 0.5, "device q differs from the CPU distribution by L1 {worst_l1}");
     assert!(equal * 10 >= compared * 9, "only {equal} of {compared} sampled drafts agree");
 }
 
