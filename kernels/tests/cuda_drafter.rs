@@ -1,7 +1,7 @@
 //! The DSpark drafter on CUDA (k3-tiny, synthetic target seed 11 and drafter seed 3, as
 //! `dspark_runner.rs` uses on the CPU): the device drafter against the CPU drafter on identical taps
 //! (contexts within bf16 rounding, greedy drafts equal except on stated near-ties, confidences within
-//! a bf16 tolerance), a drafter context that follows commit, rollback, forks and imports, greedy
+//! a bf16 tolerance; sampled drafts equal except near a CDF boundary), a drafter context that follows commit, rollback, forks and imports, greedy
 //! losslessness with model drafts, sampled drafts verified with the device `q`, drafts inside the
 //! token mask, and the errors of the drafter API. On a machine without a CUDA driver every test says plainly that it skipped.
 //!
