@@ -63,6 +63,7 @@ struct Kernels {
     moe_down: CudaFunction,
     moe_combine_norm: CudaFunction,
     sample_rows: CudaFunction,
+    sample_rows_f32: CudaFunction,
     rng_hash3: CudaFunction,
 }
 
@@ -180,6 +181,7 @@ impl Gpu {
             moe_down: f("moe.cu", "moe_down")?,
             moe_combine_norm: f("moe.cu", "moe_combine_norm")?,
             sample_rows: f("sample.cu", "sample_rows")?,
+            sample_rows_f32: f("sample.cu", "sample_rows_f32")?,
             rng_hash3: f("sample.cu", "rng_hash3")?,
             skinny_gemm: [
                 f("gemm.cu", "skinny_gemm_t1")?,
@@ -496,6 +498,23 @@ impl Gpu {
         let mut b = self.stream.launch_builder(&self.k.sample_rows);
         b.arg(&desc).arg(&mask).arg(&v).arg(&status).arg(&top);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("sample_rows"))
+    }
+
+    /// [`Gpu::sample_rows`] over f32 logits rows (the descriptors' logits are `const float *`).
+    pub fn sample_rows_f32(
+        &self,
+        desc: DPtr,
+        mask: DPtr,
+        vocab: usize,
+        rows: usize,
+        status: DPtr,
+        top: DPtr,
+    ) -> Result<()> {
+        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        let v = vocab as i32;
+        let mut b = self.stream.launch_builder(&self.k.sample_rows_f32);
+        b.arg(&desc).arg(&mask).arg(&v).arg(&status).arg(&top);
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("sample_rows_f32"))
     }
 
     /// `out[i] = hash3(seeds[i], positions[i], streams[i])` (u64) on the device, for `n` triples.
