@@ -52,7 +52,6 @@ struct Kernels {
     attn_res_norm: CudaFunction,
     add_in_place: CudaFunction,
     situ: CudaFunction,
-    sigmoid_gate: CudaFunction,
     gather_rows: CudaFunction,
     argmax_rows: CudaFunction,
     /// `skinny_gemm_t{1,2,4,8}`: token chunks of up to 8, 16, 32, 64 tokens.
@@ -160,7 +159,8 @@ impl Gpu {
                 .map_err(|e| device_err(&format!("loading {}", src.name), e))?;
             modules.insert(src.name, m);
         }
-        let module = |name: &str| modules.get(name).ok_or_else(|| KernelError::Device(format!("no kernel source {name}")));
+        let module =
+            |name: &str| modules.get(name).ok_or_else(|| KernelError::Device(format!("no kernel source {name}")));
         let f = |src: &str, name: &str| {
             module(src)?.load_function(name).map_err(|e| device_err(&format!("kernel {name} of {src}"), e))
         };
@@ -171,7 +171,6 @@ impl Gpu {
             attn_res_norm: f("common.cu", "attn_res_norm")?,
             add_in_place: f("common.cu", "add_in_place")?,
             situ: f("common.cu", "situ")?,
-            sigmoid_gate: f("common.cu", "sigmoid_gate")?,
             gather_rows: f("common.cu", "gather_rows")?,
             argmax_rows: f("common.cu", "argmax_rows")?,
             moe_router_logits: f("moe.cu", "moe_router_logits")?,
@@ -451,13 +450,6 @@ impl Gpu {
         let mut b = self.stream.launch_builder(&self.k.situ);
         b.arg(&g).arg(&u).arg(&out).arg(&n).arg(&beta).arg(&lbeta);
         unsafe { b.launch(grid_1d(len, 256)) }.map(|_| self.count_launch()).map_err(launch_err("situ"))
-    }
-
-    pub fn sigmoid_gate(&self, o: DPtr, g: DPtr, out: DPtr, len: usize) -> Result<()> {
-        let n = len as i64;
-        let mut b = self.stream.launch_builder(&self.k.sigmoid_gate);
-        b.arg(&o).arg(&g).arg(&out).arg(&n);
-        unsafe { b.launch(grid_1d(len, 256)) }.map(|_| self.count_launch()).map_err(launch_err("sigmoid_gate"))
     }
 
     /// `out[s, j] = src[s, rows[j]]` for `slots` slots of rows of `d`.
