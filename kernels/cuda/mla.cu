@@ -182,12 +182,16 @@ extern "C" __global__ void mla_absorb(const __nv_bfloat16 *q, const __nv_bfloat1
 }
 
 #define TILE 64
-#define MAX_CH 8  // r <= MAX_CH * blockDim
+#define MAX_CH 4      // r <= MAX_CH * blockDim (512, as OUT_MAX_RANK)
+#define SCORE_POS 4   // positions a warp scores at once (their loads in flight together)
 
 // One split of one (token, head): positions [s * span, min(visible, (s + 1) * span)) in tiles of TILE with an
 // online softmax. grid = (max splits, H, n); blockDim 128; dynamic shared memory (r + rope) floats.
 // tok_row: [n] the row of each token. Writes part_o [n, H, splits, r] (unnormalised), part_m / part_l
 // [n, H, splits] (max and sum of exp(score - max)); an empty split writes m = -inf, l = 0.
+// Latency (issue #7): a warp scores SCORE_POS positions at once and the value sums run positions outermost over
+// all of a thread's channels, so that several independent cache loads are in flight; every score and every
+// channel still sums in the same order (channels c = lane, lane + 32, .. then the butterfly; positions ascending).
 extern "C" __global__ void mla_split(const i64 *table, const i64 *tok_row, const __nv_bfloat16 *q, const float *q_lat,
                                      float *part_o, float *part_m, float *part_l, int H, int nope, int rope, int r,
                                      float scale) {
@@ -211,12 +215,22 @@ extern "C" __global__ void mla_split(const i64 *table, const i64 *tok_row, const
     for (int x = 0; x < MAX_CH; x++) acc[x] = 0.0f;
     for (int base = lo; base < hi; base += TILE) {
         int len = min(TILE, hi - base);
-        for (int p = warp; p < len; p += warps) {
-            const __nv_bfloat16 *ent = cache + (i64)(base + p) * ld_;
-            float a = 0.0f;
-            for (int c = lane; c < ld_; c += 32) a += qs[c] * ld(ent, c);
-            for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
-            if (lane == 0) sc[p] = scale * a;
+        for (int p0 = warp * SCORE_POS; p0 < len; p0 += warps * SCORE_POS) {
+            const __nv_bfloat16 *ent = cache + (i64)(base + p0) * ld_;
+            float a[SCORE_POS];
+#pragma unroll
+            for (int u = 0; u < SCORE_POS; u++) a[u] = 0.0f;
+            for (int c = lane; c < ld_; c += 32) {
+                float qv = qs[c];
+#pragma unroll
+                for (int u = 0; u < SCORE_POS; u++)
+                    if (p0 + u < len) a[u] += qv * ld(ent, (i64)u * ld_ + c);
+            }
+#pragma unroll
+            for (int u = 0; u < SCORE_POS; u++) {
+                for (int o = 16; o > 0; o >>= 1) a[u] += __shfl_xor_sync(0xffffffffu, a[u], o);
+                if (lane == 0 && p0 + u < len) sc[p0 + u] = scale * a[u];
+            }
         }
         __syncthreads();
         float tmax = block_max(threadIdx.x < len ? sc[threadIdx.x] : -INF_F);
@@ -231,12 +245,16 @@ extern "C" __global__ void mla_split(const i64 *table, const i64 *tok_row, const
         l_run = l_run * factor + tsum;
         m_run = m_new;
 #pragma unroll
-        for (int x = 0; x < MAX_CH; x++) {
-            int c = threadIdx.x + x * blockDim.x;
-            if (c >= r) break;
-            float a = acc[x] * factor;
-            for (int p = 0; p < len; p++) a += sc[p] * ld(cache, (i64)(base + p) * ld_ + c);
-            acc[x] = a;
+        for (int x = 0; x < MAX_CH; x++) acc[x] *= factor;
+#pragma unroll 4
+        for (int p = 0; p < len; p++) {
+            float pv = sc[p];
+            const __nv_bfloat16 *ent = cache + (i64)(base + p) * ld_;
+#pragma unroll
+            for (int x = 0; x < MAX_CH; x++) {
+                int c = threadIdx.x + x * blockDim.x;
+                if (c < r) acc[x] += pv * ld(ent, c);
+            }
         }
         __syncthreads();
     }

@@ -37,7 +37,7 @@ const MLA_MAX_SPLITS: usize = 64;
 /// Rows of at most this many tokens are split over their cache (decode and verify windows); longer
 /// windows have enough tokens to fill the GPU with one split each.
 const MLA_SPLIT_MAX_WINDOW: usize = 16;
-/// The largest kv_lora_rank of `mla_out` (`OUT_MAX_RANK` in `mla.cu`; `mla_split` takes up to 1,024).
+/// The largest kv_lora_rank of `mla_split` and `mla_out` (`MAX_CH * 128`, `OUT_MAX_RANK` in `mla.cu`).
 const MLA_MAX_RANK: usize = 512;
 /// The largest qk_nope_head_dim of `mla_absorb` (`ABSORB_SLICES * ABSORB_ROWS`), which must also be a
 /// multiple of `ABSORB_SLICES`.
