@@ -508,8 +508,9 @@ impl DeviceModel {
         self.linear(gpu, &w.o_proj, gpu.ptr(&o), n)
     }
 
-    /// An MLA layer over every row of the step: the projections, the latent cache append, the batched
-    /// split attention (see `cuda::attn`), the output gate and `o_proj`.
+    /// An MLA layer over every row of the step in 7 launches: the merged input projection, both input norms
+    /// with the latent cache append, `q_b_proj`, the batched split attention with the output gate (three, see
+    /// `cuda::attn`) and `o_proj`.
     pub fn mla(&self, gpu: &Gpu, w: &DevMla, hn: DPtr, tables: &StepTables, layer: usize) -> Result<CudaSlice<bf16>> {
         let m = &self.cfg.mla;
         let n = tables.tokens();
