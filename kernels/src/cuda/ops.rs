@@ -52,7 +52,6 @@ struct Kernels {
     attn_res_norm: CudaFunction,
     add_in_place: CudaFunction,
     situ: CudaFunction,
-    sigmoid_gate: CudaFunction,
     gather_rows: CudaFunction,
     /// `skinny_gemm_t{1,2,4,8}`: token chunks of up to 8, 16, 32, 64 tokens.
     skinny_gemm: [CudaFunction; 4],
@@ -172,7 +171,6 @@ impl Gpu {
             attn_res_norm: f("common.cu", "attn_res_norm")?,
             add_in_place: f("common.cu", "add_in_place")?,
             situ: f("common.cu", "situ")?,
-            sigmoid_gate: f("common.cu", "sigmoid_gate")?,
             gather_rows: f("common.cu", "gather_rows")?,
             moe_router_logits: f("moe.cu", "moe_router_logits")?,
             moe_route: f("moe.cu", "moe_route")?,
@@ -452,13 +450,6 @@ impl Gpu {
         let mut b = self.stream.launch_builder(&self.k.situ);
         b.arg(&g).arg(&u).arg(&out).arg(&n).arg(&beta).arg(&lbeta);
         unsafe { b.launch(grid_1d(len, 256)) }.map(|_| self.count_launch()).map_err(launch_err("situ"))
-    }
-
-    pub fn sigmoid_gate(&self, o: DPtr, g: DPtr, out: DPtr, len: usize) -> Result<()> {
-        let n = len as i64;
-        let mut b = self.stream.launch_builder(&self.k.sigmoid_gate);
-        b.arg(&o).arg(&g).arg(&out).arg(&n);
-        unsafe { b.launch(grid_1d(len, 256)) }.map(|_| self.count_launch()).map_err(launch_err("sigmoid_gate"))
     }
 
     /// `out[s, j] = src[s, rows[j]]` for `slots` slots of rows of `d`.
