@@ -127,19 +127,30 @@ extern "C" __global__ void moe_route(const float *logits, const float *bias, int
 
 typedef unsigned int u32;
 
-// E2M1 code (low four bits of `nibble`) as fp32: placing the three magnitude bits at bits 22-24 gives
-// code * 2^-126 (codes 0 and 1 land on the subnormals 0 and 2^-127), and 2^126 scales it back exactly.
-__device__ __forceinline__ float e2m1_value(u32 nibble) {
-    return __uint_as_float(((nibble & 7u) << 22) | ((nibble & 8u) << 28)) * __int_as_float(0x7e800000);
+// The eight E2M1 codes of one 32-bit word (element i in nibble i) as fp32 values times 2^-14, unscaled.
+// Follows the usual fp16 trick for narrow floats: a code's sign and three magnitude bits placed at fp16 bits 15
+// and 9-11 make the fp16 number code * 2^-14 (code 1 lands on the fp16 subnormal 2^-15), exactly. Codes i and
+// i + 4 lie 16 bits apart, so one shift and mask per pair builds both halves of an fp16x2; the hardware
+// conversion to fp32 is exact. About 2.5 instructions per weight instead of 7 (the scale is applied once per
+// 32-input group by the caller, see rows_pass).
+__device__ __forceinline__ void codes_word(u32 w, float out[8]) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        u32 mag = (i < 3 ? w << (9 - 4 * i) : w >> 3) & 0x0E000E00u;
+        u32 halves = mag | ((w << (12 - 4 * i)) & 0x80008000u);
+        float lo, hi;
+        asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
+            : "=f"(lo), "=f"(hi)
+            : "r"(halves));
+        out[i] = lo;
+        out[i + 4] = hi;
+    }
 }
+
+// 2^14: undoes codes_word's 2^-14 (exact: a power of two).
+#define CODE_UNIT 16384.0f
 
 __device__ __forceinline__ u32 word_of(uint4 q, int i) { return i == 0 ? q.x : i == 1 ? q.y : i == 2 ? q.z : q.w; }
-
-// Eight dequantised weights (one 32-bit word of packed codes, element i in nibble i) times their scale.
-__device__ __forceinline__ void dequant_word(u32 w, float s, float out[8]) {
-#pragma unroll
-    for (int i = 0; i < 8; i++) out[i] = e2m1_value(w >> (4 * i)) * s;
-}
 
 // acc += dot(w[0..8), x[0..8)) with x eight bf16 values packed in a uint4, in element order.
 __device__ __forceinline__ float dot8(const float w[8], uint4 x, float acc) {
@@ -222,8 +233,9 @@ extern "C" __global__ void moe_group(const int *idx, int n, int k, int E, int *g
 // MOE_GROUPS_IN_FLIGHT of them at a time, all loaded before the first is used (a K3 row of 3584 inputs is one
 // such chunk; the first chunk is requested before the pairs' rows are looked up). Each word of codes is
 // dequantised once and applied to every pair's input row: row pairs[j] / div of `in`, `width` bf16 wide.
-// acc[m][j] receives the lane's partial dot of row m and pair j; each pair's sum runs over the lane's groups in
-// the same order whatever T is, so a token's result does not depend on how its expert's pairs were split.
+// acc[m][j] receives the lane's partial dot of row m and pair j: per group, the unscaled codes' dot in element
+// order, then one fma with the group's scale. Each pair's sum runs over the lane's groups in the same order
+// whatever T is, so a token's result does not depend on how its expert's pairs were split.
 template <int NM, int T>
 __device__ __forceinline__ void rows_pass(const u8 *const packed[NM], const u8 *const scales[NM], int lane,
                                           int groups, const __nv_bfloat16 *in, const int *pairs, int div, int width,
@@ -250,20 +262,33 @@ __device__ __forceinline__ void rows_pass(const u8 *const packed[NM], const u8 *
         for (int i = 0; i < MOE_GROUPS_IN_FLIGHT; i++) {
             int g = g0 + lane + 32 * i;
             if (g >= groups) break;
+            float part[NM][T];  // the group's unscaled partial dots
+#pragma unroll
+            for (int m = 0; m < NM; m++)
+#pragma unroll
+                for (int j = 0; j < T; j++) part[m][j] = 0.0f;
 #pragma unroll
             for (int wi = 0; wi < 4; wi++) {
                 float w[NM][8];
 #pragma unroll
-                for (int m = 0; m < NM; m++) dequant_word(word_of(q[m][i], wi), e8m0(sb[m][i]), w[m]);
+                for (int m = 0; m < NM; m++) codes_word(word_of(q[m][i], wi), w[m]);
                 uint4 xv[T];
 #pragma unroll
                 for (int j = 0; j < T; j++) xv[j] = *(const uint4 *)(in + x[j] + g * 32 + wi * 8);
 #pragma unroll
                 for (int j = 0; j < T; j++)
 #pragma unroll
-                    for (int m = 0; m < NM; m++) acc[m][j] = dot8(w[m], xv[j], acc[m][j]);
+                    for (int m = 0; m < NM; m++) part[m][j] = dot8(w[m], xv[j], part[m][j]);
                 // With many pairs, keeps the compiler from hoisting every word's input loads at once (spills).
                 if (T > 2) asm volatile("" ::: "memory");
+            }
+            // The scale once per group: scaling by powers of two is exact, so this is the dot of the dequantised
+            // weights up to fp32 summation order (fixed: element order within the group, groups in lane order).
+#pragma unroll
+            for (int m = 0; m < NM; m++) {
+                float scale = e8m0(sb[m][i]);
+#pragma unroll
+                for (int j = 0; j < T; j++) acc[m][j] = fmaf(part[m][j] * CODE_UNIT, scale, acc[m][j]);
             }
         }
     }
