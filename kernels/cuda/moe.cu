@@ -420,3 +420,245 @@ extern "C" __global__ void moe_combine_norm(const __nv_bfloat16 *y, const float 
     for (int c = threadIdx.x; c < D; c += blockDim.x)
         out[t * D + c] = __float2bfloat16_rn(ld(w, c) * bf_round(combined[c] * r));
 }
+
+// ---- Grouped routed experts on the tensor cores -------------------------------------------------------------
+// The same grouping and outputs as moe_gate_up / moe_down, with the dot products on mma.sync m16n8k16 (bf16 in,
+// fp32 accumulate): the MXFP4 weights are dequantised to bf16 in registers (c * s is exact in bf16, which shares
+// fp32's exponent range) and multiplied against the expert's tokens 8 at a time, so a weight costs its
+// dequantisation once per chunk of up to 32 tokens instead of one fp32 fma per token. (The tile mapping follows
+// the idea of kernels/cuda/gemm.cu; the dequantisation into MMA fragments is our own.)
+//
+// Layout: a warp owns a 16-row tile of one expert's matrix; lane (g = lane / 4, t = lane % 4) holds rows g and
+// g + 8. K runs in blocks of 4 MXFP4 groups (128 inputs); in a block, thread t takes group 4 b + t whole
+// (16 bytes of codes and one scale per row, one 128-bit load per row). Its 32 codes feed 8 MMAs: codes
+// 8 w + 4 h + (0, 1) and + (2, 3) are k-slots {2t, 2t + 1} and {2t + 8, 2t + 9} of MMA 2 w + h, and the B
+// fragment takes the token's inputs with the same indices, so each MMA is the plain dot over 16 of the inputs.
+//
+// Batch invariance: an MMA output depends only on its row of A and column of B (the skinny GEMM relies on the
+// same property), a token's column sees the same MMAs in the same order (blocks ascending, then w, then h)
+// whatever column or chunk it lands in, and padding columns hold zeros. So a token's result does not depend on
+// which other tokens share its experts.
+// Limits: scale bytes 241..254 (scales of 2^114 and more) overflow the dequantisation to infinity (no real
+// checkpoint comes near); 0xFF is NaN as everywhere.
+
+#define MMA_WARPS 4    // 16-row tiles per block
+#define MMA_BLOCKS 2   // K blocks of 128 inputs loaded per step (the next step's are in flight during this one)
+
+__device__ __forceinline__ void mma_16816(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// 2^14 * the E8M0 scale `b` (so that codes_word's code * 2^-14 times it is code * scale): exponent b + 14.
+// b = 0 (2^-127, an fp32 subnormal) gives 2^-113 as it should; b > 240 overflows to infinity; 0xFF is NaN.
+__device__ __forceinline__ float code_scale(u32 b) {
+    if (b == 0xFFu) return __int_as_float(0x7fc00000);
+    if (b > 240u) return INF_F;
+    return __int_as_float((int)(b + 14u) << 23);
+}
+
+// The eight weights of one word of codes times their scale, as four bf16x2 (codes 2i, 2i + 1 in register i,
+// the lower code in the low half). The fp32 products are exact with at most 2 significant bits, so keeping
+// their top 16 bits is the exact bf16.
+__device__ __forceinline__ void word_bf16x2(u32 w, float sx, u32 out[4]) {
+    float v[8];
+    codes_word(w, v);
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        out[i] = __byte_perm(__float_as_uint(v[2 * i] * sx), __float_as_uint(v[2 * i + 1] * sx), 0x7632);
+}
+
+// One warp's pass of a 16-row tile of NM matrices (NM = 2: gate and up) over the pairs[0..count) (count <= 8 NT)
+// of one expert. rows[m][r]: the codes of row g (r = 0) / g + 8 (r = 1) of matrix m, or null past the matrix;
+// scales likewise. The B column of this thread is pair g of each 8-pair tile: row pairs[.] / div of `in`,
+// `width` (= 32 groups) bf16 wide. acc[m][nt]: the MMA accumulators of n-tile nt.
+template <int NM, int NT>
+__device__ __forceinline__ void mma_rows_pass(const u8 *const rows[NM][2], const u8 *const scales[NM][2], int g,
+                                              int t, int groups, const __nv_bfloat16 *in, const int *pairs, int count,
+                                              int div, int width, float acc[NM][NT][4]) {
+    const __nv_bfloat16 *x[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        int c = nt * 8 + g;
+        x[nt] = c < count ? in + (long)(pairs[c] / div) * width : nullptr;
+    }
+    int steps = (groups + 4 * MMA_BLOCKS - 1) / (4 * MMA_BLOCKS);
+    uint4 q[NM][2][MMA_BLOCKS];
+    u32 sb[NM][2][MMA_BLOCKS];
+    // Loads group 4 (MMA_BLOCKS s + blk) + t of each row (zeros past the row's groups or the matrix).
+    auto load = [&](int s) {
+#pragma unroll
+        for (int blk = 0; blk < MMA_BLOCKS; blk++) {
+            int grp = 4 * (MMA_BLOCKS * s + blk) + t;
+#pragma unroll
+            for (int m = 0; m < NM; m++)
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    bool ok = rows[m][r] != nullptr && grp < groups;
+                    q[m][r][blk] = ok ? __ldg((const uint4 *)rows[m][r] + grp) : make_uint4(0u, 0u, 0u, 0u);
+                    sb[m][r][blk] = ok ? (u32)__ldg(scales[m][r] + grp) : 0u;
+                }
+        }
+    };
+    load(0);
+    for (int s = 0; s < steps; s++) {
+        uint4 cur[NM][2][MMA_BLOCKS];
+        u32 cs[NM][2][MMA_BLOCKS];
+#pragma unroll
+        for (int blk = 0; blk < MMA_BLOCKS; blk++)
+#pragma unroll
+            for (int m = 0; m < NM; m++)
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    cur[m][r][blk] = q[m][r][blk];
+                    cs[m][r][blk] = sb[m][r][blk];
+                }
+        if (s + 1 < steps) load(s + 1);
+#pragma unroll
+        for (int blk = 0; blk < MMA_BLOCKS; blk++) {
+            int grp = 4 * (MMA_BLOCKS * s + blk) + t;
+            float sx[NM][2];
+#pragma unroll
+            for (int m = 0; m < NM; m++)
+#pragma unroll
+                for (int r = 0; r < 2; r++) sx[m][r] = code_scale(cs[m][r][blk]);
+#pragma unroll
+            for (int w = 0; w < 4; w++) {
+                u32 a[NM][2][4];  // [matrix][row g / g + 8][codes 8 w + 2 i, + 1]
+#pragma unroll
+                for (int m = 0; m < NM; m++)
+#pragma unroll
+                    for (int r = 0; r < 2; r++) word_bf16x2(word_of(cur[m][r][blk], w), sx[m][r], a[m][r]);
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    uint4 b = x[nt] != nullptr && grp < groups ? *(const uint4 *)(x[nt] + grp * 32 + w * 8)
+                                                               : make_uint4(0u, 0u, 0u, 0u);  // [8 inputs]
+#pragma unroll
+                    for (int m = 0; m < NM; m++) {
+                        mma_16816(acc[m][nt], a[m][0][0], a[m][1][0], a[m][0][1], a[m][1][1], b.x, b.y);
+                        mma_16816(acc[m][nt], a[m][0][2], a[m][1][2], a[m][0][3], a[m][1][3], b.z, b.w);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// Gate/up + SiTU of one 16-row tile for pairs[0..count), count <= 8 NT (see moe_gate_up_mma).
+template <int NT>
+__device__ __forceinline__ void gate_up_mma_chunk(const u8 *const rows[2][2], const u8 *const scales[2][2], int g,
+                                                  int t, int groups, const __nv_bfloat16 *z, const int *pairs,
+                                                  int count, int k, int D, __nv_bfloat16 *a, int I, int row0,
+                                                  float beta, float lbeta) {
+    float acc[2][NT][4];
+#pragma unroll
+    for (int m = 0; m < 2; m++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[m][nt][e] = 0.0f;
+    mma_rows_pass<2, NT>(rows, scales, g, t, groups, z, pairs, count, k, D, acc);
+    // c0, c1: row g, pairs 2t, 2t + 1 of the tile; c2, c3: row g + 8, the same pairs.
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int row = row0 + g + (e >> 1) * 8, c = nt * 8 + 2 * t + (e & 1);
+            if (row < I && c < count) {
+                float gate = bf_round(acc[0][nt][e]), up = bf_round(acc[1][nt][e]);
+                a[(long)pairs[c] * I + row] =
+                    __float2bfloat16_rn((beta * tanhf(gate / beta) * sigmoidf_(gate)) * (lbeta * tanhf(up / lbeta)));
+            }
+        }
+}
+
+// The expert's pairs in chunks of 32, 16 or 8 (the smallest that holds what remains, at most 32): every chunk
+// reads the tile's weights (from HBM once, then from the caches).
+#define MMA_CHUNKS(CALL)                                \
+    for (int left = end - p; left > 0; left = end - p) { \
+        int count = min(left, 32);                      \
+        if (count > 16) CALL(4);                        \
+        else if (count > 8) CALL(2);                    \
+        else CALL(1);                                   \
+        p += count;                                     \
+    }
+
+// Gate/up + SiTU per active expert on the tensor cores; the same contract as moe_gate_up.
+// grid = (min(n k, E), ceil(I / (16 MMA_WARPS))), blockDim 32 MMA_WARPS.
+// z: [n, D]; w1/w3 packed [E, I, D/2], scales [E, I, D/32]; a: [n k, I]. D must be a multiple of 32.
+extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
+    moe_gate_up_mma(const __nv_bfloat16 *z, const u8 *w1p, const u8 *w1s, const u8 *w3p, const u8 *w3s,
+                    const int *group, const int *pairs, __nv_bfloat16 *a, int k, int E, int D, int I, float beta,
+                    float lbeta) {
+    int slot = blockIdx.x;
+    if (slot >= group[0]) return;
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int row0 = (blockIdx.y * MMA_WARPS + (threadIdx.x >> 5)) * 16;
+    if (row0 >= I) return;
+    long e = group[1 + slot];
+    int p = group[1 + E + slot], end = group[2 + E + slot], groups = D / 32;
+    const u8 *rows[2][2], *scales[2][2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        int row = row0 + g + 8 * r;
+        long at = e * I + row;
+        bool ok = row < I;
+        rows[0][r] = ok ? w1p + at * (D / 2) : nullptr;
+        rows[1][r] = ok ? w3p + at * (D / 2) : nullptr;
+        scales[0][r] = ok ? w1s + at * groups : nullptr;
+        scales[1][r] = ok ? w3s + at * groups : nullptr;
+    }
+#define GATE_UP_MMA(NT) \
+    gate_up_mma_chunk<NT>(rows, scales, g, t, groups, z, pairs + p, count, k, D, a, I, row0, beta, lbeta)
+    MMA_CHUNKS(GATE_UP_MMA)
+#undef GATE_UP_MMA
+}
+
+// Down projection of one 16-row tile (output channels) for pairs[0..count) (see moe_down_mma).
+template <int NT>
+__device__ __forceinline__ void down_mma_chunk(const u8 *const rows[1][2], const u8 *const scales[1][2], int g, int t,
+                                               int groups, const __nv_bfloat16 *act, const int *pairs, int count,
+                                               int I, __nv_bfloat16 *y, int D, int row0) {
+    float acc[1][NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[0][nt][e] = 0.0f;
+    mma_rows_pass<1, NT>(rows, scales, g, t, groups, act, pairs, count, 1, I, acc);
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int row = row0 + g + (e >> 1) * 8, c = nt * 8 + 2 * t + (e & 1);
+            if (row < D && c < count) y[(long)pairs[c] * D + row] = __float2bfloat16_rn(acc[0][nt][e]);
+        }
+}
+
+// Down projection per active expert on the tensor cores; the same contract as moe_down.
+// grid = (min(n k, E), ceil(D / (16 MMA_WARPS))), blockDim 32 MMA_WARPS.
+// a: [n k, I]; w2 packed [E, D, I/2], scales [E, D, I/32]; y: [n k, D]. I must be a multiple of 32.
+extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
+    moe_down_mma(const __nv_bfloat16 *a, const u8 *w2p, const u8 *w2s, const int *group, const int *pairs,
+                 __nv_bfloat16 *y, int E, int D, int I) {
+    int slot = blockIdx.x;
+    if (slot >= group[0]) return;
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int row0 = (blockIdx.y * MMA_WARPS + (threadIdx.x >> 5)) * 16;
+    if (row0 >= D) return;
+    long e = group[1 + slot];
+    int p = group[1 + E + slot], end = group[2 + E + slot], groups = I / 32;
+    const u8 *rows[1][2], *scales[1][2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        int row = row0 + g + 8 * r;
+        long at = e * D + row;
+        bool ok = row < D;
+        rows[0][r] = ok ? w2p + at * (I / 2) : nullptr;
+        scales[0][r] = ok ? w2s + at * groups : nullptr;
+    }
+#define DOWN_MMA(NT) down_mma_chunk<NT>(rows, scales, g, t, groups, a, pairs + p, count, I, y, D, row0)
+    MMA_CHUNKS(DOWN_MMA)
+#undef DOWN_MMA
+}

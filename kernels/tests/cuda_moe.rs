@@ -18,7 +18,7 @@ use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use sparkd_kernels::cpu::ops::situ;
 use sparkd_kernels::cuda::device::driver_present;
-use sparkd_kernels::cuda::ops::{moe_group_len, DPtr, Gpu};
+use sparkd_kernels::cuda::ops::{moe_group_len, DPtr, ExpertCores, Gpu};
 use sparkd_kernels::mxfp4::dequant_row;
 use sparkd_kernels::ModelConfig;
 
@@ -83,6 +83,7 @@ impl Experts {
 #[allow(clippy::too_many_arguments)]
 fn run(
     gpu: &Gpu,
+    cores: ExpertCores,
     cfg: &ModelConfig,
     w: &[Experts; 3],
     z: &[bf16],
@@ -102,8 +103,9 @@ fn run(
     gpu.moe_group(gpu.ptr(&idx_d), n, k, experts, grouping.0, grouping.1).unwrap();
     let (b, lb) = (cfg.situ_beta, cfg.situ_linear_beta);
     let (w1, w3, w2) = (w[0].ptrs(gpu), w[1].ptrs(gpu), w[2].ptrs(gpu));
-    gpu.moe_gate_up(gpu.ptr(&z_d), w1, w3, grouping, gpu.ptr(&act), n, k, experts, latent, inter, b, lb).unwrap();
-    gpu.moe_down(gpu.ptr(&act), w2, grouping, gpu.ptr(&y), n, k, experts, latent, inter).unwrap();
+    gpu.moe_gate_up(gpu.ptr(&z_d), w1, w3, grouping, gpu.ptr(&act), n, k, experts, latent, inter, b, lb, cores)
+        .unwrap();
+    gpu.moe_down(gpu.ptr(&act), w2, grouping, gpu.ptr(&y), n, k, experts, latent, inter, cores).unwrap();
     let bits = |v: Vec<bf16>| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
     (bits(gpu.download(&act, n * k * inter).unwrap()), bits(gpu.download(&y, n * k * latent).unwrap()))
 }
@@ -138,9 +140,8 @@ fn check_shape(gpu: &Gpu, latent: usize, inter: usize) {
     ];
     let z: Vec<bf16> = (0..most * latent).map(|_| bf16::from_f32(rng.gen_range(-1.0f32..1.0))).collect();
     let idx = routing(most);
-    let (act, y) = run(gpu, &cfg, &w, &z, &idx, most, k, experts);
 
-    // Gate/up + SiTU against f64 (the gate and up dots rounded to bf16 as the kernel does).
+    // Gate/up + SiTU in f64 (the gate and up dots rounded to bf16 as the kernels do).
     let z_f32: Vec<f32> = z.iter().map(|v| v.to_f32()).collect();
     let mut want_act = vec![0.0f64; most * k * inter];
     for e in 0..experts {
@@ -156,60 +157,68 @@ fn check_shape(gpu: &Gpu, latent: usize, inter: usize) {
         }
     }
     let rms = (want_act.iter().map(|v| v * v).sum::<f64>() / want_act.len() as f64).sqrt();
-    let (mut err2, mut ref2) = (0.0f64, 0.0f64);
-    for (i, want) in want_act.iter().enumerate() {
-        let got = f64::from(f(act[i]));
-        // A bf16 step of the gate or up dot (fp32 summation order differs) moves SiTU by about that much.
-        let tol = want.abs() / 32.0 + rms / 64.0;
-        assert!(
-            (got - want).abs() <= tol,
-            "[{latent}, {inter}] act[pair {}, row {}] = {got}, reference {want} (tolerance {tol})",
-            i / inter,
-            i % inter
-        );
-        err2 += (got - want).powi(2);
-        ref2 += want * want;
-    }
-    let act_rel = (err2 / ref2).sqrt();
-    assert!(act_rel < 1e-2, "[{latent}, {inter}] gate/up relative L2 {act_rel}");
 
-    // Down against f64 over the kernel's own activations.
-    let act_f32: Vec<f32> = act.iter().map(|v| f(*v)).collect();
-    let mut worst = 0.0f64;
-    for e in 0..experts {
-        let mine: Vec<usize> = (0..most * k).filter(|&p| idx[p] as usize == e).collect();
-        for c in 0..latent {
-            let row = w[2].row(e, c);
-            for &p in &mine {
-                let (want, mag) = dot(&row, &act_f32[p * inter..(p + 1) * inter]);
-                let got = f64::from(f(y[p * latent + c]));
-                let tol = want.abs() / 128.0 + mag * 1e-5;
-                assert!(
-                    (got - want).abs() <= tol,
-                    "[{latent}, {inter}] y[pair {p}, channel {c}] = {got}, reference {want} (tolerance {tol})"
-                );
-                worst = worst.max((got - want).abs() / (want.abs() + mag * 1e-5));
+    for cores in [ExpertCores::Cuda, ExpertCores::Tensor] {
+        let (act, y) = run(gpu, cores, &cfg, &w, &z, &idx, most, k, experts);
+        let (mut err2, mut ref2) = (0.0f64, 0.0f64);
+        for (i, want) in want_act.iter().enumerate() {
+            let got = f64::from(f(act[i]));
+            // A bf16 step of the gate or up dot (fp32 summation order differs) moves SiTU by about that much.
+            let tol = want.abs() / 32.0 + rms / 64.0;
+            assert!(
+                (got - want).abs() <= tol,
+                "{cores:?} [{latent}, {inter}] act[pair {}, row {}] = {got}, reference {want} (tolerance {tol})",
+                i / inter,
+                i % inter
+            );
+            err2 += (got - want).powi(2);
+            ref2 += want * want;
+        }
+        let act_rel = (err2 / ref2).sqrt();
+        assert!(act_rel < 1e-2, "{cores:?} [{latent}, {inter}] gate/up relative L2 {act_rel}");
+
+        // Down in f64 over the kernel's own activations.
+        let act_f32: Vec<f32> = act.iter().map(|v| f(*v)).collect();
+        let mut worst = 0.0f64;
+        for e in 0..experts {
+            let mine: Vec<usize> = (0..most * k).filter(|&p| idx[p] as usize == e).collect();
+            for c in 0..latent {
+                let row = w[2].row(e, c);
+                for &p in &mine {
+                    let (want, mag) = dot(&row, &act_f32[p * inter..(p + 1) * inter]);
+                    let got = f64::from(f(y[p * latent + c]));
+                    let tol = want.abs() / 128.0 + mag * 1e-5;
+                    assert!(
+                        (got - want).abs() <= tol,
+                        "{cores:?} [{latent}, {inter}] y[pair {p}, channel {c}] = {got}, reference {want} \
+                         (tolerance {tol})"
+                    );
+                    worst = worst.max((got - want).abs() / (want.abs() + mag * 1e-5));
+                }
             }
         }
-    }
-    println!(
-        "[latent {latent}, expert {inter}] gate/up relative L2 {act_rel:.3e}; down worst scaled error {worst:.3e}"
-    );
+        println!(
+            "{cores:?} cores [latent {latent}, expert {inter}]: gate/up relative L2 {act_rel:.3e}; down worst \
+             scaled error {worst:.3e}"
+        );
 
-    // Batch invariance: each prefix batch gives every token exactly its outputs in the batch of 64.
-    for n in [1usize, 3, 8, 16] {
-        let (act_n, y_n) = run(gpu, &cfg, &w, &z, &idx, n, k, experts);
-        assert!(act_n == act[..n * k * inter], "[{latent}, {inter}] gate/up of batch {n} differs from batch {most}");
-        assert!(y_n == y[..n * k * latent], "[{latent}, {inter}] down of batch {n} differs from batch {most}");
+        // Batch invariance: each prefix batch gives every token exactly its outputs in the batch of 64.
+        for n in [1usize, 3, 8, 16] {
+            let (act_n, y_n) = run(gpu, cores, &cfg, &w, &z, &idx, n, k, experts);
+            let same = act_n == act[..n * k * inter] && y_n == y[..n * k * latent];
+            assert!(same, "{cores:?} [{latent}, {inter}]: a token's outputs in batch {n} differ from batch {most}");
+        }
     }
 }
 
 #[test]
 fn routed_experts_match_the_host_reference_and_are_batch_invariant_bit_for_bit() {
     let Some(gpu) = gpu() else { return };
-    // k3-mini's expert shapes, then one whose rows leave most lanes of a warp without a group.
+    // k3-mini's expert shapes, then ones whose rows leave most lanes of a warp without a group and whose K is
+    // not a multiple of the tensor-core path's K step (256 inputs) or whose rows fill only part of a block.
     check_shape(&gpu, 3584, 3072);
     check_shape(&gpu, 96, 160);
+    check_shape(&gpu, 224, 32);
 }
 
 #[test]
@@ -219,8 +228,10 @@ fn routed_experts_reject_widths_that_are_not_multiples_of_32() {
     let buf = gpu.zeros::<u8>(4096).unwrap();
     let p = gpu.ptr(&buf);
     let (b, lb) = (cfg.situ_beta, cfg.situ_linear_beta);
-    assert!(gpu.moe_gate_up(p, (p, p), (p, p), (p, p), p, 1, 1, 1, 40, 64, b, lb).is_err());
-    assert!(gpu.moe_down(p, (p, p), (p, p), p, 1, 1, 1, 64, 40).is_err());
+    for cores in [ExpertCores::Cuda, ExpertCores::Tensor] {
+        assert!(gpu.moe_gate_up(p, (p, p), (p, p), (p, p), p, 1, 1, 1, 40, 64, b, lb, cores).is_err());
+        assert!(gpu.moe_down(p, (p, p), (p, p), p, 1, 1, 1, 64, 40, cores).is_err());
+    }
 }
 
 #[test]
@@ -264,26 +275,43 @@ fn routed_expert_bandwidth() {
         let y = gpu.zeros::<bf16>(n * k * latent).unwrap();
         let grouping = (gpu.ptr(&group), gpu.ptr(&pairs));
         gpu.moe_group(gpu.ptr(&idx_d), n, k, experts, grouping.0, grouping.1).unwrap();
-        let gate_up = || {
-            gpu.moe_gate_up(gpu.ptr(&z), w1, w3, grouping, gpu.ptr(&act), n, k, experts, latent, inter, b, lb).unwrap()
-        };
-        let down = || gpu.moe_down(gpu.ptr(&act), w2, grouping, gpu.ptr(&y), n, k, experts, latent, inter).unwrap();
-        let iters = 50;
-        let time = |op: &dyn Fn()| {
-            op();
-            gpu.synchronize().unwrap();
-            let t0 = Instant::now();
-            for _ in 0..iters {
+        for cores in [ExpertCores::Cuda, ExpertCores::Tensor] {
+            let gate_up = || {
+                gpu.moe_gate_up(
+                    gpu.ptr(&z),
+                    w1,
+                    w3,
+                    grouping,
+                    gpu.ptr(&act),
+                    n,
+                    k,
+                    experts,
+                    latent,
+                    inter,
+                    b,
+                    lb,
+                    cores,
+                )
+                .unwrap()
+            };
+            let down =
+                || gpu.moe_down(gpu.ptr(&act), w2, grouping, gpu.ptr(&y), n, k, experts, latent, inter, cores).unwrap();
+            let iters = 50;
+            let time = |op: &dyn Fn()| {
                 op();
-            }
-            gpu.synchronize().unwrap();
-            t0.elapsed().as_secs_f64() / f64::from(iters)
-        };
-        let (t_gu, t_down) = (time(&gate_up), time(&down));
-        let gu_bytes = (active * (w[0].expert_bytes() + w[1].expert_bytes())) as f64;
-        let down_bytes = (active * w[2].expert_bytes()) as f64;
-        println!(
-            "batch {n:>2} ({active} active experts): gate/up {:.1} us, {:.0} GB/s; down {:.1} us, {:.0} GB/s; \
+                gpu.synchronize().unwrap();
+                let t0 = Instant::now();
+                for _ in 0..iters {
+                    op();
+                }
+                gpu.synchronize().unwrap();
+                t0.elapsed().as_secs_f64() / f64::from(iters)
+            };
+            let (t_gu, t_down) = (time(&gate_up), time(&down));
+            let gu_bytes = (active * (w[0].expert_bytes() + w[1].expert_bytes())) as f64;
+            let down_bytes = (active * w[2].expert_bytes()) as f64;
+            println!(
+            "{cores:?} cores, batch {n:>2} ({active} active experts): gate/up {:.1} us, {:.0} GB/s; down {:.1} us, {:.0} GB/s; \
              both {:.1} us, {:.0} GB/s",
             t_gu * 1e6,
             gu_bytes / t_gu / 1e9,
@@ -292,5 +320,6 @@ fn routed_expert_bandwidth() {
             (t_gu + t_down) * 1e6,
             (gu_bytes + down_bytes) / (t_gu + t_down) / 1e9
         );
+        }
     }
 }
