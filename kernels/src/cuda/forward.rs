@@ -32,7 +32,7 @@ use crate::state::{KdaState, MlaCache, SeqState};
 
 /// The units that run the routed experts, the same for every batch size (the two paths sum in different
 /// orders, and a token's result may not depend on the batch).
-const ROUTED_EXPERT_CORES: ExpertCores = ExpertCores::Cuda;
+const ROUTED_EXPERT_CORES: ExpertCores = ExpertCores::Tensor;
 
 /// Profile span labels ([`Gpu::mark`]): a layer's mixer (its AttnRes read and input norm included),
 /// its FFN (AttnRes read and post norm included), and the final read, norm and lm_head.
