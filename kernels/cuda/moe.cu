@@ -6,7 +6,8 @@
 // to bf16, SiTU'd and rounded again; its down output is rounded to bf16, then the k experts are
 // combined in fp32 in ascending expert order and rounded once (kernels/src/cpu/moe.rs), then normalised.
 // The expert kernels work per active expert over its grouped (token, slot) pairs (see "Grouped routed
-// experts" below); a token's results never depend on the batch.
+// experts" below), on the CUDA cores or on the tensor cores (the forward uses one path for every batch: the
+// two sum in different orders); a token's results never depend on the batch.
 // MXFP4: two E2M1 codes per byte, element 2i in the low nibble; one E8M0 scale per 32 inputs;
 // 0xFF is NaN (shared/reference/k3-architecture.md §2.8).
 #include <cuda_bf16.h>

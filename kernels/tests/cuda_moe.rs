@@ -311,15 +311,15 @@ fn routed_expert_bandwidth() {
             let gu_bytes = (active * (w[0].expert_bytes() + w[1].expert_bytes())) as f64;
             let down_bytes = (active * w[2].expert_bytes()) as f64;
             println!(
-            "{cores:?} cores, batch {n:>2} ({active} active experts): gate/up {:.1} us, {:.0} GB/s; down {:.1} us, {:.0} GB/s; \
-             both {:.1} us, {:.0} GB/s",
-            t_gu * 1e6,
-            gu_bytes / t_gu / 1e9,
-            t_down * 1e6,
-            down_bytes / t_down / 1e9,
-            (t_gu + t_down) * 1e6,
-            (gu_bytes + down_bytes) / (t_gu + t_down) / 1e9
-        );
+                "{cores:?} cores, batch {n:>2} ({active} active experts): gate/up {:.1} us, {:.0} GB/s; \
+                 down {:.1} us, {:.0} GB/s; both {:.1} us, {:.0} GB/s",
+                t_gu * 1e6,
+                gu_bytes / t_gu / 1e9,
+                t_down * 1e6,
+                down_bytes / t_down / 1e9,
+                (t_gu + t_down) * 1e6,
+                (gu_bytes + down_bytes) / (t_gu + t_down) / 1e9
+            );
         }
     }
 }
