@@ -426,7 +426,7 @@ extern "C" __global__ void moe_combine_norm(const __nv_bfloat16 *y, const float 
 // The same grouping and outputs as moe_gate_up / moe_down, with the dot products on mma.sync m16n8k16 (bf16 in,
 // fp32 accumulate): the MXFP4 weights are dequantised to bf16 in registers (c * s is exact in bf16, which shares
 // fp32's exponent range) and multiplied against the expert's tokens 8 at a time, so a weight costs its
-// dequantisation once per chunk of up to 32 tokens instead of one fp32 fma per token. (The tile mapping follows
+// dequantisation once per chunk of up to 16 tokens instead of one fp32 fma per token. (The tile mapping follows
 // the idea of kernels/cuda/gemm.cu; the dequantisation into MMA fragments is our own.)
 //
 // Layout: a warp owns a 16-row tile of one expert's matrix; lane (g = lane / 4, t = lane % 4) holds rows g and
@@ -575,19 +575,18 @@ __device__ __forceinline__ void gate_up_mma_chunk(const u8 *const rows[2][2], co
         }
 }
 
-// The expert's pairs in chunks of 32, 16 or 8 (the smallest that holds what remains, at most 32): every chunk
-// reads the tile's weights (from HBM once, then from the caches).
-#define MMA_CHUNKS(CALL)                                \
+// The expert's pairs in chunks of 16 (two n-tiles), then one of 8 or 16 for the rest: every chunk reads the
+// tile's weights (from HBM once, then from the caches). Chunks of 32 would cost registers and so occupancy.
+#define MMA_CHUNKS(CALL)                                 \
     for (int left = end - p; left > 0; left = end - p) { \
-        int count = min(left, 32);                      \
-        if (count > 16) CALL(4);                        \
-        else if (count > 8) CALL(2);                    \
-        else CALL(1);                                   \
-        p += count;                                     \
+        int count = min(left, 16);                       \
+        if (count > 8) CALL(2);                          \
+        else CALL(1);                                    \
+        p += count;                                      \
     }
 
-// Gate/up + SiTU per active expert on the tensor cores; the same contract as moe_gate_up.
-// grid = (min(n k, E), ceil(I / (16 MMA_WARPS))), blockDim 32 MMA_WARPS.
+// Gate/up + SiTU per active expert on the tensor cores; the same contract as moe_gate_up. (167 registers with
+// sm_90a: 3 blocks per SM.) grid = (min(n k, E), ceil(I / (16 MMA_WARPS))), blockDim 32 MMA_WARPS.
 // z: [n, D]; w1/w3 packed [E, I, D/2], scales [E, I, D/32]; a: [n k, I]. D must be a multiple of 32.
 extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
     moe_gate_up_mma(const __nv_bfloat16 *z, const u8 *w1p, const u8 *w1s, const u8 *w3p, const u8 *w3s,
@@ -637,10 +636,11 @@ __device__ __forceinline__ void down_mma_chunk(const u8 *const rows[1][2], const
         }
 }
 
-// Down projection per active expert on the tensor cores; the same contract as moe_down.
-// grid = (min(n k, E), ceil(D / (16 MMA_WARPS))), blockDim 32 MMA_WARPS.
+// Down projection per active expert on the tensor cores; the same contract as moe_down. At most 128 registers,
+// so 4 blocks fit an SM (more loads in flight). grid = (min(n k, E), ceil(D / (16 MMA_WARPS))),
+// blockDim 32 MMA_WARPS.
 // a: [n k, I]; w2 packed [E, D, I/2], scales [E, D, I/32]; y: [n k, D]. I must be a multiple of 32.
-extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
+extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 4)
     moe_down_mma(const __nv_bfloat16 *a, const u8 *w2p, const u8 *w2s, const int *group, const int *pairs,
                  __nv_bfloat16 *y, int E, int D, int I) {
     int slot = blockIdx.x;
