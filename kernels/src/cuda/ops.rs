@@ -162,8 +162,7 @@ impl Gpu {
                 .map_err(|e| device_err(&format!("loading {}", src.name), e))?;
             modules.insert(src.name, m);
         }
-        let module =
-            |name: &str| modules.get(name).ok_or_else(|| KernelError::Device(format!("no kernel source {name}")));
+        let module = |name: &str| modules.get(name).ok_or_else(|| KernelError::Device(format!("no kernel source {name}")));
         let f = |src: &str, name: &str| {
             module(src)?.load_function(name).map_err(|e| device_err(&format!("kernel {name} of {src}"), e))
         };
