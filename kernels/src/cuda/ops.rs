@@ -58,8 +58,10 @@ struct Kernels {
     moe_router_logits: CudaFunction,
     moe_route: CudaFunction,
     moe_group: CudaFunction,
-    moe_gate_up: CudaFunction,
-    moe_down: CudaFunction,
+    /// `moe_gate_up` and `moe_gate_up_mma`, indexed by [`ExpertCores`].
+    moe_gate_up: [CudaFunction; 2],
+    /// `moe_down` and `moe_down_mma`, indexed by [`ExpertCores`].
+    moe_down: [CudaFunction; 2],
     moe_combine_norm: CudaFunction,
     sample_rows: CudaFunction,
     sample_rows_f32: CudaFunction,
@@ -175,8 +177,8 @@ impl Gpu {
             moe_router_logits: f("moe.cu", "moe_router_logits")?,
             moe_route: f("moe.cu", "moe_route")?,
             moe_group: f("moe.cu", "moe_group")?,
-            moe_gate_up: f("moe.cu", "moe_gate_up")?,
-            moe_down: f("moe.cu", "moe_down")?,
+            moe_gate_up: [f("moe.cu", "moe_gate_up")?, f("moe.cu", "moe_gate_up_mma")?],
+            moe_down: [f("moe.cu", "moe_down")?, f("moe.cu", "moe_down_mma")?],
             moe_combine_norm: f("moe.cu", "moe_combine_norm")?,
             sample_rows: f("sample.cu", "sample_rows")?,
             sample_rows_f32: f("sample.cu", "sample_rows_f32")?,
@@ -703,7 +705,8 @@ impl Gpu {
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_group"))
     }
 
-    /// Gate/up + SiTU per active expert over its grouped pairs: `a` `[n k, inter]` (row `t * k + j`).
+    /// Gate/up + SiTU per active expert over its grouped pairs: `a` `[n k, inter]` (row `t * k + j`), on the
+    /// CUDA cores or the tensor cores (`cores`; the two round differently, so one forward uses one of them).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_gate_up(
         &self,
@@ -719,21 +722,19 @@ impl Gpu {
         inter: usize,
         beta: f32,
         lbeta: f32,
+        cores: ExpertCores,
     ) -> Result<()> {
         check_expert_width("latent", latent)?;
-        let cfg = LaunchConfig {
-            grid_dim: (active_slots(n, k, experts), inter.div_ceil(8) as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = cores.launch(n, k, experts, inter);
         let (k, e, dl, di) = (k as i32, experts as i32, latent as i32, inter as i32);
-        let mut b = self.stream.launch_builder(&self.k.moe_gate_up);
+        let mut b = self.stream.launch_builder(&self.k.moe_gate_up[cores as usize]);
         b.arg(&z).arg(&w1.0).arg(&w1.1).arg(&w3.0).arg(&w3.1).arg(&grouping.0).arg(&grouping.1).arg(&a);
         b.arg(&k).arg(&e).arg(&dl).arg(&di).arg(&beta).arg(&lbeta);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_gate_up"))
     }
 
-    /// Down projection per active expert over its grouped pairs: `y` `[n k, latent]` (row `t * k + j`).
+    /// Down projection per active expert over its grouped pairs: `y` `[n k, latent]` (row `t * k + j`), on the
+    /// CUDA cores or the tensor cores (`cores`).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_down(
         &self,
@@ -746,15 +747,12 @@ impl Gpu {
         experts: usize,
         latent: usize,
         inter: usize,
+        cores: ExpertCores,
     ) -> Result<()> {
         check_expert_width("expert", inter)?;
-        let cfg = LaunchConfig {
-            grid_dim: (active_slots(n, k, experts), latent.div_ceil(8) as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = cores.launch(n, k, experts, latent);
         let (e, dl, di) = (experts as i32, latent as i32, inter as i32);
-        let mut b = self.stream.launch_builder(&self.k.moe_down);
+        let mut b = self.stream.launch_builder(&self.k.moe_down[cores as usize]);
         b.arg(&a).arg(&w2.0).arg(&w2.1).arg(&grouping.0).arg(&grouping.1).arg(&y).arg(&e).arg(&dl).arg(&di);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_down"))
     }
@@ -792,6 +790,31 @@ impl Gpu {
 /// active experts `[experts]`, and the start of each active expert's pairs `[experts + 1]`.
 pub fn moe_group_len(experts: usize) -> usize {
     2 * experts + 2
+}
+
+/// Which units run the routed experts' dot products (`kernels/cuda/moe.cu`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertCores {
+    /// `moe_gate_up` / `moe_down`: one warp per output row, fp32 fma per token.
+    Cuda = 0,
+    /// `moe_gate_up_mma` / `moe_down_mma`: 16-row tiles on mma.sync, tokens 8 per MMA column block.
+    Tensor = 1,
+}
+
+impl ExpertCores {
+    /// The launch of a grouped expert kernel with `rows` output rows per expert.
+    fn launch(self, n: usize, k: usize, experts: usize, rows: usize) -> LaunchConfig {
+        // Cuda: 8 warps of one row each; Tensor: 4 warps (MMA_WARPS) of one 16-row tile each.
+        let (rows_per_block, threads) = match self {
+            ExpertCores::Cuda => (8, 256),
+            ExpertCores::Tensor => (64, 128),
+        };
+        LaunchConfig {
+            grid_dim: (active_slots(n, k, experts), rows.div_ceil(rows_per_block) as u32, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
 }
 
 /// Blocks along the active-expert axis of the grouped expert kernels: at most `n k` pairs, at most `experts`.
