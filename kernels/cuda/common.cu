@@ -137,12 +137,6 @@ extern "C" __global__ void situ(const __nv_bfloat16 *g, const __nv_bfloat16 *u, 
     }
 }
 
-// The MLA output gate: out = bf(o * bf(sigmoid(g))) (HF computes the sigmoid in bf16).
-extern "C" __global__ void sigmoid_gate(const __nv_bfloat16 *o, const __nv_bfloat16 *g, __nv_bfloat16 *out, long n) {
-    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
-        out[i] = __float2bfloat16_rn(ld(o, i) * bf_round(sigmoidf_(ld(g, i))));
-}
-
 // out[s, j, :] = src[s, rows[j], :] for every slot s; grid = (rows, slots).
 extern "C" __global__ void gather_rows(const __nv_bfloat16 *src, long src_slot, const u32 *rows, __nv_bfloat16 *out,
                                        long out_slot, int d) {

@@ -6,7 +6,8 @@
 // to bf16, SiTU'd and rounded again; its down output is rounded to bf16, then the k experts are
 // combined in fp32 in ascending expert order and rounded once (kernels/src/cpu/moe.rs), then normalised.
 // The expert kernels work per active expert over its grouped (token, slot) pairs (see "Grouped routed
-// experts" below); a token's results never depend on the batch.
+// experts" below), on the CUDA cores or on the tensor cores (the forward uses one path for every batch: the
+// two sum in different orders); a token's results never depend on the batch.
 // MXFP4: two E2M1 codes per byte, element 2i in the low nibble; one E8M0 scale per 32 inputs;
 // 0xFF is NaN (shared/reference/k3-architecture.md §2.8).
 #include <cuda_bf16.h>
@@ -127,19 +128,30 @@ extern "C" __global__ void moe_route(const float *logits, const float *bias, int
 
 typedef unsigned int u32;
 
-// E2M1 code (low four bits of `nibble`) as fp32: placing the three magnitude bits at bits 22-24 gives
-// code * 2^-126 (codes 0 and 1 land on the subnormals 0 and 2^-127), and 2^126 scales it back exactly.
-__device__ __forceinline__ float e2m1_value(u32 nibble) {
-    return __uint_as_float(((nibble & 7u) << 22) | ((nibble & 8u) << 28)) * __int_as_float(0x7e800000);
+// The eight E2M1 codes of one 32-bit word (element i in nibble i) as fp32 values times 2^-14, unscaled.
+// Follows the usual fp16 trick for narrow floats: a code's sign and three magnitude bits placed at fp16 bits 15
+// and 9-11 make the fp16 number code * 2^-14 (code 1 lands on the fp16 subnormal 2^-15), exactly. Codes i and
+// i + 4 lie 16 bits apart, so one shift and mask per pair builds both halves of an fp16x2; the hardware
+// conversion to fp32 is exact. About 2.5 instructions per weight instead of 7 (the scale is applied once per
+// 32-input group by the caller, see rows_pass).
+__device__ __forceinline__ void codes_word(u32 w, float out[8]) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        u32 mag = (i < 3 ? w << (9 - 4 * i) : w >> 3) & 0x0E000E00u;
+        u32 halves = mag | ((w << (12 - 4 * i)) & 0x80008000u);
+        float lo, hi;
+        asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
+            : "=f"(lo), "=f"(hi)
+            : "r"(halves));
+        out[i] = lo;
+        out[i + 4] = hi;
+    }
 }
+
+// 2^14: undoes codes_word's 2^-14 (exact: a power of two).
+#define CODE_UNIT 16384.0f
 
 __device__ __forceinline__ u32 word_of(uint4 q, int i) { return i == 0 ? q.x : i == 1 ? q.y : i == 2 ? q.z : q.w; }
-
-// Eight dequantised weights (one 32-bit word of packed codes, element i in nibble i) times their scale.
-__device__ __forceinline__ void dequant_word(u32 w, float s, float out[8]) {
-#pragma unroll
-    for (int i = 0; i < 8; i++) out[i] = e2m1_value(w >> (4 * i)) * s;
-}
 
 // acc += dot(w[0..8), x[0..8)) with x eight bf16 values packed in a uint4, in element order.
 __device__ __forceinline__ float dot8(const float w[8], uint4 x, float acc) {
@@ -222,8 +234,9 @@ extern "C" __global__ void moe_group(const int *idx, int n, int k, int E, int *g
 // MOE_GROUPS_IN_FLIGHT of them at a time, all loaded before the first is used (a K3 row of 3584 inputs is one
 // such chunk; the first chunk is requested before the pairs' rows are looked up). Each word of codes is
 // dequantised once and applied to every pair's input row: row pairs[j] / div of `in`, `width` bf16 wide.
-// acc[m][j] receives the lane's partial dot of row m and pair j; each pair's sum runs over the lane's groups in
-// the same order whatever T is, so a token's result does not depend on how its expert's pairs were split.
+// acc[m][j] receives the lane's partial dot of row m and pair j: per group, the unscaled codes' dot in element
+// order, then one fma with the group's scale. Each pair's sum runs over the lane's groups in the same order
+// whatever T is, so a token's result does not depend on how its expert's pairs were split.
 template <int NM, int T>
 __device__ __forceinline__ void rows_pass(const u8 *const packed[NM], const u8 *const scales[NM], int lane,
                                           int groups, const __nv_bfloat16 *in, const int *pairs, int div, int width,
@@ -250,20 +263,33 @@ __device__ __forceinline__ void rows_pass(const u8 *const packed[NM], const u8 *
         for (int i = 0; i < MOE_GROUPS_IN_FLIGHT; i++) {
             int g = g0 + lane + 32 * i;
             if (g >= groups) break;
+            float part[NM][T];  // the group's unscaled partial dots
+#pragma unroll
+            for (int m = 0; m < NM; m++)
+#pragma unroll
+                for (int j = 0; j < T; j++) part[m][j] = 0.0f;
 #pragma unroll
             for (int wi = 0; wi < 4; wi++) {
                 float w[NM][8];
 #pragma unroll
-                for (int m = 0; m < NM; m++) dequant_word(word_of(q[m][i], wi), e8m0(sb[m][i]), w[m]);
+                for (int m = 0; m < NM; m++) codes_word(word_of(q[m][i], wi), w[m]);
                 uint4 xv[T];
 #pragma unroll
                 for (int j = 0; j < T; j++) xv[j] = *(const uint4 *)(in + x[j] + g * 32 + wi * 8);
 #pragma unroll
                 for (int j = 0; j < T; j++)
 #pragma unroll
-                    for (int m = 0; m < NM; m++) acc[m][j] = dot8(w[m], xv[j], acc[m][j]);
+                    for (int m = 0; m < NM; m++) part[m][j] = dot8(w[m], xv[j], part[m][j]);
                 // With many pairs, keeps the compiler from hoisting every word's input loads at once (spills).
                 if (T > 2) asm volatile("" ::: "memory");
+            }
+            // The scale once per group: scaling by powers of two is exact, so this is the dot of the dequantised
+            // weights up to fp32 summation order (fixed: element order within the group, groups in lane order).
+#pragma unroll
+            for (int m = 0; m < NM; m++) {
+                float scale = e8m0(sb[m][i]);
+#pragma unroll
+                for (int j = 0; j < T; j++) acc[m][j] = fmaf(part[m][j] * CODE_UNIT, scale, acc[m][j]);
             }
         }
     }
@@ -394,4 +420,246 @@ extern "C" __global__ void moe_combine_norm(const __nv_bfloat16 *y, const float 
     float r = 1.0f / sqrtf(ss / (float)D + eps);
     for (int c = threadIdx.x; c < D; c += blockDim.x)
         out[t * D + c] = __float2bfloat16_rn(ld(w, c) * bf_round(combined[c] * r));
+}
+
+// ---- Grouped routed experts on the tensor cores -------------------------------------------------------------
+// The same grouping and outputs as moe_gate_up / moe_down, with the dot products on mma.sync m16n8k16 (bf16 in,
+// fp32 accumulate): the MXFP4 weights are dequantised to bf16 in registers (c * s is exact in bf16, which shares
+// fp32's exponent range) and multiplied against the expert's tokens 8 at a time, so a weight costs its
+// dequantisation once per chunk of up to 16 tokens instead of one fp32 fma per token. (The tile mapping follows
+// the idea of kernels/cuda/gemm.cu; the dequantisation into MMA fragments is our own.)
+//
+// Layout: a warp owns a 16-row tile of one expert's matrix; lane (g = lane / 4, t = lane % 4) holds rows g and
+// g + 8. K runs in blocks of 4 MXFP4 groups (128 inputs); in a block, thread t takes group 4 b + t whole
+// (16 bytes of codes and one scale per row, one 128-bit load per row). Its 32 codes feed 8 MMAs: codes
+// 8 w + 4 h + (0, 1) and + (2, 3) are k-slots {2t, 2t + 1} and {2t + 8, 2t + 9} of MMA 2 w + h, and the B
+// fragment takes the token's inputs with the same indices, so each MMA is the plain dot over 16 of the inputs.
+//
+// Batch invariance: an MMA output depends only on its row of A and column of B (the skinny GEMM relies on the
+// same property), a token's column sees the same MMAs in the same order (blocks ascending, then w, then h)
+// whatever column or chunk it lands in, and padding columns hold zeros. So a token's result does not depend on
+// which other tokens share its experts.
+// Limits: scale bytes 241..254 (scales of 2^114 and more) overflow the dequantisation to infinity (no real
+// checkpoint comes near); 0xFF is NaN as everywhere.
+
+#define MMA_WARPS 4    // 16-row tiles per block
+#define MMA_BLOCKS 2   // K blocks of 128 inputs loaded per step (the next step's are in flight during this one)
+
+__device__ __forceinline__ void mma_16816(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// 2^14 * the E8M0 scale `b` (so that codes_word's code * 2^-14 times it is code * scale): exponent b + 14.
+// b = 0 (2^-127, an fp32 subnormal) gives 2^-113 as it should; b > 240 overflows to infinity; 0xFF is NaN.
+__device__ __forceinline__ float code_scale(u32 b) {
+    if (b == 0xFFu) return __int_as_float(0x7fc00000);
+    if (b > 240u) return INF_F;
+    return __int_as_float((int)(b + 14u) << 23);
+}
+
+// The eight weights of one word of codes times their scale, as four bf16x2 (codes 2i, 2i + 1 in register i,
+// the lower code in the low half). The fp32 products are exact with at most 2 significant bits, so keeping
+// their top 16 bits is the exact bf16.
+__device__ __forceinline__ void word_bf16x2(u32 w, float sx, u32 out[4]) {
+    float v[8];
+    codes_word(w, v);
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        out[i] = __byte_perm(__float_as_uint(v[2 * i] * sx), __float_as_uint(v[2 * i + 1] * sx), 0x7632);
+}
+
+// One warp's pass of a 16-row tile of NM matrices (NM = 2: gate and up) over the pairs[0..count) (count <= 8 NT)
+// of one expert. rows[m][r]: the codes of row g (r = 0) / g + 8 (r = 1) of matrix m, or null past the matrix;
+// scales likewise. The B column of this thread is pair g of each 8-pair tile: row pairs[.] / div of `in`,
+// `width` (= 32 groups) bf16 wide. acc[m][nt]: the MMA accumulators of n-tile nt.
+template <int NM, int NT>
+__device__ __forceinline__ void mma_rows_pass(const u8 *const rows[NM][2], const u8 *const scales[NM][2], int g,
+                                              int t, int groups, const __nv_bfloat16 *in, const int *pairs, int count,
+                                              int div, int width, float acc[NM][NT][4]) {
+    const __nv_bfloat16 *x[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        int c = nt * 8 + g;
+        x[nt] = c < count ? in + (long)(pairs[c] / div) * width : nullptr;
+    }
+    int steps = (groups + 4 * MMA_BLOCKS - 1) / (4 * MMA_BLOCKS);
+    uint4 q[NM][2][MMA_BLOCKS];
+    u32 sb[NM][2][MMA_BLOCKS];
+    // Loads group 4 (MMA_BLOCKS s + blk) + t of each row (zeros past the row's groups or the matrix).
+    auto load = [&](int s) {
+#pragma unroll
+        for (int blk = 0; blk < MMA_BLOCKS; blk++) {
+            int grp = 4 * (MMA_BLOCKS * s + blk) + t;
+#pragma unroll
+            for (int m = 0; m < NM; m++)
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    bool ok = rows[m][r] != nullptr && grp < groups;
+                    q[m][r][blk] = ok ? __ldg((const uint4 *)rows[m][r] + grp) : make_uint4(0u, 0u, 0u, 0u);
+                    sb[m][r][blk] = ok ? (u32)__ldg(scales[m][r] + grp) : 0u;
+                }
+        }
+    };
+    load(0);
+    for (int s = 0; s < steps; s++) {
+        uint4 cur[NM][2][MMA_BLOCKS];
+        u32 cs[NM][2][MMA_BLOCKS];
+#pragma unroll
+        for (int blk = 0; blk < MMA_BLOCKS; blk++)
+#pragma unroll
+            for (int m = 0; m < NM; m++)
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    cur[m][r][blk] = q[m][r][blk];
+                    cs[m][r][blk] = sb[m][r][blk];
+                }
+        if (s + 1 < steps) load(s + 1);
+#pragma unroll
+        for (int blk = 0; blk < MMA_BLOCKS; blk++) {
+            int grp = 4 * (MMA_BLOCKS * s + blk) + t;
+            float sx[NM][2];
+#pragma unroll
+            for (int m = 0; m < NM; m++)
+#pragma unroll
+                for (int r = 0; r < 2; r++) sx[m][r] = code_scale(cs[m][r][blk]);
+#pragma unroll
+            for (int w = 0; w < 4; w++) {
+                u32 a[NM][2][4];  // [matrix][row g / g + 8][codes 8 w + 2 i, + 1]
+#pragma unroll
+                for (int m = 0; m < NM; m++)
+#pragma unroll
+                    for (int r = 0; r < 2; r++) word_bf16x2(word_of(cur[m][r][blk], w), sx[m][r], a[m][r]);
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    uint4 b = x[nt] != nullptr && grp < groups ? *(const uint4 *)(x[nt] + grp * 32 + w * 8)
+                                                               : make_uint4(0u, 0u, 0u, 0u);  // [8 inputs]
+#pragma unroll
+                    for (int m = 0; m < NM; m++) {
+                        mma_16816(acc[m][nt], a[m][0][0], a[m][1][0], a[m][0][1], a[m][1][1], b.x, b.y);
+                        mma_16816(acc[m][nt], a[m][0][2], a[m][1][2], a[m][0][3], a[m][1][3], b.z, b.w);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// Gate/up + SiTU of one 16-row tile for pairs[0..count), count <= 8 NT (see moe_gate_up_mma).
+template <int NT>
+__device__ __forceinline__ void gate_up_mma_chunk(const u8 *const rows[2][2], const u8 *const scales[2][2], int g,
+                                                  int t, int groups, const __nv_bfloat16 *z, const int *pairs,
+                                                  int count, int k, int D, __nv_bfloat16 *a, int I, int row0,
+                                                  float beta, float lbeta) {
+    float acc[2][NT][4];
+#pragma unroll
+    for (int m = 0; m < 2; m++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[m][nt][e] = 0.0f;
+    mma_rows_pass<2, NT>(rows, scales, g, t, groups, z, pairs, count, k, D, acc);
+    // c0, c1: row g, pairs 2t, 2t + 1 of the tile; c2, c3: row g + 8, the same pairs.
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int row = row0 + g + (e >> 1) * 8, c = nt * 8 + 2 * t + (e & 1);
+            if (row < I && c < count) {
+                float gate = bf_round(acc[0][nt][e]), up = bf_round(acc[1][nt][e]);
+                a[(long)pairs[c] * I + row] =
+                    __float2bfloat16_rn((beta * tanhf(gate / beta) * sigmoidf_(gate)) * (lbeta * tanhf(up / lbeta)));
+            }
+        }
+}
+
+// The expert's pairs in chunks of 16 (two n-tiles), then one of 8 or 16 for the rest: every chunk reads the
+// tile's weights (from HBM once, then from the caches). Chunks of 32 would cost registers and so occupancy.
+#define MMA_CHUNKS(CALL)                                 \
+    for (int left = end - p; left > 0; left = end - p) { \
+        int count = min(left, 16);                       \
+        if (count > 8) CALL(2);                          \
+        else CALL(1);                                    \
+        p += count;                                      \
+    }
+
+// Gate/up + SiTU per active expert on the tensor cores; the same contract as moe_gate_up. (167 registers with
+// sm_90a: 3 blocks per SM.) grid = (min(n k, E), ceil(I / (16 MMA_WARPS))), blockDim 32 MMA_WARPS.
+// z: [n, D]; w1/w3 packed [E, I, D/2], scales [E, I, D/32]; a: [n k, I]. D must be a multiple of 32.
+extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
+    moe_gate_up_mma(const __nv_bfloat16 *z, const u8 *w1p, const u8 *w1s, const u8 *w3p, const u8 *w3s,
+                    const int *group, const int *pairs, __nv_bfloat16 *a, int k, int E, int D, int I, float beta,
+                    float lbeta) {
+    int slot = blockIdx.x;
+    if (slot >= group[0]) return;
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int row0 = (blockIdx.y * MMA_WARPS + (threadIdx.x >> 5)) * 16;
+    if (row0 >= I) return;
+    long e = group[1 + slot];
+    int p = group[1 + E + slot], end = group[2 + E + slot], groups = D / 32;
+    const u8 *rows[2][2], *scales[2][2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        int row = row0 + g + 8 * r;
+        long at = e * I + row;
+        bool ok = row < I;
+        rows[0][r] = ok ? w1p + at * (D / 2) : nullptr;
+        rows[1][r] = ok ? w3p + at * (D / 2) : nullptr;
+        scales[0][r] = ok ? w1s + at * groups : nullptr;
+        scales[1][r] = ok ? w3s + at * groups : nullptr;
+    }
+#define GATE_UP_MMA(NT) \
+    gate_up_mma_chunk<NT>(rows, scales, g, t, groups, z, pairs + p, count, k, D, a, I, row0, beta, lbeta)
+    MMA_CHUNKS(GATE_UP_MMA)
+#undef GATE_UP_MMA
+}
+
+// Down projection of one 16-row tile (output channels) for pairs[0..count) (see moe_down_mma).
+template <int NT>
+__device__ __forceinline__ void down_mma_chunk(const u8 *const rows[1][2], const u8 *const scales[1][2], int g, int t,
+                                               int groups, const __nv_bfloat16 *act, const int *pairs, int count,
+                                               int I, __nv_bfloat16 *y, int D, int row0) {
+    float acc[1][NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[0][nt][e] = 0.0f;
+    mma_rows_pass<1, NT>(rows, scales, g, t, groups, act, pairs, count, 1, I, acc);
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int row = row0 + g + (e >> 1) * 8, c = nt * 8 + 2 * t + (e & 1);
+            if (row < D && c < count) y[(long)pairs[c] * D + row] = __float2bfloat16_rn(acc[0][nt][e]);
+        }
+}
+
+// Down projection per active expert on the tensor cores; the same contract as moe_down. At most 128 registers,
+// so 4 blocks fit an SM (more loads in flight). grid = (min(n k, E), ceil(D / (16 MMA_WARPS))),
+// blockDim 32 MMA_WARPS.
+// a: [n k, I]; w2 packed [E, D, I/2], scales [E, D, I/32]; y: [n k, D]. I must be a multiple of 32.
+extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 4)
+    moe_down_mma(const __nv_bfloat16 *a, const u8 *w2p, const u8 *w2s, const int *group, const int *pairs,
+                 __nv_bfloat16 *y, int E, int D, int I) {
+    int slot = blockIdx.x;
+    if (slot >= group[0]) return;
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int row0 = (blockIdx.y * MMA_WARPS + (threadIdx.x >> 5)) * 16;
+    if (row0 >= D) return;
+    long e = group[1 + slot];
+    int p = group[1 + E + slot], end = group[2 + E + slot], groups = I / 32;
+    const u8 *rows[1][2], *scales[1][2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        int row = row0 + g + 8 * r;
+        long at = e * D + row;
+        bool ok = row < D;
+        rows[0][r] = ok ? w2p + at * (I / 2) : nullptr;
+        scales[0][r] = ok ? w2s + at * groups : nullptr;
+    }
+#define DOWN_MMA(NT) down_mma_chunk<NT>(rows, scales, g, t, groups, a, pairs + p, count, I, y, D, row0)
+    MMA_CHUNKS(DOWN_MMA)
+#undef DOWN_MMA
 }

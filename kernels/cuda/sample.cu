@@ -1,5 +1,6 @@
 // sparkd: sampling, log-probabilities and the speculative acceptance rules on the device, one block of
-// 1024 threads per bf16 logits row [vocab].
+// 1024 threads per logits row [vocab]: bf16 rows (`sample_rows`, the target's logits) or f32 rows
+// (`sample_rows_f32`, the DSpark drafter's Markov logits, never rounded to bf16).
 //
 // The same function as the CPU reference (kernels/src/sampling.rs, acceptance.rs), row by row:
 // - the token mask first (a disallowed id reads as -inf), then temperature -> top-k -> top-p
@@ -14,12 +15,14 @@
 // - Thread t owns the contiguous ids [t * seg, (t + 1) * seg): every sum runs in id order inside a
 //   segment, then over segments in a fixed tree, so a row's result depends on nothing but the row (no
 //   floating-point atomics; histograms count with integer atomics). Probabilities are f64.
-// - Selection without sorting: a 16-bit order key per bf16 value (larger key = larger value, -0 < +0 as
-//   Rust's `total_cmp`) and 256-bin radix histograms find the k-th best key; ties at that key are kept
-//   lowest id first by a block prefix count. Top-p does the same over mass: the high-byte bins carry
-//   fixed-point mass (2^-62 units, exact integer sums), the chosen bin's keys exact f64 mass
-//   (count * p, all ids of one key having the same p). Top-p ranks -0 and +0 as one key (equal
-//   probability, the CPU's rank by probability) unless top-k ran first (the CPU then keeps logit order).
+// - Selection without sorting: an order key per value (16 bits for bf16, 32 for f32; larger key = larger
+//   value, -0 < +0 as Rust's `total_cmp`) and one 256-bin radix histogram per key byte, high byte first,
+//   find the k-th best key; ties at that key are kept lowest id first by a block prefix count. Top-p
+//   does the same over mass: the bins of every byte but the lowest carry fixed-point mass (2^-62 units,
+//   exact integer sums, so a chosen bin's sub-bins sum to its mass), the lowest byte's keys exact f64
+//   mass (count * p, all ids of one key having the same p). The bf16 path is the two-byte case. Top-p
+//   ranks -0 and +0 as one key (equal probability, the CPU's rank by probability) unless top-k ran
+//   first (the CPU then keeps logit order).
 // - Normalisations multiply by a reciprocal (the CPU divides): a last-bit difference, inside the tolerance.
 // - The CPU sums in other orders (best-first, one sequential pass), so sums differ in the last bits;
 //   a decision differs only where a threshold (u, top_p) lies within ~1e-12 of a cumulative mass.
@@ -35,12 +38,11 @@ typedef unsigned short u16;
 #define SAMPLE_WARPS (SAMPLE_THREADS / 32)
 #define FULL_MASK 0xffffffffu
 #define NO_ID 0xffffffffu
-#define NEG_INF_BITS 0xff80u
 #define FIXED_ONE 4611686018427387904.0 // 2^62: fixed-point unit of the top-p high-byte mass
 
 // Row descriptor: DESC_WORDS u64 per row (kernels/src/cuda/sample.rs writes them).
-#define DESC_WORDS 10
-#define D_LOGITS 0      // const bf16 * [vocab]
+#define DESC_WORDS 11
+#define D_LOGITS 0      // const bf16 * or const float * [vocab] (by kernel)
 #define D_Q 1           // const float * [vocab] processed draft probabilities, 0: one-hot on the draft
 #define D_PROBS_OUT 2   // float * [vocab] processed probabilities out, 0: none
 #define D_SEED 3
@@ -50,6 +52,7 @@ typedef unsigned short u16;
 #define D_TOPK_DRAFT 7  // top_k u32 | draft id << 32 (NO_ID: none)
 #define D_TOP_N 8       // 0: no log-probabilities, else top_n + 1
 #define D_MODE 9
+#define D_TOKEN_OUT 10  // u32 *: the row's token is also written here (0: not)
 
 #define MODE_SAMPLE 0 // token from p
 #define MODE_VERIFY 1 // accept test of the draft; on rejection the residual token
@@ -91,21 +94,43 @@ extern "C" __global__ void rng_hash3(const u64 *seeds, const u64 *positions, con
     if (i < n) out[i] = hash3(seeds[i], positions[i], streams[i]);
 }
 
-// ---- keys and rows ----
+// ---- logits types, keys and rows ----
 
-// Monotone 16-bit key of a bf16 bit pattern: a larger value has a larger key.
-__device__ __forceinline__ u32 order_key(u32 bits) { return (bits & 0x8000u) ? (~bits & 0xffffu) : (bits | 0x8000u); }
-__device__ __forceinline__ u32 bits_of_key(u32 key) { return (key & 0x8000u) ? (key & 0x7fffu) : (~key & 0xffffu); }
-__device__ __forceinline__ float value_of_bits(u32 bits) { return __uint_as_float(bits << 16); }
+// A logits element type: its bit pattern (as u32), the monotone order key of a pattern (a larger value
+// has a larger key; KEY_BITS wide) and back, and the value of a pattern.
+struct Bf16Logits {
+    typedef u16 Elem;
+    static const int KEY_BITS = 16;
+    static const u32 SIGN = 0x8000u;
+    static const u32 ALL = 0xffffu;
+    static const u32 NEG_INF = 0xff80u;
+    static __device__ __forceinline__ float value(u32 bits) { return __uint_as_float(bits << 16); }
+};
 
-struct RowView {
-    const u16 *logits; // [vocab] bf16 bits
-    const u32 *mask;   // [ceil(vocab / 32)] bit set = allowed; null: every id allowed
+struct F32Logits {
+    typedef u32 Elem;
+    static const int KEY_BITS = 32;
+    static const u32 SIGN = 0x80000000u;
+    static const u32 ALL = 0xffffffffu;
+    static const u32 NEG_INF = 0xff800000u;
+    static __device__ __forceinline__ float value(u32 bits) { return __uint_as_float(bits); }
+};
+
+template <class L> __device__ __forceinline__ u32 order_key(u32 bits) {
+    return (bits & L::SIGN) ? (~bits & L::ALL) : (bits | L::SIGN);
+}
+template <class L> __device__ __forceinline__ u32 bits_of_key(u32 key) {
+    return (key & L::SIGN) ? (key & ~L::SIGN & L::ALL) : (~key & L::ALL);
+}
+
+template <class L> struct RowView {
+    const typename L::Elem *logits; // [vocab] bit patterns
+    const u32 *mask;                // [ceil(vocab / 32)] bit set = allowed; null: every id allowed
     int vocab;
 };
 
-__device__ __forceinline__ u32 bits_at(const RowView &r, int i) {
-    if (r.mask && !((r.mask[i >> 5] >> (i & 31)) & 1u)) return NEG_INF_BITS;
+template <class L> __device__ __forceinline__ u32 bits_at(const RowView<L> &r, int i) {
+    if (r.mask && !((r.mask[i >> 5] >> (i & 31)) & 1u)) return L::NEG_INF;
     return r.logits[i];
 }
 
@@ -200,47 +225,41 @@ __device__ void zero_hist(Shared &s) {
     __syncthreads();
 }
 
-// The n-th best key of the row (1 <= n <= vocab) and how many ids have a strictly larger key.
-__device__ void select_nth_key(const RowView &r, int seg, u32 n, Shared &s, u32 *key, u32 *greater) {
+// The n-th best key of the row (1 <= n <= vocab) and how many ids have a strictly larger key: one
+// histogram per key byte, high byte first, each over the ids whose higher bytes equal the chosen prefix.
+template <class L>
+__device__ void select_nth_key(const RowView<L> &r, int seg, u32 n, Shared &s, u32 *key, u32 *greater) {
     int begin = threadIdx.x * seg;
-    zero_hist(s);
-    for (int j = 0; j < seg; j++) {
-        int i = begin + j;
-        warp_count(s.hist, i < r.vocab ? order_key(bits_at(r, i)) >> 8 : NO_ID);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        u32 acc = 0;
-        int h = 255;
-        for (; h > 0; h--) {
-            if (acc + s.hist[h] >= n) break;
-            acc += s.hist[h];
+    u32 prefix = 0, acc_prefix = 0;
+    for (int shift = L::KEY_BITS - 8; shift >= 0; shift -= 8) {
+        bool top = shift + 8 == L::KEY_BITS;
+        zero_hist(s);
+        for (int j = 0; j < seg; j++) {
+            int i = begin + j;
+            u32 bin = NO_ID;
+            if (i < r.vocab) {
+                u32 k = order_key<L>(bits_at(r, i));
+                if (top || (k >> (shift + 8)) == prefix) bin = (k >> shift) & 255u;
+            }
+            warp_count(s.hist, bin);
         }
-        s.sel_a = h;
-        s.sel_b = acc;
-    }
-    __syncthreads();
-    u32 high = s.sel_a, acc_high = s.sel_b;
-    zero_hist(s);
-    for (int j = 0; j < seg; j++) {
-        int i = begin + j;
-        u32 k = i < r.vocab ? order_key(bits_at(r, i)) : NO_ID;
-        warp_count(s.hist, (k != NO_ID && (k >> 8) == high) ? (k & 255u) : NO_ID);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        u32 acc = acc_high;
-        int l = 255;
-        for (; l > 0; l--) {
-            if (acc + s.hist[l] >= n) break;
-            acc += s.hist[l];
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            u32 acc = acc_prefix;
+            int b = 255;
+            for (; b > 0; b--) {
+                if (acc + s.hist[b] >= n) break;
+                acc += s.hist[b];
+            }
+            s.sel_a = (prefix << 8) | (u32)b;
+            s.sel_b = acc;
         }
-        s.sel_a = (high << 8) | (u32)l;
-        s.sel_b = acc;
+        __syncthreads();
+        prefix = s.sel_a;
+        acc_prefix = s.sel_b;
     }
-    __syncthreads();
-    *key = s.sel_a;
-    *greater = s.sel_b;
+    *key = prefix;
+    *greater = acc_prefix;
     __syncthreads();
 }
 
@@ -258,11 +277,12 @@ struct KeepRule {
 };
 
 // The block prefix of the thread's count of ids with key `key` that `inner` keeps.
-__device__ u32 tie_offset(const RowView &r, int seg, u32 key, const KeepRule &inner, u32 inner_run, Shared &s) {
+template <class L>
+__device__ u32 tie_offset(const RowView<L> &r, int seg, u32 key, const KeepRule &inner, u32 inner_run, Shared &s) {
     int begin = threadIdx.x * seg, end = min(begin + seg, r.vocab);
     u32 count = 0;
     for (int i = begin; i < end; i++) {
-        u32 k = order_key(bits_at(r, i));
+        u32 k = order_key<L>(bits_at(r, i));
         if (inner.take(k, inner_run) && k == key) count++;
     }
     return block_exclusive_u32(count, s);
@@ -288,7 +308,7 @@ __device__ void warp_add_mass(u32 *hist, u64 *mass, u32 bin, u64 m) {
 }
 
 // The processed target distribution of a sampling row (temperature > 0).
-struct Target {
+template <class L> struct Target {
     double inv_t, smax, inv_total1;
     KeepRule topk, topp;
     // Top-p ranks by probability, where -0 and +0 tie (the CPU's `best_first` on probabilities),
@@ -296,12 +316,14 @@ struct Target {
     bool merge_zero;
     u32 run_k0, run_p0; // this thread's tie offsets
     __device__ __forceinline__ double weight(u32 bits) const {
-        return exp((double)value_of_bits(bits) * inv_t - smax);
+        return exp((double)L::value(bits) * inv_t - smax);
     }
-    __device__ __forceinline__ u32 pkey(u32 bits) const { return order_key(merge_zero && bits == 0x8000u ? 0u : bits); }
+    __device__ __forceinline__ u32 pkey(u32 bits) const {
+        return order_key<L>(merge_zero && bits == L::SIGN ? 0u : bits);
+    }
     // p_i before the final normalisation (e_i / total1), 0 when top-k or top-p removed the id.
     __device__ __forceinline__ double kept_mass(u32 bits, u32 &run_k, u32 &run_p) const {
-        if (!topk.take(order_key(bits), run_k)) return 0.0;
+        if (!topk.take(order_key<L>(bits), run_k)) return 0.0;
         if (!topp.take(pkey(bits), run_p)) return 0.0;
         return weight(bits) * inv_total1;
     }
@@ -318,8 +340,9 @@ __device__ u32 top_p_ties(double above, double pk, u32 cnt, double top_p) {
 }
 
 // Builds the target of row `r` (temperature, top-k, top-p); `max_v` is the row's largest value.
-__device__ void build_target(const RowView &r, int seg, float temperature, u32 top_k, float top_p, float max_v,
-                             Shared &s, Target &t) {
+template <class L>
+__device__ void build_target(const RowView<L> &r, int seg, float temperature, u32 top_k, float top_p, float max_v,
+                             Shared &s, Target<L> &t) {
     int begin = threadIdx.x * seg, end = min(begin + seg, r.vocab);
     t.inv_t = 1.0 / (double)temperature;
     t.smax = (double)max_v * t.inv_t;
@@ -341,71 +364,83 @@ __device__ void build_target(const RowView &r, int seg, float temperature, u32 t
     u32 run = t.run_k0;
     for (int i = begin; i < end; i++) {
         u32 b = bits_at(r, i);
-        if (t.topk.take(order_key(b), run)) local += t.weight(b);
+        if (t.topk.take(order_key<L>(b), run)) local += t.weight(b);
     }
     t.inv_total1 = 1.0 / block_sum_f64(local, s);
     if (!(top_p < 1.0f)) return;
     double tp = (double)top_p;
     double to_fixed = t.inv_total1 * FIXED_ONE;
+    u64 tp_fixed = (u64)(tp * FIXED_ONE);
+    // Every key byte but the lowest: fixed-point mass per bin, among the ids of the chosen prefix.
+    u32 prefix = 0;
+    u64 acc_prefix = 0;
+    for (int shift = L::KEY_BITS - 8; shift >= 8; shift -= 8) {
+        bool top = shift + 8 == L::KEY_BITS;
+        zero_hist(s);
+        run = t.run_k0;
+        for (int j = 0; j < seg; j++) {
+            int i = begin + j;
+            u32 bin = NO_ID;
+            u64 m = 0;
+            if (i < r.vocab) {
+                u32 b = bits_at(r, i);
+                if (t.topk.take(order_key<L>(b), run)) {
+                    u32 k = t.pkey(b);
+                    if (top || (k >> (shift + 8)) == prefix) {
+                        bin = (k >> shift) & 255u;
+                        m = __double2ull_rn(t.weight(b) * to_fixed);
+                    }
+                }
+            }
+            warp_add_mass(s.hist, s.mass, bin, m);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            u64 acc = acc_prefix;
+            int chosen = -1;
+            for (int h = 255; h >= 0; h--) {
+                if (s.hist[h] == 0) continue;
+                if (acc + s.mass[h] >= tp_fixed) {
+                    chosen = h;
+                    break;
+                }
+                acc += s.mass[h];
+            }
+            s.sel_a = (u32)chosen;
+            s.sel_mass = acc;
+        }
+        __syncthreads();
+        int chosen = (int)s.sel_a;
+        // Rounding left the mass below top_p everywhere: nothing is cut. (Below the top byte a bin
+        // always qualifies: its sub-bins' integer masses sum to the parent bin's.)
+        if (chosen < 0) return;
+        prefix = (prefix << 8) | (u32)chosen;
+        acc_prefix = s.sel_mass;
+    }
+    // The lowest byte: exact f64 mass per key.
     zero_hist(s);
     run = t.run_k0;
     for (int j = 0; j < seg; j++) {
         int i = begin + j;
         u32 bin = NO_ID;
-        u64 m = 0;
         if (i < r.vocab) {
             u32 b = bits_at(r, i);
-            if (t.topk.take(order_key(b), run)) {
-                bin = t.pkey(b) >> 8;
-                m = __double2ull_rn(t.weight(b) * to_fixed);
-            }
-        }
-        warp_add_mass(s.hist, s.mass, bin, m);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        u64 tp_fixed = (u64)(tp * FIXED_ONE);
-        u64 acc = 0;
-        int high = -1;
-        for (int h = 255; h >= 0; h--) {
-            if (s.hist[h] == 0) continue;
-            if (acc + s.mass[h] >= tp_fixed) {
-                high = h;
-                break;
-            }
-            acc += s.mass[h];
-        }
-        s.sel_a = (u32)high;
-        s.sel_mass = acc;
-    }
-    __syncthreads();
-    int high = (int)s.sel_a;
-    u64 acc_high = s.sel_mass;
-    // Rounding left the mass below top_p everywhere: nothing is cut.
-    if (high < 0) return;
-    zero_hist(s);
-    run = t.run_k0;
-    for (int j = 0; j < seg; j++) {
-        int i = begin + j;
-        u32 bin = NO_ID;
-        if (i < r.vocab) {
-            u32 b = bits_at(r, i);
-            if (t.topk.take(order_key(b), run)) {
+            if (t.topk.take(order_key<L>(b), run)) {
                 u32 k = t.pkey(b);
-                if ((int)(k >> 8) == high) bin = k & 255u;
+                if ((k >> 8) == prefix) bin = k & 255u;
             }
         }
         warp_count(s.hist, bin);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        double above = (double)acc_high / FIXED_ONE;
+        double above = (double)acc_prefix / FIXED_ONE;
         u32 chosen = NO_ID, ties = 0;
         for (int l = 255; l >= 0; l--) {
             u32 cnt = s.hist[l];
             if (cnt == 0) continue;
-            u32 key = ((u32)high << 8) | (u32)l;
-            double pk = t.weight(bits_of_key(key)) * t.inv_total1;
+            u32 key = (prefix << 8) | (u32)l;
+            double pk = t.weight(bits_of_key<L>(key)) * t.inv_total1;
             chosen = key;
             ties = cnt;
             if (above + (double)cnt * pk >= tp) {
@@ -426,7 +461,7 @@ __device__ void build_target(const RowView &r, int seg, float temperature, u32 t
     run = t.run_k0;
     for (int i = begin; i < end; i++) {
         u32 b = bits_at(r, i);
-        if (t.topk.take(order_key(b), run) && t.pkey(b) == t.topp.key) count++;
+        if (t.topk.take(order_key<L>(b), run) && t.pkey(b) == t.topp.key) count++;
     }
     t.run_p0 = block_exclusive_u32(count, s);
 }
@@ -435,8 +470,8 @@ __device__ void build_target(const RowView &r, int seg, float temperature, u32 t
 // weight exceeds u, else the last id of positive weight; NO_ID when the weights sum to 0. `W` is a
 // functor double(int i, u32 bits, u32 &rk, u32 &rp) giving unnormalised weights >= 0. `total`
 // receives sum(w) (one scan gives both the total and each segment's prefix).
-template <typename W>
-__device__ u32 inverse_cdf(const RowView &r, int seg, const Target &t, double u, const W &w, Shared &s,
+template <class L, typename W>
+__device__ u32 inverse_cdf(const RowView<L> &r, int seg, const Target<L> &t, double u, const W &w, Shared &s,
                            double *total) {
     int begin = threadIdx.x * seg, end = min(begin + seg, r.vocab);
     double local = 0.0;
@@ -478,14 +513,14 @@ __device__ u32 inverse_cdf(const RowView &r, int seg, const Target &t, double u,
 }
 
 // p_i before the final normalisation by total2.
-struct KeptMass {
-    const Target *t;
+template <class L> struct KeptMass {
+    const Target<L> *t;
     __device__ double operator()(int, u32 bits, u32 &rk, u32 &rp) const { return t->kept_mass(bits, rk, rp); }
 };
 
 // max(p - q, 0), p = kept mass / total2; q one-hot on `draft` when `q` is null.
-struct Residual {
-    const Target *t;
+template <class L> struct Residual {
+    const Target<L> *t;
     const float *q;
     u32 draft;
     double inv_total2;
@@ -496,13 +531,13 @@ struct Residual {
     }
 };
 
-// One block per row: grid = rows, block = SAMPLE_THREADS. desc [rows, DESC_WORDS]; status
-// [rows, STATUS_WORDS]; top [rows, MAX_TOP_N, 2] (id, f32 bits of its log-probability), best first.
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
-    sample_rows(const u64 *desc, const u32 *mask, int vocab, u32 *status, u32 *top) {
+// The row of block blockIdx.x, logits of type L. desc [rows, DESC_WORDS]; status [rows, STATUS_WORDS];
+// top [rows, MAX_TOP_N, 2] (id, f32 bits of its log-probability), best first.
+template <class L> __device__ void sample_row(const u64 *desc, const u32 *mask, int vocab, u32 *status, u32 *top) {
     __shared__ Shared s;
     const u64 *d = desc + (long)blockIdx.x * DESC_WORDS;
-    RowView r = {(const u16 *)d[D_LOGITS], mask, vocab};
+    RowView<L> r = {(const typename L::Elem *)d[D_LOGITS], mask, vocab};
+    u32 *token_out = (u32 *)d[D_TOKEN_OUT];
     const float *q = (const float *)d[D_Q];
     float *probs_out = (float *)d[D_PROBS_OUT];
     u64 seed = d[D_SEED], position = d[D_POSITION], stream = d[D_STREAM];
@@ -521,7 +556,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     float bv = -__int_as_float(0x7f800000);
     u32 bi = NO_ID;
     for (int i = begin; i < end; i++) {
-        float v = value_of_bits(bits_at(r, i));
+        float v = L::value(bits_at(r, i));
         if (isnan(v) || v == __int_as_float(0x7f800000)) {
             atomicMin(&s.bad_id, (u32)i);
             break;
@@ -574,9 +609,9 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         if (probs_out)
             for (int i = begin; i < end; i++) probs_out[i] = (u32)i == argmax ? 1.0f : 0.0f;
     } else {
-        Target t;
+        Target<L> t;
         build_target(r, seg, temperature, top_k, top_p, max_v, s, t);
-        KeptMass kept = {&t};
+        KeptMass<L> kept = {&t};
         double u = uniform01(seed, position, stream);
         double total2;
         if (mode == MODE_VERIFY && draft != NO_ID) {
@@ -601,7 +636,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
                 accepted = 1;
                 token = draft;
             } else {
-                Residual res = {&t, q, draft, 1.0 / total2};
+                Residual<L> res = {&t, q, draft, 1.0 / total2};
                 double w_total;
                 token = inverse_cdf(r, seg, t, u, res, s, &w_total);
                 // Rounding can leave no residual mass although the draft was rejected: then p itself.
@@ -628,11 +663,11 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     if (top_n_plus1 > 0) {
         double maxd = (double)max_v;
         double local = 0.0;
-        for (int i = begin; i < end; i++) local += exp((double)value_of_bits(bits_at(r, i)) - maxd);
+        for (int i = begin; i < end; i++) local += exp((double)L::value(bits_at(r, i)) - maxd);
         double log_total = maxd + log(block_sum_f64(local, s));
-        if (token != NO_ID) lp_token = (float)((double)value_of_bits(bits_at(r, (int)token)) - log_total);
+        if (token != NO_ID) lp_token = (float)((double)L::value(bits_at(r, (int)token)) - log_total);
         if (draft != NO_ID && (int)draft < vocab)
-            lp_draft = (float)((double)value_of_bits(bits_at(r, (int)draft)) - log_total);
+            lp_draft = (float)((double)L::value(bits_at(r, (int)draft)) - log_total);
         u32 top_n = min(top_n_plus1 - 1, (u32)vocab);
         if (top_n > 0) {
             u32 key, greater;
@@ -643,7 +678,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
             if (threadIdx.x == 0) s.top_count = 0;
             __syncthreads();
             for (int i = begin; i < end; i++) {
-                u32 k = order_key(bits_at(r, i));
+                u32 k = order_key<L>(bits_at(r, i));
                 if (k >= key && best.take(k, run)) {
                     u32 slot = atomicAdd(&s.top_count, 1u);
                     if (slot < MAX_TOP_N) {
@@ -671,7 +706,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
                 for (u32 a = 0; a < n; a++) {
                     out[2 * a] = s.top_ids[a];
                     out[2 * a + 1] =
-                        __float_as_uint((float)((double)value_of_bits(bits_of_key(s.top_keys[a])) - log_total));
+                        __float_as_uint((float)((double)L::value(bits_of_key<L>(s.top_keys[a])) - log_total));
                 }
             }
         }
@@ -683,5 +718,18 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         st[3] = 0;
         st[4] = __float_as_uint(lp_token);
         st[5] = __float_as_uint(lp_draft);
+        if (token_out && token != NO_ID) *token_out = token;
     }
+}
+
+// One block per bf16 logits row: grid = rows, block = SAMPLE_THREADS.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_rows(const u64 *desc, const u32 *mask, int vocab, u32 *status, u32 *top) {
+    sample_row<Bf16Logits>(desc, mask, vocab, status, top);
+}
+
+// One block per f32 logits row: grid = rows, block = SAMPLE_THREADS.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_rows_f32(const u64 *desc, const u32 *mask, int vocab, u32 *status, u32 *top) {
+    sample_row<F32Logits>(desc, mask, vocab, status, top);
 }

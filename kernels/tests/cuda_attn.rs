@@ -2,11 +2,14 @@
 //! form and the device's recurrent form, and the split MLA attention over a context of thousands of
 //! tokens against the CPU. On a machine without a CUDA driver each test says plainly that it skipped.
 //!
+//! The MLA kernels also run one step over batches of 1, 8 and 64 rows with mixed cache lengths, at
+//! k3-tiny's and K3's MLA dims (96 heads, kv_lora 512): against the CPU, and row alone against batched.
+//!
 //! The KDA forms are also run at K3's dims (96 heads of 128) over a 2,048-token window, and both forms'
 //! device times are printed (not asserted: performance numbers go to BENCHMARKS.md).
 
 use sparkd_kernels::cpu::forward::CpuModel;
-use sparkd_kernels::cuda::attn_check::{kda_forms, mla_long_context};
+use sparkd_kernels::cuda::attn_check::{kda_forms, mla_batch, mla_long_context};
 use sparkd_kernels::cuda::device::driver_present;
 use sparkd_kernels::cuda::forward::DeviceModel;
 use sparkd_kernels::cuda::ops::Gpu;
@@ -69,4 +72,21 @@ fn split_mla_attention_over_a_long_context_matches_the_cpu() {
     for window in [1, 4] {
         assert_all_pass(&mla_long_context(&gpu, &dev, &cpu, 3000, window).unwrap());
     }
+}
+
+#[test]
+fn mla_over_mixed_batches_matches_the_cpu_and_is_batch_invariant() {
+    let Some(gpu) = gpu() else { return };
+    let mut checks = Vec::new();
+    for preset in ["k3-tiny", "k3-mini"] {
+        for batch in [1, 8, 64] {
+            let run = mla_batch(&gpu, preset, batch, 17 + batch as u64).unwrap();
+            eprintln!(
+                "MLA {preset}, {} rows / {} tokens: norms + append + attention {:.3} ms in {} launches",
+                run.rows, run.tokens, run.ms, run.launches
+            );
+            checks.extend(run.checks);
+        }
+    }
+    assert_all_pass(&checks);
 }

@@ -15,7 +15,7 @@ use rand_chacha::ChaCha8Rng;
 use sparkd_kernels::acceptance::{self, AcceptanceMode, SyntheticSchedule, VerifyWindow};
 use sparkd_kernels::cuda::device::driver_present;
 use sparkd_kernels::cuda::ops::Gpu;
-use sparkd_kernels::cuda::sample::{self, DeviceTokenMask, VerifyRow};
+use sparkd_kernels::cuda::sample::{self, DeviceDraw, DeviceTokenMask, DrawPlan, VerifyRow};
 use sparkd_kernels::dspark::model::{draft_uniform, DRAFT_STREAM};
 use sparkd_kernels::runner::{RowInput, SampleRequest, SamplingParams, TokenMask};
 use sparkd_kernels::sampling::{self, hash3, uniform, Distribution, RngStream};
@@ -247,6 +247,146 @@ fn draft_sampling_uses_the_drafter_stream() {
     tally.check("sample_rows(DRAFT_STREAM) vs the CPU drafter's draw");
 }
 
+/// `ROWS` f32 logits rows (the drafter's Markov logits are f32) of four shapes, most values not
+/// representable in bf16: full-precision noise; clusters of distinct values inside one bf16 step (so
+/// rounding to bf16 would change top-k, top-p and the probabilities); exact ties with -0, +0 and -inf;
+/// a few dominant ids.
+fn f32_logit_rows(seed: u64) -> Vec<f32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut out = Vec::with_capacity(ROWS * VOCAB);
+    for r in 0..ROWS {
+        let hot: Vec<usize> = (0..8).map(|_| rng.gen_range(0..VOCAB)).collect();
+        for id in 0..VOCAB {
+            let base: f32 = rng.gen_range(-3.0f32..3.0) + rng.gen_range(-3.0f32..3.0);
+            let v = match r % 4 {
+                0 => base,
+                1 => base.round() + rng.gen_range(0..64) as f32 * 1e-5,
+                2 => match id % 11 {
+                    0 => -0.0,
+                    1 => 0.0,
+                    3 => f32::NEG_INFINITY,
+                    _ => base.round(),
+                },
+                _ => base + if hot.contains(&id) { 14.0 + rng.gen_range(0.0f32..1e-3) } else { 0.0 },
+            };
+            out.push(v);
+        }
+    }
+    out
+}
+
+/// f32 rows drawn by `DrawPlan` (the drafter's path): the token written to device memory must be the
+/// CPU drafter's draw (`Distribution::from_logits` of the f32 row at `draft_uniform`), the written
+/// distribution the CPU's, with the same support, for every parameter set.
+#[test]
+fn f32_rows_draw_like_the_cpu_drafter() {
+    let Some(g) = gpu() else { return };
+    let rows = f32_logit_rows(12);
+    let dev = g.upload(&rows).unwrap();
+    let probs = g.zeros::<f32>(ROWS * VOCAB).unwrap(); // [ROWS, VOCAB]
+    let mut tally = Tally::default();
+    let (mut worst_rel, mut support_diff, mut compared) = (0.0f64, 0usize, 0usize);
+    for (ci, base) in param_grid().into_iter().enumerate() {
+        let params: Vec<SamplingParams> = (0..ROWS)
+            .map(|r| SamplingParams { seed: (ci * 1000 + r) as u64, logprobs: Some(2), ..base.clone() })
+            .collect();
+        let positions: Vec<u64> = (0..ROWS).map(|r| 100 + (r * 37 + ci) as u64).collect();
+        // [2, ROWS]: one token slot per row and group. Group 0 is never launched: its slots stay 0.
+        let tokens = g.zeros::<u32>(2 * ROWS).unwrap();
+        let group = |slot: usize| -> Vec<DeviceDraw<'_>> {
+            (0..ROWS)
+                .map(|r| DeviceDraw {
+                    logits: g.ptr(&dev) + (r * VOCAB * 4) as u64,
+                    probs_out: g.ptr(&probs) + (r * VOCAB * 4) as u64,
+                    token_out: g.ptr(&tokens) + ((slot * ROWS + r) * 4) as u64,
+                    params: &params[r],
+                    position: positions[r],
+                })
+                .collect()
+        };
+        let plan = DrawPlan::new(&g, VOCAB, &[group(0), group(1)], DRAFT_STREAM).unwrap();
+        plan.launch(&g, 1).unwrap();
+        plan.finish(&g).unwrap();
+        let slots = g.download(&tokens, 2 * ROWS).unwrap();
+        assert!(slots[..ROWS].iter().all(|t| *t == 0), "an unlaunched group wrote tokens");
+        let got = &slots[ROWS..];
+        let host_probs = g.download(&probs, ROWS * VOCAB).unwrap();
+        let cpu_rows = par_map(ROWS, |r| {
+            let logits = &rows[r * VOCAB..(r + 1) * VOCAB];
+            let d = Distribution::from_logits(logits, &params[r]).unwrap();
+            let u = draft_uniform(params[r].seed, positions[r]);
+            let cpu = d.sample_with(u);
+            let near = !params[r].is_greedy() && near_boundary(&d, u, got[r], cpu, CDF_EPS);
+            let (mut worst, mut diff) = (0.0f64, 0usize);
+            for (p_dev, p_cpu) in host_probs[r * VOCAB..(r + 1) * VOCAB].iter().zip(d.probs()) {
+                if (*p_dev > 0.0) != (*p_cpu > 0.0) {
+                    diff += 1;
+                } else if *p_cpu > 1e-30 {
+                    worst = worst.max((*p_dev as f64 - p_cpu).abs() / p_cpu);
+                }
+            }
+            (cpu, near, worst, diff)
+        });
+        for (r, (cpu, near, worst, diff)) in cpu_rows.into_iter().enumerate() {
+            tally.rows += 1;
+            if got[r] == cpu {
+                tally.identical += 1;
+            } else if near {
+                tally.near_boundary += 1;
+            } else {
+                tally.unexplained.push(format!("{base:?} row {r} (kind {}): device {}, cpu {cpu}", r % 4, got[r]));
+            }
+            if diff > 0 {
+                eprintln!("{base:?} row {r} (kind {}): {diff} ids in one support only", r % 4);
+            }
+            worst_rel = worst_rel.max(worst);
+            support_diff += diff;
+            compared += 1;
+        }
+    }
+    eprintln!(
+        "f32 draws: {compared} rows, worst relative error of q {worst_rel:.3e}, {support_diff} ids in one support only"
+    );
+    tally.check("DrawPlan (f32 rows) vs the CPU drafter's draw");
+    assert!(worst_rel < 1e-6, "f32 probabilities off by {worst_rel}");
+    assert_eq!(support_diff, 0, "the kept sets differ (f32 values keyed at bf16 precision?)");
+}
+
+/// A NaN or +inf f32 logit, or a row of only -inf, is an error of `finish`, naming the row.
+#[test]
+fn bad_f32_rows_are_errors() {
+    let Some(g) = gpu() else { return };
+    let params = SamplingParams { temperature: 1.0, top_p: 1.0, top_k: 0, seed: 1, logprobs: None };
+    let token = g.zeros::<u32>(1).unwrap();
+    let probs = g.zeros::<f32>(VOCAB).unwrap();
+    let mut nan = vec![0.5f32; VOCAB];
+    nan[70_000] = f32::NAN;
+    let mut inf = vec![0.5f32; VOCAB];
+    inf[9] = f32::INFINITY;
+    for (name, row, want) in [
+        ("NaN", nan, "NaN or +inf"),
+        ("+inf", inf, "NaN or +inf"),
+        ("all -inf", vec![f32::NEG_INFINITY; VOCAB], "all masked"),
+    ] {
+        let dev = g.upload(&row).unwrap();
+        let draw = DeviceDraw {
+            logits: g.ptr(&dev),
+            probs_out: g.ptr(&probs),
+            token_out: g.ptr(&token),
+            params: &params,
+            position: 3,
+        };
+        let plan = DrawPlan::new(&g, VOCAB, &[vec![draw]], DRAFT_STREAM).unwrap();
+        plan.launch(&g, 0).unwrap();
+        let err = plan.finish(&g).expect_err(name).to_string();
+        assert!(err.contains(want), "{name}: {err}");
+        assert!(plan.launch(&g, 1).is_err(), "a group that does not exist");
+    }
+    let bad = SamplingParams { temperature: -1.0, ..params };
+    let draw = DeviceDraw { logits: 0, probs_out: 0, token_out: 0, params: &bad, position: 0 };
+    assert!(DrawPlan::new(&g, VOCAB, &[vec![draw]], DRAFT_STREAM).is_err(), "bad parameters");
+}
+
 /// Why a device verdict may differ from the CPU's: the first differing position decides.
 #[allow(clippy::too_many_arguments)]
 fn explain(
@@ -446,7 +586,7 @@ fn bad_rows_and_parameters_are_errors() {
 }
 
 /// Not a benchmark of record: the sampling launch (descriptor upload, kernel, result download) per
-/// step at batch 1 and 64, for three parameter sets.
+/// step at batch 1 and 64, for four parameter sets; f32 draft draws; verify windows.
 #[test]
 fn sampling_step_time() {
     let Some(g) = gpu() else { return };
@@ -472,6 +612,38 @@ fn sampling_step_time() {
             }
             let us = t0.elapsed().as_secs_f64() * 1e6 / iters as f64;
             eprintln!("sampling step {name:>18} batch {batch:>2}: {us:8.1} us");
+        }
+    }
+    // f32 draws as the drafter issues them (plan upload, one launch, status download), batch 1 and 8.
+    let f32_rows = g.upload(&f32_logit_rows(11)[..8 * VOCAB]).unwrap();
+    let probs = g.zeros::<f32>(8 * VOCAB).unwrap();
+    let tokens = g.zeros::<u32>(8).unwrap();
+    for (name, p) in [
+        ("t1", SamplingParams { temperature: 1.0, top_p: 1.0, top_k: 0, seed: 1, logprobs: None }),
+        ("t0.7 p0.9", SamplingParams { temperature: 0.7, top_p: 0.9, top_k: 0, seed: 1, logprobs: None }),
+    ] {
+        for batch in [1usize, 8] {
+            let draws: Vec<DeviceDraw> = (0..batch)
+                .map(|r| DeviceDraw {
+                    logits: g.ptr(&f32_rows) + (r * VOCAB * 4) as u64,
+                    probs_out: g.ptr(&probs) + (r * VOCAB * 4) as u64,
+                    token_out: g.ptr(&tokens) + (r * 4) as u64,
+                    params: &p,
+                    position: r as u64,
+                })
+                .collect();
+            let run = || {
+                let plan = DrawPlan::new(&g, VOCAB, std::slice::from_ref(&draws), DRAFT_STREAM).unwrap();
+                plan.launch(&g, 0).unwrap();
+                plan.finish(&g).unwrap();
+            };
+            run();
+            let t0 = std::time::Instant::now();
+            for _ in 0..20 {
+                run();
+            }
+            let us = t0.elapsed().as_secs_f64() * 1e6 / 20.0;
+            eprintln!("f32 draft draw {name:>10} batch {batch}: {us:8.1} us");
         }
     }
     // Verify windows of 3 one-hot drafts (4 logits rows each): 1 window and 16 windows (64 rows).

@@ -37,11 +37,17 @@ const MLA_MAX_SPLITS: usize = 64;
 /// Rows of at most this many tokens are split over their cache (decode and verify windows); longer
 /// windows have enough tokens to fill the GPU with one split each.
 const MLA_SPLIT_MAX_WINDOW: usize = 16;
-/// `r <= MAX_CH * 128` in `mla_split`.
-const MLA_MAX_RANK: usize = 8 * 128;
-/// Tokens per block of `mla_absorb` and `mla_merge` (`ABSORB_TOKENS`, `MERGE_TOKENS` in `mla.cu`).
-const ABSORB_TOKENS: usize = 8;
-const MERGE_TOKENS: usize = 8;
+/// The largest kv_lora_rank of `mla_split` and `mla_out` (`MAX_CH * 128`, `OUT_MAX_RANK` in `mla.cu`).
+const MLA_MAX_RANK: usize = 512;
+/// The largest qk_nope_head_dim of `mla_absorb` (`ABSORB_SLICES * ABSORB_ROWS`), which must also be a
+/// multiple of `ABSORB_SLICES`.
+const MLA_MAX_NOPE: usize = 128;
+const ABSORB_SLICES: usize = 16;
+/// Columns of q_lat per block of `mla_absorb` (`ABSORB_COLS`), value channels per block of `mla_out`
+/// (`OUT_ROWS * OUT_WARPS`), and tokens per block of both (`BLOCK_TOKENS`).
+const ABSORB_COLS: usize = 64;
+const OUT_CHANNELS: usize = 16;
+const BLOCK_TOKENS: usize = 64;
 
 /// The default window length from which KDA runs its chunked form: never. Measured on an H200
 /// (2026-11-30, one row, 96 heads of 128) the CUDA-core chunked kernel is no faster than the recurrent
@@ -57,10 +63,10 @@ pub(crate) struct AttnKernels {
     /// `kda_step_{32,128}` and `kda_chunk_{32,128}`, by head dim ([`KDA_HEAD_DIMS`]).
     kda_step: [CudaFunction; 2],
     kda_chunk: [CudaFunction; 2],
-    mla_append: CudaFunction,
+    mla_norm_append: CudaFunction,
     mla_absorb: CudaFunction,
     mla_split: CudaFunction,
-    mla_merge: CudaFunction,
+    mla_out: CudaFunction,
 }
 
 /// The head dims the KDA kernels are instantiated for (k3-tiny and K3).
@@ -77,10 +83,10 @@ impl AttnKernels {
         Ok(AttnKernels {
             kda_step: by_dim("kda_step")?,
             kda_chunk: by_dim("kda_chunk")?,
-            mla_append: f(mla, "mla_append")?,
+            mla_norm_append: f(mla, "mla_norm_append")?,
             mla_absorb: f(mla, "mla_absorb")?,
             mla_split: f(mla, "mla_split")?,
-            mla_merge: f(mla, "mla_merge")?,
+            mla_out: f(mla, "mla_out")?,
         })
     }
 }
@@ -308,27 +314,45 @@ impl Gpu {
         Ok(())
     }
 
-    /// Writes the window's latent entries `[n, latent_dim]` into the rows' caches of MLA layer `layer`.
-    pub fn mla_append(&self, tables: &StepTables, layer: usize, latent: DPtr, ld: usize) -> Result<()> {
+    /// The q_a and kv_a RMSNorms of every token of the step and the append of its latent entry to its row's
+    /// cache of MLA layer `layer`, in one launch: `qa_n = q_a_norm(qa)` (`qa`, `qa_n` `[n, q_lora_rank]`), and
+    /// the entry `[kv_a_norm(kva[.., ..r]) | kva[.., r..]]` from `kva` `[n, latent_dim]` (left unchanged).
+    /// `q_norm` and `kv_norm` are each norm's bf16 weight and epsilon.
+    #[allow(clippy::too_many_arguments)]
+    pub fn mla_norm_append(
+        &self,
+        m: &crate::config::MlaConfig,
+        tables: &StepTables,
+        layer: usize,
+        qa: DPtr,
+        qa_n: DPtr,
+        kva: DPtr,
+        q_norm: (DPtr, f32),
+        kv_norm: (DPtr, f32),
+    ) -> Result<()> {
         if tables.rows == 0 {
             return Ok(());
         }
         let table = tables.mla + (layer * tables.rows * MLA_ENTRY * 8) as u64;
         let cfg = LaunchConfig {
             grid_dim: (tables.max_t as u32, tables.rows as u32, 1),
-            block_dim: (128, 1, 1),
+            block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let ld = ld as i32;
-        let mut b = self.stream.launch_builder(&self.attn.mla_append);
-        b.arg(&table).arg(&latent).arg(&ld);
-        // SAFETY: every cache was grown to hold its window when the table was built.
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("mla_append"))
+        let (q_rank, width, r) = (m.q_lora_rank as i32, m.latent_dim() as i32, m.kv_lora_rank as i32);
+        let mut b = self.stream.launch_builder(&self.attn.mla_norm_append);
+        b.arg(&table).arg(&qa).arg(&qa_n).arg(&q_norm.0).arg(&q_rank).arg(&q_norm.1);
+        b.arg(&kva).arg(&kv_norm.0).arg(&width).arg(&r).arg(&kv_norm.1);
+        // SAFETY: every cache was grown to hold its window when the table was built; qa, qa_n and kva hold
+        // the step's n tokens (callers' contract).
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("mla_norm_append"))
     }
 
     /// Absorbed MLA attention of every token of the step over its row's cache of layer `layer`:
-    /// `q` `[n, H * (nope + rope)]`, `kv_b` `[H * (nope + v), r]`, `out` `[n, H * v]`. Three launches: the
-    /// absorbed queries, the split attention, the merge with `W_UV`.
+    /// `q` `[n, H * (nope + rope)]`, `kv_b` `[H * (nope + v), r]`, `out` `[n, H * v]`; with `gate`
+    /// (`[n, H * v]` logits) `out = bf(o * bf(sigmoid(gate)))`, else the values `o` themselves. Three
+    /// launches: the absorbed queries, the split attention, the merge with `W_UV` and the gate.
+    #[allow(clippy::too_many_arguments)]
     pub fn mla_attention(
         &self,
         m: &crate::config::MlaConfig,
@@ -336,30 +360,42 @@ impl Gpu {
         layer: usize,
         q: DPtr,
         kv_b: DPtr,
+        gate: Option<DPtr>,
         out: DPtr,
     ) -> Result<()> {
         let (h, r, nope, rope, vdim) =
             (m.num_heads, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim);
-        if r > MLA_MAX_RANK {
-            return Err(KernelError::InvalidInput(format!("MLA kv_lora_rank {r} > {MLA_MAX_RANK} is not supported")));
+        if r > MLA_MAX_RANK || r % 8 != 0 {
+            return Err(KernelError::InvalidInput(format!(
+                "MLA kv_lora_rank {r} is not supported on CUDA (a multiple of 8, at most {MLA_MAX_RANK})"
+            )));
+        }
+        if nope > MLA_MAX_NOPE || nope % ABSORB_SLICES != 0 {
+            return Err(KernelError::InvalidInput(format!(
+                "MLA qk_nope_head_dim {nope} is not supported on CUDA (a multiple of {ABSORB_SLICES}, at most \
+                 {MLA_MAX_NOPE})"
+            )));
         }
         let n = tables.n;
         if n == 0 {
             return Ok(());
         }
-        let q_lat = self.zeros::<f32>(n * h * r)?; // [n, H, r]
+        // Every element of these is written before it is read: q_lat by mla_absorb (all tokens, heads and
+        // columns), the partials by mla_split (every split of every token and head, empty ones included).
+        let q_lat = self.uninit::<f32>(n * h * r)?; // [n, H, r]
         let splits = tables.mla_splits;
-        let part_o = self.zeros::<f32>(n * h * splits * r)?; // [n, H, splits, r]
-        let part_m = self.zeros::<f32>(n * h * splits)?;
-        let part_l = self.zeros::<f32>(n * h * splits)?;
+        let part_o = self.uninit::<f32>(n * h * splits * r)?; // [n, H, splits, r]
+        let part_m = self.uninit::<f32>(n * h * splits)?; // [n, H, splits]
+        let part_l = self.uninit::<f32>(n * h * splits)?; // [n, H, splits]
         let (q_lat, part_o, part_m, part_l) =
             (self.ptr(&q_lat), self.ptr(&part_o), self.ptr(&part_m), self.ptr(&part_l));
         let ints = |xs: &[usize]| xs.iter().map(|x| *x as i32).collect::<Vec<i32>>();
+        let token_blocks = n.div_ceil(BLOCK_TOKENS) as u32;
 
         let cfg = LaunchConfig {
-            grid_dim: (h as u32, n.div_ceil(ABSORB_TOKENS) as u32, 1),
+            grid_dim: (h as u32, r.div_ceil(ABSORB_COLS) as u32, token_blocks),
             block_dim: (128, 1, 1),
-            shared_mem_bytes: (ABSORB_TOKENS * nope * 4) as u32,
+            shared_mem_bytes: 0,
         };
         let a = ints(&[n, h, nope, rope, vdim, r]);
         let mut b = self.stream.launch_builder(&self.attn.mla_absorb);
@@ -367,7 +403,7 @@ impl Gpu {
         for x in &a {
             b.arg(x);
         }
-        // SAFETY: shapes as documented; q_lat holds [n, H, r].
+        // SAFETY: shapes as documented; q_lat holds [n, H, r]; r % 8 == 0 keeps the 16-byte weight loads aligned.
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("mla_absorb"))?;
 
         let table = tables.mla + (layer * tables.rows * MLA_ENTRY * 8) as u64;
@@ -388,18 +424,19 @@ impl Gpu {
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("mla_split"))?;
 
         let cfg = LaunchConfig {
-            grid_dim: (h as u32, n.div_ceil(MERGE_TOKENS) as u32, 1),
+            grid_dim: (h as u32, vdim.div_ceil(OUT_CHANNELS) as u32, token_blocks),
             block_dim: (128, 1, 1),
-            shared_mem_bytes: (MERGE_TOKENS * r * 4) as u32,
+            shared_mem_bytes: 0,
         };
+        let gate: DPtr = gate.unwrap_or(0);
         let a = ints(&[n, splits, h, nope, vdim, r]);
-        let mut b = self.stream.launch_builder(&self.attn.mla_merge);
-        b.arg(&part_o).arg(&part_m).arg(&part_l).arg(&kv_b).arg(&out);
+        let mut b = self.stream.launch_builder(&self.attn.mla_out);
+        b.arg(&part_o).arg(&part_m).arg(&part_l).arg(&kv_b).arg(&gate).arg(&out);
         for x in &a {
             b.arg(x);
         }
-        // SAFETY: as above; out holds [n, H * v].
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("mla_merge"))
+        // SAFETY: as above; gate (when non-null) and out hold [n, H * v].
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("mla_out"))
     }
 }
 

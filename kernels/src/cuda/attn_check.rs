@@ -12,7 +12,8 @@ use rand::{Rng, SeedableRng};
 use crate::config::ModelConfig;
 use crate::cpu::forward::CpuModel;
 use crate::cpu::kda::{kda_window, KdaInputs};
-use crate::cpu::ops::Linear;
+use crate::cpu::mla::mla_window;
+use crate::cpu::ops::{Linear, RmsNorm};
 use crate::cpu::weights::{KdaWeights, MixerWeights};
 use crate::cuda::attn::{KdaArgs, StepBuffer, StepTables};
 use crate::cuda::forward::{DeviceModel, DeviceRow, DeviceState};
@@ -224,4 +225,155 @@ pub fn mla_long_context(
         pass: max_abs == 0.0,
     });
     Ok(checks)
+}
+
+/// The MLA kernels of one step over a batch of rows with mixed cache lengths, at a preset's MLA dims.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct MlaBatch {
+    pub rows: usize,
+    pub tokens: usize,
+    /// Device time and launches of `mla_norm_append` + `mla_attention` for the whole batch (second run).
+    pub ms: f64,
+    pub launches: u64,
+    pub checks: Vec<OpCheck>,
+}
+
+/// Relative L2 bound of the MLA attention against the CPU on identical bf16 inputs: q_lat and o_lat are
+/// rounded to bf16 on both sides after fp32 sums in different orders, so a rounding flip there enters the
+/// scores and the values (a few ulps of bf16 spread over the output).
+const TOL_MLA: f64 = 1e-2;
+
+/// One step of MLA layer 0's kernels at `preset`'s MLA dims over `batch` rows, row `i` holding a random
+/// cache of 0..300 entries and a window of 1 token (4 for every fourth row, as a verify window): the fused
+/// input norms and cache append, then the gated attention. Checks the q_a norm, the gated attention
+/// outputs against the CPU reference (`cpu::mla::mla_window`, the gate as `cpu_mla` applies it) on the same
+/// inputs, and that the first and the last row run alone give the batched result bit for bit.
+pub fn mla_batch(gpu: &Gpu, preset: &str, batch: usize, seed: u64) -> Result<MlaBatch> {
+    let mut cfg = ModelConfig::preset(preset)?;
+    // Only the first MLA layer: the states hold nothing else.
+    let first_mla =
+        cfg.mla_layers().first().copied().ok_or_else(|| KernelError::InvalidInput("no MLA layer".into()))?;
+    cfg.layers = vec![cfg.layers[first_mla]];
+    let m = cfg.mla.clone();
+    let (heads, r, vdim, ld, q_rank) = (m.num_heads, m.kv_lora_rank, m.v_head_dim, m.latent_dim(), m.q_lora_rank);
+    let (qw, vw) = (heads * m.q_head_dim(), heads * vdim);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let kv_b = Linear::new(
+        heads * (m.qk_nope_head_dim + vdim),
+        r,
+        random_bf16(&mut rng, heads * (m.qk_nope_head_dim + vdim) * r, 0.1),
+    );
+    let q_norm = RmsNorm { w: random_bf16(&mut rng, q_rank, 1.0), eps: cfg.rms_norm_eps };
+    let kv_norm = RmsNorm { w: random_bf16(&mut rng, r, 1.0), eps: cfg.rms_norm_eps };
+    let lens: Vec<(usize, usize)> =
+        (0..batch).map(|i| (rng.gen_range(0..300), if i % 4 == 3 { 4 } else { 1 })).collect();
+    let mut offsets = vec![0];
+    for (_, t) in &lens {
+        offsets.push(offsets[offsets.len() - 1] + t);
+    }
+    let n = offsets[batch];
+    let hosts: Vec<SeqState<f32>> = lens
+        .iter()
+        .map(|(first, _)| {
+            let mut s = SeqState::<f32>::new(&cfg);
+            for _ in 0..*first {
+                s.mla[0].push(&random_bf16(&mut rng, ld, 1.0));
+            }
+            s.len = *first;
+            s
+        })
+        .collect();
+    let qa = random_bf16(&mut rng, n * q_rank, 2.0); // [n, q_lora_rank]
+    let kva = random_bf16(&mut rng, n * ld, 2.0); // [n, r + rope], c part before its norm
+    let q = random_bf16(&mut rng, n * qw, 1.0); // [n, H * (nope + rope)]
+    let gate = random_bf16(&mut rng, n * vw, 4.0); // [n, H * v]
+    let (kv_b_dev, q_norm_w, kv_norm_w) = (up(gpu, &kv_b.w)?, up(gpu, &q_norm.w)?, up(gpu, &kv_norm.w)?);
+    let buffer = StepBuffer::default();
+
+    // Runs rows `which` (their tokens only) as one step; returns qa_n and the gated outputs, token-major.
+    let run = |states: &mut [DeviceState], which: &[usize], profile: bool| -> Result<(Vec<f32>, Vec<f32>, f64, u64)> {
+        let tokens: Vec<Vec<TokenId>> = which.iter().map(|&i| vec![0 as TokenId; lens[i].1]).collect();
+        let (mut sub_qa, mut sub_kva, mut sub_q, mut sub_gate, mut sub_off) = (vec![], vec![], vec![], vec![], vec![0]);
+        for &i in which {
+            let (a, b) = (offsets[i], offsets[i + 1]);
+            sub_qa.extend_from_slice(&qa[a * q_rank..b * q_rank]);
+            sub_kva.extend_from_slice(&kva[a * ld..b * ld]);
+            sub_q.extend_from_slice(&q[a * qw..b * qw]);
+            sub_gate.extend_from_slice(&gate[a * vw..b * vw]);
+            sub_off.push(sub_off[sub_off.len() - 1] + b - a);
+        }
+        let sn = sub_off[which.len()];
+        let (qa_d, kva_d, q_d, gate_d) = (up(gpu, &sub_qa)?, up(gpu, &sub_kva)?, up(gpu, &sub_q)?, up(gpu, &sub_gate)?);
+        let qa_n = gpu.zeros::<bf16>(sn * q_rank)?;
+        let out = gpu.zeros::<bf16>(sn * vw)?;
+        let mut picked: Vec<&mut DeviceState> = Vec::new();
+        for (i, s) in states.iter_mut().enumerate() {
+            if which.contains(&i) {
+                picked.push(s);
+            }
+        }
+        let mut rows: Vec<DeviceRow<'_>> = picked
+            .into_iter()
+            .zip(&tokens)
+            .map(|(state, t)| DeviceRow { state, tokens: t, logits_from: t.len(), snapshots_from: None })
+            .collect();
+        let tables = StepTables::build(gpu, &cfg, &buffer, &mut rows, &sub_off, usize::MAX)?;
+        gpu.synchronize()?;
+        if profile {
+            gpu.start_profile();
+        }
+        gpu.mark("mla")?;
+        let norms = ((gpu.ptr(&q_norm_w), q_norm.eps), (gpu.ptr(&kv_norm_w), kv_norm.eps));
+        gpu.mla_norm_append(&m, &tables, 0, gpu.ptr(&qa_d), gpu.ptr(&qa_n), gpu.ptr(&kva_d), norms.0, norms.1)?;
+        gpu.mla_attention(&m, &tables, 0, gpu.ptr(&q_d), gpu.ptr(&kv_b_dev), Some(gpu.ptr(&gate_d)), gpu.ptr(&out))?;
+        gpu.mark("end")?;
+        let span = if profile { gpu.finish_profile()?.first().map(|s| (s.ms, s.launches)) } else { None };
+        let (ms, launches) = span.unwrap_or((0.0, 0));
+        Ok((down(gpu, &qa_n, sn * q_rank)?, down(gpu, &out, sn * vw)?, ms, launches))
+    };
+    let mut states = hosts.iter().map(|h| DeviceState::import(gpu, &cfg, h)).collect::<Result<Vec<_>>>()?;
+    let all: Vec<usize> = (0..batch).collect();
+    // The lengths stay as imported, so every run appends the same entries at the same places.
+    run(&mut states, &all, false)?;
+    let (qa_n, got, ms, launches) = run(&mut states, &all, true)?;
+
+    // The CPU over the same inputs, row by row.
+    let mut want = Vec::with_capacity(n * vw);
+    for (i, host) in hosts.iter().enumerate() {
+        let (a, b) = (offsets[i], offsets[i + 1]);
+        let mut latent = kva[a * ld..b * ld].to_vec();
+        for e in latent.chunks_exact_mut(ld) {
+            let c = kv_norm.forward(&e[..r]);
+            e[..r].copy_from_slice(&c);
+        }
+        let mut cache = host.mla[0].clone();
+        let o = mla_window(&m, &kv_b, &mut cache, &q[a * qw..b * qw], &latent);
+        want.extend(
+            o.iter()
+                .zip(&gate[a * vw..b * vw])
+                .map(|(ov, gv)| crate::tensor::round_bf16(ov * crate::tensor::round_bf16(1.0 / (1.0 + (-gv).exp())))),
+        );
+    }
+    let mut checks = vec![
+        compare(
+            &format!("{preset} mla q_a norm (fused with the append), batch {batch}"),
+            &qa_n,
+            &q_norm.forward(&qa),
+            TOL_BF16_OUT,
+        ),
+        compare(&format!("{preset} mla gated attention, batch {batch}, caches 0..300 (vs CPU)"), &got, &want, TOL_MLA),
+    ];
+    for i in [0, batch - 1] {
+        let (_, alone, _, _) = run(&mut states, &[i], false)?;
+        let batched = &got[offsets[i] * vw..offsets[i + 1] * vw];
+        let max_abs = batched.iter().zip(&alone).map(|(x, y)| (x - y).abs() as f64).fold(0.0, f64::max);
+        checks.push(OpCheck {
+            op: format!("{preset} mla batch {batch}: row {i} batched equals row {i} alone (max |Δ|)"),
+            rel_l2: max_abs,
+            max_abs,
+            tolerance: 0.0,
+            pass: max_abs == 0.0 && alone.len() == batched.len(),
+        });
+    }
+    Ok(MlaBatch { rows: batch, tokens: n, ms, launches, checks })
 }

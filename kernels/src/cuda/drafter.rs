@@ -17,12 +17,12 @@
 //! - A context's entries cover positions `start..len()` for every draft layer alike; a block forward
 //!   writes its block's latents past `len()` as scratch and never changes `len()`.
 //! - Ids the runner's token mask forbids get logit `-inf` in every `logits_k`, as on the CPU.
-//! - Sampled drafts (temperature > 0) copy each step's fp32 logits row to the host, sample it with the
-//!   CPU code (`sampling::Distribution`, the draft stream `dspark::model::draft_uniform`) and upload
-//!   the processed distribution as that draft's `q` (f32 probabilities, the layout
-//!   `cuda::sample::verify_rows` reads). `cuda::sample` reads bf16 logits, and rounding the fp32 Markov
-//!   logits to bf16 would change the distribution the CPU drafter defines; greedy drafts never leave
-//!   the device until the end.
+//! - Sampled drafts (temperature > 0) are drawn on the device from each step's fp32 logits row, never
+//!   rounded to bf16 (`cuda::sample::DrawPlan`: `sampling::Distribution::from_logits`, the draft stream
+//!   of `dspark::model::draft_uniform`); the draw writes the token where the next Markov step reads it
+//!   and the processed distribution as that draft's `q` (f32 probabilities, the layout
+//!   `cuda::sample::verify_rows` reads). No logits row leaves the device: only the block's tokens,
+//!   confidences and the draws' status words come back, at the end.
 //! - All work runs on the runner's one stream (see `cuda::ops`).
 
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
@@ -34,10 +34,10 @@ use crate::cuda::compile::{Compiler, SOURCES};
 use crate::cuda::device::device_err;
 use crate::cuda::forward::{reserve, DeviceMla, DeviceModel};
 use crate::cuda::ops::{DPtr, Gpu, NULL};
-use crate::cuda::sample::DeviceTokenMask;
+use crate::cuda::sample::{DeviceDraw, DeviceTokenMask, DrawPlan};
 use crate::cuda::weights::{DevLinear, DevMlp, DevNorm};
 use crate::dspark::config::{DrafterConfig, MAX_BLOCK};
-use crate::dspark::model::draft_uniform;
+use crate::dspark::model::DRAFT_STREAM;
 use crate::dspark::schema::{
     draft_layer_name, drafter_tensors, CONFIDENCE_BIAS, CONFIDENCE_WEIGHT, CONTEXT_NORM, CONTEXT_PROJ, FINAL_NORM,
     MARKOV_W1, MARKOV_W2,
@@ -45,7 +45,6 @@ use crate::dspark::schema::{
 use crate::dspark::DrafterState;
 use crate::error::{KernelError, Result};
 use crate::runner::{SamplingParams, TokenId};
-use crate::sampling::Distribution;
 use crate::tensor::{DType, TensorSpec, WeightSource};
 
 /// The kernels of `kernels/cuda/drafter.cu`.
@@ -403,7 +402,7 @@ impl DeviceDrafter {
     }
 
     /// One batched block forward and Markov loop for every row (greedy rows by device argmax, sampled
-    /// rows on the host, see the module invariants). Row contexts are not changed (their scratch is).
+    /// rows by device draws, see the module invariants). Row contexts are not changed (their scratch is).
     pub fn draft(
         &self,
         gpu: &Gpu,
@@ -549,6 +548,27 @@ impl DeviceDrafter {
         };
         let argmax_cfg =
             LaunchConfig { grid_dim: (rows.len() as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        // Group k: the sampled rows' draws of draft k, after the argmax of step k (which they overwrite).
+        let q_ptr = gpu.ptr(&q);
+        let draws: Vec<Vec<DeviceDraw<'_>>> = (0..stride - 1)
+            .map(|k| {
+                rows.iter()
+                    .enumerate()
+                    .filter(|(_, row)| !row.params.is_greedy() && k < row.num_drafts)
+                    .map(|(i, row)| {
+                        let at = ((first[i] + k) * vocab * 4) as u64; // byte offset of row [first + k, V] f32
+                        DeviceDraw {
+                            logits: logits_ptr + at,
+                            probs_out: q_ptr + at,
+                            token_out: tok_ptr + ((i * stride + k + 1) * 4) as u64,
+                            params: row.params,
+                            position: (row.context.len() + 1 + k) as u64,
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        let plan = DrawPlan::new(gpu, vocab, &draws, DRAFT_STREAM)?;
         for k in 0..stride - 1 {
             let k_ = k as i32;
             let mut b = gpu.stream.launch_builder(&self.kernels.markov_step);
@@ -560,22 +580,9 @@ impl DeviceDrafter {
             let mut b = gpu.stream.launch_builder(&self.kernels.argmax_step);
             b.arg(&k_).arg(&logits_ptr).arg(&base_ptr).arg(&count_ptr).arg(&tok_ptr).arg(&stride_).arg(&v_);
             unsafe { b.launch(argmax_cfg) }.map(|_| gpu.count_launch()).map_err(Self::launch_err("argmax_step"))?;
-            for (i, row) in rows.iter().enumerate() {
-                if row.params.is_greedy() || k >= row.num_drafts {
-                    continue;
-                }
-                let at = (first[i] + k) * vocab;
-                let mut host = vec![0f32; vocab];
-                let view = logits.slice(at..at + vocab);
-                gpu.stream.memcpy_dtoh(&view, &mut host).map_err(|e| device_err("draft logits copy", e))?;
-                let position = (row.context.len() + 1 + k) as u64;
-                let dist = Distribution::from_logits(&host, row.params)?;
-                let token = dist.sample_with(draft_uniform(row.params.seed, position));
-                gpu.upload_bytes_at(tok_ptr + ((i * stride + k + 1) * 4) as u64, &token.to_le_bytes())?;
-                let probs: Vec<u8> = dist.probs().iter().flat_map(|p| (*p as f32).to_le_bytes()).collect();
-                gpu.upload_bytes_at(gpu.ptr(&q) + (at * 4) as u64, &probs)?;
-            }
+            plan.launch(gpu, k)?;
         }
+        plan.finish(gpu)?;
         let all_tokens = gpu.download(&draft_tokens, rows.len() * stride)?;
         let all_conf = gpu.download(&conf, n)?;
         let tokens = rows

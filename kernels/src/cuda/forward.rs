@@ -22,13 +22,17 @@ use half::bf16;
 use crate::config::ModelConfig;
 use crate::cpu::moe::Routing;
 use crate::cuda::attn::{KdaArgs, StepBuffer, StepTables, KDA_CHUNKED_MIN_TOKENS};
-use crate::cuda::ops::{moe_group_len, DPtr, Gpu, NULL};
+use crate::cuda::ops::{moe_group_len, DPtr, ExpertCores, Gpu, NULL};
 use crate::cuda::weights::{
     DevFfn, DevKda, DevLinear, DevMerged, DevMixer, DevMla, DevMlp, DevMoe, DevNorm, DevWeights,
 };
 use crate::error::{KernelError, Result};
 use crate::runner::TokenId;
 use crate::state::{KdaState, MlaCache, SeqState};
+
+/// The units that run the routed experts, the same for every batch size (the two paths sum in different
+/// orders, and a token's result may not depend on the batch).
+const ROUTED_EXPERT_CORES: ExpertCores = ExpertCores::Tensor;
 
 /// Profile span labels ([`Gpu::mark`]): a layer's mixer (its AttnRes read and input norm included),
 /// its FFN (AttnRes read and post norm included), and the final read, norm and lm_head.
@@ -508,25 +512,24 @@ impl DeviceModel {
         self.linear(gpu, &w.o_proj, gpu.ptr(&o), n)
     }
 
-    /// An MLA layer over every row of the step: the projections, the latent cache append, the batched
-    /// split attention (see `cuda::attn`), the output gate and `o_proj`.
+    /// An MLA layer over every row of the step in 7 launches: the merged input projection, both input norms
+    /// with the latent cache append, `q_b_proj`, the batched split attention with the output gate (three, see
+    /// `cuda::attn`) and `o_proj`.
     pub fn mla(&self, gpu: &Gpu, w: &DevMla, hn: DPtr, tables: &StepTables, layer: usize) -> Result<CudaSlice<bf16>> {
         let m = &self.cfg.mla;
         let n = tables.tokens();
-        let (r, ld, vw) = (m.kv_lora_rank, m.latent_dim(), m.num_heads * m.v_head_dim);
+        let vw = m.num_heads * m.v_head_dim;
         // One GEMM for q_a [n, q_lora_rank], kv_a [n, r + rope] and the gate g [n, H * v] (weights::MLA_IN_PARTS).
         let (_proj, parts) = self.linear_parts(gpu, &w.in_proj, hn, n)?;
         let (qa, kva, gate) = (parts[0], parts[1], parts[2]);
-        let qa_n = gpu.zeros::<bf16>(n * m.q_lora_rank)?;
-        self.norm_rows(gpu, &w.q_a_norm, qa, gpu.ptr(&qa_n), n, m.q_lora_rank)?;
+        // Both input norms and the cache append (the normalised c part, the raw k_rot) in one launch.
+        let qa_n = gpu.uninit::<bf16>(n * m.q_lora_rank)?; // [n, q_lora_rank], every token written
+        let norms = ((gpu.ptr(&w.q_a_norm.w), w.q_a_norm.eps), (gpu.ptr(&w.kv_a_norm.w), w.kv_a_norm.eps));
+        gpu.mla_norm_append(m, tables, layer, qa, gpu.ptr(&qa_n), kva, norms.0, norms.1)?;
         let q = self.linear(gpu, &w.q_b_proj, gpu.ptr(&qa_n), n)?;
-        // Normalise the c part of kv_a in place.
-        gpu.rms_norm(kva, ld, gpu.ptr(&w.kv_a_norm.w), kva, ld, n, r, w.kv_a_norm.eps)?;
-        gpu.mla_append(tables, layer, kva, ld)?;
-        let o = gpu.zeros::<bf16>(n * vw)?; // [n, H * v]
-        gpu.mla_attention(m, tables, layer, gpu.ptr(&q), gpu.ptr(&w.kv_b_proj.w), gpu.ptr(&o))?;
-        let gated = gpu.zeros::<bf16>(n * vw)?;
-        gpu.sigmoid_gate(gpu.ptr(&o), gate, gpu.ptr(&gated), n * vw)?;
+        let gated = gpu.uninit::<bf16>(n * vw)?; // [n, H * v], every token written by mla_out
+        let kv_b = gpu.ptr(&w.kv_b_proj.w);
+        gpu.mla_attention(m, tables, layer, gpu.ptr(&q), kv_b, Some(gate), gpu.ptr(&gated))?;
         self.linear(gpu, &w.o_proj, gpu.ptr(&gated), n)
     }
 
@@ -591,9 +594,21 @@ impl DeviceModel {
             inter,
             self.cfg.situ_beta,
             self.cfg.situ_linear_beta,
+            ROUTED_EXPERT_CORES,
         )?;
         let expert_out = gpu.uninit::<bf16>(n * k * latent)?; // [n k, latent]
-        gpu.moe_down(gpu.ptr(&act), pair(&w.w2), grouping, gpu.ptr(&expert_out), n, k, e, latent, inter)?;
+        gpu.moe_down(
+            gpu.ptr(&act),
+            pair(&w.w2),
+            grouping,
+            gpu.ptr(&expert_out),
+            n,
+            k,
+            e,
+            latent,
+            inter,
+            ROUTED_EXPERT_CORES,
+        )?;
         let normed = gpu.uninit::<bf16>(n * latent)?; // [n, latent]
         gpu.moe_combine_norm(
             gpu.ptr(&expert_out),

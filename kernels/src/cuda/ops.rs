@@ -52,17 +52,19 @@ struct Kernels {
     attn_res_norm: CudaFunction,
     add_in_place: CudaFunction,
     situ: CudaFunction,
-    sigmoid_gate: CudaFunction,
     gather_rows: CudaFunction,
     /// `skinny_gemm_t{1,2,4,8}`: token chunks of up to 8, 16, 32, 64 tokens.
     skinny_gemm: [CudaFunction; 4],
     moe_router_logits: CudaFunction,
     moe_route: CudaFunction,
     moe_group: CudaFunction,
-    moe_gate_up: CudaFunction,
-    moe_down: CudaFunction,
+    /// `moe_gate_up` and `moe_gate_up_mma`, indexed by [`ExpertCores`].
+    moe_gate_up: [CudaFunction; 2],
+    /// `moe_down` and `moe_down_mma`, indexed by [`ExpertCores`].
+    moe_down: [CudaFunction; 2],
     moe_combine_norm: CudaFunction,
     sample_rows: CudaFunction,
+    sample_rows_f32: CudaFunction,
     rng_hash3: CudaFunction,
 }
 
@@ -171,15 +173,15 @@ impl Gpu {
             attn_res_norm: f("common.cu", "attn_res_norm")?,
             add_in_place: f("common.cu", "add_in_place")?,
             situ: f("common.cu", "situ")?,
-            sigmoid_gate: f("common.cu", "sigmoid_gate")?,
             gather_rows: f("common.cu", "gather_rows")?,
             moe_router_logits: f("moe.cu", "moe_router_logits")?,
             moe_route: f("moe.cu", "moe_route")?,
             moe_group: f("moe.cu", "moe_group")?,
-            moe_gate_up: f("moe.cu", "moe_gate_up")?,
-            moe_down: f("moe.cu", "moe_down")?,
+            moe_gate_up: [f("moe.cu", "moe_gate_up")?, f("moe.cu", "moe_gate_up_mma")?],
+            moe_down: [f("moe.cu", "moe_down")?, f("moe.cu", "moe_down_mma")?],
             moe_combine_norm: f("moe.cu", "moe_combine_norm")?,
             sample_rows: f("sample.cu", "sample_rows")?,
+            sample_rows_f32: f("sample.cu", "sample_rows_f32")?,
             rng_hash3: f("sample.cu", "rng_hash3")?,
             skinny_gemm: [
                 f("gemm.cu", "skinny_gemm_t1")?,
@@ -452,13 +454,6 @@ impl Gpu {
         unsafe { b.launch(grid_1d(len, 256)) }.map(|_| self.count_launch()).map_err(launch_err("situ"))
     }
 
-    pub fn sigmoid_gate(&self, o: DPtr, g: DPtr, out: DPtr, len: usize) -> Result<()> {
-        let n = len as i64;
-        let mut b = self.stream.launch_builder(&self.k.sigmoid_gate);
-        b.arg(&o).arg(&g).arg(&out).arg(&n);
-        unsafe { b.launch(grid_1d(len, 256)) }.map(|_| self.count_launch()).map_err(launch_err("sigmoid_gate"))
-    }
-
     /// `out[s, j] = src[s, rows[j]]` for `slots` slots of rows of `d`.
     #[allow(clippy::too_many_arguments)]
     pub fn gather_rows(
@@ -496,6 +491,23 @@ impl Gpu {
         let mut b = self.stream.launch_builder(&self.k.sample_rows);
         b.arg(&desc).arg(&mask).arg(&v).arg(&status).arg(&top);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("sample_rows"))
+    }
+
+    /// [`Gpu::sample_rows`] over f32 logits rows (the descriptors' logits are `const float *`).
+    pub fn sample_rows_f32(
+        &self,
+        desc: DPtr,
+        mask: DPtr,
+        vocab: usize,
+        rows: usize,
+        status: DPtr,
+        top: DPtr,
+    ) -> Result<()> {
+        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        let v = vocab as i32;
+        let mut b = self.stream.launch_builder(&self.k.sample_rows_f32);
+        b.arg(&desc).arg(&mask).arg(&v).arg(&status).arg(&top);
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("sample_rows_f32"))
     }
 
     /// `out[i] = hash3(seeds[i], positions[i], streams[i])` (u64) on the device, for `n` triples.
@@ -693,7 +705,8 @@ impl Gpu {
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_group"))
     }
 
-    /// Gate/up + SiTU per active expert over its grouped pairs: `a` `[n k, inter]` (row `t * k + j`).
+    /// Gate/up + SiTU per active expert over its grouped pairs: `a` `[n k, inter]` (row `t * k + j`), on the
+    /// CUDA cores or the tensor cores (`cores`; the two round differently, so one forward uses one of them).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_gate_up(
         &self,
@@ -709,21 +722,19 @@ impl Gpu {
         inter: usize,
         beta: f32,
         lbeta: f32,
+        cores: ExpertCores,
     ) -> Result<()> {
         check_expert_width("latent", latent)?;
-        let cfg = LaunchConfig {
-            grid_dim: (active_slots(n, k, experts), inter.div_ceil(8) as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = cores.launch(n, k, experts, inter);
         let (k, e, dl, di) = (k as i32, experts as i32, latent as i32, inter as i32);
-        let mut b = self.stream.launch_builder(&self.k.moe_gate_up);
+        let mut b = self.stream.launch_builder(&self.k.moe_gate_up[cores as usize]);
         b.arg(&z).arg(&w1.0).arg(&w1.1).arg(&w3.0).arg(&w3.1).arg(&grouping.0).arg(&grouping.1).arg(&a);
         b.arg(&k).arg(&e).arg(&dl).arg(&di).arg(&beta).arg(&lbeta);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_gate_up"))
     }
 
-    /// Down projection per active expert over its grouped pairs: `y` `[n k, latent]` (row `t * k + j`).
+    /// Down projection per active expert over its grouped pairs: `y` `[n k, latent]` (row `t * k + j`), on the
+    /// CUDA cores or the tensor cores (`cores`).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_down(
         &self,
@@ -736,15 +747,12 @@ impl Gpu {
         experts: usize,
         latent: usize,
         inter: usize,
+        cores: ExpertCores,
     ) -> Result<()> {
         check_expert_width("expert", inter)?;
-        let cfg = LaunchConfig {
-            grid_dim: (active_slots(n, k, experts), latent.div_ceil(8) as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = cores.launch(n, k, experts, latent);
         let (e, dl, di) = (experts as i32, latent as i32, inter as i32);
-        let mut b = self.stream.launch_builder(&self.k.moe_down);
+        let mut b = self.stream.launch_builder(&self.k.moe_down[cores as usize]);
         b.arg(&a).arg(&w2.0).arg(&w2.1).arg(&grouping.0).arg(&grouping.1).arg(&y).arg(&e).arg(&dl).arg(&di);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_down"))
     }
@@ -782,6 +790,31 @@ impl Gpu {
 /// active experts `[experts]`, and the start of each active expert's pairs `[experts + 1]`.
 pub fn moe_group_len(experts: usize) -> usize {
     2 * experts + 2
+}
+
+/// Which units run the routed experts' dot products (`kernels/cuda/moe.cu`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertCores {
+    /// `moe_gate_up` / `moe_down`: one warp per output row, fp32 fma per token.
+    Cuda = 0,
+    /// `moe_gate_up_mma` / `moe_down_mma`: 16-row tiles on mma.sync, tokens 8 per MMA column block.
+    Tensor = 1,
+}
+
+impl ExpertCores {
+    /// The launch of a grouped expert kernel with `rows` output rows per expert.
+    fn launch(self, n: usize, k: usize, experts: usize, rows: usize) -> LaunchConfig {
+        // Cuda: 8 warps of one row each; Tensor: 4 warps (MMA_WARPS) of one 16-row tile each.
+        let (rows_per_block, threads) = match self {
+            ExpertCores::Cuda => (8, 256),
+            ExpertCores::Tensor => (64, 128),
+        };
+        LaunchConfig {
+            grid_dim: (active_slots(n, k, experts), rows.div_ceil(rows_per_block) as u32, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
 }
 
 /// Blocks along the active-expert axis of the grouped expert kernels: at most `n k` pairs, at most `experts`.

@@ -18,8 +18,10 @@
 //!
 //! API for callers that keep distributions on the device (the DSpark drafter): [`probs_from_logits`]
 //! (the processed `q`), [`sample_rows`] (one token per row with any RNG stream, e.g.
-//! `dspark::model::DRAFT_STREAM`), and [`verify_rows`] (the acceptance rule over verify windows, with
-//! one-hot or device `q`).
+//! `dspark::model::DRAFT_STREAM`), [`verify_rows`] (the acceptance rule over verify windows, with
+//! one-hot or device `q`), and [`DrawPlan`] (f32 logits rows sampled with their tokens and `q` written
+//! to device memory, launch after launch without a host round trip: the drafter's Markov loop).
+//! f32 rows are never rounded to bf16: the kernel keys their full 32-bit values.
 
 use cudarc::driver::CudaSlice;
 
@@ -33,7 +35,7 @@ use crate::sampling::{check_params, RngStream};
 pub const MAX_TOP_N: usize = 64;
 
 /// u64 words per row descriptor (`DESC_WORDS` in sample.cu).
-const DESC_WORDS: usize = 10;
+const DESC_WORDS: usize = 11;
 /// u32 words of a row's result (`STATUS_WORDS` in sample.cu): token, accepted, error code, error id,
 /// f32 bits of the token's and of the draft's log-probability.
 const STATUS_WORDS: usize = 6;
@@ -94,6 +96,8 @@ struct RowJob<'a> {
     stream: u64,
     draft: Option<TokenId>,
     mode: u64,
+    /// u32 the token is also written to; [`NULL`]: none.
+    token_out: DPtr,
 }
 
 impl RowJob<'_> {
@@ -111,6 +115,7 @@ impl RowJob<'_> {
             p.top_k.min(u32::MAX as usize) as u64 | (self.draft.unwrap_or(NO_ID) as u64) << 32,
             top_n,
             self.mode,
+            self.token_out,
         ]);
     }
 }
@@ -182,18 +187,7 @@ fn launch(gpu: &Gpu, vocab: usize, jobs: &[RowJob<'_>], mask: Option<&DeviceToke
         .enumerate()
         .map(|(r, job)| {
             let st = &status[r * STATUS_WORDS..(r + 1) * STATUS_WORDS];
-            match st[2] {
-                0 => {}
-                ERR_BAD_LOGIT => {
-                    return Err(KernelError::InvalidInput(format!(
-                        "logits row {r}: the logit of token {} is NaN or +inf",
-                        st[3]
-                    )))
-                }
-                _ => {
-                    return Err(KernelError::InvalidInput(format!("logits row {r}: every logit is -inf (all masked)")))
-                }
-            }
+            check_status(r, st)?;
             let n = job.params.logprobs.unwrap_or(0).min(vocab);
             let at = |i: usize| r * MAX_TOP_N * 2 + 2 * i;
             let top = (0..n).map(|i| (top[at(i)], f32::from_bits(top[at(i) + 1]))).collect();
@@ -206,6 +200,17 @@ fn launch(gpu: &Gpu, vocab: usize, jobs: &[RowJob<'_>], mask: Option<&DeviceToke
             })
         })
         .collect()
+}
+
+/// The error a row's status words report, if any.
+fn check_status(row: usize, st: &[u32]) -> Result<()> {
+    match st[2] {
+        0 => Ok(()),
+        ERR_BAD_LOGIT => {
+            Err(KernelError::InvalidInput(format!("logits row {row}: the logit of token {} is NaN or +inf", st[3])))
+        }
+        _ => Err(KernelError::InvalidInput(format!("logits row {row}: every logit is -inf (all masked)"))),
+    }
 }
 
 fn check_rows_params(rows: usize, params: &[SamplingParams]) -> Result<()> {
@@ -240,6 +245,7 @@ pub fn probs_from_logits(
             stream: 0,
             draft: None,
             mode: MODE_PROBS,
+            token_out: NULL,
         })
         .collect();
     launch(gpu, vocab, &jobs, mask).map(|_| ())
@@ -279,6 +285,7 @@ pub fn sample_rows(
             stream,
             draft: None,
             mode: MODE_SAMPLE,
+            token_out: NULL,
         })
         .collect();
     Ok(launch(gpu, vocab, &jobs, mask)?.into_iter().map(|r| r.token).collect())
@@ -327,6 +334,7 @@ pub fn verify_rows(
                         stream: token,
                         draft: row.drafts.get(i).copied(),
                         mode: if i < l { MODE_VERIFY } else { MODE_SAMPLE },
+                        token_out: NULL,
                     });
                 }
                 spans.push((first, None));
@@ -345,6 +353,7 @@ pub fn verify_rows(
                         stream: token,
                         draft: row.drafts.get(i).copied(),
                         mode: MODE_SAMPLE,
+                        token_out: NULL,
                     });
                 }
                 spans.push((first, Some((from, accepted))));
@@ -402,6 +411,92 @@ fn assemble(
         }
     }
     Verdict { num_accepted: tokens.len() - 1, tokens, logprobs, synthetic: synthetic.is_some() }
+}
+
+/// One f32 logits row to sample on the device, its token and processed distribution written to device
+/// memory: a sampled DSpark draft position (the Markov step's fp32 logits, masked ids already `-inf`).
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceDraw<'a> {
+    /// f32 `[vocab]`.
+    pub logits: DPtr,
+    /// f32 `[vocab]`: the processed distribution (`Distribution::from_logits` of the f32 row, as f32).
+    pub probs_out: DPtr,
+    /// u32: the token, the inverse CDF at `hash3(seed, position, stream) >> 11` · 2^-53.
+    pub token_out: DPtr,
+    /// Log-probabilities are not computed (a draft has none).
+    pub params: &'a SamplingParams,
+    pub position: u64,
+}
+
+/// Groups of [`DeviceDraw`]s checked and uploaded at once, then launched group by group with no host
+/// round trip (a group may read tokens an earlier group wrote); the rows' errors (NaN or +inf logits,
+/// every id `-inf`) are read once, by [`DrawPlan::finish`].
+pub struct DrawPlan {
+    desc: CudaSlice<u64>,        // [rows, DESC_WORDS]
+    status: CudaSlice<u32>,      // [rows, STATUS_WORDS]
+    groups: Vec<(usize, usize)>, // (first row, rows) per group
+    vocab: usize,
+    rows: usize,
+}
+
+impl DrawPlan {
+    /// Checks and uploads `groups` of draws over rows of `vocab` f32 logits, sampled with RNG `stream`.
+    pub fn new(gpu: &Gpu, vocab: usize, groups: &[Vec<DeviceDraw<'_>>], stream: u64) -> Result<Self> {
+        if vocab == 0 || vocab > i32::MAX as usize {
+            return Err(KernelError::InvalidInput(format!("a vocabulary of {vocab} ids cannot be sampled")));
+        }
+        let params: Vec<Vec<SamplingParams>> = groups
+            .iter()
+            .map(|g| g.iter().map(|d| SamplingParams { logprobs: None, ..d.params.clone() }).collect())
+            .collect();
+        let mut words = Vec::new();
+        let mut spans = Vec::with_capacity(groups.len());
+        let mut rows = 0;
+        for (group, params) in groups.iter().zip(&params) {
+            spans.push((rows, group.len()));
+            rows += group.len();
+            for (draw, p) in group.iter().zip(params) {
+                let job = RowJob {
+                    logits: draw.logits,
+                    q: NULL,
+                    probs_out: draw.probs_out,
+                    params: p,
+                    position: draw.position,
+                    stream,
+                    draft: None,
+                    mode: MODE_SAMPLE,
+                    token_out: draw.token_out,
+                };
+                check_job(&job, vocab)?;
+                job.encode(&mut words);
+            }
+        }
+        let desc = gpu.upload(&words)?;
+        let status = gpu.zeros::<u32>(rows * STATUS_WORDS)?;
+        Ok(DrawPlan { desc, status, groups: spans, vocab, rows })
+    }
+
+    /// Launches group `group` (nothing for an empty one).
+    pub fn launch(&self, gpu: &Gpu, group: usize) -> Result<()> {
+        let Some(&(first, rows)) = self.groups.get(group) else {
+            return Err(KernelError::InvalidInput(format!("draw group {group} of {}", self.groups.len())));
+        };
+        if rows == 0 {
+            return Ok(());
+        }
+        let desc = gpu.ptr(&self.desc) + (first * DESC_WORDS * 8) as u64;
+        let status = gpu.ptr(&self.status) + (first * STATUS_WORDS * 4) as u64;
+        gpu.sample_rows_f32(desc, NULL, self.vocab, rows, status, NULL)
+    }
+
+    /// The first error any launched row reported.
+    pub fn finish(&self, gpu: &Gpu) -> Result<()> {
+        if self.rows == 0 {
+            return Ok(());
+        }
+        let status = gpu.download(&self.status, self.rows * STATUS_WORDS)?;
+        status.chunks(STATUS_WORDS).enumerate().try_for_each(|(r, st)| check_status(r, st))
+    }
 }
 
 /// `sampling::hash3` computed on the device for each `(seed, position, stream)`, to check the port.
@@ -478,6 +573,7 @@ mod tests {
             stream: 2,
             draft: Some(123),
             mode: MODE_VERIFY,
+            token_out: 0x3000,
         };
         let mut words = Vec::new();
         job.encode(&mut words);
@@ -486,7 +582,7 @@ mod tests {
         assert_eq!(f32::from_bits(words[6] as u32), 0.7);
         assert_eq!(f32::from_bits((words[6] >> 32) as u32), 0.9);
         assert_eq!((words[7] as u32, (words[7] >> 32) as u32), (40, 123));
-        assert_eq!((words[8], words[9]), (6, MODE_VERIFY));
+        assert_eq!((words[8], words[9], words[10]), (6, MODE_VERIFY, 0x3000));
         let none = RowJob { draft: None, params: &SamplingParams::greedy(), ..job };
         let mut words = Vec::new();
         none.encode(&mut words);

@@ -6,7 +6,7 @@
 //!    the residual add and RMSNorm), SiTU, the linear layers (both
 //!    GEMMs), a KDA layer (projections, conv, recurrence, gated norm, o_proj; output and state over
 //!    two consecutive windows), an MLA layer (two windows over the latent cache) and the latent MoE
-//!    (router decisions compared separately), the MoE also over batches of 1, 3, 16 and 64 tokens (idle experts,
+//!    (router decisions compared separately), the MoE also over batches of 1, 3, 8, 16 and 64 tokens (idle experts,
 //!    shared experts, several passes per expert) with each token bit-identical across those batches. Tolerances are relative L2 errors sized for one bf16
 //!    rounding step (2^-8) per output, since the two sides differ only in fp32 summation order.
 //! 2. The whole model teacher-forced (every position sees the same input tokens), per GEMM: logits
@@ -358,7 +358,7 @@ fn op_checks(gpu: &mut Gpu, dev: &DeviceModel, cpu: &CpuModel<f32>) -> Result<Ve
 
 /// Batch sizes of the grouped-MoE check: one token (most experts get none), a few, and enough tokens that
 /// experts are shared by more tokens than one pass of the expert kernels takes.
-const MOE_BATCHES: [usize; 4] = [1, 3, 16, 64];
+const MOE_BATCHES: [usize; 5] = [1, 3, 8, 16, 64];
 
 /// The latent MoE over batches of [`MOE_BATCHES`] tokens (prefixes of one set of rows): each batch against the
 /// CPU reference, and every token's output bit-identical to its output in the largest batch (the grouping by

@@ -1,0 +1,325 @@
+//! The grouped routed-expert kernels of the latent MoE (`kernels/cuda/moe.cu`: `Gpu::moe_group`,
+//! `Gpu::moe_gate_up`, `Gpu::moe_down`) on a GPU, at the k3-mini expert shapes (latent 3584, expert width 3072)
+//! and at a small shape whose rows do not fill a warp's lanes: against an f64 host reference built from
+//! `mxfp4::dequant_row` (every E2M1 code, scales above and below 1), over batches of 1, 3, 8, 16 and 64 tokens
+//! with one expert shared by every token, others by a few, and one expert that no token chose; and every token's
+//! outputs bit-identical across those batches (a token's arithmetic may not depend on who shares its experts).
+//! On a machine without a CUDA driver every test says plainly that it skipped.
+//!
+//! `routed_expert_bandwidth` (ignored by default; `--ignored`) prints the achieved GB/s of the gate/up and down
+//! kernels for the bytes of the active experts' MXFP4 weights, at 1, 8 and 64 tokens with the k3-mini routing
+//! (64 experts, top 16). It asserts nothing about speed.
+
+use std::sync::{Mutex, OnceLock};
+use std::time::Instant;
+
+use half::bf16;
+use rand::{Rng, RngCore, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use sparkd_kernels::cpu::ops::situ;
+use sparkd_kernels::cuda::device::driver_present;
+use sparkd_kernels::cuda::ops::{moe_group_len, DPtr, ExpertCores, Gpu};
+use sparkd_kernels::mxfp4::dequant_row;
+use sparkd_kernels::ModelConfig;
+
+fn gpu() -> Option<std::sync::MutexGuard<'static, Gpu>> {
+    if !driver_present() {
+        eprintln!("SKIPPED: no CUDA driver on this machine; the routed MoE kernels were NOT checked");
+        return None;
+    }
+    static G: OnceLock<Mutex<Gpu>> = OnceLock::new();
+    let g = G.get_or_init(|| Mutex::new(Gpu::new(0).expect("open GPU 0")));
+    Some(g.lock().unwrap_or_else(|e| e.into_inner()))
+}
+
+/// One MXFP4 weight tensor of `experts` matrices `[rows, cols]`: packed `[experts, rows, cols/2]`, scales
+/// `[experts, rows, cols/32]` (host copies and device buffers).
+struct Experts {
+    rows: usize,
+    cols: usize,
+    packed: Vec<u8>,
+    scales: Vec<u8>,
+    dev: (cudarc::driver::CudaSlice<u8>, cudarc::driver::CudaSlice<u8>),
+}
+
+impl Experts {
+    /// Random codes (all sixteen, -0 included) and scale bytes from `scale_bytes`.
+    fn random(
+        gpu: &Gpu,
+        rng: &mut ChaCha8Rng,
+        experts: usize,
+        rows: usize,
+        cols: usize,
+        scale_bytes: (u8, u8),
+    ) -> Self {
+        let mut packed = vec![0u8; experts * rows * cols / 2];
+        rng.fill_bytes(&mut packed);
+        let scales: Vec<u8> =
+            (0..experts * rows * cols / 32).map(|_| rng.gen_range(scale_bytes.0..=scale_bytes.1)).collect();
+        let dev = (gpu.upload(&packed).unwrap(), gpu.upload(&scales).unwrap());
+        Experts { rows, cols, packed, scales, dev }
+    }
+
+    fn ptrs(&self, gpu: &Gpu) -> (DPtr, DPtr) {
+        (gpu.ptr(&self.dev.0), gpu.ptr(&self.dev.1))
+    }
+
+    /// Row `r` of expert `e`, dequantised.
+    fn row(&self, e: usize, r: usize) -> Vec<f32> {
+        let row = e * self.rows + r;
+        let (pb, sb) = (self.cols / 2, self.cols / 32);
+        let mut out = vec![0.0f32; self.cols];
+        dequant_row(&self.packed[row * pb..(row + 1) * pb], &self.scales[row * sb..(row + 1) * sb], &mut out).unwrap();
+        out
+    }
+
+    /// The MXFP4 bytes of one expert (codes and scales).
+    fn expert_bytes(&self) -> usize {
+        self.rows * self.cols / 2 + self.rows * self.cols / 32
+    }
+}
+
+/// The routed experts' outputs of `n` tokens: `act` `[n k, inter]` and `y` `[n k, latent]` (bf16 bits).
+#[allow(clippy::too_many_arguments)]
+fn run(
+    gpu: &Gpu,
+    cores: ExpertCores,
+    cfg: &ModelConfig,
+    w: &[Experts; 3],
+    z: &[bf16],
+    idx: &[i32],
+    n: usize,
+    k: usize,
+    experts: usize,
+) -> (Vec<u16>, Vec<u16>) {
+    let (latent, inter) = (w[0].cols, w[0].rows);
+    let idx_d = gpu.upload(&idx[..n * k]).unwrap();
+    let z_d = gpu.upload(&z[..n * latent]).unwrap();
+    let group = gpu.zeros::<i32>(moe_group_len(experts)).unwrap();
+    let pairs = gpu.zeros::<i32>(n * k).unwrap();
+    let act = gpu.zeros::<bf16>(n * k * inter).unwrap();
+    let y = gpu.zeros::<bf16>(n * k * latent).unwrap();
+    let grouping = (gpu.ptr(&group), gpu.ptr(&pairs));
+    gpu.moe_group(gpu.ptr(&idx_d), n, k, experts, grouping.0, grouping.1).unwrap();
+    let (b, lb) = (cfg.situ_beta, cfg.situ_linear_beta);
+    let (w1, w3, w2) = (w[0].ptrs(gpu), w[1].ptrs(gpu), w[2].ptrs(gpu));
+    gpu.moe_gate_up(gpu.ptr(&z_d), w1, w3, grouping, gpu.ptr(&act), n, k, experts, latent, inter, b, lb, cores)
+        .unwrap();
+    gpu.moe_down(gpu.ptr(&act), w2, grouping, gpu.ptr(&y), n, k, experts, latent, inter, cores).unwrap();
+    let bits = |v: Vec<bf16>| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
+    (bits(gpu.download(&act, n * k * inter).unwrap()), bits(gpu.download(&y, n * k * latent).unwrap()))
+}
+
+/// `sum_i a[i] b[i]` in f64 and the sum of the magnitudes of its terms.
+fn dot(a: &[f32], b: &[f32]) -> (f64, f64) {
+    a.iter().zip(b).fold((0.0, 0.0), |(s, m), (x, y)| {
+        let p = f64::from(*x) * f64::from(*y);
+        (s + p, m + p.abs())
+    })
+}
+
+fn f(bits: u16) -> f32 {
+    bf16::from_bits(bits).to_f32()
+}
+
+/// Token `t` chooses expert 0 (shared by every token) and one of experts 1..=6 (a few tokens each); the last
+/// expert is never chosen. Ascending per token, as the router writes them.
+fn routing(n: usize) -> Vec<i32> {
+    (0..n).flat_map(|t| [0, 1 + (t * 5 % 6) as i32]).collect()
+}
+
+fn check_shape(gpu: &Gpu, latent: usize, inter: usize) {
+    let cfg = ModelConfig::preset("k3-mini").unwrap();
+    let (experts, k, most) = (8usize, 2usize, 64usize);
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    // Scale bytes 118..=130: 2^-9 .. 2^3, so some scales exceed 2 (no shortcut may overflow on them).
+    let w = [
+        Experts::random(gpu, &mut rng, experts, inter, latent, (118, 130)),
+        Experts::random(gpu, &mut rng, experts, inter, latent, (118, 130)),
+        Experts::random(gpu, &mut rng, experts, latent, inter, (118, 130)),
+    ];
+    let z: Vec<bf16> = (0..most * latent).map(|_| bf16::from_f32(rng.gen_range(-1.0f32..1.0))).collect();
+    let idx = routing(most);
+
+    // Gate/up + SiTU in f64 (the gate and up dots rounded to bf16 as the kernels do).
+    let z_f32: Vec<f32> = z.iter().map(|v| v.to_f32()).collect();
+    let mut want_act = vec![0.0f64; most * k * inter];
+    for e in 0..experts {
+        let mine: Vec<usize> = (0..most * k).filter(|&p| idx[p] as usize == e).collect();
+        for r in 0..inter {
+            let (g_row, u_row) = (w[0].row(e, r), w[1].row(e, r));
+            for &p in &mine {
+                let zt = &z_f32[(p / k) * latent..(p / k + 1) * latent];
+                let g = f64::from(bf16::from_f64(dot(&g_row, zt).0).to_f32());
+                let u = f64::from(bf16::from_f64(dot(&u_row, zt).0).to_f32());
+                want_act[p * inter + r] = situ(g, u, f64::from(cfg.situ_beta), f64::from(cfg.situ_linear_beta));
+            }
+        }
+    }
+    let rms = (want_act.iter().map(|v| v * v).sum::<f64>() / want_act.len() as f64).sqrt();
+
+    for cores in [ExpertCores::Cuda, ExpertCores::Tensor] {
+        let (act, y) = run(gpu, cores, &cfg, &w, &z, &idx, most, k, experts);
+        let (mut err2, mut ref2) = (0.0f64, 0.0f64);
+        for (i, want) in want_act.iter().enumerate() {
+            let got = f64::from(f(act[i]));
+            // A bf16 step of the gate or up dot (fp32 summation order differs) moves SiTU by about that much.
+            let tol = want.abs() / 32.0 + rms / 64.0;
+            assert!(
+                (got - want).abs() <= tol,
+                "{cores:?} [{latent}, {inter}] act[pair {}, row {}] = {got}, reference {want} (tolerance {tol})",
+                i / inter,
+                i % inter
+            );
+            err2 += (got - want).powi(2);
+            ref2 += want * want;
+        }
+        let act_rel = (err2 / ref2).sqrt();
+        assert!(act_rel < 1e-2, "{cores:?} [{latent}, {inter}] gate/up relative L2 {act_rel}");
+
+        // Down in f64 over the kernel's own activations.
+        let act_f32: Vec<f32> = act.iter().map(|v| f(*v)).collect();
+        let mut worst = 0.0f64;
+        for e in 0..experts {
+            let mine: Vec<usize> = (0..most * k).filter(|&p| idx[p] as usize == e).collect();
+            for c in 0..latent {
+                let row = w[2].row(e, c);
+                for &p in &mine {
+                    let (want, mag) = dot(&row, &act_f32[p * inter..(p + 1) * inter]);
+                    let got = f64::from(f(y[p * latent + c]));
+                    let tol = want.abs() / 128.0 + mag * 1e-5;
+                    assert!(
+                        (got - want).abs() <= tol,
+                        "{cores:?} [{latent}, {inter}] y[pair {p}, channel {c}] = {got}, reference {want} \
+                         (tolerance {tol})"
+                    );
+                    worst = worst.max((got - want).abs() / (want.abs() + mag * 1e-5));
+                }
+            }
+        }
+        println!(
+            "{cores:?} cores [latent {latent}, expert {inter}]: gate/up relative L2 {act_rel:.3e}; down worst \
+             scaled error {worst:.3e}"
+        );
+
+        // Batch invariance: each prefix batch gives every token exactly its outputs in the batch of 64.
+        for n in [1usize, 3, 8, 16] {
+            let (act_n, y_n) = run(gpu, cores, &cfg, &w, &z, &idx, n, k, experts);
+            let same = act_n == act[..n * k * inter] && y_n == y[..n * k * latent];
+            assert!(same, "{cores:?} [{latent}, {inter}]: a token's outputs in batch {n} differ from batch {most}");
+        }
+    }
+}
+
+#[test]
+fn routed_experts_match_the_host_reference_and_are_batch_invariant_bit_for_bit() {
+    let Some(gpu) = gpu() else { return };
+    // k3-mini's expert shapes, then ones whose rows leave most lanes of a warp without a group and whose K is
+    // not a multiple of the tensor-core path's K step (256 inputs) or whose rows fill only part of a block.
+    check_shape(&gpu, 3584, 3072);
+    check_shape(&gpu, 96, 160);
+    check_shape(&gpu, 224, 32);
+}
+
+#[test]
+fn routed_experts_reject_widths_that_are_not_multiples_of_32() {
+    let Some(gpu) = gpu() else { return };
+    let cfg = ModelConfig::preset("k3-mini").unwrap();
+    let buf = gpu.zeros::<u8>(4096).unwrap();
+    let p = gpu.ptr(&buf);
+    let (b, lb) = (cfg.situ_beta, cfg.situ_linear_beta);
+    for cores in [ExpertCores::Cuda, ExpertCores::Tensor] {
+        assert!(gpu.moe_gate_up(p, (p, p), (p, p), (p, p), p, 1, 1, 1, 40, 64, b, lb, cores).is_err());
+        assert!(gpu.moe_down(p, (p, p), (p, p), p, 1, 1, 1, 64, 40, cores).is_err());
+    }
+}
+
+#[test]
+#[ignore = "prints GB/s of the routed expert kernels on the k3-mini shapes; asserts nothing about speed"]
+fn routed_expert_bandwidth() {
+    let Some(gpu) = gpu() else { return };
+    let cfg = ModelConfig::preset("k3-mini").unwrap();
+    let (experts, k) = (cfg.moe.num_experts, cfg.moe.top_k);
+    let (latent, inter) = (cfg.moe.latent_dim, cfg.moe.expert_dim);
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let w = [
+        Experts::random(&gpu, &mut rng, experts, inter, latent, (118, 130)),
+        Experts::random(&gpu, &mut rng, experts, inter, latent, (118, 130)),
+        Experts::random(&gpu, &mut rng, experts, latent, inter, (118, 130)),
+    ];
+    let (w1, w3, w2) = (w[0].ptrs(&gpu), w[1].ptrs(&gpu), w[2].ptrs(&gpu));
+    let (b, lb) = (cfg.situ_beta, cfg.situ_linear_beta);
+    for n in [1usize, 8, 64] {
+        // k distinct experts per token, ascending.
+        let idx: Vec<i32> = (0..n)
+            .flat_map(|_| {
+                let mut all: Vec<i32> = (0..experts as i32).collect();
+                for i in 0..k {
+                    let j = rng.gen_range(i..experts);
+                    all.swap(i, j);
+                }
+                let mut mine = all[..k].to_vec();
+                mine.sort_unstable();
+                mine
+            })
+            .collect();
+        let mut used = idx.clone();
+        used.sort_unstable();
+        used.dedup();
+        let active = used.len();
+        let idx_d = gpu.upload(&idx).unwrap();
+        let z = gpu.upload(&vec![bf16::from_f32(0.5); n * latent]).unwrap();
+        let group = gpu.zeros::<i32>(moe_group_len(experts)).unwrap();
+        let pairs = gpu.zeros::<i32>(n * k).unwrap();
+        let act = gpu.zeros::<bf16>(n * k * inter).unwrap();
+        let y = gpu.zeros::<bf16>(n * k * latent).unwrap();
+        let grouping = (gpu.ptr(&group), gpu.ptr(&pairs));
+        gpu.moe_group(gpu.ptr(&idx_d), n, k, experts, grouping.0, grouping.1).unwrap();
+        for cores in [ExpertCores::Cuda, ExpertCores::Tensor] {
+            let gate_up = || {
+                gpu.moe_gate_up(
+                    gpu.ptr(&z),
+                    w1,
+                    w3,
+                    grouping,
+                    gpu.ptr(&act),
+                    n,
+                    k,
+                    experts,
+                    latent,
+                    inter,
+                    b,
+                    lb,
+                    cores,
+                )
+                .unwrap()
+            };
+            let down =
+                || gpu.moe_down(gpu.ptr(&act), w2, grouping, gpu.ptr(&y), n, k, experts, latent, inter, cores).unwrap();
+            let iters = 50;
+            let time = |op: &dyn Fn()| {
+                op();
+                gpu.synchronize().unwrap();
+                let t0 = Instant::now();
+                for _ in 0..iters {
+                    op();
+                }
+                gpu.synchronize().unwrap();
+                t0.elapsed().as_secs_f64() / f64::from(iters)
+            };
+            let (t_gu, t_down) = (time(&gate_up), time(&down));
+            let gu_bytes = (active * (w[0].expert_bytes() + w[1].expert_bytes())) as f64;
+            let down_bytes = (active * w[2].expert_bytes()) as f64;
+            println!(
+                "{cores:?} cores, batch {n:>2} ({active} active experts): gate/up {:.1} us, {:.0} GB/s; \
+                 down {:.1} us, {:.0} GB/s; both {:.1} us, {:.0} GB/s",
+                t_gu * 1e6,
+                gu_bytes / t_gu / 1e9,
+                t_down * 1e6,
+                down_bytes / t_down / 1e9,
+                (t_gu + t_down) * 1e6,
+                (gu_bytes + down_bytes) / (t_gu + t_down) / 1e9
+            );
+        }
+    }
+}
