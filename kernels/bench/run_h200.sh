@@ -87,8 +87,8 @@ fi
 # widths) against the CPU reference with a small matrix (the CPU forward at 7,168 wide is the cost).
 step validate_tiny256 60 "$SPARKD" validate --device cuda --config k3-tiny --positions 256 --batch 1 --max-window 1 \
   --out "$OUT/validate_tiny256.json"
-step validate_mini 170 "$SPARKD" validate --device cuda --config k3-mini --positions 256 --batch 1,4 --max-window 2 \
-  --out "$OUT/validate_mini.json"
+step validate_mini "${MINI_LIMIT:-170}" "$SPARKD" validate --device cuda --config k3-mini \
+  ${MINI_ARGS:---positions 256 --batch 1,4 --max-window 2} --out "$OUT/validate_mini.json"
 
 [[ " ${ONLY:-} " == *" bench_quick "* ]] && step bench_quick 90 "$SPARKD" bench --device cuda --config k3-mini \
   --batch 1,8,64 --steps 8 --prompt-len 64 --max-verify 0 --no-forced --out "$OUT/bench_quick.json"

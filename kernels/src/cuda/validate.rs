@@ -167,17 +167,33 @@ pub fn run(opts: &ValidationOptions) -> Result<ValidationReport> {
     let weights_bytes = weights.bytes;
     let dev = DeviceModel::new(cfg.clone(), weights);
     let cpu: CpuModel<f32> = CpuModel::load(cfg.clone(), &src)?;
+    eprintln!("validate: {} loaded on the device and the CPU in {:.1} s", opts.preset, t0.elapsed().as_secs_f64());
 
+    // Each section's outcome also goes to stderr as it completes, so a run cut short still says how far it got.
     let ops = op_checks(&mut gpu, &dev, &cpu)?;
+    let worst = ops.iter().map(|o| o.rel_l2).fold(0.0f64, f64::max);
+    eprintln!(
+        "validate: ops {}/{} pass (largest relative L2 {worst:.2e})",
+        ops.iter().filter(|o| o.pass).count(),
+        ops.len()
+    );
     let mut whole_model = Vec::new();
     for gemm in [Gemm::BatchInvariant, Gemm::Cublas] {
         gpu.gemm = gemm;
-        whole_model.push(teacher_forced(&gpu, &dev, &cpu, opts.positions)?);
+        let w = teacher_forced(&gpu, &dev, &cpu, opts.positions)?;
+        eprintln!(
+            "validate: whole model ({gemm:?}) pass {}: {} positions, greedy agreement {}, first router flip at {:?}, \
+             relative L2 before it {:.3e}",
+            w.pass, w.positions, w.argmax_agree, w.first_flip_position, w.max_rel_l2_before_flip
+        );
+        whole_model.push(w);
     }
     gpu.gemm = Gemm::BatchInvariant;
     let mut rollback = Vec::new();
     for accepted in [1usize, 3, 6] {
-        rollback.push(verify_rollback(&gpu, &dev, &cpu, accepted)?);
+        let r = verify_rollback(&gpu, &dev, &cpu, accepted)?;
+        eprintln!("validate: verify + rollback keeping {accepted}: pass {}", r.pass);
+        rollback.push(r);
     }
     let mut matrix = Vec::new();
     for &batch in &opts.batches {
@@ -186,6 +202,8 @@ pub fn run(opts: &ValidationOptions) -> Result<ValidationReport> {
                 matrix.push(run_case(&gpu, &dev, &cpu, batch, window, reused)?);
             }
         }
+        let passed = matrix.iter().filter(|c| c.pass).count();
+        eprintln!("validate: matrix through batch {batch}: {passed}/{} cases pass", matrix.len());
     }
     gpu.synchronize()?;
     let matrix_passed = matrix.iter().filter(|c| c.pass).count();
