@@ -1,32 +1,11 @@
 // sparkd: elementwise and per-row kernels of the K3 forward (embedding gather, RMSNorm, AttnRes read,
-// residual add, the three fused, SiTU, the MLA output gate, row gathers and greedy argmax).
+// residual add, the three fused, SiTU and row gathers).
 //
 // Invariants: activations between ops are bf16 (the values the CPU reference rounds with `Real::act`);
 // every reduction runs in fp32; each kernel rounds its output once, where the CPU reference does.
 // Math: shared/reference/k3-architecture.md §2.2 (AttnRes), §2.3 (RMSNorm), §2.7 (SiTU).
-#include <cuda_bf16.h>
-
-#define INF_F __int_as_float(0x7f800000)
-
-typedef unsigned int u32;
-
-__device__ __forceinline__ float bf_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
-__device__ __forceinline__ float ld(const __nv_bfloat16 *p, long i) { return __bfloat162float(p[i]); }
-__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-// Sum of `v` over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the total.
-__device__ float block_sum(float v) {
-    __shared__ float partial[32];
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    __syncthreads();
-    if (lane == 0) partial[warp] = v;
-    __syncthreads();
-    int warps = (blockDim.x + 31) >> 5;
-    float t = lane < warps ? partial[lane] : 0.0f;
-    for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
-    return t;
-}
+// Compiled after prelude.cuh (compile.rs prepends it: cuda_bf16.h, INF_F, u32, i64, ld, bf_round, sigmoidf_,
+// block_sum, block_max).
 
 // out[i, :] = table[tokens[i], :]; grid = n tokens.
 extern "C" __global__ void embed_gather(const __nv_bfloat16 *table, const u32 *tokens, __nv_bfloat16 *out, int d) {

@@ -7,40 +7,8 @@
 // them in f32); ties of the argmax go to the lowest id.
 // Math: shared/reference/dspark.md §1.1 (KV injection, non-causal block), §1.2 (Markov head),
 // §2.1 (confidence head); MLA in the absorbed form of k3-architecture.md §2.6 (as kernels/cuda/mla.cu).
-#include <cuda_bf16.h>
-
-#define INF_F __int_as_float(0x7f800000)
-
-typedef unsigned int u32;
-
-__device__ __forceinline__ float ld(const __nv_bfloat16 *p, long i) { return __bfloat162float(p[i]); }
-__device__ __forceinline__ float bf_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
-
-__device__ float block_sum(float v) {
-    __shared__ float partial[32];
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    __syncthreads();
-    if (lane == 0) partial[warp] = v;
-    __syncthreads();
-    int warps = (blockDim.x + 31) >> 5;
-    float t = lane < warps ? partial[lane] : 0.0f;
-    for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
-    return t;
-}
-
-__device__ float block_max(float v) {
-    __shared__ float partial[32];
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    __syncthreads();
-    if (lane == 0) partial[warp] = v;
-    __syncthreads();
-    int warps = (blockDim.x + 31) >> 5;
-    float t = lane < warps ? partial[lane] : -INF_F;
-    for (int o = 16; o > 0; o >>= 1) t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, o));
-    return t;
-}
+// Compiled after prelude.cuh (compile.rs prepends it: cuda_bf16.h, INF_F, u32, i64, ld, bf_round, sigmoidf_,
+// block_sum, block_max).
 
 // Per committed token j, the m taps concatenated in tap order:
 // out[j, i * d + c] = taps[i, rows[j], c]. taps: [m, n, d] (slot stride `slot`); out: [N, m * d].

@@ -23,9 +23,8 @@
 // (two 16-row MMA tiles). Grid: (ceil(N / (32 * 8 / split)), ceil(M / 64)).
 // Each warp loads the next two k32 steps of weights before multiplying the current two, so loads stay
 // in flight while the tensor cores work (at decode sizes the GEMM is meant to be bound by HBM bandwidth).
-#include <cuda_bf16.h>
-
-typedef unsigned int u32;
+// Compiled after prelude.cuh (compile.rs prepends it: cuda_bf16.h, INF_F, u32, i64, ld, bf_round, sigmoidf_,
+// block_sum, block_max).
 
 #define KC 512          // K columns staged per chunk
 #define XS_STRIDE 520   // staged row stride in elements (16 bytes of padding spread the banks)

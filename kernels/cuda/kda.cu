@@ -17,27 +17,8 @@
 // - The chunked kernel (kda_chunk_*) takes the rows whose entry says mode 1 (long windows without
 //   snapshots), the recurrent kernel (kda_step_*) the others; each skips the other's rows.
 // Math: shared/reference/k3-architecture.md §2.4 (decode) and §3.2 (chunked WY form).
-#include <cuda_bf16.h>
-
-typedef long long i64;
-
-__device__ __forceinline__ float ld(const __nv_bfloat16 *p, i64 i) { return __bfloat162float(p[i]); }
-__device__ __forceinline__ float bf_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
-__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the total.
-__device__ float block_sum(float v) {
-    __shared__ float partial[32];
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    __syncthreads();
-    if (lane == 0) partial[warp] = v;
-    __syncthreads();
-    int warps = (blockDim.x + 31) >> 5;
-    float t = lane < warps ? partial[lane] : 0.0f;
-    for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
-    return t;
-}
+// Compiled after prelude.cuh (compile.rs prepends it: cuda_bf16.h, INF_F, u32, i64, ld, bf_round, sigmoidf_,
+// block_sum, block_max).
 
 // One row's entry of the step table (i64 fields; kernels/src/cuda/attn.rs `KDA_ENTRY` writes them).
 #define E_S 0          // float S [H, K, K]

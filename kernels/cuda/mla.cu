@@ -14,41 +14,8 @@
 //   span, chosen from the row alone), and splits merge in ascending order: a row's result does not depend
 //   on the other rows of the batch.
 // Math: shared/reference/k3-architecture.md §2.6 (W_UK absorbed into the query, W_UV applied after).
-#include <cuda_bf16.h>
-
-#define INF_F __int_as_float(0x7f800000)
-
-typedef long long i64;
-
-__device__ __forceinline__ float ld(const __nv_bfloat16 *p, i64 i) { return __bfloat162float(p[i]); }
-__device__ __forceinline__ float bf_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
-__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-__device__ float block_sum(float v) {
-    __shared__ float partial[32];
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    __syncthreads();
-    if (lane == 0) partial[warp] = v;
-    __syncthreads();
-    int warps = (blockDim.x + 31) >> 5;
-    float t = lane < warps ? partial[lane] : 0.0f;
-    for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
-    return t;
-}
-
-__device__ float block_max(float v) {
-    __shared__ float partial[32];
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    __syncthreads();
-    if (lane == 0) partial[warp] = v;
-    __syncthreads();
-    int warps = (blockDim.x + 31) >> 5;
-    float t = lane < warps ? partial[lane] : -INF_F;
-    for (int o = 16; o > 0; o >>= 1) t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, o));
-    return t;
-}
+// Compiled after prelude.cuh (compile.rs prepends it: cuda_bf16.h, INF_F, u32, i64, ld, bf_round, sigmoidf_,
+// block_sum, block_max).
 
 // One row's entry of the step table (kernels/src/cuda/attn.rs `MLA_ENTRY`).
 #define M_CACHE 0   // bf16 [capacity, r + rope]

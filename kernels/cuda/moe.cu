@@ -10,15 +10,10 @@
 // two sum in different orders); a token's results never depend on the batch.
 // MXFP4: two E2M1 codes per byte, element 2i in the low nibble; one E8M0 scale per 32 inputs;
 // 0xFF is NaN (shared/reference/k3-architecture.md §2.8).
-#include <cuda_bf16.h>
-
-#define INF_F __int_as_float(0x7f800000)
+// Compiled after prelude.cuh (compile.rs prepends it: cuda_bf16.h, INF_F, u32, i64, ld, bf_round, sigmoidf_,
+// block_sum, block_max).
 
 typedef unsigned char u8;
-
-__device__ __forceinline__ float ld(const __nv_bfloat16 *p, long i) { return __bfloat162float(p[i]); }
-__device__ __forceinline__ float bf_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
-__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 __device__ __forceinline__ float e8m0(u8 b) {
     if (b == 0xFF) return __int_as_float(0x7fc00000);
@@ -125,8 +120,6 @@ extern "C" __global__ void moe_route(const float *logits, const float *bias, int
 // result is bit-identical whatever the batch. No float atomics anywhere.
 
 #define MOE_GROUPS_IN_FLIGHT 4  // 32-input groups of a row each lane loads before using the first
-
-typedef unsigned int u32;
 
 // The eight E2M1 codes of one 32-bit word (element i in nibble i) as fp32 values times 2^-14, unscaled.
 // Follows the usual fp16 trick for narrow floats: a code's sign and three magnitude bits placed at fp16 bits 15
@@ -381,20 +374,6 @@ extern "C" __global__ void __launch_bounds__(256)
     if (end - p >= 2) { DOWN_PASS(2); p += 2; }
     if (end - p >= 1) DOWN_PASS(1);
 #undef DOWN_PASS
-}
-
-// Sum of `v` over the block (blockDim.x a multiple of 32); every thread gets the total. The same reduction
-// as common.cu's block_sum, so the routed norm below rounds exactly as rms_norm over the combined rows would.
-__device__ float block_sum(float v) {
-    __shared__ float partial[32];
-    v = warp_sum(v);
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    __syncthreads();
-    if (lane == 0) partial[warp] = v;
-    __syncthreads();
-    int warps = (blockDim.x + 31) >> 5;
-    float t = lane < warps ? partial[lane] : 0.0f;
-    return warp_sum(t);
 }
 
 // The weighted combine in slot order (ascending experts) and the routed RMSNorm, per token:

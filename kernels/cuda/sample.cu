@@ -28,9 +28,9 @@
 //   a decision differs only where a threshold (u, top_p) lies within ~1e-12 of a cumulative mass.
 // Selection by histograms follows FlashInfer's and vLLM's GPU top-k/top-p samplers (threshold search
 // instead of a sort of the vocabulary); the code is sparkd's own.
-#include <cuda_bf16.h>
+// Compiled after prelude.cuh (compile.rs prepends it: cuda_bf16.h, INF_F, u32, i64, ld, bf_round, sigmoidf_,
+// block_sum, block_max).
 
-typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef unsigned short u16;
 

@@ -1,8 +1,8 @@
 //! NVRTC compilation of the CUDA C++ sources under `kernels/cuda/`, straight to CUBIN, cached on disk.
 //!
 //! Invariants:
-//! - The sources are embedded in the binary ([`SOURCES`]); nothing is read from the source tree at
-//!   run time, and no nvcc is needed anywhere.
+//! - The sources are embedded in the binary ([`SOURCES`]), each with `prelude.cuh` prepended; nothing is
+//!   read from the source tree at run time, and no nvcc is needed anywhere.
 //! - A cached CUBIN is keyed by the SHA-256 of (source, arch, options, NVRTC version), so a changed
 //!   kernel, target or compiler never loads a stale binary. Cache writes go through a temporary file
 //!   and a rename, so a crash never leaves a truncated CUBIN under a valid key.
@@ -27,15 +27,25 @@ pub struct KernelSource {
     pub code: &'static str,
 }
 
+/// A kernel source: `kernels/cuda/prelude.cuh` (the helpers every source shares), then the file itself.
+macro_rules! source {
+    ($name:literal) => {
+        KernelSource {
+            name: $name,
+            code: concat!(include_str!("../../cuda/prelude.cuh"), include_str!(concat!("../../cuda/", $name))),
+        }
+    };
+}
+
 /// Every CUDA source of the crate.
 pub const SOURCES: &[KernelSource] = &[
-    KernelSource { name: "common.cu", code: include_str!("../../cuda/common.cu") },
-    KernelSource { name: "kda.cu", code: include_str!("../../cuda/kda.cu") },
-    KernelSource { name: "mla.cu", code: include_str!("../../cuda/mla.cu") },
-    KernelSource { name: "moe.cu", code: include_str!("../../cuda/moe.cu") },
-    KernelSource { name: "sample.cu", code: include_str!("../../cuda/sample.cu") },
-    KernelSource { name: "gemm.cu", code: include_str!("../../cuda/gemm.cu") },
-    KernelSource { name: "drafter.cu", code: include_str!("../../cuda/drafter.cu") },
+    source!("common.cu"),
+    source!("kda.cu"),
+    source!("mla.cu"),
+    source!("moe.cu"),
+    source!("sample.cu"),
+    source!("gemm.cu"),
+    source!("drafter.cu"),
 ];
 
 /// Where NVRTC finds `cuda_bf16.h`: `SPARKD_CUDA_INCLUDE`, then `$CUDA_HOME/include`,

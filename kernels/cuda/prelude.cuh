@@ -1,0 +1,45 @@
+// sparkd: the helpers every kernel source shares. compile.rs prepends this file to each .cu source before
+// NVRTC compiles it (and the CUBIN cache key covers it), so a source uses these without an #include.
+//
+// Invariants: the block reductions sum (or take the max) in one fixed order — a xor butterfly within each
+// warp, then the warp partials in warp order — so a reduction's result depends only on the values, never
+// on the batch a row sits in; blockDim.x is a multiple of 32 and at most 1024, and every thread of the
+// block calls them (they synchronise) and gets the result.
+#include <cuda_bf16.h>
+
+#define INF_F __int_as_float(0x7f800000)
+
+typedef unsigned int u32;
+typedef long long i64;
+
+__device__ __forceinline__ float ld(const __nv_bfloat16 *p, i64 i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ float bf_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// Sum of `v` over the block.
+__device__ float block_sum(float v) {
+    __shared__ float partial[32];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __syncthreads();
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    int warps = (blockDim.x + 31) >> 5;
+    float t = lane < warps ? partial[lane] : 0.0f;
+    for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+    return t;
+}
+
+// Max of `v` over the block.
+__device__ float block_max(float v) {
+    __shared__ float partial[32];
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __syncthreads();
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    int warps = (blockDim.x + 31) >> 5;
+    float t = lane < warps ? partial[lane] : -INF_F;
+    for (int o = 16; o > 0; o >>= 1) t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, o));
+    return t;
+}
