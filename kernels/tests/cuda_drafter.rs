@@ -8,6 +8,8 @@
 //! `cuda_draft_cost` is a measurement (`-- --ignored --nocapture`; `SPARKD_DRAFT_BENCH_MINI=1` adds
 //! k3-mini): the time of one batched draft call at γ = 7 for batch 1 and 8.
 
+mod drafting;
+
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Instant;
 
@@ -17,11 +19,13 @@ use sparkd_kernels::cuda::drafter::{BlockRow, DrafterContext};
 use sparkd_kernels::cuda::CudaRunner;
 use sparkd_kernels::dspark::model::draft_uniform;
 use sparkd_kernels::dspark::{DrafterConfig, DrafterModel, DrafterState, SyntheticDrafterWeights};
-use sparkd_kernels::runner::{DraftRequest, RowInput, RowOutput, SampleRequest, SamplingParams, TokenMask};
+use sparkd_kernels::runner::{DraftRequest, SamplingParams, TokenMask};
 use sparkd_kernels::sampling::Distribution;
 use sparkd_kernels::state::SeqState;
 use sparkd_kernels::synth::SyntheticWeights;
 use sparkd_kernels::{ModelConfig, Runner, StateId, TokenId};
+
+use drafting::{decode, decode_with_model_drafts, draft_req, prefill, prompt, row};
 
 const TARGET_SEED: u64 = 11;
 const DRAFTER_SEED: u64 = 3;
@@ -45,66 +49,6 @@ fn runner() -> MutexGuard<'static, CudaRunner> {
     })
     .lock()
     .unwrap_or_else(|e| e.into_inner())
-}
-
-fn prompt(len: usize, salt: u32) -> Vec<TokenId> {
-    (0..len as u32).map(|i| (i * 7919 + salt * 104_729 + 13) % 100_000).collect()
-}
-
-fn prefill(r: &mut CudaRunner, state: StateId, tokens: &[TokenId]) {
-    for chunk in tokens.chunks(16) {
-        let out = r.step(&[RowInput { state, tokens: chunk.to_vec(), sample: None }]).unwrap();
-        assert_eq!(out, vec![RowOutput::default()]);
-    }
-}
-
-fn row(state: StateId, tokens: Vec<TokenId>, params: &SamplingParams, draft_len: usize) -> RowInput {
-    RowInput { state, tokens, sample: Some(SampleRequest { params: params.clone(), draft_len }) }
-}
-
-fn draft_req(state: StateId, anchor: TokenId, num_drafts: usize, params: &SamplingParams) -> DraftRequest {
-    DraftRequest { state, anchor, num_drafts, params: params.clone() }
-}
-
-fn decode(r: &mut CudaRunner, state: StateId, mut last: TokenId, n: usize, params: &SamplingParams) -> Vec<TokenId> {
-    let mut out = Vec::new();
-    while out.len() < n {
-        last = r.step(&[row(state, vec![last], params, 0)]).unwrap()[0].tokens[0];
-        out.push(last);
-    }
-    out
-}
-
-/// Decodes every row with model drafts of `gamma` (drafted in one call, selected, verified in one
-/// step) until each has emitted at least `n` tokens.
-fn decode_with_model_drafts(
-    r: &mut CudaRunner,
-    rows: &[(StateId, TokenId)],
-    gamma: usize,
-    n: usize,
-    params: &SamplingParams,
-) -> Vec<Vec<TokenId>> {
-    let mut last: Vec<TokenId> = rows.iter().map(|(_, a)| *a).collect();
-    let mut out: Vec<Vec<TokenId>> = vec![Vec::new(); rows.len()];
-    while out.iter().any(|o| o.len() < n) {
-        let live: Vec<usize> = (0..rows.len()).filter(|&i| out[i].len() < n).collect();
-        let reqs: Vec<DraftRequest> = live.iter().map(|&i| draft_req(rows[i].0, last[i], gamma, params)).collect();
-        let proposals = r.draft(&reqs).unwrap();
-        let mut step_rows = Vec::new();
-        for (&i, p) in live.iter().zip(&proposals) {
-            assert_eq!((p.tokens.len(), p.confidences.len()), (gamma, gamma));
-            assert!(p.confidences.iter().all(|c| (0.0..=1.0).contains(c)));
-            r.select_proposal(rows[i].0).unwrap();
-            let tokens: Vec<TokenId> = std::iter::once(last[i]).chain(p.tokens.iter().copied()).collect();
-            step_rows.push(row(rows[i].0, tokens, params, gamma));
-        }
-        for (&i, o) in live.iter().zip(r.step(&step_rows).unwrap()) {
-            assert_eq!(o.tokens.len(), o.num_accepted + 1);
-            last[i] = *o.tokens.last().unwrap();
-            out[i].extend(o.tokens);
-        }
-    }
-    out
 }
 
 fn context(r: &CudaRunner, s: StateId) -> DrafterState<f32> {
@@ -325,10 +269,10 @@ fn cuda_drafter_context_follows_commit_rollback_fork_and_import() {
     let layers = r.drafter().unwrap().model().config().num_draft_layers;
     let p = prompt(12, 3);
     let base = r.alloc_state().unwrap();
-    prefill(&mut r, base, &p[..11]);
+    prefill(&mut *r, base, &p[..11]);
     assert_eq!(r.drafter_block_size(), Some(7));
     let plain = r.fork_state(base).unwrap();
-    let reference = decode(&mut r, plain, p[11], 10, &greedy);
+    let reference = decode(&mut *r, plain, p[11], 10, &greedy);
 
     let a = r.fork_state(base).unwrap();
     assert_eq!(context(&r, a), context(&r, base), "a fork copies the context");
@@ -355,7 +299,7 @@ fn cuda_drafter_context_follows_commit_rollback_fork_and_import() {
     assert_eq!(ctx_a.len(), len);
     let fresh = r.alloc_state().unwrap();
     let committed: Vec<TokenId> = p.iter().chain(&emitted[..emitted.len() - 1]).copied().collect();
-    prefill(&mut r, fresh, &committed);
+    prefill(&mut *r, fresh, &committed);
     let diff = max_context_diff(&ctx_a, &context(&r, fresh), layers);
     eprintln!("context after verify/rollback vs prefill of the accepted tokens: max |Δ| {diff:.2e}");
     assert_eq!(diff, 0.0, "the context holds exactly the accepted tokens");
@@ -392,8 +336,8 @@ fn cuda_greedy_with_model_drafts_is_lossless() {
     let mut reference = Vec::new();
     for p in &prompts {
         let s = r.alloc_state().unwrap();
-        prefill(&mut r, s, &p[..p.len() - 1]);
-        reference.push(decode(&mut r, s, *p.last().unwrap(), n + 8, &greedy));
+        prefill(&mut *r, s, &p[..p.len() - 1]);
+        reference.push(decode(&mut *r, s, *p.last().unwrap(), n + 8, &greedy));
         r.free_state(s).unwrap();
     }
     for gamma in [1usize, 3, 7] {
@@ -401,11 +345,11 @@ fn cuda_greedy_with_model_drafts_is_lossless() {
             .iter()
             .map(|p| {
                 let s = r.alloc_state().unwrap();
-                prefill(&mut r, s, &p[..p.len() - 1]);
+                prefill(&mut *r, s, &p[..p.len() - 1]);
                 (s, *p.last().unwrap())
             })
             .collect();
-        let out = decode_with_model_drafts(&mut r, &rows, gamma, n, &greedy);
+        let out = decode_with_model_drafts(&mut *r, &rows, gamma, n, &greedy);
         for ((o, want), (s, _)) in out.iter().zip(&reference).zip(&rows) {
             let k = o.len().min(want.len());
             assert_eq!(o[..k], want[..k], "gamma {gamma}");
@@ -442,7 +386,7 @@ fn cuda_sampled_drafts_are_reproducible_and_verified_with_q() {
     assert_ne!(solo, run(&mut r, 6, false));
     // Sampled drafts are reproducible per seed and depend on it.
     let s = r.alloc_state().unwrap();
-    prefill(&mut r, s, &p[..7]);
+    prefill(&mut *r, s, &p[..7]);
     let once = r.draft(&[draft_req(s, p[7], 7, &params(1))]).unwrap();
     assert_eq!(once, r.draft(&[draft_req(s, p[7], 7, &params(1))]).unwrap());
     let others: Vec<_> = (2..6).map(|seed| r.draft(&[draft_req(s, p[7], 7, &params(seed))]).unwrap()).collect();
@@ -499,7 +443,7 @@ fn cuda_drafter_api_errors_change_nothing() {
     let greedy = SamplingParams::greedy();
     let p = prompt(6, 30);
     let s = r.alloc_state().unwrap();
-    prefill(&mut r, s, &p[..5]);
+    prefill(&mut *r, s, &p[..5]);
     assert!(r.select_proposal(s).is_err(), "nothing to select");
     assert!(r.draft(&[draft_req(StateId(999_999), p[5], 7, &greedy)]).is_err());
     assert!(r.draft(&[draft_req(s, p[5], 0, &greedy)]).is_err());

@@ -4,16 +4,18 @@
 //! drafts and the use of `q`, and the errors of the drafter API. Windows stay at or under 16 tokens,
 //! where the forward of a window equals token-by-token decoding bit for bit.
 
+mod drafting;
+
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use sparkd_kernels::acceptance::{AcceptanceMode, SyntheticSchedule};
 use sparkd_kernels::cpu::CpuRunner;
 use sparkd_kernels::dspark::{DrafterConfig, DrafterModel, SyntheticDrafterWeights};
-use sparkd_kernels::runner::{
-    DraftProposal, DraftRequest, RowInput, RowOutput, SampleRequest, SamplingParams, TokenMask,
-};
+use sparkd_kernels::runner::{DraftProposal, RowInput, SamplingParams, TokenMask};
 use sparkd_kernels::synth::SyntheticWeights;
 use sparkd_kernels::{ModelConfig, Runner, StateId, TokenId};
+
+use drafting::{decode, decode_with_model_drafts, draft_req, prefill, prompt, row};
 
 fn runner() -> MutexGuard<'static, CpuRunner> {
     static R: OnceLock<Mutex<CpuRunner>> = OnceLock::new();
@@ -29,76 +31,13 @@ fn runner() -> MutexGuard<'static, CpuRunner> {
     .unwrap_or_else(|e| e.into_inner())
 }
 
-fn prompt(len: usize, salt: u32) -> Vec<TokenId> {
-    (0..len as u32).map(|i| (i * 7919 + salt * 104_729 + 13) % 100_000).collect()
-}
-
-/// Prefills in windows of at most 16 tokens.
-fn prefill(r: &mut CpuRunner, state: StateId, tokens: &[TokenId]) {
-    for chunk in tokens.chunks(16) {
-        let out = r.step(&[RowInput { state, tokens: chunk.to_vec(), sample: None }]).unwrap();
-        assert_eq!(out, vec![RowOutput::default()]);
-    }
-}
-
-fn row(state: StateId, tokens: Vec<TokenId>, params: &SamplingParams, draft_len: usize) -> RowInput {
-    RowInput { state, tokens, sample: Some(SampleRequest { params: params.clone(), draft_len }) }
-}
-
-fn draft_req(state: StateId, anchor: TokenId, num_drafts: usize, params: &SamplingParams) -> DraftRequest {
-    DraftRequest { state, anchor, num_drafts, params: params.clone() }
-}
-
-/// Plain decoding (no drafts): `n` tokens after `last`.
-fn decode(r: &mut CpuRunner, state: StateId, mut last: TokenId, n: usize, params: &SamplingParams) -> Vec<TokenId> {
-    let mut out = Vec::new();
-    while out.len() < n {
-        last = r.step(&[row(state, vec![last], params, 0)]).unwrap()[0].tokens[0];
-        out.push(last);
-    }
-    out
-}
-
-/// Decodes every row with model drafts of `gamma` tokens (each drafted, selected, verified) until each
-/// has emitted at least `n` tokens; returns the emitted tokens per row.
-fn decode_with_model_drafts(
-    r: &mut CpuRunner,
-    rows: &[(StateId, TokenId)],
-    gamma: usize,
-    n: usize,
-    params: &SamplingParams,
-) -> Vec<Vec<TokenId>> {
-    let mut last: Vec<TokenId> = rows.iter().map(|(_, a)| *a).collect();
-    let mut out: Vec<Vec<TokenId>> = vec![Vec::new(); rows.len()];
-    while out.iter().any(|o| o.len() < n) {
-        let live: Vec<usize> = (0..rows.len()).filter(|&i| out[i].len() < n).collect();
-        let reqs: Vec<DraftRequest> = live.iter().map(|&i| draft_req(rows[i].0, last[i], gamma, params)).collect();
-        let proposals = r.draft(&reqs).unwrap();
-        let mut step_rows = Vec::new();
-        for (&i, p) in live.iter().zip(&proposals) {
-            assert_eq!((p.tokens.len(), p.confidences.len()), (gamma, gamma));
-            assert!(p.confidences.iter().all(|c| (0.0..=1.0).contains(c)));
-            r.select_proposal(rows[i].0).unwrap();
-            let mut tokens = vec![last[i]];
-            tokens.extend_from_slice(&p.tokens);
-            step_rows.push(row(rows[i].0, tokens, params, gamma));
-        }
-        for (&i, o) in live.iter().zip(r.step(&step_rows).unwrap()) {
-            assert_eq!(o.tokens.len(), o.num_accepted + 1);
-            last[i] = *o.tokens.last().unwrap();
-            out[i].extend(o.tokens);
-        }
-    }
-    out
-}
-
 #[test]
 fn drafts_are_deterministic_and_need_the_context() {
     let mut r = runner();
     let greedy = SamplingParams::greedy();
     let p = prompt(9, 1);
     let a = r.alloc_state().unwrap();
-    prefill(&mut r, a, &p[..8]);
+    prefill(&mut *r, a, &p[..8]);
     assert_eq!(r.drafter().unwrap().context(a).unwrap().len(), 8);
     assert_eq!(r.drafter_block_size(), Some(7));
     let first = r.draft(&[draft_req(a, p[8], 7, &greedy)]).unwrap();
@@ -108,7 +47,7 @@ fn drafts_are_deterministic_and_need_the_context() {
     let fork = r.fork_state(a).unwrap();
     assert_eq!(r.draft(&[draft_req(fork, p[8], 7, &greedy)]).unwrap(), first);
     let other = r.alloc_state().unwrap();
-    prefill(&mut r, other, &prompt(8, 2));
+    prefill(&mut *r, other, &prompt(8, 2));
     let different = r.draft(&[draft_req(other, p[8], 7, &greedy)]).unwrap();
     assert_ne!(different[0].confidences, first[0].confidences);
     // Sampled drafts depend on the seed only through the draft stream, reproducibly.
@@ -129,9 +68,9 @@ fn drafter_context_after_verify_and_rollback_equals_a_fresh_run() {
     let greedy = SamplingParams::greedy();
     let p = prompt(12, 3);
     let base = r.alloc_state().unwrap();
-    prefill(&mut r, base, &p[..11]);
+    prefill(&mut *r, base, &p[..11]);
     let plain = r.fork_state(base).unwrap();
-    let reference = decode(&mut r, plain, p[11], 10, &greedy);
+    let reference = decode(&mut *r, plain, p[11], 10, &greedy);
 
     let a = r.fork_state(base).unwrap();
     // Two of four oracle drafts right: two accepted, the window rolls back past the third.
@@ -171,7 +110,7 @@ fn drafter_context_after_verify_and_rollback_equals_a_fresh_run() {
     assert_eq!(r.drafter().unwrap().context(a).unwrap().len(), len);
     let fresh = r.alloc_state().unwrap();
     let committed: Vec<TokenId> = p.iter().chain(&emitted[..emitted.len() - 1]).copied().collect();
-    prefill(&mut r, fresh, &committed);
+    prefill(&mut *r, fresh, &committed);
     let d = r.drafter().unwrap();
     assert_eq!(d.context(a).unwrap(), d.context(fresh).unwrap());
     // The same context drafts the same.
@@ -193,8 +132,8 @@ fn greedy_with_model_drafts_is_lossless_for_every_gamma_and_mixed_batches() {
     let mut reference = Vec::new();
     for p in &prompts {
         let s = r.alloc_state().unwrap();
-        prefill(&mut r, s, &p[..p.len() - 1]);
-        reference.push(decode(&mut r, s, *p.last().unwrap(), n + 3, &greedy));
+        prefill(&mut *r, s, &p[..p.len() - 1]);
+        reference.push(decode(&mut *r, s, *p.last().unwrap(), n + 3, &greedy));
         r.free_state(s).unwrap();
     }
     for gamma in 1..=8 {
@@ -202,11 +141,11 @@ fn greedy_with_model_drafts_is_lossless_for_every_gamma_and_mixed_batches() {
             .iter()
             .map(|p| {
                 let s = r.alloc_state().unwrap();
-                prefill(&mut r, s, &p[..p.len() - 1]);
+                prefill(&mut *r, s, &p[..p.len() - 1]);
                 (s, *p.last().unwrap())
             })
             .collect();
-        let out = decode_with_model_drafts(&mut r, &rows, gamma, n, &greedy);
+        let out = decode_with_model_drafts(&mut *r, &rows, gamma, n, &greedy);
         for ((o, want), (s, _)) in out.iter().zip(&reference).zip(&rows) {
             let k = o.len().min(want.len());
             assert_eq!(o[..k], want[..k], "gamma {gamma}");
@@ -242,7 +181,7 @@ fn sampling_with_model_drafts_is_reproducible_and_uses_q() {
     // The same drafts verified with q (selected) and one-hot (not selected) differ for some seed:
     // q changes both the accept test and the residual distribution.
     let base = r.alloc_state().unwrap();
-    prefill(&mut r, base, &p[..7]);
+    prefill(&mut *r, base, &p[..7]);
     let mut differs = false;
     for seed in 0..4 {
         let verify = |r: &mut CpuRunner, select: bool| {
@@ -270,7 +209,7 @@ fn drafter_api_errors_change_nothing() {
     let greedy = SamplingParams::greedy();
     let p = prompt(6, 30);
     let s = r.alloc_state().unwrap();
-    prefill(&mut r, s, &p[..5]);
+    prefill(&mut *r, s, &p[..5]);
     // Nothing to select yet.
     assert_eq!(r.select_proposal(s).unwrap_err().kind(), "invalid_input");
     assert!(r.draft(&[draft_req(s, p[5], 0, &greedy)]).is_err());
