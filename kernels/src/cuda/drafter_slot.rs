@@ -23,7 +23,7 @@ use crate::cuda::drafter::{BlockRow, DeviceDrafter, DrafterContext};
 use crate::cuda::forward::DeviceModel;
 use crate::cuda::ops::Gpu;
 use crate::cuda::sample::DeviceTokenMask;
-use crate::dspark::runner::Pending;
+use crate::dspark::runner::{Pending, PendingProposals};
 use crate::error::{KernelError, Result};
 use crate::runner::{DraftProposal, DraftRequest, RowInput, StateId};
 
@@ -32,12 +32,12 @@ pub struct DeviceDrafterSlot {
     model: DeviceDrafter,
     contexts: HashMap<StateId, DrafterContext>,
     /// `q`: `Some([tokens.len(), V])` for sampled proposals.
-    pending: HashMap<StateId, Pending<Option<CudaSlice<f32>>>>,
+    pending: PendingProposals<Option<CudaSlice<f32>>>,
 }
 
 impl DeviceDrafterSlot {
     pub fn new(model: DeviceDrafter) -> Self {
-        DeviceDrafterSlot { model, contexts: HashMap::new(), pending: HashMap::new() }
+        DeviceDrafterSlot { model, contexts: HashMap::new(), pending: PendingProposals::default() }
     }
 
     pub fn model(&self) -> &DeviceDrafter {
@@ -64,7 +64,7 @@ impl DeviceDrafterSlot {
 
     pub fn remove_state(&mut self, id: StateId) {
         self.contexts.remove(&id);
-        self.pending.remove(&id);
+        self.pending.take(id);
     }
 
     /// The device context of a state.
@@ -128,39 +128,26 @@ impl DeviceDrafterSlot {
             };
             made.push(Pending { position, anchor: row.anchor, params: row.params.clone(), tokens, q, selected: false });
         }
-        Ok(made
-            .into_iter()
-            .zip(rows)
-            .zip(drafts.confidences)
-            .map(|((pending, row), confidences)| {
-                let proposal = DraftProposal { tokens: pending.tokens.clone(), confidences };
-                self.pending.insert(row.state, pending);
-                proposal
-            })
-            .collect())
+        let made = rows.iter().zip(made).zip(drafts.confidences).map(|((row, p), c)| (row.state, p, c));
+        Ok(self.pending.keep(made))
     }
 
     /// Selects a state's pending proposal for its next step.
     pub fn select(&mut self, id: StateId) -> Result<()> {
         self.context(id)?;
-        let p = self
-            .pending
-            .get_mut(&id)
-            .ok_or_else(|| KernelError::InvalidInput(format!("{id} has no pending proposal to select")))?;
-        p.selected = true;
-        Ok(())
+        self.pending.select(id)
     }
 
     /// Checks a step row against its state's selected proposal, if any (before any state changes).
     pub fn check_row(&self, row: &RowInput, state_len: usize) -> Result<()> {
-        self.pending.get(&row.state).map_or(Ok(()), |p| p.check_row(row, state_len))
+        self.pending.check_row(row, state_len)
     }
 
     /// Drops a stepped state's pending proposal; when it was selected and sampled, returns its `q`
     /// (`[num_drafts, V]` processed probabilities on the device; the row was checked by
     /// [`Self::check_row`], so its drafts are a prefix of the proposal).
     pub fn take_selected(&mut self, id: StateId) -> Option<CudaSlice<f32>> {
-        self.pending.remove(&id).filter(|p| p.selected).and_then(|p| p.q)
+        self.pending.take(id).filter(|p| p.selected).and_then(|p| p.q)
     }
 
     /// Appends to each state's context the taps (`[m, tokens, d]`, the forward's) of the `count` tokens

@@ -60,17 +60,61 @@ impl<Q> Pending<Q> {
     }
 }
 
+/// Every state's pending proposal (at most one each), kept the same way by the CPU and CUDA drafter slots.
+#[derive(Debug)]
+pub(crate) struct PendingProposals<Q>(HashMap<StateId, Pending<Q>>);
+
+impl<Q> Default for PendingProposals<Q> {
+    fn default() -> Self {
+        PendingProposals(HashMap::new())
+    }
+}
+
+impl<Q> PendingProposals<Q> {
+    /// Keeps each row's new proposal, replacing an older one, and returns the proposals to hand out:
+    /// `made` holds `(state, pending, confidences)` per row.
+    pub fn keep(&mut self, made: impl IntoIterator<Item = (StateId, Pending<Q>, Vec<f32>)>) -> Vec<DraftProposal> {
+        made.into_iter()
+            .map(|(id, pending, confidences)| {
+                let proposal = DraftProposal { tokens: pending.tokens.clone(), confidences };
+                self.0.insert(id, pending);
+                proposal
+            })
+            .collect()
+    }
+
+    /// Selects a state's pending proposal for its next step.
+    pub fn select(&mut self, id: StateId) -> Result<()> {
+        let p = self
+            .0
+            .get_mut(&id)
+            .ok_or_else(|| KernelError::InvalidInput(format!("{id} has no pending proposal to select")))?;
+        p.selected = true;
+        Ok(())
+    }
+
+    /// Checks a step row against its state's selected proposal, if any (before any state changes).
+    pub fn check_row(&self, row: &RowInput, state_len: usize) -> Result<()> {
+        self.0.get(&row.state).map_or(Ok(()), |p| p.check_row(row, state_len))
+    }
+
+    /// Drops a state's pending proposal and returns it.
+    pub fn take(&mut self, id: StateId) -> Option<Pending<Q>> {
+        self.0.remove(&id)
+    }
+}
+
 /// The drafter of a CPU runner and its per-sequence data.
 pub struct DrafterSlot {
     model: DrafterModel<f32>,
     contexts: HashMap<StateId, DrafterState<f32>>,
     /// `q`: `[tokens.len(), vocab]` logits; empty for greedy drafts, whose verification never reads it.
-    pending: HashMap<StateId, Pending<Vec<f32>>>,
+    pending: PendingProposals<Vec<f32>>,
 }
 
 impl DrafterSlot {
     pub fn new(model: DrafterModel<f32>) -> Self {
-        DrafterSlot { model, contexts: HashMap::new(), pending: HashMap::new() }
+        DrafterSlot { model, contexts: HashMap::new(), pending: PendingProposals::default() }
     }
 
     pub fn model(&self) -> &DrafterModel<f32> {
@@ -96,7 +140,7 @@ impl DrafterSlot {
 
     pub fn remove_state(&mut self, id: StateId) {
         self.contexts.remove(&id);
-        self.pending.remove(&id);
+        self.pending.take(id);
     }
 
     /// The drafter context of a state.
@@ -146,36 +190,24 @@ impl DrafterSlot {
             };
             made.push((row.state, pending, block.confidences));
         }
-        Ok(made
-            .into_iter()
-            .map(|(id, pending, confidences)| {
-                let proposal = DraftProposal { tokens: pending.tokens.clone(), confidences };
-                self.pending.insert(id, pending);
-                proposal
-            })
-            .collect())
+        Ok(self.pending.keep(made))
     }
 
     /// Selects a state's pending proposal for its next step.
     pub fn select(&mut self, id: StateId) -> Result<()> {
         self.context(id)?;
-        let p = self
-            .pending
-            .get_mut(&id)
-            .ok_or_else(|| KernelError::InvalidInput(format!("{id} has no pending proposal to select")))?;
-        p.selected = true;
-        Ok(())
+        self.pending.select(id)
     }
 
     /// Checks a step row against its state's selected proposal, if any (before any state changes).
     pub fn check_row(&self, row: &RowInput, state_len: usize) -> Result<()> {
-        self.pending.get(&row.state).map_or(Ok(()), |p| p.check_row(row, state_len))
+        self.pending.check_row(row, state_len)
     }
 
     /// Drops a stepped state's pending proposal; returns its `q` logits `[draft_len, vocab]` when it
     /// was selected (the row was checked by [`Self::check_row`]).
     pub fn take_selected(&mut self, id: StateId, draft_len: usize) -> Option<Vec<f32>> {
-        let p = self.pending.remove(&id).filter(|p| p.selected && !p.q.is_empty())?;
+        let p = self.pending.take(id).filter(|p| p.selected && !p.q.is_empty())?;
         let vocab = self.model.config().vocab_size;
         let mut logits = p.q;
         logits.truncate(draft_len * vocab);
