@@ -27,13 +27,10 @@ extern "C" __global__ void rms_norm(const __nv_bfloat16 *x, long x_stride, const
         yr[c] = __float2bfloat16_rn(ld(w, c) * bf_round(ld(xr, c) * r));
 }
 
-// AttnRes depth-wise softmax read (fp32 island). `sources` holds `nsrc` slots of [n, d] at stride
-// `slot`, sealed blocks first and the live sum last; q is the folded pseudo-query [d].
-// out[t] = bf(sum_i softmax_i(dot(v_i, q) * rsqrt(mean(v_i^2) + eps)) * v_i); grid = n tokens.
-extern "C" __global__ void attn_res_read(const __nv_bfloat16 *sources, long slot, int nsrc, const float *q,
-                                         __nv_bfloat16 *out, int d, float eps) {
-    __shared__ float score[64];
-    long t = blockIdx.x;
+// The AttnRes softmax weights of token t over its nsrc sources (fp32 island; every thread gets all of them):
+// p[i] = softmax_i(dot(v_i, q) * rsqrt(mean(v_i^2) + eps)). `score` is the caller's shared [64].
+__device__ __forceinline__ void attn_res_weights(const __nv_bfloat16 *sources, long slot, int nsrc, const float *q,
+                                                 long t, int d, float eps, float *score, float p[64]) {
     for (int i = 0; i < nsrc; i++) {
         const __nv_bfloat16 *v = sources + i * slot + t * d;
         float dq = 0.0f, ss = 0.0f;
@@ -45,10 +42,20 @@ extern "C" __global__ void attn_res_read(const __nv_bfloat16 *sources, long slot
     __syncthreads();
     float m = score[0];
     for (int i = 1; i < nsrc; i++) m = fmaxf(m, score[i]);
-    float p[64];
     float total = 0.0f;
     for (int i = 0; i < nsrc; i++) { p[i] = expf(score[i] - m); total += p[i]; }
     for (int i = 0; i < nsrc; i++) p[i] = p[i] / total;
+}
+
+// AttnRes depth-wise softmax read (fp32 island). `sources` holds `nsrc` slots of [n, d] at stride
+// `slot`, sealed blocks first and the live sum last; q is the folded pseudo-query [d].
+// out[t] = bf(sum_i softmax_i(dot(v_i, q) * rsqrt(mean(v_i^2) + eps)) * v_i); grid = n tokens.
+extern "C" __global__ void attn_res_read(const __nv_bfloat16 *sources, long slot, int nsrc, const float *q,
+                                         __nv_bfloat16 *out, int d, float eps) {
+    __shared__ float score[64];
+    long t = blockIdx.x;
+    float p[64];
+    attn_res_weights(sources, slot, nsrc, q, t, d, eps, score, p);
     for (int c = threadIdx.x; c < d; c += blockDim.x) {
         float acc = 0.0f;
         for (int i = 0; i < nsrc; i++) acc += p[i] * ld(sources + i * slot + t * d, c);
@@ -72,21 +79,8 @@ extern "C" __global__ void attn_res_norm(__nv_bfloat16 *sources, long slot, int 
         for (int c = threadIdx.x; c < d; c += blockDim.x)
             live[c] = __float2bfloat16_rn(ld(live, c) + ld(addend, t * d + c));
     }
-    for (int i = 0; i < nsrc; i++) {
-        const __nv_bfloat16 *v = sources + i * slot + t * d;
-        float dq = 0.0f, ss = 0.0f;
-        for (int c = threadIdx.x; c < d; c += blockDim.x) { float x = ld(v, c); dq += x * q[c]; ss += x * x; }
-        dq = block_sum(dq);
-        ss = block_sum(ss);
-        if (threadIdx.x == 0) score[i] = dq * (1.0f / sqrtf(ss / (float)d + eps));
-    }
-    __syncthreads();
-    float m = score[0];
-    for (int i = 1; i < nsrc; i++) m = fmaxf(m, score[i]);
     float p[64];
-    float total = 0.0f;
-    for (int i = 0; i < nsrc; i++) { p[i] = expf(score[i] - m); total += p[i]; }
-    for (int i = 0; i < nsrc; i++) p[i] = p[i] / total;
+    attn_res_weights(sources, slot, nsrc, q, t, d, eps, score, p);
     float ss = 0.0f;
     for (int c = threadIdx.x; c < d; c += blockDim.x) {
         float acc = 0.0f;
