@@ -110,13 +110,14 @@ pub struct ChunkHeader<'a> {
     pub model: &'a str,
 }
 
+/// One streamed chunk of a chat (`C` = [`ChatChunkChoice`]) or text completion (`C` = [`CompletionChunkChoice`]).
 #[derive(Serialize)]
-struct ChatChunk<'a> {
+struct StreamChunk<'a, C> {
     id: &'a str,
     object: &'static str,
     created: u64,
     model: &'a str,
-    choices: Vec<ChatChunkChoice<'a>>,
+    choices: Vec<C>,
     #[serde(skip_serializing_if = "Option::is_none")]
     usage: Option<UsageJson>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -139,21 +140,6 @@ struct ChatDelta<'a> {
     role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     content: Option<&'a str>,
-}
-
-#[derive(Serialize)]
-struct CompletionChunk<'a> {
-    id: &'a str,
-    object: &'static str,
-    created: u64,
-    model: &'a str,
-    choices: Vec<CompletionChunkChoice<'a>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    usage: Option<UsageJson>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    timings: Option<&'a Timings>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    metrics: Option<MetricsJson<'a>>,
 }
 
 #[derive(Serialize)]
@@ -207,7 +193,7 @@ pub fn write_chunk(out: &mut Vec<u8>, kind: ChunkKind, c: Chunk<'_>) -> serde_js
                 })
                 .into_iter()
                 .collect();
-            let chunk = ChatChunk {
+            let chunk = StreamChunk {
                 id: c.header.id,
                 object: "chat.completion.chunk",
                 created: c.header.created,
@@ -230,7 +216,7 @@ pub fn write_chunk(out: &mut Vec<u8>, kind: ChunkKind, c: Chunk<'_>) -> serde_js
                 })
                 .into_iter()
                 .collect();
-            let chunk = CompletionChunk {
+            let chunk = StreamChunk {
                 id: c.header.id,
                 object: "text_completion",
                 created: c.header.created,
