@@ -79,7 +79,9 @@ pub struct WekaRequest {
     pub think_time: Option<f64>,
 }
 
-/// A `"s"` request: the fields of `"n"` plus the recorded TTFT.
+/// A `"s"` request: the fields of `"n"` plus the recorded TTFT. A copy of [`WekaRequest`]'s fields rather than a
+/// `#[serde(flatten)]` of it, because serde cannot combine `flatten` with `deny_unknown_fields`, which is what
+/// rejects `ttft` on an `"n"` request.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WekaStreamingRequest {
