@@ -65,6 +65,7 @@ if [ -n "$FAILED" ] && [ -x "$BIN/fallback/sparkd" ]; then
   SPARKD="$BIN/fallback/sparkd"
   echo "=== FALLBACK: failed:$FAILED; the benchmarks use $SPARKD" | tee -a "$LOG"
 fi
+[ -x "$BIN/cuda_sample" ] && step sampling_time 30 "$BIN/cuda_sample" --ignored --nocapture sampling_step_time
 [ -x "$BIN/cuda_drafter" ] && step draft_cost 30 "$BIN/cuda_drafter" --ignored --nocapture cuda_draft_cost
 [ -x "$BIN/cuda_moe" ] && step moe_bandwidth 30 "$BIN/cuda_moe" --ignored --nocapture --test-threads=1
 

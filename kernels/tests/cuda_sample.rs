@@ -585,9 +585,11 @@ fn bad_rows_and_parameters_are_errors() {
     assert!(sample::sample_rows(&g, g.ptr(&dev), 1, VOCAB, &greedy[..1], &[0], 0, Some(&small), None).is_err());
 }
 
-/// Not a benchmark of record: the sampling launch (descriptor upload, kernel, result download) per
-/// step at batch 1 and 64, for four parameter sets; f32 draft draws; verify windows.
+/// A measurement, not a check (`-- --ignored --nocapture sampling_step_time`): the sampling launch
+/// (descriptor upload, kernel, result download) per step at batch 1 and 64, for four parameter sets; f32
+/// draft draws; verify windows.
 #[test]
+#[ignore = "a measurement: prints µs per sampling step; run with --ignored on a GPU"]
 fn sampling_step_time() {
     let Some(g) = gpu() else { return };
     let rows = logit_rows(10);
