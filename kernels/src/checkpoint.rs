@@ -175,25 +175,32 @@ impl WeightSource for Checkpoint {
             .entries
             .get(strip_prefix(&spec.name))
             .ok_or_else(|| KernelError::MissingTensor { name: spec.name.clone() })?;
-        let dtype = match entry.dtype {
-            Dtype::BF16 => DType::Bf16,
-            Dtype::F32 => DType::F32,
-            Dtype::U8 => DType::U8,
-            other => {
-                return Err(KernelError::TensorMismatch {
-                    name: spec.name.clone(),
-                    expected: format!("{} {}", spec.dtype.name(), spec.shape),
-                    found: format!("{other:?} {:?}", entry.shape),
-                })
-            }
-        };
-        spec.check(dtype, &entry.shape)?;
+        let dtype = checked_dtype(spec, entry.dtype, &entry.shape)?;
         let shard = &self.shards[entry.shard];
         Ok(HostTensor::mapped(dtype, entry.shape.clone(), Arc::clone(&shard.map), entry.start, entry.end))
     }
 }
 
 /// The name without the `language_model.` prefix.
+/// The host dtype of a stored tensor, checked against what `spec` expects (dtype and shape); a dtype sparkd
+/// never stores (anything but BF16, F32, U8) is a mismatch naming the tensor.
+pub(crate) fn checked_dtype(spec: &TensorSpec, stored: Dtype, shape: &[usize]) -> Result<DType> {
+    let dtype = match stored {
+        Dtype::BF16 => DType::Bf16,
+        Dtype::F32 => DType::F32,
+        Dtype::U8 => DType::U8,
+        other => {
+            return Err(KernelError::TensorMismatch {
+                name: spec.name.clone(),
+                expected: format!("{} {}", spec.dtype.name(), spec.shape),
+                found: format!("{other:?} {shape:?}"),
+            })
+        }
+    };
+    spec.check(dtype, shape)?;
+    Ok(dtype)
+}
+
 fn strip_prefix(name: &str) -> &str {
     name.strip_prefix(TEXT_PREFIX).unwrap_or(name)
 }

@@ -40,7 +40,7 @@ use std::sync::Arc;
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 
-use crate::checkpoint::{CONFIG_FILE, SINGLE_FILE};
+use crate::checkpoint::{checked_dtype, CONFIG_FILE, SINGLE_FILE};
 use crate::config::ModelConfig;
 use crate::dspark::config::DrafterConfig;
 use crate::error::{KernelError, Result};
@@ -158,19 +158,7 @@ impl WeightSource for DrafterCheckpoint {
     fn tensor(&self, spec: &TensorSpec) -> Result<HostTensor> {
         let entry =
             self.entries.get(&spec.name).ok_or_else(|| KernelError::MissingTensor { name: spec.name.clone() })?;
-        let dtype = match entry.dtype {
-            Dtype::BF16 => DType::Bf16,
-            Dtype::F32 => DType::F32,
-            Dtype::U8 => DType::U8,
-            other => {
-                return Err(KernelError::TensorMismatch {
-                    name: spec.name.clone(),
-                    expected: format!("{} {}", spec.dtype.name(), spec.shape),
-                    found: format!("{other:?} {:?}", entry.shape),
-                })
-            }
-        };
-        spec.check(dtype, &entry.shape)?;
+        let dtype = checked_dtype(spec, entry.dtype, &entry.shape)?;
         if entry.end > self.map.len() || entry.start > entry.end {
             return Err(KernelError::CheckpointFile {
                 path: self.path.clone(),
