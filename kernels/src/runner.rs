@@ -186,6 +186,30 @@ pub fn check_rows(rows: &[RowInput], vocab: usize, known: impl Fn(StateId) -> bo
     Ok(())
 }
 
+/// The token offsets `[0, t_0, t_0 + t_1, ...]` of a forward's windows, each given as `(tokens, logits_from,
+/// snapshots_from)`, after the checks both backends' forwards make: a window has tokens, all inside `vocab`,
+/// and its logits and snapshot starts lie inside it.
+pub(crate) fn window_offsets<'a>(
+    windows: impl Iterator<Item = (&'a [TokenId], usize, Option<usize>)>,
+    vocab: usize,
+) -> Result<Vec<usize>> {
+    use crate::error::KernelError;
+    let mut offsets = vec![0usize];
+    for (tokens, logits_from, snapshots_from) in windows {
+        if tokens.is_empty() {
+            return Err(KernelError::InvalidInput("a row has no tokens".into()));
+        }
+        if logits_from > tokens.len() || snapshots_from.is_some_and(|s| s > tokens.len()) {
+            return Err(KernelError::InvalidInput("logits/snapshot range outside the window".into()));
+        }
+        if let Some(bad) = tokens.iter().find(|t| **t as usize >= vocab) {
+            return Err(KernelError::InvalidInput(format!("token id {bad} outside the vocabulary of {vocab}")));
+        }
+        offsets.push(offsets[offsets.len() - 1] + tokens.len());
+    }
+    Ok(offsets)
+}
+
 /// The error of the drafter methods on a runner that has no drafter.
 pub fn no_drafter() -> crate::error::KernelError {
     crate::error::KernelError::InvalidInput("this runner has no drafter".into())

@@ -141,23 +141,10 @@ impl<F: Real> CpuModel<F> {
         probe.taps = vec![Vec::new(); probe.tap_layers.len()];
         let cfg = &self.cfg;
         let d = cfg.hidden_size;
-        let mut offsets = Vec::with_capacity(rows.len() + 1);
-        offsets.push(0usize);
-        for r in rows.iter() {
-            if r.tokens.is_empty() {
-                return Err(KernelError::InvalidInput("a row has no tokens".into()));
-            }
-            if r.logits_from > r.tokens.len() || r.snapshots_from.is_some_and(|s| s > r.tokens.len()) {
-                return Err(KernelError::InvalidInput("logits/snapshot range outside the window".into()));
-            }
-            if let Some(bad) = r.tokens.iter().find(|t| **t as usize >= cfg.vocab_size) {
-                return Err(KernelError::InvalidInput(format!(
-                    "token id {bad} outside the vocabulary of {}",
-                    cfg.vocab_size
-                )));
-            }
-            offsets.push(offsets.last().copied().unwrap_or(0) + r.tokens.len());
-        }
+        let offsets = crate::runner::window_offsets(
+            rows.iter().map(|r| (r.tokens, r.logits_from, r.snapshots_from)),
+            cfg.vocab_size,
+        )?;
         let n = *offsets.last().unwrap_or(&0);
 
         // [n, d] embeddings.

@@ -329,22 +329,10 @@ impl DeviceModel {
                 cfg.num_layers()
             )));
         }
-        let mut offsets = vec![0usize];
-        for r in rows.iter() {
-            if r.tokens.is_empty() {
-                return Err(KernelError::InvalidInput("a row has no tokens".into()));
-            }
-            if r.logits_from > r.tokens.len() || r.snapshots_from.is_some_and(|s| s > r.tokens.len()) {
-                return Err(KernelError::InvalidInput("logits/snapshot range outside the window".into()));
-            }
-            if let Some(bad) = r.tokens.iter().find(|t| **t as usize >= cfg.vocab_size) {
-                return Err(KernelError::InvalidInput(format!(
-                    "token id {bad} outside the vocabulary of {}",
-                    cfg.vocab_size
-                )));
-            }
-            offsets.push(offsets[offsets.len() - 1] + r.tokens.len());
-        }
+        let offsets = crate::runner::window_offsets(
+            rows.iter().map(|r| (r.tokens, r.logits_from, r.snapshots_from)),
+            cfg.vocab_size,
+        )?;
         let n = offsets[rows.len()];
         let all_tokens: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
         let tokens = gpu.upload(&all_tokens)?;
