@@ -19,6 +19,7 @@ use crate::cpu::forward::{CpuModel, RoutingTrace, WindowRow};
 use crate::cpu::moe::Routing;
 use crate::cuda::forward::{DeviceModel, DeviceRow, DeviceState};
 use crate::cuda::ops::Gpu;
+use crate::cuda::validate::{argmax, rel_l2};
 use crate::error::{KernelError, Result};
 use crate::runner::TokenId;
 use crate::state::SeqState;
@@ -191,14 +192,4 @@ pub fn run_case(
         && case.cpu_max_rel_l2_before_flip < 0.05
         && case.worst_flip_margin.is_none_or(|m| m < 0.01);
     Ok(case)
-}
-
-fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
-    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
-    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    (num / den.max(1e-30)).sqrt()
-}
-
-fn argmax(row: &[f32]) -> usize {
-    (0..row.len()).fold(0, |best, i| if row[i] > row[best] { i } else { best })
 }

@@ -470,13 +470,15 @@ fn prompt(len: usize, salt: u64) -> Vec<TokenId> {
     (0..len as u64).map(|i| ((i * 7919 + salt * 104_729 + 13) % 100_000) as TokenId).collect()
 }
 
-fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+/// Relative L2 error of `a` against the reference `b`.
+pub(crate) fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
     let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
     let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
     (num / den.max(1e-30)).sqrt()
 }
 
-fn argmax(row: &[f32]) -> usize {
+/// The greedy token of a logits row (the first of equal maxima).
+pub(crate) fn argmax(row: &[f32]) -> usize {
     (0..row.len()).fold(0, |best, i| if row[i] > row[best] { i } else { best })
 }
 
