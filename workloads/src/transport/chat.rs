@@ -85,16 +85,7 @@ impl Connection for ChatTransport {
             });
         }
         let mut parser = SseParser::default();
-        let mut outcome = TurnOutcome {
-            response_id: None,
-            first_content: None,
-            last_content: None,
-            content_chunks: 0,
-            prompt_tokens: None,
-            completion_tokens: 0,
-            cached_tokens: None,
-            spec: None,
-        };
+        let mut outcome = TurnOutcome::default();
         let mut saw_usage = false;
         let mut done = false;
         while let Some(frame) = body.frame().await {

@@ -41,7 +41,7 @@ pub struct SpecStats {
 }
 
 /// What came back for one turn.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct TurnOutcome {
     pub response_id: Option<String>,
     pub first_content: Option<Instant>,

@@ -147,16 +147,7 @@ impl WsConnection {
     ) -> Result<TurnOutcome> {
         let text = create_event(request).to_string();
         self.sink.lock().await.send(WsMessage::text(text)).await.map_err(|e| ReplayError::Connection(e.to_string()))?;
-        let mut outcome = TurnOutcome {
-            response_id: None,
-            first_content: None,
-            last_content: None,
-            content_chunks: 0,
-            prompt_tokens: None,
-            completion_tokens: 0,
-            cached_tokens: None,
-            spec: None,
-        };
+        let mut outcome = TurnOutcome::default();
         loop {
             let event = rx.recv().await.ok_or_else(|| ReplayError::Connection("socket closed mid-response".into()))?;
             let now = Instant::now();
