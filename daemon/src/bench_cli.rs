@@ -58,6 +58,9 @@ pub struct BenchArgs {
     pub no_forced: bool,
     #[arg(long, value_enum, default_value_t = GemmArg::BatchInvariant)]
     pub gemm: GemmArg,
+    /// CUDA: run every step eagerly instead of replaying repeated step shapes from CUDA graphs.
+    #[arg(long)]
+    pub no_graphs: bool,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Write the JSON report here (default: stdout).
@@ -120,6 +123,7 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
                     GemmArg::BatchInvariant => Gemm::BatchInvariant,
                     GemmArg::Cublas => Gemm::Cublas,
                 },
+                graphs: !args.no_graphs,
                 batches: args.batch.clone(),
                 steps: args.steps,
                 prompt_len: args.prompt_len,

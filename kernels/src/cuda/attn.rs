@@ -4,9 +4,13 @@
 //! Invariants:
 //! - One table per step: per (KDA layer, row) the state, conv-window and snapshot addresses and the row's
 //!   token range and form; per (MLA layer, row) the cache address, length before the window, token range and
-//!   split span; per token its row. It is built on the host after every MLA cache of the step has been
-//!   grown, and uploaded once into a device buffer that the model keeps ([`StepBuffer`]), so that a
-//!   later CUDA-graph capture sees fixed addresses.
+//!   split span; per token its row; then the step's token ids and the positions whose logits are wanted
+//!   (u32). It is built on the host after every MLA cache of the step has been grown, and uploaded once
+//!   into a device buffer that the model keeps ([`StepBuffer`]), so that a captured step (`cuda::graph`)
+//!   reads its inputs through fixed addresses and nothing else is copied from the host during a step.
+//! - The MLA split count of a step (the grid of `mla_split`) is rounded up to a power of two: splits past
+//!   a token's last are empty and merge as exact zeros, so results do not change, and steps whose longest
+//!   context grows share a captured graph until the count doubles.
 //! - A row's KDA form and MLA split span depend only on that row (its window length, snapshots and
 //!   cache length), never on the batch, so every row's result is independent of the other rows.
 //! - Windows that keep snapshots (verify windows) always run the recurrent form; the chunked form takes
@@ -126,29 +130,35 @@ pub struct StepBuffer {
 }
 
 impl StepBuffer {
-    /// Uploads `table` into the buffer (grown by doubling) and returns its device address. The copy is
+    /// Uploads `bytes` into the buffer (grown by doubling) and returns its device address. The copy is
     /// synchronous after the stream drains, so no kernel of an earlier step still reads the old contents.
-    fn upload(&self, gpu: &Gpu, table: &[i64]) -> Result<DPtr> {
+    fn upload(&self, gpu: &Gpu, bytes: &[u8]) -> Result<DPtr> {
         let mut guard = self.buf.lock().map_err(|_| KernelError::Device("the step table lock is poisoned".into()))?;
-        let fits = guard.as_ref().is_some_and(|b| b.len() >= table.len());
+        let words = bytes.len().div_ceil(8);
+        let fits = guard.as_ref().is_some_and(|b| b.len() >= words);
         if !fits {
             let old = guard.as_ref().map_or(0, |b| b.len());
-            *guard = Some(gpu.zeros::<i64>(table.len().max(2 * old).max(256))?);
+            *guard = Some(gpu.zeros::<i64>(words.max(2 * old).max(256))?);
         }
         let buf = guard.as_ref().ok_or_else(|| KernelError::Device("no step table buffer".into()))?;
         let ptr = gpu.ptr(buf);
-        let bytes: Vec<u8> = table.iter().flat_map(|v| v.to_le_bytes()).collect();
-        gpu.upload_bytes_at(ptr, &bytes)?;
+        gpu.upload_bytes_at(ptr, bytes)?;
         Ok(ptr)
     }
 }
 
 /// A step's tables on the device and what the rows keep for rollback.
 pub struct StepTables {
+    /// The table's device address (what a captured step reads it through).
+    base: DPtr,
     /// `[kda layers, rows, KDA_ENTRY]`, `[mla layers, rows, MLA_ENTRY]`, `[n]` token rows (i64).
     kda: DPtr,
     mla: DPtr,
     tok_row: DPtr,
+    /// `[n]` token ids and `[wanted]` step positions whose logits are produced (u32).
+    token_ids: DPtr,
+    wanted: DPtr,
+    wanted_len: usize,
     rows: usize,
     /// Tokens of the step and of its longest row.
     n: usize,
@@ -172,14 +182,16 @@ fn mla_span(first: usize, t: usize) -> usize {
 
 impl StepTables {
     /// Grows every MLA cache of the rows to hold their windows, allocates the rows' snapshot buffers, and
-    /// uploads the table. `offsets[r]..offsets[r + 1]` are row `r`'s tokens; windows of at least
-    /// `chunked_min` tokens without snapshots take the chunked KDA form.
+    /// uploads the table with the step's token ids and `wanted` logits positions. `offsets[r]..offsets[r + 1]`
+    /// are row `r`'s tokens; windows of at least `chunked_min` tokens without snapshots take the chunked KDA
+    /// form.
     pub fn build(
         gpu: &Gpu,
         cfg: &ModelConfig,
         buffer: &StepBuffer,
         rows: &mut [DeviceRow<'_>],
         offsets: &[usize],
+        wanted: &[u32],
         chunked_min: usize,
     ) -> Result<Self> {
         let k = &cfg.kda;
@@ -245,17 +257,26 @@ impl StepTables {
         for ri in 0..nrows {
             table.extend(std::iter::repeat_n(ri as i64, offsets[ri + 1] - offsets[ri]));
         }
-        let base = buffer.upload(gpu, &table)?;
+        let mut bytes: Vec<u8> = table.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let token_ids_at = bytes.len() as u64;
+        bytes.extend(rows.iter().flat_map(|r| r.tokens.iter().flat_map(|t| t.to_le_bytes())));
+        let wanted_at = bytes.len() as u64;
+        bytes.extend(wanted.iter().flat_map(|p| p.to_le_bytes()));
+        let base = buffer.upload(gpu, &bytes)?;
         let kda_bytes = (kda_layers * nrows * KDA_ENTRY * 8) as u64;
         let mla_bytes = (mla_layers * nrows * MLA_ENTRY * 8) as u64;
         Ok(StepTables {
+            base,
             kda: base,
             mla: base + kda_bytes,
             tok_row: base + kda_bytes + mla_bytes,
+            token_ids: base + token_ids_at,
+            wanted: base + wanted_at,
+            wanted_len: wanted.len(),
             rows: nrows,
             n,
             max_t: rows.iter().map(|r| r.tokens.len()).max().unwrap_or(0),
-            mla_splits,
+            mla_splits: mla_splits.next_power_of_two().min(MLA_MAX_SPLITS),
             any_chunked: forms.contains(&1),
             any_recurrent: forms.contains(&0),
             undo,
@@ -265,6 +286,21 @@ impl StepTables {
     /// Tokens of the step.
     pub fn tokens(&self) -> usize {
         self.n
+    }
+
+    /// The device address of the table (part of a captured step's shape).
+    pub fn base(&self) -> DPtr {
+        self.base
+    }
+
+    /// `[tokens]` u32: the step's token ids, rows in order.
+    pub fn token_ids(&self) -> DPtr {
+        self.token_ids
+    }
+
+    /// `[wanted]` u32: the step positions whose logits are produced, and how many there are.
+    pub fn wanted(&self) -> (DPtr, usize) {
+        (self.wanted, self.wanted_len)
     }
 
     /// Splits of the most split token of the step (the `splits` dimension of the MLA partials).
@@ -305,7 +341,7 @@ impl Gpu {
                 block_dim: (threads as u32, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let mut b = self.stream.launch_builder(func);
+            let mut b = self.lane().launch_builder(func);
             b.arg(&table).arg(args);
             // SAFETY: the table's addresses are live buffers of the rows' states and undo records, and the
             // argument buffers are `[n, ..]` as documented on `KdaArgs` (callers' contract).
@@ -340,7 +376,7 @@ impl Gpu {
             shared_mem_bytes: 0,
         };
         let (q_rank, width, r) = (m.q_lora_rank as i32, m.latent_dim() as i32, m.kv_lora_rank as i32);
-        let mut b = self.stream.launch_builder(&self.attn.mla_norm_append);
+        let mut b = self.lane().launch_builder(&self.attn.mla_norm_append);
         b.arg(&table).arg(&qa).arg(&qa_n).arg(&q_norm.0).arg(&q_rank).arg(&q_norm.1);
         b.arg(&kva).arg(&kv_norm.0).arg(&width).arg(&r).arg(&kv_norm.1);
         // SAFETY: every cache was grown to hold its window when the table was built; qa, qa_n and kva hold
@@ -398,7 +434,7 @@ impl Gpu {
             shared_mem_bytes: 0,
         };
         let a = ints(&[n, h, nope, rope, vdim, r]);
-        let mut b = self.stream.launch_builder(&self.attn.mla_absorb);
+        let mut b = self.lane().launch_builder(&self.attn.mla_absorb);
         b.arg(&q).arg(&kv_b).arg(&q_lat);
         for x in &a {
             b.arg(x);
@@ -414,7 +450,7 @@ impl Gpu {
             shared_mem_bytes: ((r + rope) * 4) as u32,
         };
         let a = ints(&[h, nope, rope, r]);
-        let mut b = self.stream.launch_builder(&self.attn.mla_split);
+        let mut b = self.lane().launch_builder(&self.attn.mla_split);
         b.arg(&table).arg(&tables.tok_row).arg(&q).arg(&q_lat).arg(&part_o).arg(&part_m).arg(&part_l);
         for x in &a {
             b.arg(x);
@@ -430,7 +466,7 @@ impl Gpu {
         };
         let gate: DPtr = gate.unwrap_or(0);
         let a = ints(&[n, splits, h, nope, vdim, r]);
-        let mut b = self.stream.launch_builder(&self.attn.mla_out);
+        let mut b = self.lane().launch_builder(&self.attn.mla_out);
         b.arg(&part_o).arg(&part_m).arg(&part_l).arg(&kv_b).arg(&gate).arg(&out);
         for x in &a {
             b.arg(x);

@@ -93,7 +93,7 @@ pub fn kda_forms(gpu: &Gpu, preset: &str, t: usize, seed: u64, with_cpu: bool) -
         host.kda[0] = start.clone();
         let mut state = DeviceState::import(gpu, &cfg, &host)?;
         let mut rows = [DeviceRow { state: &mut state, tokens: &tokens, logits_from: t, snapshots_from: None }];
-        let tables = StepTables::build(gpu, &cfg, &buffer, &mut rows, &[0, t], chunked_min)?;
+        let tables = StepTables::build(gpu, &cfg, &buffer, &mut rows, &[0, t], &[], chunked_min)?;
         let o = gpu.zeros::<bf16>(t * p)?;
         let args = KdaArgs {
             qkv: [gpu.ptr(&dev_in[0]), gpu.ptr(&dev_in[1]), gpu.ptr(&dev_in[2])],
@@ -317,7 +317,7 @@ pub fn mla_batch(gpu: &Gpu, preset: &str, batch: usize, seed: u64) -> Result<Mla
             .zip(&tokens)
             .map(|(state, t)| DeviceRow { state, tokens: t, logits_from: t.len(), snapshots_from: None })
             .collect();
-        let tables = StepTables::build(gpu, &cfg, &buffer, &mut rows, &sub_off, usize::MAX)?;
+        let tables = StepTables::build(gpu, &cfg, &buffer, &mut rows, &sub_off, &[], usize::MAX)?;
         gpu.synchronize()?;
         if profile {
             gpu.start_profile();

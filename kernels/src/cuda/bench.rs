@@ -26,7 +26,7 @@ use crate::cuda::device::{device_err, DeviceInfo};
 use crate::cuda::forward::{SPAN_DENSE, SPAN_HEAD, SPAN_KDA, SPAN_MLA, SPAN_MOE};
 use crate::cuda::ops::{Gemm, Gpu, Span};
 use crate::cuda::runner::{CudaRunner, LoadStats};
-use crate::cuda::weights::{DevFfn, DevLinear, DevMixer, DevNorm, DevWeights};
+use crate::cuda::weights::{DevFfn, DevLinear, DevMixer, DevMlp, DevNorm, DevWeights};
 use crate::error::{KernelError, Result};
 use crate::runner::{RowInput, Runner, SampleRequest, SamplingParams, StateId, TokenId};
 use crate::synth::SyntheticWeights;
@@ -39,6 +39,8 @@ pub struct CudaBenchOptions {
     pub preset: String,
     pub weights_seed: u64,
     pub gemm: Gemm,
+    /// Whether repeated step shapes run as CUDA graphs (the served default).
+    pub graphs: bool,
     /// Batch sizes of the decode sweep.
     pub batches: Vec<usize>,
     /// Timed steps per measurement (after two warm-up steps).
@@ -63,6 +65,7 @@ impl CudaBenchOptions {
             preset: preset.into(),
             weights_seed: 0,
             gemm: Gemm::BatchInvariant,
+            graphs: true,
             batches: vec![1, 2, 4, 8, 16, 32, 64],
             steps: 16,
             prompt_len: 128,
@@ -118,6 +121,9 @@ pub struct BatchResult {
     pub profiled_device_ms: f64,
     pub launches_per_step: u64,
     pub memory_ops_per_step: u64,
+    /// Timed steps replayed from a CUDA graph, and the nodes of the graph captured for this batch (0: none).
+    pub graphed_steps: u64,
+    pub graph_nodes: usize,
     pub by_type: Vec<TypeCost>,
     pub floor: Floor,
     /// `floor.floor_ms / step_ms_median`.
@@ -169,6 +175,7 @@ pub fn run(opts: &CudaBenchOptions) -> Result<CudaBenchReport> {
     let src = SyntheticWeights::new(cfg.clone(), opts.weights_seed);
     let mut runner = CudaRunner::new(opts.ordinal, cfg, &src)?;
     runner.set_gemm(opts.gemm);
+    runner.set_graphs(opts.graphs);
     let copy_bytes_per_second = copy_bandwidth(runner.gpu())?;
     let sweep_mode = match opts.synthetic_al {
         Some(al) => AcceptanceMode::Synthetic(SyntheticSchedule::from_acceptance_length(al, opts.draft_len)?),
@@ -305,6 +312,8 @@ struct Timed {
     mean_ms: f64,
     tokens_per_second: f64,
     tokens_per_row_step: f64,
+    /// Timed steps replayed from a CUDA graph.
+    graphed: u64,
 }
 
 fn time_steps(runner: &mut CudaRunner, b: &mut Batch, steps: usize, draft_len: usize) -> Result<Timed> {
@@ -312,11 +321,13 @@ fn time_steps(runner: &mut CudaRunner, b: &mut Batch, steps: usize, draft_len: u
         b.step(runner, draft_len, None)?;
     }
     let (mut times, mut generated) = (Vec::with_capacity(steps), 0usize);
+    let replayed_before = runner.model().graph_stats().replayed;
     for _ in 0..steps {
         let t0 = Instant::now();
         generated += b.step(runner, draft_len, None)?;
         times.push(t0.elapsed().as_secs_f64() * 1e3);
     }
+    let graphed = runner.model().graph_stats().replayed - replayed_before;
     let total_s: f64 = times.iter().sum::<f64>() * 1e-3;
     let mean_ms = total_s * 1e3 / steps as f64;
     Ok(Timed {
@@ -324,6 +335,7 @@ fn time_steps(runner: &mut CudaRunner, b: &mut Batch, steps: usize, draft_len: u
         mean_ms,
         tokens_per_second: generated as f64 / total_s,
         tokens_per_row_step: generated as f64 / (steps * b.states.len()) as f64,
+        graphed,
     })
 }
 
@@ -353,7 +365,9 @@ fn measure_prefilled(
     copy_bytes_per_second: f64,
 ) -> Result<BatchResult> {
     let batch = b.states.len();
+    let captured_before = runner.model().graph_stats().captured;
     let timed = time_steps(runner, b, opts.steps, opts.draft_len)?;
+    let graphs = runner.model().graph_stats();
     // One profiled step (device events at the span marks), then one traced step for the experts read.
     let issued_before = runner.gpu().issued();
     runner.gpu().start_profile();
@@ -375,6 +389,8 @@ fn measure_prefilled(
         profiled_device_ms: spans.iter().map(|s| s.ms).sum(),
         launches_per_step: issued_after.0 - issued_before.0,
         memory_ops_per_step: issued_after.1 - issued_before.1,
+        graphed_steps: timed.graphed,
+        graph_nodes: if graphs.captured > captured_before { graphs.last_capture_nodes } else { 0 },
         by_type: by_type(&spans),
         floor_fraction: floor.floor_ms / timed.median_ms,
         floor,
@@ -407,6 +423,10 @@ fn lin(l: &DevLinear) -> u64 {
     (l.w.len() * 2) as u64
 }
 
+fn mlp(m: &DevMlp) -> u64 {
+    (m.gate_up.w.len() * 2) as u64 + lin(&m.down)
+}
+
 fn norm(n: &DevNorm) -> u64 {
     (n.w.len() * 2) as u64
 }
@@ -435,7 +455,7 @@ fn weight_bytes(w: &DevWeights, cfg: &ModelConfig) -> (u64, u64) {
             }
         };
         dense += match &layer.ffn {
-            DevFfn::Dense(m) => lin(&m.gate) + lin(&m.up) + lin(&m.down),
+            DevFfn::Dense(m) => mlp(m),
             DevFfn::Moe(m) => {
                 let experts = [&m.w1, &m.w2, &m.w3].iter().map(|x| x.packed.len() + x.scales.len()).sum::<usize>();
                 per_expert = (experts / cfg.moe.num_experts) as u64;
@@ -444,7 +464,7 @@ fn weight_bytes(w: &DevWeights, cfg: &ModelConfig) -> (u64, u64) {
                     + lin(&m.down)
                     + lin(&m.up)
                     + norm(&m.norm)
-                    + m.shared.as_ref().map_or(0, |s| lin(&s.gate) + lin(&s.up) + lin(&s.down))
+                    + m.shared.as_ref().map_or(0, mlp)
             }
         };
     }
@@ -491,8 +511,13 @@ impl CudaBenchReport {
         let mut s = String::new();
         let o = &self.options;
         s += &format!(
-            "sparkd bench: {} on {} ({:?} GEMM), prompt {} tokens, {} timed steps\n",
-            o.preset, self.device.name, o.gemm, o.prompt_len, o.steps
+            "sparkd bench: {} on {} ({:?} GEMM, CUDA graphs {}), prompt {} tokens, {} timed steps\n",
+            o.preset,
+            self.device.name,
+            o.gemm,
+            if o.graphs { "on" } else { "off" },
+            o.prompt_len,
+            o.steps
         );
         s += &format!(
             "load: {:.1} GB of weights in {:.1} s ({:.2} GB/s; host fetch/generation {:.1} s, upload {:.1} s); kernels ready \
@@ -505,7 +530,8 @@ impl CudaBenchReport {
             self.load.kernel_setup_seconds,
             self.copy_bytes_per_second / 1e9
         );
-        s += "batch  step ms  tok/s     floor ms  floor%  launches/step  | per layer: kind ms (launches)\n";
+        s +=
+            "batch  step ms  tok/s     floor ms  floor%  launches/step  graph nodes  | per layer: kind ms (launches)\n";
         for r in &self.decode {
             let types: Vec<String> = r
                 .by_type
@@ -513,13 +539,14 @@ impl CudaBenchReport {
                 .map(|t| format!("{} {:.3} ({:.0})", t.kind, t.ms_per_layer, t.launches_per_layer))
                 .collect();
             s += &format!(
-                "{:>5}  {:>7.3}  {:>8.1}  {:>8.3}  {:>5.1}%  {:>13}  | {}\n",
+                "{:>5}  {:>7.3}  {:>8.1}  {:>8.3}  {:>5.1}%  {:>13}  {:>11}  | {}\n",
                 r.batch,
                 r.step_ms_median,
                 r.tokens_per_second,
                 r.floor.floor_ms,
                 100.0 * r.floor_fraction,
                 r.launches_per_step,
+                r.graph_nodes,
                 types.join(", ")
             );
         }

@@ -35,7 +35,7 @@ use crate::cuda::device::device_err;
 use crate::cuda::forward::{reserve, DeviceMla, DeviceModel};
 use crate::cuda::ops::{DPtr, Gpu, NULL};
 use crate::cuda::sample::{DeviceDraw, DeviceTokenMask, DrawPlan};
-use crate::cuda::weights::{DevLinear, DevMlp, DevNorm};
+use crate::cuda::weights::{DevLinear, DevNorm};
 use crate::dspark::config::{DrafterConfig, MAX_BLOCK};
 use crate::dspark::model::DRAFT_STREAM;
 use crate::dspark::schema::{
@@ -94,7 +94,10 @@ struct DraftLayer {
     kv_b_proj: DevLinear,
     o_proj: DevLinear,
     post_norm: DevNorm,
-    mlp: DevMlp,
+    /// The SiTU MLP's gate, up and down projections.
+    mlp_gate: DevLinear,
+    mlp_up: DevLinear,
+    mlp_down: DevLinear,
 }
 
 /// A sequence's drafter context on the device: per draft layer, latent entries `[capacity, latent]`
@@ -275,11 +278,9 @@ impl DeviceDrafter {
                 kv_b_proj: up.linear(&n("self_attn.kv_b_proj.weight"))?,
                 o_proj: up.linear(&n("self_attn.o_proj.weight"))?,
                 post_norm: up.norm(&n("post_attention_layernorm.weight"), eps)?,
-                mlp: DevMlp {
-                    gate: up.linear(&n("mlp.gate_proj.weight"))?,
-                    up: up.linear(&n("mlp.up_proj.weight"))?,
-                    down: up.linear(&n("mlp.down_proj.weight"))?,
-                },
+                mlp_gate: up.linear(&n("mlp.gate_proj.weight"))?,
+                mlp_up: up.linear(&n("mlp.up_proj.weight"))?,
+                mlp_down: up.linear(&n("mlp.down_proj.weight"))?,
             });
         }
         let bias_spec = up
@@ -334,7 +335,7 @@ impl DeviceDrafter {
         let (stride, offset, len, group, vectors) =
             (stride as i64, offset as i32, len as i32, group as i32, vectors as i64);
         let theta = self.cfg.rope_theta;
-        let mut b = gpu.stream.launch_builder(&self.kernels.rope_rows);
+        let mut b = gpu.lane().launch_builder(&self.kernels.rope_rows);
         b.arg(&x).arg(&stride).arg(&offset).arg(&len).arg(&group).arg(&positions).arg(&vectors).arg(&theta);
         unsafe { b.launch(cfg) }.map(|_| gpu.count_launch()).map_err(Self::launch_err("rope_rows"))
     }
@@ -374,7 +375,7 @@ impl DeviceDrafter {
         let cfg = LaunchConfig { grid_dim: (n as u32, m as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let (slot, d_) = ((tokens * d) as i64, d as i32);
         let (taps_ptr, idx_ptr, out_ptr) = (gpu.ptr(taps), gpu.ptr(&idx), gpu.ptr(&concat));
-        let mut b = gpu.stream.launch_builder(&self.kernels.concat_taps);
+        let mut b = gpu.lane().launch_builder(&self.kernels.concat_taps);
         b.arg(&taps_ptr).arg(&slot).arg(&idx_ptr).arg(&out_ptr).arg(&d_);
         unsafe { b.launch(cfg) }.map(|_| gpu.count_launch()).map_err(Self::launch_err("concat_taps"))?;
         let projected = linear(gpu, &self.context_proj, gpu.ptr(&concat), n)?;
@@ -483,7 +484,7 @@ impl DeviceDrafter {
                 let q_ptr = gpu.ptr(&q) + (s * heads * qh * 2) as u64;
                 let (cache_ptr, kv_b, sc) = (gpu.ptr(&cache.cache), gpu.ptr(&layer.kv_b_proj.w), gpu.ptr(&scores));
                 let o_ptr = gpu.ptr(&o) + (s * heads * mla.v_head_dim * 2) as u64;
-                let mut b = gpu.stream.launch_builder(&self.kernels.mla_attend_block);
+                let mut b = gpu.lane().launch_builder(&self.kernels.mla_attend_block);
                 b.arg(&q_ptr).arg(&cache_ptr).arg(&kv_b).arg(&sc).arg(&o_ptr);
                 for i in &ints {
                     b.arg(i);
@@ -496,12 +497,12 @@ impl DeviceDrafter {
             let attn = linear(gpu, &layer.o_proj, gpu.ptr(&o), n)?;
             gpu.add(gpu.ptr(&x), gpu.ptr(&attn), n * d)?;
             let hn = norm(gpu, &layer.post_norm, gpu.ptr(&x), n, d)?;
-            let g = linear(gpu, &layer.mlp.gate, gpu.ptr(&hn), n)?;
-            let u = linear(gpu, &layer.mlp.up, gpu.ptr(&hn), n)?;
-            let a = gpu.zeros::<bf16>(n * layer.mlp.gate.out_dim)?;
-            let len = n * layer.mlp.gate.out_dim;
+            let g = linear(gpu, &layer.mlp_gate, gpu.ptr(&hn), n)?;
+            let u = linear(gpu, &layer.mlp_up, gpu.ptr(&hn), n)?;
+            let a = gpu.zeros::<bf16>(n * layer.mlp_gate.out_dim)?;
+            let len = n * layer.mlp_gate.out_dim;
             gpu.situ(gpu.ptr(&g), gpu.ptr(&u), gpu.ptr(&a), len, cfg.situ_beta, cfg.situ_linear_beta)?;
-            let f = linear(gpu, &layer.mlp.down, gpu.ptr(&a), n)?;
+            let f = linear(gpu, &layer.mlp_down, gpu.ptr(&a), n)?;
             gpu.add(gpu.ptr(&x), gpu.ptr(&f), n * d)?;
         }
         let hidden = norm(gpu, &self.norm, gpu.ptr(&x), n, d)?; // [n, d]
@@ -571,13 +572,13 @@ impl DeviceDrafter {
         let plan = DrawPlan::new(gpu, vocab, &draws, DRAFT_STREAM)?;
         for k in 0..stride - 1 {
             let k_ = k as i32;
-            let mut b = gpu.stream.launch_builder(&self.kernels.markov_step);
+            let mut b = gpu.lane().launch_builder(&self.kernels.markov_step);
             b.arg(&k_).arg(&u_ptr).arg(&h_ptr).arg(&w1).arg(&w2).arg(&cw).arg(&cb);
             b.arg(&base_ptr).arg(&count_ptr).arg(&tok_ptr).arg(&stride_).arg(&mask_ptr).arg(&logits_ptr);
             b.arg(&conf_ptr);
             b.arg(&v_).arg(&r_).arg(&d_);
             unsafe { b.launch(step_cfg) }.map(|_| gpu.count_launch()).map_err(Self::launch_err("markov_step"))?;
-            let mut b = gpu.stream.launch_builder(&self.kernels.argmax_step);
+            let mut b = gpu.lane().launch_builder(&self.kernels.argmax_step);
             b.arg(&k_).arg(&logits_ptr).arg(&base_ptr).arg(&count_ptr).arg(&tok_ptr).arg(&stride_).arg(&v_);
             unsafe { b.launch(argmax_cfg) }.map(|_| gpu.count_launch()).map_err(Self::launch_err("argmax_step"))?;
             plan.launch(gpu, k)?;

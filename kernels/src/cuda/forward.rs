@@ -16,13 +16,19 @@
 //!   (`Gpu::attn_res_norm`), so an FFN output is added to the live slot by the next layer's read.
 //! - Logits are produced only for the positions rows ask for, and stay on the device.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use crate::config::ModelConfig;
 use crate::cpu::moe::Routing;
 use crate::cuda::attn::{KdaArgs, StepBuffer, StepTables, KDA_CHUNKED_MIN_TOKENS};
-use crate::cuda::ops::{moe_group_len, DPtr, ExpertCores, Gpu, NULL};
+use crate::cuda::device::device_err;
+use crate::cuda::graph::{CapturedStep, Decision, GraphCache, RowShape, StepShape, GRAPH_MAX_WINDOW};
+use crate::cuda::ops::{moe_group_len, DPtr, ExpertCores, Gemm, Gpu, NULL};
 use crate::cuda::weights::{
     DevFfn, DevKda, DevLinear, DevMerged, DevMixer, DevMla, DevMlp, DevMoe, DevNorm, DevWeights,
 };
@@ -244,25 +250,50 @@ pub struct DeviceOutput {
     pub taps: Option<CudaSlice<bf16>>,
 }
 
+/// How many steps ran from CUDA graphs (see `cuda::graph`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct GraphStats {
+    /// Graphs held now.
+    pub held: usize,
+    /// Graphs captured, and steps replayed from one, since the model was loaded.
+    pub captured: u64,
+    pub replayed: u64,
+    /// Nodes of the last graph captured (kernels, memsets, copies, memory nodes, event edges).
+    pub last_capture_nodes: usize,
+}
+
 /// The model on the device.
 pub struct DeviceModel {
     pub cfg: ModelConfig,
     pub weights: DevWeights,
     /// KDA windows of at least this many tokens without snapshots run the chunked form.
     pub kda_chunked_min: usize,
+    /// Whether repeated step shapes are captured into CUDA graphs and replayed (on by default).
+    pub graphs_enabled: bool,
     /// Where each step's row table is uploaded.
     tables: StepBuffer,
+    /// The captured steps by shape.
+    graphs: Mutex<GraphCache<CapturedStep>>,
+    last_capture_nodes: AtomicUsize,
 }
 
 impl DeviceModel {
     pub fn new(cfg: ModelConfig, weights: DevWeights) -> Self {
-        DeviceModel { cfg, weights, kda_chunked_min: KDA_CHUNKED_MIN_TOKENS, tables: StepBuffer::default() }
+        DeviceModel {
+            cfg,
+            weights,
+            kda_chunked_min: KDA_CHUNKED_MIN_TOKENS,
+            graphs_enabled: true,
+            tables: StepBuffer::default(),
+            graphs: Mutex::new(GraphCache::default()),
+            last_capture_nodes: AtomicUsize::new(0),
+        }
     }
 
     /// Grows the rows' MLA caches for their windows, allocates their snapshot buffers and uploads the
-    /// step's row table (see `cuda::attn`).
+    /// step's row table (see `cuda::attn`), for running single ops of a step (the op checks).
     pub fn step_tables(&self, gpu: &Gpu, rows: &mut [DeviceRow<'_>], offsets: &[usize]) -> Result<StepTables> {
-        StepTables::build(gpu, &self.cfg, &self.tables, rows, offsets, self.kda_chunked_min)
+        StepTables::build(gpu, &self.cfg, &self.tables, rows, offsets, &[], self.kda_chunked_min)
     }
 
     fn linear(&self, gpu: &Gpu, w: &DevLinear, x: DPtr, n: usize) -> Result<CudaSlice<bf16>> {
@@ -284,20 +315,20 @@ impl DeviceModel {
         gpu.rms_norm(x, dim, gpu.ptr(&norm.w), y, dim, rows, dim, norm.eps)
     }
 
-    /// `down(SiTU(gate x, up x))` over `[n, d]`.
+    /// `down(SiTU(gate x, up x))` over `[n, d]`, into `out` `[n, d]`: the merged gate/up GEMM, SiTU, down.
+    pub(crate) fn situ_mlp_into(&self, gpu: &Gpu, w: &DevMlp, x: DPtr, n: usize, out: DPtr) -> Result<()> {
+        let (gu, parts) = self.linear_parts(gpu, &w.gate_up, x, n)?; // [n, inter] gate, then [n, inter] up
+        let a = gpu.uninit::<bf16>(n * w.inter())?; // [n, inter], written in full by situ
+        gpu.situ(parts[0], parts[1], gpu.ptr(&a), n * w.inter(), self.cfg.situ_beta, self.cfg.situ_linear_beta)?;
+        drop(gu);
+        gpu.linear(gpu.ptr(&w.down.w), w.down.out_dim, w.down.in_dim, gpu.ptr(&a), n, out)
+    }
+
+    /// [`Self::situ_mlp_into`] into a fresh buffer.
     pub(crate) fn situ_mlp(&self, gpu: &Gpu, w: &DevMlp, x: DPtr, n: usize) -> Result<CudaSlice<bf16>> {
-        let g = self.linear(gpu, &w.gate, x, n)?;
-        let u = self.linear(gpu, &w.up, x, n)?;
-        let a = gpu.zeros::<bf16>(n * w.gate.out_dim)?;
-        gpu.situ(
-            gpu.ptr(&g),
-            gpu.ptr(&u),
-            gpu.ptr(&a),
-            n * w.gate.out_dim,
-            self.cfg.situ_beta,
-            self.cfg.situ_linear_beta,
-        )?;
-        self.linear(gpu, &w.down, gpu.ptr(&a), n)
+        let y = gpu.zeros::<bf16>(n * w.down.out_dim)?;
+        self.situ_mlp_into(gpu, w, x, n, gpu.ptr(&y))?;
+        Ok(y)
     }
 
     /// Runs every row's window through the model. `trace` receives, per MoE layer, every token's
@@ -314,11 +345,12 @@ impl DeviceModel {
     /// [`Self::forward`], also keeping the hidden state of every layer in `tap_layers` (ascending, never
     /// the last layer) at every token, as `cpu::Probe::tap_layers` defines it: the pre-attention
     /// AttnRes read of layer `l + 1`, before its input norm (the DSpark drafter's context features).
+    /// With graphs on, a step whose shape repeats is replayed from a CUDA graph (`cuda::graph`).
     pub fn forward_tapped(
         &self,
         gpu: &Gpu,
         rows: &mut [DeviceRow<'_>],
-        mut trace: Option<&mut Vec<Vec<Routing<f32>>>>,
+        trace: Option<&mut Vec<Vec<Routing<f32>>>>,
         tap_layers: &[usize],
     ) -> Result<DeviceOutput> {
         let cfg = &self.cfg;
@@ -334,21 +366,168 @@ impl DeviceModel {
             cfg.vocab_size,
         )?;
         let n = offsets[rows.len()];
-        let all_tokens: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
-        let tokens = gpu.upload(&all_tokens)?;
+        let wanted: Vec<u32> = rows
+            .iter()
+            .enumerate()
+            .flat_map(|(ri, r)| ((offsets[ri] + r.logits_from) as u32)..(offsets[ri + 1] as u32))
+            .collect();
+        let mut tables = StepTables::build(gpu, cfg, &self.tables, rows, &offsets, &wanted, self.kda_chunked_min)?;
+        let graphable = self.graphs_enabled
+            && trace.is_none()
+            && n > 0
+            && gpu.gemm == Gemm::BatchInvariant
+            && !gpu.profiling()
+            && rows.iter().all(|r| r.tokens.len() <= GRAPH_MAX_WINDOW);
+        let outputs = |gpu: &Gpu| -> Result<(CudaSlice<bf16>, Option<CudaSlice<bf16>>)> {
+            let taps = if tap_layers.is_empty() { None } else { Some(gpu.zeros::<bf16>(tap_layers.len() * n * d)?) };
+            Ok((gpu.zeros::<bf16>(wanted.len() * cfg.vocab_size)?, taps))
+        };
+        let (logits, taps) = if graphable {
+            let shape = StepShape {
+                rows: rows
+                    .iter()
+                    .map(|r| RowShape {
+                        tokens: r.tokens.len(),
+                        logits_from: r.logits_from,
+                        snapshots_from: r.snapshots_from,
+                    })
+                    .collect(),
+                mla_splits: tables.mla_splits(),
+                tap_layers: tap_layers.to_vec(),
+                table: tables.base(),
+            };
+            let mut graphs =
+                self.graphs.lock().map_err(|_| KernelError::Device("the graph cache lock is poisoned".into()))?;
+            if graphs.decide(&shape) == Decision::Capture {
+                let (logits, taps) = outputs(gpu)?;
+                let step = self.capture(gpu, &tables, tap_layers, logits, taps)?;
+                self.last_capture_nodes.store(step.nodes, Ordering::Relaxed);
+                graphs.store(&shape, step);
+            }
+            match graphs.replay(&shape) {
+                Some(step) => self.replay(gpu, step)?,
+                None => {
+                    let (logits, taps) = outputs(gpu)?;
+                    self.step_body(
+                        gpu,
+                        &tables,
+                        None,
+                        tap_layers,
+                        gpu.ptr(&logits),
+                        taps.as_ref().map(|t| gpu.ptr(t)),
+                    )?;
+                    (logits, taps)
+                }
+            }
+        } else {
+            let (logits, taps) = outputs(gpu)?;
+            self.step_body(gpu, &tables, trace, tap_layers, gpu.ptr(&logits), taps.as_ref().map(|t| gpu.ptr(t)))?;
+            (logits, taps)
+        };
 
+        let mut out_rows = Vec::with_capacity(rows.len());
+        let mut undo = Vec::with_capacity(rows.len());
+        let mut cursor = 0;
+        for (row, kda) in rows.iter_mut().zip(std::mem::take(&mut tables.undo)) {
+            let t = row.tokens.len();
+            let count = t - row.logits_from;
+            out_rows.push((cursor, count));
+            cursor += count;
+            undo.push(match (row.snapshots_from, kda) {
+                (Some(from), Some(kda)) => Some(DeviceUndo { start_len: row.state.len, from, window_len: t, kda }),
+                _ => None,
+            });
+            row.state.len += t;
+        }
+        Ok(DeviceOutput { logits, rows: out_rows, undo, taps })
+    }
+
+    /// Captures the step of `tables` into a CUDA graph writing into `logits` and `taps` (the capture itself
+    /// runs nothing).
+    fn capture(
+        &self,
+        gpu: &Gpu,
+        tables: &StepTables,
+        tap_layers: &[usize],
+        logits: CudaSlice<bf16>,
+        taps: Option<CudaSlice<bf16>>,
+    ) -> Result<CapturedStep> {
+        let (logits_at, taps_at) = (gpu.ptr(&logits), taps.as_ref().map(|t| gpu.ptr(t)));
+        gpu.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| device_err("starting a graph capture", e))?;
+        let body = self.step_body(gpu, tables, None, tap_layers, logits_at, taps_at);
+        // The capture is ended whatever the body did, so the stream is usable again.
+        let graph = gpu.stream.end_capture(CUgraphInstantiate_flags(0));
+        body?;
+        let graph = graph
+            .map_err(|e| device_err("instantiating the step graph", e))?
+            .ok_or_else(|| KernelError::Device("the step capture produced no graph".into()))?;
+        let mut nodes = 0usize;
+        // SAFETY: the graph is live; a null node array asks only for the count.
+        unsafe { cudarc::driver::sys::cuGraphGetNodes(graph.cu_graph(), std::ptr::null_mut(), &mut nodes) }
+            .result()
+            .map_err(|e| device_err("counting the step graph's nodes", e))?;
+        Ok(CapturedStep { graph, nodes, logits, taps })
+    }
+
+    /// Launches a captured step and copies its outputs into fresh buffers (they outlive later replays).
+    fn replay(&self, gpu: &Gpu, step: &CapturedStep) -> Result<(CudaSlice<bf16>, Option<CudaSlice<bf16>>)> {
+        step.graph.launch().map_err(|e| device_err("launching the step graph", e))?;
+        let logits = gpu.uninit::<bf16>(step.logits.len())?;
+        gpu.copy::<bf16>(gpu.ptr(&logits), gpu.ptr(&step.logits), step.logits.len())?;
+        let taps = match &step.taps {
+            Some(t) => {
+                let copy = gpu.uninit::<bf16>(t.len())?;
+                gpu.copy::<bf16>(gpu.ptr(&copy), gpu.ptr(t), t.len())?;
+                Some(copy)
+            }
+            None => None,
+        };
+        Ok((logits, taps))
+    }
+
+    /// Captured steps held and served, and the nodes of the last capture.
+    pub fn graph_stats(&self) -> GraphStats {
+        let last_capture_nodes = self.last_capture_nodes.load(Ordering::Relaxed);
+        match self.graphs.lock() {
+            Ok(g) => GraphStats { held: g.held(), captured: g.captured, replayed: g.replayed, last_capture_nodes },
+            Err(_) => GraphStats::default(),
+        }
+    }
+
+    /// Drops every captured step.
+    pub fn clear_graphs(&self) {
+        if let Ok(mut g) = self.graphs.lock() {
+            g.clear();
+        }
+    }
+
+    /// The launches of one step, on the device only (no host copies, no synchronisation): what a graph
+    /// captures. Reads the step's tokens and wanted positions from `tables`, writes `[wanted, vocab]` logits
+    /// at `logits` and, when `tap_layers` is not empty, `[taps, n, d]` at `taps`.
+    fn step_body(
+        &self,
+        gpu: &Gpu,
+        tables: &StepTables,
+        mut trace: Option<&mut Vec<Vec<Routing<f32>>>>,
+        tap_layers: &[usize],
+        logits: DPtr,
+        taps: Option<DPtr>,
+    ) -> Result<()> {
+        let cfg = &self.cfg;
+        let d = cfg.hidden_size;
+        let n = tables.tokens();
         let slots = 1 + (0..cfg.num_layers()).filter(|l| cfg.seals_before(*l)).count();
         let slot = n * d;
         gpu.mark("embed")?;
         let res = gpu.zeros::<bf16>(slots * slot)?; // [slots, n, d]
         let res_at = |i: usize| gpu.ptr(&res) + (i * slot * 2) as u64;
-        gpu.embed(gpu.ptr(&self.weights.embed), gpu.ptr(&tokens), res_at(0), n, d)?;
+        gpu.embed(gpu.ptr(&self.weights.embed), tables.token_ids(), res_at(0), n, d)?;
         // [n, d]: the normalised AttnRes read, the input of each mixer and FFN.
         let hn_buf = gpu.zeros::<bf16>(n * d)?;
         let hn = gpu.ptr(&hn_buf);
-        let taps = if tap_layers.is_empty() { None } else { Some(gpu.zeros::<bf16>(tap_layers.len() * n * d)?) };
         let mut sealed = 0usize;
-        let mut tables = self.step_tables(gpu, rows, &offsets)?;
         let (mut kda_idx, mut mla_idx) = (0usize, 0usize);
         let eps = cfg.rms_norm_eps;
         // The last FFN output, added to the live slot by the next read (one fused launch).
@@ -383,8 +562,8 @@ impl DeviceModel {
             // The tap of layer l - 1 is the pre-norm read just taken: the live sum, or the AttnRes read
             // (recomputed unfused, bit-identical to the one inside `attn_res_norm`).
             let tap = l.checked_sub(1).and_then(|prev| tap_layers.iter().position(|t| *t == prev));
-            if let (Some(i), Some(taps)) = (tap, &taps) {
-                let dst = gpu.ptr(taps) + (i * n * d * 2) as u64;
+            if let (Some(i), Some(taps)) = (tap, taps) {
+                let dst = taps + (i * n * d * 2) as u64;
                 if sealed == 0 {
                     gpu.copy::<bf16>(dst, res_at(0), n * d)?;
                 } else {
@@ -397,12 +576,12 @@ impl DeviceModel {
             }
             let a = match &lw.mixer {
                 DevMixer::Kda(w) => {
-                    let out = self.kda(gpu, w, hn, &tables, kda_idx)?;
+                    let out = self.kda(gpu, w, hn, tables, kda_idx)?;
                     kda_idx += 1;
                     out
                 }
                 DevMixer::Mla(w) => {
-                    let out = self.mla(gpu, w, hn, &tables, mla_idx)?;
+                    let out = self.mla(gpu, w, hn, tables, mla_idx)?;
                     mla_idx += 1;
                     out
                 }
@@ -432,42 +611,19 @@ impl DeviceModel {
 
         // The final read, norm and lm_head at the wanted positions only.
         gpu.mark(SPAN_HEAD)?;
-        let wanted: Vec<u32> = rows
-            .iter()
-            .enumerate()
-            .flat_map(|(ri, r)| ((offsets[ri] + r.logits_from) as u32)..(offsets[ri + 1] as u32))
-            .collect();
-        let nw = wanted.len();
-        let vocab = cfg.vocab_size;
-        let logits = gpu.zeros::<bf16>(nw * vocab)?;
+        let (wanted, nw) = tables.wanted();
         if nw > 0 {
-            let idx = gpu.upload(&wanted)?;
             let packed = gpu.zeros::<bf16>((sealed + 1) * nw * d)?;
-            gpu.gather_rows(gpu.ptr(&res), slot, gpu.ptr(&idx), nw, gpu.ptr(&packed), nw * d, sealed + 1, d)?;
+            gpu.gather_rows(gpu.ptr(&res), slot, wanted, nw, gpu.ptr(&packed), nw * d, sealed + 1, d)?;
             let hwn = gpu.zeros::<bf16>(nw * d)?;
             let norm = (gpu.ptr(&self.weights.norm.w), self.weights.norm.eps);
             let out_res = gpu.ptr(&self.weights.out_res);
             gpu.attn_res_norm(gpu.ptr(&packed), nw * d, sealed + 1, out_res, NULL, norm, gpu.ptr(&hwn), nw, d, eps)?;
             let lm = &self.weights.lm_head;
-            gpu.linear(gpu.ptr(&lm.w), lm.out_dim, lm.in_dim, gpu.ptr(&hwn), nw, gpu.ptr(&logits))?;
+            gpu.linear(gpu.ptr(&lm.w), lm.out_dim, lm.in_dim, gpu.ptr(&hwn), nw, logits)?;
         }
-
         gpu.mark("end")?;
-        let mut out_rows = Vec::with_capacity(rows.len());
-        let mut undo = Vec::with_capacity(rows.len());
-        let mut cursor = 0;
-        for (row, kda) in rows.iter_mut().zip(std::mem::take(&mut tables.undo)) {
-            let t = row.tokens.len();
-            let count = t - row.logits_from;
-            out_rows.push((cursor, count));
-            cursor += count;
-            undo.push(match (row.snapshots_from, kda) {
-                (Some(from), Some(kda)) => Some(DeviceUndo { start_len: row.state.len, from, window_len: t, kda }),
-                _ => None,
-            });
-            row.state.len += t;
-        }
-        Ok(DeviceOutput { logits, rows: out_rows, undo, taps })
+        Ok(())
     }
 
     /// A KDA layer over every row of the step (`tables` from [`DeviceModel::step_tables`]): the input
@@ -531,6 +687,17 @@ impl DeviceModel {
     ) -> Result<CudaSlice<bf16>> {
         let c = &self.cfg.moe;
         let (e, k, latent, inter) = (c.num_experts, c.top_k, c.latent_dim, c.expert_dim);
+        let d = self.cfg.hidden_size;
+        // The shared expert runs on the side lane, overlapping the routing and the routed experts; its
+        // output is allocated on the main lane before the fork and read after the join.
+        let shared = match &w.shared {
+            Some(mlp) => {
+                let out = gpu.uninit::<bf16>(n * d)?; // [n, d], written in full by the down GEMM
+                gpu.on_side(|| self.situ_mlp_into(gpu, mlp, hn, n, gpu.ptr(&out)))?;
+                Some(out)
+            }
+            None => None,
+        };
         let idx = gpu.uninit::<i32>(n * k)?; // [n, k], written in full by the router
         let wts = gpu.uninit::<f32>(n * k)?;
         let margin = gpu.uninit::<f32>(n)?;
@@ -609,9 +776,9 @@ impl DeviceModel {
             w.norm.eps,
         )?;
         let routed = self.linear(gpu, &w.up, gpu.ptr(&normed), n)?;
-        if let Some(shared) = &w.shared {
-            let sh = self.situ_mlp(gpu, shared, hn, n)?;
-            gpu.add(gpu.ptr(&routed), gpu.ptr(&sh), n * self.cfg.hidden_size)?;
+        if let Some(sh) = &shared {
+            gpu.join_side()?;
+            gpu.add(gpu.ptr(&routed), gpu.ptr(sh), n * d)?;
         }
         Ok(routed)
     }

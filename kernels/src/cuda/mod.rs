@@ -20,6 +20,7 @@ pub mod device;
 pub mod drafter;
 pub mod drafter_slot;
 pub mod forward;
+pub mod graph;
 pub mod matrix;
 pub mod ops;
 pub mod runner;

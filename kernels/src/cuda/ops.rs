@@ -2,9 +2,14 @@
 //! K3 forward.
 //!
 //! Invariants:
-//! - Event tracking is off and every launch, copy and GEMM goes to the one stream in issue order, so
-//!   buffers are passed to kernels as raw device addresses ([`DPtr`]) and are valid as long as their
-//!   owning `CudaSlice` lives across the call (the callers own every buffer for a whole forward).
+//! - Event tracking is off and every launch, copy, allocation and GEMM goes to the current lane's stream
+//!   in issue order, so buffers are passed to kernels as raw device addresses ([`DPtr`]) and are valid as
+//!   long as their owning `CudaSlice` lives across the call (the callers own every buffer for a whole
+//!   forward). The main lane is the backend's own stream (never the legacy default stream, which cannot
+//!   be captured into a CUDA graph); [`Gpu::on_side`] runs a closure on the side lane, forked from the
+//!   main stream before it and joined back after it through events, so the two overlap on the device,
+//!   eagerly and inside a graph capture alike. Work on the side lane reads only buffers allocated before
+//!   the fork, and the main lane reads its results only after the join.
 //! - Shapes are checked by the callers (the weight loader and the forward); kernels trust them.
 //! - Every launch and memory operation is counted ([`Gpu::issued`]); while a profile is recorded,
 //!   [`Gpu::mark`] puts timed events on the stream, so spans of the forward are timed on the device.
@@ -12,12 +17,12 @@
 //!   skinny tensor-core kernel of `gemm.cu`, whose result for a token does not depend on the batch
 //!   (see [`Gemm`]); its K split is a function of the weight's shape alone ([`skinny_split`]).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
     ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
@@ -97,7 +102,13 @@ pub struct Span {
 /// One GPU ready to run the K3 ops.
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
+    /// The main lane: the stream every op goes to unless [`Gpu::on_side`] says otherwise.
     pub stream: Arc<CudaStream>,
+    /// The side lane, and the events that fork it from the main lane and join it back.
+    side: Arc<CudaStream>,
+    on_side: AtomicBool,
+    fork_event: CudaEvent,
+    join_event: CudaEvent,
     blas: CudaBlas,
     k: Kernels,
     pub(crate) attn: AttnKernels,
@@ -198,11 +209,19 @@ impl Gpu {
             .map_err(|e| device_err("allowing the skinny GEMM its shared memory", e))?;
         }
         let attn = AttnKernels::load(module("kda.cu")?, module("mla.cu")?)?;
-        let stream = ctx.default_stream();
+        let stream = ctx.new_stream().map_err(|e| device_err("creating the main stream", e))?;
+        let side = ctx.new_stream().map_err(|e| device_err("creating the side stream", e))?;
+        let untimed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
+        let fork_event = ctx.new_event(untimed).map_err(|e| device_err("creating an event", e))?;
+        let join_event = ctx.new_event(untimed).map_err(|e| device_err("creating an event", e))?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| device_err("creating the cuBLAS handle", e))?;
         Ok(Gpu {
             ctx,
             stream,
+            side,
+            on_side: AtomicBool::new(false),
+            fork_event,
+            join_event,
             blas,
             k,
             attn,
@@ -219,6 +238,46 @@ impl Gpu {
 
     fn count_memory_op(&self) {
         self.counters.memory_ops.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The stream of the current lane.
+    pub(crate) fn lane(&self) -> &Arc<CudaStream> {
+        if self.on_side.load(Ordering::Relaxed) {
+            &self.side
+        } else {
+            &self.stream
+        }
+    }
+
+    /// Issues `work` on the side lane: the side stream first waits for everything issued to the main
+    /// stream so far, then runs `work`'s ops, overlapping main-lane ops issued after this call, until
+    /// [`Gpu::join_side`]. cuBLAS is bound to the main stream, so with [`Gemm::Cublas`] `work` runs on
+    /// the main lane.
+    pub fn on_side<T>(&self, work: impl FnOnce() -> Result<T>) -> Result<T> {
+        if self.gemm == Gemm::Cublas {
+            return work();
+        }
+        if self.on_side.swap(true, Ordering::Relaxed) {
+            return Err(KernelError::Device("the side lane is already in use".into()));
+        }
+        let forked = self
+            .fork_event
+            .record(&self.stream)
+            .and_then(|_| self.side.wait(&self.fork_event))
+            .map_err(|e| device_err("forking the side lane", e));
+        let out = forked.and_then(|_| work());
+        self.on_side.store(false, Ordering::Relaxed);
+        out
+    }
+
+    /// Makes the main stream wait for every op issued on the side lane so far (a no-op when none is
+    /// outstanding). Every [`Gpu::on_side`] is joined before its results are read and before a graph
+    /// capture ends.
+    pub fn join_side(&self) -> Result<()> {
+        self.join_event
+            .record(&self.side)
+            .and_then(|_| self.stream.wait(&self.join_event))
+            .map_err(|e| device_err("joining the side lane", e))
     }
 
     /// `(kernel launches incl. cuBLAS calls, memsets + device copies)` issued so far.
@@ -247,6 +306,11 @@ impl Gpu {
         Ok(())
     }
 
+    /// Whether a profile is being recorded.
+    pub fn profiling(&self) -> bool {
+        self.profile.lock().map(|p| p.is_some()).unwrap_or(false)
+    }
+
     /// Stops recording and returns the spans between consecutive marks (waits for the device).
     pub fn finish_profile(&self) -> Result<Vec<Span>> {
         let marks = self.profile.lock().ok().and_then(|mut p| p.take()).unwrap_or_default();
@@ -273,14 +337,14 @@ impl Gpu {
     /// A zeroed device buffer of `n` elements (at least one, so that every buffer has an address).
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
         self.count_memory_op();
-        self.stream.alloc_zeros::<T>(n.max(1)).map_err(|e| device_err(&format!("allocating {n} elements"), e))
+        self.lane().alloc_zeros::<T>(n.max(1)).map_err(|e| device_err(&format!("allocating {n} elements"), e))
     }
 
     /// A device buffer of `n` elements (at least one) left uninitialised: only for outputs that a kernel writes
     /// in full before anything reads them (it saves the memset of [`Gpu::zeros`]).
     pub fn uninit<T: DeviceRepr>(&self, n: usize) -> Result<CudaSlice<T>> {
         // SAFETY: plain device memory; the caller's contract (above) keeps uninitialised values from being read.
-        unsafe { self.stream.alloc::<T>(n.max(1)) }.map_err(|e| device_err(&format!("allocating {n} elements"), e))
+        unsafe { self.lane().alloc::<T>(n.max(1)) }.map_err(|e| device_err(&format!("allocating {n} elements"), e))
     }
 
     pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
@@ -308,16 +372,19 @@ impl Gpu {
         Ok(dst)
     }
 
-    /// Copies `bytes` to device address `dst` (which must have room for them), synchronously.
+    /// Copies `bytes` to device address `dst` (which must have room for them), after everything issued
+    /// before and before anything issued after, and returns once the copy is done. The copy goes to the
+    /// main stream, not the legacy default one, which the backend's streams do not synchronise with.
     pub fn upload_bytes_at(&self, dst: DPtr, bytes: &[u8]) -> Result<()> {
         if bytes.is_empty() {
             return Ok(());
         }
         self.synchronize()?;
-        // SAFETY: callers pass the address of a live buffer with room for `bytes`; the copy is
-        // synchronous, so `bytes` outlives it.
-        unsafe { cudarc::driver::result::memcpy_htod_sync(dst, bytes) }
-            .map_err(|e| device_err("host to device copy", e))
+        // SAFETY: callers pass the address of a live buffer with room for `bytes`; the stream is
+        // synchronised before returning, so `bytes` outlives the copy.
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst, bytes, self.stream.cu_stream()) }
+            .map_err(|e| device_err("host to device copy", e))?;
+        self.synchronize()
     }
 
     pub fn download<T: DeviceRepr + Default + Clone>(&self, s: &CudaSlice<T>, n: usize) -> Result<Vec<T>> {
@@ -338,7 +405,7 @@ impl Gpu {
         }
         let bytes = count * std::mem::size_of::<T>();
         // SAFETY: callers pass addresses of live buffers with at least `count` elements each.
-        unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
+        unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.lane().cu_stream()) }
             .map(|_| self.count_memory_op())
             .map_err(|e| device_err("device to device copy", e))
     }
@@ -351,7 +418,7 @@ impl Gpu {
     pub fn embed(&self, table: DPtr, tokens: DPtr, out: DPtr, n: usize, d: usize) -> Result<()> {
         let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let d = d as i32;
-        let mut b = self.stream.launch_builder(&self.k.embed_gather);
+        let mut b = self.lane().launch_builder(&self.k.embed_gather);
         b.arg(&table).arg(&tokens).arg(&out).arg(&d);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("embed_gather"))
     }
@@ -371,7 +438,7 @@ impl Gpu {
     ) -> Result<()> {
         let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let (xs, ys, dim) = (x_stride as i64, y_stride as i64, dim as i32);
-        let mut b = self.stream.launch_builder(&self.k.rms_norm);
+        let mut b = self.lane().launch_builder(&self.k.rms_norm);
         b.arg(&x).arg(&xs).arg(&w).arg(&y).arg(&ys).arg(&dim).arg(&eps);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("rms_norm"))
     }
@@ -394,7 +461,7 @@ impl Gpu {
         }
         let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let (slot, nsrc, d) = (slot as i64, nsrc as i32, d as i32);
-        let mut b = self.stream.launch_builder(&self.k.attn_res_read);
+        let mut b = self.lane().launch_builder(&self.k.attn_res_read);
         b.arg(&sources).arg(&slot).arg(&nsrc).arg(&q).arg(&out).arg(&d).arg(&eps);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("attn_res_read"))
     }
@@ -425,7 +492,7 @@ impl Gpu {
         }
         let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: (d * 4) as u32 };
         let (slot, nsrc, d) = (slot as i64, nsrc as i32, d as i32);
-        let mut b = self.stream.launch_builder(&self.k.attn_res_norm);
+        let mut b = self.lane().launch_builder(&self.k.attn_res_norm);
         b.arg(&sources)
             .arg(&slot)
             .arg(&nsrc)
@@ -442,14 +509,14 @@ impl Gpu {
     /// `a = bf(a + b)` over `len` elements.
     pub fn add(&self, a: DPtr, b_: DPtr, len: usize) -> Result<()> {
         let n = len as i64;
-        let mut b = self.stream.launch_builder(&self.k.add_in_place);
+        let mut b = self.lane().launch_builder(&self.k.add_in_place);
         b.arg(&a).arg(&b_).arg(&n);
         unsafe { b.launch(grid_1d(len, 256)) }.map(|_| self.count_launch()).map_err(launch_err("add_in_place"))
     }
 
     pub fn situ(&self, g: DPtr, u: DPtr, out: DPtr, len: usize, beta: f32, lbeta: f32) -> Result<()> {
         let n = len as i64;
-        let mut b = self.stream.launch_builder(&self.k.situ);
+        let mut b = self.lane().launch_builder(&self.k.situ);
         b.arg(&g).arg(&u).arg(&out).arg(&n).arg(&beta).arg(&lbeta);
         unsafe { b.launch(grid_1d(len, 256)) }.map(|_| self.count_launch()).map_err(launch_err("situ"))
     }
@@ -470,7 +537,7 @@ impl Gpu {
         let cfg =
             LaunchConfig { grid_dim: (nrows as u32, slots as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let (ss, os, d) = (src_slot as i64, out_slot as i64, d as i32);
-        let mut b = self.stream.launch_builder(&self.k.gather_rows);
+        let mut b = self.lane().launch_builder(&self.k.gather_rows);
         b.arg(&src).arg(&ss).arg(&rows).arg(&out).arg(&os).arg(&d);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("gather_rows"))
     }
@@ -488,7 +555,7 @@ impl Gpu {
     ) -> Result<()> {
         let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
         let v = vocab as i32;
-        let mut b = self.stream.launch_builder(&self.k.sample_rows);
+        let mut b = self.lane().launch_builder(&self.k.sample_rows);
         b.arg(&desc).arg(&mask).arg(&v).arg(&status).arg(&top);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("sample_rows"))
     }
@@ -505,7 +572,7 @@ impl Gpu {
     ) -> Result<()> {
         let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
         let v = vocab as i32;
-        let mut b = self.stream.launch_builder(&self.k.sample_rows_f32);
+        let mut b = self.lane().launch_builder(&self.k.sample_rows_f32);
         b.arg(&desc).arg(&mask).arg(&v).arg(&status).arg(&top);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("sample_rows_f32"))
     }
@@ -513,7 +580,7 @@ impl Gpu {
     /// `out[i] = hash3(seeds[i], positions[i], streams[i])` (u64) on the device, for `n` triples.
     pub fn rng_hash3(&self, seeds: DPtr, positions: DPtr, streams: DPtr, out: DPtr, n: usize) -> Result<()> {
         let ni = n as i32;
-        let mut b = self.stream.launch_builder(&self.k.rng_hash3);
+        let mut b = self.lane().launch_builder(&self.k.rng_hash3);
         b.arg(&seeds).arg(&positions).arg(&streams).arg(&out).arg(&ni);
         unsafe { b.launch(grid_1d(n, 256)) }.map(|_| self.count_launch()).map_err(launch_err("rng_hash3"))
     }
@@ -612,7 +679,7 @@ impl Gpu {
         let vec = aligned(w) as i32 | ((aligned(x) as i32) << 1);
         let (seg, nseg) = parts.unwrap_or((NULL, 0));
         let (nn, kk, mm, nseg, split) = (out_dim as i32, in_dim as i32, n as i32, nseg as i32, split as i32);
-        let mut b = self.stream.launch_builder(func);
+        let mut b = self.lane().launch_builder(func);
         b.arg(&w).arg(&x).arg(&y).arg(&nn).arg(&kk).arg(&mm).arg(&seg).arg(&nseg).arg(&split).arg(&vec);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("skinny_gemm"))
     }
@@ -676,7 +743,7 @@ impl Gpu {
             shared_mem_bytes: 0,
         };
         let (d, e) = (d as i32, experts as i32);
-        let mut b = self.stream.launch_builder(&self.k.moe_router_logits);
+        let mut b = self.lane().launch_builder(&self.k.moe_router_logits);
         b.arg(&h).arg(&w).arg(&logits_ptr).arg(&d).arg(&e);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_router_logits"))?;
         let cfg = LaunchConfig {
@@ -685,7 +752,7 @@ impl Gpu {
             shared_mem_bytes: (2 * experts * 4) as u32,
         };
         let (k, rn) = (k as i32, renormalize as i32);
-        let mut b = self.stream.launch_builder(&self.k.moe_route);
+        let mut b = self.lane().launch_builder(&self.k.moe_route);
         b.arg(&logits_ptr).arg(&bias).arg(&idx).arg(&wts).arg(&margin).arg(&e).arg(&k).arg(&rn).arg(&scale);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_route"))
     }
@@ -700,7 +767,7 @@ impl Gpu {
             return Err(KernelError::InvalidInput(format!("grouping {experts} experts needs too much shared memory")));
         }
         let (n, k, e) = (n as i32, k as i32, experts as i32);
-        let mut b = self.stream.launch_builder(&self.k.moe_group);
+        let mut b = self.lane().launch_builder(&self.k.moe_group);
         b.arg(&idx).arg(&n).arg(&k).arg(&e).arg(&group).arg(&pairs);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_group"))
     }
@@ -727,7 +794,7 @@ impl Gpu {
         check_expert_width("latent", latent)?;
         let cfg = cores.launch(n, k, experts, inter);
         let (k, e, dl, di) = (k as i32, experts as i32, latent as i32, inter as i32);
-        let mut b = self.stream.launch_builder(&self.k.moe_gate_up[cores as usize]);
+        let mut b = self.lane().launch_builder(&self.k.moe_gate_up[cores as usize]);
         b.arg(&z).arg(&w1.0).arg(&w1.1).arg(&w3.0).arg(&w3.1).arg(&grouping.0).arg(&grouping.1).arg(&a);
         b.arg(&k).arg(&e).arg(&dl).arg(&di).arg(&beta).arg(&lbeta);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_gate_up"))
@@ -752,7 +819,7 @@ impl Gpu {
         check_expert_width("expert", inter)?;
         let cfg = cores.launch(n, k, experts, latent);
         let (e, dl, di) = (experts as i32, latent as i32, inter as i32);
-        let mut b = self.stream.launch_builder(&self.k.moe_down[cores as usize]);
+        let mut b = self.lane().launch_builder(&self.k.moe_down[cores as usize]);
         b.arg(&a).arg(&w2.0).arg(&w2.1).arg(&grouping.0).arg(&grouping.1).arg(&y).arg(&e).arg(&dl).arg(&di);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_down"))
     }
@@ -780,7 +847,7 @@ impl Gpu {
             return Err(KernelError::InvalidInput(format!("a routed norm over {latent} values is not supported")));
         }
         let (k, dl) = (k as i32, latent as i32);
-        let mut b = self.stream.launch_builder(&self.k.moe_combine_norm);
+        let mut b = self.lane().launch_builder(&self.k.moe_combine_norm);
         b.arg(&y).arg(&wts).arg(&norm_w).arg(&out).arg(&k).arg(&dl).arg(&eps);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_combine_norm"))
     }

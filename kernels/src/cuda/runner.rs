@@ -115,6 +115,15 @@ impl CudaRunner {
         self.gpu.gemm = gemm;
     }
 
+    /// Turns the capture and replay of repeated step shapes as CUDA graphs on or off (on by default;
+    /// off drops the graphs held).
+    pub fn set_graphs(&mut self, on: bool) {
+        self.model.graphs_enabled = on;
+        if !on {
+            self.model.clear_graphs();
+        }
+    }
+
     pub fn load_stats(&self) -> &LoadStats {
         &self.load
     }

@@ -7,7 +7,7 @@
 //! whole model. Derived values match the CPU reference exactly: `a = exp(A_log[..num_heads])` and the
 //! AttnRes pseudo-query `norm * proj` are computed on the host in f32, as `cpu::weights` computes them.
 //! The projections a mixer applies to the same input are stacked at load into one matrix
-//! ([`DevMerged`]: KDA's q, k, v, g, f_a, b and MLA's q_a, kv_a, g), uploaded part by part into their
+//! ([`DevMerged`]: KDA's q, k, v, g, f_a, b, MLA's q_a, kv_a, g and an MLP's gate and up), uploaded part by part into their
 //! rows, so each runs as one GEMM whose output parts keep the separate tensors' layouts.
 
 use std::collections::HashMap;
@@ -50,6 +50,8 @@ impl DevMerged {
 
 /// The parts of [`DevKda::in_proj`], in row order.
 pub const KDA_IN_PARTS: [&str; 6] = ["q_proj", "k_proj", "v_proj", "g_proj", "f_a_proj", "b_proj"];
+/// The parts of [`DevMlp::gate_up`], in row order.
+pub const MLP_IN_PARTS: [&str; 2] = ["gate_proj", "up_proj"];
 /// The parts of [`DevMla::in_proj`], in row order.
 pub const MLA_IN_PARTS: [&str; 3] = ["q_a_proj", "kv_a_proj_with_mqa", "g_proj"];
 
@@ -84,10 +86,17 @@ pub struct DevMla {
     pub o_proj: DevLinear,
 }
 
+/// A SiTU MLP: `gate_proj` and `up_proj` stacked into one matrix (parts [`MLP_IN_PARTS`]), and `down_proj`.
 pub struct DevMlp {
-    pub gate: DevLinear,
-    pub up: DevLinear,
+    pub gate_up: DevMerged,
     pub down: DevLinear,
+}
+
+impl DevMlp {
+    /// The intermediate width.
+    pub fn inter(&self) -> usize {
+        self.gate_up.bounds[1]
+    }
 }
 
 /// One MXFP4 projection of every expert of a layer: packed `[E, out, in/2]`, scales `[E, out, in/32]`.
@@ -258,11 +267,16 @@ impl Uploader<'_> {
     }
 
     fn mlp(&mut self, prefix: &str) -> Result<DevMlp> {
-        Ok(DevMlp {
-            gate: self.linear(&format!("{prefix}.gate_proj.weight"))?,
-            up: self.linear(&format!("{prefix}.up_proj.weight"))?,
-            down: self.linear(&format!("{prefix}.down_proj.weight"))?,
-        })
+        let parts: Vec<String> = MLP_IN_PARTS.iter().map(|p| format!("{prefix}.{p}.weight")).collect();
+        let gate_up = self.merged(&parts)?;
+        if gate_up.bounds[1] * 2 != gate_up.out_dim() {
+            return Err(KernelError::InvalidInput(format!(
+                "`{prefix}`: gate_proj has {} rows and up_proj {}; SiTU needs them equal",
+                gate_up.bounds[1],
+                gate_up.out_dim() - gate_up.bounds[1]
+            )));
+        }
+        Ok(DevMlp { gate_up, down: self.linear(&format!("{prefix}.down_proj.weight"))? })
     }
 
     /// Every expert's `proj` of layer `l`, concatenated in expert order on the device; each expert's
