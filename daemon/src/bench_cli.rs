@@ -61,6 +61,9 @@ pub struct BenchArgs {
     /// CUDA: run every step eagerly instead of replaying repeated step shapes from CUDA graphs.
     #[arg(long)]
     pub no_graphs: bool,
+    /// CUDA: also time every batch with graphs off, in the same run (the eager baseline).
+    #[arg(long)]
+    pub compare_eager: bool,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Write the JSON report here (default: stdout).
@@ -124,6 +127,7 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
                     GemmArg::Cublas => Gemm::Cublas,
                 },
                 graphs: !args.no_graphs,
+                compare_eager: args.compare_eager,
                 batches: args.batch.clone(),
                 steps: args.steps,
                 prompt_len: args.prompt_len,

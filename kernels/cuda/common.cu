@@ -65,12 +65,13 @@ extern "C" __global__ void attn_res_read(const __nv_bfloat16 *sources, long slot
 
 // The residual add, AttnRes read and RMSNorm of one token in one kernel: when `addend` is given, the
 // live source (the last slot) first becomes bf(live + addend) (written back); then the read as
-// attn_res_read (kept in shared memory, bf16-rounded), then rms_norm of it with weight `norm_w`.
+// attn_res_read (kept in shared memory, bf16-rounded, and written to `read_out` [n, d] when given: the
+// DSpark taps), then rms_norm of it with weight `norm_w` into `out` [n, d].
 // Bit-identical to add_in_place, attn_res_read and rms_norm in sequence at 256 threads: the same
 // per-thread column order and block reductions. grid = n tokens, 256 threads, d floats of shared memory.
 extern "C" __global__ void attn_res_norm(__nv_bfloat16 *sources, long slot, int nsrc, const float *q,
                                          const __nv_bfloat16 *addend, const __nv_bfloat16 *norm_w, float norm_eps,
-                                         __nv_bfloat16 *out, int d, float eps) {
+                                         __nv_bfloat16 *out, __nv_bfloat16 *read_out, int d, float eps) {
     extern __shared__ float read[]; // [d]
     __shared__ float score[64];
     long t = blockIdx.x;
@@ -87,6 +88,7 @@ extern "C" __global__ void attn_res_norm(__nv_bfloat16 *sources, long slot, int 
         for (int i = 0; i < nsrc; i++) acc += p[i] * ld(sources + i * slot + t * d, c);
         float v = bf_round(acc);
         read[c] = v;
+        if (read_out != nullptr) read_out[t * d + c] = __float2bfloat16_rn(acc);
         ss += v * v;
     }
     ss = block_sum(ss);

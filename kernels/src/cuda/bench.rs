@@ -41,6 +41,8 @@ pub struct CudaBenchOptions {
     pub gemm: Gemm,
     /// Whether repeated step shapes run as CUDA graphs (the served default).
     pub graphs: bool,
+    /// With graphs on, also time every batch of the sweep with graphs off, in the same process.
+    pub compare_eager: bool,
     /// Batch sizes of the decode sweep.
     pub batches: Vec<usize>,
     /// Timed steps per measurement (after two warm-up steps).
@@ -66,6 +68,7 @@ impl CudaBenchOptions {
             weights_seed: 0,
             gemm: Gemm::BatchInvariant,
             graphs: true,
+            compare_eager: false,
             batches: vec![1, 2, 4, 8, 16, 32, 64],
             steps: 16,
             prompt_len: 128,
@@ -114,6 +117,8 @@ pub struct BatchResult {
     pub draft_len: usize,
     pub step_ms_median: f64,
     pub step_ms_mean: f64,
+    /// The same steps with CUDA graphs off (only with `compare_eager`).
+    pub eager_step_ms_median: Option<f64>,
     pub tokens_per_second: f64,
     /// Generated tokens per row per step (1 for plain decoding).
     pub tokens_per_step_per_row: f64,
@@ -368,6 +373,14 @@ fn measure_prefilled(
     let captured_before = runner.model().graph_stats().captured;
     let timed = time_steps(runner, b, opts.steps, opts.draft_len)?;
     let graphs = runner.model().graph_stats();
+    let eager_step_ms_median = if opts.graphs && opts.compare_eager {
+        runner.set_graphs(false);
+        let eager = time_steps(runner, b, opts.steps, opts.draft_len);
+        runner.set_graphs(true);
+        Some(eager?.median_ms)
+    } else {
+        None
+    };
     // One profiled step (device events at the span marks), then one traced step for the experts read.
     let issued_before = runner.gpu().issued();
     runner.gpu().start_profile();
@@ -384,6 +397,7 @@ fn measure_prefilled(
         draft_len: opts.draft_len,
         step_ms_median: timed.median_ms,
         step_ms_mean: timed.mean_ms,
+        eager_step_ms_median,
         tokens_per_second: timed.tokens_per_second,
         tokens_per_step_per_row: timed.tokens_per_row_step,
         profiled_device_ms: spans.iter().map(|s| s.ms).sum(),
@@ -531,7 +545,7 @@ impl CudaBenchReport {
             self.copy_bytes_per_second / 1e9
         );
         s +=
-            "batch  step ms  tok/s     floor ms  floor%  launches/step  graph nodes  | per layer: kind ms (launches)\n";
+            "batch  step ms  eager ms  tok/s     floor ms  floor%  launches/step  graph nodes  | per layer: kind ms (launches)\n";
         for r in &self.decode {
             let types: Vec<String> = r
                 .by_type
@@ -539,9 +553,10 @@ impl CudaBenchReport {
                 .map(|t| format!("{} {:.3} ({:.0})", t.kind, t.ms_per_layer, t.launches_per_layer))
                 .collect();
             s += &format!(
-                "{:>5}  {:>7.3}  {:>8.1}  {:>8.3}  {:>5.1}%  {:>13}  {:>11}  | {}\n",
+                "{:>5}  {:>7.3}  {:>8}  {:>8.1}  {:>8.3}  {:>5.1}%  {:>13}  {:>11}  | {}\n",
                 r.batch,
                 r.step_ms_median,
+                r.eager_step_ms_median.map_or("-".to_string(), |ms| format!("{ms:.3}")),
                 r.tokens_per_second,
                 r.floor.floor_ms,
                 100.0 * r.floor_fraction,

@@ -538,11 +538,18 @@ impl DeviceModel {
                 DevMixer::Mla(_) => SPAN_MLA,
             })?;
             let input_norm = (gpu.ptr(&lw.input_norm.w), lw.input_norm.eps);
+            // The tap of layer l - 1 is the pre-norm read taken here: the live sum, or the AttnRes read
+            // (written by the same launch that normalises it).
+            let tap = l.checked_sub(1).and_then(|prev| tap_layers.iter().position(|t| *t == prev));
+            let tap_at = tap.zip(taps).map(|(i, taps)| taps + (i * n * d * 2) as u64);
             if sealed == 0 {
                 if let Some(f) = pending.take() {
                     gpu.add(res_at(0), gpu.ptr(&f), n * d)?;
                 }
                 self.norm_rows(gpu, &lw.input_norm, res_at(0), hn, n, d)?;
+                if let Some(dst) = tap_at {
+                    gpu.copy::<bf16>(dst, res_at(0), n * d)?;
+                }
             } else {
                 let addend = pending.take();
                 let add = addend.as_ref().map_or(NULL, |f| gpu.ptr(f));
@@ -554,21 +561,11 @@ impl DeviceModel {
                     add,
                     input_norm,
                     hn,
+                    tap_at.unwrap_or(NULL),
                     n,
                     d,
                     eps,
                 )?;
-            }
-            // The tap of layer l - 1 is the pre-norm read just taken: the live sum, or the AttnRes read
-            // (recomputed unfused, bit-identical to the one inside `attn_res_norm`).
-            let tap = l.checked_sub(1).and_then(|prev| tap_layers.iter().position(|t| *t == prev));
-            if let (Some(i), Some(taps)) = (tap, taps) {
-                let dst = taps + (i * n * d * 2) as u64;
-                if sealed == 0 {
-                    gpu.copy::<bf16>(dst, res_at(0), n * d)?;
-                } else {
-                    gpu.attn_res_read(gpu.ptr(&res), slot, sealed + 1, gpu.ptr(&lw.attn_res), dst, n, d, eps)?;
-                }
             }
             let live_fresh = cfg.seals_before(l);
             if live_fresh {
@@ -598,7 +595,19 @@ impl DeviceModel {
                 DevFfn::Moe(_) => SPAN_MOE,
             })?;
             let post_norm = (gpu.ptr(&lw.post_norm.w), lw.post_norm.eps);
-            gpu.attn_res_norm(gpu.ptr(&res), slot, sealed + 1, gpu.ptr(&lw.mlp_res), add, post_norm, hn, n, d, eps)?;
+            gpu.attn_res_norm(
+                gpu.ptr(&res),
+                slot,
+                sealed + 1,
+                gpu.ptr(&lw.mlp_res),
+                add,
+                post_norm,
+                hn,
+                NULL,
+                n,
+                d,
+                eps,
+            )?;
             let f = match &lw.ffn {
                 DevFfn::Dense(w) => self.situ_mlp(gpu, w, hn, n)?,
                 DevFfn::Moe(w) => self.moe(gpu, w, hn, n, trace.as_deref_mut())?,
@@ -618,7 +627,8 @@ impl DeviceModel {
             let hwn = gpu.zeros::<bf16>(nw * d)?;
             let norm = (gpu.ptr(&self.weights.norm.w), self.weights.norm.eps);
             let out_res = gpu.ptr(&self.weights.out_res);
-            gpu.attn_res_norm(gpu.ptr(&packed), nw * d, sealed + 1, out_res, NULL, norm, gpu.ptr(&hwn), nw, d, eps)?;
+            let hwn_at = gpu.ptr(&hwn);
+            gpu.attn_res_norm(gpu.ptr(&packed), nw * d, sealed + 1, out_res, NULL, norm, hwn_at, NULL, nw, d, eps)?;
             let lm = &self.weights.lm_head;
             gpu.linear(gpu.ptr(&lm.w), lm.out_dim, lm.in_dim, gpu.ptr(&hwn), nw, logits)?;
         }

@@ -468,8 +468,9 @@ impl Gpu {
 
     /// The residual add, AttnRes read and RMSNorm fused (`attn_res_norm` in common.cu): when `addend`
     /// is not [`NULL`], the live slot (the last of `nsrc`) first becomes `bf(live + addend)`; then
-    /// `out = rms_norm(read)`, `[n, d]`. Bit-identical to [`Gpu::add`], [`Gpu::attn_res_read`] and
-    /// [`Gpu::rms_norm`] in sequence, in one launch.
+    /// `out = rms_norm(read)`, `[n, d]`, and, when `read_out` is not [`NULL`], `read_out = read` `[n, d]`.
+    /// Bit-identical to [`Gpu::add`], [`Gpu::attn_res_read`] and [`Gpu::rms_norm`] in sequence, in one
+    /// launch.
     #[allow(clippy::too_many_arguments)]
     pub fn attn_res_norm(
         &self,
@@ -480,6 +481,7 @@ impl Gpu {
         addend: DPtr,
         norm: (DPtr, f32),
         out: DPtr,
+        read_out: DPtr,
         n: usize,
         d: usize,
         eps: f32,
@@ -501,6 +503,7 @@ impl Gpu {
             .arg(&norm.0)
             .arg(&norm.1)
             .arg(&out)
+            .arg(&read_out)
             .arg(&d)
             .arg(&eps);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("attn_res_norm"))

@@ -259,6 +259,7 @@ fn op_checks(gpu: &mut Gpu, dev: &DeviceModel, cpu: &CpuModel<f32>) -> Result<Ve
     // steps: the live source becomes bf(live + addend), then read, then norm.
     let addend = random_bf16(&mut rng, n * d, 1.0);
     let ad = up(gpu, &addend)?;
+    let read = gpu.zeros::<bf16>(n * d)?; // [n, d]
     let norm = (gpu.ptr(&dl1.post_norm.w), dl1.post_norm.eps);
     gpu.attn_res_norm(
         gpu.ptr(&sd),
@@ -268,13 +269,16 @@ fn op_checks(gpu: &mut Gpu, dev: &DeviceModel, cpu: &CpuModel<f32>) -> Result<Ve
         gpu.ptr(&ad),
         norm,
         gpu.ptr(&y),
+        gpu.ptr(&read),
         n,
         d,
         cfg.rms_norm_eps,
     )?;
     let live: Vec<f32> = srcs[2].iter().zip(&addend).map(|(a, b)| bf16::from_f32(a + b).to_f32()).collect();
-    let want = l1.post_norm.forward(&l1.mlp_res.read(&[&srcs[0], &srcs[1], &live]));
+    let want_read = l1.mlp_res.read(&[&srcs[0], &srcs[1], &live]);
+    let want = l1.post_norm.forward(&want_read);
     out.push(compare("attn_res_norm (add + read + norm)", &down(gpu, &y, n * d)?, &want, TOL_ONE_ROUNDING));
+    out.push(compare("attn_res_norm (its read output)", &down(gpu, &read, n * d)?, &want_read, TOL_ONE_ROUNDING));
 
     // SiTU.
     let g = random_bf16(&mut rng, n * d, 8.0);
