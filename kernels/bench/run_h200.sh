@@ -2,8 +2,9 @@
 # Everything the CUDA backend reports, in one device call (under 600 s), writing under $OUT:
 #   log.txt            every command's output, in order
 #   validate.json      sparkd validate --device cuda --config k3-tiny (ops, whole model, rollback, matrix)
-#   bench_mini.json    sparkd bench --device cuda --config k3-mini (default GEMM; batches 1..64, verify 1..8, forced AL)
-#   bench_before.json  the same shapes with the binary of the previous measurement ($BEFORE), for before/after
+#   bench_mini.json    sparkd bench --device cuda --config k3-mini (default GEMM, CUDA graphs; batches 1..64, each
+#                      also timed with graphs off; verify 1..8, forced AL)
+#   bench_before.json  batches 1, 8, 64 with the binary of the previous measurement ($BEFORE), for before/after
 #   torch_mini.json    kernels/bench/torch_baseline.py at the same shapes (eager and CUDA-graphed)
 #   serve.json         sparkd serve --device cuda --synthetic k3-mini --spec dspark: one SSE chat + a two-turn
 #                      WebSocket session (kernels/bench/serve_check.py)
@@ -12,7 +13,7 @@
 #   bench_wide.json    k3-mini-wide (57 GB) load time and a short sweep (only when named in ONLY)
 # Binaries are built on the CPU host and carried: $BIN (sparkd and the GPU test binaries cuda_runner,
 # cuda_sample, cuda_attn, cuda_gemm, cuda_drafter, cuda_moe; optionally kc/ with CUBINs filled by the cuda_compile test and
-# fallback/sparkd), $BEFORE/sparkd; fla-core as a wheel in .whl/.
+# fallback/sparkd), $BEFORE/sparkd (and optionally its kc/); fla-core as a wheel in .whl/.
 # When validation or a GPU test fails and $BIN/fallback/sparkd exists, the benchmarks run that binary instead (the
 # log says so).
 # ONLY="name ..." runs just those steps. Each step has its own time limit; a failed step is logged and the next
@@ -25,7 +26,7 @@ BIN=${BIN:-.bin/final}
 BEFORE=${BEFORE:-.bin/before}
 export SPARKD_KERNEL_CACHE=/tmp/kc
 export PYTHONUNBUFFERED=1
-mkdir -p /tmp/kc && cp "$BIN"/kc/*.cubin /tmp/kc/ 2>/dev/null
+mkdir -p /tmp/kc && cp "$BIN"/kc/*.cubin "$BEFORE"/kc/*.cubin /tmp/kc/ 2>/dev/null
 # The CUBIN cache key includes the include path: point the path the cache was filled with at the real headers.
 INC=/usr/local/cuda/include
 mkdir -p /work/nvrtc-wheels/nvidia/cu13 2>/dev/null && ln -sfn "$INC" /work/nvrtc-wheels/nvidia/cu13/include 2>/dev/null \
@@ -69,8 +70,9 @@ fi
 [ -x "$BIN/cuda_drafter" ] && step draft_cost 30 "$BIN/cuda_drafter" --ignored --nocapture cuda_draft_cost
 [ -x "$BIN/cuda_moe" ] && step moe_bandwidth 30 "$BIN/cuda_moe" --ignored --nocapture --test-threads=1
 
-step bench_mini 150 "$SPARKD" bench --device cuda --config k3-mini --steps 8 --prompt-len 64 --out "$OUT/bench_mini.json"
-step bench_before 75 "$BEFORE/sparkd" bench --device cuda --config k3-mini --gemm cublas --batch 1,8,64 --steps 8 \
+step bench_mini 150 "$SPARKD" bench --device cuda --config k3-mini --steps 8 --prompt-len 64 --compare-eager \
+  --out "$OUT/bench_mini.json"
+step bench_before 75 "$BEFORE/sparkd" bench --device cuda --config k3-mini ${BEFORE_ARGS:-} --batch 1,8,64 --steps 8 \
   --prompt-len 64 --max-verify 0 --no-forced --out "$OUT/bench_before.json"
 step torch_mini 80 python3 kernels/bench/torch_baseline.py --config k3-mini --prompt-len 64 --out "$OUT/torch_mini.json"
 
