@@ -55,6 +55,8 @@ struct Kernels {
     gather_rows: CudaFunction,
     /// `skinny_gemm_t{1,2,4,8}`: token chunks of up to 8, 16, 32, 64 tokens.
     skinny_gemm: [CudaFunction; 4],
+    /// Blocks of each `skinny_gemm` kernel resident on the whole device at once (its persistent grid).
+    skinny_resident: [u32; 4],
     moe_router_logits: CudaFunction,
     moe_route: CudaFunction,
     moe_group: CudaFunction,
@@ -114,10 +116,10 @@ fn launch_err(name: &str) -> impl Fn(cudarc::driver::DriverError) -> KernelError
 /// Tokens per chunk of the skinny GEMM (each chunk reads the weight once).
 const SKINNY_TOKENS: usize = 64;
 
-/// Dynamic shared memory of the skinny GEMM for `tiles` token tiles of 8: the staged x chunk,
-/// `[8 tiles, 520]` bf16 (the split reduction reuses it).
+/// Dynamic shared memory of the skinny GEMM for `tiles` token tiles of 8: two staged x chunks,
+/// `[2][8 tiles, 520]` bf16, then the split reduction's fp32 partials `[8 warps][2][tiles][4][32]`.
 fn skinny_smem_bytes(tiles: usize) -> usize {
-    8 * tiles * 520 * 2
+    2 * 8 * tiles * 520 * 2 + 8 * 2 * tiles * 4 * 32 * 4
 }
 
 /// The K split of the skinny GEMM for a `[out_dim, in_dim]` weight: the fewest warps per 32-row team
@@ -189,13 +191,23 @@ impl Gpu {
                 f("gemm.cu", "skinny_gemm_t4")?,
                 f("gemm.cu", "skinny_gemm_t8")?,
             ],
+            skinny_resident: [0; 4],
         };
-        for (tiles, func) in [1usize, 2, 4, 8].iter().zip(&k.skinny_gemm) {
+        let sms = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| device_err("reading the multiprocessor count", e))? as u32;
+        let mut k = k;
+        for (i, tiles) in [1usize, 2, 4, 8].into_iter().enumerate() {
+            let func = &k.skinny_gemm[i];
             func.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                skinny_smem_bytes(*tiles) as i32,
+                skinny_smem_bytes(tiles) as i32,
             )
             .map_err(|e| device_err("allowing the skinny GEMM its shared memory", e))?;
+            let per_sm = func
+                .occupancy_max_active_blocks_per_multiprocessor(256, skinny_smem_bytes(tiles), None)
+                .map_err(|e| device_err("reading the skinny GEMM's occupancy", e))?;
+            k.skinny_resident[i] = per_sm.max(1) * sms.max(1);
         }
         let attn = AttnKernels::load(module("kda.cu")?, module("mla.cu")?)?;
         let stream = ctx.default_stream();
@@ -570,6 +582,36 @@ impl Gpu {
         }
     }
 
+    /// `y = bf(bf(x · wᵀ) + addend)` (`addend` `[n, out_dim]` bf16, which may be `y` itself): bit-identical
+    /// to [`Gpu::linear`] followed by [`Gpu::add`], in one pass with the batch-invariant GEMM (a residual or
+    /// a sum of expert outputs added where the GEMM writes).
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_add(
+        &self,
+        w: DPtr,
+        out_dim: usize,
+        in_dim: usize,
+        x: DPtr,
+        n: usize,
+        y: DPtr,
+        addend: DPtr,
+    ) -> Result<()> {
+        match self.gemm {
+            Gemm::Cublas if addend == y => {
+                let product = self.uninit::<half::bf16>(n * out_dim)?;
+                self.linear_cublas(w, out_dim, in_dim, x, n, self.ptr(&product))?;
+                self.add(y, self.ptr(&product), n * out_dim)
+            }
+            Gemm::Cublas => {
+                self.linear_cublas(w, out_dim, in_dim, x, n, y)?;
+                self.add(y, addend, n * out_dim)
+            }
+            Gemm::BatchInvariant => {
+                self.skinny(w, out_dim, in_dim, x, n, y, addend, None, skinny_split(out_dim, in_dim))
+            }
+        }
+    }
+
     /// The skinny GEMM with an explicit K split (1, 2, 4 or 8 warps per row team), row-major output or
     /// segment-major output `(bounds on the device, parts)`. Results are batch-invariant for a fixed
     /// `split`; [`Gpu::linear`] takes [`skinny_split`] of the shape, and benchmarks try the others.
@@ -585,6 +627,23 @@ impl Gpu {
         parts: Option<(DPtr, usize)>,
         split: usize,
     ) -> Result<()> {
+        self.skinny(w, out_dim, in_dim, x, n, y, NULL, parts, split)
+    }
+
+    /// One launch of `skinny_gemm_t*`, with the add epilogue when `addend` is not [`NULL`].
+    #[allow(clippy::too_many_arguments)]
+    fn skinny(
+        &self,
+        w: DPtr,
+        out_dim: usize,
+        in_dim: usize,
+        x: DPtr,
+        n: usize,
+        y: DPtr,
+        addend: DPtr,
+        parts: Option<(DPtr, usize)>,
+        split: usize,
+    ) -> Result<()> {
         if ![1, 2, 4, 8].contains(&split) {
             return Err(KernelError::InvalidInput(format!("skinny GEMM split {split} (1, 2, 4 or 8 supported)")));
         }
@@ -596,15 +655,19 @@ impl Gpu {
         if n == 0 || out_dim == 0 {
             return Ok(());
         }
-        let chunks = n.div_ceil(SKINNY_TOKENS);
-        if chunks > 65_535 {
-            return Err(KernelError::InvalidInput(format!("GEMM of {n} tokens (at most {} per call)", 65_535 * 64)));
+        // Work items: (row group, token chunk); the persistent grid takes them in turn (gemm.cu).
+        let items = out_dim.div_ceil(32 * (8 / split)) * n.div_ceil(SKINNY_TOKENS);
+        if items > i32::MAX as usize {
+            return Err(KernelError::InvalidInput(format!(
+                "GEMM of {n} tokens against {out_dim} rows ({items} work items, at most {})",
+                i32::MAX
+            )));
         }
         let tiles = n.min(SKINNY_TOKENS).div_ceil(8).next_power_of_two();
-        let func = &self.k.skinny_gemm[tiles.trailing_zeros() as usize];
-        let rows_per_block = 32 * (8 / split);
+        let variant = tiles.trailing_zeros() as usize;
+        let func = &self.k.skinny_gemm[variant];
         let cfg = LaunchConfig {
-            grid_dim: (out_dim.div_ceil(rows_per_block) as u32, chunks as u32, 1),
+            grid_dim: (items.min(self.k.skinny_resident[variant] as usize) as u32, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: skinny_smem_bytes(tiles) as u32,
         };
@@ -613,7 +676,7 @@ impl Gpu {
         let (seg, nseg) = parts.unwrap_or((NULL, 0));
         let (nn, kk, mm, nseg, split) = (out_dim as i32, in_dim as i32, n as i32, nseg as i32, split as i32);
         let mut b = self.stream.launch_builder(func);
-        b.arg(&w).arg(&x).arg(&y).arg(&nn).arg(&kk).arg(&mm).arg(&seg).arg(&nseg).arg(&split).arg(&vec);
+        b.arg(&w).arg(&x).arg(&y).arg(&addend).arg(&nn).arg(&kk).arg(&mm).arg(&seg).arg(&nseg).arg(&split).arg(&vec);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("skinny_gemm"))
     }
 
