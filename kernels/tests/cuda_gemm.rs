@@ -292,12 +292,12 @@ fn gemm_bandwidth() {
 #[test]
 fn the_k_split_follows_the_weight_shape_as_tuned_on_the_h200() {
     // No GPU needed: the split is a pure function of (out, in), so a token's summation order never
-    // depends on the batch. Values from the H200 sweep of `gemm_bandwidth` over the k3-mini shapes.
-    assert_eq!(skinny_split(163_840, 7168), 1, "lm_head: 5,120 row teams already fill the GPU");
-    assert_eq!(skinny_split(49_376, 7168), 1, "KDA merged input projection");
-    assert_eq!(skinny_split(33_792, 7168), 2, "dense gate / up");
-    assert_eq!(skinny_split(14_400, 7168), 4, "MLA merged input projection");
-    assert_eq!(skinny_split(7168, 12_288), 8, "o_proj: 224 row teams need the K split");
-    assert_eq!(skinny_split(3584, 7168), 8, "MoE latent down");
+    // depends on the batch. The fewest warps per team whose items fill 132 blocks in even rounds.
+    assert_eq!(skinny_split(163_840, 7168), 1, "lm_head: 640 items of 256 rows, 5 rounds 97% full");
+    assert_eq!(skinny_split(49_376, 7168), 2, "KDA merged input projection: 386 items, 3 rounds");
+    assert_eq!(skinny_split(33_792, 7168), 1, "dense gate / up: 132 items, one per SM");
+    assert_eq!(skinny_split(14_400, 7168), 2, "MLA merged input projection: 113 items beat 225 in 2 rounds");
+    assert_eq!(skinny_split(7168, 12_288), 4, "o_proj: 112 items fill as well as 224, with fewer re-stagings");
+    assert_eq!(skinny_split(3584, 7168), 8, "MoE latent down: 112 items even at the largest split");
     assert_eq!(skinny_split(12_288, 128), 1, "f_b: K below one staged chunk is never split");
 }

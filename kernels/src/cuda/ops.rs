@@ -117,25 +117,40 @@ fn launch_err(name: &str) -> impl Fn(cudarc::driver::DriverError) -> KernelError
 const SKINNY_TOKENS: usize = 64;
 
 /// Dynamic shared memory of the skinny GEMM for `tiles` token tiles of 8: two staged x chunks,
-/// `[2][8 tiles, 520]` bf16, then the split reduction's fp32 partials `[8 warps][2][tiles][4][32]`.
+/// `[2][8 tiles, 520]` bf16 (the split reduction reuses one), then the weight ring, `[depth][8][256]`
+/// 16-byte fragments, with the depth of `SKINNY_GEMM` in gemm.cu: 6, 6, 5, 3 pairs for 1, 2, 4, 8 tiles,
+/// the most that fit one block in 227 KB.
 fn skinny_smem_bytes(tiles: usize) -> usize {
-    2 * 8 * tiles * 520 * 2 + 8 * 2 * tiles * 4 * 32 * 4
+    let depth = match tiles {
+        1 | 2 => 6,
+        4 => 5,
+        _ => 3,
+    };
+    2 * 8 * tiles * 520 * 2 + depth * 8 * 256 * 16
 }
 
 /// The K split of the skinny GEMM for a `[out_dim, in_dim]` weight: the fewest warps per 32-row team
-/// (1, 2, 4, 8) that give at least `SKINNY_WARPS` warps in all; no split below one staged chunk of
-/// K (512), where the later warps of a team would have nothing to read. A function of the shape
-/// alone, so results stay batch-invariant.
+/// (1, 2, 4, 8) whose work items, `256 / split` rows each, fill the persistent grid of an H200 (132
+/// blocks, one per SM) in rounds at least 90% full; failing that, the split with the fullest rounds.
+/// Fewer warps per team means more rows per item and so fewer re-stagings of the token chunk (at 64
+/// tokens the staged x of a 32-row item is twice its weight bytes). No split below one staged chunk of
+/// K (512), where the later warps of a team would have nothing to read. A function of the shape alone,
+/// so results stay batch-invariant.
 pub fn skinny_split(out_dim: usize, in_dim: usize) -> usize {
-    // Measured on an H200 over the k3-mini shapes at 1, 8 and 64 tokens (best total time): about
-    // 1,100-2,000 warps in all, i.e. 8-16 resident warps per SM, each streaming its own rows.
-    const SKINNY_WARPS: usize = 1152;
-    let teams = out_dim.div_ceil(32);
-    let mut split = 1;
-    while split < 8 && teams * split < SKINNY_WARPS && in_dim >= 512 {
-        split *= 2;
+    const GRID: usize = 132;
+    if in_dim < 512 {
+        return 1;
     }
-    split
+    let fill = |split: usize| {
+        let items = out_dim.div_ceil(256 / split);
+        items as f64 / (items.div_ceil(GRID) * GRID) as f64
+    };
+    let splits = [1usize, 2, 4, 8];
+    if let Some(&split) = splits.iter().find(|&&s| fill(s) >= 0.9) {
+        return split;
+    }
+    // The first of the fullest (a strict comparison keeps the fewest warps on ties).
+    splits.into_iter().fold(1, |best, s| if fill(s) > fill(best) { s } else { best })
 }
 
 fn grid_1d(n: usize, block: u32) -> LaunchConfig {
