@@ -1,8 +1,8 @@
 //! The skinny batch-invariant GEMM (`kernels/cuda/gemm.cu`, `Gpu::linear`) on a GPU: against a host
 //! reference over token counts 1..512 and shapes that are not multiples of its tiles, bit-exact batch
 //! invariance (a token's outputs do not change with what else is in the call), the segment-major output
-//! of merged projections, weights of more work items than the persistent grid has blocks, the add
-//! epilogue (`Gpu::linear_add`, bit-identical to `linear` then `add`), and the rejection of bad arguments.
+//! of merged projections, a tall weight over many token chunks, the add epilogue (`Gpu::linear_add`,
+//! bit-identical to `linear` then `add`), and the rejection of bad arguments.
 //! On a machine without a CUDA driver every test says plainly that it skipped.
 //!
 //! `gemm_bandwidth` (ignored by default; `--ignored`) prints the achieved GB/s of the skinny GEMM at each
@@ -91,9 +91,9 @@ fn skinny_gemm_matches_the_host_reference_and_is_batch_invariant_bit_for_bit() {
 }
 
 #[test]
-fn a_weight_of_more_work_items_than_resident_blocks_stays_exact_and_batch_invariant() {
-    // 9,000 rows: at split 8 that is 282 row groups per token chunk, more than the persistent grid holds,
-    // so blocks take several items each (and items of several token chunks at 512 tokens).
+fn a_tall_weight_over_many_token_chunks_stays_exact_and_batch_invariant() {
+    // 9,000 rows: at split 8 that is 282 blocks per token chunk, more than the GPU holds at once, and
+    // 512 tokens are 8 chunks, so blocks of later waves and later chunks are checked too.
     let Some(gpu) = gpu() else { return };
     let mut rng = ChaCha8Rng::seed_from_u64(10);
     let (out_dim, in_dim) = (9000, 1000);
@@ -292,12 +292,12 @@ fn gemm_bandwidth() {
 #[test]
 fn the_k_split_follows_the_weight_shape_as_tuned_on_the_h200() {
     // No GPU needed: the split is a pure function of (out, in), so a token's summation order never
-    // depends on the batch. The fewest warps per team whose items fill 132 blocks in even rounds.
-    assert_eq!(skinny_split(163_840, 7168), 1, "lm_head: 640 items of 256 rows, 5 rounds 97% full");
-    assert_eq!(skinny_split(49_376, 7168), 2, "KDA merged input projection: 386 items, 3 rounds");
-    assert_eq!(skinny_split(33_792, 7168), 1, "dense gate / up: 132 items, one per SM");
-    assert_eq!(skinny_split(14_400, 7168), 2, "MLA merged input projection: 113 items beat 225 in 2 rounds");
-    assert_eq!(skinny_split(7168, 12_288), 4, "o_proj: 112 items fill as well as 224, with fewer re-stagings");
-    assert_eq!(skinny_split(3584, 7168), 8, "MoE latent down: 112 items even at the largest split");
+    // depends on the batch. Values from the H200 sweep of `gemm_bandwidth` over the k3-mini shapes.
+    assert_eq!(skinny_split(163_840, 7168), 1, "lm_head: 5,120 row teams already fill the GPU");
+    assert_eq!(skinny_split(49_376, 7168), 1, "KDA merged input projection");
+    assert_eq!(skinny_split(33_792, 7168), 2, "dense gate / up");
+    assert_eq!(skinny_split(14_400, 7168), 4, "MLA merged input projection");
+    assert_eq!(skinny_split(7168, 12_288), 8, "o_proj: 224 row teams need the K split");
+    assert_eq!(skinny_split(3584, 7168), 8, "MoE latent down");
     assert_eq!(skinny_split(12_288, 128), 1, "f_b: K below one staged chunk is never split");
 }

@@ -55,8 +55,6 @@ struct Kernels {
     gather_rows: CudaFunction,
     /// `skinny_gemm_t{1,2,4,8}`: token chunks of up to 8, 16, 32, 64 tokens.
     skinny_gemm: [CudaFunction; 4],
-    /// Blocks of each `skinny_gemm` kernel resident on the whole device at once (its persistent grid).
-    skinny_resident: [u32; 4],
     moe_router_logits: CudaFunction,
     moe_route: CudaFunction,
     moe_group: CudaFunction,
@@ -116,41 +114,26 @@ fn launch_err(name: &str) -> impl Fn(cudarc::driver::DriverError) -> KernelError
 /// Tokens per chunk of the skinny GEMM (each chunk reads the weight once).
 const SKINNY_TOKENS: usize = 64;
 
-/// Dynamic shared memory of the skinny GEMM for `tiles` token tiles of 8: two staged x chunks,
-/// `[2][8 tiles, 520]` bf16 (the split reduction reuses one), then the weight ring, `[depth][8][256]`
-/// 16-byte fragments, with the depth of `SKINNY_GEMM` in gemm.cu: 6, 6, 5, 3 pairs for 1, 2, 4, 8 tiles,
-/// the most that fit one block in 227 KB.
+/// Dynamic shared memory of the skinny GEMM for `tiles` token tiles of 8: the staged x chunk,
+/// `[8 tiles, 520]` bf16 (the split reduction reuses it).
 fn skinny_smem_bytes(tiles: usize) -> usize {
-    let depth = match tiles {
-        1 | 2 => 6,
-        4 => 5,
-        _ => 3,
-    };
-    2 * 8 * tiles * 520 * 2 + depth * 8 * 256 * 16
+    8 * tiles * 520 * 2
 }
 
 /// The K split of the skinny GEMM for a `[out_dim, in_dim]` weight: the fewest warps per 32-row team
-/// (1, 2, 4, 8) whose work items, `256 / split` rows each, fill the persistent grid of an H200 (132
-/// blocks, one per SM) in rounds at least 90% full; failing that, the split with the fullest rounds.
-/// Fewer warps per team means more rows per item and so fewer re-stagings of the token chunk (at 64
-/// tokens the staged x of a 32-row item is twice its weight bytes). No split below one staged chunk of
-/// K (512), where the later warps of a team would have nothing to read. A function of the shape alone,
-/// so results stay batch-invariant.
+/// (1, 2, 4, 8) that give at least `SKINNY_WARPS` warps in all; no split below one staged chunk of
+/// K (512), where the later warps of a team would have nothing to read. A function of the shape
+/// alone, so results stay batch-invariant.
 pub fn skinny_split(out_dim: usize, in_dim: usize) -> usize {
-    const GRID: usize = 132;
-    if in_dim < 512 {
-        return 1;
+    // Measured on an H200 over the k3-mini shapes at 1, 8 and 64 tokens (best total time): about
+    // 1,100-2,000 warps in all, i.e. 8-16 resident warps per SM, each streaming its own rows.
+    const SKINNY_WARPS: usize = 1152;
+    let teams = out_dim.div_ceil(32);
+    let mut split = 1;
+    while split < 8 && teams * split < SKINNY_WARPS && in_dim >= 512 {
+        split *= 2;
     }
-    let fill = |split: usize| {
-        let items = out_dim.div_ceil(256 / split);
-        items as f64 / (items.div_ceil(GRID) * GRID) as f64
-    };
-    let splits = [1usize, 2, 4, 8];
-    if let Some(&split) = splits.iter().find(|&&s| fill(s) >= 0.9) {
-        return split;
-    }
-    // The first of the fullest (a strict comparison keeps the fewest warps on ties).
-    splits.into_iter().fold(1, |best, s| if fill(s) > fill(best) { s } else { best })
+    split
 }
 
 fn grid_1d(n: usize, block: u32) -> LaunchConfig {
@@ -206,23 +189,13 @@ impl Gpu {
                 f("gemm.cu", "skinny_gemm_t4")?,
                 f("gemm.cu", "skinny_gemm_t8")?,
             ],
-            skinny_resident: [0; 4],
         };
-        let sms = ctx
-            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(|e| device_err("reading the multiprocessor count", e))? as u32;
-        let mut k = k;
-        for (i, tiles) in [1usize, 2, 4, 8].into_iter().enumerate() {
-            let func = &k.skinny_gemm[i];
+        for (tiles, func) in [1usize, 2, 4, 8].iter().zip(&k.skinny_gemm) {
             func.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                skinny_smem_bytes(tiles) as i32,
+                skinny_smem_bytes(*tiles) as i32,
             )
             .map_err(|e| device_err("allowing the skinny GEMM its shared memory", e))?;
-            let per_sm = func
-                .occupancy_max_active_blocks_per_multiprocessor(256, skinny_smem_bytes(tiles), None)
-                .map_err(|e| device_err("reading the skinny GEMM's occupancy", e))?;
-            k.skinny_resident[i] = per_sm.max(1) * sms.max(1);
         }
         let attn = AttnKernels::load(module("kda.cu")?, module("mla.cu")?)?;
         let stream = ctx.default_stream();
@@ -670,19 +643,15 @@ impl Gpu {
         if n == 0 || out_dim == 0 {
             return Ok(());
         }
-        // Work items: (row group, token chunk); the persistent grid takes them in turn (gemm.cu).
-        let items = out_dim.div_ceil(32 * (8 / split)) * n.div_ceil(SKINNY_TOKENS);
-        if items > i32::MAX as usize {
-            return Err(KernelError::InvalidInput(format!(
-                "GEMM of {n} tokens against {out_dim} rows ({items} work items, at most {})",
-                i32::MAX
-            )));
+        let chunks = n.div_ceil(SKINNY_TOKENS);
+        if chunks > 65_535 {
+            return Err(KernelError::InvalidInput(format!("GEMM of {n} tokens (at most {} per call)", 65_535 * 64)));
         }
         let tiles = n.min(SKINNY_TOKENS).div_ceil(8).next_power_of_two();
-        let variant = tiles.trailing_zeros() as usize;
-        let func = &self.k.skinny_gemm[variant];
+        let func = &self.k.skinny_gemm[tiles.trailing_zeros() as usize];
+        let rows_per_block = 32 * (8 / split);
         let cfg = LaunchConfig {
-            grid_dim: (items.min(self.k.skinny_resident[variant] as usize) as u32, 1, 1),
+            grid_dim: (out_dim.div_ceil(rows_per_block) as u32, chunks as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: skinny_smem_bytes(tiles) as u32,
         };
