@@ -1,6 +1,6 @@
 // sparkd: the skinny bf16 GEMM of the decode path, y[M, N] = bf(x[M, K] · w[N, K]ᵀ), fp32 accumulate,
 // for few tokens (M <= 64 per token chunk) against large weights, on the tensor cores (mma.sync
-// m16n8k16, sm_80 and later).
+// m16n8k16, sm_80 and later), optionally with a residual add: y = bf(bf(x · wᵀ) + addend).
 //
 // Invariants:
 // - Batch invariance, bit for bit: the fp32 value of output (token m, row n) is the same whatever M is
@@ -18,6 +18,8 @@
 // - Output layout: row-major [M, N], or segment-major when `seg` is given: column range
 //   [seg[i], seg[i+1]) is its own contiguous [M, seg[i+1] - seg[i]] block at element offset M * seg[i]
 //   (a merged projection's parts land where the ops that read them expect separate tensors).
+// - The add epilogue rounds like linear then add_in_place (common.cu): bf(bf(acc) + addend), addend
+//   laid out as the output; each output element is read and written by one thread, so addend may be y.
 //
 // Block: 256 threads = 8 warps = (8 / split) row teams x split K shares; a team owns 32 weight rows
 // (two 16-row MMA tiles). Grid: (ceil(N / (32 * 8 / split)), ceil(M / 64)).
@@ -94,8 +96,8 @@ __device__ __forceinline__ long out_index(int m, int col, int n, int mtotal, con
 // NT = token tiles of 8 (the chunk holds up to 8 * NT tokens).
 template <int NT>
 __device__ void skinny_gemm(const __nv_bfloat16 *__restrict__ w, const __nv_bfloat16 *__restrict__ x,
-                            __nv_bfloat16 *__restrict__ y, int n, int kdim, int mtotal, const int *seg, int nseg,
-                            int split, int vec) {
+                            __nv_bfloat16 *y, const __nv_bfloat16 *addend, int n, int kdim, int mtotal,
+                            const int *seg, int nseg, int split, int vec) {
     extern __shared__ __align__(16) unsigned char smem[];
     __nv_bfloat16 *xs = reinterpret_cast<__nv_bfloat16 *>(smem); // [8 * NT, XS_STRIDE]
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -203,17 +205,22 @@ __device__ void skinny_gemm(const __nv_bfloat16 *__restrict__ w, const __nv_bflo
             for (int e = 0; e < 4; e++) {
                 int row = row0 + r * 16 + g + (e >> 1) * 8;
                 int m = j * 8 + 2 * t + (e & 1);
-                if (row < n && m < mc) y[out_index(m0 + m, row, n, mtotal, seg, nseg)] = __float2bfloat16_rn(acc[r][j][e]);
+                if (row < n && m < mc) {
+                    const long at = out_index(m0 + m, row, n, mtotal, seg, nseg);
+                    float v = acc[r][j][e];
+                    if (addend != nullptr) v = bf_round(v) + ld(addend, at);
+                    y[at] = __float2bfloat16_rn(v);
+                }
             }
 }
 
 // One entry point per token-tile count: chunks of up to 8, 16, 32 and 64 tokens (64: one block per SM,
-// for the registers of 64 accumulators and two weight pairs).
+// for the registers of 64 accumulators and two weight pairs). `addend` is null for a plain GEMM.
 #define SKINNY_GEMM(NT, MIN_BLOCKS)                                                                                  \
     extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) skinny_gemm_t##NT(                                            \
-        const __nv_bfloat16 *w, const __nv_bfloat16 *x, __nv_bfloat16 *y, int n, int kdim, int mtotal,              \
-        const int *seg, int nseg, int split, int vec) {                                                            \
-        skinny_gemm<NT>(w, x, y, n, kdim, mtotal, seg, nseg, split, vec);                                           \
+        const __nv_bfloat16 *w, const __nv_bfloat16 *x, __nv_bfloat16 *y, const __nv_bfloat16 *addend, int n,       \
+        int kdim, int mtotal, const int *seg, int nseg, int split, int vec) {                                      \
+        skinny_gemm<NT>(w, x, y, addend, n, kdim, mtotal, seg, nseg, split, vec);                                   \
     }
 SKINNY_GEMM(1, 2)
 SKINNY_GEMM(2, 2)

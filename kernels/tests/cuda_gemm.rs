@@ -1,11 +1,12 @@
 //! The skinny batch-invariant GEMM (`kernels/cuda/gemm.cu`, `Gpu::linear`) on a GPU: against a host
 //! reference over token counts 1..512 and shapes that are not multiples of its tiles, bit-exact batch
 //! invariance (a token's outputs do not change with what else is in the call), the segment-major output
-//! of merged projections, and the rejection of bad arguments. On a machine without a CUDA driver every
-//! test says plainly that it skipped.
+//! of merged projections, a tall weight over many token chunks, the add epilogue (`Gpu::linear_add`,
+//! bit-identical to `linear` then `add`), and the rejection of bad arguments.
+//! On a machine without a CUDA driver every test says plainly that it skipped.
 //!
 //! `gemm_bandwidth` (ignored by default; `--ignored`) prints the achieved GB/s of the skinny GEMM at each
-//! K split and of cuBLAS for the k3-mini shapes at 1, 8 and 64 tokens. It asserts nothing about speed.
+//! K split and of cuBLAS for the k3-mini shapes at 1, 8, 16, 32 and 64 tokens. It asserts nothing about speed.
 
 use std::sync::{Mutex, OnceLock};
 
@@ -87,6 +88,78 @@ fn skinny_gemm_matches_the_host_reference_and_is_batch_invariant_bit_for_bit() {
             assert!(alone == full[5 * out_dim..6 * out_dim], "[{out_dim}, {in_dim}] split {split}: token 5 alone");
         }
     }
+}
+
+#[test]
+fn a_tall_weight_over_many_token_chunks_stays_exact_and_batch_invariant() {
+    // 9,000 rows: at split 8 that is 282 blocks per token chunk, more than the GPU holds at once, and
+    // 512 tokens are 8 chunks, so blocks of later waves and later chunks are checked too.
+    let Some(gpu) = gpu() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(10);
+    let (out_dim, in_dim) = (9000, 1000);
+    let w = random_bf16(&mut rng, out_dim * in_dim, 1.0);
+    let x = random_bf16(&mut rng, 512 * in_dim, 2.0);
+    // (token, row, f64 value, magnitude sum) for a few tokens of the first, second and last chunk.
+    let reference: Vec<(usize, usize, f64, f64)> = [0usize, 63, 64, 300, 511]
+        .iter()
+        .flat_map(|&m| (0..out_dim).map(move |o| (m, o)))
+        .map(|(m, o)| {
+            let (exact, mag) = (0..in_dim).fold((0.0, 0.0), |(sum, mag), c| {
+                let p = f64::from(w[o * in_dim + c].to_f32()) * f64::from(x[m * in_dim + c].to_f32());
+                (sum + p, mag + p.abs())
+            });
+            (m, o, exact, mag)
+        })
+        .collect();
+    for split in [1, 2, 4, 8] {
+        let full = run(&gpu, &w, out_dim, &x, 512, split);
+        for &(m, o, exact, mag) in &reference {
+            let got = f64::from(bf16::from_bits(full[m * out_dim + o]).to_f32());
+            let tol = exact.abs() / 128.0 + mag * 1e-6;
+            assert!((got - exact).abs() <= tol, "split {split}: y[{m}, {o}] = {got}, reference {exact}");
+        }
+        for n in [1usize, 8, 33, 64, 100] {
+            let part = run(&gpu, &w, out_dim, &x, n, split);
+            assert!(part == full[..n * out_dim], "split {split}: the first {n} tokens differ from a call of 512");
+        }
+    }
+}
+
+#[test]
+fn linear_add_equals_linear_then_add_bit_for_bit() {
+    let Some(mut gpu) = gpu() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    for (out_dim, in_dim) in [(1000, 1000), (77, 999), (4096, 2048)] {
+        let w = random_bf16(&mut rng, out_dim * in_dim, 1.0);
+        let wd = gpu.upload(&w).unwrap();
+        for n in [1usize, 3, 17, 64, 100] {
+            let x = gpu.upload(&random_bf16(&mut rng, n * in_dim, 1.0)).unwrap();
+            let addend_host = random_bf16(&mut rng, n * out_dim, 30.0);
+            for gemm in [Gemm::BatchInvariant, Gemm::Cublas] {
+                gpu.gemm = gemm;
+                let addend = gpu.upload(&addend_host).unwrap();
+                let expected = gpu.zeros::<bf16>(n * out_dim).unwrap();
+                gpu.linear(gpu.ptr(&wd), out_dim, in_dim, gpu.ptr(&x), n, gpu.ptr(&expected)).unwrap();
+                gpu.add(gpu.ptr(&expected), gpu.ptr(&addend), n * out_dim).unwrap();
+                let expected = gpu.download(&expected, n * out_dim).unwrap();
+                // Into a separate output, then in place (the addend is the output).
+                let y = gpu.upload(&random_bf16(&mut rng, n * out_dim, 1.0)).unwrap();
+                gpu.linear_add(gpu.ptr(&wd), out_dim, in_dim, gpu.ptr(&x), n, gpu.ptr(&y), gpu.ptr(&addend)).unwrap();
+                let separate = gpu.download(&y, n * out_dim).unwrap();
+                gpu.linear_add(gpu.ptr(&wd), out_dim, in_dim, gpu.ptr(&x), n, gpu.ptr(&addend), gpu.ptr(&addend))
+                    .unwrap();
+                let in_place = gpu.download(&addend, n * out_dim).unwrap();
+                let bits = |v: &[bf16]| v.iter().map(|e| e.to_bits()).collect::<Vec<_>>();
+                assert!(bits(&separate) == bits(&expected), "{gemm:?} [{out_dim}, {in_dim}] n {n}: linear_add");
+                assert!(bits(&in_place) == bits(&expected), "{gemm:?} [{out_dim}, {in_dim}] n {n}: in place");
+                assert!(
+                    expected.iter().zip(&addend_host).filter(|(e, a)| e != a).count() > n * out_dim / 2,
+                    "{gemm:?}: the product barely changed the addend, so the check proves little"
+                );
+            }
+        }
+    }
+    gpu.gemm = Gemm::BatchInvariant;
 }
 
 #[test]
@@ -196,7 +269,7 @@ fn gemm_bandwidth() {
         fill(&gpu, gpu.ptr(&w), out_dim * in_dim, &mut rng);
         let x = gpu.upload(&random_bf16(&mut rng, 64 * in_dim, 1.0)).unwrap();
         let y = gpu.zeros::<bf16>(64 * out_dim).unwrap();
-        for n in [1usize, 8, 64] {
+        for n in [1usize, 8, 16, 32, 64] {
             let bytes = ((out_dim * in_dim + n * in_dim + n * out_dim) * 2) as f64;
             let reps = (4e9 / bytes).clamp(5.0, 200.0) as usize;
             let default = skinny_split(out_dim, in_dim);

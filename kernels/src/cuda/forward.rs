@@ -785,11 +785,15 @@ impl DeviceModel {
             latent,
             w.norm.eps,
         )?;
-        let routed = self.linear(gpu, &w.up, gpu.ptr(&normed), n)?;
-        if let Some(sh) = &shared {
-            gpu.join_side()?;
-            gpu.add(gpu.ptr(&routed), gpu.ptr(sh), n * d)?;
+        // The up projection, with the shared expert's output added as it is written: bf(bf(up) + shared).
+        match shared {
+            Some(sh) => {
+                gpu.join_side()?;
+                let up = (gpu.ptr(&w.up.w), w.up.out_dim, w.up.in_dim);
+                gpu.linear_add(up.0, up.1, up.2, gpu.ptr(&normed), n, gpu.ptr(&sh), gpu.ptr(&sh))?;
+                Ok(sh)
+            }
+            None => self.linear(gpu, &w.up, gpu.ptr(&normed), n),
         }
-        Ok(routed)
     }
 }

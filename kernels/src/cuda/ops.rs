@@ -640,6 +640,36 @@ impl Gpu {
         }
     }
 
+    /// `y = bf(bf(x · wᵀ) + addend)` (`addend` `[n, out_dim]` bf16, which may be `y` itself): bit-identical
+    /// to [`Gpu::linear`] followed by [`Gpu::add`], in one pass with the batch-invariant GEMM (a residual or
+    /// a sum of expert outputs added where the GEMM writes).
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_add(
+        &self,
+        w: DPtr,
+        out_dim: usize,
+        in_dim: usize,
+        x: DPtr,
+        n: usize,
+        y: DPtr,
+        addend: DPtr,
+    ) -> Result<()> {
+        match self.gemm {
+            Gemm::Cublas if addend == y => {
+                let product = self.uninit::<half::bf16>(n * out_dim)?;
+                self.linear_cublas(w, out_dim, in_dim, x, n, self.ptr(&product))?;
+                self.add(y, self.ptr(&product), n * out_dim)
+            }
+            Gemm::Cublas => {
+                self.linear_cublas(w, out_dim, in_dim, x, n, y)?;
+                self.add(y, addend, n * out_dim)
+            }
+            Gemm::BatchInvariant => {
+                self.skinny(w, out_dim, in_dim, x, n, y, addend, None, skinny_split(out_dim, in_dim))
+            }
+        }
+    }
+
     /// The skinny GEMM with an explicit K split (1, 2, 4 or 8 warps per row team), row-major output or
     /// segment-major output `(bounds on the device, parts)`. Results are batch-invariant for a fixed
     /// `split`; [`Gpu::linear`] takes [`skinny_split`] of the shape, and benchmarks try the others.
@@ -652,6 +682,23 @@ impl Gpu {
         x: DPtr,
         n: usize,
         y: DPtr,
+        parts: Option<(DPtr, usize)>,
+        split: usize,
+    ) -> Result<()> {
+        self.skinny(w, out_dim, in_dim, x, n, y, NULL, parts, split)
+    }
+
+    /// One launch of `skinny_gemm_t*`, with the add epilogue when `addend` is not [`NULL`].
+    #[allow(clippy::too_many_arguments)]
+    fn skinny(
+        &self,
+        w: DPtr,
+        out_dim: usize,
+        in_dim: usize,
+        x: DPtr,
+        n: usize,
+        y: DPtr,
+        addend: DPtr,
         parts: Option<(DPtr, usize)>,
         split: usize,
     ) -> Result<()> {
@@ -683,7 +730,7 @@ impl Gpu {
         let (seg, nseg) = parts.unwrap_or((NULL, 0));
         let (nn, kk, mm, nseg, split) = (out_dim as i32, in_dim as i32, n as i32, nseg as i32, split as i32);
         let mut b = self.lane().launch_builder(func);
-        b.arg(&w).arg(&x).arg(&y).arg(&nn).arg(&kk).arg(&mm).arg(&seg).arg(&nseg).arg(&split).arg(&vec);
+        b.arg(&w).arg(&x).arg(&y).arg(&addend).arg(&nn).arg(&kk).arg(&mm).arg(&seg).arg(&nseg).arg(&split).arg(&vec);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("skinny_gemm"))
     }
 
