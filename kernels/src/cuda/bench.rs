@@ -142,6 +142,12 @@ pub struct VerifyCost {
     pub step_ms_median: f64,
     /// Over the `ℓ = 0` step.
     pub relative_to_decode: f64,
+    /// Device time of the MoE layers in a profiled step of this window, and the routed-expert bytes its
+    /// tokens read (more tokens route to more experts).
+    pub moe_ms: f64,
+    pub expert_bytes: u64,
+    /// `(step - MoE) / (decode step - its MoE)`: the window's cost with the expert reads set aside.
+    pub relative_without_moe: f64,
 }
 
 /// Forced acceptance at batch 1.
@@ -189,15 +195,23 @@ pub fn run(opts: &CudaBenchOptions) -> Result<CudaBenchReport> {
     runner.set_acceptance(sweep_mode);
     let mut decode = Vec::new();
     for &batch in &opts.batches {
-        decode.push(measure_batch(&mut runner, opts, batch, copy_bytes_per_second)?);
+        decode.push(measure_batch(&mut runner, opts, batch, opts.draft_len, copy_bytes_per_second)?);
     }
     runner.set_acceptance(AcceptanceMode::Standard);
     let mut verify = Vec::new();
     if !opts.verify_lens.is_empty() {
-        let base = timed_steps(&mut runner, opts, 1, 0)?.median_ms;
+        let base = measure_batch(&mut runner, opts, 1, 0, copy_bytes_per_second)?;
+        let moe_ms = |r: &BatchResult| r.by_type.iter().filter(|t| t.kind == SPAN_MOE).map(|t| t.ms).sum::<f64>();
         for &l in &opts.verify_lens {
-            let ms = timed_steps(&mut runner, opts, 1, l)?.median_ms;
-            verify.push(VerifyCost { draft_len: l, step_ms_median: ms, relative_to_decode: ms / base });
+            let r = measure_batch(&mut runner, opts, 1, l, copy_bytes_per_second)?;
+            verify.push(VerifyCost {
+                draft_len: l,
+                step_ms_median: r.step_ms_median,
+                relative_to_decode: r.step_ms_median / base.step_ms_median,
+                moe_ms: moe_ms(&r),
+                expert_bytes: r.floor.expert_bytes,
+                relative_without_moe: (r.step_ms_median - moe_ms(&r)) / (base.step_ms_median - moe_ms(&base)),
+            });
         }
     }
     let forced = match opts.forced {
@@ -355,10 +369,11 @@ fn measure_batch(
     runner: &mut CudaRunner,
     opts: &CudaBenchOptions,
     batch: usize,
+    draft_len: usize,
     copy_bytes_per_second: f64,
 ) -> Result<BatchResult> {
     let mut b = Batch::new(runner, batch, opts.prompt_len)?;
-    let result = measure_prefilled(runner, opts, &mut b, copy_bytes_per_second);
+    let result = measure_prefilled(runner, opts, &mut b, draft_len, copy_bytes_per_second);
     b.free(runner)?;
     result
 }
@@ -367,15 +382,16 @@ fn measure_prefilled(
     runner: &mut CudaRunner,
     opts: &CudaBenchOptions,
     b: &mut Batch,
+    draft_len: usize,
     copy_bytes_per_second: f64,
 ) -> Result<BatchResult> {
     let batch = b.states.len();
     let captured_before = runner.model().graph_stats().captured;
-    let timed = time_steps(runner, b, opts.steps, opts.draft_len)?;
+    let timed = time_steps(runner, b, opts.steps, draft_len)?;
     let graphs = runner.model().graph_stats();
     let eager_step_ms_median = if opts.graphs && opts.compare_eager {
         runner.set_graphs(false);
-        let eager = time_steps(runner, b, opts.steps, opts.draft_len);
+        let eager = time_steps(runner, b, opts.steps, draft_len);
         runner.set_graphs(true);
         Some(eager?.median_ms)
     } else {
@@ -384,17 +400,17 @@ fn measure_prefilled(
     // One profiled step (device events at the span marks), then one traced step for the experts read.
     let issued_before = runner.gpu().issued();
     runner.gpu().start_profile();
-    let stepped = b.step(runner, opts.draft_len, None);
+    let stepped = b.step(runner, draft_len, None);
     let spans = runner.gpu().finish_profile()?;
     stepped?;
     let issued_after = runner.gpu().issued();
     let len_at_trace = runner.state_len(b.states[0])?;
     let mut trace = Vec::new();
-    b.step(runner, opts.draft_len, Some(&mut trace))?;
-    let floor = floor(runner, b, opts.draft_len, len_at_trace, &trace, copy_bytes_per_second);
+    b.step(runner, draft_len, Some(&mut trace))?;
+    let floor = floor(runner, b, draft_len, len_at_trace, &trace, copy_bytes_per_second);
     Ok(BatchResult {
         batch,
-        draft_len: opts.draft_len,
+        draft_len: draft_len,
         step_ms_median: timed.median_ms,
         step_ms_mean: timed.mean_ms,
         eager_step_ms_median,
@@ -566,9 +582,17 @@ impl CudaBenchReport {
             );
         }
         if !self.verify.is_empty() {
-            s += "verify window at batch 1 (lossless greedy): ℓ  step ms  ×decode\n";
+            s += "verify window at batch 1 (lossless greedy): ℓ  step ms  ×decode  MoE ms  expert MB  ×decode without MoE\n";
             for v in &self.verify {
-                s += &format!("  {:>2}  {:>7.3}  {:>5.2}\n", v.draft_len, v.step_ms_median, v.relative_to_decode);
+                s += &format!(
+                    "  {:>2}  {:>7.3}  {:>5.2}  {:>6.3}  {:>9.0}  {:>5.2}\n",
+                    v.draft_len,
+                    v.step_ms_median,
+                    v.relative_to_decode,
+                    v.moe_ms,
+                    v.expert_bytes as f64 / 1e6,
+                    v.relative_without_moe
+                );
             }
         }
         if let Some(f) = &self.forced {
