@@ -410,7 +410,7 @@ fn measure_prefilled(
     let floor = floor(runner, b, draft_len, len_at_trace, &trace, copy_bytes_per_second);
     Ok(BatchResult {
         batch,
-        draft_len: draft_len,
+        draft_len,
         step_ms_median: timed.median_ms,
         step_ms_mean: timed.mean_ms,
         eager_step_ms_median,
