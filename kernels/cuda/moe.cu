@@ -403,26 +403,29 @@ extern "C" __global__ void moe_combine_norm(const __nv_bfloat16 *y, const float 
 
 // ---- Grouped routed experts on the tensor cores -------------------------------------------------------------
 // The same grouping and outputs as moe_gate_up / moe_down, with the dot products on mma.sync m16n8k16 (bf16 in,
-// fp32 accumulate): the MXFP4 weights are dequantised to bf16 in registers (c * s is exact in bf16, which shares
-// fp32's exponent range) and multiplied against the expert's tokens 8 at a time, so a weight costs its
-// dequantisation once per chunk of up to 16 tokens instead of one fp32 fma per token. (The tile mapping follows
-// the idea of kernels/cuda/gemm.cu; the dequantisation into MMA fragments is our own.)
+// fp32 accumulate): the MXFP4 weights are dequantised to bf16 in registers (code * scale is exact in bf16, which
+// shares fp32's exponent range) and multiplied against the expert's tokens 8 at a time, so a weight costs its
+// dequantisation once per chunk of up to 16 tokens. (The tile mapping follows the idea of kernels/cuda/gemm.cu; the
+// dequantisation into MMA fragments is our own.)
 //
 // Layout: a warp owns a 16-row tile of one expert's matrix; lane (g = lane / 4, t = lane % 4) holds rows g and
 // g + 8. K runs in blocks of 4 MXFP4 groups (128 inputs); in a block, thread t takes group 4 b + t whole
-// (16 bytes of codes and one scale per row, one 128-bit load per row). Its 32 codes feed 8 MMAs: codes
-// 8 w + 4 h + (0, 1) and + (2, 3) are k-slots {2t, 2t + 1} and {2t + 8, 2t + 9} of MMA 2 w + h, and the B
-// fragment takes the token's inputs with the same indices, so each MMA is the plain dot over 16 of the inputs.
+// (16 bytes of codes and one scale per row, one 128-bit load per row). A word of 8 codes feeds 2 MMAs: codes
+// i and i + 4 share one bf16x2 (word_codes_bf16x2), so MMA h of the word takes codes (2h, 2h + 4) as k-slots
+// {2t, 2t + 1} and (2h + 1, 2h + 5) as {2t + 8, 2t + 9}, and the B fragment takes the token's inputs with the same
+// indices (one byte permute per register): each MMA is the plain dot over 16 of the inputs.
+//
+// Cost: at batch 1-8 these kernels are bound by the instructions that dequantise (every byte of codes becomes two
+// bf16 once per chunk of tokens): 11 integer instructions and 4 bf16x2 multiplies per 8 weights.
 //
 // Batch invariance: an MMA output depends only on its row of A and column of B (the skinny GEMM relies on the
-// same property), a token's column sees the same MMAs in the same order (blocks ascending, then w, then h)
+// same property), a token's column sees the same MMAs in the same order (blocks ascending, then words, then h)
 // whatever column or chunk it lands in, and padding columns hold zeros. So a token's result does not depend on
 // which other tokens share its experts.
-// Limits: scale bytes 241..254 (scales of 2^114 and more) overflow the dequantisation to infinity (no real
-// checkpoint comes near); 0xFF is NaN as everywhere.
 
-#define MMA_WARPS 4    // 16-row tiles per block
-#define MMA_BLOCKS 2   // K blocks of 128 inputs loaded per step (the next step's are in flight during this one)
+#define MMA_WARPS 4   // 16-row tiles per block
+#define GATE_UP_KB 2  // K blocks per step of moe_gate_up_mma: 2 matrices x 2 rows x 2 x 16 bytes per lane in flight
+#define DOWN_KB 4     // the same for moe_down_mma (one matrix): 128 bytes per lane in flight as well
 
 __device__ __forceinline__ void mma_16816(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -431,47 +434,103 @@ __device__ __forceinline__ void mma_16816(float c[4], u32 a0, u32 a1, u32 a2, u3
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// 2^14 * the E8M0 scale `b` (so that codes_word's code * 2^-14 times it is code * scale): exponent b + 14.
-// b = 0 (2^-127, an fp32 subnormal) gives 2^-113 as it should; b > 240 overflows to infinity; 0xFF is NaN.
-__device__ __forceinline__ float code_scale(u32 b) {
-    if (b == 0xFFu) return __int_as_float(0x7fc00000);
-    if (b > 240u) return INF_F;
-    return __int_as_float((int)(b + 14u) << 23);
+// The eight E2M1 codes of one word (element i in nibble i) as four bf16x2 of code * 2^-126, exactly: register i
+// holds code i (low half) and code i + 4 (high half). A code's magnitude bits (e1 e0 m) land on the bf16 exponent's
+// two low bits and the top mantissa bit, which makes the bf16 number code * 2^-126 (code 0.5 lands on the
+// subnormal 2^-127), and its sign on the sign bit. Codes i and i + 4 lie 16 bits apart, so one shift and one mask
+// place both; a code's sign sits 3 bits above its magnitude but must land 9 above, so first the signs of codes
+// 0, 1, 4, 5 move 6 bits up (`lo`) and the magnitudes of codes 2, 3, 6, 7 move 6 bits down (`hi`).
+__device__ __forceinline__ void word_codes_bf16x2(u32 w, u32 out[4]) {
+    const u32 keep = 0x81C081C0u;  // per half: sign, exponent bits 1-0, top mantissa bit
+    u32 lo = (w & 0x00770077u) | ((w << 6) & ~0x00770077u);
+    u32 hi = (w & 0x88008800u) | ((w >> 6) & ~0x88008800u);
+    out[0] = (lo << 6) & keep;
+    out[1] = (lo << 2) & keep;
+    out[2] = (hi << 4) & keep;
+    out[3] = hi & keep;
 }
 
-// The eight weights of one word of codes times their scale, as four bf16x2 (codes 2i, 2i + 1 in register i,
-// the lower code in the low half). The fp32 products are exact with at most 2 significant bits, so keeping
-// their top 16 bits is the exact bf16.
-__device__ __forceinline__ void word_bf16x2(u32 w, float sx, u32 out[4]) {
-    float v[8];
-    codes_word(w, v);
+// a * b per bf16 half, exactly when the product is a bf16 (fma with -0, which keeps the sign of a zero product).
+__device__ __forceinline__ u32 bf16x2_mul(u32 a, u32 b) {
+    u32 d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+    return d;
+}
+
+// 2^126 in both bf16 halves: word_codes_bf16x2's output times it is the plain E2M1 value.
+#define BF16X2_2P126 0x7E807E80u
+
+// The bf16x2 factor (both halves) that turns word_codes_bf16x2's code * 2^-126 into code * 2^(b - 127) for the E8M0
+// byte b. Narrow (b <= 128): 2^(b - 1), one multiply. Wide (some scale of the step is larger): the codes are first
+// multiplied by 2^126 and this is 2^(b - 127) (b = 0: the subnormal 2^-127). 0xFF is NaN either way. Every
+// product is exact, so both give the same bf16 weights.
+__device__ __forceinline__ u32 scale_bf16x2(u32 b, bool wide) {
+    u32 h = b == 0xFFu ? 0x7FC0u : wide ? (b == 0u ? 0x0040u : b << 7) : (b + 126u) << 7;
+    return h | (h << 16);
+}
+
+// One step of mma_rows_pass: the KB blocks of codes `cur` (scale bytes `cs`) of this step s against the NT
+// n-tiles' inputs x. WIDE: some scale of the warp's step exceeds 2^1 (see scale_bf16x2).
+template <int NM, int NT, int KB, bool WIDE>
+__device__ __forceinline__ void mma_step(const uint4 cur[NM][2][KB], const u32 cs[NM][2][KB],
+                                     const __nv_bfloat16 *const x[NT], int s, int t, int groups,
+                                     float acc[NM][NT][4]) {
 #pragma unroll
-    for (int i = 0; i < 4; i++)
-        out[i] = __byte_perm(__float_as_uint(v[2 * i] * sx), __float_as_uint(v[2 * i + 1] * sx), 0x7632);
+    for (int blk = 0; blk < KB; blk++) {
+        int grp = 4 * (KB * s + blk) + t;
+        u32 sx[NM][2];
+#pragma unroll
+        for (int m = 0; m < NM; m++)
+#pragma unroll
+            for (int r = 0; r < 2; r++) sx[m][r] = scale_bf16x2(cs[m][r][blk], WIDE);
+#pragma unroll
+        for (int w = 0; w < 4; w++) {
+            u32 a[NM][2][4];  // [matrix][row g / g + 8][codes (i, i + 4)]
+#pragma unroll
+            for (int m = 0; m < NM; m++)
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    word_codes_bf16x2(word_of(cur[m][r][blk], w), a[m][r]);
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        if constexpr (WIDE) a[m][r][i] = bf16x2_mul(a[m][r][i], BF16X2_2P126);
+                        a[m][r][i] = bf16x2_mul(a[m][r][i], sx[m][r]);
+                    }
+                }
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                uint4 xv = x[nt] != nullptr && grp < groups ? *(const uint4 *)(x[nt] + grp * 32 + w * 8)
+                                                            : make_uint4(0u, 0u, 0u, 0u);  // [8 inputs]
+                // Inputs (0, 4), (1, 5), (2, 6), (3, 7), as the codes.
+                u32 b0 = __byte_perm(xv.x, xv.z, 0x5410), b1 = __byte_perm(xv.x, xv.z, 0x7632);
+                u32 b2 = __byte_perm(xv.y, xv.w, 0x5410), b3 = __byte_perm(xv.y, xv.w, 0x7632);
+#pragma unroll
+                for (int m = 0; m < NM; m++) {
+                    mma_16816(acc[m][nt], a[m][0][0], a[m][1][0], a[m][0][1], a[m][1][1], b0, b1);
+                    mma_16816(acc[m][nt], a[m][0][2], a[m][1][2], a[m][0][3], a[m][1][3], b2, b3);
+                }
+            }
+        }
+    }
 }
 
 // One warp's pass of a 16-row tile of NM matrices (NM = 2: gate and up) over the pairs[0..count) (count <= 8 NT)
-// of one expert. rows[m][r]: the codes of row g (r = 0) / g + 8 (r = 1) of matrix m, or null past the matrix;
-// scales likewise. The B column of this thread is pair g of each 8-pair tile: row pairs[.] / div of `in`,
-// `width` (= 32 groups) bf16 wide. acc[m][nt]: the MMA accumulators of n-tile nt.
-template <int NM, int NT>
+// of one expert, KB blocks of 128 inputs per step (the next step's codes are in flight during this one).
+// rows[m][r]: the codes of row g (r = 0) / g + 8 (r = 1) of matrix m, or null past the matrix; scales likewise.
+// The B column of this thread is pair g of each 8-pair tile: row pairs[.] / div of `in`, `width` (= 32 groups) bf16
+// wide. acc[m][nt]: the MMA accumulators of n-tile nt.
+template <int NM, int NT, int KB>
 __device__ __forceinline__ void mma_rows_pass(const u8 *const rows[NM][2], const u8 *const scales[NM][2], int g,
                                               int t, int groups, const __nv_bfloat16 *in, const int *pairs, int count,
                                               int div, int width, float acc[NM][NT][4]) {
-    const __nv_bfloat16 *x[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++) {
-        int c = nt * 8 + g;
-        x[nt] = c < count ? in + (long)(pairs[c] / div) * width : nullptr;
-    }
-    int steps = (groups + 4 * MMA_BLOCKS - 1) / (4 * MMA_BLOCKS);
-    uint4 q[NM][2][MMA_BLOCKS];
-    u32 sb[NM][2][MMA_BLOCKS];
-    // Loads group 4 (MMA_BLOCKS s + blk) + t of each row (zeros past the row's groups or the matrix).
+    int steps = (groups + 4 * KB - 1) / (4 * KB);
+    uint4 q[NM][2][KB];
+    u32 sb[NM][2][KB];
+    // Loads group 4 (KB s + blk) + t of each row (zeros past the row's groups or the matrix).
     auto load = [&](int s) {
 #pragma unroll
-        for (int blk = 0; blk < MMA_BLOCKS; blk++) {
-            int grp = 4 * (MMA_BLOCKS * s + blk) + t;
+        for (int blk = 0; blk < KB; blk++) {
+            int grp = 4 * (KB * s + blk) + t;
 #pragma unroll
             for (int m = 0; m < NM; m++)
 #pragma unroll
@@ -482,47 +541,31 @@ __device__ __forceinline__ void mma_rows_pass(const u8 *const rows[NM][2], const
                 }
         }
     };
-    load(0);
-    for (int s = 0; s < steps; s++) {
-        uint4 cur[NM][2][MMA_BLOCKS];
-        u32 cs[NM][2][MMA_BLOCKS];
+    load(0);  // before the pairs are looked up: the codes are the long wait
+    const __nv_bfloat16 *x[NT];
 #pragma unroll
-        for (int blk = 0; blk < MMA_BLOCKS; blk++)
+    for (int nt = 0; nt < NT; nt++) {
+        int c = nt * 8 + g;
+        x[nt] = c < count ? in + (long)(pairs[c] / div) * width : nullptr;
+    }
+    for (int s = 0; s < steps; s++) {
+        uint4 cur[NM][2][KB];
+        u32 cs[NM][2][KB];
+        bool wide = false;
+#pragma unroll
+        for (int blk = 0; blk < KB; blk++)
 #pragma unroll
             for (int m = 0; m < NM; m++)
 #pragma unroll
                 for (int r = 0; r < 2; r++) {
                     cur[m][r][blk] = q[m][r][blk];
                     cs[m][r][blk] = sb[m][r][blk];
+                    wide |= sb[m][r][blk] > 128u;
                 }
         if (s + 1 < steps) load(s + 1);
-#pragma unroll
-        for (int blk = 0; blk < MMA_BLOCKS; blk++) {
-            int grp = 4 * (MMA_BLOCKS * s + blk) + t;
-            float sx[NM][2];
-#pragma unroll
-            for (int m = 0; m < NM; m++)
-#pragma unroll
-                for (int r = 0; r < 2; r++) sx[m][r] = code_scale(cs[m][r][blk]);
-#pragma unroll
-            for (int w = 0; w < 4; w++) {
-                u32 a[NM][2][4];  // [matrix][row g / g + 8][codes 8 w + 2 i, + 1]
-#pragma unroll
-                for (int m = 0; m < NM; m++)
-#pragma unroll
-                    for (int r = 0; r < 2; r++) word_bf16x2(word_of(cur[m][r][blk], w), sx[m][r], a[m][r]);
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++) {
-                    uint4 b = x[nt] != nullptr && grp < groups ? *(const uint4 *)(x[nt] + grp * 32 + w * 8)
-                                                               : make_uint4(0u, 0u, 0u, 0u);  // [8 inputs]
-#pragma unroll
-                    for (int m = 0; m < NM; m++) {
-                        mma_16816(acc[m][nt], a[m][0][0], a[m][1][0], a[m][0][1], a[m][1][1], b.x, b.y);
-                        mma_16816(acc[m][nt], a[m][0][2], a[m][1][2], a[m][0][3], a[m][1][3], b.z, b.w);
-                    }
-                }
-            }
-        }
+        // Real checkpoints never need the wide path (weights of 4 and more); it keeps large scales exact.
+        if (__any_sync(0xffffffffu, wide)) mma_step<NM, NT, KB, true>(cur, cs, x, s, t, groups, acc);
+        else mma_step<NM, NT, KB, false>(cur, cs, x, s, t, groups, acc);
     }
 }
 
@@ -539,7 +582,7 @@ __device__ __forceinline__ void gate_up_mma_chunk(const u8 *const rows[2][2], co
         for (int nt = 0; nt < NT; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[m][nt][e] = 0.0f;
-    mma_rows_pass<2, NT>(rows, scales, g, t, groups, z, pairs, count, k, D, acc);
+    mma_rows_pass<2, NT, GATE_UP_KB>(rows, scales, g, t, groups, z, pairs, count, k, D, acc);
     // c0, c1: row g, pairs 2t, 2t + 1 of the tile; c2, c3: row g + 8, the same pairs.
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
@@ -564,25 +607,27 @@ __device__ __forceinline__ void gate_up_mma_chunk(const u8 *const rows[2][2], co
         p += count;                                      \
     }
 
-// Gate/up + SiTU per active expert on the tensor cores; the same contract as moe_gate_up. (167 registers with
-// sm_90a: 3 blocks per SM.) grid = (min(n k, E), ceil(I / (16 MMA_WARPS))), blockDim 32 MMA_WARPS.
+// Gate/up + SiTU per active expert on the tensor cores; the same contract as moe_gate_up. At most 170 registers
+// (3 blocks per SM; the bound also keeps ptxas from spilling). grid = (min(n k, E), ceil(I / (16 MMA_WARPS))),
+// blockDim 32 MMA_WARPS.
 // z: [n, D]; w1/w3 packed [E, I, D/2], scales [E, I, D/32]; a: [n k, I]. D must be a multiple of 32.
-extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
+extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 3)
     moe_gate_up_mma(const __nv_bfloat16 *z, const u8 *w1p, const u8 *w1s, const u8 *w3p, const u8 *w3s,
                     const int *group, const int *pairs, __nv_bfloat16 *a, int k, int E, int D, int I, float beta,
                     float lbeta) {
     int slot = blockIdx.x;
-    if (slot >= group[0]) return;
+    // The slot's grouping entries in one round trip with the active count (unused when the slot is idle).
+    int active = group[0], e = group[1 + slot], p = group[1 + E + slot], end = group[2 + E + slot];
+    if (slot >= active) return;
     int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int row0 = (blockIdx.y * MMA_WARPS + (threadIdx.x >> 5)) * 16;
     if (row0 >= I) return;
-    long e = group[1 + slot];
-    int p = group[1 + E + slot], end = group[2 + E + slot], groups = D / 32;
+    int groups = D / 32;
     const u8 *rows[2][2], *scales[2][2];
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         int row = row0 + g + 8 * r;
-        long at = e * I + row;
+        long at = (long)e * I + row;
         bool ok = row < I;
         rows[0][r] = ok ? w1p + at * (D / 2) : nullptr;
         rows[1][r] = ok ? w3p + at * (D / 2) : nullptr;
@@ -605,7 +650,7 @@ __device__ __forceinline__ void down_mma_chunk(const u8 *const rows[1][2], const
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
         for (int e = 0; e < 4; e++) acc[0][nt][e] = 0.0f;
-    mma_rows_pass<1, NT>(rows, scales, g, t, groups, act, pairs, count, 1, I, acc);
+    mma_rows_pass<1, NT, DOWN_KB>(rows, scales, g, t, groups, act, pairs, count, 1, I, acc);
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
@@ -615,25 +660,25 @@ __device__ __forceinline__ void down_mma_chunk(const u8 *const rows[1][2], const
         }
 }
 
-// Down projection per active expert on the tensor cores; the same contract as moe_down. At most 128 registers,
-// so 4 blocks fit an SM (more loads in flight). grid = (min(n k, E), ceil(D / (16 MMA_WARPS))),
-// blockDim 32 MMA_WARPS.
+// Down projection per active expert on the tensor cores; the same contract as moe_down. At most 170 registers
+// (3 blocks per SM, as moe_gate_up_mma), so that DOWN_KB blocks of codes fit in flight without spills.
+// grid = (min(n k, E), ceil(D / (16 MMA_WARPS))), blockDim 32 MMA_WARPS.
 // a: [n k, I]; w2 packed [E, D, I/2], scales [E, D, I/32]; y: [n k, D]. I must be a multiple of 32.
-extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 4)
+extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 3)
     moe_down_mma(const __nv_bfloat16 *a, const u8 *w2p, const u8 *w2s, const int *group, const int *pairs,
                  __nv_bfloat16 *y, int E, int D, int I) {
     int slot = blockIdx.x;
-    if (slot >= group[0]) return;
+    int active = group[0], e = group[1 + slot], p = group[1 + E + slot], end = group[2 + E + slot];
+    if (slot >= active) return;
     int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int row0 = (blockIdx.y * MMA_WARPS + (threadIdx.x >> 5)) * 16;
     if (row0 >= D) return;
-    long e = group[1 + slot];
-    int p = group[1 + E + slot], end = group[2 + E + slot], groups = I / 32;
+    int groups = I / 32;
     const u8 *rows[1][2], *scales[1][2];
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         int row = row0 + g + 8 * r;
-        long at = e * D + row;
+        long at = (long)e * D + row;
         bool ok = row < D;
         rows[0][r] = ok ? w2p + at * (I / 2) : nullptr;
         scales[0][r] = ok ? w2s + at * groups : nullptr;

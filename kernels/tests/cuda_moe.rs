@@ -1,14 +1,15 @@
 //! The grouped routed-expert kernels of the latent MoE (`kernels/cuda/moe.cu`: `Gpu::moe_group`,
 //! `Gpu::moe_gate_up`, `Gpu::moe_down`) on a GPU, at the k3-mini expert shapes (latent 3584, expert width 3072)
 //! and at a small shape whose rows do not fill a warp's lanes: against an f64 host reference built from
-//! `mxfp4::dequant_row` (every E2M1 code, scales above and below 1), over batches of 1, 3, 8, 16 and 64 tokens
+//! `mxfp4::dequant_row` (every E2M1 code; real checkpoints' scales, below 1, and scales up to 2^3, which take the
+//! tensor-core path's wide dequantisation), over batches of 1, 3, 8, 16 and 64 tokens
 //! with one expert shared by every token, others by a few, and one expert that no token chose; and every token's
 //! outputs bit-identical across those batches (a token's arithmetic may not depend on who shares its experts).
 //! On a machine without a CUDA driver every test says plainly that it skipped.
 //!
 //! `routed_expert_bandwidth` (ignored by default; `--ignored`) prints the achieved GB/s of the gate/up and down
 //! kernels for the bytes of the active experts' MXFP4 weights, at 1, 8 and 64 tokens with the k3-mini routing
-//! (64 experts, top 16). It asserts nothing about speed.
+//! (64 experts, top 16, real checkpoints' scale bytes). It asserts nothing about speed.
 
 use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
@@ -128,15 +129,20 @@ fn routing(n: usize) -> Vec<i32> {
     (0..n).flat_map(|t| [0, 1 + (t * 5 % 6) as i32]).collect()
 }
 
-fn check_shape(gpu: &Gpu, latent: usize, inter: usize) {
+/// Scale bytes of real checkpoints (2^-17 .. 2^-1): the tensor-core path's one-multiply dequantisation.
+const NARROW_SCALES: (u8, u8) = (110, 126);
+/// Scale bytes 118..=130 (2^-9 .. 2^3): some scales exceed 2, which takes the tensor-core path's two-multiply
+/// dequantisation (no shortcut may overflow on them).
+const WIDE_SCALES: (u8, u8) = (118, 130);
+
+fn check_shape(gpu: &Gpu, latent: usize, inter: usize, scales: (u8, u8)) {
     let cfg = ModelConfig::preset("k3-mini").unwrap();
     let (experts, k, most) = (8usize, 2usize, 64usize);
     let mut rng = ChaCha8Rng::seed_from_u64(11);
-    // Scale bytes 118..=130: 2^-9 .. 2^3, so some scales exceed 2 (no shortcut may overflow on them).
     let w = [
-        Experts::random(gpu, &mut rng, experts, inter, latent, (118, 130)),
-        Experts::random(gpu, &mut rng, experts, inter, latent, (118, 130)),
-        Experts::random(gpu, &mut rng, experts, latent, inter, (118, 130)),
+        Experts::random(gpu, &mut rng, experts, inter, latent, scales),
+        Experts::random(gpu, &mut rng, experts, inter, latent, scales),
+        Experts::random(gpu, &mut rng, experts, latent, inter, scales),
     ];
     let z: Vec<bf16> = (0..most * latent).map(|_| bf16::from_f32(rng.gen_range(-1.0f32..1.0))).collect();
     let idx = routing(most);
@@ -198,7 +204,7 @@ fn check_shape(gpu: &Gpu, latent: usize, inter: usize) {
             }
         }
         println!(
-            "{cores:?} cores [latent {latent}, expert {inter}]: gate/up relative L2 {act_rel:.3e}; down worst \
+            "{cores:?} cores [latent {latent}, expert {inter}], scale bytes {scales:?}: gate/up relative L2 {act_rel:.3e}; down worst \
              scaled error {worst:.3e}"
         );
 
@@ -214,11 +220,14 @@ fn check_shape(gpu: &Gpu, latent: usize, inter: usize) {
 #[test]
 fn routed_experts_match_the_host_reference_and_are_batch_invariant_bit_for_bit() {
     let Some(gpu) = gpu() else { return };
-    // k3-mini's expert shapes, then ones whose rows leave most lanes of a warp without a group and whose K is
-    // not a multiple of the tensor-core path's K step (256 inputs) or whose rows fill only part of a block.
-    check_shape(&gpu, 3584, 3072);
-    check_shape(&gpu, 96, 160);
-    check_shape(&gpu, 224, 32);
+    // k3-mini's expert shapes with real checkpoints' scales, then ones whose rows leave most lanes of a warp without
+    // a group and whose K is not a multiple of the tensor-core path's K steps (256 and 512 inputs) or whose rows fill
+    // only part of a block, with both scale ranges.
+    check_shape(&gpu, 3584, 3072, NARROW_SCALES);
+    for scales in [NARROW_SCALES, WIDE_SCALES] {
+        check_shape(&gpu, 96, 160, scales);
+        check_shape(&gpu, 224, 32, scales);
+    }
 }
 
 #[test]
@@ -243,9 +252,9 @@ fn routed_expert_bandwidth() {
     let (latent, inter) = (cfg.moe.latent_dim, cfg.moe.expert_dim);
     let mut rng = ChaCha8Rng::seed_from_u64(5);
     let w = [
-        Experts::random(&gpu, &mut rng, experts, inter, latent, (118, 130)),
-        Experts::random(&gpu, &mut rng, experts, inter, latent, (118, 130)),
-        Experts::random(&gpu, &mut rng, experts, latent, inter, (118, 130)),
+        Experts::random(&gpu, &mut rng, experts, inter, latent, NARROW_SCALES),
+        Experts::random(&gpu, &mut rng, experts, inter, latent, NARROW_SCALES),
+        Experts::random(&gpu, &mut rng, experts, latent, inter, NARROW_SCALES),
     ];
     let (w1, w3, w2) = (w[0].ptrs(&gpu), w[1].ptrs(&gpu), w[2].ptrs(&gpu));
     let (b, lb) = (cfg.situ_beta, cfg.situ_linear_beta);
