@@ -405,7 +405,7 @@ extern "C" __global__ void moe_combine_norm(const __nv_bfloat16 *y, const float 
 // The same grouping and outputs as moe_gate_up / moe_down, with the dot products on mma.sync m16n8k16 (bf16 in,
 // fp32 accumulate): the MXFP4 weights are dequantised to bf16 in registers (code * scale is exact in bf16, which
 // shares fp32's exponent range) and multiplied against the expert's tokens 8 at a time, so a weight costs its
-// dequantisation once per chunk of up to 16 tokens. (The tile mapping follows the idea of kernels/cuda/gemm.cu; the
+// dequantisation once per chunk of up to 24 tokens. (The tile mapping follows the idea of kernels/cuda/gemm.cu; the
 // dequantisation into MMA fragments is our own.)
 //
 // Layout: a warp owns a 16-row tile of one expert's matrix; lane (g = lane / 4, t = lane % 4) holds rows g and
@@ -570,7 +570,7 @@ __device__ __forceinline__ void mma_rows_pass(const u8 *const rows[NM][2], const
 }
 
 // Gate/up + SiTU of one 16-row tile for pairs[0..count), count <= 8 NT (see moe_gate_up_mma).
-template <int NT>
+template <int NT, int KB>
 __device__ __forceinline__ void gate_up_mma_chunk(const u8 *const rows[2][2], const u8 *const scales[2][2], int g,
                                                   int t, int groups, const __nv_bfloat16 *z, const int *pairs,
                                                   int count, int k, int D, __nv_bfloat16 *a, int I, int row0,
@@ -582,7 +582,7 @@ __device__ __forceinline__ void gate_up_mma_chunk(const u8 *const rows[2][2], co
         for (int nt = 0; nt < NT; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[m][nt][e] = 0.0f;
-    mma_rows_pass<2, NT, GATE_UP_KB>(rows, scales, g, t, groups, z, pairs, count, k, D, acc);
+    mma_rows_pass<2, NT, KB>(rows, scales, g, t, groups, z, pairs, count, k, D, acc);
     // c0, c1: row g, pairs 2t, 2t + 1 of the tile; c2, c3: row g + 8, the same pairs.
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
@@ -597,13 +597,16 @@ __device__ __forceinline__ void gate_up_mma_chunk(const u8 *const rows[2][2], co
         }
 }
 
-// The expert's pairs in chunks of 16 (two n-tiles), then one of 8 or 16 for the rest: every chunk reads the
-// tile's weights (from HBM once, then from the caches). Chunks of 32 would cost registers and so occupancy.
-#define MMA_CHUNKS(CALL)                                 \
+// The expert's pairs in chunks of up to 24: one pass of 3 n-tiles (1 K block per step, so that its accumulators fit
+// without spills) for more than 16, else one of 2 or 1 n-tiles (KB blocks per step). Every chunk reads the tile's
+// weights (from HBM once, then from the caches; a second pass comes only past 24 tokens on one expert). A token's
+// column sees the same MMAs in the same order whatever the chunk's n-tiles or K blocks per step.
+#define MMA_CHUNKS(CALL, KB)                             \
     for (int left = end - p; left > 0; left = end - p) { \
-        int count = min(left, 16);                       \
-        if (count > 8) CALL(2);                          \
-        else CALL(1);                                    \
+        int count = min(left, 24);                       \
+        if (count > 16) CALL(3, 1);                      \
+        else if (count > 8) CALL(2, KB);                 \
+        else CALL(1, KB);                                \
         p += count;                                      \
     }
 
@@ -634,14 +637,14 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 3)
         scales[0][r] = ok ? w1s + at * groups : nullptr;
         scales[1][r] = ok ? w3s + at * groups : nullptr;
     }
-#define GATE_UP_MMA(NT) \
-    gate_up_mma_chunk<NT>(rows, scales, g, t, groups, z, pairs + p, count, k, D, a, I, row0, beta, lbeta)
-    MMA_CHUNKS(GATE_UP_MMA)
+#define GATE_UP_MMA(NT, KB) \
+    gate_up_mma_chunk<NT, KB>(rows, scales, g, t, groups, z, pairs + p, count, k, D, a, I, row0, beta, lbeta)
+    MMA_CHUNKS(GATE_UP_MMA, GATE_UP_KB)
 #undef GATE_UP_MMA
 }
 
 // Down projection of one 16-row tile (output channels) for pairs[0..count) (see moe_down_mma).
-template <int NT>
+template <int NT, int KB>
 __device__ __forceinline__ void down_mma_chunk(const u8 *const rows[1][2], const u8 *const scales[1][2], int g, int t,
                                                int groups, const __nv_bfloat16 *act, const int *pairs, int count,
                                                int I, __nv_bfloat16 *y, int D, int row0) {
@@ -650,7 +653,7 @@ __device__ __forceinline__ void down_mma_chunk(const u8 *const rows[1][2], const
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
         for (int e = 0; e < 4; e++) acc[0][nt][e] = 0.0f;
-    mma_rows_pass<1, NT, DOWN_KB>(rows, scales, g, t, groups, act, pairs, count, 1, I, acc);
+    mma_rows_pass<1, NT, KB>(rows, scales, g, t, groups, act, pairs, count, 1, I, acc);
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
@@ -683,7 +686,7 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 3)
         rows[0][r] = ok ? w2p + at * (I / 2) : nullptr;
         scales[0][r] = ok ? w2s + at * groups : nullptr;
     }
-#define DOWN_MMA(NT) down_mma_chunk<NT>(rows, scales, g, t, groups, a, pairs + p, count, I, y, D, row0)
-    MMA_CHUNKS(DOWN_MMA)
+#define DOWN_MMA(NT, KB) down_mma_chunk<NT, KB>(rows, scales, g, t, groups, a, pairs + p, count, I, y, D, row0)
+    MMA_CHUNKS(DOWN_MMA, DOWN_KB)
 #undef DOWN_MMA
 }

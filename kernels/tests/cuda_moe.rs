@@ -204,8 +204,8 @@ fn check_shape(gpu: &Gpu, latent: usize, inter: usize, scales: (u8, u8)) {
             }
         }
         println!(
-            "{cores:?} cores [latent {latent}, expert {inter}], scale bytes {scales:?}: gate/up relative L2 {act_rel:.3e}; down worst \
-             scaled error {worst:.3e}"
+            "{cores:?} cores [latent {latent}, expert {inter}], scale bytes {scales:?}: gate/up relative L2 \
+             {act_rel:.3e}; down worst scaled error {worst:.3e}"
         );
 
         // Batch invariance: each prefix batch gives every token exactly its outputs in the batch of 64.
