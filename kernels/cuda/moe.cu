@@ -21,16 +21,10 @@ __device__ __forceinline__ float e8m0(u8 b) {
     return __int_as_float((int)b << 23);
 }
 
-// The router's fp32 logits, one warp per (token, expert): grid = (ceil(E / warps), n), blockDim 256.
-// h: [n, d]; w: [E, d]; logits: [n, E]. (Split from moe_route so that E dot products run across the whole
-// GPU instead of in one block per token.) Each lane reads 8 inputs (16 bytes) at a time, 4 loads in flight, and
-// sums them in element order; the lanes' partials meet in a fixed butterfly, so the logit of a token does not
-// depend on the batch.
-extern "C" __global__ void moe_router_logits(const __nv_bfloat16 *h, const __nv_bfloat16 *w, float *logits, int d,
-                                             int E) {
-    int e = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (e >= E) return;
-    const __nv_bfloat16 *x = h + (long)blockIdx.y * d, *wr = w + (long)e * d;
+// The router's fp32 logit of one expert row `wr` for one token row `x` (d inputs), by one warp; every lane gets it.
+// Each lane reads 8 inputs (16 bytes) at a time, 4 loads in flight, and sums them in element order; the lanes'
+// partials meet in a fixed butterfly, so a token's logit never depends on the batch or on which kernel computes it.
+__device__ __forceinline__ float router_dot(const __nv_bfloat16 *x, const __nv_bfloat16 *wr, int d, int lane) {
     float acc = 0.0f;
     int vec = d % 8 == 0 ? d / 8 : 0;  // 16-byte chunks (rows start 16-byte aligned when d is a multiple of 8)
 #pragma unroll 4
@@ -45,25 +39,25 @@ extern "C" __global__ void moe_router_logits(const __nv_bfloat16 *h, const __nv_
     }
     for (int c = vec * 8 + lane; c < d; c += 32) acc += ld(x, c) * ld(wr, c);
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    return acc;
+}
+
+// The router's fp32 logits, one warp per (token, expert): grid = (ceil(E / warps), n), blockDim 256.
+// h: [n, d]; w: [E, d]; logits: [n, E]. (Split from moe_route so that E dot products run across the whole
+// GPU instead of in one block per token.)
+extern "C" __global__ void moe_router_logits(const __nv_bfloat16 *h, const __nv_bfloat16 *w, float *logits, int d,
+                                             int E) {
+    int e = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (e >= E) return;
+    float acc = router_dot(h + (long)blockIdx.y * d, w + (long)e * d, d, lane);
     if (lane == 0) logits[(long)blockIdx.y * E + e] = acc;
 }
 
-// grid = n tokens, blockDim 256; dynamic shared memory 2 * E floats.
-// logits: [n, E] from moe_router_logits; bias: [E]; idx: [n, k] chosen experts ascending; wts: [n, k];
-// margin: [n].
-extern "C" __global__ void moe_route(const float *logits, const float *bias, int *idx, float *wts, float *margin,
-                                     int E, int k, int renormalize, float scale) {
-    extern __shared__ float sm[];
-    float *score = sm, *choice = sm + E;
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        score[e] = sigmoidf_(logits[(long)blockIdx.x * E + e]);
-        choice[e] = score[e] + bias[e];
-    }
-    __syncthreads();
-    if (threadIdx.x >= 32) return;
+// The per-token selection by warp 0 of a block, from the sigmoid scores `score` and `choice` = score + bias (shared
+// memory, E each; `choice` is consumed). out_idx: [k] chosen experts ascending; out_w: [k]; margin: one float.
+__device__ void route_select(const float *score, float *choice, int *out_idx, float *out_w, float *margin, int E,
+                             int k, int renormalize, float scale) {
     int lane = threadIdx.x;
-    int *out_idx = idx + (long)blockIdx.x * k;
-    float *out_w = wts + (long)blockIdx.x * k;
     // k passes of "best remaining" (larger choice, then lower index) by one warp: lane L scans experts L, L + 32,
     // ... in order, then a butterfly keeps the larger choice, ties to the lower index: a strict total order, so
     // every lane gets the expert a sequential scan would. The owner lane marks the chosen entry -inf.
@@ -88,7 +82,7 @@ extern "C" __global__ void moe_route(const float *logits, const float *bias, int
     for (int e = lane; e < E; e += 32) next = fmaxf(next, choice[e]);
     for (int o = 16; o > 0; o >>= 1) next = fmaxf(next, __shfl_xor_sync(0xffffffffu, next, o));
     if (lane != 0) return;
-    margin[blockIdx.x] = k < E ? last - next : 0.0f;
+    *margin = k < E ? last - next : 0.0f;
     // Ascending expert order (insertion sort of k entries).
     for (int a = 1; a < k; a++) {
         int v = out_idx[a], b = a - 1;
@@ -103,6 +97,71 @@ extern "C" __global__ void moe_route(const float *logits, const float *bias, int
     }
     for (int j = 0; j < k; j++) out_w[j] *= scale;
 }
+
+// grid = n tokens, blockDim 256; dynamic shared memory 2 * E floats.
+// logits: [n, E] from moe_router_logits; bias: [E]; idx: [n, k] chosen experts ascending; wts: [n, k];
+// margin: [n].
+extern "C" __global__ void moe_route(const float *logits, const float *bias, int *idx, float *wts, float *margin,
+                                     int E, int k, int renormalize, float scale) {
+    extern __shared__ float sm[];
+    float *score = sm, *choice = sm + E;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        score[e] = sigmoidf_(logits[(long)blockIdx.x * E + e]);
+        choice[e] = score[e] + bias[e];
+    }
+    __syncthreads();
+    if (threadIdx.x >= 32) return;
+    long t = blockIdx.x;
+    route_select(score, choice, idx + t * k, wts + t * k, margin + t, E, k, renormalize, scale);
+}
+
+#if __CUDA_ARCH__ >= 900
+// ---- The router in one launch (Hopper and later: thread-block clusters) -------------------------------------
+// moe_router_logits + moe_route for few experts: a cluster of ROUTER_CLUSTER blocks per token computes its logits
+// (block r takes experts r, r + ROUTER_CLUSTER, ..., one warp each, with router_dot: the same logits), each into its
+// own shared memory; after a cluster barrier block 0 reads them all through distributed shared memory and selects
+// (route_select: the same selection). A second cluster barrier keeps the other blocks' shared memory alive until
+// block 0 has read it. Same outputs as the two kernels, bit for bit.
+
+#define ROUTER_CLUSTER 8  // blocks per token (the portable cluster size); Gpu::moe_route's ROUTER_CLUSTER
+
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+// The float at `p` in the shared memory of the cluster's block `rank`.
+__device__ __forceinline__ float ld_cluster(const float *p, u32 rank) {
+    u32 local = (u32)__cvta_generic_to_shared(p), remote;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+}
+
+// grid = (ROUTER_CLUSTER, n), blockDim 256, clusters of (ROUTER_CLUSTER, 1, 1); dynamic shared memory 3 E floats.
+// h: [n, d]; w: [E, d]; bias: [E]; idx: [n, k] chosen experts ascending; wts: [n, k]; margin: [n].
+extern "C" __global__ void __cluster_dims__(ROUTER_CLUSTER, 1, 1) __launch_bounds__(256)
+    moe_router(const __nv_bfloat16 *h, const __nv_bfloat16 *w, const float *bias, int *idx, float *wts,
+               float *margin, int d, int E, int k, int renormalize, float scale) {
+    extern __shared__ float sm[];
+    float *own = sm, *score = sm + E, *choice = sm + 2 * E;  // own: this block's logits at their expert index
+    int rank = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    long t = blockIdx.y;
+    for (int e = rank + ROUTER_CLUSTER * warp; e < E; e += ROUTER_CLUSTER * warps) {
+        float v = router_dot(h + t * d, w + (long)e * d, d, lane);
+        if (lane == 0) own[e] = v;
+    }
+    cluster_sync();  // every block's logits are in its shared memory
+    if (rank == 0)
+        for (int e = threadIdx.x; e < E; e += blockDim.x) {
+            score[e] = sigmoidf_(ld_cluster(own + e, (u32)(e % ROUTER_CLUSTER)));
+            choice[e] = score[e] + bias[e];
+        }
+    cluster_sync();  // block 0 has read them (and its score / choice are visible to its warp 0)
+    if (rank != 0 || warp != 0) return;
+    route_select(score, choice, idx + t * k, wts + t * k, margin + t, E, k, renormalize, scale);
+}
+#endif
 
 // ---- Grouped routed experts ----------------------------------------------------------------------------------
 // After the router, the (token, slot) pairs are grouped by expert on the device (moe_group), so that the expert
