@@ -474,9 +474,8 @@ extern "C" __global__ void moe_combine_norm(const __nv_bfloat16 *y, const float 
 // {2t, 2t + 1} and (2h + 1, 2h + 5) as {2t + 8, 2t + 9}, and the B fragment takes the token's inputs with the same
 // indices (one byte permute per register): each MMA is the plain dot over 16 of the inputs.
 //
-// Cost: at batch 1-8 the bytes of codes must stream at HBM speed through few instructions: the dequantisation
-// (every byte of codes becomes two bf16 once per chunk of tokens) takes 11 integer instructions and 4 bf16x2
-// multiplies per 8 weights, and each warp keeps MMA_STAGES - 1 steps of codes in flight through shared memory.
+// Cost: at batch 1-8 these kernels are bound by the instructions that dequantise (every byte of codes becomes two
+// bf16 once per chunk of tokens): 11 integer instructions and 4 bf16x2 multiplies per 8 weights.
 //
 // Batch invariance: an MMA output depends only on its row of A and column of B (the skinny GEMM relies on the
 // same property), a token's column sees the same MMAs in the same order (blocks ascending, then words, then h)
@@ -484,10 +483,8 @@ extern "C" __global__ void moe_combine_norm(const __nv_bfloat16 *y, const float 
 // which other tokens share its experts.
 
 #define MMA_WARPS 4   // 16-row tiles per block
-#define GATE_UP_KB 2  // K blocks per step of moe_gate_up_mma: 2 matrices x 2 rows x 2 x 16 bytes per lane
-#define DOWN_KB 4     // the same for moe_down_mma (one matrix): 128 bytes per lane as well
-#define MMA_STAGES 3      // steps in the shared-memory ring of a warp (MMA_STAGES - 1 in flight)
-#define MMA_STAGE_VECS 8  // 16-byte vectors per lane in a step: 48 KB of static shared memory per block
+#define GATE_UP_KB 2  // K blocks per step of moe_gate_up_mma: 2 matrices x 2 rows x 2 x 16 bytes per lane in flight
+#define DOWN_KB 4     // the same for moe_down_mma (one matrix): 128 bytes per lane in flight as well
 
 __device__ __forceinline__ void mma_16816(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -531,20 +528,15 @@ __device__ __forceinline__ u32 scale_bf16x2(u32 b, bool wide) {
     return h | (h << 16);
 }
 
-// One step of mma_rows_pass: the KB blocks of codes of step s (this lane's vectors in its ring slot `codes`,
-// [MMA_STAGE_VECS] 32 apart; scale bytes `cs`) against the NT n-tiles' inputs x. WIDE: some scale of the warp's step
-// exceeds 2^1 (see scale_bf16x2).
+// One step of mma_rows_pass: the KB blocks of codes `cur` (scale bytes `cs`) of this step s against the NT
+// n-tiles' inputs x. WIDE: some scale of the warp's step exceeds 2^1 (see scale_bf16x2).
 template <int NM, int NT, int KB, bool WIDE>
-__device__ __forceinline__ void mma_step(const uint4 *codes, const u32 cs[NM][2][KB], const __nv_bfloat16 *const x[NT],
-                                         int s, int t, int groups, float acc[NM][NT][4]) {
+__device__ __forceinline__ void mma_step(const uint4 cur[NM][2][KB], const u32 cs[NM][2][KB],
+                                     const __nv_bfloat16 *const x[NT], int s, int t, int groups,
+                                     float acc[NM][NT][4]) {
 #pragma unroll
     for (int blk = 0; blk < KB; blk++) {
         int grp = 4 * (KB * s + blk) + t;
-        uint4 cur[NM][2];  // [matrix][row g / g + 8]: 32 codes each
-#pragma unroll
-        for (int m = 0; m < NM; m++)
-#pragma unroll
-            for (int r = 0; r < 2; r++) cur[m][r] = codes[((m * 2 + r) * KB + blk) * 32];
         u32 sx[NM][2];
 #pragma unroll
         for (int m = 0; m < NM; m++)
@@ -557,7 +549,7 @@ __device__ __forceinline__ void mma_step(const uint4 *codes, const u32 cs[NM][2]
             for (int m = 0; m < NM; m++)
 #pragma unroll
                 for (int r = 0; r < 2; r++) {
-                    word_codes_bf16x2(word_of(cur[m][r], w), a[m][r]);
+                    word_codes_bf16x2(word_of(cur[m][r][blk], w), a[m][r]);
 #pragma unroll
                     for (int i = 0; i < 4; i++) {
                         if constexpr (WIDE) a[m][r][i] = bf16x2_mul(a[m][r][i], BF16X2_2P126);
@@ -581,39 +573,20 @@ __device__ __forceinline__ void mma_step(const uint4 *codes, const u32 cs[NM][2]
     }
 }
 
-// cp.async of 16 bytes from global `src` into shared `dst`, bypassing L1; zeros instead when `ok` is false (no
-// bytes are read then, and `src` only has to be a valid address).
-__device__ __forceinline__ void cp_async16(uint4 *dst, const void *src, bool ok) {
-    u32 d = (u32)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0));
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
 // One warp's pass of a 16-row tile of NM matrices (NM = 2: gate and up) over the pairs[0..count) (count <= 8 NT)
-// of one expert, KB blocks of 128 inputs per step. The codes go through a ring of MMA_STAGES steps in shared memory
-// (cp.async; each lane reads back only what it copied itself, so no barrier is needed): MMA_STAGES - 1 steps are in
-// flight while one is computed, without holding them in registers. The scale bytes ride along in a register ring.
-// stage: this warp's [MMA_STAGES][MMA_STAGE_VECS][32 lanes] uint4. rows[m][r]: the codes of row g (r = 0) / g + 8
-// (r = 1) of matrix m, or null past the matrix; scales likewise. The B column of this thread is pair g of each
-// 8-pair tile: row pairs[.] / div of `in`, `width` (= 32 groups) bf16 wide. acc[m][nt]: the accumulators of n-tile nt.
+// of one expert, KB blocks of 128 inputs per step (the next step's codes are in flight during this one).
+// rows[m][r]: the codes of row g (r = 0) / g + 8 (r = 1) of matrix m, or null past the matrix; scales likewise.
+// The B column of this thread is pair g of each 8-pair tile: row pairs[.] / div of `in`, `width` (= 32 groups) bf16
+// wide. acc[m][nt]: the MMA accumulators of n-tile nt.
 template <int NM, int NT, int KB>
-__device__ __forceinline__ void mma_rows_pass(const u8 *const rows[NM][2], const u8 *const scales[NM][2],
-                                              uint4 *stage, int lane, int g, int t, int groups,
-                                              const __nv_bfloat16 *in, const int *pairs, int count, int div,
-                                              int width, float acc[NM][NT][4]) {
-    static_assert(NM * 2 * KB <= MMA_STAGE_VECS, "a step's codes must fit a stage");
+__device__ __forceinline__ void mma_rows_pass(const u8 *const rows[NM][2], const u8 *const scales[NM][2], int g,
+                                              int t, int groups, const __nv_bfloat16 *in, const int *pairs, int count,
+                                              int div, int width, float acc[NM][NT][4]) {
     int steps = (groups + 4 * KB - 1) / (4 * KB);
-    u32 sb[MMA_STAGES][2];  // scale bytes of a ring slot: byte i = (m * 2 + r) KB + blk, four to a word
-    // Starts the copies of step s into ring slot `slot` (group 4 (KB s + blk) + t of each row; zeros past the row's
-    // groups, the matrix or the last step) and commits them as one group (empty past the last step).
-    auto issue = [&](int s, int slot) {
-        sb[slot][0] = sb[slot][1] = 0u;
+    uint4 q[NM][2][KB];
+    u32 sb[NM][2][KB];
+    // Loads group 4 (KB s + blk) + t of each row (zeros past the row's groups or the matrix).
+    auto load = [&](int s) {
 #pragma unroll
         for (int blk = 0; blk < KB; blk++) {
             int grp = 4 * (KB * s + blk) + t;
@@ -622,57 +595,43 @@ __device__ __forceinline__ void mma_rows_pass(const u8 *const rows[NM][2], const
 #pragma unroll
                 for (int r = 0; r < 2; r++) {
                     bool ok = rows[m][r] != nullptr && grp < groups;
-                    uint4 *dst = stage + ((slot * MMA_STAGE_VECS) + (m * 2 + r) * KB + blk) * 32 + lane;
-                    cp_async16(dst, ok ? (const void *)((const uint4 *)rows[m][r] + grp) : (const void *)pairs, ok);
-                    int i = (m * 2 + r) * KB + blk;
-                    if (ok) sb[slot][i >> 2] |= (u32)__ldg(scales[m][r] + grp) << (8 * (i & 3));
+                    q[m][r][blk] = ok ? __ldg((const uint4 *)rows[m][r] + grp) : make_uint4(0u, 0u, 0u, 0u);
+                    sb[m][r][blk] = ok ? (u32)__ldg(scales[m][r] + grp) : 0u;
                 }
         }
-        cp_async_commit();
     };
-#pragma unroll
-    for (int j = 0; j < MMA_STAGES - 1; j++) issue(j, j);  // before the pairs are looked up: the codes are the wait
+    load(0);  // before the pairs are looked up: the codes are the long wait
     const __nv_bfloat16 *x[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) {
         int c = nt * 8 + g;
         x[nt] = c < count ? in + (long)(pairs[c] / div) * width : nullptr;
     }
-    for (int s0 = 0; s0 < steps; s0 += MMA_STAGES) {
+    for (int s = 0; s < steps; s++) {
+        uint4 cur[NM][2][KB];
+        u32 cs[NM][2][KB];
+        bool wide = false;
 #pragma unroll
-        for (int j = 0; j < MMA_STAGES; j++) {
-            int s = s0 + j;
-            if (s < steps) {
-                cp_async_wait<MMA_STAGES - 2>();  // step s has landed (groups are committed one per step)
-                u32 cs[NM][2][KB];
-                bool wide = false;
+        for (int blk = 0; blk < KB; blk++)
 #pragma unroll
-                for (int blk = 0; blk < KB; blk++)
+            for (int m = 0; m < NM; m++)
 #pragma unroll
-                    for (int m = 0; m < NM; m++)
-#pragma unroll
-                        for (int r = 0; r < 2; r++) {
-                            int i = (m * 2 + r) * KB + blk;
-                            cs[m][r][blk] = (sb[j][i >> 2] >> (8 * (i & 3))) & 0xFFu;
-                            wide |= cs[m][r][blk] > 128u;
-                        }
-                const uint4 *codes = stage + j * MMA_STAGE_VECS * 32 + lane;
-                // Refills the slot computed one step ago.
-                if (s + MMA_STAGES - 1 < steps) issue(s + MMA_STAGES - 1, (j + MMA_STAGES - 1) % MMA_STAGES);
-                else cp_async_commit();
-                // Real checkpoints never need the wide path (weights of 4 and more); it keeps large scales exact.
-                if (__any_sync(0xffffffffu, wide)) mma_step<NM, NT, KB, true>(codes, cs, x, s, t, groups, acc);
-                else mma_step<NM, NT, KB, false>(codes, cs, x, s, t, groups, acc);
-            }
-        }
+                for (int r = 0; r < 2; r++) {
+                    cur[m][r][blk] = q[m][r][blk];
+                    cs[m][r][blk] = sb[m][r][blk];
+                    wide |= sb[m][r][blk] > 128u;
+                }
+        if (s + 1 < steps) load(s + 1);
+        // Real checkpoints never need the wide path (weights of 4 and more); it keeps large scales exact.
+        if (__any_sync(0xffffffffu, wide)) mma_step<NM, NT, KB, true>(cur, cs, x, s, t, groups, acc);
+        else mma_step<NM, NT, KB, false>(cur, cs, x, s, t, groups, acc);
     }
-    cp_async_wait<0>();  // nothing in flight into the ring when the next chunk starts
 }
 
 // Gate/up + SiTU of one 16-row tile for pairs[0..count), count <= 8 NT (see moe_gate_up_mma).
 template <int NT, int KB>
-__device__ __forceinline__ void gate_up_mma_chunk(const u8 *const rows[2][2], const u8 *const scales[2][2],
-                                                  uint4 *stage, int lane, int g, int t, int groups, const __nv_bfloat16 *z, const int *pairs,
+__device__ __forceinline__ void gate_up_mma_chunk(const u8 *const rows[2][2], const u8 *const scales[2][2], int g,
+                                                  int t, int groups, const __nv_bfloat16 *z, const int *pairs,
                                                   int count, int k, int D, __nv_bfloat16 *a, int I, int row0,
                                                   float beta, float lbeta) {
     float acc[2][NT][4];
@@ -682,7 +641,7 @@ __device__ __forceinline__ void gate_up_mma_chunk(const u8 *const rows[2][2], co
         for (int nt = 0; nt < NT; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[m][nt][e] = 0.0f;
-    mma_rows_pass<2, NT, KB>(rows, scales, stage, lane, g, t, groups, z, pairs, count, k, D, acc);
+    mma_rows_pass<2, NT, KB>(rows, scales, g, t, groups, z, pairs, count, k, D, acc);
     // c0, c1: row g, pairs 2t, 2t + 1 of the tile; c2, c3: row g + 8, the same pairs.
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
@@ -711,7 +670,7 @@ __device__ __forceinline__ void gate_up_mma_chunk(const u8 *const rows[2][2], co
     }
 
 // Gate/up + SiTU per active expert on the tensor cores; the same contract as moe_gate_up. At most 170 registers
-// (3 blocks per SM, with 48 KB of shared memory each; the bound also keeps ptxas from spilling). grid = (min(n k, E), ceil(I / (16 MMA_WARPS))),
+// (3 blocks per SM; the bound also keeps ptxas from spilling). grid = (min(n k, E), ceil(I / (16 MMA_WARPS))),
 // blockDim 32 MMA_WARPS.
 // z: [n, D]; w1/w3 packed [E, I, D/2], scales [E, I, D/32]; a: [n k, I]. D must be a multiple of 32.
 extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 3)
@@ -726,8 +685,6 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 3)
     int row0 = (blockIdx.y * MMA_WARPS + (threadIdx.x >> 5)) * 16;
     if (row0 >= I) return;
     int groups = D / 32;
-    __shared__ uint4 stages[MMA_WARPS * MMA_STAGES * MMA_STAGE_VECS * 32];
-    uint4 *stage = stages + (threadIdx.x >> 5) * (MMA_STAGES * MMA_STAGE_VECS * 32);  // this warp's ring
     const u8 *rows[2][2], *scales[2][2];
 #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -740,23 +697,22 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 3)
         scales[1][r] = ok ? w3s + at * groups : nullptr;
     }
 #define GATE_UP_MMA(NT, KB) \
-    gate_up_mma_chunk<NT, KB>(rows, scales, stage, lane, g, t, groups, z, pairs + p, count, k, D, a, I, row0, beta, \
-                              lbeta)
+    gate_up_mma_chunk<NT, KB>(rows, scales, g, t, groups, z, pairs + p, count, k, D, a, I, row0, beta, lbeta)
     MMA_CHUNKS(GATE_UP_MMA, GATE_UP_KB)
 #undef GATE_UP_MMA
 }
 
 // Down projection of one 16-row tile (output channels) for pairs[0..count) (see moe_down_mma).
 template <int NT, int KB>
-__device__ __forceinline__ void down_mma_chunk(const u8 *const rows[1][2], const u8 *const scales[1][2], uint4 *stage,
-                                               int lane, int g, int t, int groups, const __nv_bfloat16 *act, const int *pairs, int count,
+__device__ __forceinline__ void down_mma_chunk(const u8 *const rows[1][2], const u8 *const scales[1][2], int g, int t,
+                                               int groups, const __nv_bfloat16 *act, const int *pairs, int count,
                                                int I, __nv_bfloat16 *y, int D, int row0) {
     float acc[1][NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
         for (int e = 0; e < 4; e++) acc[0][nt][e] = 0.0f;
-    mma_rows_pass<1, NT, KB>(rows, scales, stage, lane, g, t, groups, act, pairs, count, 1, I, acc);
+    mma_rows_pass<1, NT, KB>(rows, scales, g, t, groups, act, pairs, count, 1, I, acc);
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
@@ -766,8 +722,8 @@ __device__ __forceinline__ void down_mma_chunk(const u8 *const rows[1][2], const
         }
 }
 
-// Down projection per active expert on the tensor cores; the same contract as moe_down. 3 blocks per SM, as
-// moe_gate_up_mma.
+// Down projection per active expert on the tensor cores; the same contract as moe_down. At most 170 registers
+// (3 blocks per SM, as moe_gate_up_mma), so that DOWN_KB blocks of codes fit in flight without spills.
 // grid = (min(n k, E), ceil(D / (16 MMA_WARPS))), blockDim 32 MMA_WARPS.
 // a: [n k, I]; w2 packed [E, D, I/2], scales [E, D, I/32]; y: [n k, D]. I must be a multiple of 32.
 extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 3)
@@ -780,8 +736,6 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 3)
     int row0 = (blockIdx.y * MMA_WARPS + (threadIdx.x >> 5)) * 16;
     if (row0 >= D) return;
     int groups = I / 32;
-    __shared__ uint4 stages[MMA_WARPS * MMA_STAGES * MMA_STAGE_VECS * 32];
-    uint4 *stage = stages + (threadIdx.x >> 5) * (MMA_STAGES * MMA_STAGE_VECS * 32);  // this warp's ring
     const u8 *rows[1][2], *scales[1][2];
 #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -791,8 +745,7 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 3)
         rows[0][r] = ok ? w2p + at * (I / 2) : nullptr;
         scales[0][r] = ok ? w2s + at * groups : nullptr;
     }
-#define DOWN_MMA(NT, KB) \
-    down_mma_chunk<NT, KB>(rows, scales, stage, lane, g, t, groups, a, pairs + p, count, I, y, D, row0)
+#define DOWN_MMA(NT, KB) down_mma_chunk<NT, KB>(rows, scales, g, t, groups, a, pairs + p, count, I, y, D, row0)
     MMA_CHUNKS(DOWN_MMA, DOWN_KB)
 #undef DOWN_MMA
 }
