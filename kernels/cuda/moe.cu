@@ -474,8 +474,8 @@ extern "C" __global__ void moe_combine_norm(const __nv_bfloat16 *y, const float 
 // {2t, 2t + 1} and (2h + 1, 2h + 5) as {2t + 8, 2t + 9}, and the B fragment takes the token's inputs with the same
 // indices (one byte permute per register): each MMA is the plain dot over 16 of the inputs.
 //
-// Cost: at batch 1-8 these kernels are bound by the instructions that dequantise (every byte of codes becomes two
-// bf16 once per chunk of tokens): 11 integer instructions and 4 bf16x2 multiplies per 8 weights.
+// Cost: every byte of codes becomes two bf16 once per chunk of tokens, in 11 integer instructions and 4 bf16x2
+// multiplies per 8 weights (through fp16 and fp32 it took 36, and bound the kernels at batch 1-8).
 //
 // Batch invariance: an MMA output depends only on its row of A and column of B (the skinny GEMM relies on the
 // same property), a token's column sees the same MMAs in the same order (blocks ascending, then words, then h)
