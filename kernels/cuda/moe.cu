@@ -2,9 +2,10 @@
 //
 // Invariants: the router is an fp32 island over the full hidden vector: sigmoid scores, the correction
 // bias only selects, top-k ties go to the lowest expert index, chosen experts are listed ascending,
-// weights come from the unbiased scores and are renormalised. An expert's gate/up outputs are rounded
-// to bf16, SiTU'd and rounded again; its down output is rounded to bf16, then the k experts are
-// combined in fp32 in ascending expert order and rounded once (kernels/src/cpu/moe.rs), then normalised.
+// weights come from the unbiased scores and are renormalised (in one launch, moe_router, or in two,
+// moe_router_logits + moe_route: the same bits). An expert's gate/up outputs are rounded to bf16, SiTU'd and
+// rounded again; its down output is rounded to bf16, then the k experts are combined in fp32 in ascending
+// expert order and rounded once (kernels/src/cpu/moe.rs), then normalised.
 // The expert kernels work per active expert over its grouped (token, slot) pairs (see "Grouped routed
 // experts" below), on the CUDA cores or on the tensor cores (the forward uses one path for every batch: the
 // two sum in different orders); a token's results never depend on the batch.
