@@ -2,9 +2,10 @@
 //
 // Invariants: the router is an fp32 island over the full hidden vector: sigmoid scores, the correction
 // bias only selects, top-k ties go to the lowest expert index, chosen experts are listed ascending,
-// weights come from the unbiased scores and are renormalised. An expert's gate/up outputs are rounded
-// to bf16, SiTU'd and rounded again; its down output is rounded to bf16, then the k experts are
-// combined in fp32 in ascending expert order and rounded once (kernels/src/cpu/moe.rs), then normalised.
+// weights come from the unbiased scores and are renormalised (in one launch, moe_router, or in two,
+// moe_router_logits + moe_route: the same bits). An expert's gate/up outputs are rounded to bf16, SiTU'd and
+// rounded again; its down output is rounded to bf16, then the k experts are combined in fp32 in ascending
+// expert order and rounded once (kernels/src/cpu/moe.rs), then normalised.
 // The expert kernels work per active expert over its grouped (token, slot) pairs (see "Grouped routed
 // experts" below), on the CUDA cores or on the tensor cores (the forward uses one path for every batch: the
 // two sum in different orders); a token's results never depend on the batch.
@@ -21,16 +22,10 @@ __device__ __forceinline__ float e8m0(u8 b) {
     return __int_as_float((int)b << 23);
 }
 
-// The router's fp32 logits, one warp per (token, expert): grid = (ceil(E / warps), n), blockDim 256.
-// h: [n, d]; w: [E, d]; logits: [n, E]. (Split from moe_route so that E dot products run across the whole
-// GPU instead of in one block per token.) Each lane reads 8 inputs (16 bytes) at a time, 4 loads in flight, and
-// sums them in element order; the lanes' partials meet in a fixed butterfly, so the logit of a token does not
-// depend on the batch.
-extern "C" __global__ void moe_router_logits(const __nv_bfloat16 *h, const __nv_bfloat16 *w, float *logits, int d,
-                                             int E) {
-    int e = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (e >= E) return;
-    const __nv_bfloat16 *x = h + (long)blockIdx.y * d, *wr = w + (long)e * d;
+// The router's fp32 logit of one expert row `wr` for one token row `x` (d inputs), by one warp; every lane gets it.
+// Each lane reads 8 inputs (16 bytes) at a time, 4 loads in flight, and sums them in element order; the lanes'
+// partials meet in a fixed butterfly, so a token's logit never depends on the batch or on which kernel computes it.
+__device__ __forceinline__ float router_dot(const __nv_bfloat16 *x, const __nv_bfloat16 *wr, int d, int lane) {
     float acc = 0.0f;
     int vec = d % 8 == 0 ? d / 8 : 0;  // 16-byte chunks (rows start 16-byte aligned when d is a multiple of 8)
 #pragma unroll 4
@@ -45,25 +40,25 @@ extern "C" __global__ void moe_router_logits(const __nv_bfloat16 *h, const __nv_
     }
     for (int c = vec * 8 + lane; c < d; c += 32) acc += ld(x, c) * ld(wr, c);
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    return acc;
+}
+
+// The router's fp32 logits, one warp per (token, expert): grid = (ceil(E / warps), n), blockDim 256.
+// h: [n, d]; w: [E, d]; logits: [n, E]. (Split from moe_route so that E dot products run across the whole
+// GPU instead of in one block per token.)
+extern "C" __global__ void moe_router_logits(const __nv_bfloat16 *h, const __nv_bfloat16 *w, float *logits, int d,
+                                             int E) {
+    int e = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (e >= E) return;
+    float acc = router_dot(h + (long)blockIdx.y * d, w + (long)e * d, d, lane);
     if (lane == 0) logits[(long)blockIdx.y * E + e] = acc;
 }
 
-// grid = n tokens, blockDim 256; dynamic shared memory 2 * E floats.
-// logits: [n, E] from moe_router_logits; bias: [E]; idx: [n, k] chosen experts ascending; wts: [n, k];
-// margin: [n].
-extern "C" __global__ void moe_route(const float *logits, const float *bias, int *idx, float *wts, float *margin,
-                                     int E, int k, int renormalize, float scale) {
-    extern __shared__ float sm[];
-    float *score = sm, *choice = sm + E;
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        score[e] = sigmoidf_(logits[(long)blockIdx.x * E + e]);
-        choice[e] = score[e] + bias[e];
-    }
-    __syncthreads();
-    if (threadIdx.x >= 32) return;
+// The per-token selection by warp 0 of a block, from the sigmoid scores `score` and `choice` = score + bias (shared
+// memory, E each; `choice` is consumed). out_idx: [k] chosen experts ascending; out_w: [k]; margin: one float.
+__device__ void route_select(const float *score, float *choice, int *out_idx, float *out_w, float *margin, int E,
+                             int k, int renormalize, float scale) {
     int lane = threadIdx.x;
-    int *out_idx = idx + (long)blockIdx.x * k;
-    float *out_w = wts + (long)blockIdx.x * k;
     // k passes of "best remaining" (larger choice, then lower index) by one warp: lane L scans experts L, L + 32,
     // ... in order, then a butterfly keeps the larger choice, ties to the lower index: a strict total order, so
     // every lane gets the expert a sequential scan would. The owner lane marks the chosen entry -inf.
@@ -88,7 +83,7 @@ extern "C" __global__ void moe_route(const float *logits, const float *bias, int
     for (int e = lane; e < E; e += 32) next = fmaxf(next, choice[e]);
     for (int o = 16; o > 0; o >>= 1) next = fmaxf(next, __shfl_xor_sync(0xffffffffu, next, o));
     if (lane != 0) return;
-    margin[blockIdx.x] = k < E ? last - next : 0.0f;
+    *margin = k < E ? last - next : 0.0f;
     // Ascending expert order (insertion sort of k entries).
     for (int a = 1; a < k; a++) {
         int v = out_idx[a], b = a - 1;
@@ -103,6 +98,71 @@ extern "C" __global__ void moe_route(const float *logits, const float *bias, int
     }
     for (int j = 0; j < k; j++) out_w[j] *= scale;
 }
+
+// grid = n tokens, blockDim 256; dynamic shared memory 2 * E floats.
+// logits: [n, E] from moe_router_logits; bias: [E]; idx: [n, k] chosen experts ascending; wts: [n, k];
+// margin: [n].
+extern "C" __global__ void moe_route(const float *logits, const float *bias, int *idx, float *wts, float *margin,
+                                     int E, int k, int renormalize, float scale) {
+    extern __shared__ float sm[];
+    float *score = sm, *choice = sm + E;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        score[e] = sigmoidf_(logits[(long)blockIdx.x * E + e]);
+        choice[e] = score[e] + bias[e];
+    }
+    __syncthreads();
+    if (threadIdx.x >= 32) return;
+    long t = blockIdx.x;
+    route_select(score, choice, idx + t * k, wts + t * k, margin + t, E, k, renormalize, scale);
+}
+
+#if __CUDA_ARCH__ >= 900
+// ---- The router in one launch (Hopper and later: thread-block clusters) -------------------------------------
+// moe_router_logits + moe_route for few experts: a cluster of ROUTER_CLUSTER blocks per token computes its logits
+// (block r takes experts r, r + ROUTER_CLUSTER, ..., one warp each, with router_dot: the same logits), each into its
+// own shared memory; after a cluster barrier block 0 reads them all through distributed shared memory and selects
+// (route_select: the same selection). A second cluster barrier keeps the other blocks' shared memory alive until
+// block 0 has read it. Same outputs as the two kernels, bit for bit.
+
+#define ROUTER_CLUSTER 8  // blocks per token (the portable cluster size); Gpu::moe_route's ROUTER_CLUSTER
+
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+// The float at `p` in the shared memory of the cluster's block `rank`.
+__device__ __forceinline__ float ld_cluster(const float *p, u32 rank) {
+    u32 local = (u32)__cvta_generic_to_shared(p), remote;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+}
+
+// grid = (ROUTER_CLUSTER, n), blockDim 256, clusters of (ROUTER_CLUSTER, 1, 1); dynamic shared memory 3 E floats.
+// h: [n, d]; w: [E, d]; bias: [E]; idx: [n, k] chosen experts ascending; wts: [n, k]; margin: [n].
+extern "C" __global__ void __cluster_dims__(ROUTER_CLUSTER, 1, 1) __launch_bounds__(256)
+    moe_router(const __nv_bfloat16 *h, const __nv_bfloat16 *w, const float *bias, int *idx, float *wts,
+               float *margin, int d, int E, int k, int renormalize, float scale) {
+    extern __shared__ float sm[];
+    float *own = sm, *score = sm + E, *choice = sm + 2 * E;  // own: this block's logits at their expert index
+    int rank = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    long t = blockIdx.y;
+    for (int e = rank + ROUTER_CLUSTER * warp; e < E; e += ROUTER_CLUSTER * warps) {
+        float v = router_dot(h + t * d, w + (long)e * d, d, lane);
+        if (lane == 0) own[e] = v;
+    }
+    cluster_sync();  // every block's logits are in its shared memory
+    if (rank == 0)
+        for (int e = threadIdx.x; e < E; e += blockDim.x) {
+            score[e] = sigmoidf_(ld_cluster(own + e, (u32)(e % ROUTER_CLUSTER)));
+            choice[e] = score[e] + bias[e];
+        }
+    cluster_sync();  // block 0 has read them (and its score / choice are visible to its warp 0)
+    if (rank != 0 || warp != 0) return;
+    route_select(score, choice, idx + t * k, wts + t * k, margin + t, E, k, renormalize, scale);
+}
+#endif
 
 // ---- Grouped routed experts ----------------------------------------------------------------------------------
 // After the router, the (token, slot) pairs are grouped by expert on the device (moe_group), so that the expert
@@ -403,26 +463,29 @@ extern "C" __global__ void moe_combine_norm(const __nv_bfloat16 *y, const float 
 
 // ---- Grouped routed experts on the tensor cores -------------------------------------------------------------
 // The same grouping and outputs as moe_gate_up / moe_down, with the dot products on mma.sync m16n8k16 (bf16 in,
-// fp32 accumulate): the MXFP4 weights are dequantised to bf16 in registers (c * s is exact in bf16, which shares
-// fp32's exponent range) and multiplied against the expert's tokens 8 at a time, so a weight costs its
-// dequantisation once per chunk of up to 16 tokens instead of one fp32 fma per token. (The tile mapping follows
-// the idea of kernels/cuda/gemm.cu; the dequantisation into MMA fragments is our own.)
+// fp32 accumulate): the MXFP4 weights are dequantised to bf16 in registers (code * scale is exact in bf16, which
+// shares fp32's exponent range) and multiplied against the expert's tokens 8 at a time, so a weight costs its
+// dequantisation once per chunk of up to 24 tokens. (The tile mapping follows the idea of kernels/cuda/gemm.cu; the
+// dequantisation into MMA fragments is our own.)
 //
 // Layout: a warp owns a 16-row tile of one expert's matrix; lane (g = lane / 4, t = lane % 4) holds rows g and
 // g + 8. K runs in blocks of 4 MXFP4 groups (128 inputs); in a block, thread t takes group 4 b + t whole
-// (16 bytes of codes and one scale per row, one 128-bit load per row). Its 32 codes feed 8 MMAs: codes
-// 8 w + 4 h + (0, 1) and + (2, 3) are k-slots {2t, 2t + 1} and {2t + 8, 2t + 9} of MMA 2 w + h, and the B
-// fragment takes the token's inputs with the same indices, so each MMA is the plain dot over 16 of the inputs.
+// (16 bytes of codes and one scale per row, one 128-bit load per row). A word of 8 codes feeds 2 MMAs: codes
+// i and i + 4 share one bf16x2 (word_codes_bf16x2), so MMA h of the word takes codes (2h, 2h + 4) as k-slots
+// {2t, 2t + 1} and (2h + 1, 2h + 5) as {2t + 8, 2t + 9}, and the B fragment takes the token's inputs with the same
+// indices (one byte permute per register): each MMA is the plain dot over 16 of the inputs.
+//
+// Cost: every byte of codes becomes two bf16 once per chunk of tokens, in 11 integer instructions and 4 bf16x2
+// multiplies per 8 weights (through fp16 and fp32 it took 36, and bound the kernels at batch 1-8).
 //
 // Batch invariance: an MMA output depends only on its row of A and column of B (the skinny GEMM relies on the
-// same property), a token's column sees the same MMAs in the same order (blocks ascending, then w, then h)
+// same property), a token's column sees the same MMAs in the same order (blocks ascending, then words, then h)
 // whatever column or chunk it lands in, and padding columns hold zeros. So a token's result does not depend on
 // which other tokens share its experts.
-// Limits: scale bytes 241..254 (scales of 2^114 and more) overflow the dequantisation to infinity (no real
-// checkpoint comes near); 0xFF is NaN as everywhere.
 
-#define MMA_WARPS 4    // 16-row tiles per block
-#define MMA_BLOCKS 2   // K blocks of 128 inputs loaded per step (the next step's are in flight during this one)
+#define MMA_WARPS 4   // 16-row tiles per block
+#define GATE_UP_KB 2  // K blocks per step of moe_gate_up_mma: 2 matrices x 2 rows x 2 x 16 bytes per lane in flight
+#define DOWN_KB 4     // the same for moe_down_mma (one matrix): 128 bytes per lane in flight as well
 
 __device__ __forceinline__ void mma_16816(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -431,47 +494,103 @@ __device__ __forceinline__ void mma_16816(float c[4], u32 a0, u32 a1, u32 a2, u3
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// 2^14 * the E8M0 scale `b` (so that codes_word's code * 2^-14 times it is code * scale): exponent b + 14.
-// b = 0 (2^-127, an fp32 subnormal) gives 2^-113 as it should; b > 240 overflows to infinity; 0xFF is NaN.
-__device__ __forceinline__ float code_scale(u32 b) {
-    if (b == 0xFFu) return __int_as_float(0x7fc00000);
-    if (b > 240u) return INF_F;
-    return __int_as_float((int)(b + 14u) << 23);
+// The eight E2M1 codes of one word (element i in nibble i) as four bf16x2 of code * 2^-126, exactly: register i
+// holds code i (low half) and code i + 4 (high half). A code's magnitude bits (e1 e0 m) land on the bf16 exponent's
+// two low bits and the top mantissa bit, which makes the bf16 number code * 2^-126 (code 0.5 lands on the
+// subnormal 2^-127), and its sign on the sign bit. Codes i and i + 4 lie 16 bits apart, so one shift and one mask
+// place both; a code's sign sits 3 bits above its magnitude but must land 9 above, so first the signs of codes
+// 0, 1, 4, 5 move 6 bits up (`lo`) and the magnitudes of codes 2, 3, 6, 7 move 6 bits down (`hi`).
+__device__ __forceinline__ void word_codes_bf16x2(u32 w, u32 out[4]) {
+    const u32 keep = 0x81C081C0u;  // per half: sign, exponent bits 1-0, top mantissa bit
+    u32 lo = (w & 0x00770077u) | ((w << 6) & ~0x00770077u);
+    u32 hi = (w & 0x88008800u) | ((w >> 6) & ~0x88008800u);
+    out[0] = (lo << 6) & keep;
+    out[1] = (lo << 2) & keep;
+    out[2] = (hi << 4) & keep;
+    out[3] = hi & keep;
 }
 
-// The eight weights of one word of codes times their scale, as four bf16x2 (codes 2i, 2i + 1 in register i,
-// the lower code in the low half). The fp32 products are exact with at most 2 significant bits, so keeping
-// their top 16 bits is the exact bf16.
-__device__ __forceinline__ void word_bf16x2(u32 w, float sx, u32 out[4]) {
-    float v[8];
-    codes_word(w, v);
+// a * b per bf16 half, exactly when the product is a bf16 (fma with -0, which keeps the sign of a zero product).
+__device__ __forceinline__ u32 bf16x2_mul(u32 a, u32 b) {
+    u32 d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+    return d;
+}
+
+// 2^126 in both bf16 halves: word_codes_bf16x2's output times it is the plain E2M1 value.
+#define BF16X2_2P126 0x7E807E80u
+
+// The bf16x2 factor (both halves) that turns word_codes_bf16x2's code * 2^-126 into code * 2^(b - 127) for the E8M0
+// byte b. Narrow (b <= 128): 2^(b - 1), one multiply. Wide (some scale of the step is larger): the codes are first
+// multiplied by 2^126 and this is 2^(b - 127) (b = 0: the subnormal 2^-127). 0xFF is NaN either way. Every
+// product is exact, so both give the same bf16 weights.
+__device__ __forceinline__ u32 scale_bf16x2(u32 b, bool wide) {
+    u32 h = b == 0xFFu ? 0x7FC0u : wide ? (b == 0u ? 0x0040u : b << 7) : (b + 126u) << 7;
+    return h | (h << 16);
+}
+
+// One step of mma_rows_pass: the KB blocks of codes `cur` (scale bytes `cs`) of this step s against the NT
+// n-tiles' inputs x. WIDE: some scale of the warp's step exceeds 2^1 (see scale_bf16x2).
+template <int NM, int NT, int KB, bool WIDE>
+__device__ __forceinline__ void mma_step(const uint4 cur[NM][2][KB], const u32 cs[NM][2][KB],
+                                     const __nv_bfloat16 *const x[NT], int s, int t, int groups,
+                                     float acc[NM][NT][4]) {
 #pragma unroll
-    for (int i = 0; i < 4; i++)
-        out[i] = __byte_perm(__float_as_uint(v[2 * i] * sx), __float_as_uint(v[2 * i + 1] * sx), 0x7632);
+    for (int blk = 0; blk < KB; blk++) {
+        int grp = 4 * (KB * s + blk) + t;
+        u32 sx[NM][2];
+#pragma unroll
+        for (int m = 0; m < NM; m++)
+#pragma unroll
+            for (int r = 0; r < 2; r++) sx[m][r] = scale_bf16x2(cs[m][r][blk], WIDE);
+#pragma unroll
+        for (int w = 0; w < 4; w++) {
+            u32 a[NM][2][4];  // [matrix][row g / g + 8][codes (i, i + 4)]
+#pragma unroll
+            for (int m = 0; m < NM; m++)
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    word_codes_bf16x2(word_of(cur[m][r][blk], w), a[m][r]);
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        if constexpr (WIDE) a[m][r][i] = bf16x2_mul(a[m][r][i], BF16X2_2P126);
+                        a[m][r][i] = bf16x2_mul(a[m][r][i], sx[m][r]);
+                    }
+                }
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                uint4 xv = x[nt] != nullptr && grp < groups ? *(const uint4 *)(x[nt] + grp * 32 + w * 8)
+                                                            : make_uint4(0u, 0u, 0u, 0u);  // [8 inputs]
+                // Inputs (0, 4), (1, 5), (2, 6), (3, 7), as the codes.
+                u32 b0 = __byte_perm(xv.x, xv.z, 0x5410), b1 = __byte_perm(xv.x, xv.z, 0x7632);
+                u32 b2 = __byte_perm(xv.y, xv.w, 0x5410), b3 = __byte_perm(xv.y, xv.w, 0x7632);
+#pragma unroll
+                for (int m = 0; m < NM; m++) {
+                    mma_16816(acc[m][nt], a[m][0][0], a[m][1][0], a[m][0][1], a[m][1][1], b0, b1);
+                    mma_16816(acc[m][nt], a[m][0][2], a[m][1][2], a[m][0][3], a[m][1][3], b2, b3);
+                }
+            }
+        }
+    }
 }
 
 // One warp's pass of a 16-row tile of NM matrices (NM = 2: gate and up) over the pairs[0..count) (count <= 8 NT)
-// of one expert. rows[m][r]: the codes of row g (r = 0) / g + 8 (r = 1) of matrix m, or null past the matrix;
-// scales likewise. The B column of this thread is pair g of each 8-pair tile: row pairs[.] / div of `in`,
-// `width` (= 32 groups) bf16 wide. acc[m][nt]: the MMA accumulators of n-tile nt.
-template <int NM, int NT>
+// of one expert, KB blocks of 128 inputs per step (the next step's codes are in flight during this one).
+// rows[m][r]: the codes of row g (r = 0) / g + 8 (r = 1) of matrix m, or null past the matrix; scales likewise.
+// The B column of this thread is pair g of each 8-pair tile: row pairs[.] / div of `in`, `width` (= 32 groups) bf16
+// wide. acc[m][nt]: the MMA accumulators of n-tile nt.
+template <int NM, int NT, int KB>
 __device__ __forceinline__ void mma_rows_pass(const u8 *const rows[NM][2], const u8 *const scales[NM][2], int g,
                                               int t, int groups, const __nv_bfloat16 *in, const int *pairs, int count,
                                               int div, int width, float acc[NM][NT][4]) {
-    const __nv_bfloat16 *x[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++) {
-        int c = nt * 8 + g;
-        x[nt] = c < count ? in + (long)(pairs[c] / div) * width : nullptr;
-    }
-    int steps = (groups + 4 * MMA_BLOCKS - 1) / (4 * MMA_BLOCKS);
-    uint4 q[NM][2][MMA_BLOCKS];
-    u32 sb[NM][2][MMA_BLOCKS];
-    // Loads group 4 (MMA_BLOCKS s + blk) + t of each row (zeros past the row's groups or the matrix).
+    int steps = (groups + 4 * KB - 1) / (4 * KB);
+    uint4 q[NM][2][KB];
+    u32 sb[NM][2][KB];
+    // Loads group 4 (KB s + blk) + t of each row (zeros past the row's groups or the matrix).
     auto load = [&](int s) {
 #pragma unroll
-        for (int blk = 0; blk < MMA_BLOCKS; blk++) {
-            int grp = 4 * (MMA_BLOCKS * s + blk) + t;
+        for (int blk = 0; blk < KB; blk++) {
+            int grp = 4 * (KB * s + blk) + t;
 #pragma unroll
             for (int m = 0; m < NM; m++)
 #pragma unroll
@@ -482,52 +601,36 @@ __device__ __forceinline__ void mma_rows_pass(const u8 *const rows[NM][2], const
                 }
         }
     };
-    load(0);
-    for (int s = 0; s < steps; s++) {
-        uint4 cur[NM][2][MMA_BLOCKS];
-        u32 cs[NM][2][MMA_BLOCKS];
+    load(0);  // before the pairs are looked up: the codes are the long wait
+    const __nv_bfloat16 *x[NT];
 #pragma unroll
-        for (int blk = 0; blk < MMA_BLOCKS; blk++)
+    for (int nt = 0; nt < NT; nt++) {
+        int c = nt * 8 + g;
+        x[nt] = c < count ? in + (long)(pairs[c] / div) * width : nullptr;
+    }
+    for (int s = 0; s < steps; s++) {
+        uint4 cur[NM][2][KB];
+        u32 cs[NM][2][KB];
+        bool wide = false;
+#pragma unroll
+        for (int blk = 0; blk < KB; blk++)
 #pragma unroll
             for (int m = 0; m < NM; m++)
 #pragma unroll
                 for (int r = 0; r < 2; r++) {
                     cur[m][r][blk] = q[m][r][blk];
                     cs[m][r][blk] = sb[m][r][blk];
+                    wide |= sb[m][r][blk] > 128u;
                 }
         if (s + 1 < steps) load(s + 1);
-#pragma unroll
-        for (int blk = 0; blk < MMA_BLOCKS; blk++) {
-            int grp = 4 * (MMA_BLOCKS * s + blk) + t;
-            float sx[NM][2];
-#pragma unroll
-            for (int m = 0; m < NM; m++)
-#pragma unroll
-                for (int r = 0; r < 2; r++) sx[m][r] = code_scale(cs[m][r][blk]);
-#pragma unroll
-            for (int w = 0; w < 4; w++) {
-                u32 a[NM][2][4];  // [matrix][row g / g + 8][codes 8 w + 2 i, + 1]
-#pragma unroll
-                for (int m = 0; m < NM; m++)
-#pragma unroll
-                    for (int r = 0; r < 2; r++) word_bf16x2(word_of(cur[m][r][blk], w), sx[m][r], a[m][r]);
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++) {
-                    uint4 b = x[nt] != nullptr && grp < groups ? *(const uint4 *)(x[nt] + grp * 32 + w * 8)
-                                                               : make_uint4(0u, 0u, 0u, 0u);  // [8 inputs]
-#pragma unroll
-                    for (int m = 0; m < NM; m++) {
-                        mma_16816(acc[m][nt], a[m][0][0], a[m][1][0], a[m][0][1], a[m][1][1], b.x, b.y);
-                        mma_16816(acc[m][nt], a[m][0][2], a[m][1][2], a[m][0][3], a[m][1][3], b.z, b.w);
-                    }
-                }
-            }
-        }
+        // Real checkpoints never need the wide path (weights of 4 and more); it keeps large scales exact.
+        if (__any_sync(0xffffffffu, wide)) mma_step<NM, NT, KB, true>(cur, cs, x, s, t, groups, acc);
+        else mma_step<NM, NT, KB, false>(cur, cs, x, s, t, groups, acc);
     }
 }
 
 // Gate/up + SiTU of one 16-row tile for pairs[0..count), count <= 8 NT (see moe_gate_up_mma).
-template <int NT>
+template <int NT, int KB>
 __device__ __forceinline__ void gate_up_mma_chunk(const u8 *const rows[2][2], const u8 *const scales[2][2], int g,
                                                   int t, int groups, const __nv_bfloat16 *z, const int *pairs,
                                                   int count, int k, int D, __nv_bfloat16 *a, int I, int row0,
@@ -539,7 +642,7 @@ __device__ __forceinline__ void gate_up_mma_chunk(const u8 *const rows[2][2], co
         for (int nt = 0; nt < NT; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[m][nt][e] = 0.0f;
-    mma_rows_pass<2, NT>(rows, scales, g, t, groups, z, pairs, count, k, D, acc);
+    mma_rows_pass<2, NT, KB>(rows, scales, g, t, groups, z, pairs, count, k, D, acc);
     // c0, c1: row g, pairs 2t, 2t + 1 of the tile; c2, c3: row g + 8, the same pairs.
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
@@ -554,49 +657,54 @@ __device__ __forceinline__ void gate_up_mma_chunk(const u8 *const rows[2][2], co
         }
 }
 
-// The expert's pairs in chunks of 16 (two n-tiles), then one of 8 or 16 for the rest: every chunk reads the
-// tile's weights (from HBM once, then from the caches). Chunks of 32 would cost registers and so occupancy.
-#define MMA_CHUNKS(CALL)                                 \
+// The expert's pairs in chunks of up to 24: one pass of 3 n-tiles (1 K block per step, so that its accumulators fit
+// without spills) for more than 16, else one of 2 or 1 n-tiles (KB blocks per step). Every chunk reads the tile's
+// weights (from HBM once, then from the caches; a second pass comes only past 24 tokens on one expert). A token's
+// column sees the same MMAs in the same order whatever the chunk's n-tiles or K blocks per step.
+#define MMA_CHUNKS(CALL, KB)                             \
     for (int left = end - p; left > 0; left = end - p) { \
-        int count = min(left, 16);                       \
-        if (count > 8) CALL(2);                          \
-        else CALL(1);                                    \
+        int count = min(left, 24);                       \
+        if (count > 16) CALL(3, 1);                      \
+        else if (count > 8) CALL(2, KB);                 \
+        else CALL(1, KB);                                \
         p += count;                                      \
     }
 
-// Gate/up + SiTU per active expert on the tensor cores; the same contract as moe_gate_up. (167 registers with
-// sm_90a: 3 blocks per SM.) grid = (min(n k, E), ceil(I / (16 MMA_WARPS))), blockDim 32 MMA_WARPS.
+// Gate/up + SiTU per active expert on the tensor cores; the same contract as moe_gate_up. At most 170 registers
+// (3 blocks per SM; the bound also keeps ptxas from spilling). grid = (min(n k, E), ceil(I / (16 MMA_WARPS))),
+// blockDim 32 MMA_WARPS.
 // z: [n, D]; w1/w3 packed [E, I, D/2], scales [E, I, D/32]; a: [n k, I]. D must be a multiple of 32.
-extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
+extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 3)
     moe_gate_up_mma(const __nv_bfloat16 *z, const u8 *w1p, const u8 *w1s, const u8 *w3p, const u8 *w3s,
                     const int *group, const int *pairs, __nv_bfloat16 *a, int k, int E, int D, int I, float beta,
                     float lbeta) {
     int slot = blockIdx.x;
-    if (slot >= group[0]) return;
+    // The slot's grouping entries in one round trip with the active count (unused when the slot is idle).
+    int active = group[0], e = group[1 + slot], p = group[1 + E + slot], end = group[2 + E + slot];
+    if (slot >= active) return;
     int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int row0 = (blockIdx.y * MMA_WARPS + (threadIdx.x >> 5)) * 16;
     if (row0 >= I) return;
-    long e = group[1 + slot];
-    int p = group[1 + E + slot], end = group[2 + E + slot], groups = D / 32;
+    int groups = D / 32;
     const u8 *rows[2][2], *scales[2][2];
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         int row = row0 + g + 8 * r;
-        long at = e * I + row;
+        long at = (long)e * I + row;
         bool ok = row < I;
         rows[0][r] = ok ? w1p + at * (D / 2) : nullptr;
         rows[1][r] = ok ? w3p + at * (D / 2) : nullptr;
         scales[0][r] = ok ? w1s + at * groups : nullptr;
         scales[1][r] = ok ? w3s + at * groups : nullptr;
     }
-#define GATE_UP_MMA(NT) \
-    gate_up_mma_chunk<NT>(rows, scales, g, t, groups, z, pairs + p, count, k, D, a, I, row0, beta, lbeta)
-    MMA_CHUNKS(GATE_UP_MMA)
+#define GATE_UP_MMA(NT, KB) \
+    gate_up_mma_chunk<NT, KB>(rows, scales, g, t, groups, z, pairs + p, count, k, D, a, I, row0, beta, lbeta)
+    MMA_CHUNKS(GATE_UP_MMA, GATE_UP_KB)
 #undef GATE_UP_MMA
 }
 
 // Down projection of one 16-row tile (output channels) for pairs[0..count) (see moe_down_mma).
-template <int NT>
+template <int NT, int KB>
 __device__ __forceinline__ void down_mma_chunk(const u8 *const rows[1][2], const u8 *const scales[1][2], int g, int t,
                                                int groups, const __nv_bfloat16 *act, const int *pairs, int count,
                                                int I, __nv_bfloat16 *y, int D, int row0) {
@@ -605,7 +713,7 @@ __device__ __forceinline__ void down_mma_chunk(const u8 *const rows[1][2], const
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
         for (int e = 0; e < 4; e++) acc[0][nt][e] = 0.0f;
-    mma_rows_pass<1, NT>(rows, scales, g, t, groups, act, pairs, count, 1, I, acc);
+    mma_rows_pass<1, NT, KB>(rows, scales, g, t, groups, act, pairs, count, 1, I, acc);
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
@@ -615,30 +723,30 @@ __device__ __forceinline__ void down_mma_chunk(const u8 *const rows[1][2], const
         }
 }
 
-// Down projection per active expert on the tensor cores; the same contract as moe_down. At most 128 registers,
-// so 4 blocks fit an SM (more loads in flight). grid = (min(n k, E), ceil(D / (16 MMA_WARPS))),
-// blockDim 32 MMA_WARPS.
+// Down projection per active expert on the tensor cores; the same contract as moe_down. At most 170 registers
+// (3 blocks per SM, as moe_gate_up_mma), so that DOWN_KB blocks of codes fit in flight without spills.
+// grid = (min(n k, E), ceil(D / (16 MMA_WARPS))), blockDim 32 MMA_WARPS.
 // a: [n k, I]; w2 packed [E, D, I/2], scales [E, D, I/32]; y: [n k, D]. I must be a multiple of 32.
-extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 4)
+extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 3)
     moe_down_mma(const __nv_bfloat16 *a, const u8 *w2p, const u8 *w2s, const int *group, const int *pairs,
                  __nv_bfloat16 *y, int E, int D, int I) {
     int slot = blockIdx.x;
-    if (slot >= group[0]) return;
+    int active = group[0], e = group[1 + slot], p = group[1 + E + slot], end = group[2 + E + slot];
+    if (slot >= active) return;
     int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int row0 = (blockIdx.y * MMA_WARPS + (threadIdx.x >> 5)) * 16;
     if (row0 >= D) return;
-    long e = group[1 + slot];
-    int p = group[1 + E + slot], end = group[2 + E + slot], groups = I / 32;
+    int groups = I / 32;
     const u8 *rows[1][2], *scales[1][2];
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         int row = row0 + g + 8 * r;
-        long at = e * D + row;
+        long at = (long)e * D + row;
         bool ok = row < D;
         rows[0][r] = ok ? w2p + at * (I / 2) : nullptr;
         scales[0][r] = ok ? w2s + at * groups : nullptr;
     }
-#define DOWN_MMA(NT) down_mma_chunk<NT>(rows, scales, g, t, groups, a, pairs + p, count, I, y, D, row0)
-    MMA_CHUNKS(DOWN_MMA)
+#define DOWN_MMA(NT, KB) down_mma_chunk<NT, KB>(rows, scales, g, t, groups, a, pairs + p, count, I, y, D, row0)
+    MMA_CHUNKS(DOWN_MMA, DOWN_KB)
 #undef DOWN_MMA
 }

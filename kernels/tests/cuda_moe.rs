@@ -1,14 +1,15 @@
 //! The grouped routed-expert kernels of the latent MoE (`kernels/cuda/moe.cu`: `Gpu::moe_group`,
 //! `Gpu::moe_gate_up`, `Gpu::moe_down`) on a GPU, at the k3-mini expert shapes (latent 3584, expert width 3072)
 //! and at a small shape whose rows do not fill a warp's lanes: against an f64 host reference built from
-//! `mxfp4::dequant_row` (every E2M1 code, scales above and below 1), over batches of 1, 3, 8, 16 and 64 tokens
+//! `mxfp4::dequant_row` (every E2M1 code; real checkpoints' scales, below 1, and scales up to 2^3, which take the
+//! tensor-core path's wide dequantisation), over batches of 1, 3, 8, 16 and 64 tokens
 //! with one expert shared by every token, others by a few, and one expert that no token chose; and every token's
 //! outputs bit-identical across those batches (a token's arithmetic may not depend on who shares its experts).
 //! On a machine without a CUDA driver every test says plainly that it skipped.
 //!
 //! `routed_expert_bandwidth` (ignored by default; `--ignored`) prints the achieved GB/s of the gate/up and down
 //! kernels for the bytes of the active experts' MXFP4 weights, at 1, 8 and 64 tokens with the k3-mini routing
-//! (64 experts, top 16). It asserts nothing about speed.
+//! (64 experts, top 16, real checkpoints' scale bytes). It asserts nothing about speed.
 
 use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
@@ -128,15 +129,20 @@ fn routing(n: usize) -> Vec<i32> {
     (0..n).flat_map(|t| [0, 1 + (t * 5 % 6) as i32]).collect()
 }
 
-fn check_shape(gpu: &Gpu, latent: usize, inter: usize) {
+/// Scale bytes of real checkpoints (2^-17 .. 2^-1): the tensor-core path's one-multiply dequantisation.
+const NARROW_SCALES: (u8, u8) = (110, 126);
+/// Scale bytes 118..=130 (2^-9 .. 2^3): some scales exceed 2, which takes the tensor-core path's two-multiply
+/// dequantisation (no shortcut may overflow on them).
+const WIDE_SCALES: (u8, u8) = (118, 130);
+
+fn check_shape(gpu: &Gpu, latent: usize, inter: usize, scales: (u8, u8)) {
     let cfg = ModelConfig::preset("k3-mini").unwrap();
     let (experts, k, most) = (8usize, 2usize, 64usize);
     let mut rng = ChaCha8Rng::seed_from_u64(11);
-    // Scale bytes 118..=130: 2^-9 .. 2^3, so some scales exceed 2 (no shortcut may overflow on them).
     let w = [
-        Experts::random(gpu, &mut rng, experts, inter, latent, (118, 130)),
-        Experts::random(gpu, &mut rng, experts, inter, latent, (118, 130)),
-        Experts::random(gpu, &mut rng, experts, latent, inter, (118, 130)),
+        Experts::random(gpu, &mut rng, experts, inter, latent, scales),
+        Experts::random(gpu, &mut rng, experts, inter, latent, scales),
+        Experts::random(gpu, &mut rng, experts, latent, inter, scales),
     ];
     let z: Vec<bf16> = (0..most * latent).map(|_| bf16::from_f32(rng.gen_range(-1.0f32..1.0))).collect();
     let idx = routing(most);
@@ -198,8 +204,8 @@ fn check_shape(gpu: &Gpu, latent: usize, inter: usize) {
             }
         }
         println!(
-            "{cores:?} cores [latent {latent}, expert {inter}]: gate/up relative L2 {act_rel:.3e}; down worst \
-             scaled error {worst:.3e}"
+            "{cores:?} cores [latent {latent}, expert {inter}], scale bytes {scales:?}: gate/up relative L2 \
+             {act_rel:.3e}; down worst scaled error {worst:.3e}"
         );
 
         // Batch invariance: each prefix batch gives every token exactly its outputs in the batch of 64.
@@ -214,11 +220,59 @@ fn check_shape(gpu: &Gpu, latent: usize, inter: usize) {
 #[test]
 fn routed_experts_match_the_host_reference_and_are_batch_invariant_bit_for_bit() {
     let Some(gpu) = gpu() else { return };
-    // k3-mini's expert shapes, then ones whose rows leave most lanes of a warp without a group and whose K is
-    // not a multiple of the tensor-core path's K step (256 inputs) or whose rows fill only part of a block.
-    check_shape(&gpu, 3584, 3072);
-    check_shape(&gpu, 96, 160);
-    check_shape(&gpu, 224, 32);
+    // k3-mini's expert shapes with real checkpoints' scales, then ones whose rows leave most lanes of a warp without
+    // a group and whose K is not a multiple of the tensor-core path's K steps (256 and 512 inputs) or whose rows fill
+    // only part of a block, with both scale ranges.
+    check_shape(&gpu, 3584, 3072, NARROW_SCALES);
+    for scales in [NARROW_SCALES, WIDE_SCALES] {
+        check_shape(&gpu, 96, 160, scales);
+        check_shape(&gpu, 224, 32, scales);
+    }
+}
+
+/// Runs the router over `h` `[n, d]` with router weights `w` `[experts, d]` and `bias` `[experts]`, one-launch (when
+/// the device and expert count allow it) or two-launch; returns `(idx, weight bits, margin bits)`.
+fn route(
+    gpu: &Gpu,
+    h: &[bf16],
+    w: &[bf16],
+    bias: &[f32],
+    k: usize,
+    two_launches: bool,
+) -> (Vec<i32>, Vec<u32>, Vec<u32>) {
+    let (experts, n) = (bias.len(), h.len() / (w.len() / bias.len()));
+    let d = w.len() / experts;
+    let (hd, wd, bd) = (gpu.upload(h).unwrap(), gpu.upload(w).unwrap(), gpu.upload(bias).unwrap());
+    let idx = gpu.zeros::<i32>(n * k).unwrap();
+    let wts = gpu.zeros::<f32>(n * k).unwrap();
+    let margin = gpu.zeros::<f32>(n).unwrap();
+    let args = (gpu.ptr(&hd), gpu.ptr(&wd), gpu.ptr(&bd), gpu.ptr(&idx), gpu.ptr(&wts), gpu.ptr(&margin));
+    let run = if two_launches { Gpu::moe_route_in_two_launches } else { Gpu::moe_route };
+    run(gpu, args.0, args.1, args.2, args.3, args.4, args.5, n, d, experts, k, true, 2.5).unwrap();
+    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<u32>>();
+    (
+        gpu.download(&idx, n * k).unwrap(),
+        bits(gpu.download(&wts, n * k).unwrap()),
+        bits(gpu.download(&margin, n).unwrap()),
+    )
+}
+
+#[test]
+fn the_one_launch_router_equals_the_two_launch_router_bit_for_bit() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(23);
+    // k3-mini's router (64 experts, top 16, hidden 7,168) and a small one; 1, 5 and 64 tokens.
+    for (experts, k, d) in [(64usize, 16usize, 7168usize), (24, 4, 256)] {
+        let w: Vec<bf16> = (0..experts * d).map(|_| bf16::from_f32(rng.gen_range(-0.05f32..0.05))).collect();
+        let bias: Vec<f32> = (0..experts).map(|_| rng.gen_range(-0.01f32..0.01)).collect();
+        for n in [1usize, 5, 64] {
+            let h: Vec<bf16> = (0..n * d).map(|_| bf16::from_f32(rng.gen_range(-2.0f32..2.0))).collect();
+            let one = route(&gpu, &h, &w, &bias, k, false);
+            let two = route(&gpu, &h, &w, &bias, k, true);
+            assert_eq!(one, two, "{experts} experts, top {k}, {n} tokens: the two router forms disagree");
+            assert!(one.0.chunks(k).all(|t| t.windows(2).all(|p| p[0] < p[1])), "experts ascending per token");
+        }
+    }
 }
 
 #[test]
@@ -243,9 +297,9 @@ fn routed_expert_bandwidth() {
     let (latent, inter) = (cfg.moe.latent_dim, cfg.moe.expert_dim);
     let mut rng = ChaCha8Rng::seed_from_u64(5);
     let w = [
-        Experts::random(&gpu, &mut rng, experts, inter, latent, (118, 130)),
-        Experts::random(&gpu, &mut rng, experts, inter, latent, (118, 130)),
-        Experts::random(&gpu, &mut rng, experts, latent, inter, (118, 130)),
+        Experts::random(&gpu, &mut rng, experts, inter, latent, NARROW_SCALES),
+        Experts::random(&gpu, &mut rng, experts, inter, latent, NARROW_SCALES),
+        Experts::random(&gpu, &mut rng, experts, latent, inter, NARROW_SCALES),
     ];
     let (w1, w3, w2) = (w[0].ptrs(&gpu), w[1].ptrs(&gpu), w[2].ptrs(&gpu));
     let (b, lb) = (cfg.situ_beta, cfg.situ_linear_beta);

@@ -62,6 +62,8 @@ struct Kernels {
     skinny_gemm: [CudaFunction; 4],
     moe_router_logits: CudaFunction,
     moe_route: CudaFunction,
+    /// `moe_router` (both in one launch, thread-block clusters): present from Hopper on.
+    moe_router: Option<CudaFunction>,
     moe_group: CudaFunction,
     /// `moe_gate_up` and `moe_gate_up_mma`, indexed by [`ExpertCores`].
     moe_gate_up: [CudaFunction; 2],
@@ -187,6 +189,7 @@ impl Gpu {
             gather_rows: f("common.cu", "gather_rows")?,
             moe_router_logits: f("moe.cu", "moe_router_logits")?,
             moe_route: f("moe.cu", "moe_route")?,
+            moe_router: if info.compute_capability.0 >= 9 { Some(f("moe.cu", "moe_router")?) } else { None },
             moe_group: f("moe.cu", "moe_group")?,
             moe_gate_up: [f("moe.cu", "moe_gate_up")?, f("moe.cu", "moe_gate_up_mma")?],
             moe_down: [f("moe.cu", "moe_down")?, f("moe.cu", "moe_down_mma")?],
@@ -767,8 +770,10 @@ impl Gpu {
         .map_err(|e| device_err("cublasGemmEx", e))
     }
 
-    /// The router of `n` tokens: `idx`, `wts` `[n, k]`, `margin` `[n]`. Two launches: the fp32 logits
-    /// `[n, experts]` (one warp per token and expert), then the per-token selection.
+    /// The router of `n` tokens: `idx`, `wts` `[n, k]`, `margin` `[n]`. Up to [`FUSED_ROUTER_EXPERTS`] experts on
+    /// Hopper and later, one launch (`moe_router`: a cluster of blocks per token computes its logits, then selects);
+    /// otherwise two: the fp32 logits `[n, experts]` (one warp per token and expert), then the per-token
+    /// selection. Both give the same outputs bit for bit.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_route(
         &self,
@@ -785,6 +790,40 @@ impl Gpu {
         renormalize: bool,
         scale: f32,
     ) -> Result<()> {
+        let (k32, rn) = (k as i32, renormalize as i32);
+        if let Some(router) = self.k.moe_router.as_ref().filter(|_| experts <= FUSED_ROUTER_EXPERTS) {
+            let cfg = LaunchConfig {
+                grid_dim: (ROUTER_CLUSTER, n as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: (3 * experts * 4) as u32,
+            };
+            let (d, e) = (d as i32, experts as i32);
+            let mut b = self.lane().launch_builder(router);
+            b.arg(&h).arg(&w).arg(&bias).arg(&idx).arg(&wts).arg(&margin).arg(&d).arg(&e).arg(&k32).arg(&rn);
+            b.arg(&scale);
+            return unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_router"));
+        }
+        self.moe_route_in_two_launches(h, w, bias, idx, wts, margin, n, d, experts, k, renormalize, scale)
+    }
+
+    /// [`Gpu::moe_route`] in its two-launch form whatever the expert count (the form K3's 896 experts take).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_route_in_two_launches(
+        &self,
+        h: DPtr,
+        w: DPtr,
+        bias: DPtr,
+        idx: DPtr,
+        wts: DPtr,
+        margin: DPtr,
+        n: usize,
+        d: usize,
+        experts: usize,
+        k: usize,
+        renormalize: bool,
+        scale: f32,
+    ) -> Result<()> {
+        let (k32, rn) = (k as i32, renormalize as i32);
         let logits = self.uninit::<f32>(n * experts)?; // [n, E], written in full by moe_router_logits
         let logits_ptr = self.ptr(&logits);
         let cfg = LaunchConfig {
@@ -801,9 +840,8 @@ impl Gpu {
             block_dim: (256, 1, 1),
             shared_mem_bytes: (2 * experts * 4) as u32,
         };
-        let (k, rn) = (k as i32, renormalize as i32);
         let mut b = self.lane().launch_builder(&self.k.moe_route);
-        b.arg(&logits_ptr).arg(&bias).arg(&idx).arg(&wts).arg(&margin).arg(&e).arg(&k).arg(&rn).arg(&scale);
+        b.arg(&logits_ptr).arg(&bias).arg(&idx).arg(&wts).arg(&margin).arg(&e).arg(&k32).arg(&rn).arg(&scale);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_route"))
     }
 
@@ -902,6 +940,13 @@ impl Gpu {
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_combine_norm"))
     }
 }
+
+/// Blocks per token of the one-launch router (`ROUTER_CLUSTER` in `kernels/cuda/moe.cu`).
+const ROUTER_CLUSTER: u32 = 8;
+
+/// The most experts the one-launch router takes (its cluster has 64 warps, one dot product each per 64 experts;
+/// past 2 each the two-launch router spreads the dot products wider).
+const FUSED_ROUTER_EXPERTS: usize = 128;
 
 /// Ints of the grouping buffer [`Gpu::moe_group`] writes for `experts` experts: the active count, the
 /// active experts `[experts]`, and the start of each active expert's pairs `[experts + 1]`.
