@@ -12,8 +12,9 @@
 // - Conv windows hold the last kw-1 pre-conv inputs (bf16); conv outputs are rounded to bf16 as the
 //   CPU rounds them with `act`.
 // - With snapshots on (entry `snaps` non-null) the state after m window tokens is written for every
-//   snap_from <= m < t, and the conv history (old window, then the window's inputs) to `hist`, so a
-//   verify window can be cut back exactly (fla's IS_SPEC_DECODING per-token states).
+//   snap_from <= m < t (m = 0: the state before the window), and the conv history (old window, then the
+//   window's inputs) to `hist`, so a verify window can be cut back exactly (fla's IS_SPEC_DECODING
+//   per-token states). Every snapshot and history row is written, so their buffers need no clearing.
 // - The chunked kernel (kda_chunk_*) takes the rows whose entry says mode 1 (long windows without
 //   snapshots), the recurrent kernel (kda_step_*) the others; each skips the other's rows.
 // Math: shared/reference/k3-architecture.md §2.4 (decode) and §3.2 (chunked WY form).
@@ -124,6 +125,12 @@ __device__ void kda_step(const i64 *table, KdaArgs A) {
     float s[HALF];  // rows i0 .. i0 + K/2 of column j
 #pragma unroll
     for (int i = 0; i < HALF; i++) s[i] = S[(i0 + i) * K + j];
+    // Snapshot m = 0 (the state before the window) when the window may be cut back to nothing.
+    if (snaps && from == 0) {
+        float *dst = snaps + (i64)h * K * K;
+#pragma unroll
+        for (int i = 0; i < HALF; i++) dst[(i0 + i) * K + j] = s[i];
+    }
     float scale = 1.0f / sqrtf((float)K);
     TokenIn cur = load_token(A, offset, c, h, P);
     for (int ti = 0; ti < t; ti++) {

@@ -208,10 +208,11 @@ impl StepTables {
             for cache in row.state.mla.iter_mut() {
                 reserve(gpu, cache, first + t, ld)?;
             }
+            // Written in full by the KDA kernel (every snapshot from..t and every history row; kda.cu).
             undo.push(match row.snapshots_from {
                 Some(from) => Some(KdaUndo {
-                    snaps: gpu.zeros::<f32>(kda_layers * (t - from) * state_len)?,
-                    hist: gpu.zeros::<bf16>(kda_layers * 3 * (kw - 1 + t) * p)?,
+                    snaps: gpu.uninit::<f32>(kda_layers * (t - from) * state_len)?,
+                    hist: gpu.uninit::<bf16>(kda_layers * 3 * (kw - 1 + t) * p)?,
                 }),
                 None => None,
             });
