@@ -8,7 +8,8 @@
 //!   allocated and freed inside the graph (stream-ordered memory nodes), so a graph is self-contained and
 //!   can be replayed any number of times.
 //! - A shape is captured the second time it is seen ([`GraphCache::decide`]): one-off shapes (a prefill
-//!   chunk, an odd batch) run eagerly and cost no capture. At most [`MAX_GRAPHS`] are kept; the least
+//!   chunk, an odd batch) run eagerly and cost no capture. When the step table moves (its buffer grew),
+//!   every graph captured against the old one is dropped: it could never be replayed again. At most [`MAX_GRAPHS`] are kept; the least
 //!   recently used one is dropped first. A step that needs a routing trace, a profile or cuBLAS is never
 //!   captured (the caller decides; see `DeviceModel::forward_tapped`).
 //! - The outputs of a replay (logits and taps) are copied out of the graph's buffers into fresh ones,
@@ -69,6 +70,8 @@ struct Entry<G> {
 /// captured payload so the policy is tested without a GPU.
 pub struct GraphCache<G> {
     entries: HashMap<StepShape, Entry<G>>,
+    /// The step table address of the entries.
+    table: DPtr,
     clock: u64,
     /// Graphs captured and replays served since the cache was made.
     pub captured: u64,
@@ -77,13 +80,17 @@ pub struct GraphCache<G> {
 
 impl<G> Default for GraphCache<G> {
     fn default() -> Self {
-        GraphCache { entries: HashMap::new(), clock: 0, captured: 0, replayed: 0 }
+        GraphCache { entries: HashMap::new(), table: 0, clock: 0, captured: 0, replayed: 0 }
     }
 }
 
 impl<G> GraphCache<G> {
     /// Records a step of `shape` and says how to run it.
     pub fn decide(&mut self, shape: &StepShape) -> Decision {
+        if shape.table != self.table {
+            self.entries.clear();
+            self.table = shape.table;
+        }
         self.clock += 1;
         let clock = self.clock;
         if let Some(e) = self.entries.get_mut(shape) {
@@ -166,11 +173,14 @@ mod tests {
         let mut other = s.clone();
         other.rows[2].snapshots_from = Some(1);
         assert_eq!(c.decide(&other), Decision::Eager);
+        assert_eq!(c.decide(&shape(3, 1)), Decision::Eager);
+        assert_eq!(c.replay(&shape(3, 1)), None);
+        // A moved step table drops every graph captured against the old one.
         let mut moved = s.clone();
         moved.table = 0x2000;
         assert_eq!(c.decide(&moved), Decision::Eager);
-        assert_eq!(c.decide(&shape(3, 1)), Decision::Eager);
-        assert_eq!(c.replay(&shape(3, 1)), None);
+        assert_eq!(c.held(), 0);
+        assert_eq!(c.decide(&s), Decision::Eager);
     }
 
     #[test]
