@@ -297,7 +297,7 @@ impl DeviceModel {
     }
 
     fn linear(&self, gpu: &Gpu, w: &DevLinear, x: DPtr, n: usize) -> Result<CudaSlice<bf16>> {
-        let y = gpu.zeros::<bf16>(n * w.out_dim)?;
+        let y = gpu.uninit::<bf16>(n * w.out_dim)?; // [n, out], written in full by the GEMM
         gpu.linear(gpu.ptr(&w.w), w.out_dim, w.in_dim, x, n, gpu.ptr(&y))?;
         Ok(y)
     }
@@ -305,7 +305,7 @@ impl DeviceModel {
     /// A merged projection: one GEMM, parts segment-major (see [`DevMerged`]); returns the buffer and
     /// the device address of each part.
     fn linear_parts(&self, gpu: &Gpu, m: &DevMerged, x: DPtr, n: usize) -> Result<(CudaSlice<bf16>, Vec<DPtr>)> {
-        let y = gpu.zeros::<bf16>(n * m.out_dim())?;
+        let y = gpu.uninit::<bf16>(n * m.out_dim())?; // [n, out] segment-major, written in full by the GEMM
         gpu.linear_parts(gpu.ptr(&m.w), &m.bounds, gpu.ptr(&m.bounds_dev), m.in_dim, x, n, gpu.ptr(&y))?;
         let parts = m.bounds[..m.bounds.len() - 1].iter().map(|b| gpu.ptr(&y) + (n * b * 2) as u64).collect();
         Ok((y, parts))
@@ -326,7 +326,7 @@ impl DeviceModel {
 
     /// [`Self::situ_mlp_into`] into a fresh buffer.
     pub(crate) fn situ_mlp(&self, gpu: &Gpu, w: &DevMlp, x: DPtr, n: usize) -> Result<CudaSlice<bf16>> {
-        let y = gpu.zeros::<bf16>(n * w.down.out_dim)?;
+        let y = gpu.uninit::<bf16>(n * w.down.out_dim)?; // [n, d], written in full by the down GEMM
         self.situ_mlp_into(gpu, w, x, n, gpu.ptr(&y))?;
         Ok(y)
     }
@@ -379,8 +379,9 @@ impl DeviceModel {
             && !gpu.profiling()
             && rows.iter().all(|r| r.tokens.len() <= GRAPH_MAX_WINDOW);
         let outputs = |gpu: &Gpu| -> Result<(CudaSlice<bf16>, Option<CudaSlice<bf16>>)> {
-            let taps = if tap_layers.is_empty() { None } else { Some(gpu.zeros::<bf16>(tap_layers.len() * n * d)?) };
-            Ok((gpu.zeros::<bf16>(wanted.len() * cfg.vocab_size)?, taps))
+            // Written in full by the step: every tap layer's read, every wanted position's logits.
+            let taps = if tap_layers.is_empty() { None } else { Some(gpu.uninit::<bf16>(tap_layers.len() * n * d)?) };
+            Ok((gpu.uninit::<bf16>(wanted.len() * cfg.vocab_size)?, taps))
         };
         let (logits, taps) = if graphable {
             let shape = StepShape {
@@ -521,11 +522,12 @@ impl DeviceModel {
         let slots = 1 + (0..cfg.num_layers()).filter(|l| cfg.seals_before(*l)).count();
         let slot = n * d;
         gpu.mark("embed")?;
-        let res = gpu.zeros::<bf16>(slots * slot)?; // [slots, n, d]
+        // [slots, n, d]: slot 0 written by the embedding, each later one by the copy that opens it, before any read.
+        let res = gpu.uninit::<bf16>(slots * slot)?;
         let res_at = |i: usize| gpu.ptr(&res) + (i * slot * 2) as u64;
         gpu.embed(gpu.ptr(&self.weights.embed), tables.token_ids(), res_at(0), n, d)?;
         // [n, d]: the normalised AttnRes read, the input of each mixer and FFN.
-        let hn_buf = gpu.zeros::<bf16>(n * d)?;
+        let hn_buf = gpu.uninit::<bf16>(n * d)?; // written by each layer's norm before its mixer and FFN read it
         let hn = gpu.ptr(&hn_buf);
         let mut sealed = 0usize;
         let (mut kda_idx, mut mla_idx) = (0usize, 0usize);
@@ -622,9 +624,9 @@ impl DeviceModel {
         gpu.mark(SPAN_HEAD)?;
         let (wanted, nw) = tables.wanted();
         if nw > 0 {
-            let packed = gpu.zeros::<bf16>((sealed + 1) * nw * d)?;
+            let packed = gpu.uninit::<bf16>((sealed + 1) * nw * d)?; // [slots, nw, d], written by the gather
             gpu.gather_rows(gpu.ptr(&res), slot, wanted, nw, gpu.ptr(&packed), nw * d, sealed + 1, d)?;
-            let hwn = gpu.zeros::<bf16>(nw * d)?;
+            let hwn = gpu.uninit::<bf16>(nw * d)?; // [nw, d], written by the read + norm
             let norm = (gpu.ptr(&self.weights.norm.w), self.weights.norm.eps);
             let out_res = gpu.ptr(&self.weights.out_res);
             let hwn_at = gpu.ptr(&hwn);
@@ -645,7 +647,7 @@ impl DeviceModel {
         // One GEMM for q, k, v, g [n, P] each, f_a [n, head_dim] and b [n, H] (weights::KDA_IN_PARTS).
         let (_proj, parts) = self.linear_parts(gpu, &w.in_proj, hn, n)?;
         let f = self.linear(gpu, &w.f_b_proj, parts[4], n)?;
-        let o = gpu.zeros::<bf16>(n * p)?; // [n, P]
+        let o = gpu.uninit::<bf16>(n * p)?; // [n, P], every token written by the KDA kernel of its row's form
         let args = KdaArgs {
             qkv: [parts[0], parts[1], parts[2]],
             conv_w: [gpu.ptr(&w.conv[0]), gpu.ptr(&w.conv[1]), gpu.ptr(&w.conv[2])],
