@@ -92,6 +92,17 @@ pub struct TypeCost {
     pub memory_ops_per_layer: f64,
 }
 
+/// Device time of one op of the forward in a profiled step, over all layers that run it.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct OpCost {
+    /// A span label: `kda` (the read + norm before a KDA mixer), `kda.recurrence`, `moe.experts`, ...
+    pub op: String,
+    pub ms: f64,
+    /// Spans summed (layers that run the op).
+    pub count: usize,
+    pub launches: u64,
+}
+
 /// The bytes one step must move, and the time they take at the measured copy bandwidth.
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct Floor {
@@ -130,6 +141,8 @@ pub struct BatchResult {
     pub graphed_steps: u64,
     pub graph_nodes: usize,
     pub by_type: Vec<TypeCost>,
+    /// The profiled step op by op.
+    pub by_op: Vec<OpCost>,
     pub floor: Floor,
     /// `floor.floor_ms / step_ms_median`.
     pub floor_fraction: f64,
@@ -422,6 +435,7 @@ fn measure_prefilled(
         graphed_steps: timed.graphed,
         graph_nodes: if graphs.captured > captured_before { graphs.last_capture_nodes } else { 0 },
         by_type: by_type(&spans),
+        by_op: by_op(&spans),
         floor_fraction: floor.floor_ms / timed.median_ms,
         floor,
     })
@@ -432,14 +446,15 @@ fn by_type(spans: &[Span]) -> Vec<TypeCost> {
     [SPAN_KDA, SPAN_MLA, SPAN_DENSE, SPAN_MOE, SPAN_HEAD]
         .iter()
         .filter_map(|kind| {
-            let of: Vec<&Span> = spans.iter().filter(|s| s.label == *kind).collect();
-            if of.is_empty() {
+            let of: Vec<&Span> = spans.iter().filter(|s| span_kind(s.label) == *kind).collect();
+            let layers = spans.iter().filter(|s| s.label == *kind).count();
+            if layers == 0 {
                 return None;
             }
-            let (n, ms) = (of.len() as f64, of.iter().map(|s| s.ms).sum::<f64>());
+            let (n, ms) = (layers as f64, of.iter().map(|s| s.ms).sum::<f64>());
             Some(TypeCost {
                 kind: kind.to_string(),
-                layers: of.len(),
+                layers,
                 ms,
                 ms_per_layer: ms / n,
                 launches_per_layer: of.iter().map(|s| s.launches).sum::<u64>() as f64 / n,
@@ -447,6 +462,28 @@ fn by_type(spans: &[Span]) -> Vec<TypeCost> {
             })
         })
         .collect()
+}
+
+/// The layer kind of a span label (`moe.experts` -> `moe`).
+fn span_kind(label: &str) -> &str {
+    label.split('.').next().unwrap_or(label)
+}
+
+/// Sums the spans per label (a kind's read + norm under the kind's own label, its ops under `kind.op`), in
+/// step order.
+fn by_op(spans: &[Span]) -> Vec<OpCost> {
+    let mut out: Vec<OpCost> = Vec::new();
+    for s in spans {
+        match out.iter_mut().find(|o| o.op == s.label) {
+            Some(o) => {
+                o.ms += s.ms;
+                o.count += 1;
+                o.launches += s.launches;
+            }
+            None => out.push(OpCost { op: s.label.to_string(), ms: s.ms, count: 1, launches: s.launches }),
+        }
+    }
+    out
 }
 
 fn lin(l: &DevLinear) -> u64 {
@@ -580,6 +617,8 @@ impl CudaBenchReport {
                 r.graph_nodes,
                 types.join(", ")
             );
+            let ops: Vec<String> = r.by_op.iter().map(|o| format!("{} {:.3}", o.op, o.ms)).collect();
+            s += &format!("       ops (ms per step): {}\n", ops.join(", "));
         }
         if !self.verify.is_empty() {
             s += "verify window at batch 1 (lossless greedy): ℓ  step ms  ×decode  MoE ms  expert MB  ×decode without MoE\n";
@@ -602,5 +641,43 @@ impl CudaBenchReport {
             );
         }
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(label: &'static str, ms: f64, launches: u64) -> Span {
+        Span { label, ms, launches, memory_ops: 0 }
+    }
+
+    #[test]
+    fn a_kind_sums_its_own_span_and_its_op_spans_per_layer() {
+        let spans = [
+            span("embed", 0.001, 1),
+            span("kda", 0.01, 1),
+            span("kda.in_proj", 0.1, 2),
+            span("moe", 0.02, 1),
+            span("moe.experts", 0.2, 2),
+            span("kda", 0.01, 1),
+            span("kda.in_proj", 0.1, 2),
+            span("head", 0.01, 2),
+            span("head.lm_head", 0.5, 1),
+        ];
+        let types = by_type(&spans);
+        let kda = types.iter().find(|t| t.kind == SPAN_KDA).unwrap();
+        assert_eq!(kda.layers, 2);
+        assert!((kda.ms - 0.22).abs() < 1e-12 && (kda.ms_per_layer - 0.11).abs() < 1e-12);
+        assert_eq!(kda.launches_per_layer, 3.0);
+        let moe = types.iter().find(|t| t.kind == SPAN_MOE).unwrap();
+        assert_eq!((moe.layers, moe.launches_per_layer), (1, 3.0));
+        assert!(types.iter().all(|t| t.kind != SPAN_MLA && t.kind != "embed"));
+        let ops = by_op(&spans);
+        let names: Vec<&str> = ops.iter().map(|o| o.op.as_str()).collect();
+        assert_eq!(names, ["embed", "kda", "kda.in_proj", "moe", "moe.experts", "head", "head.lm_head"]);
+        let in_proj = &ops[2];
+        assert_eq!((in_proj.count, in_proj.launches), (2, 4));
+        assert!((in_proj.ms - 0.2).abs() < 1e-12);
     }
 }

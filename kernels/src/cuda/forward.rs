@@ -40,8 +40,9 @@ use crate::state::{KdaState, MlaCache, SeqState};
 /// orders, and a token's result may not depend on the batch).
 const ROUTED_EXPERT_CORES: ExpertCores = ExpertCores::Tensor;
 
-/// Profile span labels ([`Gpu::mark`]): a layer's mixer (its AttnRes read and input norm included),
-/// its FFN (AttnRes read and post norm included), and the final read, norm and lm_head.
+/// Profile span labels ([`Gpu::mark`]): a layer's mixer, its FFN, and the final read, norm and lm_head. The
+/// span of a kind's own label is its AttnRes read and norm; its ops follow in spans labelled `kind.op`
+/// (`kda.recurrence`, `moe.experts`, ...), so a kind's time is the sum of both.
 pub const SPAN_KDA: &str = "kda";
 pub const SPAN_MLA: &str = "mla";
 pub const SPAN_DENSE: &str = "dense";
@@ -611,7 +612,10 @@ impl DeviceModel {
                 eps,
             )?;
             let f = match &lw.ffn {
-                DevFfn::Dense(w) => self.situ_mlp(gpu, w, hn, n)?,
+                DevFfn::Dense(w) => {
+                    gpu.mark("dense.mlp")?;
+                    self.situ_mlp(gpu, w, hn, n)?
+                }
                 DevFfn::Moe(w) => self.moe(gpu, w, hn, n, trace.as_deref_mut())?,
             };
             pending = Some(f);
@@ -631,6 +635,7 @@ impl DeviceModel {
             let out_res = gpu.ptr(&self.weights.out_res);
             let hwn_at = gpu.ptr(&hwn);
             gpu.attn_res_norm(gpu.ptr(&packed), nw * d, sealed + 1, out_res, NULL, norm, hwn_at, NULL, nw, d, eps)?;
+            gpu.mark("head.lm_head")?;
             let lm = &self.weights.lm_head;
             gpu.linear(gpu.ptr(&lm.w), lm.out_dim, lm.in_dim, gpu.ptr(&hwn), nw, logits)?;
         }
@@ -645,6 +650,7 @@ impl DeviceModel {
         let (p, heads) = (k.proj_dim(), k.num_heads);
         let n = tables.tokens();
         // One GEMM for q, k, v, g [n, P] each, f_a [n, head_dim] and b [n, H] (weights::KDA_IN_PARTS).
+        gpu.mark("kda.in_proj")?;
         let (_proj, parts) = self.linear_parts(gpu, &w.in_proj, hn, n)?;
         let f = self.linear(gpu, &w.f_b_proj, parts[4], n)?;
         let o = gpu.uninit::<bf16>(n * p)?; // [n, P], every token written by the KDA kernel of its row's form
@@ -664,7 +670,9 @@ impl DeviceModel {
             l2_eps: crate::config::L2_NORM_EPS,
             norm_eps: self.cfg.rms_norm_eps,
         };
+        gpu.mark("kda.recurrence")?;
         gpu.kda_layer(tables, layer, k.head_dim, &args)?;
+        gpu.mark("kda.o_proj")?;
         self.linear(gpu, &w.o_proj, gpu.ptr(&o), n)
     }
 
@@ -676,16 +684,20 @@ impl DeviceModel {
         let n = tables.tokens();
         let vw = m.num_heads * m.v_head_dim;
         // One GEMM for q_a [n, q_lora_rank], kv_a [n, r + rope] and the gate g [n, H * v] (weights::MLA_IN_PARTS).
+        gpu.mark("mla.in_proj")?;
         let (_proj, parts) = self.linear_parts(gpu, &w.in_proj, hn, n)?;
         let (qa, kva, gate) = (parts[0], parts[1], parts[2]);
         // Both input norms and the cache append (the normalised c part, the raw k_rot) in one launch.
         let qa_n = gpu.uninit::<bf16>(n * m.q_lora_rank)?; // [n, q_lora_rank], every token written
         let norms = ((gpu.ptr(&w.q_a_norm.w), w.q_a_norm.eps), (gpu.ptr(&w.kv_a_norm.w), w.kv_a_norm.eps));
+        gpu.mark("mla.q_b")?;
         gpu.mla_norm_append(m, tables, layer, qa, gpu.ptr(&qa_n), kva, norms.0, norms.1)?;
         let q = self.linear(gpu, &w.q_b_proj, gpu.ptr(&qa_n), n)?;
         let gated = gpu.uninit::<bf16>(n * vw)?; // [n, H * v], every token written by mla_out
         let kv_b = gpu.ptr(&w.kv_b_proj.w);
+        gpu.mark("mla.attention")?;
         gpu.mla_attention(m, tables, layer, gpu.ptr(&q), kv_b, Some(gate), gpu.ptr(&gated))?;
+        gpu.mark("mla.o_proj")?;
         self.linear(gpu, &w.o_proj, gpu.ptr(&gated), n)
     }
 
@@ -713,6 +725,7 @@ impl DeviceModel {
         let idx = gpu.uninit::<i32>(n * k)?; // [n, k], written in full by the router
         let wts = gpu.uninit::<f32>(n * k)?;
         let margin = gpu.uninit::<f32>(n)?;
+        gpu.mark("moe.route")?;
         gpu.moe_route(
             hn,
             gpu.ptr(&w.router.w),
@@ -745,9 +758,11 @@ impl DeviceModel {
         let pairs = gpu.uninit::<i32>(n * k)?; // [n k], grouped by expert
         gpu.moe_group(gpu.ptr(&idx), n, k, e, gpu.ptr(&group), gpu.ptr(&pairs))?;
         let grouping = (gpu.ptr(&group), gpu.ptr(&pairs));
+        gpu.mark("moe.latent_down")?;
         let z = self.linear(gpu, &w.down, hn, n)?; // [n, latent]
         let act = gpu.uninit::<bf16>(n * k * inter)?; // [n k, inter]
         let pair = |x: &crate::cuda::weights::DevExperts| (gpu.ptr(&x.packed), gpu.ptr(&x.scales));
+        gpu.mark("moe.experts")?;
         gpu.moe_gate_up(
             gpu.ptr(&z),
             pair(&w.w1),
@@ -777,6 +792,7 @@ impl DeviceModel {
             ROUTED_EXPERT_CORES,
         )?;
         let normed = gpu.uninit::<bf16>(n * latent)?; // [n, latent]
+        gpu.mark("moe.combine")?;
         gpu.moe_combine_norm(
             gpu.ptr(&expert_out),
             gpu.ptr(&wts),
@@ -788,6 +804,7 @@ impl DeviceModel {
             w.norm.eps,
         )?;
         // The up projection, with the shared expert's output added as it is written: bf(bf(up) + shared).
+        gpu.mark("moe.up")?;
         match shared {
             Some(sh) => {
                 gpu.join_side()?;
