@@ -3,14 +3,45 @@
 //
 // Invariants: activations between ops are bf16 (the values the CPU reference rounds with `Real::act`);
 // every reduction runs in fp32; each kernel rounds its output once, where the CPU reference does.
+// - A per-row kernel's thread owns the columns threadIdx.x + i * blockDim.x and sums them in ascending i.
+//   Its loops fetch ROW_BATCH of those columns into registers before using any (one row is one block at
+//   decode sizes, so a loop that waited for each load in turn would be bound by memory latency); the
+//   order of every sum is the same as a one-column-at-a-time loop's.
 // Math: shared/reference/k3-architecture.md §2.2 (AttnRes), §2.3 (RMSNorm), §2.7 (SiTU).
 // Compiled after prelude.cuh (compile.rs prepends it: cuda_bf16.h, INF_F, u32, i64, ld, bf_round, sigmoidf_,
 // block_sum, block_max).
 
+#define ROW_BATCH 8
+
+// The thread's columns c0 + u * blockDim.x (u < ROW_BATCH) of a row of `d`, as floats (0 past d).
+__device__ __forceinline__ void load_cols(const __nv_bfloat16 *row, int c0, int d, float (&v)[ROW_BATCH]) {
+#pragma unroll
+    for (int u = 0; u < ROW_BATCH; u++) {
+        int c = c0 + u * blockDim.x;
+        v[u] = c < d ? ld(row, c) : 0.0f;
+    }
+}
+
+// The same for a raw copy.
+__device__ __forceinline__ void copy_row(const __nv_bfloat16 *src, __nv_bfloat16 *dst, int d) {
+    for (int c0 = threadIdx.x; c0 < d; c0 += ROW_BATCH * blockDim.x) {
+        __nv_bfloat16 v[ROW_BATCH];
+#pragma unroll
+        for (int u = 0; u < ROW_BATCH; u++) {
+            int c = c0 + u * blockDim.x;
+            if (c < d) v[u] = src[c];
+        }
+#pragma unroll
+        for (int u = 0; u < ROW_BATCH; u++) {
+            int c = c0 + u * blockDim.x;
+            if (c < d) dst[c] = v[u];
+        }
+    }
+}
+
 // out[i, :] = table[tokens[i], :]; grid = n tokens.
 extern "C" __global__ void embed_gather(const __nv_bfloat16 *table, const u32 *tokens, __nv_bfloat16 *out, int d) {
-    long row = (long)tokens[blockIdx.x] * d;
-    for (int c = threadIdx.x; c < d; c += blockDim.x) out[(long)blockIdx.x * d + c] = table[row + c];
+    copy_row(table + (long)tokens[blockIdx.x] * d, out + (long)blockIdx.x * d, d);
 }
 
 // KimiRMSNorm: y = bf(w * bf(x * rsqrt(mean(x^2) + eps))); grid = rows; rows are strided so that a
@@ -20,11 +51,25 @@ extern "C" __global__ void rms_norm(const __nv_bfloat16 *x, long x_stride, const
     const __nv_bfloat16 *xr = x + blockIdx.x * x_stride;
     __nv_bfloat16 *yr = y + blockIdx.x * y_stride;
     float ss = 0.0f;
-    for (int c = threadIdx.x; c < dim; c += blockDim.x) { float v = ld(xr, c); ss += v * v; }
+    for (int c0 = threadIdx.x; c0 < dim; c0 += ROW_BATCH * blockDim.x) {
+        float v[ROW_BATCH];
+        load_cols(xr, c0, dim, v);
+#pragma unroll
+        for (int u = 0; u < ROW_BATCH; u++)
+            if (c0 + u * (int)blockDim.x < dim) ss += v[u] * v[u];
+    }
     ss = block_sum(ss);
     float r = 1.0f / sqrtf(ss / (float)dim + eps);
-    for (int c = threadIdx.x; c < dim; c += blockDim.x)
-        yr[c] = __float2bfloat16_rn(ld(w, c) * bf_round(ld(xr, c) * r));
+    for (int c0 = threadIdx.x; c0 < dim; c0 += ROW_BATCH * blockDim.x) {
+        float v[ROW_BATCH], g[ROW_BATCH];
+        load_cols(xr, c0, dim, v);
+        load_cols(w, c0, dim, g);
+#pragma unroll
+        for (int u = 0; u < ROW_BATCH; u++) {
+            int c = c0 + u * blockDim.x;
+            if (c < dim) yr[c] = __float2bfloat16_rn(g[u] * bf_round(v[u] * r));
+        }
+    }
 }
 
 // The AttnRes softmax weights of token t over its nsrc sources (fp32 island; every thread gets all of them):
@@ -34,7 +79,21 @@ __device__ __forceinline__ void attn_res_weights(const __nv_bfloat16 *sources, l
     for (int i = 0; i < nsrc; i++) {
         const __nv_bfloat16 *v = sources + i * slot + t * d;
         float dq = 0.0f, ss = 0.0f;
-        for (int c = threadIdx.x; c < d; c += blockDim.x) { float x = ld(v, c); dq += x * q[c]; ss += x * x; }
+        for (int c0 = threadIdx.x; c0 < d; c0 += ROW_BATCH * blockDim.x) {
+            float x[ROW_BATCH], qv[ROW_BATCH];
+            load_cols(v, c0, d, x);
+#pragma unroll
+            for (int u = 0; u < ROW_BATCH; u++) {
+                int c = c0 + u * blockDim.x;
+                qv[u] = c < d ? q[c] : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < ROW_BATCH; u++)
+                if (c0 + u * (int)blockDim.x < d) {
+                    dq += x[u] * qv[u];
+                    ss += x[u] * x[u];
+                }
+        }
         dq = block_sum(dq);
         ss = block_sum(ss);
         if (threadIdx.x == 0) score[i] = dq * (1.0f / sqrtf(ss / (float)d + eps));
@@ -47,6 +106,20 @@ __device__ __forceinline__ void attn_res_weights(const __nv_bfloat16 *sources, l
     for (int i = 0; i < nsrc; i++) p[i] = p[i] / total;
 }
 
+// The thread's columns c0 + u * blockDim.x of sum_i p[i] * source i of token t (each column summed over the
+// sources in ascending order; 0 past d).
+__device__ __forceinline__ void weighted_cols(const __nv_bfloat16 *sources, long slot, int nsrc, const float *p,
+                                              long t, int d, int c0, float (&acc)[ROW_BATCH]) {
+#pragma unroll
+    for (int u = 0; u < ROW_BATCH; u++) acc[u] = 0.0f;
+    for (int i = 0; i < nsrc; i++) {
+        float v[ROW_BATCH];
+        load_cols(sources + i * slot + t * d, c0, d, v);
+#pragma unroll
+        for (int u = 0; u < ROW_BATCH; u++) acc[u] += p[i] * v[u];
+    }
+}
+
 // AttnRes depth-wise softmax read (fp32 island). `sources` holds `nsrc` slots of [n, d] at stride
 // `slot`, sealed blocks first and the live sum last; q is the folded pseudo-query [d].
 // out[t] = bf(sum_i softmax_i(dot(v_i, q) * rsqrt(mean(v_i^2) + eps)) * v_i); grid = n tokens.
@@ -56,10 +129,14 @@ extern "C" __global__ void attn_res_read(const __nv_bfloat16 *sources, long slot
     long t = blockIdx.x;
     float p[64];
     attn_res_weights(sources, slot, nsrc, q, t, d, eps, score, p);
-    for (int c = threadIdx.x; c < d; c += blockDim.x) {
-        float acc = 0.0f;
-        for (int i = 0; i < nsrc; i++) acc += p[i] * ld(sources + i * slot + t * d, c);
-        out[t * d + c] = __float2bfloat16_rn(acc);
+    for (int c0 = threadIdx.x; c0 < d; c0 += ROW_BATCH * blockDim.x) {
+        float acc[ROW_BATCH];
+        weighted_cols(sources, slot, nsrc, p, t, d, c0, acc);
+#pragma unroll
+        for (int u = 0; u < ROW_BATCH; u++) {
+            int c = c0 + u * blockDim.x;
+            if (c < d) out[t * d + c] = __float2bfloat16_rn(acc[u]);
+        }
     }
 }
 
@@ -77,24 +154,44 @@ extern "C" __global__ void attn_res_norm(__nv_bfloat16 *sources, long slot, int 
     long t = blockIdx.x;
     if (addend != nullptr) {
         __nv_bfloat16 *live = sources + (nsrc - 1) * slot + t * d;
-        for (int c = threadIdx.x; c < d; c += blockDim.x)
-            live[c] = __float2bfloat16_rn(ld(live, c) + ld(addend, t * d + c));
+        for (int c0 = threadIdx.x; c0 < d; c0 += ROW_BATCH * blockDim.x) {
+            float a[ROW_BATCH], b[ROW_BATCH];
+            load_cols(live, c0, d, a);
+            load_cols(addend + t * d, c0, d, b);
+#pragma unroll
+            for (int u = 0; u < ROW_BATCH; u++) {
+                int c = c0 + u * blockDim.x;
+                if (c < d) live[c] = __float2bfloat16_rn(a[u] + b[u]);
+            }
+        }
     }
     float p[64];
     attn_res_weights(sources, slot, nsrc, q, t, d, eps, score, p);
     float ss = 0.0f;
-    for (int c = threadIdx.x; c < d; c += blockDim.x) {
-        float acc = 0.0f;
-        for (int i = 0; i < nsrc; i++) acc += p[i] * ld(sources + i * slot + t * d, c);
-        float v = bf_round(acc);
-        read[c] = v;
-        if (read_out != nullptr) read_out[t * d + c] = __float2bfloat16_rn(acc);
-        ss += v * v;
+    for (int c0 = threadIdx.x; c0 < d; c0 += ROW_BATCH * blockDim.x) {
+        float acc[ROW_BATCH];
+        weighted_cols(sources, slot, nsrc, p, t, d, c0, acc);
+#pragma unroll
+        for (int u = 0; u < ROW_BATCH; u++) {
+            int c = c0 + u * blockDim.x;
+            if (c >= d) continue;
+            float v = bf_round(acc[u]);
+            read[c] = v;
+            if (read_out != nullptr) read_out[t * d + c] = __float2bfloat16_rn(acc[u]);
+            ss += v * v;
+        }
     }
     ss = block_sum(ss);
     float r = 1.0f / sqrtf(ss / (float)d + norm_eps);
-    for (int c = threadIdx.x; c < d; c += blockDim.x)
-        out[t * d + c] = __float2bfloat16_rn(ld(norm_w, c) * bf_round(read[c] * r));
+    for (int c0 = threadIdx.x; c0 < d; c0 += ROW_BATCH * blockDim.x) {
+        float g[ROW_BATCH];
+        load_cols(norm_w, c0, d, g);
+#pragma unroll
+        for (int u = 0; u < ROW_BATCH; u++) {
+            int c = c0 + u * blockDim.x;
+            if (c < d) out[t * d + c] = __float2bfloat16_rn(g[u] * bf_round(read[c] * r));
+        }
+    }
 }
 
 // a = bf(a + b) (the bf16 residual add).
@@ -115,7 +212,5 @@ extern "C" __global__ void situ(const __nv_bfloat16 *g, const __nv_bfloat16 *u, 
 // out[s, j, :] = src[s, rows[j], :] for every slot s; grid = (rows, slots).
 extern "C" __global__ void gather_rows(const __nv_bfloat16 *src, long src_slot, const u32 *rows, __nv_bfloat16 *out,
                                        long out_slot, int d) {
-    const __nv_bfloat16 *s = src + blockIdx.y * src_slot + (long)rows[blockIdx.x] * d;
-    __nv_bfloat16 *o = out + blockIdx.y * out_slot + (long)blockIdx.x * d;
-    for (int c = threadIdx.x; c < d; c += blockDim.x) o[c] = s[c];
+    copy_row(src + blockIdx.y * src_slot + (long)rows[blockIdx.x] * d, out + blockIdx.y * out_slot + (long)blockIdx.x * d, d);
 }
