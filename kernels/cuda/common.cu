@@ -72,31 +72,64 @@ extern "C" __global__ void rms_norm(const __nv_bfloat16 *x, long x_stride, const
     }
 }
 
+// block_sum of each of N values at once: the same butterflies and the same per-warp partials, summed in the same
+// order, as N calls of block_sum, with one pair of barriers instead of N.
+template <int N>
+__device__ __forceinline__ void block_sums(float (&v)[N]) {
+    __shared__ float partial[N][32];
+#pragma unroll
+    for (int i = 0; i < N; i++)
+        for (int o = 16; o > 0; o >>= 1) v[i] += __shfl_xor_sync(0xffffffffu, v[i], o);
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = (blockDim.x + 31) >> 5;
+    __syncthreads();
+    if (lane == 0)
+#pragma unroll
+        for (int i = 0; i < N; i++) partial[i][warp] = v[i];
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        float t = lane < warps ? partial[i][lane] : 0.0f;
+        for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+        v[i] = t;
+    }
+}
+
+// Sources whose dot products one pass over the columns computes together.
+#define SRC_BATCH 4
+
 // The AttnRes softmax weights of token t over its nsrc sources (fp32 island; every thread gets all of them):
-// p[i] = softmax_i(dot(v_i, q) * rsqrt(mean(v_i^2) + eps)). `score` is the caller's shared [64].
+// p[i] = softmax_i(dot(v_i, q) * rsqrt(mean(v_i^2) + eps)). `score` is the caller's shared [64]. Each source's
+// sums run over the thread's columns in order, as for one source at a time; SRC_BATCH sources share a pass.
 __device__ __forceinline__ void attn_res_weights(const __nv_bfloat16 *sources, long slot, int nsrc, const float *q,
                                                  long t, int d, float eps, float *score, float p[64]) {
-    for (int i = 0; i < nsrc; i++) {
-        const __nv_bfloat16 *v = sources + i * slot + t * d;
-        float dq = 0.0f, ss = 0.0f;
+    for (int i0 = 0; i0 < nsrc; i0 += SRC_BATCH) {
+        float sums[2 * SRC_BATCH];  // dot(v_i, q) then sum(v_i^2) of sources i0 ..
+#pragma unroll
+        for (int s = 0; s < 2 * SRC_BATCH; s++) sums[s] = 0.0f;
         for (int c0 = threadIdx.x; c0 < d; c0 += ROW_BATCH * blockDim.x) {
-            float x[ROW_BATCH], qv[ROW_BATCH];
-            load_cols(v, c0, d, x);
+            float qv[ROW_BATCH];
 #pragma unroll
             for (int u = 0; u < ROW_BATCH; u++) {
                 int c = c0 + u * blockDim.x;
                 qv[u] = c < d ? q[c] : 0.0f;
             }
 #pragma unroll
-            for (int u = 0; u < ROW_BATCH; u++)
-                if (c0 + u * (int)blockDim.x < d) {
-                    dq += x[u] * qv[u];
-                    ss += x[u] * x[u];
-                }
+            for (int s = 0; s < SRC_BATCH; s++) {
+                if (i0 + s >= nsrc) break;
+                float x[ROW_BATCH];
+                load_cols(sources + (i0 + s) * slot + t * d, c0, d, x);
+#pragma unroll
+                for (int u = 0; u < ROW_BATCH; u++)
+                    if (c0 + u * (int)blockDim.x < d) {
+                        sums[s] += x[u] * qv[u];
+                        sums[SRC_BATCH + s] += x[u] * x[u];
+                    }
+            }
         }
-        dq = block_sum(dq);
-        ss = block_sum(ss);
-        if (threadIdx.x == 0) score[i] = dq * (1.0f / sqrtf(ss / (float)d + eps));
+        block_sums(sums);
+        if (threadIdx.x == 0)
+            for (int s = 0; s < SRC_BATCH && i0 + s < nsrc; s++)
+                score[i0 + s] = sums[s] * (1.0f / sqrtf(sums[SRC_BATCH + s] / (float)d + eps));
     }
     __syncthreads();
     float m = score[0];

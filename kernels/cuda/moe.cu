@@ -62,6 +62,10 @@ __device__ void route_select(const float *score, float *choice, int *out_idx, fl
     // k passes of "best remaining" (larger choice, then lower index) by one warp: lane L scans experts L, L + 32,
     // ... in order, then a butterfly keeps the larger choice, ties to the lower index: a strict total order, so
     // every lane gets the expert a sequential scan would. The owner lane marks the chosen entry -inf.
+    // With k <= 32 lane j keeps the j-th choice in a register, and the sort and weights below run on registers and
+    // shuffles (every access to out_idx / out_w in global memory would be a dependent round trip).
+    const bool in_lanes = k <= 32;
+    int mine = -1;
     float last = 0.0f;
     for (int j = 0; j < k; j++) {
         float bv = -INF_F;
@@ -75,15 +79,46 @@ __device__ void route_select(const float *score, float *choice, int *out_idx, fl
             int oi = __shfl_xor_sync(0xffffffffu, bi, o);
             if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
         }
-        if (lane == 0) out_idx[j] = bi;
+        if (in_lanes) {
+            if (lane == j) mine = bi;
+        } else if (lane == 0) {
+            out_idx[j] = bi;
+        }
         last = bv;
         if (bi >= 0 && (bi & 31) == lane) choice[bi] = -INF_F;
     }
     float next = -INF_F;
     for (int e = lane; e < E; e += 32) next = fmaxf(next, choice[e]);
     for (int o = 16; o > 0; o >>= 1) next = fmaxf(next, __shfl_xor_sync(0xffffffffu, next, o));
+    if (lane == 0) *margin = k < E ? last - next : 0.0f;
+    if (in_lanes) {
+        // Ascending expert order: a choice's rank is the number of smaller choices (they are distinct); then the
+        // weights in that order, summed one after another as below.
+        int rank = 0;
+        for (int l = 0; l < k; l++) {
+            int other = __shfl_sync(0xffffffffu, mine, l);
+            rank += lane < k && other < mine;
+        }
+        float sum = 0.0f, w = 0.0f;
+        int sorted = -1;
+        for (int j = 0; j < k; j++) {
+            int src = __ffs(__ballot_sync(0xffffffffu, lane < k && rank == j)) - 1;
+            int e = __shfl_sync(0xffffffffu, mine, src);
+            float wj = score[e];
+            sum += wj;
+            if (lane == j) { w = wj; sorted = e; }
+        }
+        if (renormalize) {
+            sum += 1e-20f;
+            w = w / sum;
+        }
+        if (lane < k) {
+            out_idx[lane] = sorted;
+            out_w[lane] = w * scale;
+        }
+        return;
+    }
     if (lane != 0) return;
-    *margin = k < E ? last - next : 0.0f;
     // Ascending expert order (insertion sort of k entries).
     for (int a = 1; a < k; a++) {
         int v = out_idx[a], b = a - 1;
