@@ -472,6 +472,8 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // The weighted combine in slot order (ascending experts) and the routed RMSNorm, per token:
+#define COMBINE_BATCH 4  // columns per thread whose loads are in flight together
+
 // c = bf(sum_j wts[t, j] y[t k + j]); out[t] = bf(w * bf(c * rsqrt(mean(c^2) + eps))).
 // grid = n tokens, blockDim 512; dynamic shared memory D + k floats. y: [n k, D]; wts: [n, k]; out: [n, D].
 extern "C" __global__ void moe_combine_norm(const __nv_bfloat16 *y, const float *wts, const __nv_bfloat16 *w,
@@ -481,19 +483,48 @@ extern "C" __global__ void moe_combine_norm(const __nv_bfloat16 *y, const float 
     long t = blockIdx.x;
     for (int j = threadIdx.x; j < k; j += blockDim.x) wt[j] = wts[t * k + j];
     __syncthreads();
+    // Each thread's columns c0 + u * blockDim.x, COMBINE_BATCH of them per pass with all their loads issued before
+    // the sums; every sum runs in the same order as one column at a time.
     float ss = 0.0f;
-    for (int c = threadIdx.x; c < D; c += blockDim.x) {
-        float acc = 0.0f;
+    for (int c0 = threadIdx.x; c0 < D; c0 += COMBINE_BATCH * blockDim.x) {
+        float acc[COMBINE_BATCH];
+#pragma unroll
+        for (int u = 0; u < COMBINE_BATCH; u++) acc[u] = 0.0f;
 #pragma unroll 16
-        for (int j = 0; j < k; j++) acc += ld(y, (t * k + j) * D + c) * wt[j];
-        float v = bf_round(acc);
-        combined[c] = v;
-        ss += v * v;
+        for (int j = 0; j < k; j++) {
+            float v[COMBINE_BATCH];
+#pragma unroll
+            for (int u = 0; u < COMBINE_BATCH; u++) {
+                int c = c0 + u * blockDim.x;
+                v[u] = c < D ? ld(y, (t * k + j) * D + c) : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < COMBINE_BATCH; u++) acc[u] += v[u] * wt[j];
+        }
+#pragma unroll
+        for (int u = 0; u < COMBINE_BATCH; u++) {
+            int c = c0 + u * blockDim.x;
+            if (c >= D) continue;
+            float v = bf_round(acc[u]);
+            combined[c] = v;
+            ss += v * v;
+        }
     }
     ss = block_sum(ss);
     float r = 1.0f / sqrtf(ss / (float)D + eps);
-    for (int c = threadIdx.x; c < D; c += blockDim.x)
-        out[t * D + c] = __float2bfloat16_rn(ld(w, c) * bf_round(combined[c] * r));
+    for (int c0 = threadIdx.x; c0 < D; c0 += COMBINE_BATCH * blockDim.x) {
+        float g[COMBINE_BATCH];
+#pragma unroll
+        for (int u = 0; u < COMBINE_BATCH; u++) {
+            int c = c0 + u * blockDim.x;
+            g[u] = c < D ? ld(w, c) : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < COMBINE_BATCH; u++) {
+            int c = c0 + u * blockDim.x;
+            if (c < D) out[t * D + c] = __float2bfloat16_rn(g[u] * bf_round(combined[c] * r));
+        }
+    }
 }
 
 // ---- Grouped routed experts on the tensor cores -------------------------------------------------------------
