@@ -19,7 +19,7 @@ use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use sparkd_kernels::cpu::ops::situ;
 use sparkd_kernels::cuda::device::driver_present;
-use sparkd_kernels::cuda::ops::{moe_group_len, DPtr, ExpertCores, Gpu};
+use sparkd_kernels::cuda::ops::{moe_group_len, DPtr, ExpertCores, Gpu, RouteArgs};
 use sparkd_kernels::mxfp4::dequant_row;
 use sparkd_kernels::ModelConfig;
 
@@ -246,9 +246,22 @@ fn route(
     let idx = gpu.zeros::<i32>(n * k).unwrap();
     let wts = gpu.zeros::<f32>(n * k).unwrap();
     let margin = gpu.zeros::<f32>(n).unwrap();
-    let args = (gpu.ptr(&hd), gpu.ptr(&wd), gpu.ptr(&bd), gpu.ptr(&idx), gpu.ptr(&wts), gpu.ptr(&margin));
+    let args = RouteArgs {
+        h: gpu.ptr(&hd),
+        w: gpu.ptr(&wd),
+        bias: gpu.ptr(&bd),
+        idx: gpu.ptr(&idx),
+        wts: gpu.ptr(&wts),
+        margin: gpu.ptr(&margin),
+        n,
+        d,
+        experts,
+        k,
+        renormalize: true,
+        scale: 2.5,
+    };
     let run = if two_launches { Gpu::moe_route_in_two_launches } else { Gpu::moe_route };
-    run(gpu, args.0, args.1, args.2, args.3, args.4, args.5, n, d, experts, k, true, 2.5).unwrap();
+    run(gpu, &args).unwrap();
     let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<u32>>();
     (
         gpu.download(&idx, n * k).unwrap(),

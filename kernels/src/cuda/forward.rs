@@ -28,7 +28,7 @@ use crate::cpu::moe::Routing;
 use crate::cuda::attn::{KdaArgs, StepBuffer, StepTables, KDA_CHUNKED_MIN_TOKENS};
 use crate::cuda::device::device_err;
 use crate::cuda::graph::{CapturedStep, Decision, GraphCache, RowShape, StepShape, GRAPH_MAX_WINDOW};
-use crate::cuda::ops::{moe_group_len, DPtr, ExpertCores, Gemm, Gpu, NULL};
+use crate::cuda::ops::{moe_group_len, DPtr, ExpertCores, Gemm, Gpu, RouteArgs, NULL};
 use crate::cuda::weights::{
     DevFfn, DevKda, DevLinear, DevMerged, DevMixer, DevMla, DevMlp, DevMoe, DevNorm, DevWeights,
 };
@@ -726,20 +726,20 @@ impl DeviceModel {
         let wts = gpu.uninit::<f32>(n * k)?;
         let margin = gpu.uninit::<f32>(n)?;
         gpu.mark("moe.route")?;
-        gpu.moe_route(
-            hn,
-            gpu.ptr(&w.router.w),
-            gpu.ptr(&w.bias),
-            gpu.ptr(&idx),
-            gpu.ptr(&wts),
-            gpu.ptr(&margin),
+        gpu.moe_route(&RouteArgs {
+            h: hn,
+            w: gpu.ptr(&w.router.w),
+            bias: gpu.ptr(&w.bias),
+            idx: gpu.ptr(&idx),
+            wts: gpu.ptr(&wts),
+            margin: gpu.ptr(&margin),
             n,
-            self.cfg.hidden_size,
-            e,
+            d: self.cfg.hidden_size,
+            experts: e,
             k,
-            c.renormalize,
-            c.routed_scaling_factor,
-        )?;
+            renormalize: c.renormalize,
+            scale: c.routed_scaling_factor,
+        })?;
         if let Some(trace) = trace {
             let (ix, wt, mg) = (gpu.download(&idx, n * k)?, gpu.download(&wts, n * k)?, gpu.download(&margin, n)?);
             trace.push(

@@ -124,6 +124,25 @@ fn launch_err(name: &str) -> impl Fn(cudarc::driver::DriverError) -> KernelError
     move |e| device_err(&format!("launching {name}"), e)
 }
 
+/// The router of a MoE layer over `n` tokens ([`Gpu::moe_route`]): `h` `[n, d]` bf16, `w` `[experts, d]` bf16,
+/// `bias` `[experts]` f32; out: `idx` `[n, k]` chosen experts ascending, `wts` `[n, k]` f32 weights (renormalised
+/// when asked, times `scale`), `margin` `[n]` f32 (the k-th choice over the next).
+#[derive(Clone, Copy, Debug)]
+pub struct RouteArgs {
+    pub h: DPtr,
+    pub w: DPtr,
+    pub bias: DPtr,
+    pub idx: DPtr,
+    pub wts: DPtr,
+    pub margin: DPtr,
+    pub n: usize,
+    pub d: usize,
+    pub experts: usize,
+    pub k: usize,
+    pub renormalize: bool,
+    pub scale: f32,
+}
+
 /// Tokens per chunk of the skinny GEMM (each chunk reads the weight once).
 const SKINNY_TOKENS: usize = 64;
 
@@ -770,78 +789,46 @@ impl Gpu {
         .map_err(|e| device_err("cublasGemmEx", e))
     }
 
-    /// The router of `n` tokens: `idx`, `wts` `[n, k]`, `margin` `[n]`. Up to [`FUSED_ROUTER_EXPERTS`] experts on
+    /// The router of `r.n` tokens: `idx`, `wts` `[n, k]`, `margin` `[n]`. Up to [`FUSED_ROUTER_EXPERTS`] experts on
     /// Hopper and later, one launch (`moe_router`: a cluster of blocks per token computes its logits, then selects);
     /// otherwise two: the fp32 logits `[n, experts]` (one warp per token and expert), then the per-token
     /// selection. Both give the same outputs bit for bit.
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_route(
-        &self,
-        h: DPtr,
-        w: DPtr,
-        bias: DPtr,
-        idx: DPtr,
-        wts: DPtr,
-        margin: DPtr,
-        n: usize,
-        d: usize,
-        experts: usize,
-        k: usize,
-        renormalize: bool,
-        scale: f32,
-    ) -> Result<()> {
-        let (k32, rn) = (k as i32, renormalize as i32);
-        if let Some(router) = self.k.moe_router.as_ref().filter(|_| experts <= FUSED_ROUTER_EXPERTS) {
-            let cfg = LaunchConfig {
-                grid_dim: (ROUTER_CLUSTER, n as u32, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: (3 * experts * 4) as u32,
-            };
-            let (d, e) = (d as i32, experts as i32);
-            let mut b = self.lane().launch_builder(router);
-            b.arg(&h).arg(&w).arg(&bias).arg(&idx).arg(&wts).arg(&margin).arg(&d).arg(&e).arg(&k32).arg(&rn);
-            b.arg(&scale);
-            return unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_router"));
-        }
-        self.moe_route_in_two_launches(h, w, bias, idx, wts, margin, n, d, experts, k, renormalize, scale)
+    pub fn moe_route(&self, r: &RouteArgs) -> Result<()> {
+        let Some(router) = self.k.moe_router.as_ref().filter(|_| r.experts <= FUSED_ROUTER_EXPERTS) else {
+            return self.moe_route_in_two_launches(r);
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (ROUTER_CLUSTER, r.n as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: (3 * r.experts * 4) as u32,
+        };
+        let (d, e, k, rn) = (r.d as i32, r.experts as i32, r.k as i32, r.renormalize as i32);
+        let mut b = self.lane().launch_builder(router);
+        b.arg(&r.h).arg(&r.w).arg(&r.bias).arg(&r.idx).arg(&r.wts).arg(&r.margin).arg(&d).arg(&e).arg(&k).arg(&rn);
+        b.arg(&r.scale);
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_router"))
     }
 
     /// [`Gpu::moe_route`] in its two-launch form whatever the expert count (the form K3's 896 experts take).
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_route_in_two_launches(
-        &self,
-        h: DPtr,
-        w: DPtr,
-        bias: DPtr,
-        idx: DPtr,
-        wts: DPtr,
-        margin: DPtr,
-        n: usize,
-        d: usize,
-        experts: usize,
-        k: usize,
-        renormalize: bool,
-        scale: f32,
-    ) -> Result<()> {
-        let (k32, rn) = (k as i32, renormalize as i32);
-        let logits = self.uninit::<f32>(n * experts)?; // [n, E], written in full by moe_router_logits
+    pub fn moe_route_in_two_launches(&self, r: &RouteArgs) -> Result<()> {
+        let logits = self.uninit::<f32>(r.n * r.experts)?; // [n, E], written in full by moe_router_logits
         let logits_ptr = self.ptr(&logits);
         let cfg = LaunchConfig {
-            grid_dim: (experts.div_ceil(8) as u32, n as u32, 1),
+            grid_dim: (r.experts.div_ceil(8) as u32, r.n as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (d, e) = (d as i32, experts as i32);
+        let (d, e, k, rn) = (r.d as i32, r.experts as i32, r.k as i32, r.renormalize as i32);
         let mut b = self.lane().launch_builder(&self.k.moe_router_logits);
-        b.arg(&h).arg(&w).arg(&logits_ptr).arg(&d).arg(&e);
+        b.arg(&r.h).arg(&r.w).arg(&logits_ptr).arg(&d).arg(&e);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_router_logits"))?;
         let cfg = LaunchConfig {
-            grid_dim: (n as u32, 1, 1),
+            grid_dim: (r.n as u32, 1, 1),
             block_dim: (256, 1, 1),
-            shared_mem_bytes: (2 * experts * 4) as u32,
+            shared_mem_bytes: (2 * r.experts * 4) as u32,
         };
         let mut b = self.lane().launch_builder(&self.k.moe_route);
-        b.arg(&logits_ptr).arg(&bias).arg(&idx).arg(&wts).arg(&margin).arg(&e).arg(&k32).arg(&rn).arg(&scale);
+        b.arg(&logits_ptr).arg(&r.bias).arg(&r.idx).arg(&r.wts).arg(&r.margin).arg(&e).arg(&k).arg(&rn).arg(&r.scale);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_route"))
     }
 
