@@ -185,6 +185,7 @@ fn cuda_graph_replays_equal_eager_steps_bit_for_bit() {
     let after = r.model().graph_stats();
     // Decode at one row, decode at two rows and the verify windows each repeat: three shapes captured,
     // every later repeat replayed.
+    assert_eq!(after.capture_failures, 0, "{:?}", after.last_capture_error);
     assert!(after.captured - before.captured >= 3, "{after:?}");
     assert!(after.replayed - before.replayed >= 8, "{after:?}");
     assert!(after.last_capture_nodes > 0);

@@ -252,7 +252,7 @@ pub struct DeviceOutput {
 }
 
 /// How many steps ran from CUDA graphs (see `cuda::graph`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct GraphStats {
     /// Graphs held now.
     pub held: usize,
@@ -261,6 +261,9 @@ pub struct GraphStats {
     pub replayed: u64,
     /// Nodes of the last graph captured (kernels, memsets, copies, memory nodes, event edges).
     pub last_capture_nodes: usize,
+    /// Captures that failed (those shapes run eagerly), and the last one's error.
+    pub capture_failures: u64,
+    pub last_capture_error: Option<String>,
 }
 
 /// The model on the device.
@@ -402,9 +405,14 @@ impl DeviceModel {
                 self.graphs.lock().map_err(|_| KernelError::Device("the graph cache lock is poisoned".into()))?;
             if graphs.decide(&shape) == Decision::Capture {
                 let (logits, taps) = outputs(gpu)?;
-                let step = self.capture(gpu, &tables, tap_layers, logits, taps)?;
-                self.last_capture_nodes.store(step.nodes, Ordering::Relaxed);
-                graphs.store(&shape, step);
+                match self.capture(gpu, &tables, tap_layers, logits, taps) {
+                    Ok(step) => {
+                        self.last_capture_nodes.store(step.nodes, Ordering::Relaxed);
+                        graphs.store(&shape, step);
+                    }
+                    // The capture ran nothing: the step runs eagerly below, and so does its shape from now on.
+                    Err(e) => graphs.refuse(&shape, e.to_string()),
+                }
             }
             match graphs.replay(&shape) {
                 Some(step) => self.replay(gpu, step)?,
@@ -493,7 +501,14 @@ impl DeviceModel {
     pub fn graph_stats(&self) -> GraphStats {
         let last_capture_nodes = self.last_capture_nodes.load(Ordering::Relaxed);
         match self.graphs.lock() {
-            Ok(g) => GraphStats { held: g.held(), captured: g.captured, replayed: g.replayed, last_capture_nodes },
+            Ok(g) => GraphStats {
+                held: g.held(),
+                captured: g.captured,
+                replayed: g.replayed,
+                last_capture_nodes,
+                capture_failures: g.capture_failures,
+                last_capture_error: g.last_capture_error.clone(),
+            },
             Err(_) => GraphStats::default(),
         }
     }

@@ -12,6 +12,8 @@
 //!   every graph captured against the old one is dropped: it could never be replayed again. At most [`MAX_GRAPHS`] are kept; the least
 //!   recently used one is dropped first. A step that needs a routing trace, a profile or cuBLAS is never
 //!   captured (the caller decides; see `DeviceModel::forward_tapped`).
+//! - A shape whose capture fails runs eagerly from then on ([`GraphCache::refuse`]): a driver that cannot
+//!   capture some step costs that step its graph, never the step itself.
 //! - The outputs of a replay (logits and taps) are copied out of the graph's buffers into fresh ones,
 //!   so an output outlives later replays of the same graph, as an eager step's does.
 //! - Batch-size buckets: a decode step of `b` rows is captured for exactly `b` rows (a bucket of one).
@@ -63,6 +65,8 @@ pub enum Decision {
 
 struct Entry<G> {
     graph: Option<G>,
+    /// Its capture failed: always eager.
+    refused: bool,
     last_used: u64,
 }
 
@@ -73,14 +77,25 @@ pub struct GraphCache<G> {
     /// The step table address of the entries.
     table: DPtr,
     clock: u64,
-    /// Graphs captured and replays served since the cache was made.
+    /// Graphs captured, replays served and captures that failed since the cache was made, and the last
+    /// failure's error.
     pub captured: u64,
     pub replayed: u64,
+    pub capture_failures: u64,
+    pub last_capture_error: Option<String>,
 }
 
 impl<G> Default for GraphCache<G> {
     fn default() -> Self {
-        GraphCache { entries: HashMap::new(), table: 0, clock: 0, captured: 0, replayed: 0 }
+        GraphCache {
+            entries: HashMap::new(),
+            table: 0,
+            clock: 0,
+            captured: 0,
+            replayed: 0,
+            capture_failures: 0,
+            last_capture_error: None,
+        }
     }
 }
 
@@ -95,14 +110,18 @@ impl<G> GraphCache<G> {
         let clock = self.clock;
         if let Some(e) = self.entries.get_mut(shape) {
             e.last_used = clock;
-            return if e.graph.is_some() { Decision::Replay } else { Decision::Capture };
+            return match (&e.graph, e.refused) {
+                (Some(_), _) => Decision::Replay,
+                (None, true) => Decision::Eager,
+                (None, false) => Decision::Capture,
+            };
         }
         if self.entries.len() >= MAX_GRAPHS {
             if let Some(oldest) = self.entries.iter().min_by_key(|(_, e)| e.last_used).map(|(k, _)| k.clone()) {
                 self.entries.remove(&oldest);
             }
         }
-        self.entries.insert(shape.clone(), Entry { graph: None, last_used: clock });
+        self.entries.insert(shape.clone(), Entry { graph: None, refused: false, last_used: clock });
         Decision::Eager
     }
 
@@ -110,7 +129,15 @@ impl<G> GraphCache<G> {
     pub fn store(&mut self, shape: &StepShape, graph: G) {
         self.captured += 1;
         let clock = self.clock;
-        self.entries.insert(shape.clone(), Entry { graph: Some(graph), last_used: clock });
+        self.entries.insert(shape.clone(), Entry { graph: Some(graph), refused: false, last_used: clock });
+    }
+
+    /// Records that capturing `shape` failed with `error`: the shape runs eagerly from now on.
+    pub fn refuse(&mut self, shape: &StepShape, error: String) {
+        self.capture_failures += 1;
+        self.last_capture_error = Some(error);
+        let clock = self.clock;
+        self.entries.insert(shape.clone(), Entry { graph: None, refused: true, last_used: clock });
     }
 
     /// The graph of `shape`, counted as a replay.
@@ -181,6 +208,25 @@ mod tests {
         assert_eq!(c.decide(&moved), Decision::Eager);
         assert_eq!(c.held(), 0);
         assert_eq!(c.decide(&s), Decision::Eager);
+    }
+
+    #[test]
+    fn a_shape_whose_capture_failed_stays_eager() {
+        let mut c = GraphCache::<u32>::default();
+        let s = shape(2, 1);
+        assert_eq!(c.decide(&s), Decision::Eager);
+        assert_eq!(c.decide(&s), Decision::Capture);
+        c.refuse(&s, "capture unsupported".into());
+        for _ in 0..3 {
+            assert_eq!(c.decide(&s), Decision::Eager);
+        }
+        assert!(c.replay(&s).is_none());
+        assert_eq!((c.captured, c.capture_failures, c.held()), (0, 1, 0));
+        assert_eq!(c.last_capture_error.as_deref(), Some("capture unsupported"));
+        // Other shapes still get graphs.
+        let t = shape(3, 1);
+        c.decide(&t);
+        assert_eq!(c.decide(&t), Decision::Capture);
     }
 
     #[test]
