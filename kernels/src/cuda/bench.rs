@@ -161,6 +161,9 @@ pub struct VerifyCost {
     pub expert_bytes: u64,
     /// `(step - MoE) / (decode step - its MoE)`: the window's cost with the expert reads set aside.
     pub relative_without_moe: f64,
+    /// Device time of the profiled window step's forward (first to last mark), and the forward op by op.
+    pub profiled_device_ms: f64,
+    pub by_op: Vec<OpCost>,
 }
 
 /// Forced acceptance at batch 1.
@@ -224,6 +227,8 @@ pub fn run(opts: &CudaBenchOptions) -> Result<CudaBenchReport> {
                 moe_ms: moe_ms(&r),
                 expert_bytes: r.floor.expert_bytes,
                 relative_without_moe: (r.step_ms_median - moe_ms(&r)) / (base.step_ms_median - moe_ms(&base)),
+                profiled_device_ms: r.profiled_device_ms,
+                by_op: r.by_op,
             });
         }
     }

@@ -168,6 +168,29 @@ pub fn skinny_split(out_dim: usize, in_dim: usize) -> usize {
     split
 }
 
+/// Keeps memory freed to the device's default pool (the stream-ordered allocator every `CudaSlice` uses) in
+/// the pool instead of returning it to the driver at each synchronisation, the pool's default. Otherwise a step
+/// that allocates what the previous step freed (a verify window's KDA snapshots: 38 MB per draft token on
+/// k3-mini) maps fresh memory every time, which costs more than the step's kernels that fill it.
+fn keep_pool_memory(ctx: &CudaContext) -> Result<()> {
+    use cudarc::driver::sys;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut threshold = u64::MAX;
+    // SAFETY: plain driver calls on the context's device; `threshold` outlives the call that reads it.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+            .result()
+            .map_err(|e| device_err("getting the device's memory pool", e))?;
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+        .result()
+        .map_err(|e| device_err("setting the memory pool's release threshold", e))
+    }
+}
+
 fn grid_1d(n: usize, block: u32) -> LaunchConfig {
     let blocks = n.div_ceil(block as usize).clamp(1, 65_535) as u32;
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 }
@@ -231,6 +254,7 @@ impl Gpu {
             .map_err(|e| device_err("allowing the skinny GEMM its shared memory", e))?;
         }
         let attn = AttnKernels::load(module("kda.cu")?, module("mla.cu")?)?;
+        keep_pool_memory(&ctx)?;
         let stream = ctx.new_stream().map_err(|e| device_err("creating the main stream", e))?;
         let side = ctx.new_stream().map_err(|e| device_err("creating the side stream", e))?;
         let untimed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
