@@ -9,7 +9,9 @@
 //!   (norms, AttnRes, router, SiTU, KDA state) are fp32. The two differ only in fp32 summation order.
 //! - The DSpark drafter (`drafter`, `drafter_slot`) runs on the same stream with the same rounding
 //!   rules as the target forward, and reads the target's embedding and lm_head in place.
-//! - All work runs on one stream in issue order; host copies happen only for token ids, routing
+//! - All work runs on the backend's main stream in issue order, except the shared expert, which runs on a
+//!   side lane forked from and joined back to it through events (`ops`); repeated step shapes replay as
+//!   CUDA graphs (`graph`). Host copies happen only for the step table (token ids included), routing
 //!   traces asked for by validation, and the per-row results of `sample` (tokens, log-probabilities).
 
 pub mod attn;
@@ -22,6 +24,7 @@ pub mod drafter_slot;
 pub mod forward;
 pub mod graph;
 pub mod matrix;
+pub mod moe_ops;
 pub mod ops;
 pub mod runner;
 pub mod sample;

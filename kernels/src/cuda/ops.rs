@@ -6,10 +6,12 @@
 //!   in issue order, so buffers are passed to kernels as raw device addresses ([`DPtr`]) and are valid as
 //!   long as their owning `CudaSlice` lives across the call (the callers own every buffer for a whole
 //!   forward). The main lane is the backend's own stream (never the legacy default stream, which cannot
-//!   be captured into a CUDA graph); [`Gpu::on_side`] runs a closure on the side lane, forked from the
-//!   main stream before it and joined back after it through events, so the two overlap on the device,
-//!   eagerly and inside a graph capture alike. Work on the side lane reads only buffers allocated before
-//!   the fork, and the main lane reads its results only after the join.
+//!   be captured into a CUDA graph); [`Gpu::on_side`] issues a closure on the side lane, forked from the
+//!   main stream through an event, and [`Gpu::join_side`] makes the main stream wait for it, so the two
+//!   overlap on the device, eagerly and inside a graph capture alike. Work on the side lane reads only
+//!   buffers allocated before the fork, and the main lane reads its results only after the join.
+//! - Memory comes from the device's stream-ordered pool, which keeps what is freed (see
+//!   `keep_pool_memory`): steps reuse the same memory instead of mapping it afresh.
 //! - Shapes are checked by the callers (the weight loader and the forward); kernels trust them.
 //! - Every launch and memory operation is counted ([`Gpu::issued`]); while a profile is recorded,
 //!   [`Gpu::mark`] puts timed events on the stream, so spans of the forward are timed on the device.
@@ -30,6 +32,7 @@ use cudarc::nvrtc::Ptx;
 use crate::cuda::attn::AttnKernels;
 use crate::cuda::compile::{Compiler, SOURCES};
 use crate::cuda::device::{device_err, info, DeviceInfo};
+pub use crate::cuda::moe_ops::{moe_group_len, ExpertCores, RouteArgs};
 use crate::error::{KernelError, Result};
 
 /// A raw device address (valid while the slice it came from lives; see the module invariants).
@@ -50,29 +53,29 @@ pub enum Gemm {
     BatchInvariant,
 }
 
-struct Kernels {
-    embed_gather: CudaFunction,
-    rms_norm: CudaFunction,
-    attn_res_read: CudaFunction,
-    attn_res_norm: CudaFunction,
-    add_in_place: CudaFunction,
-    situ: CudaFunction,
-    gather_rows: CudaFunction,
+pub(crate) struct Kernels {
+    pub(crate) embed_gather: CudaFunction,
+    pub(crate) rms_norm: CudaFunction,
+    pub(crate) attn_res_read: CudaFunction,
+    pub(crate) attn_res_norm: CudaFunction,
+    pub(crate) add_in_place: CudaFunction,
+    pub(crate) situ: CudaFunction,
+    pub(crate) gather_rows: CudaFunction,
     /// `skinny_gemm_t{1,2,4,8}`: token chunks of up to 8, 16, 32, 64 tokens.
-    skinny_gemm: [CudaFunction; 4],
-    moe_router_logits: CudaFunction,
-    moe_route: CudaFunction,
+    pub(crate) skinny_gemm: [CudaFunction; 4],
+    pub(crate) moe_router_logits: CudaFunction,
+    pub(crate) moe_route: CudaFunction,
     /// `moe_router` (both in one launch, thread-block clusters): present from Hopper on.
-    moe_router: Option<CudaFunction>,
-    moe_group: CudaFunction,
+    pub(crate) moe_router: Option<CudaFunction>,
+    pub(crate) moe_group: CudaFunction,
     /// `moe_gate_up` and `moe_gate_up_mma`, indexed by [`ExpertCores`].
-    moe_gate_up: [CudaFunction; 2],
+    pub(crate) moe_gate_up: [CudaFunction; 2],
     /// `moe_down` and `moe_down_mma`, indexed by [`ExpertCores`].
-    moe_down: [CudaFunction; 2],
-    moe_combine_norm: CudaFunction,
-    sample_rows: CudaFunction,
-    sample_rows_f32: CudaFunction,
-    rng_hash3: CudaFunction,
+    pub(crate) moe_down: [CudaFunction; 2],
+    pub(crate) moe_combine_norm: CudaFunction,
+    pub(crate) sample_rows: CudaFunction,
+    pub(crate) sample_rows_f32: CudaFunction,
+    pub(crate) rng_hash3: CudaFunction,
 }
 
 /// Stream operations issued, for benchmarks.
@@ -112,7 +115,7 @@ pub struct Gpu {
     fork_event: CudaEvent,
     join_event: CudaEvent,
     blas: CudaBlas,
-    k: Kernels,
+    pub(crate) k: Kernels,
     pub(crate) attn: AttnKernels,
     pub info: DeviceInfo,
     pub gemm: Gemm,
@@ -120,27 +123,8 @@ pub struct Gpu {
     profile: Mutex<Option<Vec<Mark>>>,
 }
 
-fn launch_err(name: &str) -> impl Fn(cudarc::driver::DriverError) -> KernelError + '_ {
+pub(crate) fn launch_err(name: &str) -> impl Fn(cudarc::driver::DriverError) -> KernelError + '_ {
     move |e| device_err(&format!("launching {name}"), e)
-}
-
-/// The router of a MoE layer over `n` tokens ([`Gpu::moe_route`]): `h` `[n, d]` bf16, `w` `[experts, d]` bf16,
-/// `bias` `[experts]` f32; out: `idx` `[n, k]` chosen experts ascending, `wts` `[n, k]` f32 weights (renormalised
-/// when asked, times `scale`), `margin` `[n]` f32 (the k-th choice over the next).
-#[derive(Clone, Copy, Debug)]
-pub struct RouteArgs {
-    pub h: DPtr,
-    pub w: DPtr,
-    pub bias: DPtr,
-    pub idx: DPtr,
-    pub wts: DPtr,
-    pub margin: DPtr,
-    pub n: usize,
-    pub d: usize,
-    pub experts: usize,
-    pub k: usize,
-    pub renormalize: bool,
-    pub scale: f32,
 }
 
 /// Tokens per chunk of the skinny GEMM (each chunk reads the weight once).
@@ -812,195 +796,4 @@ impl Gpu {
         .map(|_| self.count_launch())
         .map_err(|e| device_err("cublasGemmEx", e))
     }
-
-    /// The router of `r.n` tokens: `idx`, `wts` `[n, k]`, `margin` `[n]`. Up to [`FUSED_ROUTER_EXPERTS`] experts on
-    /// Hopper and later, one launch (`moe_router`: a cluster of blocks per token computes its logits, then selects);
-    /// otherwise two: the fp32 logits `[n, experts]` (one warp per token and expert), then the per-token
-    /// selection. Both give the same outputs bit for bit.
-    pub fn moe_route(&self, r: &RouteArgs) -> Result<()> {
-        let Some(router) = self.k.moe_router.as_ref().filter(|_| r.experts <= FUSED_ROUTER_EXPERTS) else {
-            return self.moe_route_in_two_launches(r);
-        };
-        let cfg = LaunchConfig {
-            grid_dim: (ROUTER_CLUSTER, r.n as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: (3 * r.experts * 4) as u32,
-        };
-        let (d, e, k, rn) = (r.d as i32, r.experts as i32, r.k as i32, r.renormalize as i32);
-        let mut b = self.lane().launch_builder(router);
-        b.arg(&r.h).arg(&r.w).arg(&r.bias).arg(&r.idx).arg(&r.wts).arg(&r.margin).arg(&d).arg(&e).arg(&k).arg(&rn);
-        b.arg(&r.scale);
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_router"))
-    }
-
-    /// [`Gpu::moe_route`] in its two-launch form whatever the expert count (the form K3's 896 experts take).
-    pub fn moe_route_in_two_launches(&self, r: &RouteArgs) -> Result<()> {
-        let logits = self.uninit::<f32>(r.n * r.experts)?; // [n, E], written in full by moe_router_logits
-        let logits_ptr = self.ptr(&logits);
-        let cfg = LaunchConfig {
-            grid_dim: (r.experts.div_ceil(8) as u32, r.n as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (d, e, k, rn) = (r.d as i32, r.experts as i32, r.k as i32, r.renormalize as i32);
-        let mut b = self.lane().launch_builder(&self.k.moe_router_logits);
-        b.arg(&r.h).arg(&r.w).arg(&logits_ptr).arg(&d).arg(&e);
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_router_logits"))?;
-        let cfg = LaunchConfig {
-            grid_dim: (r.n as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: (2 * r.experts * 4) as u32,
-        };
-        let mut b = self.lane().launch_builder(&self.k.moe_route);
-        b.arg(&logits_ptr).arg(&r.bias).arg(&r.idx).arg(&r.wts).arg(&r.margin).arg(&e).arg(&k).arg(&rn).arg(&r.scale);
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_route"))
-    }
-
-    /// Groups the routed (token, slot) pairs by expert on the device (no host synchronisation): `group`
-    /// ([`moe_group_len`] ints: the active experts and where each one's pairs start) and `pairs` `[n k]`
-    /// (`t * k + j`, grouped by expert, tokens ascending), from `idx` `[n, k]` (ascending per token).
-    pub fn moe_group(&self, idx: DPtr, n: usize, k: usize, experts: usize, group: DPtr, pairs: DPtr) -> Result<()> {
-        let cfg =
-            LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: (2 * experts * 4) as u32 };
-        if cfg.shared_mem_bytes > 48 * 1024 {
-            return Err(KernelError::InvalidInput(format!("grouping {experts} experts needs too much shared memory")));
-        }
-        let (n, k, e) = (n as i32, k as i32, experts as i32);
-        let mut b = self.lane().launch_builder(&self.k.moe_group);
-        b.arg(&idx).arg(&n).arg(&k).arg(&e).arg(&group).arg(&pairs);
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_group"))
-    }
-
-    /// Gate/up + SiTU per active expert over its grouped pairs: `a` `[n k, inter]` (row `t * k + j`), on the
-    /// CUDA cores or the tensor cores (`cores`; the two round differently, so one forward uses one of them).
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_gate_up(
-        &self,
-        z: DPtr,
-        w1: (DPtr, DPtr),
-        w3: (DPtr, DPtr),
-        grouping: (DPtr, DPtr),
-        a: DPtr,
-        n: usize,
-        k: usize,
-        experts: usize,
-        latent: usize,
-        inter: usize,
-        beta: f32,
-        lbeta: f32,
-        cores: ExpertCores,
-    ) -> Result<()> {
-        check_expert_width("latent", latent)?;
-        let cfg = cores.launch(n, k, experts, inter);
-        let (k, e, dl, di) = (k as i32, experts as i32, latent as i32, inter as i32);
-        let mut b = self.lane().launch_builder(&self.k.moe_gate_up[cores as usize]);
-        b.arg(&z).arg(&w1.0).arg(&w1.1).arg(&w3.0).arg(&w3.1).arg(&grouping.0).arg(&grouping.1).arg(&a);
-        b.arg(&k).arg(&e).arg(&dl).arg(&di).arg(&beta).arg(&lbeta);
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_gate_up"))
-    }
-
-    /// Down projection per active expert over its grouped pairs: `y` `[n k, latent]` (row `t * k + j`), on the
-    /// CUDA cores or the tensor cores (`cores`).
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_down(
-        &self,
-        a: DPtr,
-        w2: (DPtr, DPtr),
-        grouping: (DPtr, DPtr),
-        y: DPtr,
-        n: usize,
-        k: usize,
-        experts: usize,
-        latent: usize,
-        inter: usize,
-        cores: ExpertCores,
-    ) -> Result<()> {
-        check_expert_width("expert", inter)?;
-        let cfg = cores.launch(n, k, experts, latent);
-        let (e, dl, di) = (experts as i32, latent as i32, inter as i32);
-        let mut b = self.lane().launch_builder(&self.k.moe_down[cores as usize]);
-        b.arg(&a).arg(&w2.0).arg(&w2.1).arg(&grouping.0).arg(&grouping.1).arg(&y).arg(&e).arg(&dl).arg(&di);
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_down"))
-    }
-
-    /// The weighted combine of each token's `k` expert outputs `y` `[n k, latent]` in slot order, then the
-    /// routed RMSNorm with weight `norm_w`: `out` `[n, latent]`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_combine_norm(
-        &self,
-        y: DPtr,
-        wts: DPtr,
-        norm_w: DPtr,
-        out: DPtr,
-        n: usize,
-        k: usize,
-        latent: usize,
-        eps: f32,
-    ) -> Result<()> {
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, 1, 1),
-            block_dim: (512, 1, 1),
-            shared_mem_bytes: ((latent + k) * 4) as u32,
-        };
-        if cfg.shared_mem_bytes > 48 * 1024 {
-            return Err(KernelError::InvalidInput(format!("a routed norm over {latent} values is not supported")));
-        }
-        let (k, dl) = (k as i32, latent as i32);
-        let mut b = self.lane().launch_builder(&self.k.moe_combine_norm);
-        b.arg(&y).arg(&wts).arg(&norm_w).arg(&out).arg(&k).arg(&dl).arg(&eps);
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_combine_norm"))
-    }
-}
-
-/// Blocks per token of the one-launch router (`ROUTER_CLUSTER` in `kernels/cuda/moe.cu`).
-const ROUTER_CLUSTER: u32 = 8;
-
-/// The most experts the one-launch router takes (its cluster has 64 warps, one dot product each per 64 experts;
-/// past 2 each the two-launch router spreads the dot products wider).
-const FUSED_ROUTER_EXPERTS: usize = 128;
-
-/// Ints of the grouping buffer [`Gpu::moe_group`] writes for `experts` experts: the active count, the
-/// active experts `[experts]`, and the start of each active expert's pairs `[experts + 1]`.
-pub fn moe_group_len(experts: usize) -> usize {
-    2 * experts + 2
-}
-
-/// Which units run the routed experts' dot products (`kernels/cuda/moe.cu`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ExpertCores {
-    /// `moe_gate_up` / `moe_down`: one warp per output row, fp32 fma per token.
-    Cuda = 0,
-    /// `moe_gate_up_mma` / `moe_down_mma`: 16-row tiles on mma.sync, tokens 8 per MMA column block.
-    Tensor = 1,
-}
-
-impl ExpertCores {
-    /// The launch of a grouped expert kernel with `rows` output rows per expert.
-    fn launch(self, n: usize, k: usize, experts: usize, rows: usize) -> LaunchConfig {
-        // Cuda: 8 warps of one row each; Tensor: 4 warps (MMA_WARPS) of one 16-row tile each.
-        let (rows_per_block, threads) = match self {
-            ExpertCores::Cuda => (8, 256),
-            ExpertCores::Tensor => (64, 128),
-        };
-        LaunchConfig {
-            grid_dim: (active_slots(n, k, experts), rows.div_ceil(rows_per_block) as u32, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: 0,
-        }
-    }
-}
-
-/// Blocks along the active-expert axis of the grouped expert kernels: at most `n k` pairs, at most `experts`.
-fn active_slots(n: usize, k: usize, experts: usize) -> u32 {
-    (n * k).min(experts) as u32
-}
-
-/// The grouped expert kernels read a row's codes 32 inputs (16 bytes) per lane at a time.
-fn check_expert_width(what: &str, inputs: usize) -> Result<()> {
-    if inputs == 0 || inputs % 32 != 0 {
-        return Err(KernelError::InvalidInput(format!(
-            "MoE {what} width {inputs}: the grouped MXFP4 kernels need a positive multiple of 32"
-        )));
-    }
-    Ok(())
 }
