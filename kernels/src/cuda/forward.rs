@@ -15,6 +15,9 @@
 //!   Each read is fused with the RMSNorm after it and with the residual add before it
 //!   (`Gpu::attn_res_norm`), so an FFN output is added to the live slot by the next layer's read.
 //! - Logits are produced only for the positions rows ask for, and stay on the device.
+//! - A step is host work (the step table, with the token ids and wanted positions, uploaded once) and then
+//!   device work only (`step_body`: launches, stream-ordered allocations, events), so a step whose shape
+//!   repeats is captured and replayed as a CUDA graph (`cuda::graph`), with the same results bit for bit.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
