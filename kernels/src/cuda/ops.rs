@@ -127,6 +127,14 @@ pub(crate) fn launch_err(name: &str) -> impl Fn(cudarc::driver::DriverError) -> 
     move |e| device_err(&format!("launching {name}"), e)
 }
 
+/// The element type of the logits rows [`Gpu::sample_rows`] reads: the target's bf16 logits, or the DSpark
+/// drafter's f32 Markov logits (never rounded to bf16).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitsDtype {
+    Bf16,
+    F32,
+}
+
 /// Tokens per chunk of the skinny GEMM (each chunk reads the weight once).
 const SKINNY_TOKENS: usize = 64;
 
@@ -576,9 +584,12 @@ impl Gpu {
     }
 
     /// Sampling, log-probabilities and acceptance of `rows` logits rows described by `desc` (see
-    /// `cuda::sample`): one block of 1024 threads per row.
+    /// `cuda::sample`), whose logits are `dtype` (`sample_rows` or `sample_rows_f32`): one block of 1024
+    /// threads per row.
+    #[allow(clippy::too_many_arguments)]
     pub fn sample_rows(
         &self,
+        dtype: LogitsDtype,
         desc: DPtr,
         mask: DPtr,
         vocab: usize,
@@ -588,26 +599,13 @@ impl Gpu {
     ) -> Result<()> {
         let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
         let v = vocab as i32;
-        let mut b = self.lane().launch_builder(&self.k.sample_rows);
+        let (func, name) = match dtype {
+            LogitsDtype::Bf16 => (&self.k.sample_rows, "sample_rows"),
+            LogitsDtype::F32 => (&self.k.sample_rows_f32, "sample_rows_f32"),
+        };
+        let mut b = self.lane().launch_builder(func);
         b.arg(&desc).arg(&mask).arg(&v).arg(&status).arg(&top);
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("sample_rows"))
-    }
-
-    /// [`Gpu::sample_rows`] over f32 logits rows (the descriptors' logits are `const float *`).
-    pub fn sample_rows_f32(
-        &self,
-        desc: DPtr,
-        mask: DPtr,
-        vocab: usize,
-        rows: usize,
-        status: DPtr,
-        top: DPtr,
-    ) -> Result<()> {
-        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-        let v = vocab as i32;
-        let mut b = self.lane().launch_builder(&self.k.sample_rows_f32);
-        b.arg(&desc).arg(&mask).arg(&v).arg(&status).arg(&top);
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("sample_rows_f32"))
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err(name))
     }
 
     /// `out[i] = hash3(seeds[i], positions[i], streams[i])` (u64) on the device, for `n` triples.

@@ -26,7 +26,7 @@
 use cudarc::driver::CudaSlice;
 
 use crate::acceptance::{AcceptanceMode, Verdict};
-use crate::cuda::ops::{DPtr, Gpu, NULL};
+use crate::cuda::ops::{DPtr, Gpu, LogitsDtype, NULL};
 use crate::error::{KernelError, Result};
 use crate::runner::{SamplingParams, TokenId, TokenLogprob, TokenMask};
 use crate::sampling::{check_params, RngStream};
@@ -180,7 +180,7 @@ fn launch(gpu: &Gpu, vocab: usize, jobs: &[RowJob<'_>], mask: Option<&DeviceToke
     let top_len = if want_top { rows * MAX_TOP_N * 2 } else { 1 };
     let top = gpu.zeros::<u32>(top_len)?; // [rows, MAX_TOP_N, 2]: id, f32 bits of its log-probability
     let mask_ptr = mask.map_or(NULL, |m| m.ptr(gpu));
-    gpu.sample_rows(gpu.ptr(&desc), mask_ptr, vocab, rows, gpu.ptr(&status), gpu.ptr(&top))?;
+    gpu.sample_rows(LogitsDtype::Bf16, gpu.ptr(&desc), mask_ptr, vocab, rows, gpu.ptr(&status), gpu.ptr(&top))?;
     let status = gpu.download(&status, rows * STATUS_WORDS)?;
     let top = if want_top { gpu.download(&top, top_len)? } else { Vec::new() };
     jobs.iter()
@@ -486,7 +486,7 @@ impl DrawPlan {
         }
         let desc = gpu.ptr(&self.desc) + (first * DESC_WORDS * 8) as u64;
         let status = gpu.ptr(&self.status) + (first * STATUS_WORDS * 4) as u64;
-        gpu.sample_rows_f32(desc, NULL, self.vocab, rows, status, NULL)
+        gpu.sample_rows(LogitsDtype::F32, desc, NULL, self.vocab, rows, status, NULL)
     }
 
     /// The first error any launched row reported.
