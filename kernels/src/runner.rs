@@ -142,6 +142,19 @@ impl TokenMask {
         self.vocab - self.disallowed.len()
     }
 
+    /// Checks that the mask covers a vocabulary of `vocab` ids and allows at least one (what every runner's
+    /// `set_token_mask` requires).
+    pub fn check_fits(&self, vocab: usize) -> crate::error::Result<()> {
+        if self.vocab != vocab || self.num_allowed() == 0 {
+            return Err(crate::error::KernelError::InvalidInput(format!(
+                "a token mask over {} ids with {} allowed does not fit a vocabulary of {vocab}",
+                self.vocab,
+                self.num_allowed()
+            )));
+        }
+        Ok(())
+    }
+
     /// Sets the masked entries of each `[vocab]` row of `logits` to `-inf`.
     pub fn apply(&self, logits: &mut [f32]) {
         for row in logits.chunks_exact_mut(self.vocab) {

@@ -152,13 +152,7 @@ impl Runner for CpuRunner {
 
     fn set_token_mask(&mut self, mask: TokenMask) -> Result<()> {
         let vocab = self.model.cfg.vocab_size;
-        if mask.vocab() != vocab || mask.num_allowed() == 0 {
-            return Err(KernelError::InvalidInput(format!(
-                "a token mask over {} ids with {} allowed does not fit a vocabulary of {vocab}",
-                mask.vocab(),
-                mask.num_allowed()
-            )));
-        }
+        mask.check_fits(vocab)?;
         self.token_mask = Some(mask);
         Ok(())
     }

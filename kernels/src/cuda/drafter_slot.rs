@@ -122,7 +122,7 @@ impl DeviceDrafterSlot {
             let q = if row.params.is_greedy() {
                 None
             } else {
-                let q = gpu.zeros::<f32>(row.num_drafts * vocab)?;
+                let q = gpu.uninit::<f32>(row.num_drafts * vocab)?; // [num_drafts, V], written in full by the copy
                 gpu.copy::<f32>(gpu.ptr(&q), gpu.ptr(&drafts.q) + (first * vocab * 4) as u64, row.num_drafts * vocab)?;
                 Some(q)
             };
