@@ -240,14 +240,14 @@ impl Loader<'_> {
 
 /// `[n, out]` = `x [n, in] · wᵀ`, a fresh buffer.
 fn linear(gpu: &Gpu, w: &DevLinear, x: DPtr, n: usize) -> Result<CudaSlice<bf16>> {
-    let y = gpu.zeros::<bf16>(n * w.out_dim)?;
+    let y = gpu.uninit::<bf16>(n * w.out_dim)?; // written in full by the GEMM
     gpu.linear(gpu.ptr(&w.w), w.out_dim, w.in_dim, x, n, gpu.ptr(&y))?;
     Ok(y)
 }
 
 /// RMSNorm of `[n, dim]` rows into a fresh buffer.
 fn norm(gpu: &Gpu, w: &DevNorm, x: DPtr, n: usize, dim: usize) -> Result<CudaSlice<bf16>> {
-    let y = gpu.zeros::<bf16>(n * dim)?;
+    let y = gpu.uninit::<bf16>(n * dim)?; // every row written by the norm
     gpu.rms_norm(x, dim, gpu.ptr(&w.w), gpu.ptr(&y), dim, n, dim, w.eps)?;
     Ok(y)
 }
@@ -499,7 +499,7 @@ impl DeviceDrafter {
             let hn = norm(gpu, &layer.post_norm, gpu.ptr(&x), n, d)?;
             let g = linear(gpu, &layer.mlp_gate, gpu.ptr(&hn), n)?;
             let u = linear(gpu, &layer.mlp_up, gpu.ptr(&hn), n)?;
-            let a = gpu.zeros::<bf16>(n * layer.mlp_gate.out_dim)?;
+            let a = gpu.uninit::<bf16>(n * layer.mlp_gate.out_dim)?; // written in full by situ
             let len = n * layer.mlp_gate.out_dim;
             gpu.situ(gpu.ptr(&g), gpu.ptr(&u), gpu.ptr(&a), len, cfg.situ_beta, cfg.situ_linear_beta)?;
             let f = linear(gpu, &layer.mlp_down, gpu.ptr(&a), n)?;
