@@ -1,6 +1,7 @@
 //! Helpers shared by the drafter test files (`dspark_runner.rs` on the CPU, `cuda_drafter.rs` on CUDA): prompts,
 //! prefill in windows of at most 16 tokens (where a window's forward equals token-by-token decoding bit for
-//! bit), plain decoding, and decoding with model drafts, each over `&mut dyn Runner`.
+//! bit), plain decoding, decoding with model drafts, and the sampled-drafting checks both backends pass, each over
+//! `&mut dyn Runner`.
 
 use sparkd_kernels::runner::{DraftRequest, RowInput, RowOutput, SampleRequest, SamplingParams};
 use sparkd_kernels::{Runner, StateId, TokenId};
@@ -71,4 +72,56 @@ pub fn decode_with_model_drafts(
         }
     }
     out
+}
+
+/// Temperature-1 sampling with seed `seed`.
+pub fn sampled(seed: u64) -> SamplingParams {
+    SamplingParams { temperature: 1.0, top_p: 1.0, top_k: 0, seed, logprobs: None }
+}
+
+/// A seeded request decoded with sampled model drafts (γ = 4, at least `n` tokens) after an 8-token prompt gives
+/// the same tokens whether or not another row is batched with it, and other tokens for another seed.
+pub fn check_seeded_drafting_ignores_batching(r: &mut dyn Runner, n: usize) {
+    let p = prompt(8, 20);
+    let mut run = |seed: u64, with_neighbour: bool| {
+        let s = r.alloc_state().unwrap();
+        prefill(r, s, &p[..7]);
+        let mut rows = vec![(s, p[7])];
+        let other = r.alloc_state().unwrap();
+        if with_neighbour {
+            prefill(r, other, &prompt(5, 21));
+            rows.push((other, 77));
+        }
+        let out = decode_with_model_drafts(r, &rows, 4, n, &sampled(seed)).remove(0);
+        r.free_state(s).unwrap();
+        r.free_state(other).unwrap();
+        out
+    };
+    let solo = run(5, false);
+    assert_eq!(solo, run(5, true), "a seeded request ignores what else is batched");
+    assert_ne!(solo, run(6, false));
+}
+
+/// The same sampled drafts of `base` (a prefilled state, next token `anchor`) verified with the drafter's q
+/// (proposal selected) and one-hot (not selected) differ for some seed in `0..seeds`: q changes both the accept
+/// test and the residual distribution. Verification with q is reproducible.
+pub fn check_verification_uses_q(r: &mut dyn Runner, base: StateId, anchor: TokenId, seeds: u64) {
+    let mut differs = false;
+    for seed in 0..seeds {
+        let mut verify = |select: bool| {
+            let s = r.fork_state(base).unwrap();
+            let proposal = r.draft(&[draft_req(s, anchor, 4, &sampled(seed))]).unwrap().remove(0);
+            if select {
+                r.select_proposal(s).unwrap();
+            }
+            let tokens: Vec<TokenId> = std::iter::once(anchor).chain(proposal.tokens).collect();
+            let out = r.step(&[row(s, tokens, &sampled(seed), 4)]).unwrap().remove(0);
+            r.free_state(s).unwrap();
+            out
+        };
+        let with_q = verify(true);
+        assert_eq!(with_q, verify(true), "verification with q is reproducible");
+        differs |= with_q != verify(false);
+    }
+    assert!(differs, "verification never depended on q");
 }
