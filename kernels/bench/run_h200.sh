@@ -69,6 +69,7 @@ fi
 [ -x "$BIN/cuda_sample" ] && step sampling_time 30 "$BIN/cuda_sample" --ignored --nocapture sampling_step_time
 [ -x "$BIN/cuda_drafter" ] && step draft_cost 30 "$BIN/cuda_drafter" --ignored --nocapture cuda_draft_cost
 [ -x "$BIN/cuda_moe" ] && step moe_bandwidth 30 "$BIN/cuda_moe" --ignored --nocapture --test-threads=1
+[ -x "$BIN/cuda_gemm" ] && step gemm_bandwidth 60 "$BIN/cuda_gemm" --ignored --nocapture gemm_bandwidth
 
 step bench_mini 150 "$SPARKD" bench --device cuda --config k3-mini --steps 8 --prompt-len 64 --compare-eager \
   --out "$OUT/bench_mini.json"

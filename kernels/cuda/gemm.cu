@@ -5,13 +5,23 @@
 // Invariants:
 // - Batch invariance, bit for bit: the fp32 value of output (token m, row n) is the same whatever M is
 //   and whatever else is batched. Weight rows are the 16-row side of the MMA and tokens its 8-column
-//   side; an MMA's output element depends only on its own row of A and column of B, and every output
-//   runs through the same sequence of MMAs: warp `ks` of a row team sums the k-steps of its share of
-//   every 512-wide K chunk in ascending order, then the `split` warp partials are added in ascending
-//   warp order. `split` is chosen by the host from (N, K) only, never from M.
+//   side; an MMA's output element depends only on its own row of A and column of B. K is cut into
+//   `slices` slices of `kslice` columns (the host derives `kslice` from (N, K) only, never from M);
+//   a slice's partial is one warp's MMA chain over its k32 steps in ascending order, starting from
+//   zero, and the output is the left fold ((p0 + p1) + p2) + ... of the slice partials in slice order.
+//   Both ways of running the slices compute exactly that:
+//   - split (`skinny_gemm_t*`): one block per (row tile, slice); each block writes its fp32 partial to
+//     the workspace `ws` [slices, M, N], and the block that arrives last at its tile's ticket folds the
+//     partials in slice order and writes the output. Used when the workspace is small (decode, verify).
+//   - serial (`skinny_gemm_serial_t*`): one block per row tile runs the slices in turn and folds each
+//     partial into its running sum in registers. Used for long prefills, whose workspace would be large.
+//   The row-tile size (warps per block) does not enter the order, so the host may choose it freely.
+// - Tickets: `tickets[tile * chunks + chunk]` counts the blocks of a split tile that are done; the last
+//   one resets it to zero, so the buffer is all zeros between launches (the host keeps one per stream).
 // - Each weight element is read once per token chunk of 64 (128-bit streaming loads when K % 8 == 0
-//   and w is 16-byte aligned); the token chunk of x is staged in shared memory, 512 columns at a time,
-//   zero-padded past M and K.
+//   and w is 16-byte aligned). The token chunk of x is staged in shared memory KC columns at a time,
+//   double-buffered with cp.async (the next chunk loads while the current one is multiplied), zero
+//   past M and K.
 // - K order inside an MMA: a thread loads 8 consecutive k of its weight row and the same 8 k of its
 //   token row, and feeds them as k-slots {2t, 2t+1, 2t+8, 2t+9} of two k16 steps; A and B use the same
 //   slot-to-k map, so the MMA computes the plain dot product over those 32 k.
@@ -21,17 +31,15 @@
 // - The add epilogue rounds like linear then add_in_place (common.cu): bf(bf(acc) + addend), addend
 //   laid out as the output; each output element is read and written by one thread, so addend may be y.
 //
-// Block: 256 threads = 8 warps = (8 / split) row teams x split K shares; a team owns 32 weight rows
-// (two 16-row MMA tiles). Grid: (ceil(N / (32 * 8 / split)), ceil(M / 64)).
-// Each warp loads the next two k32 steps of weights before multiplying the current two, so loads stay
-// in flight while the tensor cores work (at decode sizes the GEMM is meant to be bound by HBM bandwidth).
+// Block: blockDim.x = 32 * warps (4 or 8); each warp owns 32 weight rows (two 16-row MMA tiles), so a
+// row tile is 32 * warps rows. Grid: (tiles * slices (split) or tiles (serial), ceil(M / 64)).
+// Each warp loads its next group of k32 steps of weights before multiplying the current group, so loads
+// stay in flight while the tensor cores work (at decode sizes the GEMM is meant to be bound by HBM bandwidth).
 // Compiled after prelude.cuh (compile.rs prepends it: cuda_bf16.h, INF_F, u32, i64, ld, bf_round, sigmoidf_,
 // block_sum, block_max).
 
-#define KC 512          // K columns staged per chunk
-#define XS_STRIDE 520   // staged row stride in elements (16 bytes of padding spread the banks)
-#define WARPS 8
-#define STAGE_BATCH 4 // staging loads in flight per thread
+#define KC 256          // K columns staged per chunk (kslice is a multiple of it)
+#define XS_STRIDE 288   // staged row stride in elements: rows g and g + 1 sit 16 banks apart
 
 __device__ __forceinline__ void mma_bf16(float *c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -40,48 +48,133 @@ __device__ __forceinline__ void mma_bf16(float *c, u32 a0, u32 a1, u32 a2, u32 a
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// 8 consecutive weights w[row, k..k+8] (zero past N or K).
-__device__ __forceinline__ uint4 load_w8(const __nv_bfloat16 *w, int row, int k, int n, int kdim, bool vec) {
-    uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (row >= n || k >= kdim) return v;
-    const __nv_bfloat16 *p = w + (long)row * kdim + k;
-    if (vec) return __ldcs(reinterpret_cast<const uint4 *>(p));
-    unsigned short h[8];
-    for (int j = 0; j < 8; j++) h[j] = k + j < kdim ? __bfloat16_as_ushort(p[j]) : (unsigned short)0;
-    v.x = h[0] | ((u32)h[1] << 16);
-    v.y = h[2] | ((u32)h[3] << 16);
-    v.z = h[4] | ((u32)h[5] << 16);
-    v.w = h[6] | ((u32)h[7] << 16);
-    return v;
+// 16 bytes global -> shared, asynchronously; `bytes` = 0 writes zeros without reading.
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, int bytes) {
+    u32 s = (u32)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(src), "r"(bytes) : "memory");
 }
 
-// The weights of two k32 steps from `kb`: [step][row tile][rows g / g + 8] of a 32-row team whose
-// thread row is `row` (= team row + g), 8 k from kb + 32 step + 8 t each.
-__device__ __forceinline__ void load_pair(uint4 (&a)[2][2][2], const __nv_bfloat16 *w, int row, int kb, int n,
-                                          int kdim, bool vec, int t) {
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int PENDING> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+}
+
+// Packs 8 bf16 read one by one (zero past `limit` elements from p).
+__device__ __forceinline__ uint4 load8_scalar(const __nv_bfloat16 *p, int limit) {
+    unsigned short h[8];
+    for (int j = 0; j < 8; j++) h[j] = j < limit ? __bfloat16_as_ushort(p[j]) : (unsigned short)0;
+    return make_uint4(h[0] | ((u32)h[1] << 16), h[2] | ((u32)h[3] << 16), h[4] | ((u32)h[5] << 16),
+                      h[6] | ((u32)h[7] << 16));
+}
+
+// 8 consecutive weights w[row, k..k+8] (zero past N or K).
+__device__ __forceinline__ uint4 load_w8(const __nv_bfloat16 *w, int row, int k, int n, int kdim, bool vec) {
+    if (row >= n || k >= kdim) return make_uint4(0u, 0u, 0u, 0u);
+    const __nv_bfloat16 *p = w + (long)row * kdim + k;
+    if (vec) return __ldcs(reinterpret_cast<const uint4 *>(p));
+    return load8_scalar(p, kdim - k);
+}
+
+// Starts staging x[m0 .. m0 + 8 NT, kc .. kc + KC] into `xs` [8 NT, XS_STRIDE] (zero past mc and K) as
+// one cp.async group; the scalar path (x unaligned or K % 8 != 0) stores synchronously.
+template <int NT>
+__device__ __forceinline__ void stage_x(__nv_bfloat16 *xs, const __nv_bfloat16 *x, int m0, int mc, int kc, int kdim,
+                                        bool xvec) {
+    for (int i = threadIdx.x; i < 8 * NT * (KC / 8); i += blockDim.x) {
+        int r = i / (KC / 8), c = (i % (KC / 8)) * 8;
+        __nv_bfloat16 *dst = xs + r * XS_STRIDE + c;
+        bool live = r < mc && kc + c < kdim;
+        const __nv_bfloat16 *src = x + (long)(m0 + r) * kdim + kc + c;
+        if (xvec) {
+            cp_async16(dst, live ? src : x, live ? 16 : 0);
+        } else {
+            *reinterpret_cast<uint4 *>(dst) = live ? load8_scalar(src, kdim - kc - c) : make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+    cp_async_commit();
+}
+
+// The weights of STEPS k32 steps from `kb`: [step][row tile][rows g / g + 8] of a warp's 32 rows whose
+// thread row is `row` (= first row + g), 8 k from kb + 32 step + 8 t each; zeros without reading
+// from `kend` on (the end of the slice).
+template <int STEPS>
+__device__ __forceinline__ void load_steps(uint4 (&a)[STEPS][2][2], const __nv_bfloat16 *w, int row, int kb, int kend,
+                                           int n, int kdim, bool vec, int t) {
 #pragma unroll
-    for (int q = 0; q < 2; q++)
+    for (int q = 0; q < STEPS; q++)
 #pragma unroll
         for (int r = 0; r < 2; r++) {
-            a[q][r][0] = load_w8(w, row + r * 16, kb + q * 32 + 8 * t, n, kdim, vec);
-            a[q][r][1] = load_w8(w, row + r * 16 + 8, kb + q * 32 + 8 * t, n, kdim, vec);
+            int k = kb < kend ? kb + q * 32 + 8 * t : kdim;
+            a[q][r][0] = load_w8(w, row + r * 16, k, n, kdim, vec);
+            a[q][r][1] = load_w8(w, row + r * 16 + 8, k, n, kdim, vec);
         }
 }
 
-// x[m0 + r, kc + c .. kc + c + 8] of the token chunk (zero past mc or K).
-__device__ __forceinline__ uint4 load_x8(const __nv_bfloat16 *x, int r, int c, int m0, int mc, int kc, int kdim,
-                                         bool vec) {
-    uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (r >= mc || kc + c >= kdim) return v;
-    const __nv_bfloat16 *p = x + (long)(m0 + r) * kdim + kc + c;
-    if (vec) return *reinterpret_cast<const uint4 *>(p);
-    unsigned short h[8];
-    for (int j = 0; j < 8; j++) h[j] = kc + c + j < kdim ? __bfloat16_as_ushort(p[j]) : (unsigned short)0;
-    v.x = h[0] | ((u32)h[1] << 16);
-    v.y = h[2] | ((u32)h[3] << 16);
-    v.z = h[4] | ((u32)h[5] << 16);
-    v.w = h[6] | ((u32)h[7] << 16);
-    return v;
+// The MMAs of STEPS k32 steps: weights `a`, B fragments `b`.
+template <int STEPS, int NT>
+__device__ __forceinline__ void mma_steps(float (&acc)[2][NT][4], const uint4 (&a)[STEPS][2][2],
+                                          const uint4 (&b)[STEPS][NT]) {
+#pragma unroll
+    for (int q = 0; q < STEPS; q++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                mma_bf16(acc[r][j], a[q][r][0].x, a[q][r][1].x, a[q][r][0].y, a[q][r][1].y, b[q][j].x, b[q][j].y);
+                mma_bf16(acc[r][j], a[q][r][0].z, a[q][r][1].z, a[q][r][0].w, a[q][r][1].w, b[q][j].z, b[q][j].w);
+            }
+}
+
+// acc = this warp's partial over K columns [k0, k1) (k1 - k0 a multiple of KC unless k1 = K), from zero,
+// STEPS k32 steps per group with the next group's weights in flight. Every thread of the block calls it
+// (it synchronises); `xs` holds two staging buffers.
+template <int NT, int STEPS>
+__device__ void slice_partial(float (&acc)[2][NT][4], __nv_bfloat16 *xs, const __nv_bfloat16 *__restrict__ w,
+                              const __nv_bfloat16 *__restrict__ x, int row, int k0, int k1, int n, int kdim, int m0,
+                              int mc, bool wvec, bool xvec, int g, int t) {
+#pragma unroll
+    for (int r = 0; r < 2; r++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[r][j][e] = 0.0f;
+    constexpr int GROUP = 32 * STEPS;
+    uint4 a[STEPS][2][2]; // [step][row tile][rows g / g + 8]
+    const int chunks = (k1 - k0 + KC - 1) / KC;
+    stage_x<NT>(xs, x, m0, mc, k0, kdim, xvec);
+    load_steps<STEPS>(a, w, row, k0, k1, n, kdim, wvec, t);
+    for (int c = 0; c < chunks; c++) {
+        const int kc = k0 + c * KC;
+        const __nv_bfloat16 *buf = xs + (c & 1) * (8 * NT * XS_STRIDE);
+        if (c + 1 < chunks) {
+            stage_x<NT>(xs + ((c + 1) & 1) * (8 * NT * XS_STRIDE), x, m0, mc, kc + KC, kdim, xvec);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads(); // chunk c is staged
+        const int kend = min(kc + KC, k1);
+        for (int kb = kc; kb < kend; kb += GROUP) {
+            uint4 na[STEPS][2][2];
+            load_steps<STEPS>(na, w, row, kb + GROUP, k1, n, kdim, wvec, t); // the next group, across chunk ends too
+            uint4 b[STEPS][NT];
+#pragma unroll
+            for (int q = 0; q < STEPS; q++)
+#pragma unroll
+                for (int j = 0; j < NT; j++) // [8 tokens, 8 k]
+                    b[q][j] = *reinterpret_cast<const uint4 *>(buf + (j * 8 + g) * XS_STRIDE + kb - kc + q * 32 + 8 * t);
+            mma_steps<STEPS, NT>(acc, a, b);
+#pragma unroll
+            for (int q = 0; q < STEPS; q++)
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    a[q][r][0] = na[q][r][0];
+                    a[q][r][1] = na[q][r][1];
+                }
+        }
+        __syncthreads(); // chunk c is consumed before its buffer is staged again
+    }
 }
 
 // Element index of output (m, col) in a [mtotal, n] result, row-major or segment-major.
@@ -93,118 +186,88 @@ __device__ __forceinline__ long out_index(int m, int col, int n, int mtotal, con
     return (long)mtotal * lo + (long)m * width + (col - lo);
 }
 
-// NT = token tiles of 8 (the chunk holds up to 8 * NT tokens).
-template <int NT>
+// Accumulator element e of row tile r, token tile j: row g (+ 8 for e >= 2), token 2t (+ 1 for odd e).
+#define ACC_ROW(r, e) (row0 + (r) * 16 + g + ((e) >> 1) * 8)
+#define ACC_TOKEN(j, e) ((j) * 8 + 2 * t + ((e) & 1))
+
+// NT = token tiles of 8 (the chunk holds up to 8 * NT tokens); SERIAL: one block runs every slice; STEPS:
+// k32 steps of weights per load group (more bytes in flight per warp, more registers).
+template <int NT, bool SERIAL, int STEPS>
 __device__ void skinny_gemm(const __nv_bfloat16 *__restrict__ w, const __nv_bfloat16 *__restrict__ x,
                             __nv_bfloat16 *y, const __nv_bfloat16 *addend, int n, int kdim, int mtotal,
-                            const int *seg, int nseg, int split, int vec) {
+                            const int *seg, int nseg, int kslice, float *ws, u32 *tickets, int vec) {
     extern __shared__ __align__(16) unsigned char smem[];
-    __nv_bfloat16 *xs = reinterpret_cast<__nv_bfloat16 *>(smem); // [8 * NT, XS_STRIDE]
+    __nv_bfloat16 *xs = reinterpret_cast<__nv_bfloat16 *>(smem); // [2][8 * NT, XS_STRIDE]
+    __shared__ int last_block;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int ks = warp % split, team = warp / split;
-    const int row0 = (blockIdx.x * (WARPS / split) + team) * 32;
+    const int slices = (kdim + kslice - 1) / kslice;
+    const int tile = SERIAL ? blockIdx.x : blockIdx.x / slices;
+    const int row0 = (tile * (blockDim.x >> 5) + warp) * 32;
     const int m0 = blockIdx.y * 64;
     const int mc = min(8 * NT, mtotal - m0);
-    const int steps = (KC / 32) / split; // k32 steps per warp per chunk
     const bool wvec = vec & 1, xvec = vec & 2;
 
     float acc[2][NT][4]; // [row tile][token tile][c0..c3]
+    if (SERIAL) {
+        slice_partial<NT, STEPS>(acc, xs, w, x, row0 + g, 0, min(kslice, kdim), n, kdim, m0, mc, wvec, xvec, g, t);
+        for (int s = 1; s < slices; s++) {
+            float part[2][NT][4];
+            slice_partial<NT, STEPS>(part, xs, w, x, row0 + g, s * kslice, min((s + 1) * kslice, kdim), n, kdim, m0, mc,
+                              wvec, xvec, g, t);
 #pragma unroll
-    for (int r = 0; r < 2; r++)
+            for (int r = 0; r < 2; r++)
 #pragma unroll
-        for (int j = 0; j < NT; j++)
+                for (int j = 0; j < NT; j++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) acc[r][j][e] = 0.0f;
-
-    // This warp's k32 steps of a chunk start at `first`; weights go two steps (a "pair") at a time and
-    // the next pair is loaded before the current one is multiplied, across chunk boundaries too
-    // (loads past K return zeros without touching memory).
-    const int first = ks * steps * 32;
-    uint4 a[2][2][2]; // [step][row tile][rows g / g + 8]
-    load_pair(a, w, row0 + g, first, n, kdim, wvec, t);
-    for (int kc = 0; kc < kdim; kc += KC) {
-        __syncthreads(); // the previous chunk is consumed
-        // Stage x[m0 .. m0 + 8 NT, kc .. kc + KC] (zero past mc and K), four loads in flight per thread.
-#pragma unroll
-        for (int u0 = 0; u0 < 2 * NT; u0 += STAGE_BATCH) {
-            uint4 v[STAGE_BATCH];
-#pragma unroll
-            for (int u = 0; u < STAGE_BATCH; u++) {
-                int i = threadIdx.x + (u0 + u) * 256;
-                v[u] = u0 + u < 2 * NT ? load_x8(x, i / (KC / 8), (i % (KC / 8)) * 8, m0, mc, kc, kdim, xvec)
-                                       : make_uint4(0u, 0u, 0u, 0u);
-            }
-#pragma unroll
-            for (int u = 0; u < STAGE_BATCH; u++) {
-                int i = threadIdx.x + (u0 + u) * 256;
-                if (u0 + u < 2 * NT) *reinterpret_cast<uint4 *>(xs + (i / (KC / 8)) * XS_STRIDE + (i % (KC / 8)) * 8) = v[u];
-            }
+                    for (int e = 0; e < 4; e++) acc[r][j][e] += part[r][j][e];
         }
-        __syncthreads();
-        for (int s = 0; s < steps; s += 2) {
-            int kb = kc + first + s * 32;
-            int next = s + 2 < steps ? kb + 64 : kc + KC + first;
-            uint4 nx[2][2][2];
-            load_pair(nx, w, row0 + g, next, n, kdim, wvec, t);
-            if (kb < kdim) {
+    } else {
+        const int s = blockIdx.x % slices;
+        slice_partial<NT, STEPS>(acc, xs, w, x, row0 + g, s * kslice, min((s + 1) * kslice, kdim), n, kdim, m0, mc, wvec,
+                          xvec, g, t);
+        if (slices > 1) {
+            // ws [slices, mtotal, n]: this block's partial, then the last block of the tile folds them.
 #pragma unroll
-                for (int q = 0; q < 2; q++) {
-                    int col = kb - kc + q * 32 + 8 * t;
+            for (int r = 0; r < 2; r++)
 #pragma unroll
-                    for (int j = 0; j < NT; j++) {
-                        uint4 b = *reinterpret_cast<const uint4 *>(xs + (j * 8 + g) * XS_STRIDE + col); // [8 tokens, 8 k]
+                for (int j = 0; j < NT; j++)
 #pragma unroll
-                        for (int r = 0; r < 2; r++) {
-                            mma_bf16(acc[r][j], a[q][r][0].x, a[q][r][1].x, a[q][r][0].y, a[q][r][1].y, b.x, b.y);
-                            mma_bf16(acc[r][j], a[q][r][0].z, a[q][r][1].z, a[q][r][0].w, a[q][r][1].w, b.z, b.w);
+                    for (int e = 0; e < 4; e++)
+                        if (ACC_ROW(r, e) < n && ACC_TOKEN(j, e) < mc)
+                            ws[((long)s * mtotal + m0 + ACC_TOKEN(j, e)) * n + ACC_ROW(r, e)] = acc[r][j][e];
+            __threadfence();
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                u32 *ticket = tickets + (long)tile * gridDim.y + blockIdx.y;
+                last_block = atomicAdd(ticket, 1u) == (u32)(slices - 1);
+                if (last_block) *ticket = 0u;
+            }
+            __syncthreads();
+            if (!last_block) return;
+            __threadfence();
+#pragma unroll
+            for (int r = 0; r < 2; r++)
+#pragma unroll
+                for (int j = 0; j < NT; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++)
+                        if (ACC_ROW(r, e) < n && ACC_TOKEN(j, e) < mc) {
+                            const float *p = ws + (long)(m0 + ACC_TOKEN(j, e)) * n + ACC_ROW(r, e);
+                            float sum = __ldcg(p);
+                            for (int q = 1; q < slices; q++) sum += __ldcg(p + (long)q * mtotal * n);
+                            acc[r][j][e] = sum;
                         }
-                    }
-                }
-            }
-#pragma unroll
-            for (int q = 0; q < 2; q++)
-#pragma unroll
-                for (int r = 0; r < 2; r++) {
-                    a[q][r][0] = nx[q][r][0];
-                    a[q][r][1] = nx[q][r][1];
-                }
         }
     }
 
-    if (split > 1) {
-        // Fixed-order reduction of the split partials: red[warp][row tile][token tile][e][lane].
-        __syncthreads();
-        float *red = reinterpret_cast<float *>(smem);
-#pragma unroll
-        for (int r = 0; r < 2; r++)
-#pragma unroll
-            for (int j = 0; j < NT; j++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) red[(((warp * 2 + r) * NT + j) * 4 + e) * 32 + lane] = acc[r][j][e];
-        __syncthreads();
-        if (ks != 0) return;
-#pragma unroll
-        for (int r = 0; r < 2; r++)
-#pragma unroll
-            for (int j = 0; j < NT; j++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    float sum = acc[r][j][e];
-                    for (int q = 1; q < split; q++) sum += red[((((warp + q) * 2 + r) * NT + j) * 4 + e) * 32 + lane];
-                    acc[r][j][e] = sum;
-                }
-    }
-
-    // c0, c1: row g, tokens 2t, 2t + 1; c2, c3: row g + 8, the same tokens.
 #pragma unroll
     for (int r = 0; r < 2; r++)
 #pragma unroll
         for (int j = 0; j < NT; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                int row = row0 + r * 16 + g + (e >> 1) * 8;
-                int m = j * 8 + 2 * t + (e & 1);
+                const int row = ACC_ROW(r, e), m = ACC_TOKEN(j, e);
                 if (row < n && m < mc) {
                     const long at = out_index(m0 + m, row, n, mtotal, seg, nseg);
                     float v = acc[r][j][e];
@@ -214,15 +277,21 @@ __device__ void skinny_gemm(const __nv_bfloat16 *__restrict__ w, const __nv_bflo
             }
 }
 
-// One entry point per token-tile count: chunks of up to 8, 16, 32 and 64 tokens (64: one block per SM,
-// for the registers of 64 accumulators and two weight pairs). `addend` is null for a plain GEMM.
-#define SKINNY_GEMM(NT, MIN_BLOCKS)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) skinny_gemm_t##NT(                                            \
-        const __nv_bfloat16 *w, const __nv_bfloat16 *x, __nv_bfloat16 *y, const __nv_bfloat16 *addend, int n,       \
-        int kdim, int mtotal, const int *seg, int nseg, int split, int vec) {                                      \
-        skinny_gemm<NT>(w, x, y, addend, n, kdim, mtotal, seg, nseg, split, vec);                                   \
+// One pair of entry points per token-tile count: chunks of up to 8, 16, 32 and 64 tokens. `addend` is
+// null for a plain GEMM; `ws` and `tickets` are only read by split launches of more than one slice.
+// Groups of 4 k32 steps up to 32 tokens and of 2 at 64, where the accumulators need the registers (measured
+// on the H200 over the k3-mini shapes; see BENCHMARKS.md).
+#define SKINNY_GEMM(NAME, NT, SERIAL, STEPS, MIN_BLOCKS)                                                           \
+    extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS)                                                 \
+        NAME(const __nv_bfloat16 *w, const __nv_bfloat16 *x, __nv_bfloat16 *y, const __nv_bfloat16 *addend, int n, \
+             int kdim, int mtotal, const int *seg, int nseg, int kslice, float *ws, u32 *tickets, int vec) {       \
+        skinny_gemm<NT, SERIAL, STEPS>(w, x, y, addend, n, kdim, mtotal, seg, nseg, kslice, ws, tickets, vec);     \
     }
-SKINNY_GEMM(1, 2)
-SKINNY_GEMM(2, 2)
-SKINNY_GEMM(4, 2)
-SKINNY_GEMM(8, 1)
+SKINNY_GEMM(skinny_gemm_t1, 1, false, 4, 1)
+SKINNY_GEMM(skinny_gemm_t2, 2, false, 4, 1)
+SKINNY_GEMM(skinny_gemm_t4, 4, false, 4, 1)
+SKINNY_GEMM(skinny_gemm_t8, 8, false, 2, 1)
+SKINNY_GEMM(skinny_gemm_serial_t1, 1, true, 4, 1)
+SKINNY_GEMM(skinny_gemm_serial_t2, 2, true, 4, 1)
+SKINNY_GEMM(skinny_gemm_serial_t4, 4, true, 4, 1)
+SKINNY_GEMM(skinny_gemm_serial_t8, 8, true, 2, 1)

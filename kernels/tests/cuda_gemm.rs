@@ -1,12 +1,14 @@
 //! The skinny batch-invariant GEMM (`kernels/cuda/gemm.cu`, `Gpu::linear`) on a GPU: against a host
 //! reference over token counts 1..512 and shapes that are not multiples of its tiles, bit-exact batch
 //! invariance (a token's outputs do not change with what else is in the call), the segment-major output
-//! of merged projections, a tall weight over many token chunks, the add epilogue (`Gpu::linear_add`,
-//! bit-identical to `linear` then `add`), and the rejection of bad arguments.
+//! of merged projections, a tall weight over many token chunks, every launch layout of a K split giving the
+//! same bits (one block per K slice or one block running them all, 4 or 8 warps per block), the add epilogue
+//! (`Gpu::linear_add`, bit-identical to `linear` then `add`), and the rejection of bad arguments.
 //! On a machine without a CUDA driver every test says plainly that it skipped.
 //!
 //! `gemm_bandwidth` (ignored by default; `--ignored`) prints the achieved GB/s of the skinny GEMM at each
-//! K split and of cuBLAS for the k3-mini shapes at 1, 8, 16, 32 and 64 tokens. It asserts nothing about speed.
+//! K split and block size and of cuBLAS for the k3-mini shapes at 1, 8, 16, 32 and 64 tokens. It asserts
+//! nothing about speed.
 
 use std::sync::{Mutex, OnceLock};
 
@@ -14,7 +16,7 @@ use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use sparkd_kernels::cuda::device::driver_present;
-use sparkd_kernels::cuda::ops::{skinny_split, Gemm, Gpu, NULL};
+use sparkd_kernels::cuda::ops::{skinny_split, Gemm, Gpu, SkinnyLayout, NULL};
 use sparkd_kernels::ModelConfig;
 
 fn gpu() -> Option<std::sync::MutexGuard<'static, Gpu>> {
@@ -44,11 +46,11 @@ fn run(gpu: &Gpu, w: &[bf16], out_dim: usize, x: &[bf16], n: usize, split: usize
 fn skinny_gemm_matches_the_host_reference_and_is_batch_invariant_bit_for_bit() {
     let Some(gpu) = gpu() else { return };
     let mut rng = ChaCha8Rng::seed_from_u64(7);
-    // (out, in): not multiples of the 32-row team, the 512-wide K chunk or 8 (the scalar-load path).
+    // (out, in): not multiples of the 32-row warp tile, the 256-wide K chunk or 8 (the scalar-load path).
     for (out_dim, in_dim) in [(1000, 1000), (77, 999), (300, 1536), (40, 8), (5, 3)] {
         let w = random_bf16(&mut rng, out_dim * in_dim, 1.0);
         let x = random_bf16(&mut rng, 512 * in_dim, 2.0);
-        let mut splits = vec![1, 2, 4, 8];
+        let mut splits = vec![1, 2, 3, 4, 8];
         if !splits.contains(&skinny_split(out_dim, in_dim)) {
             splits.push(skinny_split(out_dim, in_dim));
         }
@@ -92,11 +94,11 @@ fn skinny_gemm_matches_the_host_reference_and_is_batch_invariant_bit_for_bit() {
 
 #[test]
 fn a_tall_weight_over_many_token_chunks_stays_exact_and_batch_invariant() {
-    // 9,000 rows: at split 8 that is 282 blocks per token chunk, more than the GPU holds at once, and
-    // 512 tokens are 8 chunks, so blocks of later waves and later chunks are checked too.
+    // 9,000 rows: 71 row tiles of 128 per slice, 283 blocks per token chunk at split 4, and 512 tokens are
+    // 8 chunks, so blocks of later waves and later chunks are checked too.
     let Some(gpu) = gpu() else { return };
     let mut rng = ChaCha8Rng::seed_from_u64(10);
-    let (out_dim, in_dim) = (9000, 1000);
+    let (out_dim, in_dim) = (9000, 1100);
     let w = random_bf16(&mut rng, out_dim * in_dim, 1.0);
     let x = random_bf16(&mut rng, 512 * in_dim, 2.0);
     // (token, row, f64 value, magnitude sum) for a few tokens of the first, second and last chunk.
@@ -121,6 +123,37 @@ fn a_tall_weight_over_many_token_chunks_stays_exact_and_batch_invariant() {
         for n in [1usize, 8, 33, 64, 100] {
             let part = run(&gpu, &w, out_dim, &x, n, split);
             assert!(part == full[..n * out_dim], "split {split}: the first {n} tokens differ from a call of 512");
+        }
+    }
+}
+
+#[test]
+fn every_layout_of_a_k_split_gives_the_same_bits() {
+    // The split fixes the summation order; one block per slice (partials folded by the tile's last block)
+    // and one block running every slice, at 4 or 8 warps per block, must agree bit for bit.
+    let Some(gpu) = gpu() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(12);
+    for (out_dim, in_dim) in [(3000, 2304), (129, 1000), (1000, 4100)] {
+        let w = gpu.upload(&random_bf16(&mut rng, out_dim * in_dim, 1.0)).unwrap();
+        let x = gpu.upload(&random_bf16(&mut rng, 200 * in_dim, 2.0)).unwrap();
+        for split in [2, 5, 9] {
+            for n in [1usize, 8, 40, 64, 200] {
+                let mut first: Option<Vec<u16>> = None;
+                for (warps, serial) in [(4, false), (8, false), (4, true), (8, true)] {
+                    let y = gpu.upload(&random_bf16(&mut rng, n * out_dim, 1.0)).unwrap();
+                    let layout = SkinnyLayout { split, warps, serial };
+                    gpu.linear_skinny_layout(gpu.ptr(&w), out_dim, in_dim, gpu.ptr(&x), n, gpu.ptr(&y), layout)
+                        .unwrap();
+                    let bits: Vec<u16> = gpu.download(&y, n * out_dim).unwrap().iter().map(|v| v.to_bits()).collect();
+                    match &first {
+                        None => first = Some(bits),
+                        Some(want) => assert!(
+                            &bits == want,
+                            "[{out_dim}, {in_dim}] split {split}, {n} tokens: {layout:?} differs from 4 warps split"
+                        ),
+                    }
+                }
+            }
         }
     }
 }
@@ -207,9 +240,14 @@ fn bad_gemm_arguments_are_errors() {
     let Some(gpu) = gpu() else { return };
     let w = gpu.zeros::<bf16>(64 * 64).unwrap();
     let y = gpu.zeros::<bf16>(64).unwrap();
-    let err = gpu.linear_skinny(gpu.ptr(&w), 64, 64, gpu.ptr(&w), 1, gpu.ptr(&y), None, 3).unwrap_err();
-    assert_eq!(err.kind(), "invalid_input", "{err}");
-    assert!(err.to_string().contains("split 3"), "{err}");
+    for split in [0, 65] {
+        let err = gpu.linear_skinny(gpu.ptr(&w), 64, 64, gpu.ptr(&w), 1, gpu.ptr(&y), None, split).unwrap_err();
+        assert_eq!(err.kind(), "invalid_input", "{err}");
+        assert!(err.to_string().contains(&format!("split {split}")), "{err}");
+    }
+    let layout = SkinnyLayout { split: 2, warps: 6, serial: false };
+    let err = gpu.linear_skinny_layout(gpu.ptr(&w), 64, 64, gpu.ptr(&w), 1, gpu.ptr(&y), layout).unwrap_err();
+    assert!(err.to_string().contains("6 warps"), "{err}");
     let err = gpu.linear_parts(gpu.ptr(&w), &[0, 40, 30], NULL, 64, gpu.ptr(&w), 1, gpu.ptr(&y)).unwrap_err();
     assert!(err.to_string().contains("not ascending"), "{err}");
 }
@@ -257,13 +295,16 @@ fn gemm_bandwidth() {
         ("mla merged in", mla_in, d),
         ("mla q_b", m.num_heads * m.q_head_dim(), m.q_lora_rank),
         ("moe latent down", cfg.moe.latent_dim, d),
+        ("moe up", d, cfg.moe.latent_dim),
+        ("shared gate/up", 2 * cfg.moe.shared_dim(), d),
+        ("shared down", d, cfg.moe.shared_dim()),
     ];
     let copy_elems = 1usize << 29; // 1 GiB of bf16
     let (a, b) = (gpu.zeros::<bf16>(copy_elems).unwrap(), gpu.zeros::<bf16>(copy_elems).unwrap());
     let ms = time(&gpu, 5, || gpu.copy::<bf16>(gpu.ptr(&b), gpu.ptr(&a), copy_elems).unwrap());
     println!("copy bandwidth (read + write): {:.0} GB/s", 2.0 * (copy_elems * 2) as f64 / ms / 1e6);
     drop((a, b));
-    println!("shape | out x in | tokens | split | ms | GB/s");
+    println!("shape | out x in | tokens | split x warps per block | ms | GB/s");
     for (name, out_dim, in_dim) in shapes {
         let w = gpu.zeros::<bf16>(out_dim * in_dim).unwrap();
         fill(&gpu, gpu.ptr(&w), out_dim * in_dim, &mut rng);
@@ -272,13 +313,20 @@ fn gemm_bandwidth() {
         for n in [1usize, 8, 16, 32, 64] {
             let bytes = ((out_dim * in_dim + n * in_dim + n * out_dim) * 2) as f64;
             let reps = (4e9 / bytes).clamp(5.0, 200.0) as usize;
-            let default = skinny_split(out_dim, in_dim);
-            for split in [1usize, 2, 4, 8] {
-                let ms = time(&gpu, reps, || {
-                    gpu.linear_skinny(gpu.ptr(&w), out_dim, in_dim, gpu.ptr(&x), n, gpu.ptr(&y), None, split).unwrap()
-                });
-                let mark = if split == default { " (default)" } else { "" };
-                println!("{name} | {out_dim} x {in_dim} | {n} | {split}{mark} | {ms:.4} | {:.0}", bytes / ms / 1e6);
+            let default = SkinnyLayout::for_call(out_dim, in_dim, n, skinny_split(out_dim, in_dim));
+            for split in [1usize, 2, 4, 8, 16, 32] {
+                for warps in [4, 8] {
+                    let layout = SkinnyLayout { split, warps, serial: false };
+                    let ms = time(&gpu, reps, || {
+                        gpu.linear_skinny_layout(gpu.ptr(&w), out_dim, in_dim, gpu.ptr(&x), n, gpu.ptr(&y), layout)
+                            .unwrap()
+                    });
+                    let mark = if layout == default { " (default)" } else { "" };
+                    println!(
+                        "{name} | {out_dim} x {in_dim} | {n} | {split} x {warps} warps{mark} | {ms:.4} | {:.0}",
+                        bytes / ms / 1e6
+                    );
+                }
             }
             gpu.gemm = Gemm::Cublas;
             let ms =
@@ -293,11 +341,16 @@ fn gemm_bandwidth() {
 fn the_k_split_follows_the_weight_shape_as_tuned_on_the_h200() {
     // No GPU needed: the split is a pure function of (out, in), so a token's summation order never
     // depends on the batch. Values from the H200 sweep of `gemm_bandwidth` over the k3-mini shapes.
-    assert_eq!(skinny_split(163_840, 7168), 1, "lm_head: 5,120 row teams already fill the GPU");
-    assert_eq!(skinny_split(49_376, 7168), 1, "KDA merged input projection");
-    assert_eq!(skinny_split(33_792, 7168), 2, "dense gate / up");
-    assert_eq!(skinny_split(14_400, 7168), 4, "MLA merged input projection");
-    assert_eq!(skinny_split(7168, 12_288), 8, "o_proj: 224 row teams need the K split");
-    assert_eq!(skinny_split(3584, 7168), 8, "MoE latent down");
+    assert_eq!(skinny_split(163_840, 7168), 1, "lm_head: 1,280 row tiles already fill the GPU");
+    assert_eq!(skinny_split(49_376, 7168), 2, "KDA merged input projection (measured, not the rule)");
+    assert_eq!(skinny_split(33_792, 7168), 1, "dense gate / up");
+    assert_eq!(skinny_split(7168, 33_792), 4, "dense down: 56 row tiles");
+    assert_eq!(skinny_split(14_400, 7168), 2, "MLA merged input projection");
+    assert_eq!(skinny_split(7168, 12_288), 4, "o_proj");
+    assert_eq!(skinny_split(18_432, 1536), 1, "MLA q_b: a 1,536-wide K is not cut into slices of 768");
+    assert_eq!(skinny_split(3584, 7168), 8, "MoE latent down: 28 row tiles");
+    assert_eq!(skinny_split(7168, 3584), 4, "MoE up");
+    assert_eq!(skinny_split(12_288, 7168), 2, "shared expert gate / up: 96 row tiles");
+    assert_eq!(skinny_split(7168, 6144), 4, "shared expert down");
     assert_eq!(skinny_split(12_288, 128), 1, "f_b: K below one staged chunk is never split");
 }

@@ -22,6 +22,7 @@ pub mod device;
 pub mod drafter;
 pub mod drafter_slot;
 pub mod forward;
+pub mod gemm_ops;
 pub mod graph;
 pub mod matrix;
 pub mod moe_ops;

@@ -17,12 +17,13 @@
 //!   [`Gpu::mark`] puts timed events on the stream, so spans of the forward are timed on the device.
 //! - GEMMs have two implementations: cuBLAS (`cublasGemmEx`, bf16 in/out, fp32 accumulate) and the
 //!   skinny tensor-core kernel of `gemm.cu`, whose result for a token does not depend on the batch
-//!   (see [`Gemm`]); its K split is a function of the weight's shape alone ([`skinny_split`]).
+//!   (see [`Gemm`]); its K split is a function of the weight's shape alone ([`skinny_split`]). Their
+//!   launches live in `gemm_ops`.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
+use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
     ValidAsZeroBits,
@@ -32,6 +33,7 @@ use cudarc::nvrtc::Ptx;
 use crate::cuda::attn::AttnKernels;
 use crate::cuda::compile::{Compiler, SOURCES};
 use crate::cuda::device::{device_err, info, DeviceInfo};
+pub use crate::cuda::gemm_ops::{skinny_split, SkinnyLayout};
 pub use crate::cuda::moe_ops::{moe_group_len, ExpertCores, RouteArgs};
 use crate::error::{KernelError, Result};
 
@@ -61,8 +63,10 @@ pub(crate) struct Kernels {
     pub(crate) add_in_place: CudaFunction,
     pub(crate) situ: CudaFunction,
     pub(crate) gather_rows: CudaFunction,
-    /// `skinny_gemm_t{1,2,4,8}`: token chunks of up to 8, 16, 32, 64 tokens.
+    /// `skinny_gemm_t{1,2,4,8}`: token chunks of up to 8, 16, 32, 64 tokens, one block per K slice.
     pub(crate) skinny_gemm: [CudaFunction; 4],
+    /// `skinny_gemm_serial_t{1,2,4,8}`: the same sums, one block running every K slice of its rows.
+    pub(crate) skinny_gemm_serial: [CudaFunction; 4],
     pub(crate) moe_router_logits: CudaFunction,
     pub(crate) moe_route: CudaFunction,
     /// `moe_router` (both in one launch, thread-block clusters): present from Hopper on.
@@ -114,7 +118,9 @@ pub struct Gpu {
     on_side: AtomicBool,
     fork_event: CudaEvent,
     join_event: CudaEvent,
-    blas: CudaBlas,
+    pub(crate) blas: CudaBlas,
+    /// The skinny GEMM's tickets of the main and the side lane (all zeros between launches; see `gemm.cu`).
+    pub(crate) gemm_tickets: [CudaSlice<u32>; 2],
     pub(crate) k: Kernels,
     pub(crate) attn: AttnKernels,
     pub info: DeviceInfo,
@@ -133,31 +139,6 @@ pub(crate) fn launch_err(name: &str) -> impl Fn(cudarc::driver::DriverError) -> 
 pub enum LogitsDtype {
     Bf16,
     F32,
-}
-
-/// Tokens per chunk of the skinny GEMM (each chunk reads the weight once).
-const SKINNY_TOKENS: usize = 64;
-
-/// Dynamic shared memory of the skinny GEMM for `tiles` token tiles of 8: the staged x chunk,
-/// `[8 tiles, 520]` bf16 (the split reduction reuses it).
-fn skinny_smem_bytes(tiles: usize) -> usize {
-    8 * tiles * 520 * 2
-}
-
-/// The K split of the skinny GEMM for a `[out_dim, in_dim]` weight: the fewest warps per 32-row team
-/// (1, 2, 4, 8) that give at least `SKINNY_WARPS` warps in all; no split below one staged chunk of
-/// K (512), where the later warps of a team would have nothing to read. A function of the shape
-/// alone, so results stay batch-invariant.
-pub fn skinny_split(out_dim: usize, in_dim: usize) -> usize {
-    // Measured on an H200 over the k3-mini shapes at 1, 8 and 64 tokens (best total time): about
-    // 1,100-2,000 warps in all, i.e. 8-16 resident warps per SM, each streaming its own rows.
-    const SKINNY_WARPS: usize = 1152;
-    let teams = out_dim.div_ceil(32);
-    let mut split = 1;
-    while split < 8 && teams * split < SKINNY_WARPS && in_dim >= 512 {
-        split *= 2;
-    }
-    split
 }
 
 /// Keeps memory freed to the device's default pool (the stream-ordered allocator every `CudaSlice` uses) in
@@ -237,14 +218,14 @@ impl Gpu {
                 f("gemm.cu", "skinny_gemm_t4")?,
                 f("gemm.cu", "skinny_gemm_t8")?,
             ],
+            skinny_gemm_serial: [
+                f("gemm.cu", "skinny_gemm_serial_t1")?,
+                f("gemm.cu", "skinny_gemm_serial_t2")?,
+                f("gemm.cu", "skinny_gemm_serial_t4")?,
+                f("gemm.cu", "skinny_gemm_serial_t8")?,
+            ],
         };
-        for (tiles, func) in [1usize, 2, 4, 8].iter().zip(&k.skinny_gemm) {
-            func.set_attribute(
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                skinny_smem_bytes(*tiles) as i32,
-            )
-            .map_err(|e| device_err("allowing the skinny GEMM its shared memory", e))?;
-        }
+        crate::cuda::gemm_ops::allow_skinny_shared_memory(&k)?;
         let attn = AttnKernels::load(module("kda.cu")?, module("mla.cu")?)?;
         keep_pool_memory(&ctx)?;
         let stream = ctx.new_stream().map_err(|e| device_err("creating the main stream", e))?;
@@ -253,6 +234,7 @@ impl Gpu {
         let fork_event = ctx.new_event(untimed).map_err(|e| device_err("creating an event", e))?;
         let join_event = ctx.new_event(untimed).map_err(|e| device_err("creating an event", e))?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| device_err("creating the cuBLAS handle", e))?;
+        let gemm_tickets = [crate::cuda::gemm_ops::new_tickets(&stream)?, crate::cuda::gemm_ops::new_tickets(&side)?];
         Ok(Gpu {
             ctx,
             stream,
@@ -261,6 +243,7 @@ impl Gpu {
             fork_event,
             join_event,
             blas,
+            gemm_tickets,
             k,
             attn,
             info,
@@ -276,6 +259,11 @@ impl Gpu {
 
     fn count_memory_op(&self) {
         self.counters.memory_ops.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Whether ops go to the side lane now.
+    pub(crate) fn on_side_lane(&self) -> bool {
+        self.on_side.load(Ordering::Relaxed)
     }
 
     /// The stream of the current lane.
@@ -614,184 +602,5 @@ impl Gpu {
         let mut b = self.lane().launch_builder(&self.k.rng_hash3);
         b.arg(&seeds).arg(&positions).arg(&streams).arg(&out).arg(&ni);
         unsafe { b.launch(grid_1d(n, 256)) }.map(|_| self.count_launch()).map_err(launch_err("rng_hash3"))
-    }
-
-    /// `y[n, out] = bf(x[n, in] · w[out, in]ᵀ)` with fp32 accumulation, by the selected [`Gemm`].
-    pub fn linear(&self, w: DPtr, out_dim: usize, in_dim: usize, x: DPtr, n: usize, y: DPtr) -> Result<()> {
-        match self.gemm {
-            Gemm::Cublas => self.linear_cublas(w, out_dim, in_dim, x, n, y),
-            Gemm::BatchInvariant => {
-                self.linear_skinny(w, out_dim, in_dim, x, n, y, None, skinny_split(out_dim, in_dim))
-            }
-        }
-    }
-
-    /// A merged projection: `w` stacks parts of `bounds[i + 1] - bounds[i]` rows (`bounds` starts at 0
-    /// and ends at the total), and the result is segment-major: part `i` is a contiguous
-    /// `[n, bounds[i + 1] - bounds[i]]` block at element offset `n * bounds[i]` of `y`, exactly as if
-    /// each part had run alone. `bounds_dev` holds `bounds` as i32 on the device.
-    #[allow(clippy::too_many_arguments)]
-    pub fn linear_parts(
-        &self,
-        w: DPtr,
-        bounds: &[usize],
-        bounds_dev: DPtr,
-        in_dim: usize,
-        x: DPtr,
-        n: usize,
-        y: DPtr,
-    ) -> Result<()> {
-        let out_dim = *bounds.last().unwrap_or(&0);
-        if bounds.len() < 2 || bounds[0] != 0 || bounds.windows(2).any(|b| b[0] > b[1]) || out_dim > i32::MAX as usize {
-            return Err(KernelError::InvalidInput(format!(
-                "merged projection bounds {bounds:?} are not ascending from 0"
-            )));
-        }
-        match self.gemm {
-            Gemm::Cublas => {
-                for b in bounds.windows(2) {
-                    let part_w = w + (b[0] * in_dim * 2) as u64;
-                    self.linear_cublas(part_w, b[1] - b[0], in_dim, x, n, y + (n * b[0] * 2) as u64)?;
-                }
-                Ok(())
-            }
-            Gemm::BatchInvariant => self.linear_skinny(
-                w,
-                out_dim,
-                in_dim,
-                x,
-                n,
-                y,
-                Some((bounds_dev, bounds.len() - 1)),
-                skinny_split(out_dim, in_dim),
-            ),
-        }
-    }
-
-    /// `y = bf(bf(x · wᵀ) + addend)` (`addend` `[n, out_dim]` bf16, which may be `y` itself): bit-identical
-    /// to [`Gpu::linear`] followed by [`Gpu::add`], in one pass with the batch-invariant GEMM (a residual or
-    /// a sum of expert outputs added where the GEMM writes).
-    #[allow(clippy::too_many_arguments)]
-    pub fn linear_add(
-        &self,
-        w: DPtr,
-        out_dim: usize,
-        in_dim: usize,
-        x: DPtr,
-        n: usize,
-        y: DPtr,
-        addend: DPtr,
-    ) -> Result<()> {
-        match self.gemm {
-            Gemm::Cublas if addend == y => {
-                let product = self.uninit::<half::bf16>(n * out_dim)?;
-                self.linear_cublas(w, out_dim, in_dim, x, n, self.ptr(&product))?;
-                self.add(y, self.ptr(&product), n * out_dim)
-            }
-            Gemm::Cublas => {
-                self.linear_cublas(w, out_dim, in_dim, x, n, y)?;
-                self.add(y, addend, n * out_dim)
-            }
-            Gemm::BatchInvariant => {
-                self.skinny(w, out_dim, in_dim, x, n, y, addend, None, skinny_split(out_dim, in_dim))
-            }
-        }
-    }
-
-    /// The skinny GEMM with an explicit K split (1, 2, 4 or 8 warps per row team), row-major output or
-    /// segment-major output `(bounds on the device, parts)`. Results are batch-invariant for a fixed
-    /// `split`; [`Gpu::linear`] takes [`skinny_split`] of the shape, and benchmarks try the others.
-    #[allow(clippy::too_many_arguments)]
-    pub fn linear_skinny(
-        &self,
-        w: DPtr,
-        out_dim: usize,
-        in_dim: usize,
-        x: DPtr,
-        n: usize,
-        y: DPtr,
-        parts: Option<(DPtr, usize)>,
-        split: usize,
-    ) -> Result<()> {
-        self.skinny(w, out_dim, in_dim, x, n, y, NULL, parts, split)
-    }
-
-    /// One launch of `skinny_gemm_t*`, with the add epilogue when `addend` is not [`NULL`].
-    #[allow(clippy::too_many_arguments)]
-    fn skinny(
-        &self,
-        w: DPtr,
-        out_dim: usize,
-        in_dim: usize,
-        x: DPtr,
-        n: usize,
-        y: DPtr,
-        addend: DPtr,
-        parts: Option<(DPtr, usize)>,
-        split: usize,
-    ) -> Result<()> {
-        if ![1, 2, 4, 8].contains(&split) {
-            return Err(KernelError::InvalidInput(format!("skinny GEMM split {split} (1, 2, 4 or 8 supported)")));
-        }
-        if out_dim > i32::MAX as usize || in_dim > i32::MAX as usize || n > i32::MAX as usize {
-            return Err(KernelError::InvalidInput(format!(
-                "GEMM of [{n}, {in_dim}] x [{out_dim}, {in_dim}] is too large"
-            )));
-        }
-        if n == 0 || out_dim == 0 {
-            return Ok(());
-        }
-        let chunks = n.div_ceil(SKINNY_TOKENS);
-        if chunks > 65_535 {
-            return Err(KernelError::InvalidInput(format!("GEMM of {n} tokens (at most {} per call)", 65_535 * 64)));
-        }
-        let tiles = n.min(SKINNY_TOKENS).div_ceil(8).next_power_of_two();
-        let func = &self.k.skinny_gemm[tiles.trailing_zeros() as usize];
-        let rows_per_block = 32 * (8 / split);
-        let cfg = LaunchConfig {
-            grid_dim: (out_dim.div_ceil(rows_per_block) as u32, chunks as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: skinny_smem_bytes(tiles) as u32,
-        };
-        let aligned = |p: DPtr| p % 16 == 0 && in_dim % 8 == 0;
-        let vec = aligned(w) as i32 | ((aligned(x) as i32) << 1);
-        let (seg, nseg) = parts.unwrap_or((NULL, 0));
-        let (nn, kk, mm, nseg, split) = (out_dim as i32, in_dim as i32, n as i32, nseg as i32, split as i32);
-        let mut b = self.lane().launch_builder(func);
-        b.arg(&w).arg(&x).arg(&y).arg(&addend).arg(&nn).arg(&kk).arg(&mm).arg(&seg).arg(&nseg).arg(&split).arg(&vec);
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("skinny_gemm"))
-    }
-
-    /// The cuBLAS GEMM: row-major `y = x wᵀ` is column-major `yᵀ = w xᵀ` with `w` transposed
-    /// (shared/reference/rust-stack.md §1.5).
-    pub fn linear_cublas(&self, w: DPtr, out_dim: usize, in_dim: usize, x: DPtr, n: usize, y: DPtr) -> Result<()> {
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        let bf = blas_sys::cudaDataType_t::CUDA_R_16BF;
-        // SAFETY: w is [out, in], x is [n, in], y is [n, out], all bf16 and live (caller's contract).
-        unsafe {
-            blas_result::gemm_ex(
-                *self.blas.handle(),
-                blas_sys::cublasOperation_t::CUBLAS_OP_T,
-                blas_sys::cublasOperation_t::CUBLAS_OP_N,
-                out_dim as i32,
-                n as i32,
-                in_dim as i32,
-                (&alpha) as *const f32 as *const _,
-                w as *const std::ffi::c_void,
-                bf,
-                in_dim as i32,
-                x as *const std::ffi::c_void,
-                bf,
-                in_dim as i32,
-                (&beta) as *const f32 as *const _,
-                y as *mut std::ffi::c_void,
-                bf,
-                out_dim as i32,
-                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }
-        .map(|_| self.count_launch())
-        .map_err(|e| device_err("cublasGemmEx", e))
     }
 }

@@ -1,0 +1,339 @@
+//! The linear layers' launches on [`Gpu`]: cuBLAS (`cublasGemmEx`) and the skinny batch-invariant GEMM
+//! (`kernels/cuda/gemm.cu`).
+//!
+//! Invariants:
+//! - The skinny GEMM's summation order is fixed by its K slice width, which [`skinny_split`] derives from the
+//!   weight's shape alone. The [`SkinnyLayout`] of a call (warps per block, one block per slice or one block
+//!   running every slice) is chosen per call for speed and never changes a bit of the result.
+//! - A split launch of more than one slice takes its workspace (`[slices, n, out]` f32) from the stream-ordered
+//!   pool, freed in stream order after the launch, and the current lane's tickets, which the kernel leaves at
+//!   zero. A lane's launches run in stream order, so no two launches use the same tickets at once.
+
+use cudarc::cublas::{result as blas_result, sys as blas_sys};
+use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+
+use crate::cuda::device::device_err;
+use crate::cuda::ops::{launch_err, DPtr, Gemm, Gpu, Kernels, NULL};
+use crate::error::{KernelError, Result};
+
+/// Tokens per chunk of the skinny GEMM (each chunk reads the weight once).
+const SKINNY_TOKENS: usize = 64;
+/// K columns per staged chunk (`KC` of gemm.cu); a K slice is a whole number of them.
+const SKINNY_KC: usize = 256;
+/// Row stride of a staged chunk in elements (`XS_STRIDE` of gemm.cu).
+const SKINNY_XS_STRIDE: usize = 288;
+/// Tickets per lane: at least the row tiles times token chunks of any split launch.
+const SKINNY_TICKETS: usize = 1 << 16;
+/// The largest workspace of a split launch; larger calls (long prefills) run their slices serially.
+const SKINNY_WORKSPACE_BYTES: usize = 64 << 20;
+/// The most K slices a shape may have.
+const SKINNY_MAX_SPLIT: usize = 64;
+
+/// Dynamic shared memory of the skinny GEMM for `tiles` token tiles of 8: two staged x chunks,
+/// `[2][8 tiles, 288]` bf16.
+fn skinny_smem_bytes(tiles: usize) -> usize {
+    2 * 8 * tiles * SKINNY_XS_STRIDE * 2
+}
+
+/// Raises the dynamic shared memory limit of every skinny GEMM entry point to what its chunk needs.
+pub(crate) fn allow_skinny_shared_memory(k: &Kernels) -> Result<()> {
+    for funcs in [&k.skinny_gemm, &k.skinny_gemm_serial] {
+        for (tiles, func) in [1usize, 2, 4, 8].iter().zip(funcs) {
+            func.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                skinny_smem_bytes(*tiles) as i32,
+            )
+            .map_err(|e| device_err("allowing the skinny GEMM its shared memory", e))?;
+        }
+    }
+    Ok(())
+}
+
+/// A lane's tickets, zeroed in that lane's stream order.
+pub(crate) fn new_tickets(stream: &std::sync::Arc<CudaStream>) -> Result<CudaSlice<u32>> {
+    stream.alloc_zeros::<u32>(SKINNY_TICKETS).map_err(|e| device_err("allocating the GEMM tickets", e))
+}
+
+/// The number of K slices of the skinny GEMM for a `[out_dim, in_dim]` weight: the fewest (a power of two)
+/// that give at least 192 blocks of 128 rows (about 1.5 per SM of an H200), with every slice wider than three
+/// staged chunks (768 columns). A function of the shape alone, so results stay batch-invariant.
+///
+/// Swept on the H200 over the k3-mini shapes at 1 to 64 tokens (`cuda_gemm gemm_bandwidth`; BENCHMARKS.md):
+/// fewer blocks leave SMs without weights to stream, and more slices cost at 32 and 64 tokens, where each
+/// slice stages its own copy of the tokens and writes fp32 partials.
+pub fn skinny_split(out_dim: usize, in_dim: usize) -> usize {
+    // Shapes where the sweep found another split faster than the rule's: (out, in, split). K3's merged KDA
+    // input projection: 386 row tiles run at 3,010 GB/s in one slice and 3,458 in two at one token.
+    const MEASURED: [(usize, usize, usize); 1] = [(49_376, 7168, 2)];
+    if let Some(&(_, _, split)) = MEASURED.iter().find(|m| m.0 == out_dim && m.1 == in_dim) {
+        return split;
+    }
+    const BLOCKS: usize = 192;
+    const NARROWEST: usize = 3 * SKINNY_KC;
+    let tiles = out_dim.div_ceil(128);
+    let mut split = 1;
+    while split < SKINNY_MAX_SPLIT && tiles * split < BLOCKS && in_dim / (2 * split) > NARROWEST {
+        split *= 2;
+    }
+    split
+}
+
+/// The K slice width for `split` slices asked of `in_dim` columns: a whole number of staged chunks.
+pub fn skinny_kslice(in_dim: usize, split: usize) -> usize {
+    in_dim.div_ceil(split.max(1)).div_ceil(SKINNY_KC).max(1) * SKINNY_KC
+}
+
+/// How one skinny GEMM call is laid out on the device. Only `split` (with the shape) sets the summation
+/// order; `warps` and `serial` change the speed alone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SkinnyLayout {
+    /// K slices asked for (1 to 64); the slice width is [`skinny_kslice`].
+    pub split: usize,
+    /// Warps per block, 32 weight rows each: 4 or 8.
+    pub warps: usize,
+    /// One block runs every slice of its rows in turn, instead of one block per slice.
+    pub serial: bool,
+}
+
+impl SkinnyLayout {
+    /// The layout of an `n`-token call with `split` slices: 4 warps per block up to 16 tokens, 8 above (the
+    /// fastest on the H200 over the k3-mini shapes), slices on their own blocks unless the workspace or the
+    /// tickets would run out.
+    pub fn for_call(out_dim: usize, in_dim: usize, n: usize, split: usize) -> Self {
+        let warps = if n <= 16 { 4 } else { 8 };
+        let slices = in_dim.div_ceil(skinny_kslice(in_dim, split));
+        let tiles = out_dim.div_ceil(32 * warps) * n.div_ceil(SKINNY_TOKENS);
+        let workspace = slices * n * out_dim * 4;
+        SkinnyLayout { split, warps, serial: workspace > SKINNY_WORKSPACE_BYTES || tiles > SKINNY_TICKETS }
+    }
+}
+
+impl Gpu {
+    /// `y[n, out] = bf(x[n, in] · w[out, in]ᵀ)` with fp32 accumulation, by the selected [`Gemm`].
+    pub fn linear(&self, w: DPtr, out_dim: usize, in_dim: usize, x: DPtr, n: usize, y: DPtr) -> Result<()> {
+        match self.gemm {
+            Gemm::Cublas => self.linear_cublas(w, out_dim, in_dim, x, n, y),
+            Gemm::BatchInvariant => {
+                self.linear_skinny(w, out_dim, in_dim, x, n, y, None, skinny_split(out_dim, in_dim))
+            }
+        }
+    }
+
+    /// A merged projection: `w` stacks parts of `bounds[i + 1] - bounds[i]` rows (`bounds` starts at 0
+    /// and ends at the total), and the result is segment-major: part `i` is a contiguous
+    /// `[n, bounds[i + 1] - bounds[i]]` block at element offset `n * bounds[i]` of `y`, exactly as if
+    /// each part had run alone. `bounds_dev` holds `bounds` as i32 on the device.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_parts(
+        &self,
+        w: DPtr,
+        bounds: &[usize],
+        bounds_dev: DPtr,
+        in_dim: usize,
+        x: DPtr,
+        n: usize,
+        y: DPtr,
+    ) -> Result<()> {
+        let out_dim = *bounds.last().unwrap_or(&0);
+        if bounds.len() < 2 || bounds[0] != 0 || bounds.windows(2).any(|b| b[0] > b[1]) || out_dim > i32::MAX as usize {
+            return Err(KernelError::InvalidInput(format!(
+                "merged projection bounds {bounds:?} are not ascending from 0"
+            )));
+        }
+        match self.gemm {
+            Gemm::Cublas => {
+                for b in bounds.windows(2) {
+                    let part_w = w + (b[0] * in_dim * 2) as u64;
+                    self.linear_cublas(part_w, b[1] - b[0], in_dim, x, n, y + (n * b[0] * 2) as u64)?;
+                }
+                Ok(())
+            }
+            Gemm::BatchInvariant => self.linear_skinny(
+                w,
+                out_dim,
+                in_dim,
+                x,
+                n,
+                y,
+                Some((bounds_dev, bounds.len() - 1)),
+                skinny_split(out_dim, in_dim),
+            ),
+        }
+    }
+
+    /// `y = bf(bf(x · wᵀ) + addend)` (`addend` `[n, out_dim]` bf16, which may be `y` itself): bit-identical
+    /// to [`Gpu::linear`] followed by [`Gpu::add`], in one pass with the batch-invariant GEMM (a residual or
+    /// a sum of expert outputs added where the GEMM writes).
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_add(
+        &self,
+        w: DPtr,
+        out_dim: usize,
+        in_dim: usize,
+        x: DPtr,
+        n: usize,
+        y: DPtr,
+        addend: DPtr,
+    ) -> Result<()> {
+        match self.gemm {
+            Gemm::Cublas if addend == y => {
+                let product = self.uninit::<half::bf16>(n * out_dim)?;
+                self.linear_cublas(w, out_dim, in_dim, x, n, self.ptr(&product))?;
+                self.add(y, self.ptr(&product), n * out_dim)
+            }
+            Gemm::Cublas => {
+                self.linear_cublas(w, out_dim, in_dim, x, n, y)?;
+                self.add(y, addend, n * out_dim)
+            }
+            Gemm::BatchInvariant => self.skinny(
+                w,
+                out_dim,
+                in_dim,
+                x,
+                n,
+                y,
+                addend,
+                None,
+                SkinnyLayout::for_call(out_dim, in_dim, n, skinny_split(out_dim, in_dim)),
+            ),
+        }
+    }
+
+    /// The skinny GEMM with an explicit K split (1 to 64 slices), row-major output or segment-major output
+    /// `(bounds on the device, parts)`. Results are batch-invariant for a fixed `split`; [`Gpu::linear`] takes
+    /// [`skinny_split`] of the shape, and benchmarks try the others.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_skinny(
+        &self,
+        w: DPtr,
+        out_dim: usize,
+        in_dim: usize,
+        x: DPtr,
+        n: usize,
+        y: DPtr,
+        parts: Option<(DPtr, usize)>,
+        split: usize,
+    ) -> Result<()> {
+        self.skinny(w, out_dim, in_dim, x, n, y, NULL, parts, SkinnyLayout::for_call(out_dim, in_dim, n, split))
+    }
+
+    /// The skinny GEMM with an explicit layout (tests and benchmarks: every layout of one `split` gives the
+    /// same bits).
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_skinny_layout(
+        &self,
+        w: DPtr,
+        out_dim: usize,
+        in_dim: usize,
+        x: DPtr,
+        n: usize,
+        y: DPtr,
+        layout: SkinnyLayout,
+    ) -> Result<()> {
+        self.skinny(w, out_dim, in_dim, x, n, y, NULL, None, layout)
+    }
+
+    /// One launch of `skinny_gemm_t*` or `skinny_gemm_serial_t*`, with the add epilogue when `addend` is not
+    /// [`NULL`].
+    #[allow(clippy::too_many_arguments)]
+    fn skinny(
+        &self,
+        w: DPtr,
+        out_dim: usize,
+        in_dim: usize,
+        x: DPtr,
+        n: usize,
+        y: DPtr,
+        addend: DPtr,
+        parts: Option<(DPtr, usize)>,
+        layout: SkinnyLayout,
+    ) -> Result<()> {
+        let SkinnyLayout { split, warps, serial } = layout;
+        if !(1..=SKINNY_MAX_SPLIT).contains(&split) {
+            return Err(KernelError::InvalidInput(format!(
+                "skinny GEMM split {split} (1 to {SKINNY_MAX_SPLIT} slices supported)"
+            )));
+        }
+        if warps != 4 && warps != 8 {
+            return Err(KernelError::InvalidInput(format!("skinny GEMM of {warps} warps per block (4 or 8)")));
+        }
+        if out_dim > i32::MAX as usize || in_dim > i32::MAX as usize || n > i32::MAX as usize {
+            return Err(KernelError::InvalidInput(format!(
+                "GEMM of [{n}, {in_dim}] x [{out_dim}, {in_dim}] is too large"
+            )));
+        }
+        if n == 0 || out_dim == 0 {
+            return Ok(());
+        }
+        let chunks = n.div_ceil(SKINNY_TOKENS);
+        if chunks > 65_535 {
+            return Err(KernelError::InvalidInput(format!("GEMM of {n} tokens (at most {} per call)", 65_535 * 64)));
+        }
+        let kslice = skinny_kslice(in_dim, split);
+        let slices = in_dim.div_ceil(kslice);
+        let row_tiles = out_dim.div_ceil(32 * warps);
+        let blocks = if serial { row_tiles } else { row_tiles * slices };
+        if blocks > i32::MAX as usize {
+            return Err(KernelError::InvalidInput(format!("GEMM of {out_dim} rows in {slices} slices is too large")));
+        }
+        let split_blocks = !serial && slices > 1;
+        if split_blocks && row_tiles * chunks > SKINNY_TICKETS {
+            return Err(KernelError::InvalidInput(format!(
+                "skinny GEMM of {row_tiles} row tiles x {chunks} token chunks has more than {SKINNY_TICKETS} tickets"
+            )));
+        }
+        // [slices, n, out] f32 partials, freed in stream order after the launch.
+        let workspace = if split_blocks { Some(self.uninit::<f32>(slices * n * out_dim)?) } else { None };
+        let ws = workspace.as_ref().map_or(NULL, |b| self.ptr(b));
+        let tickets = self.ptr(&self.gemm_tickets[usize::from(self.on_side_lane())]);
+        let tiles = n.min(SKINNY_TOKENS).div_ceil(8).next_power_of_two();
+        let funcs = if serial { &self.k.skinny_gemm_serial } else { &self.k.skinny_gemm };
+        let func = &funcs[tiles.trailing_zeros() as usize];
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, chunks as u32, 1),
+            block_dim: (32 * warps as u32, 1, 1),
+            shared_mem_bytes: skinny_smem_bytes(tiles) as u32,
+        };
+        let aligned = |p: DPtr| p % 16 == 0 && in_dim % 8 == 0;
+        let vec = aligned(w) as i32 | ((aligned(x) as i32) << 1);
+        let (seg, nseg) = parts.unwrap_or((NULL, 0));
+        let (nn, kk, mm, nseg, ks) = (out_dim as i32, in_dim as i32, n as i32, nseg as i32, kslice as i32);
+        let mut b = self.lane().launch_builder(func);
+        b.arg(&w).arg(&x).arg(&y).arg(&addend).arg(&nn).arg(&kk).arg(&mm).arg(&seg).arg(&nseg).arg(&ks);
+        b.arg(&ws).arg(&tickets).arg(&vec);
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("skinny_gemm"))
+    }
+
+    /// The cuBLAS GEMM: row-major `y = x wᵀ` is column-major `yᵀ = w xᵀ` with `w` transposed
+    /// (shared/reference/rust-stack.md §1.5).
+    pub fn linear_cublas(&self, w: DPtr, out_dim: usize, in_dim: usize, x: DPtr, n: usize, y: DPtr) -> Result<()> {
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let bf = blas_sys::cudaDataType_t::CUDA_R_16BF;
+        // SAFETY: w is [out, in], x is [n, in], y is [n, out], all bf16 and live (caller's contract).
+        unsafe {
+            blas_result::gemm_ex(
+                *self.blas.handle(),
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                out_dim as i32,
+                n as i32,
+                in_dim as i32,
+                (&alpha) as *const f32 as *const _,
+                w as *const std::ffi::c_void,
+                bf,
+                in_dim as i32,
+                x as *const std::ffi::c_void,
+                bf,
+                in_dim as i32,
+                (&beta) as *const f32 as *const _,
+                y as *mut std::ffi::c_void,
+                bf,
+                out_dim as i32,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map(|_| self.count_launch())
+        .map_err(|e| device_err("cublasGemmEx", e))
+    }
+}
