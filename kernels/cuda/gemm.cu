@@ -31,8 +31,8 @@
 // - The add epilogue rounds like linear then add_in_place (common.cu): bf(bf(acc) + addend), addend
 //   laid out as the output; each output element is read and written by one thread, so addend may be y.
 //
-// Block: blockDim.x = 32 * warps (4 or 8); each warp owns 32 weight rows (two 16-row MMA tiles), so a
-// row tile is 32 * warps rows. Grid: (tiles * slices (split) or tiles (serial), ceil(M / 64)).
+// Block: blockDim.x = 32 * warps (4 or 8); each warp owns 16 R weight rows (R 16-row MMA tiles), so a
+// row tile is 16 R * warps rows. Grid: (tiles * slices (split) or tiles (serial), ceil(M / 64)).
 // Each warp loads its next group of k32 steps of weights before multiplying the current group, so loads
 // stay in flight while the tensor cores work (at decode sizes the GEMM is meant to be bound by HBM bandwidth).
 // Compiled after prelude.cuh (compile.rs prepends it: cuda_bf16.h, INF_F, u32, i64, ld, bf_round, sigmoidf_,
@@ -95,16 +95,16 @@ __device__ __forceinline__ void stage_x(__nv_bfloat16 *xs, const __nv_bfloat16 *
     cp_async_commit();
 }
 
-// The weights of STEPS k32 steps from `kb`: [step][row tile][rows g / g + 8] of a warp's 32 rows whose
+// The weights of STEPS k32 steps from `kb`: [step][row tile][rows g / g + 8] of a warp's 16 R rows whose
 // thread row is `row` (= first row + g), 8 k from kb + 32 step + 8 t each; zeros without reading
 // from `kend` on (the end of the slice).
-template <int STEPS>
-__device__ __forceinline__ void load_steps(uint4 (&a)[STEPS][2][2], const __nv_bfloat16 *w, int row, int kb, int kend,
+template <int STEPS, int R>
+__device__ __forceinline__ void load_steps(uint4 (&a)[STEPS][R][2], const __nv_bfloat16 *w, int row, int kb, int kend,
                                            int n, int kdim, bool vec, int t) {
 #pragma unroll
     for (int q = 0; q < STEPS; q++)
 #pragma unroll
-        for (int r = 0; r < 2; r++) {
+        for (int r = 0; r < R; r++) {
             int k = kb < kend ? kb + q * 32 + 8 * t : kdim;
             a[q][r][0] = load_w8(w, row + r * 16, k, n, kdim, vec);
             a[q][r][1] = load_w8(w, row + r * 16 + 8, k, n, kdim, vec);
@@ -112,15 +112,15 @@ __device__ __forceinline__ void load_steps(uint4 (&a)[STEPS][2][2], const __nv_b
 }
 
 // The MMAs of STEPS k32 steps: weights `a`, B fragments `b`.
-template <int STEPS, int NT>
-__device__ __forceinline__ void mma_steps(float (&acc)[2][NT][4], const uint4 (&a)[STEPS][2][2],
+template <int STEPS, int NT, int R>
+__device__ __forceinline__ void mma_steps(float (&acc)[R][NT][4], const uint4 (&a)[STEPS][R][2],
                                           const uint4 (&b)[STEPS][NT]) {
 #pragma unroll
     for (int q = 0; q < STEPS; q++)
 #pragma unroll
         for (int j = 0; j < NT; j++)
 #pragma unroll
-            for (int r = 0; r < 2; r++) {
+            for (int r = 0; r < R; r++) {
                 mma_bf16(acc[r][j], a[q][r][0].x, a[q][r][1].x, a[q][r][0].y, a[q][r][1].y, b[q][j].x, b[q][j].y);
                 mma_bf16(acc[r][j], a[q][r][0].z, a[q][r][1].z, a[q][r][0].w, a[q][r][1].w, b[q][j].z, b[q][j].w);
             }
@@ -129,21 +129,21 @@ __device__ __forceinline__ void mma_steps(float (&acc)[2][NT][4], const uint4 (&
 // acc = this warp's partial over K columns [k0, k1) (k1 - k0 a multiple of KC unless k1 = K), from zero,
 // STEPS k32 steps per group with the next group's weights in flight. Every thread of the block calls it
 // (it synchronises); `xs` holds two staging buffers.
-template <int NT, int STEPS>
-__device__ void slice_partial(float (&acc)[2][NT][4], __nv_bfloat16 *xs, const __nv_bfloat16 *__restrict__ w,
+template <int NT, int STEPS, int R>
+__device__ void slice_partial(float (&acc)[R][NT][4], __nv_bfloat16 *xs, const __nv_bfloat16 *__restrict__ w,
                               const __nv_bfloat16 *__restrict__ x, int row, int k0, int k1, int n, int kdim, int m0,
                               int mc, bool wvec, bool xvec, int g, int t) {
 #pragma unroll
-    for (int r = 0; r < 2; r++)
+    for (int r = 0; r < R; r++)
 #pragma unroll
         for (int j = 0; j < NT; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[r][j][e] = 0.0f;
     constexpr int GROUP = 32 * STEPS;
-    uint4 a[STEPS][2][2]; // [step][row tile][rows g / g + 8]
+    uint4 a[STEPS][R][2]; // [step][row tile][rows g / g + 8]
     const int chunks = (k1 - k0 + KC - 1) / KC;
     stage_x<NT>(xs, x, m0, mc, k0, kdim, xvec);
-    load_steps<STEPS>(a, w, row, k0, k1, n, kdim, wvec, t);
+    load_steps<STEPS, R>(a, w, row, k0, k1, n, kdim, wvec, t);
     for (int c = 0; c < chunks; c++) {
         const int kc = k0 + c * KC;
         const __nv_bfloat16 *buf = xs + (c & 1) * (8 * NT * XS_STRIDE);
@@ -156,19 +156,19 @@ __device__ void slice_partial(float (&acc)[2][NT][4], __nv_bfloat16 *xs, const _
         __syncthreads(); // chunk c is staged
         const int kend = min(kc + KC, k1);
         for (int kb = kc; kb < kend; kb += GROUP) {
-            uint4 na[STEPS][2][2];
-            load_steps<STEPS>(na, w, row, kb + GROUP, k1, n, kdim, wvec, t); // the next group, across chunk ends too
+            uint4 na[STEPS][R][2];
+            load_steps<STEPS, R>(na, w, row, kb + GROUP, k1, n, kdim, wvec, t); // the next group, across chunk ends too
             uint4 b[STEPS][NT];
 #pragma unroll
             for (int q = 0; q < STEPS; q++)
 #pragma unroll
                 for (int j = 0; j < NT; j++) // [8 tokens, 8 k]
                     b[q][j] = *reinterpret_cast<const uint4 *>(buf + (j * 8 + g) * XS_STRIDE + kb - kc + q * 32 + 8 * t);
-            mma_steps<STEPS, NT>(acc, a, b);
+            mma_steps<STEPS, NT, R>(acc, a, b);
 #pragma unroll
             for (int q = 0; q < STEPS; q++)
 #pragma unroll
-                for (int r = 0; r < 2; r++) {
+                for (int r = 0; r < R; r++) {
                     a[q][r][0] = na[q][r][0];
                     a[q][r][1] = na[q][r][1];
                 }
@@ -191,8 +191,9 @@ __device__ __forceinline__ long out_index(int m, int col, int n, int mtotal, con
 #define ACC_TOKEN(j, e) ((j) * 8 + 2 * t + ((e) & 1))
 
 // NT = token tiles of 8 (the chunk holds up to 8 * NT tokens); SERIAL: one block runs every slice; STEPS:
-// k32 steps of weights per load group (more bytes in flight per warp, more registers).
-template <int NT, bool SERIAL, int STEPS>
+// k32 steps of weights per load group (more bytes in flight per warp, more registers); R: 16-row MMA tiles
+// per warp.
+template <int NT, bool SERIAL, int STEPS, int R>
 __device__ void skinny_gemm(const __nv_bfloat16 *__restrict__ w, const __nv_bfloat16 *__restrict__ x,
                             __nv_bfloat16 *y, const __nv_bfloat16 *addend, int n, int kdim, int mtotal,
                             const int *seg, int nseg, int kslice, float *ws, u32 *tickets, int vec) {
@@ -203,20 +204,20 @@ __device__ void skinny_gemm(const __nv_bfloat16 *__restrict__ w, const __nv_bflo
     const int g = lane >> 2, t = lane & 3;
     const int slices = (kdim + kslice - 1) / kslice;
     const int tile = SERIAL ? blockIdx.x : blockIdx.x / slices;
-    const int row0 = (tile * (blockDim.x >> 5) + warp) * 32;
+    const int row0 = (tile * (blockDim.x >> 5) + warp) * 16 * R;
     const int m0 = blockIdx.y * 64;
     const int mc = min(8 * NT, mtotal - m0);
     const bool wvec = vec & 1, xvec = vec & 2;
 
-    float acc[2][NT][4]; // [row tile][token tile][c0..c3]
+    float acc[R][NT][4]; // [row tile][token tile][c0..c3]
     if (SERIAL) {
-        slice_partial<NT, STEPS>(acc, xs, w, x, row0 + g, 0, min(kslice, kdim), n, kdim, m0, mc, wvec, xvec, g, t);
+        slice_partial<NT, STEPS, R>(acc, xs, w, x, row0 + g, 0, min(kslice, kdim), n, kdim, m0, mc, wvec, xvec, g, t);
         for (int s = 1; s < slices; s++) {
-            float part[2][NT][4];
-            slice_partial<NT, STEPS>(part, xs, w, x, row0 + g, s * kslice, min((s + 1) * kslice, kdim), n, kdim, m0, mc,
+            float part[R][NT][4];
+            slice_partial<NT, STEPS, R>(part, xs, w, x, row0 + g, s * kslice, min((s + 1) * kslice, kdim), n, kdim, m0, mc,
                               wvec, xvec, g, t);
 #pragma unroll
-            for (int r = 0; r < 2; r++)
+            for (int r = 0; r < R; r++)
 #pragma unroll
                 for (int j = 0; j < NT; j++)
 #pragma unroll
@@ -224,12 +225,12 @@ __device__ void skinny_gemm(const __nv_bfloat16 *__restrict__ w, const __nv_bflo
         }
     } else {
         const int s = blockIdx.x % slices;
-        slice_partial<NT, STEPS>(acc, xs, w, x, row0 + g, s * kslice, min((s + 1) * kslice, kdim), n, kdim, m0, mc, wvec,
+        slice_partial<NT, STEPS, R>(acc, xs, w, x, row0 + g, s * kslice, min((s + 1) * kslice, kdim), n, kdim, m0, mc, wvec,
                           xvec, g, t);
         if (slices > 1) {
             // ws [slices, mtotal, n]: this block's partial, then the last block of the tile folds them.
 #pragma unroll
-            for (int r = 0; r < 2; r++)
+            for (int r = 0; r < R; r++)
 #pragma unroll
                 for (int j = 0; j < NT; j++)
 #pragma unroll
@@ -247,7 +248,7 @@ __device__ void skinny_gemm(const __nv_bfloat16 *__restrict__ w, const __nv_bflo
             if (!last_block) return;
             __threadfence();
 #pragma unroll
-            for (int r = 0; r < 2; r++)
+            for (int r = 0; r < R; r++)
 #pragma unroll
                 for (int j = 0; j < NT; j++)
 #pragma unroll
@@ -262,7 +263,7 @@ __device__ void skinny_gemm(const __nv_bfloat16 *__restrict__ w, const __nv_bflo
     }
 
 #pragma unroll
-    for (int r = 0; r < 2; r++)
+    for (int r = 0; r < R; r++)
 #pragma unroll
         for (int j = 0; j < NT; j++)
 #pragma unroll
@@ -279,19 +280,21 @@ __device__ void skinny_gemm(const __nv_bfloat16 *__restrict__ w, const __nv_bflo
 
 // One pair of entry points per token-tile count: chunks of up to 8, 16, 32 and 64 tokens. `addend` is
 // null for a plain GEMM; `ws` and `tickets` are only read by split launches of more than one slice.
-// Groups of 4 k32 steps up to 32 tokens and of 2 at 64, where the accumulators need the registers (measured
-// on the H200 over the k3-mini shapes; see BENCHMARKS.md).
-#define SKINNY_GEMM(NAME, NT, SERIAL, STEPS, MIN_BLOCKS)                                                           \
+// Split launches give each warp one 16-row MMA tile and 8 k32 steps per load group (4 at 64 tokens, for the
+// accumulators' registers): a group reads 512 contiguous bytes of each weight row, which the H200's HBM
+// serves 10-15% faster than two tiles of 256 (measured over the k3-mini shapes; see BENCHMARKS.md). Serial
+// launches, which keep a second set of accumulators for the fold, use two row tiles per warp.
+#define SKINNY_GEMM(NAME, NT, SERIAL, STEPS, R, MIN_BLOCKS)                                                           \
     extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS)                                                 \
         NAME(const __nv_bfloat16 *w, const __nv_bfloat16 *x, __nv_bfloat16 *y, const __nv_bfloat16 *addend, int n, \
              int kdim, int mtotal, const int *seg, int nseg, int kslice, float *ws, u32 *tickets, int vec) {       \
-        skinny_gemm<NT, SERIAL, STEPS>(w, x, y, addend, n, kdim, mtotal, seg, nseg, kslice, ws, tickets, vec);     \
+        skinny_gemm<NT, SERIAL, STEPS, R>(w, x, y, addend, n, kdim, mtotal, seg, nseg, kslice, ws, tickets, vec);  \
     }
-SKINNY_GEMM(skinny_gemm_t1, 1, false, 4, 1)
-SKINNY_GEMM(skinny_gemm_t2, 2, false, 4, 1)
-SKINNY_GEMM(skinny_gemm_t4, 4, false, 4, 1)
-SKINNY_GEMM(skinny_gemm_t8, 8, false, 2, 1)
-SKINNY_GEMM(skinny_gemm_serial_t1, 1, true, 4, 1)
-SKINNY_GEMM(skinny_gemm_serial_t2, 2, true, 4, 1)
-SKINNY_GEMM(skinny_gemm_serial_t4, 4, true, 4, 1)
-SKINNY_GEMM(skinny_gemm_serial_t8, 8, true, 2, 1)
+SKINNY_GEMM(skinny_gemm_t1, 1, false, 8, 1, 1)
+SKINNY_GEMM(skinny_gemm_t2, 2, false, 8, 1, 1)
+SKINNY_GEMM(skinny_gemm_t4, 4, false, 8, 1, 1)
+SKINNY_GEMM(skinny_gemm_t8, 8, false, 4, 1, 1)
+SKINNY_GEMM(skinny_gemm_serial_t1, 1, true, 4, 2, 1)
+SKINNY_GEMM(skinny_gemm_serial_t2, 2, true, 4, 2, 1)
+SKINNY_GEMM(skinny_gemm_serial_t4, 4, true, 4, 2, 1)
+SKINNY_GEMM(skinny_gemm_serial_t8, 8, true, 2, 2, 1)

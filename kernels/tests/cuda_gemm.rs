@@ -46,7 +46,7 @@ fn run(gpu: &Gpu, w: &[bf16], out_dim: usize, x: &[bf16], n: usize, split: usize
 fn skinny_gemm_matches_the_host_reference_and_is_batch_invariant_bit_for_bit() {
     let Some(gpu) = gpu() else { return };
     let mut rng = ChaCha8Rng::seed_from_u64(7);
-    // (out, in): not multiples of the 32-row warp tile, the 256-wide K chunk or 8 (the scalar-load path).
+    // (out, in): not multiples of the 16- or 32-row warp tile, the 256-wide K chunk or 8 (the scalar-load path).
     for (out_dim, in_dim) in [(1000, 1000), (77, 999), (300, 1536), (40, 8), (5, 3)] {
         let w = random_bf16(&mut rng, out_dim * in_dim, 1.0);
         let x = random_bf16(&mut rng, 512 * in_dim, 2.0);
@@ -341,16 +341,17 @@ fn gemm_bandwidth() {
 fn the_k_split_follows_the_weight_shape_as_tuned_on_the_h200() {
     // No GPU needed: the split is a pure function of (out, in), so a token's summation order never
     // depends on the batch. Values from the H200 sweep of `gemm_bandwidth` over the k3-mini shapes.
-    assert_eq!(skinny_split(163_840, 7168), 1, "lm_head: 1,280 row tiles already fill the GPU");
-    assert_eq!(skinny_split(49_376, 7168), 2, "KDA merged input projection (measured, not the rule)");
+    assert_eq!(skinny_split(163_840, 7168), 1, "lm_head: 2,560 row tiles already fill the GPU");
+    assert_eq!(skinny_split(49_376, 7168), 1, "KDA merged input projection");
     assert_eq!(skinny_split(33_792, 7168), 1, "dense gate / up");
-    assert_eq!(skinny_split(7168, 33_792), 4, "dense down: 56 row tiles");
-    assert_eq!(skinny_split(14_400, 7168), 2, "MLA merged input projection");
-    assert_eq!(skinny_split(7168, 12_288), 4, "o_proj");
-    assert_eq!(skinny_split(18_432, 1536), 1, "MLA q_b: a 1,536-wide K is not cut into slices of 768");
-    assert_eq!(skinny_split(3584, 7168), 8, "MoE latent down: 28 row tiles");
-    assert_eq!(skinny_split(7168, 3584), 4, "MoE up");
-    assert_eq!(skinny_split(12_288, 7168), 2, "shared expert gate / up: 96 row tiles");
-    assert_eq!(skinny_split(7168, 6144), 4, "shared expert down");
+    assert_eq!(skinny_split(7168, 33_792), 2, "dense down: 112 row tiles");
+    assert_eq!(skinny_split(14_400, 7168), 1, "MLA merged input projection: 225 row tiles");
+    assert_eq!(skinny_split(7168, 12_288), 2, "o_proj");
+    assert_eq!(skinny_split(18_432, 1536), 1, "MLA q_b");
+    assert_eq!(skinny_split(3584, 7168), 4, "MoE latent down: 56 row tiles");
+    assert_eq!(skinny_split(7168, 3584), 2, "MoE up");
+    assert_eq!(skinny_split(12_288, 7168), 1, "shared expert gate / up: 192 row tiles");
+    assert_eq!(skinny_split(7168, 6144), 2, "shared expert down");
+    assert_eq!(skinny_split(1024, 1536), 1, "slices are never cut to 768 columns or fewer");
     assert_eq!(skinny_split(12_288, 128), 1, "f_b: K below one staged chunk is never split");
 }

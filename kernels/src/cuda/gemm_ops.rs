@@ -55,22 +55,17 @@ pub(crate) fn new_tickets(stream: &std::sync::Arc<CudaStream>) -> Result<CudaSli
 }
 
 /// The number of K slices of the skinny GEMM for a `[out_dim, in_dim]` weight: the fewest (a power of two)
-/// that give at least 192 blocks of 128 rows (about 1.5 per SM of an H200), with every slice wider than three
+/// that give at least 192 blocks of 64 rows (about 1.5 per SM of an H200), with every slice wider than three
 /// staged chunks (768 columns). A function of the shape alone, so results stay batch-invariant.
 ///
 /// Swept on the H200 over the k3-mini shapes at 1 to 64 tokens (`cuda_gemm gemm_bandwidth`; BENCHMARKS.md):
-/// fewer blocks leave SMs without weights to stream, and more slices cost at 32 and 64 tokens, where each
-/// slice stages its own copy of the tokens and writes fp32 partials.
+/// the rule picks the split with the least time weighted towards 1 and 8 tokens for all eleven of them. Fewer
+/// blocks leave SMs without weights to stream; more slices cost at 32 and 64 tokens, where each slice stages
+/// its own copy of the tokens and writes fp32 partials.
 pub fn skinny_split(out_dim: usize, in_dim: usize) -> usize {
-    // Shapes where the sweep found another split faster than the rule's: (out, in, split). K3's merged KDA
-    // input projection: 386 row tiles run at 3,010 GB/s in one slice and 3,458 in two at one token.
-    const MEASURED: [(usize, usize, usize); 1] = [(49_376, 7168, 2)];
-    if let Some(&(_, _, split)) = MEASURED.iter().find(|m| m.0 == out_dim && m.1 == in_dim) {
-        return split;
-    }
     const BLOCKS: usize = 192;
     const NARROWEST: usize = 3 * SKINNY_KC;
-    let tiles = out_dim.div_ceil(128);
+    let tiles = out_dim.div_ceil(64);
     let mut split = 1;
     while split < SKINNY_MAX_SPLIT && tiles * split < BLOCKS && in_dim / (2 * split) > NARROWEST {
         split *= 2;
@@ -89,20 +84,20 @@ pub fn skinny_kslice(in_dim: usize, split: usize) -> usize {
 pub struct SkinnyLayout {
     /// K slices asked for (1 to 64); the slice width is [`skinny_kslice`].
     pub split: usize,
-    /// Warps per block, 32 weight rows each: 4 or 8.
+    /// Warps per block, 4 or 8: 16 weight rows each in split launches, 32 in serial ones.
     pub warps: usize,
     /// One block runs every slice of its rows in turn, instead of one block per slice.
     pub serial: bool,
 }
 
 impl SkinnyLayout {
-    /// The layout of an `n`-token call with `split` slices: 4 warps per block up to 16 tokens, 8 above (the
+    /// The layout of an `n`-token call with `split` slices: 4 warps per block up to 8 tokens, 8 above (the
     /// fastest on the H200 over the k3-mini shapes), slices on their own blocks unless the workspace or the
     /// tickets would run out.
     pub fn for_call(out_dim: usize, in_dim: usize, n: usize, split: usize) -> Self {
-        let warps = if n <= 16 { 4 } else { 8 };
+        let warps = if n <= 8 { 4 } else { 8 };
         let slices = in_dim.div_ceil(skinny_kslice(in_dim, split));
-        let tiles = out_dim.div_ceil(32 * warps) * n.div_ceil(SKINNY_TOKENS);
+        let tiles = out_dim.div_ceil(16 * warps) * n.div_ceil(SKINNY_TOKENS);
         let workspace = slices * n * out_dim * 4;
         SkinnyLayout { split, warps, serial: workspace > SKINNY_WORKSPACE_BYTES || tiles > SKINNY_TICKETS }
     }
@@ -271,7 +266,10 @@ impl Gpu {
         }
         let kslice = skinny_kslice(in_dim, split);
         let slices = in_dim.div_ceil(kslice);
-        let row_tiles = out_dim.div_ceil(32 * warps);
+        let tiles = n.min(SKINNY_TOKENS).div_ceil(8).next_power_of_two();
+        // Weight rows per warp: one MMA row tile in split launches, two in serial ones (gemm.cu).
+        let rows_per_warp = if serial { 32 } else { 16 };
+        let row_tiles = out_dim.div_ceil(rows_per_warp * warps);
         let blocks = if serial { row_tiles } else { row_tiles * slices };
         if blocks > i32::MAX as usize {
             return Err(KernelError::InvalidInput(format!("GEMM of {out_dim} rows in {slices} slices is too large")));
@@ -286,7 +284,6 @@ impl Gpu {
         let workspace = if split_blocks { Some(self.uninit::<f32>(slices * n * out_dim)?) } else { None };
         let ws = workspace.as_ref().map_or(NULL, |b| self.ptr(b));
         let tickets = self.ptr(&self.gemm_tickets[usize::from(self.on_side_lane())]);
-        let tiles = n.min(SKINNY_TOKENS).div_ceil(8).next_power_of_two();
         let funcs = if serial { &self.k.skinny_gemm_serial } else { &self.k.skinny_gemm };
         let func = &funcs[tiles.trailing_zeros() as usize];
         let cfg = LaunchConfig {

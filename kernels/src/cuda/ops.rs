@@ -228,8 +228,14 @@ impl Gpu {
         crate::cuda::gemm_ops::allow_skinny_shared_memory(&k)?;
         let attn = AttnKernels::load(module("kda.cu")?, module("mla.cu")?)?;
         keep_pool_memory(&ctx)?;
-        let stream = ctx.new_stream().map_err(|e| device_err("creating the main stream", e))?;
-        let side = ctx.new_stream().map_err(|e| device_err("creating the side stream", e))?;
+        // The main lane at the device's highest stream priority, the side lane at its lowest: when both have
+        // blocks waiting, the critical path (router, experts) gets the SMs first and the shared expert fills
+        // in around it. Graph capture keeps each kernel's priority.
+        ctx.bind_to_thread().map_err(|e| device_err("binding the context", e))?;
+        let (lowest, highest) = cudarc::driver::result::stream::get_priority_range()
+            .map_err(|e| device_err("reading the stream priority range", e))?;
+        let stream = ctx.new_stream_with_priority(highest).map_err(|e| device_err("creating the main stream", e))?;
+        let side = ctx.new_stream_with_priority(lowest).map_err(|e| device_err("creating the side stream", e))?;
         let untimed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
         let fork_event = ctx.new_event(untimed).map_err(|e| device_err("creating an event", e))?;
         let join_event = ctx.new_event(untimed).map_err(|e| device_err("creating an event", e))?;
