@@ -173,14 +173,18 @@ async fn closing_the_socket_cancels_its_streams() {
     }
     s.wait_metrics(Duration::from_secs(10), |m| m.value("vllm:num_requests_running", &[]) == Some(2.0)).await.unwrap();
     drop(ws);
+    // A scrape is not one snapshot: the running gauge can reach 0 before the abort counter is bumped, so the
+    // wait covers all three.
+    let aborted = |m: &sparkd_tests::PromText| m.value("vllm:request_success_total", &[("finished_reason", "abort")]);
     let m = s
         .wait_metrics(Duration::from_secs(10), |m| {
             m.value("vllm:num_requests_running", &[]) == Some(0.0)
                 && m.value("sparkd:websockets_open", &[]) == Some(0.0)
+                && aborted(m).is_some_and(|n| n >= 2.0)
         })
         .await
-        .unwrap();
-    assert!(m.value("vllm:request_success_total", &[("finished_reason", "abort")]).unwrap() >= 2.0);
+        .unwrap_or_else(|e| panic!("the two streams were not cancelled as aborts after the socket closed: {e}"));
+    assert!(aborted(&m).unwrap() >= 2.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
