@@ -313,7 +313,7 @@ fn gemm_bandwidth() {
         for n in [1usize, 8, 16, 32, 64] {
             let bytes = ((out_dim * in_dim + n * in_dim + n * out_dim) * 2) as f64;
             let reps = (4e9 / bytes).clamp(5.0, 200.0) as usize;
-            let default = SkinnyLayout::for_call(out_dim, in_dim, n, skinny_split(out_dim, in_dim));
+            let default = gpu.skinny_layout(out_dim, in_dim, n, skinny_split(out_dim, in_dim));
             for split in [1usize, 2, 4, 8, 16, 32] {
                 for warps in [4, 8] {
                     let layout = SkinnyLayout { split, warps, serial: false };

@@ -90,17 +90,22 @@ pub struct SkinnyLayout {
     pub serial: bool,
 }
 
-impl SkinnyLayout {
-    /// The layout of an `n`-token call with `split` slices: 4 warps per block up to 8 tokens, 8 above (the
-    /// fastest on the H200 over the k3-mini shapes), slices on their own blocks unless the workspace or the
-    /// tickets would run out.
-    pub fn for_call(out_dim: usize, in_dim: usize, n: usize, split: usize) -> Self {
-        let warps = if n <= 8 { 4 } else { 8 };
-        let slices = in_dim.div_ceil(skinny_kslice(in_dim, split));
-        let tiles = out_dim.div_ceil(16 * warps) * n.div_ceil(SKINNY_TOKENS);
-        let workspace = slices * n * out_dim * 4;
-        SkinnyLayout { split, warps, serial: workspace > SKINNY_WORKSPACE_BYTES || tiles > SKINNY_TICKETS }
+/// How many blocks of each split entry point (token tiles 1, 2, 4, 8) the device holds at once, at 4 and at 8
+/// warps per block: SMs times the occupancy the driver reports for the kernel's registers and shared memory.
+pub(crate) fn skinny_slots(ctx: &cudarc::driver::CudaContext, k: &Kernels) -> Result<[[usize; 2]; 4]> {
+    let sms = ctx
+        .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(|e| device_err("reading the SM count", e))?;
+    let mut slots = [[0usize; 2]; 4];
+    for (i, tiles) in [1usize, 2, 4, 8].into_iter().enumerate() {
+        for (j, warps) in [4u32, 8].into_iter().enumerate() {
+            let per_sm = k.skinny_gemm[i]
+                .occupancy_max_active_blocks_per_multiprocessor(32 * warps, skinny_smem_bytes(tiles), None)
+                .map_err(|e| device_err("reading the skinny GEMM's occupancy", e))?;
+            slots[i][j] = sms.max(1) as usize * per_sm as usize;
+        }
     }
+    Ok(slots)
 }
 
 impl Gpu {
@@ -189,7 +194,7 @@ impl Gpu {
                 y,
                 addend,
                 None,
-                SkinnyLayout::for_call(out_dim, in_dim, n, skinny_split(out_dim, in_dim)),
+                self.skinny_layout(out_dim, in_dim, n, skinny_split(out_dim, in_dim)),
             ),
         }
     }
@@ -209,7 +214,7 @@ impl Gpu {
         parts: Option<(DPtr, usize)>,
         split: usize,
     ) -> Result<()> {
-        self.skinny(w, out_dim, in_dim, x, n, y, NULL, parts, SkinnyLayout::for_call(out_dim, in_dim, n, split))
+        self.skinny(w, out_dim, in_dim, x, n, y, NULL, parts, self.skinny_layout(out_dim, in_dim, n, split))
     }
 
     /// The skinny GEMM with an explicit layout (tests and benchmarks: every layout of one `split` gives the
@@ -226,6 +231,28 @@ impl Gpu {
         layout: SkinnyLayout,
     ) -> Result<()> {
         self.skinny(w, out_dim, in_dim, x, n, y, NULL, None, layout)
+    }
+
+    /// The layout of an `n`-token call with `split` slices. Warps per block: whichever of 4 and 8 fills its last
+    /// wave of blocks better, 4 up to 8 tokens and 8 above when they fill equally (the fastest on the H200 over
+    /// the k3-mini shapes; BENCHMARKS.md). Slices run on their own blocks unless the workspace or the tickets
+    /// would run out.
+    pub fn skinny_layout(&self, out_dim: usize, in_dim: usize, n: usize, split: usize) -> SkinnyLayout {
+        let tiles = n.min(SKINNY_TOKENS).div_ceil(8).next_power_of_two();
+        let slots = self.skinny_slots[(tiles.trailing_zeros() as usize).min(3)];
+        let slices = in_dim.div_ceil(skinny_kslice(in_dim, split));
+        let chunks = n.div_ceil(SKINNY_TOKENS);
+        let blocks = |warps: usize| out_dim.div_ceil(16 * warps) * slices * chunks;
+        // The share of the launch's waves that is busy: blocks over whole waves of `slots` blocks.
+        let fill = |warps: usize, slots: usize| {
+            let (b, s) = (blocks(warps), slots.max(1));
+            b as f64 / (b.div_ceil(s) * s) as f64
+        };
+        let (preferred, other) = if n <= 8 { ((4, slots[0]), (8, slots[1])) } else { ((8, slots[1]), (4, slots[0])) };
+        let warps = if fill(other.0, other.1) > fill(preferred.0, preferred.1) { other.0 } else { preferred.0 };
+        let workspace = slices * n * out_dim * 4;
+        let serial = workspace > SKINNY_WORKSPACE_BYTES || blocks(warps) / slices > SKINNY_TICKETS;
+        SkinnyLayout { split, warps, serial }
     }
 
     /// One launch of `skinny_gemm_t*` or `skinny_gemm_serial_t*`, with the add epilogue when `addend` is not

@@ -121,6 +121,8 @@ pub struct Gpu {
     pub(crate) blas: CudaBlas,
     /// The skinny GEMM's tickets of the main and the side lane (all zeros between launches; see `gemm.cu`).
     pub(crate) gemm_tickets: [CudaSlice<u32>; 2],
+    /// Blocks of each split skinny GEMM entry point the device holds at once, at 4 and 8 warps per block.
+    pub(crate) skinny_slots: [[usize; 2]; 4],
     pub(crate) k: Kernels,
     pub(crate) attn: AttnKernels,
     pub info: DeviceInfo,
@@ -226,6 +228,7 @@ impl Gpu {
             ],
         };
         crate::cuda::gemm_ops::allow_skinny_shared_memory(&k)?;
+        let skinny_slots = crate::cuda::gemm_ops::skinny_slots(&ctx, &k)?;
         let attn = AttnKernels::load(module("kda.cu")?, module("mla.cu")?)?;
         keep_pool_memory(&ctx)?;
         // The main lane at the device's highest stream priority, the side lane at its lowest: when both have
@@ -250,6 +253,7 @@ impl Gpu {
             join_event,
             blas,
             gemm_tickets,
+            skinny_slots,
             k,
             attn,
             info,
