@@ -239,17 +239,18 @@ impl Gpu {
     /// would run out.
     pub fn skinny_layout(&self, out_dim: usize, in_dim: usize, n: usize, split: usize) -> SkinnyLayout {
         let tiles = n.min(SKINNY_TOKENS).div_ceil(8).next_power_of_two();
-        let slots = self.skinny_slots[(tiles.trailing_zeros() as usize).min(3)];
+        let slots = self.skinny_slots[tiles.trailing_zeros() as usize]; // [4 warps, 8 warps]
         let slices = in_dim.div_ceil(skinny_kslice(in_dim, split));
         let chunks = n.div_ceil(SKINNY_TOKENS);
         let blocks = |warps: usize| out_dim.div_ceil(16 * warps) * slices * chunks;
-        // The share of the launch's waves that is busy: blocks over whole waves of `slots` blocks.
-        let fill = |warps: usize, slots: usize| {
-            let (b, s) = (blocks(warps), slots.max(1));
+        // The share of the launch's waves that is busy: blocks over whole waves of the device's slots.
+        let fill = |warps: usize| {
+            let (b, s) = (blocks(warps), slots[usize::from(warps == 8)].max(1));
             b as f64 / (b.div_ceil(s) * s) as f64
         };
-        let (preferred, other) = if n <= 8 { ((4, slots[0]), (8, slots[1])) } else { ((8, slots[1]), (4, slots[0])) };
-        let warps = if fill(other.0, other.1) > fill(preferred.0, preferred.1) { other.0 } else { preferred.0 };
+        let preferred = if n <= 8 { 4 } else { 8 };
+        let other = 12 - preferred;
+        let warps = if fill(other) > fill(preferred) { other } else { preferred };
         let workspace = slices * n * out_dim * 4;
         let serial = workspace > SKINNY_WORKSPACE_BYTES || blocks(warps) / slices > SKINNY_TICKETS;
         SkinnyLayout { split, warps, serial }

@@ -278,7 +278,7 @@ impl Gpu {
 
     /// The stream of the current lane.
     pub(crate) fn lane(&self) -> &Arc<CudaStream> {
-        if self.on_side.load(Ordering::Relaxed) {
+        if self.on_side_lane() {
             &self.side
         } else {
             &self.stream
