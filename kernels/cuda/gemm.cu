@@ -72,7 +72,7 @@ __device__ __forceinline__ uint4 load8_scalar(const __nv_bfloat16 *p, int limit)
 __device__ __forceinline__ uint4 load_w8(const __nv_bfloat16 *w, int row, int k, int n, int kdim, bool vec) {
     if (row >= n || k >= kdim) return make_uint4(0u, 0u, 0u, 0u);
     const __nv_bfloat16 *p = w + (long)row * kdim + k;
-    if (vec) return __ldcs(reinterpret_cast<const uint4 *>(p));
+    if (vec) return ld_stream16(p);
     return load8_scalar(p, kdim - k);
 }
 

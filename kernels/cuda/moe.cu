@@ -339,7 +339,7 @@ __device__ __forceinline__ void rows_pass(const u8 *const packed[NM], const u8 *
 #pragma unroll
             for (int m = 0; m < NM; m++)
                 if (g < groups) {
-                    q[m][i] = __ldg((const uint4 *)packed[m] + g);
+                    q[m][i] = ld_stream16((const uint4 *)packed[m] + g);
                     sb[m][i] = __ldg(scales[m] + g);
                 }
         }
@@ -662,7 +662,7 @@ __device__ __forceinline__ void mma_rows_pass(const u8 *const rows[NM][2], const
 #pragma unroll
                 for (int r = 0; r < 2; r++) {
                     bool ok = rows[m][r] != nullptr && grp < groups;
-                    q[m][r][blk] = ok ? __ldg((const uint4 *)rows[m][r] + grp) : make_uint4(0u, 0u, 0u, 0u);
+                    q[m][r][blk] = ok ? ld_stream16((const uint4 *)rows[m][r] + grp) : make_uint4(0u, 0u, 0u, 0u);
                     sb[m][r][blk] = ok ? (u32)__ldg(scales[m][r] + grp) : 0u;
                 }
         }

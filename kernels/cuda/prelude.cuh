@@ -13,6 +13,17 @@ typedef unsigned int u32;
 typedef long long i64;
 
 __device__ __forceinline__ float ld(const __nv_bfloat16 *p, i64 i) { return __bfloat162float(p[i]); }
+
+// A 16-byte load of weights that are streamed (read once per pass): read-only path, not kept in L1, and a miss
+// fetches 256 bytes into L2 so that the next 128 bytes of the row are on their way before they are asked for.
+// `p` is 16-byte aligned.
+__device__ __forceinline__ uint4 ld_stream16(const void *p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
 __device__ __forceinline__ float bf_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 
