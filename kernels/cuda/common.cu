@@ -3,10 +3,12 @@
 //
 // Invariants: activations between ops are bf16 (the values the CPU reference rounds with `Real::act`);
 // every reduction runs in fp32; each kernel rounds its output once, where the CPU reference does.
-// - A per-row kernel's thread owns the columns threadIdx.x + i * blockDim.x and sums them in ascending i.
-//   Its loops fetch ROW_BATCH of those columns into registers before using any (one row is one block at
-//   decode sizes, so a loop that waited for each load in turn would be bound by memory latency); the
-//   order of every sum is the same as a one-column-at-a-time loop's.
+// - A per-row kernel's thread owns the columns threadIdx.x + i * blockDim.x of its block's window of the row
+//   (the whole row, or one contiguous window per block in the cluster forms) and sums them in ascending i.
+//   Its loops fetch ROW_BATCH of those columns into registers before using any (a row is one block, or one
+//   cluster, at decode sizes, so a loop that waited for each load in turn would be bound by memory latency);
+//   the order of every sum is the same as a one-column-at-a-time loop's. Block sums run in block_sum's fixed
+//   order, and a cluster's block sums meet in rank order: a row's result never depends on the batch.
 // Math: shared/reference/k3-architecture.md §2.2 (AttnRes), §2.3 (RMSNorm), §2.7 (SiTU).
 // Compiled after prelude.cuh (compile.rs prepends it: cuda_bf16.h, INF_F, u32, i64, ld, bf_round, sigmoidf_,
 // block_sum, block_max).
@@ -97,30 +99,32 @@ __device__ __forceinline__ void block_sums(float (&v)[N]) {
 // Sources whose dot products one pass over the columns computes together.
 #define SRC_BATCH 4
 
-// The AttnRes softmax weights of token t over its nsrc sources (fp32 island; every thread gets all of them):
-// p[i] = softmax_i(dot(v_i, q) * rsqrt(mean(v_i^2) + eps)). `score` is the caller's shared [64]. Each source's
-// sums run over the thread's columns in order, as for one source at a time; SRC_BATCH sources share a pass.
-__device__ __forceinline__ void attn_res_weights(const __nv_bfloat16 *sources, long slot, int nsrc, const float *q,
-                                                 long t, int d, float eps, float *score, float p[64]) {
+// The block's sums over the `w` columns of a window of token t (each row pointer below already at the window's
+// first column): dot(v_i, q) into dot[i] and sum(v_i^2) into sq[i] for each of the nsrc sources, where source i's
+// window starts at src + i * slot. Shared-memory outputs, written by thread 0 and visible after the caller's
+// barrier. Each source's sums run over the thread's columns in order, as for one source at a time; SRC_BATCH
+// sources share a pass.
+__device__ __forceinline__ void attn_res_sums(const __nv_bfloat16 *src, long slot, int nsrc, const float *q, int w,
+                                              float *dot, float *sq) {
     for (int i0 = 0; i0 < nsrc; i0 += SRC_BATCH) {
         float sums[2 * SRC_BATCH];  // dot(v_i, q) then sum(v_i^2) of sources i0 ..
 #pragma unroll
         for (int s = 0; s < 2 * SRC_BATCH; s++) sums[s] = 0.0f;
-        for (int c0 = threadIdx.x; c0 < d; c0 += ROW_BATCH * blockDim.x) {
+        for (int c0 = threadIdx.x; c0 < w; c0 += ROW_BATCH * blockDim.x) {
             float qv[ROW_BATCH];
 #pragma unroll
             for (int u = 0; u < ROW_BATCH; u++) {
                 int c = c0 + u * blockDim.x;
-                qv[u] = c < d ? q[c] : 0.0f;
+                qv[u] = c < w ? q[c] : 0.0f;
             }
 #pragma unroll
             for (int s = 0; s < SRC_BATCH; s++) {
                 if (i0 + s >= nsrc) break;
                 float x[ROW_BATCH];
-                load_cols(sources + (i0 + s) * slot + t * d, c0, d, x);
+                load_cols(src + (i0 + s) * slot, c0, w, x);
 #pragma unroll
                 for (int u = 0; u < ROW_BATCH; u++)
-                    if (c0 + u * (int)blockDim.x < d) {
+                    if (c0 + u * (int)blockDim.x < w) {
                         sums[s] += x[u] * qv[u];
                         sums[SRC_BATCH + s] += x[u] * x[u];
                     }
@@ -128,10 +132,15 @@ __device__ __forceinline__ void attn_res_weights(const __nv_bfloat16 *sources, l
         }
         block_sums(sums);
         if (threadIdx.x == 0)
-            for (int s = 0; s < SRC_BATCH && i0 + s < nsrc; s++)
-                score[i0 + s] = sums[s] * (1.0f / sqrtf(sums[SRC_BATCH + s] / (float)d + eps));
+            for (int s = 0; s < SRC_BATCH && i0 + s < nsrc; s++) {
+                dot[i0 + s] = sums[s];
+                sq[i0 + s] = sums[SRC_BATCH + s];
+            }
     }
-    __syncthreads();
+}
+
+// The AttnRes softmax weights from the scores in shared memory (every thread gets all nsrc of them).
+__device__ __forceinline__ void attn_res_softmax(const float *score, int nsrc, float p[64]) {
     float m = score[0];
     for (int i = 1; i < nsrc; i++) m = fmaxf(m, score[i]);
     float total = 0.0f;
@@ -139,17 +148,79 @@ __device__ __forceinline__ void attn_res_weights(const __nv_bfloat16 *sources, l
     for (int i = 0; i < nsrc; i++) p[i] = p[i] / total;
 }
 
-// The thread's columns c0 + u * blockDim.x of sum_i p[i] * source i of token t (each column summed over the
-// sources in ascending order; 0 past d).
-__device__ __forceinline__ void weighted_cols(const __nv_bfloat16 *sources, long slot, int nsrc, const float *p,
-                                              long t, int d, int c0, float (&acc)[ROW_BATCH]) {
+// The AttnRes softmax weights of token t over its nsrc sources (fp32 island; every thread gets all of them):
+// p[i] = softmax_i(dot(v_i, q) * rsqrt(mean(v_i^2) + eps)). `score` is the caller's shared [64].
+__device__ __forceinline__ void attn_res_weights(const __nv_bfloat16 *sources, long slot, int nsrc, const float *q,
+                                                 long t, int d, float eps, float *score, float p[64]) {
+    __shared__ float sq[64];
+    attn_res_sums(sources + t * d, slot, nsrc, q, d, score, sq);
+    __syncthreads();
+    if (threadIdx.x < nsrc) score[threadIdx.x] *= 1.0f / sqrtf(sq[threadIdx.x] / (float)d + eps);
+    __syncthreads();
+    attn_res_softmax(score, nsrc, p);
+}
+
+// The thread's columns c0 + u * blockDim.x of sum_i p[i] * source i over a window of `w` columns, source i's
+// window at src + i * slot (each column summed over the sources in ascending order; 0 past w).
+__device__ __forceinline__ void weighted_cols(const __nv_bfloat16 *src, long slot, int nsrc, const float *p, int c0,
+                                              int w, float (&acc)[ROW_BATCH]) {
 #pragma unroll
     for (int u = 0; u < ROW_BATCH; u++) acc[u] = 0.0f;
     for (int i = 0; i < nsrc; i++) {
         float v[ROW_BATCH];
-        load_cols(sources + i * slot + t * d, c0, d, v);
+        load_cols(src + i * slot, c0, w, v);
 #pragma unroll
         for (int u = 0; u < ROW_BATCH; u++) acc[u] += p[i] * v[u];
+    }
+}
+
+// The live source (the last of nsrc, window at `live`) becomes bf(live + addend) over a window of `w` columns, in
+// the threads' column order (each thread later reads back only the columns it wrote).
+__device__ __forceinline__ void add_window(__nv_bfloat16 *live, const __nv_bfloat16 *addend, int w) {
+    for (int c0 = threadIdx.x; c0 < w; c0 += ROW_BATCH * blockDim.x) {
+        float a[ROW_BATCH], b[ROW_BATCH];
+        load_cols(live, c0, w, a);
+        load_cols(addend, c0, w, b);
+#pragma unroll
+        for (int u = 0; u < ROW_BATCH; u++) {
+            int c = c0 + u * blockDim.x;
+            if (c < w) live[c] = __float2bfloat16_rn(a[u] + b[u]);
+        }
+    }
+}
+
+// The read of a window of `w` columns with weights p: read[c] = bf(sum_i p_i v_i) (shared), read_out[c] likewise when
+// given; returns the thread's part of the sum of read[c]^2.
+__device__ __forceinline__ float read_window(const __nv_bfloat16 *src, long slot, int nsrc, const float *p, int w,
+                                             float *read, __nv_bfloat16 *read_out) {
+    float ss = 0.0f;
+    for (int c0 = threadIdx.x; c0 < w; c0 += ROW_BATCH * blockDim.x) {
+        float acc[ROW_BATCH];
+        weighted_cols(src, slot, nsrc, p, c0, w, acc);
+#pragma unroll
+        for (int u = 0; u < ROW_BATCH; u++) {
+            int c = c0 + u * blockDim.x;
+            if (c >= w) continue;
+            float v = bf_round(acc[u]);
+            read[c] = v;
+            if (read_out != nullptr) read_out[c] = __float2bfloat16_rn(acc[u]);
+            ss += v * v;
+        }
+    }
+    return ss;
+}
+
+// out[c] = bf(norm_w[c] * bf(read[c] * r)) over a window of `w` columns.
+__device__ __forceinline__ void norm_window(const float *read, const __nv_bfloat16 *norm_w, float r, int w,
+                                            __nv_bfloat16 *out) {
+    for (int c0 = threadIdx.x; c0 < w; c0 += ROW_BATCH * blockDim.x) {
+        float g[ROW_BATCH];
+        load_cols(norm_w, c0, w, g);
+#pragma unroll
+        for (int u = 0; u < ROW_BATCH; u++) {
+            int c = c0 + u * blockDim.x;
+            if (c < w) out[c] = __float2bfloat16_rn(g[u] * bf_round(read[c] * r));
+        }
     }
 }
 
@@ -164,7 +235,7 @@ extern "C" __global__ void attn_res_read(const __nv_bfloat16 *sources, long slot
     attn_res_weights(sources, slot, nsrc, q, t, d, eps, score, p);
     for (int c0 = threadIdx.x; c0 < d; c0 += ROW_BATCH * blockDim.x) {
         float acc[ROW_BATCH];
-        weighted_cols(sources, slot, nsrc, p, t, d, c0, acc);
+        weighted_cols(sources + t * d, slot, nsrc, p, c0, d, acc);
 #pragma unroll
         for (int u = 0; u < ROW_BATCH; u++) {
             int c = c0 + u * blockDim.x;
@@ -185,47 +256,52 @@ extern "C" __global__ void attn_res_norm(__nv_bfloat16 *sources, long slot, int 
     extern __shared__ float read[]; // [d]
     __shared__ float score[64];
     long t = blockIdx.x;
-    if (addend != nullptr) {
-        __nv_bfloat16 *live = sources + (nsrc - 1) * slot + t * d;
-        for (int c0 = threadIdx.x; c0 < d; c0 += ROW_BATCH * blockDim.x) {
-            float a[ROW_BATCH], b[ROW_BATCH];
-            load_cols(live, c0, d, a);
-            load_cols(addend + t * d, c0, d, b);
-#pragma unroll
-            for (int u = 0; u < ROW_BATCH; u++) {
-                int c = c0 + u * blockDim.x;
-                if (c < d) live[c] = __float2bfloat16_rn(a[u] + b[u]);
-            }
-        }
-    }
+    if (addend != nullptr) add_window(sources + (nsrc - 1) * slot + t * d, addend + t * d, d);
     float p[64];
     attn_res_weights(sources, slot, nsrc, q, t, d, eps, score, p);
-    float ss = 0.0f;
-    for (int c0 = threadIdx.x; c0 < d; c0 += ROW_BATCH * blockDim.x) {
-        float acc[ROW_BATCH];
-        weighted_cols(sources, slot, nsrc, p, t, d, c0, acc);
-#pragma unroll
-        for (int u = 0; u < ROW_BATCH; u++) {
-            int c = c0 + u * blockDim.x;
-            if (c >= d) continue;
-            float v = bf_round(acc[u]);
-            read[c] = v;
-            if (read_out != nullptr) read_out[t * d + c] = __float2bfloat16_rn(acc[u]);
-            ss += v * v;
-        }
-    }
-    ss = block_sum(ss);
-    float r = 1.0f / sqrtf(ss / (float)d + norm_eps);
-    for (int c0 = threadIdx.x; c0 < d; c0 += ROW_BATCH * blockDim.x) {
-        float g[ROW_BATCH];
-        load_cols(norm_w, c0, d, g);
-#pragma unroll
-        for (int u = 0; u < ROW_BATCH; u++) {
-            int c = c0 + u * blockDim.x;
-            if (c < d) out[t * d + c] = __float2bfloat16_rn(g[u] * bf_round(read[c] * r));
-        }
-    }
+    float ss = block_sum(read_window(sources + t * d, slot, nsrc, p, d, read, read_out ? read_out + t * d : nullptr));
+    norm_window(read, norm_w, 1.0f / sqrtf(ss / (float)d + norm_eps), d, out + t * d);
 }
+
+#if __CUDA_ARCH__ >= 900
+// ---- attn_res_norm over a cluster of blocks per token (Hopper and later) ---------------------------------------
+// One block per token leaves the fused read bound by one SM's memory latency at decode sizes (20.7 us per launch
+// at batch 1 on the H200, ncu; 16 launches per k3-mini step). Here the RES_CLUSTER blocks of a token each take one
+// contiguous window of its columns; the per-source sums and the sum of squares of the read are completed through
+// distributed shared memory, each block's partial in rank order. The same math as attn_res_norm, with its sums in
+// another fixed order: the two differ by rounding, and a token's result never depends on the batch.
+
+#define RES_CLUSTER 8  // blocks per token (the portable cluster size); Gpu::attn_res_norm's RES_CLUSTER
+
+// grid = (RES_CLUSTER, n), clusters of (RES_CLUSTER, 1, 1), blockDim 128; dynamic shared memory ceil(d /
+// RES_CLUSTER) floats. Arguments as attn_res_norm.
+extern "C" __global__ void __cluster_dims__(RES_CLUSTER, 1, 1) __launch_bounds__(128)
+    attn_res_norm_cluster(__nv_bfloat16 *sources, long slot, int nsrc, const float *q, const __nv_bfloat16 *addend,
+                          const __nv_bfloat16 *norm_w, float norm_eps, __nv_bfloat16 *out, __nv_bfloat16 *read_out,
+                          int d, float eps) {
+    extern __shared__ float read[];  // [window] this block's read, bf16-rounded
+    __shared__ float dot[64], sq[64], score[64], ss_part;
+    const int span = (d + RES_CLUSTER - 1) / RES_CLUSTER, lo = min((int)blockIdx.x * span, d);
+    const int w = min(lo + span, d) - lo;  // this block's columns [lo, lo + w)
+    const long at = blockIdx.y * (long)d + lo;  // the window's first element in a [n, d] tensor
+    if (addend != nullptr) add_window(sources + (nsrc - 1) * slot + at, addend + at, w);
+    attn_res_sums(sources + at, slot, nsrc, q + lo, w, dot, sq);
+    cluster_sync();  // every block's per-source sums are in its shared memory
+    if (threadIdx.x < nsrc) {
+        float total_sq = cluster_sum<RES_CLUSTER>(sq + threadIdx.x);
+        score[threadIdx.x] = cluster_sum<RES_CLUSTER>(dot + threadIdx.x) * (1.0f / sqrtf(total_sq / (float)d + eps));
+    }
+    __syncthreads();
+    float p[64];
+    attn_res_softmax(score, nsrc, p);
+    float ss = block_sum(read_window(sources + at, slot, nsrc, p, w, read, read_out ? read_out + at : nullptr));
+    if (threadIdx.x == 0) ss_part = ss;
+    cluster_sync();  // every block's sum of squares is in its shared memory
+    float r = 1.0f / sqrtf(cluster_sum<RES_CLUSTER>(&ss_part) / (float)d + norm_eps);
+    norm_window(read, norm_w + lo, r, w, out + at);
+    cluster_sync();  // no block leaves while another may still read its shared memory
+}
+#endif
 
 // a = bf(a + b) (the bf16 residual add).
 extern "C" __global__ void add_in_place(__nv_bfloat16 *a, const __nv_bfloat16 *b, long n) {

@@ -23,19 +23,35 @@ __device__ __forceinline__ float e8m0(u8 b) {
 }
 
 // The router's fp32 logit of one expert row `wr` for one token row `x` (d inputs), by one warp; every lane gets it.
-// Each lane reads 8 inputs (16 bytes) at a time, 4 loads in flight, and sums them in element order; the lanes'
-// partials meet in a fixed butterfly, so a token's logit never depends on the batch or on which kernel computes it.
+// Each lane reads 8 inputs (16 bytes) at a time, ROUTER_LOADS of them in flight (a K3 row of 7168 inputs takes four
+// such rounds: one warp's dot product is bound by memory latency, not bandwidth; 16 in flight were faster at batch
+// 1-8 but took 182 registers, and the fewer blocks per SM cost more at batch 64), and sums them in element order;
+// the lanes' partials meet in a fixed butterfly, so a token's logit never depends on the batch or on which kernel
+// computes it.
+#define ROUTER_LOADS 8
+
 __device__ __forceinline__ float router_dot(const __nv_bfloat16 *x, const __nv_bfloat16 *wr, int d, int lane) {
     float acc = 0.0f;
     int vec = d % 8 == 0 ? d / 8 : 0;  // 16-byte chunks (rows start 16-byte aligned when d is a multiple of 8)
-#pragma unroll 4
-    for (int c = lane; c < vec; c += 32) {
-        uint4 xv = ((const uint4 *)x)[c], wv = ((const uint4 *)wr)[c];
-        unsigned int xs[4] = {xv.x, xv.y, xv.z, xv.w}, ws[4] = {wv.x, wv.y, wv.z, wv.w};
+    for (int c0 = lane; c0 < vec; c0 += 32 * ROUTER_LOADS) {
+        uint4 xv[ROUTER_LOADS], wv[ROUTER_LOADS];
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            acc += __uint_as_float(xs[i] << 16) * __uint_as_float(ws[i] << 16);
-            acc += __uint_as_float(xs[i] & 0xffff0000u) * __uint_as_float(ws[i] & 0xffff0000u);
+        for (int u = 0; u < ROUTER_LOADS; u++) {
+            int c = c0 + 32 * u;
+            if (c < vec) {
+                xv[u] = ((const uint4 *)x)[c];
+                wv[u] = ld_stream16((const uint4 *)wr + c);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < ROUTER_LOADS; u++) {
+            if (c0 + 32 * u >= vec) break;
+            unsigned int xs[4] = {xv[u].x, xv[u].y, xv[u].z, xv[u].w}, ws[4] = {wv[u].x, wv[u].y, wv[u].z, wv[u].w};
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                acc += __uint_as_float(xs[i] << 16) * __uint_as_float(ws[i] << 16);
+                acc += __uint_as_float(xs[i] & 0xffff0000u) * __uint_as_float(ws[i] & 0xffff0000u);
+            }
         }
     }
     for (int c = vec * 8 + lane; c < d; c += 32) acc += ld(x, c) * ld(wr, c);
@@ -160,19 +176,6 @@ extern "C" __global__ void moe_route(const float *logits, const float *bias, int
 // block 0 has read it. Same outputs as the two kernels, bit for bit.
 
 #define ROUTER_CLUSTER 8  // blocks per token (the portable cluster size); Gpu::moe_route's ROUTER_CLUSTER
-
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-
-// The float at `p` in the shared memory of the cluster's block `rank`.
-__device__ __forceinline__ float ld_cluster(const float *p, u32 rank) {
-    u32 local = (u32)__cvta_generic_to_shared(p), remote;
-    float v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-    return v;
-}
 
 // grid = (ROUTER_CLUSTER, n), blockDim 256, clusters of (ROUTER_CLUSTER, 1, 1); dynamic shared memory 3 E floats.
 // h: [n, d]; w: [E, d]; bias: [E]; idx: [n, k] chosen experts ascending; wts: [n, k]; margin: [n].
@@ -474,19 +477,14 @@ extern "C" __global__ void __launch_bounds__(256)
 // The weighted combine in slot order (ascending experts) and the routed RMSNorm, per token:
 #define COMBINE_BATCH 4  // columns per thread whose loads are in flight together
 
-// c = bf(sum_j wts[t, j] y[t k + j]); out[t] = bf(w * bf(c * rsqrt(mean(c^2) + eps))).
-// grid = n tokens, blockDim 512; dynamic shared memory D + k floats. y: [n k, D]; wts: [n, k]; out: [n, D].
-extern "C" __global__ void moe_combine_norm(const __nv_bfloat16 *y, const float *wts, const __nv_bfloat16 *w,
-                                            __nv_bfloat16 *out, int k, int D, float eps) {
-    extern __shared__ float combined[];
-    float *wt = combined + D;
-    long t = blockIdx.x;
-    for (int j = threadIdx.x; j < k; j += blockDim.x) wt[j] = wts[t * k + j];
-    __syncthreads();
-    // Each thread's columns c0 + u * blockDim.x, COMBINE_BATCH of them per pass with all their loads issued before
-    // the sums; every sum runs in the same order as one column at a time.
+// The combine over a window of `w` columns of token t (`y` at the window's first column of pair t k; rows D apart):
+// combined[c] = bf(sum_j wt[j] y[t k + j, c]) (shared); returns the thread's part of the sum of combined[c]^2. Each
+// thread's columns c0 + u * blockDim.x, COMBINE_BATCH of them per pass with all their loads issued before the sums;
+// every sum runs in the same order as one column at a time.
+__device__ __forceinline__ float combine_window(const __nv_bfloat16 *y, const float *wt, long t, int k, int D, int w,
+                                                float *combined) {
     float ss = 0.0f;
-    for (int c0 = threadIdx.x; c0 < D; c0 += COMBINE_BATCH * blockDim.x) {
+    for (int c0 = threadIdx.x; c0 < w; c0 += COMBINE_BATCH * blockDim.x) {
         float acc[COMBINE_BATCH];
 #pragma unroll
         for (int u = 0; u < COMBINE_BATCH; u++) acc[u] = 0.0f;
@@ -496,7 +494,7 @@ extern "C" __global__ void moe_combine_norm(const __nv_bfloat16 *y, const float 
 #pragma unroll
             for (int u = 0; u < COMBINE_BATCH; u++) {
                 int c = c0 + u * blockDim.x;
-                v[u] = c < D ? ld(y, (t * k + j) * D + c) : 0.0f;
+                v[u] = c < w ? ld(y, (t * k + j) * D + c) : 0.0f;
             }
 #pragma unroll
             for (int u = 0; u < COMBINE_BATCH; u++) acc[u] += v[u] * wt[j];
@@ -504,28 +502,73 @@ extern "C" __global__ void moe_combine_norm(const __nv_bfloat16 *y, const float 
 #pragma unroll
         for (int u = 0; u < COMBINE_BATCH; u++) {
             int c = c0 + u * blockDim.x;
-            if (c >= D) continue;
+            if (c >= w) continue;
             float v = bf_round(acc[u]);
             combined[c] = v;
             ss += v * v;
         }
     }
-    ss = block_sum(ss);
-    float r = 1.0f / sqrtf(ss / (float)D + eps);
-    for (int c0 = threadIdx.x; c0 < D; c0 += COMBINE_BATCH * blockDim.x) {
+    return ss;
+}
+
+// out[c] = bf(w[c] * bf(combined[c] * r)) over a window of `width` columns.
+__device__ __forceinline__ void combine_norm_window(const float *combined, const __nv_bfloat16 *w, float r,
+                                                    int width, __nv_bfloat16 *out) {
+    for (int c0 = threadIdx.x; c0 < width; c0 += COMBINE_BATCH * blockDim.x) {
         float g[COMBINE_BATCH];
 #pragma unroll
         for (int u = 0; u < COMBINE_BATCH; u++) {
             int c = c0 + u * blockDim.x;
-            g[u] = c < D ? ld(w, c) : 0.0f;
+            g[u] = c < width ? ld(w, c) : 0.0f;
         }
 #pragma unroll
         for (int u = 0; u < COMBINE_BATCH; u++) {
             int c = c0 + u * blockDim.x;
-            if (c < D) out[t * D + c] = __float2bfloat16_rn(g[u] * bf_round(combined[c] * r));
+            if (c < width) out[c] = __float2bfloat16_rn(g[u] * bf_round(combined[c] * r));
         }
     }
 }
+
+// c = bf(sum_j wts[t, j] y[t k + j]); out[t] = bf(w * bf(c * rsqrt(mean(c^2) + eps))).
+// grid = n tokens, blockDim 512; dynamic shared memory D + k floats. y: [n k, D]; wts: [n, k]; out: [n, D].
+extern "C" __global__ void moe_combine_norm(const __nv_bfloat16 *y, const float *wts, const __nv_bfloat16 *w,
+                                            __nv_bfloat16 *out, int k, int D, float eps) {
+    extern __shared__ float combined[];
+    float *wt = combined + D;
+    long t = blockIdx.x;
+    for (int j = threadIdx.x; j < k; j += blockDim.x) wt[j] = wts[t * k + j];
+    __syncthreads();
+    float ss = block_sum(combine_window(y, wt, t, k, D, D, combined));
+    combine_norm_window(combined, w, 1.0f / sqrtf(ss / (float)D + eps), D, out + t * D);
+}
+
+#if __CUDA_ARCH__ >= 900
+// moe_combine_norm over a cluster of COMBINE_CLUSTER blocks per token (Hopper and later), as attn_res_norm_cluster in
+// common.cu: each block combines one contiguous window of the columns, and the sum of squares is completed through
+// distributed shared memory in rank order (another fixed order than moe_combine_norm's: the two differ by rounding).
+#define COMBINE_CLUSTER 8  // Gpu::moe_combine_norm's COMBINE_CLUSTER
+
+// grid = (COMBINE_CLUSTER, n), clusters of (COMBINE_CLUSTER, 1, 1), blockDim 128; dynamic shared memory
+// ceil(D / COMBINE_CLUSTER) + k floats. Arguments as moe_combine_norm.
+extern "C" __global__ void __cluster_dims__(COMBINE_CLUSTER, 1, 1) __launch_bounds__(128)
+    moe_combine_norm_cluster(const __nv_bfloat16 *y, const float *wts, const __nv_bfloat16 *w, __nv_bfloat16 *out,
+                             int k, int D, float eps) {
+    extern __shared__ float combined[];
+    __shared__ float ss_part;
+    const int span = (D + COMBINE_CLUSTER - 1) / COMBINE_CLUSTER, lo = min((int)blockIdx.x * span, D);
+    const int width = min(lo + span, D) - lo;  // this block's columns [lo, lo + width)
+    float *wt = combined + span;
+    long t = blockIdx.y;
+    for (int j = threadIdx.x; j < k; j += blockDim.x) wt[j] = wts[t * k + j];
+    __syncthreads();
+    float ss = block_sum(combine_window(y + lo, wt, t, k, D, width, combined));
+    if (threadIdx.x == 0) ss_part = ss;
+    cluster_sync();  // every block's sum of squares is in its shared memory
+    float r = 1.0f / sqrtf(cluster_sum<COMBINE_CLUSTER>(&ss_part) / (float)D + eps);
+    combine_norm_window(combined, w + lo, r, width, out + t * D + lo);
+    cluster_sync();  // no block leaves while another may still read its shared memory
+}
+#endif
 
 // ---- Grouped routed experts on the tensor cores -------------------------------------------------------------
 // The same grouping and outputs as moe_gate_up / moe_down, with the dot products on mma.sync m16n8k16 (bf16 in,

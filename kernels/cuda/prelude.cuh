@@ -41,6 +41,38 @@ __device__ float block_sum(float v) {
     return t;
 }
 
+#if __CUDA_ARCH__ >= 900
+// Thread-block clusters (Hopper and later).
+
+// Every thread of every block of the cluster waits here; shared-memory writes before it are visible to the
+// cluster's blocks after it.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+// The float at `p` in the shared memory of the cluster's block `rank`.
+__device__ __forceinline__ float ld_cluster(const float *p, u32 rank) {
+    u32 local = (u32)__cvta_generic_to_shared(p), remote;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+}
+
+// The sum over the cluster's BLOCKS blocks, in rank order, of the float at `p` in each one's shared memory
+// (written before a cluster_sync). Every remote load is issued before the first add.
+template <int BLOCKS>
+__device__ __forceinline__ float cluster_sum(const float *p) {
+    float v[BLOCKS];
+#pragma unroll
+    for (int r = 0; r < BLOCKS; r++) v[r] = ld_cluster(p, (u32)r);
+    float total = 0.0f;
+#pragma unroll
+    for (int r = 0; r < BLOCKS; r++) total += v[r];
+    return total;
+}
+#endif
+
 // Max of `v` over the block.
 __device__ float block_max(float v) {
     __shared__ float partial[32];

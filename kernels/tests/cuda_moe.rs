@@ -301,6 +301,60 @@ fn routed_experts_reject_widths_that_are_not_multiples_of_32() {
     }
 }
 
+/// The combine and routed norm of `n` tokens, `(combined, out)`, in f64 from the bf16 inputs: combined[c] =
+/// bf(sum_j wts[j] y[j, c]), out[c] = bf(w[c] * bf(combined[c] / rms(combined))).
+fn host_combine_norm(y: &[f32], wts: &[f32], w: &[f32], n: usize, k: usize, d: usize, eps: f64) -> Vec<f64> {
+    let mut out = vec![0.0f64; n * d];
+    for t in 0..n {
+        let combined: Vec<f64> = (0..d)
+            .map(|c| {
+                let sum: f64 = (0..k).map(|j| f64::from(wts[t * k + j]) * f64::from(y[(t * k + j) * d + c])).sum();
+                f64::from(bf16::from_f64(sum).to_f32())
+            })
+            .collect();
+        let r = 1.0 / (combined.iter().map(|v| v * v).sum::<f64>() / d as f64 + eps).sqrt();
+        for c in 0..d {
+            let normed = f64::from(bf16::from_f64(combined[c] * r).to_f32());
+            out[t * d + c] = f64::from(w[c]) * normed;
+        }
+    }
+    out
+}
+
+#[test]
+fn the_combine_and_routed_norm_match_the_host_in_both_forms_and_are_batch_invariant() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(21);
+    // k3-mini's latent width and top-k, then widths that leave cluster blocks a ragged or an empty window.
+    for (d, k) in [(3584usize, 16usize), (100, 4), (5, 3)] {
+        let most = 64;
+        let y: Vec<bf16> = (0..most * k * d).map(|_| bf16::from_f32(rng.gen_range(-2.0f32..2.0))).collect();
+        let wts: Vec<f32> = (0..most * k).map(|_| rng.gen_range(0.0f32..0.3)).collect();
+        let w: Vec<bf16> = (0..d).map(|_| bf16::from_f32(rng.gen_range(0.5f32..1.5))).collect();
+        let f32s = |v: &[bf16]| v.iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
+        let want = host_combine_norm(&f32s(&y), &wts, &f32s(&w), most, k, d, 1e-5);
+        let (yd, wd, nd) = (gpu.upload(&y).unwrap(), gpu.upload(&wts).unwrap(), gpu.upload(&w).unwrap());
+        for split in gpu.row_splits() {
+            let run = |n: usize| {
+                let out = gpu.zeros::<bf16>(n * d).unwrap();
+                let ptrs = (gpu.ptr(&yd), gpu.ptr(&wd), gpu.ptr(&nd), gpu.ptr(&out));
+                gpu.moe_combine_norm_as(split, ptrs.0, ptrs.1, ptrs.2, ptrs.3, n, k, d, 1e-5).unwrap();
+                gpu.download(&out, n * d).unwrap()
+            };
+            let got = run(most);
+            for (i, (g, want)) in got.iter().zip(&want).enumerate() {
+                // One bf16 step (up to 2^-7 relative) of the combined value, the normalised value and the output.
+                let tol = want.abs() * 3.0 / 128.0 + 1e-6;
+                let g = f64::from(g.to_f32());
+                assert!((g - want).abs() <= tol, "{split:?} [d {d}, k {k}] out[{i}] = {g}, reference {want}");
+            }
+            for n in [1usize, 3, 8] {
+                assert!(run(n) == got[..n * d], "{split:?} [d {d}, k {k}]: batch {n} differs from batch {most}");
+            }
+        }
+    }
+}
+
 #[test]
 #[ignore = "prints GB/s of the routed expert kernels on the k3-mini shapes; asserts nothing about speed"]
 fn routed_expert_bandwidth() {

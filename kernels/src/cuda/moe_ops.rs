@@ -9,7 +9,7 @@
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
-use crate::cuda::ops::{launch_err, DPtr, Gpu};
+use crate::cuda::ops::{launch_err, no_clusters, DPtr, Gpu, RowSplit, ROW_CLUSTER};
 use crate::error::{KernelError, Result};
 
 /// The router of a MoE layer over `n` tokens ([`Gpu::moe_route`]): `h` `[n, d]` bf16, `w` `[experts, d]` bf16,
@@ -143,7 +143,8 @@ impl Gpu {
     }
 
     /// The weighted combine of each token's `k` expert outputs `y` `[n k, latent]` in slot order, then the
-    /// routed RMSNorm with weight `norm_w`: `out` `[n, latent]`.
+    /// routed RMSNorm with weight `norm_w`: `out` `[n, latent]`. Each token's row is spread as [`Gpu::row_split`]
+    /// says.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_combine_norm(
         &self,
@@ -156,16 +157,47 @@ impl Gpu {
         latent: usize,
         eps: f32,
     ) -> Result<()> {
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, 1, 1),
-            block_dim: (512, 1, 1),
-            shared_mem_bytes: ((latent + k) * 4) as u32,
+        self.moe_combine_norm_as(self.row_split(latent), y, wts, norm_w, out, n, k, latent, eps)
+    }
+
+    /// [`Gpu::moe_combine_norm`] spread as `split` says (for the equivalence checks of both forms; the two sum
+    /// the norm's squares in different fixed orders and differ by rounding).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_combine_norm_as(
+        &self,
+        split: RowSplit,
+        y: DPtr,
+        wts: DPtr,
+        norm_w: DPtr,
+        out: DPtr,
+        n: usize,
+        k: usize,
+        latent: usize,
+        eps: f32,
+    ) -> Result<()> {
+        let (kernel, cfg) = match split {
+            RowSplit::Cluster => (
+                self.k.moe_combine_norm_cluster.as_ref().ok_or_else(no_clusters)?,
+                LaunchConfig {
+                    grid_dim: (ROW_CLUSTER, n as u32, 1),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: ((latent.div_ceil(ROW_CLUSTER as usize) + k) * 4) as u32,
+                },
+            ),
+            RowSplit::OneBlock => (
+                &self.k.moe_combine_norm,
+                LaunchConfig {
+                    grid_dim: (n as u32, 1, 1),
+                    block_dim: (512, 1, 1),
+                    shared_mem_bytes: ((latent + k) * 4) as u32,
+                },
+            ),
         };
         if cfg.shared_mem_bytes > 48 * 1024 {
             return Err(KernelError::InvalidInput(format!("a routed norm over {latent} values is not supported")));
         }
         let (k, dl) = (k as i32, latent as i32);
-        let mut b = self.lane().launch_builder(&self.k.moe_combine_norm);
+        let mut b = self.lane().launch_builder(kernel);
         b.arg(&y).arg(&wts).arg(&norm_w).arg(&out).arg(&k).arg(&dl).arg(&eps);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_combine_norm"))
     }

@@ -43,6 +43,46 @@ pub type DPtr = u64;
 /// A null device address, for optional kernel arguments.
 pub const NULL: DPtr = 0;
 
+/// Blocks per token of the cluster forms of the per-token kernels (`RES_CLUSTER` in `kernels/cuda/common.cu`,
+/// `COMBINE_CLUSTER` in `kernels/cuda/moe.cu`).
+pub(crate) const ROW_CLUSTER: u32 = 8;
+
+/// The narrowest row the cluster forms take: 128 columns (one per thread) for each of the `ROW_CLUSTER` blocks.
+const CLUSTER_MIN_WIDTH: usize = 128 * ROW_CLUSTER as usize;
+
+/// How a per-token kernel (the fused AttnRes read + norm, the MoE combine + routed norm) spreads one token's row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RowSplit {
+    /// One block per token.
+    OneBlock,
+    /// A cluster of `ROW_CLUSTER` blocks per token, each over one contiguous window of the columns (Hopper and
+    /// later); the row's sums meet through distributed shared memory in rank order.
+    Cluster,
+}
+
+/// The error for a cluster form asked of a device without thread-block clusters.
+pub(crate) fn no_clusters() -> KernelError {
+    KernelError::InvalidInput(
+        "the cluster form of a per-token kernel needs thread-block clusters (Hopper or later)".into(),
+    )
+}
+
+/// The arguments of one `attn_res_norm` launch (see [`Gpu::attn_res_norm`]).
+#[derive(Clone, Copy)]
+struct ResNormCall {
+    sources: DPtr,
+    slot: usize,
+    nsrc: usize,
+    q: DPtr,
+    addend: DPtr,
+    norm: (DPtr, f32),
+    out: DPtr,
+    read_out: DPtr,
+    n: usize,
+    d: usize,
+    eps: f32,
+}
+
 /// Which GEMM the linear layers use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub enum Gemm {
@@ -60,6 +100,8 @@ pub(crate) struct Kernels {
     pub(crate) rms_norm: CudaFunction,
     pub(crate) attn_res_read: CudaFunction,
     pub(crate) attn_res_norm: CudaFunction,
+    /// `attn_res_norm` over a cluster of blocks per token: present from Hopper on.
+    pub(crate) attn_res_norm_cluster: Option<CudaFunction>,
     pub(crate) add_in_place: CudaFunction,
     pub(crate) situ: CudaFunction,
     pub(crate) gather_rows: CudaFunction,
@@ -77,6 +119,8 @@ pub(crate) struct Kernels {
     /// `moe_down` and `moe_down_mma`, indexed by [`ExpertCores`].
     pub(crate) moe_down: [CudaFunction; 2],
     pub(crate) moe_combine_norm: CudaFunction,
+    /// `moe_combine_norm` over a cluster of blocks per token: present from Hopper on.
+    pub(crate) moe_combine_norm_cluster: Option<CudaFunction>,
     pub(crate) sample_rows: CudaFunction,
     pub(crate) sample_rows_f32: CudaFunction,
     pub(crate) rng_hash3: CudaFunction,
@@ -196,21 +240,25 @@ impl Gpu {
         let f = |src: &str, name: &str| {
             module(src)?.load_function(name).map_err(|e| device_err(&format!("kernel {name} of {src}"), e))
         };
+        // Thread-block clusters (the one-launch router, the cluster forms of the per-token norms) from Hopper on.
+        let hopper = info.compute_capability.0 >= 9;
         let k = Kernels {
             embed_gather: f("common.cu", "embed_gather")?,
             rms_norm: f("common.cu", "rms_norm")?,
             attn_res_read: f("common.cu", "attn_res_read")?,
             attn_res_norm: f("common.cu", "attn_res_norm")?,
+            attn_res_norm_cluster: hopper.then(|| f("common.cu", "attn_res_norm_cluster")).transpose()?,
             add_in_place: f("common.cu", "add_in_place")?,
             situ: f("common.cu", "situ")?,
             gather_rows: f("common.cu", "gather_rows")?,
             moe_router_logits: f("moe.cu", "moe_router_logits")?,
             moe_route: f("moe.cu", "moe_route")?,
-            moe_router: if info.compute_capability.0 >= 9 { Some(f("moe.cu", "moe_router")?) } else { None },
+            moe_router: hopper.then(|| f("moe.cu", "moe_router")).transpose()?,
             moe_group: f("moe.cu", "moe_group")?,
             moe_gate_up: [f("moe.cu", "moe_gate_up")?, f("moe.cu", "moe_gate_up_mma")?],
             moe_down: [f("moe.cu", "moe_down")?, f("moe.cu", "moe_down_mma")?],
             moe_combine_norm: f("moe.cu", "moe_combine_norm")?,
+            moe_combine_norm_cluster: hopper.then(|| f("moe.cu", "moe_combine_norm_cluster")).transpose()?,
             sample_rows: f("sample.cu", "sample_rows")?,
             sample_rows_f32: f("sample.cu", "sample_rows_f32")?,
             rng_hash3: f("sample.cu", "rng_hash3")?,
@@ -505,8 +553,7 @@ impl Gpu {
     /// The residual add, AttnRes read and RMSNorm fused (`attn_res_norm` in common.cu): when `addend`
     /// is not [`NULL`], the live slot (the last of `nsrc`) first becomes `bf(live + addend)`; then
     /// `out = rms_norm(read)`, `[n, d]`, and, when `read_out` is not [`NULL`], `read_out = read` `[n, d]`.
-    /// Bit-identical to [`Gpu::add`], [`Gpu::attn_res_read`] and [`Gpu::rms_norm`] in sequence, in one
-    /// launch.
+    /// Each token's row is spread as [`Gpu::row_split`] says.
     #[allow(clippy::too_many_arguments)]
     pub fn attn_res_norm(
         &self,
@@ -522,15 +569,73 @@ impl Gpu {
         d: usize,
         eps: f32,
     ) -> Result<()> {
+        let call = ResNormCall { sources, slot, nsrc, q, addend, norm, out, read_out, n, d, eps };
+        self.launch_attn_res_norm(self.row_split(d), &call)
+    }
+
+    /// [`Gpu::attn_res_norm`] spread as `split` says (for the equivalence checks of both forms). The one-block
+    /// form is bit-identical to [`Gpu::add`], [`Gpu::attn_res_read`] and [`Gpu::rms_norm`] in sequence; the
+    /// cluster form sums in another fixed order (the two differ by rounding).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_res_norm_as(
+        &self,
+        split: RowSplit,
+        sources: DPtr,
+        slot: usize,
+        nsrc: usize,
+        q: DPtr,
+        addend: DPtr,
+        norm: (DPtr, f32),
+        out: DPtr,
+        read_out: DPtr,
+        n: usize,
+        d: usize,
+        eps: f32,
+    ) -> Result<()> {
+        let call = ResNormCall { sources, slot, nsrc, q, addend, norm, out, read_out, n, d, eps };
+        self.launch_attn_res_norm(split, &call)
+    }
+
+    /// The row splits this device has: the cluster form from Hopper on, the one-block form always.
+    pub fn row_splits(&self) -> Vec<RowSplit> {
+        let cluster = self.k.attn_res_norm_cluster.is_some().then_some(RowSplit::Cluster);
+        cluster.into_iter().chain([RowSplit::OneBlock]).collect()
+    }
+
+    /// How a per-token kernel over rows of `width` spreads each token: a cluster of blocks (Hopper and later)
+    /// once every block of it gets at least one column per thread (`CLUSTER_MIN_WIDTH`), else one block.
+    pub fn row_split(&self, width: usize) -> RowSplit {
+        if self.k.attn_res_norm_cluster.is_some() && width >= CLUSTER_MIN_WIDTH {
+            RowSplit::Cluster
+        } else {
+            RowSplit::OneBlock
+        }
+    }
+
+    fn launch_attn_res_norm(&self, split: RowSplit, c: &ResNormCall) -> Result<()> {
+        let ResNormCall { sources, slot, nsrc, q, addend, norm, out, read_out, n, d, eps } = *c;
         if nsrc == 0 || nsrc > 64 {
             return Err(KernelError::InvalidInput(format!("AttnRes read over {nsrc} sources (1..=64 supported)")));
         }
         if d > 12_288 {
             return Err(KernelError::InvalidInput(format!("fused AttnRes read + norm of width {d} (at most 12288)")));
         }
-        let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: (d * 4) as u32 };
+        let (kernel, cfg) = match split {
+            RowSplit::Cluster => (
+                self.k.attn_res_norm_cluster.as_ref().ok_or_else(no_clusters)?,
+                LaunchConfig {
+                    grid_dim: (ROW_CLUSTER, n as u32, 1),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: (d.div_ceil(ROW_CLUSTER as usize) * 4) as u32,
+                },
+            ),
+            RowSplit::OneBlock => (
+                &self.k.attn_res_norm,
+                LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: (d * 4) as u32 },
+            ),
+        };
         let (slot, nsrc, d) = (slot as i64, nsrc as i32, d as i32);
-        let mut b = self.lane().launch_builder(&self.k.attn_res_norm);
+        let mut b = self.lane().launch_builder(kernel);
         b.arg(&sources)
             .arg(&slot)
             .arg(&nsrc)

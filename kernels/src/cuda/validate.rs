@@ -255,30 +255,25 @@ fn op_checks(gpu: &mut Gpu, dev: &DeviceModel, cpu: &CpuModel<f32>) -> Result<Ve
     let refs: Vec<&[f32]> = srcs.iter().map(|s| s.as_slice()).collect();
     out.push(compare("attn_res_read", &down(gpu, &y, n * d)?, &l1.mlp_res.read(&refs), TOL_ONE_ROUNDING));
 
-    // The residual add, AttnRes read and RMSNorm fused (the forward's form), against the CPU's three
-    // steps: the live source becomes bf(live + addend), then read, then norm.
+    // The residual add, AttnRes read and RMSNorm fused (the forward's form: a cluster of blocks per token from
+    // Hopper on), and its one-block form, each against the CPU's three steps: the live source becomes
+    // bf(live + addend), then read, then norm. Each form gets fresh sources (the add writes the live one).
     let addend = random_bf16(&mut rng, n * d, 1.0);
     let ad = up(gpu, &addend)?;
-    let read = gpu.zeros::<bf16>(n * d)?; // [n, d]
-    let norm = (gpu.ptr(&dl1.post_norm.w), dl1.post_norm.eps);
-    gpu.attn_res_norm(
-        gpu.ptr(&sd),
-        n * d,
-        3,
-        gpu.ptr(&dl1.mlp_res),
-        gpu.ptr(&ad),
-        norm,
-        gpu.ptr(&y),
-        gpu.ptr(&read),
-        n,
-        d,
-        cfg.rms_norm_eps,
-    )?;
     let live: Vec<f32> = srcs[2].iter().zip(&addend).map(|(a, b)| bf16::from_f32(a + b).to_f32()).collect();
     let want_read = l1.mlp_res.read(&[&srcs[0], &srcs[1], &live]);
     let want = l1.post_norm.forward(&want_read);
-    out.push(compare("attn_res_norm (add + read + norm)", &down(gpu, &y, n * d)?, &want, TOL_ONE_ROUNDING));
-    out.push(compare("attn_res_norm (its read output)", &down(gpu, &read, n * d)?, &want_read, TOL_ONE_ROUNDING));
+    for split in gpu.row_splits() {
+        let sd = up(gpu, &flat)?;
+        let read = gpu.zeros::<bf16>(n * d)?; // [n, d]
+        let norm = (gpu.ptr(&dl1.post_norm.w), dl1.post_norm.eps);
+        let (s, q, a) = (gpu.ptr(&sd), gpu.ptr(&dl1.mlp_res), gpu.ptr(&ad));
+        let (y_at, read_at) = (gpu.ptr(&y), gpu.ptr(&read));
+        gpu.attn_res_norm_as(split, s, n * d, 3, q, a, norm, y_at, read_at, n, d, cfg.rms_norm_eps)?;
+        let form = format!("attn_res_norm ({split:?})");
+        out.push(compare(&format!("{form}: add + read + norm"), &down(gpu, &y, n * d)?, &want, TOL_ONE_ROUNDING));
+        out.push(compare(&format!("{form}: its read output"), &down(gpu, &read, n * d)?, &want_read, TOL_ONE_ROUNDING));
+    }
 
     // SiTU.
     let g = random_bf16(&mut rng, n * d, 8.0);
