@@ -14,7 +14,8 @@
 // Invariants:
 // - Thread t owns the contiguous ids [t * seg, (t + 1) * seg): every sum runs in id order inside a
 //   segment, then over segments in a fixed tree, so a row's result depends on nothing but the row (no
-//   floating-point atomics; histograms count with integer atomics). Probabilities are f64.
+//   floating-point atomics; histograms count with integer atomics). Probabilities are f64. Only the
+//   argmax pass and the greedy one-hot write read ids strided (coalesced): neither sums.
 // - Selection without sorting: an order key per value (16 bits for bf16, 32 for f32; larger key = larger
 //   value, -0 < +0 as Rust's `total_cmp`) and one 256-bin radix histogram per key byte, high byte first,
 //   find the k-th best key; ties at that key are kept lowest id first by a block prefix count. Top-p
@@ -36,6 +37,7 @@ typedef unsigned short u16;
 
 #define SAMPLE_THREADS 1024
 #define SAMPLE_WARPS (SAMPLE_THREADS / 32)
+#define ARGMAX_LOADS 8 // logits per thread in flight in the argmax pass
 #define FULL_MASK 0xffffffffu
 #define NO_ID 0xffffffffu
 #define FIXED_ONE 4611686018427387904.0 // 2^62: fixed-point unit of the top-p high-byte mass
@@ -550,21 +552,37 @@ template <class L> __device__ void sample_row(const u64 *desc, const u32 *mask, 
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     u32 *st = status + (long)blockIdx.x * STATUS_WORDS;
 
-    // Pass 1: argmax (float compare, lowest id on ties, as sampling::argmax) and bad values.
+    // Pass 1: argmax (float compare, lowest id on ties, as sampling::argmax) and the lowest bad id. Unlike the
+    // passes below it reads the ids strided (id threadIdx.x + j SAMPLE_THREADS: coalesced, ARGMAX_LOADS loads in
+    // flight; a thread walking its own segment made each warp load touch 32 sectors and took 50 us per row): a
+    // maximum with ties to the lowest id, and a minimum over bad ids, do not depend on the order.
     if (threadIdx.x == 0) s.bad_id = NO_ID;
     __syncthreads();
     float bv = -__int_as_float(0x7f800000);
     u32 bi = NO_ID;
-    for (int i = begin; i < end; i++) {
-        float v = L::value(bits_at(r, i));
-        if (isnan(v) || v == __int_as_float(0x7f800000)) {
-            atomicMin(&s.bad_id, (u32)i);
-            break;
+    for (int i0 = threadIdx.x; i0 < vocab; i0 += ARGMAX_LOADS * SAMPLE_THREADS) {
+        u32 bits[ARGMAX_LOADS];
+#pragma unroll
+        for (int u = 0; u < ARGMAX_LOADS; u++) {
+            int i = i0 + u * SAMPLE_THREADS;
+            bits[u] = i < vocab ? bits_at(r, i) : L::NEG_INF;
         }
-        if (v > bv) {
-            bv = v;
-            bi = (u32)i;
+        bool bad = false;
+#pragma unroll
+        for (int u = 0; u < ARGMAX_LOADS; u++) {
+            int i = i0 + u * SAMPLE_THREADS;
+            float v = L::value(bits[u]);
+            if (isnan(v) || v == __int_as_float(0x7f800000)) {
+                atomicMin(&s.bad_id, (u32)i);
+                bad = true;
+                break;
+            }
+            if (v > bv) {
+                bv = v;
+                bi = (u32)i;
+            }
         }
+        if (bad) break;
     }
     for (int o = 16; o > 0; o >>= 1) {
         float ov = __shfl_xor_sync(FULL_MASK, bv, o);
@@ -607,7 +625,7 @@ template <class L> __device__ void sample_row(const u64 *desc, const u32 *mask, 
         // Greedy: the one-hot distribution on the argmax.
         accepted = draft == argmax;
         if (probs_out)
-            for (int i = begin; i < end; i++) probs_out[i] = (u32)i == argmax ? 1.0f : 0.0f;
+            for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) probs_out[i] = (u32)i == argmax ? 1.0f : 0.0f;
     } else {
         Target<L> t;
         build_target(r, seg, temperature, top_k, top_p, max_v, s, t);
