@@ -19,6 +19,10 @@
 //!   skinny tensor-core kernel of `gemm.cu`, whose result for a token does not depend on the batch
 //!   (see [`Gemm`]); its K split is a function of the weight's shape alone ([`skinny_split`]). Their
 //!   launches live in `gemm_ops`.
+//! - The per-token kernels that reduce over a whole row (the fused AttnRes read + norm, the MoE combine +
+//!   routed norm) spread a token over one block or, from Hopper on and for rows of 1024 and wider, over a
+//!   cluster of [`ROW_CLUSTER`] blocks ([`Gpu::row_split`]); which form runs depends on the device and the
+//!   row width alone, never on the batch.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

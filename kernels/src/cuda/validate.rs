@@ -255,9 +255,10 @@ fn op_checks(gpu: &mut Gpu, dev: &DeviceModel, cpu: &CpuModel<f32>) -> Result<Ve
     let refs: Vec<&[f32]> = srcs.iter().map(|s| s.as_slice()).collect();
     out.push(compare("attn_res_read", &down(gpu, &y, n * d)?, &l1.mlp_res.read(&refs), TOL_ONE_ROUNDING));
 
-    // The residual add, AttnRes read and RMSNorm fused (the forward's form: a cluster of blocks per token from
-    // Hopper on), and its one-block form, each against the CPU's three steps: the live source becomes
-    // bf(live + addend), then read, then norm. Each form gets fresh sources (the add writes the live one).
+    // The residual add, AttnRes read and RMSNorm fused, in every form the device has (the forward takes the
+    // cluster form for rows of 1024 and wider from Hopper on, else one block per token), each against the CPU's
+    // three steps: the live source becomes bf(live + addend), then read, then norm. Each form gets fresh
+    // sources (the add writes the live one).
     let addend = random_bf16(&mut rng, n * d, 1.0);
     let ad = up(gpu, &addend)?;
     let live: Vec<f32> = srcs[2].iter().zip(&addend).map(|(a, b)| bf16::from_f32(a + b).to_f32()).collect();
