@@ -21,7 +21,7 @@
 //!   launches live in `gemm_ops`.
 //! - The per-token kernels that reduce over a whole row (the fused AttnRes read + norm, the MoE combine +
 //!   routed norm) spread a token over one block or, from Hopper on and for rows of 1024 and wider, over a
-//!   cluster of [`ROW_CLUSTER`] blocks ([`Gpu::row_split`]); which form runs depends on the device and the
+//!   cluster of `ROW_CLUSTER` blocks ([`Gpu::row_split`]); which form runs depends on the device and the
 //!   row width alone, never on the batch.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
