@@ -12,8 +12,8 @@
 #   bench_quick.json   k3-mini at batch 1, 8, 64 only (only when named in ONLY)
 #   bench_wide.json    k3-mini-wide (57 GB) load time and a short sweep (only when named in ONLY)
 # Binaries are built on the CPU host and carried: $BIN (sparkd and the GPU test binaries cuda_runner,
-# cuda_sample, cuda_attn, cuda_gemm, cuda_drafter, cuda_moe; optionally kc/ with CUBINs filled by the cuda_compile test and
-# fallback/sparkd), $BEFORE/sparkd (and optionally its kc/); fla-core as a wheel in .whl/.
+# cuda_sample, cuda_attn, cuda_gemm, cuda_drafter, cuda_moe, cuda_rows; optionally kc/ with CUBINs filled by
+# the cuda_compile test and fallback/sparkd), $BEFORE/sparkd (and optionally its kc/); fla-core as a wheel in .whl/.
 # When validation or a GPU test fails and $BIN/fallback/sparkd exists, the benchmarks run that binary instead (the
 # log says so).
 # ONLY="name ..." runs just those steps. Each step has its own time limit; a failed step is logged and the next
@@ -57,7 +57,7 @@ SPARKD="$BIN/sparkd"
 FAILED=""
 step validate 60 "$SPARKD" validate --device cuda --config k3-tiny --out "$OUT/validate.json"
 want validate && ! grep -q '"pass": true' "$OUT/validate.json" 2>/dev/null && FAILED="$FAILED validate"
-for t in cuda_runner cuda_sample cuda_attn cuda_gemm cuda_drafter cuda_moe; do
+for t in cuda_runner cuda_sample cuda_attn cuda_gemm cuda_drafter cuda_moe cuda_rows; do
   if [ -x "$BIN/$t" ]; then
     step "$t" 40 "$BIN/$t" --test-threads=1 --nocapture --skip cuda_matches_the_cpu_reference || FAILED="$FAILED $t"
   fi

@@ -1,0 +1,101 @@
+//! The fused residual add, AttnRes read and RMSNorm (`Gpu::attn_res_norm`, `kernels/cuda/common.cu`) on a GPU at
+//! K3's hidden width (7,168), at a width whose cluster windows are ragged (1,000) and at k3-tiny's (128), in every
+//! form the device has (one block per token; from Hopper on a cluster of blocks per token): against the CPU
+//! reference's three steps (`cpu::ops::add_rows`, `AttnResQuery::read`, `RmsNorm::forward`), and every token's
+//! outputs bit-identical whatever the batch it runs in. On a machine without a CUDA driver the test says plainly
+//! that it skipped.
+
+use half::bf16;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use sparkd_kernels::cpu::ops::{add_rows, AttnResQuery, RmsNorm};
+use sparkd_kernels::cuda::device::driver_present;
+use sparkd_kernels::cuda::ops::{Gpu, RowSplit};
+
+fn gpu() -> Option<Gpu> {
+    if !driver_present() {
+        eprintln!("SKIPPED: no CUDA driver on this machine; the fused AttnRes read + norm was NOT checked");
+        return None;
+    }
+    Some(Gpu::new(0).unwrap())
+}
+
+/// `n` values rounded to bf16, uniform in `[-scale, scale)`.
+fn random_bf16(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| bf16::from_f32(rng.gen_range(-scale..scale)).to_f32()).collect()
+}
+
+fn to_bf16(x: &[f32]) -> Vec<bf16> {
+    x.iter().map(|v| bf16::from_f32(*v)).collect()
+}
+
+/// The first `m` tokens of each of the sources `[nsrc][n, d]`, as one buffer of slots `[nsrc, m, d]`.
+fn slots(sources: &[Vec<f32>], m: usize, d: usize) -> Vec<bf16> {
+    sources.iter().flat_map(|s| to_bf16(&s[..m * d])).collect()
+}
+
+/// One launch over the first `m` tokens: `(out, read)` `[m, d]` as bf16 bits.
+#[allow(clippy::too_many_arguments)]
+fn run(
+    gpu: &Gpu,
+    split: RowSplit,
+    sources: &[Vec<f32>],
+    addend: &[f32],
+    q: &[f32],
+    w: &[f32],
+    m: usize,
+    d: usize,
+    eps: f32,
+) -> (Vec<u16>, Vec<u16>) {
+    let src = gpu.upload(&slots(sources, m, d)).unwrap(); // [nsrc, m, d]; the launch writes the live slot
+    let add = gpu.upload(&to_bf16(&addend[..m * d])).unwrap();
+    let (qd, wd) = (gpu.upload(q).unwrap(), gpu.upload(&to_bf16(w)).unwrap());
+    let (out, read) = (gpu.zeros::<bf16>(m * d).unwrap(), gpu.zeros::<bf16>(m * d).unwrap());
+    let (s, a, qp, wp) = (gpu.ptr(&src), gpu.ptr(&add), gpu.ptr(&qd), gpu.ptr(&wd));
+    let (o, r) = (gpu.ptr(&out), gpu.ptr(&read));
+    gpu.attn_res_norm_as(split, s, m * d, sources.len(), qp, a, (wp, eps), o, r, m, d, eps).unwrap();
+    let bits = |x: Vec<bf16>| x.iter().map(|v| v.to_bits()).collect::<Vec<u16>>();
+    (bits(gpu.download(&out, m * d).unwrap()), bits(gpu.download(&read, m * d).unwrap()))
+}
+
+#[test]
+fn the_fused_attn_res_read_and_norm_match_the_cpu_in_every_form_and_are_batch_invariant() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(31);
+    let (n, nsrc, eps) = (16usize, 5usize, 1e-5f32);
+    for d in [7168usize, 1000, 128] {
+        let sources: Vec<Vec<f32>> = (0..nsrc).map(|_| random_bf16(&mut rng, n * d, 1.5)).collect();
+        let addend = random_bf16(&mut rng, n * d, 1.0);
+        // The folded pseudo-query: the product of two bf16 weights (exact in f32), as the loader builds it.
+        let q: Vec<f32> = (0..d).map(|_| random_bf16(&mut rng, 1, 1.0)[0] * random_bf16(&mut rng, 1, 0.1)[0]).collect();
+        let w: Vec<f32> = (0..d).map(|_| bf16::from_f32(rng.gen_range(0.5f32..1.5)).to_f32()).collect();
+
+        // The CPU's three steps: the live source (the last) becomes bf(live + addend), then read, then norm.
+        let live = add_rows(&sources[nsrc - 1], &addend);
+        let refs: Vec<&[f32]> = sources[..nsrc - 1].iter().map(|s| s.as_slice()).chain([live.as_slice()]).collect();
+        let want_read = AttnResQuery { q: q.clone(), eps }.read(&refs);
+        let want = RmsNorm { w: w.clone(), eps }.forward(&want_read);
+
+        for split in gpu.row_splits() {
+            let (out, read) = run(&gpu, split, &sources, &addend, &q, &w, n, d, eps);
+            for (i, (got, want)) in out.iter().zip(&want).enumerate() {
+                // Up to one bf16 step (2^-7 relative at most) each for the read, the normalised value and the output:
+                // the sums run in other fixed orders than the CPU's.
+                let got = bf16::from_bits(*got).to_f32();
+                let tol = want.abs() * 3.0 / 128.0 + 1e-6;
+                assert!((got - want).abs() <= tol, "{split:?} d {d}: out[{i}] = {got}, CPU {want}");
+            }
+            for (i, (got, want)) in read.iter().zip(&want_read).enumerate() {
+                let got = bf16::from_bits(*got).to_f32();
+                let tol = want.abs() * 2.0 / 128.0 + 1e-6;
+                assert!((got - want).abs() <= tol, "{split:?} d {d}: read[{i}] = {got}, CPU {want}");
+            }
+            for m in [1usize, 3] {
+                let (out_m, read_m) = run(&gpu, split, &sources, &addend, &q, &w, m, d, eps);
+                let same = out_m == out[..m * d] && read_m == read[..m * d];
+                assert!(same, "{split:?} d {d}: a token's outputs in a batch of {m} differ from the batch of {n}");
+            }
+            println!("{split:?} d {d}: matches the CPU, and batches of 1 and 3 give the batch of {n}'s bits");
+        }
+    }
+}
