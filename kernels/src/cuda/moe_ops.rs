@@ -9,7 +9,7 @@
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
-use crate::cuda::ops::{launch_err, no_clusters, DPtr, Gpu, RowSplit, ROW_CLUSTER};
+use crate::cuda::ops::{launch_err, no_clusters, row_cluster_launch, DPtr, Gpu, RowSplit, ROW_CLUSTER};
 use crate::error::{KernelError, Result};
 
 /// The router of a MoE layer over `n` tokens ([`Gpu::moe_route`]): `h` `[n, d]` bf16, `w` `[experts, d]` bf16,
@@ -178,11 +178,7 @@ impl Gpu {
         let (kernel, cfg) = match split {
             RowSplit::Cluster => (
                 self.k.moe_combine_norm_cluster.as_ref().ok_or_else(no_clusters)?,
-                LaunchConfig {
-                    grid_dim: (ROW_CLUSTER, n as u32, 1),
-                    block_dim: (128, 1, 1),
-                    shared_mem_bytes: ((latent.div_ceil(ROW_CLUSTER as usize) + k) * 4) as u32,
-                },
+                row_cluster_launch(n, latent.div_ceil(ROW_CLUSTER as usize) + k),
             ),
             RowSplit::OneBlock => (
                 &self.k.moe_combine_norm,

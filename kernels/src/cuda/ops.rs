@@ -71,20 +71,14 @@ pub(crate) fn no_clusters() -> KernelError {
     )
 }
 
-/// The arguments of one `attn_res_norm` launch (see [`Gpu::attn_res_norm`]).
-#[derive(Clone, Copy)]
-struct ResNormCall {
-    sources: DPtr,
-    slot: usize,
-    nsrc: usize,
-    q: DPtr,
-    addend: DPtr,
-    norm: (DPtr, f32),
-    out: DPtr,
-    read_out: DPtr,
-    n: usize,
-    d: usize,
-    eps: f32,
+/// The launch of a cluster form over `n` tokens with `shared_floats` floats of dynamic shared memory per block:
+/// grid (`ROW_CLUSTER`, n), 128 threads per block (the kernels' `__launch_bounds__(128)`).
+pub(crate) fn row_cluster_launch(n: usize, shared_floats: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (ROW_CLUSTER, n as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: (shared_floats * 4) as u32,
+    }
 }
 
 /// Which GEMM the linear layers use.
@@ -573,8 +567,7 @@ impl Gpu {
         d: usize,
         eps: f32,
     ) -> Result<()> {
-        let call = ResNormCall { sources, slot, nsrc, q, addend, norm, out, read_out, n, d, eps };
-        self.launch_attn_res_norm(self.row_split(d), &call)
+        self.attn_res_norm_as(self.row_split(d), sources, slot, nsrc, q, addend, norm, out, read_out, n, d, eps)
     }
 
     /// [`Gpu::attn_res_norm`] spread as `split` says (for the equivalence checks of both forms). The one-block
@@ -596,28 +589,6 @@ impl Gpu {
         d: usize,
         eps: f32,
     ) -> Result<()> {
-        let call = ResNormCall { sources, slot, nsrc, q, addend, norm, out, read_out, n, d, eps };
-        self.launch_attn_res_norm(split, &call)
-    }
-
-    /// The row splits this device has: the cluster form from Hopper on, the one-block form always.
-    pub fn row_splits(&self) -> Vec<RowSplit> {
-        let cluster = self.k.attn_res_norm_cluster.is_some().then_some(RowSplit::Cluster);
-        cluster.into_iter().chain([RowSplit::OneBlock]).collect()
-    }
-
-    /// How a per-token kernel over rows of `width` spreads each token: a cluster of blocks (Hopper and later)
-    /// once every block of it gets at least one column per thread (`CLUSTER_MIN_WIDTH`), else one block.
-    pub fn row_split(&self, width: usize) -> RowSplit {
-        if self.k.attn_res_norm_cluster.is_some() && width >= CLUSTER_MIN_WIDTH {
-            RowSplit::Cluster
-        } else {
-            RowSplit::OneBlock
-        }
-    }
-
-    fn launch_attn_res_norm(&self, split: RowSplit, c: &ResNormCall) -> Result<()> {
-        let ResNormCall { sources, slot, nsrc, q, addend, norm, out, read_out, n, d, eps } = *c;
         if nsrc == 0 || nsrc > 64 {
             return Err(KernelError::InvalidInput(format!("AttnRes read over {nsrc} sources (1..=64 supported)")));
         }
@@ -627,11 +598,7 @@ impl Gpu {
         let (kernel, cfg) = match split {
             RowSplit::Cluster => (
                 self.k.attn_res_norm_cluster.as_ref().ok_or_else(no_clusters)?,
-                LaunchConfig {
-                    grid_dim: (ROW_CLUSTER, n as u32, 1),
-                    block_dim: (128, 1, 1),
-                    shared_mem_bytes: (d.div_ceil(ROW_CLUSTER as usize) * 4) as u32,
-                },
+                row_cluster_launch(n, d.div_ceil(ROW_CLUSTER as usize)),
             ),
             RowSplit::OneBlock => (
                 &self.k.attn_res_norm,
@@ -652,6 +619,22 @@ impl Gpu {
             .arg(&d)
             .arg(&eps);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("attn_res_norm"))
+    }
+
+    /// The row splits this device has: the cluster form from Hopper on, the one-block form always.
+    pub fn row_splits(&self) -> Vec<RowSplit> {
+        let cluster = self.k.attn_res_norm_cluster.is_some().then_some(RowSplit::Cluster);
+        cluster.into_iter().chain([RowSplit::OneBlock]).collect()
+    }
+
+    /// How a per-token kernel over rows of `width` spreads each token: a cluster of blocks (Hopper and later)
+    /// once every block of it gets at least one column per thread (`CLUSTER_MIN_WIDTH`), else one block.
+    pub fn row_split(&self, width: usize) -> RowSplit {
+        if self.k.attn_res_norm_cluster.is_some() && width >= CLUSTER_MIN_WIDTH {
+            RowSplit::Cluster
+        } else {
+            RowSplit::OneBlock
+        }
     }
 
     /// `a = bf(a + b)` over `len` elements.
