@@ -64,6 +64,10 @@ pub struct BenchArgs {
     /// CUDA: also time every batch with graphs off, in the same run (the eager baseline).
     #[arg(long)]
     pub compare_eager: bool,
+    /// CUDA: also time every batch with programmatic dependent launch off, in the same run (`SPARKD_PDL=off`
+    /// turns it off for the whole run).
+    #[arg(long)]
+    pub compare_serialized: bool,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Write the JSON report here (default: stdout).
@@ -128,6 +132,7 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
                 },
                 graphs: !args.no_graphs,
                 compare_eager: args.compare_eager,
+                compare_serialized: args.compare_serialized,
                 batches: args.batch.clone(),
                 steps: args.steps,
                 prompt_len: args.prompt_len,

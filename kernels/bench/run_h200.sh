@@ -9,7 +9,7 @@
 #   serve.json         sparkd serve --device cuda --synthetic k3-mini --spec dspark: one SSE chat + a two-turn
 #                      WebSocket session (kernels/bench/serve_check.py)
 #   validate_tiny256.json, validate_mini.json  256 teacher-forced positions on k3-tiny; k3-mini (real widths)
-#   bench_quick.json   k3-mini at batch 1, 8, 64 only (only when named in ONLY)
+#   bench_quick.json   k3-mini at batch 1, 8, 64 only, plus $QUICK_ARGS (only when named in ONLY)
 #   bench_wide.json    k3-mini-wide (57 GB) load time and a short sweep (only when named in ONLY)
 # Binaries are built on the CPU host and carried: $BIN (sparkd and the GPU test binaries cuda_runner,
 # cuda_sample, cuda_attn, cuda_gemm, cuda_drafter, cuda_moe, cuda_rows; optionally kc/ with CUBINs filled by
@@ -95,7 +95,7 @@ step validate_mini "${MINI_LIMIT:-170}" "$SPARKD" validate --device cuda --confi
   ${MINI_ARGS:---positions 256 --batch 1,4 --max-window 2} --out "$OUT/validate_mini.json"
 
 [[ " ${ONLY:-} " == *" bench_quick "* ]] && step bench_quick 90 "$SPARKD" bench --device cuda --config k3-mini \
-  --batch 1,8,64 --steps 8 --prompt-len 64 --max-verify 0 --no-forced --out "$OUT/bench_quick.json"
+  --batch 1,8,64 --steps 8 --prompt-len 64 --max-verify 0 --no-forced ${QUICK_ARGS:-} --out "$OUT/bench_quick.json"
 [[ " ${ONLY:-} " == *" bench_wide "* ]] && step bench_wide 80 "$SPARKD" bench --device cuda --config k3-mini-wide --batch 1,8,64 --steps 4 \
   --prompt-len 16 --max-verify 0 --no-forced --out "$OUT/bench_wide.json"
 grep "^===" "$LOG"

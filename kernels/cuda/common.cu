@@ -43,6 +43,7 @@ __device__ __forceinline__ void copy_row(const __nv_bfloat16 *src, __nv_bfloat16
 
 // out[i, :] = table[tokens[i], :]; grid = n tokens.
 extern "C" __global__ void embed_gather(const __nv_bfloat16 *table, const u32 *tokens, __nv_bfloat16 *out, int d) {
+    kernel_entry();
     copy_row(table + (long)tokens[blockIdx.x] * d, out + (long)blockIdx.x * d, d);
 }
 
@@ -50,6 +51,7 @@ extern "C" __global__ void embed_gather(const __nv_bfloat16 *table, const u32 *t
 // prefix of a wider row (the MLA latent) can be normalised in place.
 extern "C" __global__ void rms_norm(const __nv_bfloat16 *x, long x_stride, const __nv_bfloat16 *w,
                                     __nv_bfloat16 *y, long y_stride, int dim, float eps) {
+    kernel_entry();
     const __nv_bfloat16 *xr = x + blockIdx.x * x_stride;
     __nv_bfloat16 *yr = y + blockIdx.x * y_stride;
     float ss = 0.0f;
@@ -229,6 +231,7 @@ __device__ __forceinline__ void norm_window(const float *read, const __nv_bfloat
 // out[t] = bf(sum_i softmax_i(dot(v_i, q) * rsqrt(mean(v_i^2) + eps)) * v_i); grid = n tokens.
 extern "C" __global__ void attn_res_read(const __nv_bfloat16 *sources, long slot, int nsrc, const float *q,
                                          __nv_bfloat16 *out, int d, float eps) {
+    kernel_entry();
     __shared__ float score[64];
     long t = blockIdx.x;
     float p[64];
@@ -253,6 +256,7 @@ extern "C" __global__ void attn_res_read(const __nv_bfloat16 *sources, long slot
 extern "C" __global__ void attn_res_norm(__nv_bfloat16 *sources, long slot, int nsrc, const float *q,
                                          const __nv_bfloat16 *addend, const __nv_bfloat16 *norm_w, float norm_eps,
                                          __nv_bfloat16 *out, __nv_bfloat16 *read_out, int d, float eps) {
+    kernel_entry();
     extern __shared__ float read[]; // [d]
     __shared__ float score[64];
     long t = blockIdx.x;
@@ -279,6 +283,7 @@ extern "C" __global__ void __cluster_dims__(RES_CLUSTER, 1, 1) __launch_bounds__
     attn_res_norm_cluster(__nv_bfloat16 *sources, long slot, int nsrc, const float *q, const __nv_bfloat16 *addend,
                           const __nv_bfloat16 *norm_w, float norm_eps, __nv_bfloat16 *out, __nv_bfloat16 *read_out,
                           int d, float eps) {
+    kernel_entry();
     extern __shared__ float read[];  // [window] this block's read, bf16-rounded
     __shared__ float dot[64], sq[64], score[64], ss_part;
     const int span = (d + RES_CLUSTER - 1) / RES_CLUSTER, lo = min((int)blockIdx.x * span, d);
@@ -305,6 +310,7 @@ extern "C" __global__ void __cluster_dims__(RES_CLUSTER, 1, 1) __launch_bounds__
 
 // a = bf(a + b) (the bf16 residual add).
 extern "C" __global__ void add_in_place(__nv_bfloat16 *a, const __nv_bfloat16 *b, long n) {
+    kernel_entry();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
         a[i] = __float2bfloat16_rn(ld(a, i) + ld(b, i));
 }
@@ -312,6 +318,7 @@ extern "C" __global__ void add_in_place(__nv_bfloat16 *a, const __nv_bfloat16 *b
 // SiTU (fp32 island): out = bf([beta tanh(g/beta) sigmoid(g)] * [lbeta tanh(u/lbeta)]).
 extern "C" __global__ void situ(const __nv_bfloat16 *g, const __nv_bfloat16 *u, __nv_bfloat16 *out, long n,
                                 float beta, float lbeta) {
+    kernel_entry();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
         float gv = ld(g, i), uv = ld(u, i);
         out[i] = __float2bfloat16_rn((beta * tanhf(gv / beta) * sigmoidf_(gv)) * (lbeta * tanhf(uv / lbeta)));
@@ -321,5 +328,6 @@ extern "C" __global__ void situ(const __nv_bfloat16 *g, const __nv_bfloat16 *u, 
 // out[s, j, :] = src[s, rows[j], :] for every slot s; grid = (rows, slots).
 extern "C" __global__ void gather_rows(const __nv_bfloat16 *src, long src_slot, const u32 *rows, __nv_bfloat16 *out,
                                        long out_slot, int d) {
+    kernel_entry();
     copy_row(src + blockIdx.y * src_slot + (long)rows[blockIdx.x] * d, out + blockIdx.y * out_slot + (long)blockIdx.x * d, d);
 }

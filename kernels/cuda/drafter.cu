@@ -15,6 +15,7 @@
 // grid = (N, m).
 extern "C" __global__ void concat_taps(const __nv_bfloat16 *taps, long slot, const u32 *rows, __nv_bfloat16 *out,
                                        int d) {
+    kernel_entry();
     int j = blockIdx.x, i = blockIdx.y, m = gridDim.y;
     const __nv_bfloat16 *src = taps + i * slot + (long)rows[j] * d;
     __nv_bfloat16 *dst = out + ((long)j * m + i) * d;
@@ -26,6 +27,7 @@ extern "C" __global__ void concat_taps(const __nv_bfloat16 *taps, long slot, con
 // positions[v / group] (group = heads per token for queries, 1 for latents). One thread per pair.
 extern "C" __global__ void rope_rows(__nv_bfloat16 *x, long stride, int offset, int len, int group,
                                      const int *positions, long vectors, double theta) {
+    kernel_entry();
     int half = len / 2;
     long id = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (id >= vectors * half) return;
@@ -48,6 +50,7 @@ extern "C" __global__ void rope_rows(__nv_bfloat16 *x, long stride, int offset, 
 extern "C" __global__ void mla_attend_block(const __nv_bfloat16 *q, const __nv_bfloat16 *cache,
                                             const __nv_bfloat16 *kv_b, float *scores, __nv_bfloat16 *out,
                                             int visible, int H, int nope, int rope, int vdim, int r, float scale) {
+    kernel_entry();
     extern __shared__ float sm[];
     float *q_lat = sm, *o_lat = sm + r;
     int ti = blockIdx.x, h = blockIdx.y;
@@ -114,6 +117,7 @@ extern "C" __global__ void markov_step(int k, const __nv_bfloat16 *U, const __nv
                                        const __nv_bfloat16 *w1, const __nv_bfloat16 *w2, const __nv_bfloat16 *cw,
                                        float cb, const int *base, const int *count, const u32 *tokens, int stride,
                                        const u32 *mask, float *logits, float *conf, int V, int r, int d) {
+    kernel_entry();
     int row = blockIdx.y;
     if (k >= count[row]) return;
     long t = base[row] + k;
@@ -143,6 +147,7 @@ extern "C" __global__ void markov_step(int k, const __nv_bfloat16 *U, const __nv
 // ties. Rows with count[row] <= k are skipped. grid = R, 1024 threads.
 extern "C" __global__ void argmax_step(int k, const float *logits, const int *base, const int *count, u32 *tokens,
                                        int stride, int V) {
+    kernel_entry();
     __shared__ float best_v[1024];
     __shared__ u32 best_i[1024];
     int row = blockIdx.x;

@@ -142,8 +142,10 @@ __device__ void slice_partial(float (&acc)[R][NT][4], __nv_bfloat16 *xs, const _
     constexpr int GROUP = 32 * STEPS;
     uint4 a[STEPS][R][2]; // [step][row tile][rows g / g + 8]
     const int chunks = (k1 - k0 + KC - 1) / KC;
+    load_steps<STEPS, R>(a, w, row, k0, k1, n, kdim, wvec, t); // weights only: before the wait
+    grid_dependency_wait();
+    launch_dependents();
     stage_x<NT>(xs, x, m0, mc, k0, kdim, xvec);
-    load_steps<STEPS, R>(a, w, row, k0, k1, n, kdim, wvec, t);
     for (int c = 0; c < chunks; c++) {
         const int kc = k0 + c * KC;
         const __nv_bfloat16 *buf = xs + (c & 1) * (8 * NT * XS_STRIDE);

@@ -354,9 +354,11 @@ __device__ void kda_chunk(const i64 *table, KdaArgs A) {
 
 #define KDA_KERNELS(K)                                                                                        \
     extern "C" __global__ void __launch_bounds__(2 * K) kda_step_##K(const i64 *table, KdaArgs args) {       \
+        kernel_entry();                                                                                      \
         kda_step<K>(table, args);                                                                              \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(K) kda_chunk_##K(const i64 *table, KdaArgs args) {          \
+        kernel_entry();                                                                                      \
         kda_chunk<K>(table, args);                                                                             \
     }
 

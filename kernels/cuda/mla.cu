@@ -34,6 +34,7 @@ extern "C" __global__ void mla_norm_append(const i64 *table, const __nv_bfloat16
                                            const __nv_bfloat16 *q_norm_w, int q_rank, float q_eps,
                                            const __nv_bfloat16 *kva, const __nv_bfloat16 *kv_norm_w, int width, int r,
                                            float kv_eps) {
+    kernel_entry();
     const i64 *e = table + (i64)blockIdx.y * MLA_ENTRY;
     int i = blockIdx.x;
     if (i >= e[M_T]) return;  // uniform over the block, before any barrier
@@ -87,6 +88,7 @@ __device__ __forceinline__ void load8(const __nv_bfloat16 *p, float *out) {
 // q: [n, H * (nope + rope)]; kv_b: [H * (nope + v), r]; q_lat: [n, H, r] fp32 (bf16 values).
 extern "C" __global__ void mla_absorb(const __nv_bfloat16 *q, const __nv_bfloat16 *kv_b, float *q_lat, int n, int H,
                                       int nope, int rope, int vdim, int r) {
+    kernel_entry();
     __shared__ float qn[ABSORB_TOKENS][ABSORB_SLICES * ABSORB_ROWS];     // [tokens, nope]
     __shared__ float part[ABSORB_TOKENS][ABSORB_WARPS][ABSORB_COLS];     // per-warp sums
     int h = blockIdx.x, col0 = blockIdx.y * ABSORB_COLS;
@@ -162,6 +164,7 @@ extern "C" __global__ void mla_absorb(const __nv_bfloat16 *q, const __nv_bfloat1
 extern "C" __global__ void mla_split(const i64 *table, const i64 *tok_row, const __nv_bfloat16 *q, const float *q_lat,
                                      float *part_o, float *part_m, float *part_l, int H, int nope, int rope, int r,
                                      float scale) {
+    kernel_entry();
     extern __shared__ float qs[];  // [r + rope]: q_lat, then q_rot
     __shared__ float sc[TILE];
     int s = blockIdx.x, h = blockIdx.y, splits = gridDim.x;
@@ -255,6 +258,7 @@ extern "C" __global__ void mla_split(const i64 *table, const i64 *tok_row, const
 extern "C" __global__ void mla_out(const float *part_o, const float *part_m, const float *part_l,
                                    const __nv_bfloat16 *kv_b, const __nv_bfloat16 *g, __nv_bfloat16 *out, int n,
                                    int splits, int H, int nope, int vdim, int r) {
+    kernel_entry();
     __shared__ float4 o_lat4[OUT_TOKENS * OUT_MAX_RANK / 4];  // [OUT_TOKENS, r] (16-byte aligned)
     float *o_lat = (float *)o_lat4;
     int h = blockIdx.x, per_head = nope + vdim;

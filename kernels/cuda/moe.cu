@@ -64,6 +64,7 @@ __device__ __forceinline__ float router_dot(const __nv_bfloat16 *x, const __nv_b
 // GPU instead of in one block per token.)
 extern "C" __global__ void moe_router_logits(const __nv_bfloat16 *h, const __nv_bfloat16 *w, float *logits, int d,
                                              int E) {
+    kernel_entry();
     int e = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (e >= E) return;
     float acc = router_dot(h + (long)blockIdx.y * d, w + (long)e * d, d, lane);
@@ -155,6 +156,7 @@ __device__ void route_select(const float *score, float *choice, int *out_idx, fl
 // margin: [n].
 extern "C" __global__ void moe_route(const float *logits, const float *bias, int *idx, float *wts, float *margin,
                                      int E, int k, int renormalize, float scale) {
+    kernel_entry();
     extern __shared__ float sm[];
     float *score = sm, *choice = sm + E;
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
@@ -182,6 +184,7 @@ extern "C" __global__ void moe_route(const float *logits, const float *bias, int
 extern "C" __global__ void __cluster_dims__(ROUTER_CLUSTER, 1, 1) __launch_bounds__(256)
     moe_router(const __nv_bfloat16 *h, const __nv_bfloat16 *w, const float *bias, int *idx, float *wts,
                float *margin, int d, int E, int k, int renormalize, float scale) {
+    kernel_entry();
     extern __shared__ float sm[];
     float *own = sm, *score = sm + E, *choice = sm + 2 * E;  // own: this block's logits at their expert index
     int rank = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
@@ -274,6 +277,7 @@ __device__ __forceinline__ int find_expert(const int *row, int k, int e) {
 // idx: [n, k] chosen experts, ascending per token. One warp per expert scans the tokens 32 at a time (a ballot
 // ranks the hits), so the order within an expert is the token order.
 extern "C" __global__ void moe_group(const int *idx, int n, int k, int E, int *group, int *pairs) {
+    kernel_entry();
     extern __shared__ int gsm[];
     int *count = gsm, *start = gsm + E;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
@@ -423,6 +427,7 @@ __device__ __forceinline__ void gate_up_pass(const u8 *const packed[2], const u8
 extern "C" __global__ void __launch_bounds__(256, 2)
     moe_gate_up(const __nv_bfloat16 *z, const u8 *w1p, const u8 *w1s, const u8 *w3p, const u8 *w3s, const int *group,
                 const int *pairs, __nv_bfloat16 *a, int k, int E, int D, int I, float beta, float lbeta) {
+    kernel_entry();
     int slot = blockIdx.x;
     if (slot >= group[0]) return;
     int row = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
@@ -458,6 +463,7 @@ __device__ __forceinline__ void down_pass(const u8 *const packed[1], const u8 *c
 extern "C" __global__ void __launch_bounds__(256)
     moe_down(const __nv_bfloat16 *a, const u8 *w2p, const u8 *w2s, const int *group, const int *pairs,
              __nv_bfloat16 *y, int E, int D, int I) {
+    kernel_entry();
     int slot = blockIdx.x;
     if (slot >= group[0]) return;
     int c = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
@@ -533,6 +539,7 @@ __device__ __forceinline__ void combine_norm_window(const float *combined, const
 // grid = n tokens, blockDim 512; dynamic shared memory D + k floats. y: [n k, D]; wts: [n, k]; out: [n, D].
 extern "C" __global__ void moe_combine_norm(const __nv_bfloat16 *y, const float *wts, const __nv_bfloat16 *w,
                                             __nv_bfloat16 *out, int k, int D, float eps) {
+    kernel_entry();
     extern __shared__ float combined[];
     float *wt = combined + D;
     long t = blockIdx.x;
@@ -553,6 +560,7 @@ extern "C" __global__ void moe_combine_norm(const __nv_bfloat16 *y, const float 
 extern "C" __global__ void __cluster_dims__(COMBINE_CLUSTER, 1, 1) __launch_bounds__(128)
     moe_combine_norm_cluster(const __nv_bfloat16 *y, const float *wts, const __nv_bfloat16 *w, __nv_bfloat16 *out,
                              int k, int D, float eps) {
+    kernel_entry();
     extern __shared__ float combined[];
     __shared__ float ss_part;
     const int span = (D + COMBINE_CLUSTER - 1) / COMBINE_CLUSTER, lo = min((int)blockIdx.x * span, D);
@@ -787,6 +795,7 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 3)
     moe_gate_up_mma(const __nv_bfloat16 *z, const u8 *w1p, const u8 *w1s, const u8 *w3p, const u8 *w3s,
                     const int *group, const int *pairs, __nv_bfloat16 *a, int k, int E, int D, int I, float beta,
                     float lbeta) {
+    kernel_entry();
     int slot = blockIdx.x;
     // The slot's grouping entries in one round trip with the active count (unused when the slot is idle).
     int active = group[0], e = group[1 + slot], p = group[1 + E + slot], end = group[2 + E + slot];
@@ -839,6 +848,7 @@ __device__ __forceinline__ void down_mma_chunk(const u8 *const rows[1][2], const
 extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 3)
     moe_down_mma(const __nv_bfloat16 *a, const u8 *w2p, const u8 *w2s, const int *group, const int *pairs,
                  __nv_bfloat16 *y, int E, int D, int I) {
+    kernel_entry();
     int slot = blockIdx.x;
     int active = group[0], e = group[1 + slot], p = group[1 + E + slot], end = group[2 + E + slot];
     if (slot >= active) return;

@@ -24,6 +24,28 @@ __device__ __forceinline__ uint4 ld_stream16(const void *p) {
                  : "l"(p));
     return v;
 }
+// Programmatic dependent launch (Hopper and later; the host launches every kernel with programmatic stream
+// serialisation, see ops.rs). A kernel may start while the kernel before it on the stream is still running, so
+// every kernel calls grid_dependency_wait() before it reads or writes anything but weights: it returns once the
+// kernel before has finished and its memory is visible (so, in turn, every kernel before that). Every kernel
+// calls it on every path, early exits included, so that its completion implies its predecessors'. Then
+// launch_dependents() lets the next kernel's blocks be scheduled into what this one leaves free; they run only
+// their own weight loads until their wait. Both are no-ops before Hopper and in a launch without the attribute.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+// The entry of a kernel that reads nothing before its wait.
+__device__ __forceinline__ void kernel_entry() {
+    grid_dependency_wait();
+    launch_dependents();
+}
 __device__ __forceinline__ float bf_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 

@@ -92,6 +92,7 @@ __device__ __forceinline__ double uniform01(u64 seed, u64 position, u64 stream) 
 
 // out[i] = hash3(seeds[i], positions[i], streams[i]); checks the port bit for bit.
 extern "C" __global__ void rng_hash3(const u64 *seeds, const u64 *positions, const u64 *streams, u64 *out, int n) {
+    kernel_entry();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = hash3(seeds[i], positions[i], streams[i]);
 }
@@ -743,11 +744,13 @@ template <class L> __device__ void sample_row(const u64 *desc, const u32 *mask, 
 // One block per bf16 logits row: grid = rows, block = SAMPLE_THREADS.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_rows(const u64 *desc, const u32 *mask, int vocab, u32 *status, u32 *top) {
+    kernel_entry();
     sample_row<Bf16Logits>(desc, mask, vocab, status, top);
 }
 
 // One block per f32 logits row: grid = rows, block = SAMPLE_THREADS.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_rows_f32(const u64 *desc, const u32 *mask, int vocab, u32 *status, u32 *top) {
+    kernel_entry();
     sample_row<F32Logits>(desc, mask, vocab, status, top);
 }

@@ -190,7 +190,12 @@ fn cuda_graph_replays_equal_eager_steps_bit_for_bit() {
     assert!(after.replayed - before.replayed >= 8, "{after:?}");
     assert!(after.last_capture_nodes > 0);
     assert_eq!(eager, graphed, "a replayed step must give the eager step's tokens and log-probabilities exactly");
-    for (e, g) in eager_states.iter().zip(&graphed_states) {
+    assert_states_equal(&eager_states, &graphed_states);
+}
+
+fn assert_states_equal(a: &[sparkd_kernels::state::SeqState], b: &[sparkd_kernels::state::SeqState]) {
+    assert_eq!(a.len(), b.len());
+    for (e, g) in a.iter().zip(b) {
         assert_eq!(e.len, g.len);
         for (x, y) in e.kda.iter().zip(&g.kda) {
             assert!(x.s.iter().zip(&y.s).all(|(p, q)| p.to_bits() == q.to_bits()), "KDA state differs");
@@ -203,4 +208,24 @@ fn cuda_graph_replays_equal_eager_steps_bit_for_bit() {
             }
         }
     }
+}
+
+#[test]
+fn cuda_dependent_launch_equals_serialized_launch_bit_for_bit() {
+    let Some(mut r) = runner() else { return };
+    let dependent = r.gpu().dependent_launch;
+    if !dependent {
+        eprintln!("dependent launch is off on this device (before Hopper, or SPARKD_PDL=off): both runs serialise");
+    }
+    // Eager and graphed steps alike: the scripted steps capture their repeated shapes and replay them.
+    let (overlapped, overlapped_states) = scripted_steps(&mut r);
+    r.set_dependent_launch(false);
+    assert!(!r.gpu().dependent_launch);
+    let (serialized, serialized_states) = scripted_steps(&mut r);
+    r.set_dependent_launch(dependent);
+    assert_eq!(
+        overlapped, serialized,
+        "kernels that may start before their predecessor ends must give the serialised launch's tokens exactly"
+    );
+    assert_states_equal(&overlapped_states, &serialized_states);
 }

@@ -20,7 +20,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, DeviceRepr, LaunchConfig};
 use half::bf16;
 
 use crate::config::ModelConfig;
@@ -342,7 +342,7 @@ impl Gpu {
                 block_dim: (threads as u32, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let mut b = self.lane().launch_builder(func);
+            let mut b = self.launcher(func);
             b.arg(&table).arg(args);
             // SAFETY: the table's addresses are live buffers of the rows' states and undo records, and the
             // argument buffers are `[n, ..]` as documented on `KdaArgs` (callers' contract).
@@ -377,7 +377,7 @@ impl Gpu {
             shared_mem_bytes: 0,
         };
         let (q_rank, width, r) = (m.q_lora_rank as i32, m.latent_dim() as i32, m.kv_lora_rank as i32);
-        let mut b = self.lane().launch_builder(&self.attn.mla_norm_append);
+        let mut b = self.launcher(&self.attn.mla_norm_append);
         b.arg(&table).arg(&qa).arg(&qa_n).arg(&q_norm.0).arg(&q_rank).arg(&q_norm.1);
         b.arg(&kva).arg(&kv_norm.0).arg(&width).arg(&r).arg(&kv_norm.1);
         // SAFETY: every cache was grown to hold its window when the table was built; qa, qa_n and kva hold
@@ -435,7 +435,7 @@ impl Gpu {
             shared_mem_bytes: 0,
         };
         let a = ints(&[n, h, nope, rope, vdim, r]);
-        let mut b = self.lane().launch_builder(&self.attn.mla_absorb);
+        let mut b = self.launcher(&self.attn.mla_absorb);
         b.arg(&q).arg(&kv_b).arg(&q_lat);
         for x in &a {
             b.arg(x);
@@ -451,7 +451,7 @@ impl Gpu {
             shared_mem_bytes: ((r + rope) * 4) as u32,
         };
         let a = ints(&[h, nope, rope, r]);
-        let mut b = self.lane().launch_builder(&self.attn.mla_split);
+        let mut b = self.launcher(&self.attn.mla_split);
         b.arg(&table).arg(&tables.tok_row).arg(&q).arg(&q_lat).arg(&part_o).arg(&part_m).arg(&part_l);
         for x in &a {
             b.arg(x);
@@ -467,7 +467,7 @@ impl Gpu {
         };
         let gate: DPtr = gate.unwrap_or(0);
         let a = ints(&[n, splits, h, nope, vdim, r]);
-        let mut b = self.lane().launch_builder(&self.attn.mla_out);
+        let mut b = self.launcher(&self.attn.mla_out);
         b.arg(&part_o).arg(&part_m).arg(&part_l).arg(&kv_b).arg(&gate).arg(&out);
         for x in &a {
             b.arg(x);

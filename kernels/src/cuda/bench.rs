@@ -43,6 +43,8 @@ pub struct CudaBenchOptions {
     pub graphs: bool,
     /// With graphs on, also time every batch of the sweep with graphs off, in the same process.
     pub compare_eager: bool,
+    /// Also time every batch of the sweep with programmatic dependent launch off, in the same process.
+    pub compare_serialized: bool,
     /// Batch sizes of the decode sweep.
     pub batches: Vec<usize>,
     /// Timed steps per measurement (after two warm-up steps).
@@ -69,6 +71,7 @@ impl CudaBenchOptions {
             gemm: Gemm::BatchInvariant,
             graphs: true,
             compare_eager: false,
+            compare_serialized: false,
             batches: vec![1, 2, 4, 8, 16, 32, 64],
             steps: 16,
             prompt_len: 128,
@@ -130,6 +133,8 @@ pub struct BatchResult {
     pub step_ms_mean: f64,
     /// The same steps with CUDA graphs off (only with `compare_eager`).
     pub eager_step_ms_median: Option<f64>,
+    /// The same steps with programmatic dependent launch off (only with `compare_serialized`).
+    pub serialized_step_ms_median: Option<f64>,
     pub tokens_per_second: f64,
     /// Generated tokens per row per step (1 for plain decoding).
     pub tokens_per_step_per_row: f64,
@@ -185,6 +190,8 @@ pub struct CudaBenchReport {
     pub load: LoadStats,
     /// Device-to-device copy bandwidth, bytes read plus bytes written per second.
     pub copy_bytes_per_second: f64,
+    /// Whether the steps ran with programmatic dependent launch ([`Gpu::dependent_launch`]).
+    pub dependent_launch: bool,
     pub decode: Vec<BatchResult>,
     pub verify: Vec<VerifyCost>,
     pub forced: Option<ForcedResult>,
@@ -217,7 +224,7 @@ pub fn run(opts: &CudaBenchOptions) -> Result<CudaBenchReport> {
     let mut verify = Vec::new();
     if !opts.verify_lens.is_empty() {
         // The windows are compared with graphs as served; an eager timing would be made and dropped.
-        let opts = &CudaBenchOptions { compare_eager: false, ..opts.clone() };
+        let opts = &CudaBenchOptions { compare_eager: false, compare_serialized: false, ..opts.clone() };
         let base = measure_batch(&mut runner, opts, 1, 0, copy_bytes_per_second)?;
         let moe_ms = |r: &BatchResult| r.by_type.iter().filter(|t| t.kind == SPAN_MOE).map(|t| t.ms).sum::<f64>();
         for &l in &opts.verify_lens {
@@ -254,6 +261,7 @@ pub fn run(opts: &CudaBenchOptions) -> Result<CudaBenchReport> {
         device: runner.gpu().info.clone(),
         load: runner.load_stats().clone(),
         copy_bytes_per_second,
+        dependent_launch: runner.gpu().dependent_launch,
         decode,
         verify,
         forced,
@@ -417,6 +425,15 @@ fn measure_prefilled(
     } else {
         None
     };
+    let serialized_step_ms_median = if opts.compare_serialized {
+        let dependent = runner.gpu().dependent_launch;
+        runner.set_dependent_launch(false);
+        let serialized = time_steps(runner, b, opts.steps, draft_len);
+        runner.set_dependent_launch(dependent);
+        Some(serialized?.median_ms)
+    } else {
+        None
+    };
     // One profiled step (device events at the span marks), then one traced step for the experts read.
     let issued_before = runner.gpu().issued();
     runner.gpu().start_profile();
@@ -434,6 +451,7 @@ fn measure_prefilled(
         step_ms_median: timed.median_ms,
         step_ms_mean: timed.mean_ms,
         eager_step_ms_median,
+        serialized_step_ms_median,
         tokens_per_second: timed.tokens_per_second,
         tokens_per_step_per_row: timed.tokens_per_row_step,
         profiled_device_ms: spans.iter().map(|s| s.ms).sum(),
@@ -585,11 +603,12 @@ impl CudaBenchReport {
         let mut s = String::new();
         let o = &self.options;
         s += &format!(
-            "sparkd bench: {} on {} ({:?} GEMM, CUDA graphs {}), prompt {} tokens, {} timed steps\n",
+            "sparkd bench: {} on {} ({:?} GEMM, CUDA graphs {}, dependent launch {}), prompt {} tokens, {} timed steps\n",
             o.preset,
             self.device.name,
             o.gemm,
             if o.graphs { "on" } else { "off" },
+            if self.dependent_launch { "on" } else { "off" },
             o.prompt_len,
             o.steps
         );
@@ -605,7 +624,7 @@ impl CudaBenchReport {
             self.copy_bytes_per_second / 1e9
         );
         s +=
-            "batch  step ms  eager ms  tok/s     floor ms  floor%  launches/step  graph nodes  | per layer: kind ms (launches)\n";
+            "batch  step ms  eager ms  serial ms  tok/s     floor ms  floor%  launches/step  graph nodes  | per layer: kind ms (launches)\n";
         for r in &self.decode {
             let types: Vec<String> = r
                 .by_type
@@ -613,10 +632,11 @@ impl CudaBenchReport {
                 .map(|t| format!("{} {:.3} ({:.0})", t.kind, t.ms_per_layer, t.launches_per_layer))
                 .collect();
             s += &format!(
-                "{:>5}  {:>7.3}  {:>8}  {:>8.1}  {:>8.3}  {:>5.1}%  {:>13}  {:>11}  | {}\n",
+                "{:>5}  {:>7.3}  {:>8}  {:>9}  {:>8.1}  {:>8.3}  {:>5.1}%  {:>13}  {:>11}  | {}\n",
                 r.batch,
                 r.step_ms_median,
                 r.eager_step_ms_median.map_or("-".to_string(), |ms| format!("{ms:.3}")),
+                r.serialized_step_ms_median.map_or("-".to_string(), |ms| format!("{ms:.3}")),
                 r.tokens_per_second,
                 r.floor.floor_ms,
                 100.0 * r.floor_fraction,

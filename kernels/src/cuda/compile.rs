@@ -188,3 +188,110 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     std::fs::write(&tmp, bytes)?;
     std::fs::rename(&tmp, path)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The functions of a source: (is a kernel entry, name, body), found by matching the parentheses after each
+    /// `__global__` / `__device__` signature and the braces of the body. Macro continuations are left in the text.
+    fn functions(code: &str) -> Vec<(bool, String, String)> {
+        let matching = |from: usize, open: u8, close: u8| -> Option<usize> {
+            let mut depth = 0usize;
+            for (i, &c) in code.as_bytes().iter().enumerate().skip(from) {
+                if c == open {
+                    depth += 1;
+                } else if c == close {
+                    depth = depth.checked_sub(1)?;
+                    if depth == 0 {
+                        return Some(i);
+                    }
+                }
+            }
+            None
+        };
+        let mut out = Vec::new();
+        for (at, marker) in code.match_indices("__global__").chain(code.match_indices("__device__")) {
+            let rest = &code[at..];
+            let (Some(paren), semi) = (rest.find('('), rest.find(';')) else { continue };
+            if semi.is_some_and(|s| s < paren) {
+                continue; // a declaration, not a definition
+            }
+            // Skip attribute parentheses to reach the parameter list.
+            let mut open = at + paren;
+            while ["__launch_bounds__", "__cluster_dims__"].iter().any(|a| code[..open].trim_end().ends_with(a)) {
+                let Some(close) = matching(open, b'(', b')') else { break };
+                let Some(next) = code[close..].find('(') else { break };
+                open = close + next;
+            }
+            let name: String = code[..open]
+                .trim_end()
+                .chars()
+                .rev()
+                .take_while(|c| c.is_alphanumeric() || *c == '_' || *c == '#')
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect();
+            let Some(close) = matching(open, b'(', b')') else { continue };
+            let Some(brace) = code[close..].find(['{', ';']).map(|i| close + i) else { continue };
+            if code.as_bytes()[brace] == b';' {
+                continue;
+            }
+            let Some(end) = matching(brace, b'{', b'}') else { continue };
+            out.push((marker == "__global__", name, code[brace..=end].to_string()));
+        }
+        out
+    }
+
+    /// Whether `body` calls `name` (as `name(` or `name<`).
+    fn calls(body: &str, name: &str) -> bool {
+        body.match_indices(name).any(|(i, _)| {
+            let before = body[..i].chars().next_back().is_some_and(|c| c.is_alphanumeric() || c == '_');
+            let after = body[i + name.len()..].trim_start().chars().next();
+            !before && matches!(after, Some('(') | Some('<'))
+        })
+    }
+
+    #[test]
+    fn every_kernel_waits_for_the_kernel_before_it() {
+        // The host launches every kernel with programmatic stream serialisation (ops.rs); a kernel that never
+        // reached `grid_dependency_wait` could read its predecessor's output before it is written.
+        for src in SOURCES {
+            let fns = functions(src.code);
+            let mut waiting = vec!["grid_dependency_wait".to_string()];
+            loop {
+                let before = waiting.len();
+                for (_, name, body) in &fns {
+                    if !waiting.contains(name) && waiting.iter().any(|w| calls(body, w)) {
+                        waiting.push(name.clone());
+                    }
+                }
+                if waiting.len() == before {
+                    break;
+                }
+            }
+            let kernels: Vec<_> = fns.iter().filter(|f| f.0).collect();
+            assert!(!kernels.is_empty(), "{}: no kernels found", src.name);
+            for (_, name, body) in kernels {
+                assert!(
+                    waiting.iter().any(|w| calls(body, w)),
+                    "kernel {name} of {} never calls grid_dependency_wait",
+                    src.name
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_kernel_scan_sees_a_kernel_without_a_wait() {
+        let code = "__device__ void helper(int x) { grid_dependency_wait(); }\n\
+                    extern \"C\" __global__ void __launch_bounds__(128) good(int x) { helper(x); }\n\
+                    extern \"C\" __global__ void bad(int x) { int helper_count = x; }\n";
+        let fns = functions(code);
+        let names: Vec<_> = fns.iter().map(|f| (f.0, f.1.as_str())).collect();
+        assert_eq!(names, [(true, "good"), (true, "bad"), (false, "helper")]);
+        assert!(calls(&fns[0].2, "helper"));
+        assert!(!calls(&fns[1].2, "helper"));
+    }
+}

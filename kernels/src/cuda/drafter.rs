@@ -25,7 +25,7 @@
 //!   confidences and the draws' status words come back, at the end.
 //! - All work runs on the runner's one stream (see `cuda::ops`).
 
-use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 use cudarc::nvrtc::Ptx;
 use half::bf16;
 
@@ -335,7 +335,7 @@ impl DeviceDrafter {
         let (stride, offset, len, group, vectors) =
             (stride as i64, offset as i32, len as i32, group as i32, vectors as i64);
         let theta = self.cfg.rope_theta;
-        let mut b = gpu.lane().launch_builder(&self.kernels.rope_rows);
+        let mut b = gpu.launcher(&self.kernels.rope_rows);
         b.arg(&x).arg(&stride).arg(&offset).arg(&len).arg(&group).arg(&positions).arg(&vectors).arg(&theta);
         unsafe { b.launch(cfg) }.map(|_| gpu.count_launch()).map_err(Self::launch_err("rope_rows"))
     }
@@ -375,7 +375,7 @@ impl DeviceDrafter {
         let cfg = LaunchConfig { grid_dim: (n as u32, m as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let (slot, d_) = ((tokens * d) as i64, d as i32);
         let (taps_ptr, idx_ptr, out_ptr) = (gpu.ptr(taps), gpu.ptr(&idx), gpu.ptr(&concat));
-        let mut b = gpu.lane().launch_builder(&self.kernels.concat_taps);
+        let mut b = gpu.launcher(&self.kernels.concat_taps);
         b.arg(&taps_ptr).arg(&slot).arg(&idx_ptr).arg(&out_ptr).arg(&d_);
         unsafe { b.launch(cfg) }.map(|_| gpu.count_launch()).map_err(Self::launch_err("concat_taps"))?;
         let projected = linear(gpu, &self.context_proj, gpu.ptr(&concat), n)?;
@@ -484,7 +484,7 @@ impl DeviceDrafter {
                 let q_ptr = gpu.ptr(&q) + (s * heads * qh * 2) as u64;
                 let (cache_ptr, kv_b, sc) = (gpu.ptr(&cache.cache), gpu.ptr(&layer.kv_b_proj.w), gpu.ptr(&scores));
                 let o_ptr = gpu.ptr(&o) + (s * heads * mla.v_head_dim * 2) as u64;
-                let mut b = gpu.lane().launch_builder(&self.kernels.mla_attend_block);
+                let mut b = gpu.launcher(&self.kernels.mla_attend_block);
                 b.arg(&q_ptr).arg(&cache_ptr).arg(&kv_b).arg(&sc).arg(&o_ptr);
                 for i in &ints {
                     b.arg(i);
@@ -572,13 +572,13 @@ impl DeviceDrafter {
         let plan = DrawPlan::new(gpu, vocab, &draws, DRAFT_STREAM)?;
         for k in 0..stride - 1 {
             let k_ = k as i32;
-            let mut b = gpu.lane().launch_builder(&self.kernels.markov_step);
+            let mut b = gpu.launcher(&self.kernels.markov_step);
             b.arg(&k_).arg(&u_ptr).arg(&h_ptr).arg(&w1).arg(&w2).arg(&cw).arg(&cb);
             b.arg(&base_ptr).arg(&count_ptr).arg(&tok_ptr).arg(&stride_).arg(&mask_ptr).arg(&logits_ptr);
             b.arg(&conf_ptr);
             b.arg(&v_).arg(&r_).arg(&d_);
             unsafe { b.launch(step_cfg) }.map(|_| gpu.count_launch()).map_err(Self::launch_err("markov_step"))?;
-            let mut b = gpu.lane().launch_builder(&self.kernels.argmax_step);
+            let mut b = gpu.launcher(&self.kernels.argmax_step);
             b.arg(&k_).arg(&logits_ptr).arg(&base_ptr).arg(&count_ptr).arg(&tok_ptr).arg(&stride_).arg(&v_);
             unsafe { b.launch(argmax_cfg) }.map(|_| gpu.count_launch()).map_err(Self::launch_err("argmax_step"))?;
             plan.launch(gpu, k)?;

@@ -10,7 +10,7 @@
 //!   zero. A lane's launches run in stream order, so no two launches use the same tickets at once.
 
 use cudarc::cublas::{result as blas_result, sys as blas_sys};
-use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig};
 
 use crate::cuda::device::device_err;
 use crate::cuda::ops::{launch_err, DPtr, Gemm, Gpu, Kernels, NULL};
@@ -323,7 +323,7 @@ impl Gpu {
         let vec = aligned(w) as i32 | ((aligned(x) as i32) << 1);
         let (seg, nseg) = parts.unwrap_or((NULL, 0));
         let (nn, kk, mm, nseg, ks) = (out_dim as i32, in_dim as i32, n as i32, nseg as i32, kslice as i32);
-        let mut b = self.lane().launch_builder(func);
+        let mut b = self.launcher(func);
         b.arg(&w).arg(&x).arg(&y).arg(&addend).arg(&nn).arg(&kk).arg(&mm).arg(&seg).arg(&nseg).arg(&ks);
         b.arg(&ws).arg(&tickets).arg(&vec);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("skinny_gemm"))

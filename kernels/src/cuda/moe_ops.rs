@@ -7,7 +7,7 @@
 //! - A token's routing and expert outputs do not depend on the other tokens of the batch, bit for bit (fixed
 //!   summation orders, no float atomics; see `moe.cu`), whichever router form or expert cores run.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
 use crate::cuda::ops::{launch_err, no_clusters, row_cluster_launch, DPtr, Gpu, RowSplit, ROW_CLUSTER};
 use crate::error::{KernelError, Result};
@@ -46,7 +46,7 @@ impl Gpu {
             shared_mem_bytes: (3 * r.experts * 4) as u32,
         };
         let (d, e, k, rn) = (r.d as i32, r.experts as i32, r.k as i32, r.renormalize as i32);
-        let mut b = self.lane().launch_builder(router);
+        let mut b = self.launcher(router);
         b.arg(&r.h).arg(&r.w).arg(&r.bias).arg(&r.idx).arg(&r.wts).arg(&r.margin).arg(&d).arg(&e).arg(&k).arg(&rn);
         b.arg(&r.scale);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_router"))
@@ -62,7 +62,7 @@ impl Gpu {
             shared_mem_bytes: 0,
         };
         let (d, e, k, rn) = (r.d as i32, r.experts as i32, r.k as i32, r.renormalize as i32);
-        let mut b = self.lane().launch_builder(&self.k.moe_router_logits);
+        let mut b = self.launcher(&self.k.moe_router_logits);
         b.arg(&r.h).arg(&r.w).arg(&logits_ptr).arg(&d).arg(&e);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_router_logits"))?;
         let cfg = LaunchConfig {
@@ -70,7 +70,7 @@ impl Gpu {
             block_dim: (256, 1, 1),
             shared_mem_bytes: (2 * r.experts * 4) as u32,
         };
-        let mut b = self.lane().launch_builder(&self.k.moe_route);
+        let mut b = self.launcher(&self.k.moe_route);
         b.arg(&logits_ptr).arg(&r.bias).arg(&r.idx).arg(&r.wts).arg(&r.margin).arg(&e).arg(&k).arg(&rn).arg(&r.scale);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_route"))
     }
@@ -85,7 +85,7 @@ impl Gpu {
             return Err(KernelError::InvalidInput(format!("grouping {experts} experts needs too much shared memory")));
         }
         let (n, k, e) = (n as i32, k as i32, experts as i32);
-        let mut b = self.lane().launch_builder(&self.k.moe_group);
+        let mut b = self.launcher(&self.k.moe_group);
         b.arg(&idx).arg(&n).arg(&k).arg(&e).arg(&group).arg(&pairs);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_group"))
     }
@@ -112,7 +112,7 @@ impl Gpu {
         check_expert_width("latent", latent)?;
         let cfg = cores.launch(n, k, experts, inter);
         let (k, e, dl, di) = (k as i32, experts as i32, latent as i32, inter as i32);
-        let mut b = self.lane().launch_builder(&self.k.moe_gate_up[cores as usize]);
+        let mut b = self.launcher(&self.k.moe_gate_up[cores as usize]);
         b.arg(&z).arg(&w1.0).arg(&w1.1).arg(&w3.0).arg(&w3.1).arg(&grouping.0).arg(&grouping.1).arg(&a);
         b.arg(&k).arg(&e).arg(&dl).arg(&di).arg(&beta).arg(&lbeta);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_gate_up"))
@@ -137,7 +137,7 @@ impl Gpu {
         check_expert_width("expert", inter)?;
         let cfg = cores.launch(n, k, experts, latent);
         let (e, dl, di) = (experts as i32, latent as i32, inter as i32);
-        let mut b = self.lane().launch_builder(&self.k.moe_down[cores as usize]);
+        let mut b = self.launcher(&self.k.moe_down[cores as usize]);
         b.arg(&a).arg(&w2.0).arg(&w2.1).arg(&grouping.0).arg(&grouping.1).arg(&y).arg(&e).arg(&dl).arg(&di);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_down"))
     }
@@ -193,7 +193,7 @@ impl Gpu {
             return Err(KernelError::InvalidInput(format!("a routed norm over {latent} values is not supported")));
         }
         let (k, dl) = (k as i32, latent as i32);
-        let mut b = self.lane().launch_builder(kernel);
+        let mut b = self.launcher(kernel);
         b.arg(&y).arg(&wts).arg(&norm_w).arg(&out).arg(&k).arg(&dl).arg(&eps);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_combine_norm"))
     }

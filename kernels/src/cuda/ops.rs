@@ -10,6 +10,10 @@
 //!   main stream through an event, and [`Gpu::join_side`] makes the main stream wait for it, so the two
 //!   overlap on the device, eagerly and inside a graph capture alike. Work on the side lane reads only
 //!   buffers allocated before the fork, and the main lane reads its results only after the join.
+//! - Every kernel launch goes through [`Gpu::launcher`]. From Hopper on it carries programmatic stream
+//!   serialisation ([`Gpu::dependent_launch`]): the next kernel's blocks may be scheduled while the one before is
+//!   still running, so every kernel calls `grid_dependency_wait` (prelude.cuh) before it touches anything but
+//!   weights, which keeps the stream order of every buffer read and write (a unit test checks every kernel source).
 //! - Memory comes from the device's stream-ordered pool, which keeps what is freed (see
 //!   `keep_pool_memory`): steps reuse the same memory instead of mapping it afresh.
 //! - Shapes are checked by the callers (the weight loader and the forward); kernels trust them.
@@ -29,7 +33,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
-    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError, LaunchConfig,
     ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
@@ -62,6 +66,12 @@ pub enum RowSplit {
     /// A cluster of `ROW_CLUSTER` blocks per token, each over one contiguous window of the columns (Hopper and
     /// later); the row's sums meet through distributed shared memory in rank order.
     Cluster,
+}
+
+/// Whether the environment leaves programmatic dependent launch on (`SPARKD_PDL` unset, or anything but `off`,
+/// `0` or `false`).
+fn dependent_launch_wanted() -> bool {
+    std::env::var("SPARKD_PDL").map(|v| !matches!(v.trim(), "off" | "0" | "false")).unwrap_or(true)
 }
 
 /// The error for a cluster form asked of a device without thread-block clusters.
@@ -169,8 +179,61 @@ pub struct Gpu {
     pub(crate) attn: AttnKernels,
     pub info: DeviceInfo,
     pub gemm: Gemm,
+    /// Programmatic dependent launch: every kernel may be scheduled while the one before it on its stream is
+    /// still running, and waits for it inside (`grid_dependency_wait`), so a kernel's launch and its weight loads
+    /// overlap its predecessor's tail. On from Hopper on unless `SPARKD_PDL=off`; off before Hopper.
+    pub dependent_launch: bool,
     counters: Counters,
     profile: Mutex<Option<Vec<Mark>>>,
+}
+
+/// A kernel launch being built on one lane: the function and the addresses of its arguments, in order. Every
+/// kernel of the backend goes through it, so that from Hopper on each is launched with programmatic stream
+/// serialisation (see the module invariants and `grid_dependency_wait` in `prelude.cuh`).
+pub(crate) struct KernelLaunch<'a> {
+    func: &'a CudaFunction,
+    stream: &'a CudaStream,
+    dependent: bool,
+    args: Vec<*mut std::ffi::c_void>,
+}
+
+impl<'a> KernelLaunch<'a> {
+    /// Appends the next argument (passed to the kernel by value; `value` must outlive the launch call).
+    pub(crate) fn arg<T: DeviceRepr>(&mut self, value: &'a T) -> &mut Self {
+        self.args.push(value as *const T as *mut std::ffi::c_void);
+        self
+    }
+
+    /// Submits the kernel to the lane's stream.
+    ///
+    /// # Safety
+    /// The arguments must match the kernel's parameters in number, order and type, and every address among them
+    /// must be a live buffer of the size the kernel reads or writes; a dependent launch needs a kernel that calls
+    /// `grid_dependency_wait` before it touches anything but weights (every kernel in `kernels/cuda` does).
+    pub(crate) unsafe fn launch(&mut self, cfg: LaunchConfig) -> std::result::Result<(), DriverError> {
+        use cudarc::driver::sys;
+        self.stream.context().bind_to_thread()?;
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue { programmaticStreamSerializationAllowed: 1 },
+        };
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: if self.dependent { &mut attr } else { std::ptr::null_mut() },
+            numAttrs: u32::from(self.dependent),
+        };
+        // SAFETY: `config` and `attr` live across the call; the argument addresses are the caller's contract.
+        unsafe { sys::cuLaunchKernelEx(&config, self.func.cu_function(), self.args.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
+    }
 }
 
 pub(crate) fn launch_err(name: &str) -> impl Fn(cudarc::driver::DriverError) -> KernelError + '_ {
@@ -304,6 +367,7 @@ impl Gpu {
             attn,
             info,
             gemm: Gemm::BatchInvariant,
+            dependent_launch: hopper && dependent_launch_wanted(),
             counters: Counters::default(),
             profile: Mutex::new(None),
         })
@@ -323,6 +387,12 @@ impl Gpu {
     }
 
     /// The stream of the current lane.
+    /// A launch of `func` on the current lane, dependent on the kernel before it when [`Gpu::dependent_launch`]
+    /// is on.
+    pub(crate) fn launcher<'a>(&'a self, func: &'a CudaFunction) -> KernelLaunch<'a> {
+        KernelLaunch { func, stream: self.lane(), dependent: self.dependent_launch, args: Vec::with_capacity(16) }
+    }
+
     pub(crate) fn lane(&self) -> &Arc<CudaStream> {
         if self.on_side_lane() {
             &self.side
@@ -500,7 +570,7 @@ impl Gpu {
     pub fn embed(&self, table: DPtr, tokens: DPtr, out: DPtr, n: usize, d: usize) -> Result<()> {
         let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let d = d as i32;
-        let mut b = self.lane().launch_builder(&self.k.embed_gather);
+        let mut b = self.launcher(&self.k.embed_gather);
         b.arg(&table).arg(&tokens).arg(&out).arg(&d);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("embed_gather"))
     }
@@ -520,7 +590,7 @@ impl Gpu {
     ) -> Result<()> {
         let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let (xs, ys, dim) = (x_stride as i64, y_stride as i64, dim as i32);
-        let mut b = self.lane().launch_builder(&self.k.rms_norm);
+        let mut b = self.launcher(&self.k.rms_norm);
         b.arg(&x).arg(&xs).arg(&w).arg(&y).arg(&ys).arg(&dim).arg(&eps);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("rms_norm"))
     }
@@ -543,7 +613,7 @@ impl Gpu {
         }
         let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let (slot, nsrc, d) = (slot as i64, nsrc as i32, d as i32);
-        let mut b = self.lane().launch_builder(&self.k.attn_res_read);
+        let mut b = self.launcher(&self.k.attn_res_read);
         b.arg(&sources).arg(&slot).arg(&nsrc).arg(&q).arg(&out).arg(&d).arg(&eps);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("attn_res_read"))
     }
@@ -606,7 +676,7 @@ impl Gpu {
             ),
         };
         let (slot, nsrc, d) = (slot as i64, nsrc as i32, d as i32);
-        let mut b = self.lane().launch_builder(kernel);
+        let mut b = self.launcher(kernel);
         b.arg(&sources)
             .arg(&slot)
             .arg(&nsrc)
@@ -640,14 +710,14 @@ impl Gpu {
     /// `a = bf(a + b)` over `len` elements.
     pub fn add(&self, a: DPtr, b_: DPtr, len: usize) -> Result<()> {
         let n = len as i64;
-        let mut b = self.lane().launch_builder(&self.k.add_in_place);
+        let mut b = self.launcher(&self.k.add_in_place);
         b.arg(&a).arg(&b_).arg(&n);
         unsafe { b.launch(grid_1d(len, 256)) }.map(|_| self.count_launch()).map_err(launch_err("add_in_place"))
     }
 
     pub fn situ(&self, g: DPtr, u: DPtr, out: DPtr, len: usize, beta: f32, lbeta: f32) -> Result<()> {
         let n = len as i64;
-        let mut b = self.lane().launch_builder(&self.k.situ);
+        let mut b = self.launcher(&self.k.situ);
         b.arg(&g).arg(&u).arg(&out).arg(&n).arg(&beta).arg(&lbeta);
         unsafe { b.launch(grid_1d(len, 256)) }.map(|_| self.count_launch()).map_err(launch_err("situ"))
     }
@@ -668,7 +738,7 @@ impl Gpu {
         let cfg =
             LaunchConfig { grid_dim: (nrows as u32, slots as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let (ss, os, d) = (src_slot as i64, out_slot as i64, d as i32);
-        let mut b = self.lane().launch_builder(&self.k.gather_rows);
+        let mut b = self.launcher(&self.k.gather_rows);
         b.arg(&src).arg(&ss).arg(&rows).arg(&out).arg(&os).arg(&d);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("gather_rows"))
     }
@@ -693,7 +763,7 @@ impl Gpu {
             LogitsDtype::Bf16 => (&self.k.sample_rows, "sample_rows"),
             LogitsDtype::F32 => (&self.k.sample_rows_f32, "sample_rows_f32"),
         };
-        let mut b = self.lane().launch_builder(func);
+        let mut b = self.launcher(func);
         b.arg(&desc).arg(&mask).arg(&v).arg(&status).arg(&top);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err(name))
     }
@@ -701,7 +771,7 @@ impl Gpu {
     /// `out[i] = hash3(seeds[i], positions[i], streams[i])` (u64) on the device, for `n` triples.
     pub fn rng_hash3(&self, seeds: DPtr, positions: DPtr, streams: DPtr, out: DPtr, n: usize) -> Result<()> {
         let ni = n as i32;
-        let mut b = self.lane().launch_builder(&self.k.rng_hash3);
+        let mut b = self.launcher(&self.k.rng_hash3);
         b.arg(&seeds).arg(&positions).arg(&streams).arg(&out).arg(&ni);
         unsafe { b.launch(grid_1d(n, 256)) }.map(|_| self.count_launch()).map_err(launch_err("rng_hash3"))
     }

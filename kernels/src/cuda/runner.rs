@@ -115,6 +115,13 @@ impl CudaRunner {
         self.gpu.gemm = gemm;
     }
 
+    /// Turns programmatic dependent launch on or off (see [`Gpu::dependent_launch`]; it stays off on a device
+    /// before Hopper). The graphs held are dropped: their kernels were captured with the old setting.
+    pub fn set_dependent_launch(&mut self, on: bool) {
+        self.gpu.dependent_launch = on && self.gpu.info.compute_capability.0 >= 9;
+        self.model.clear_graphs();
+    }
+
     /// Turns the capture and replay of repeated step shapes as CUDA graphs on or off (on by default;
     /// off drops the graphs held).
     pub fn set_graphs(&mut self, on: bool) {
