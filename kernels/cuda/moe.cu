@@ -7,20 +7,13 @@
 // rounded again; its down output is rounded to bf16, then the k experts are combined in fp32 in ascending
 // expert order and rounded once (kernels/src/cpu/moe.rs), then normalised.
 // The expert kernels work per active expert over its grouped (token, slot) pairs (see "Grouped routed
-// experts" below), on the CUDA cores or on the tensor cores (the forward uses one path for every batch: the
-// two sum in different orders); a token's results never depend on the batch.
+// experts" below) on the tensor cores; a token's results never depend on the batch.
 // MXFP4: two E2M1 codes per byte, element 2i in the low nibble; one E8M0 scale per 32 inputs;
 // 0xFF is NaN (shared/reference/k3-architecture.md §2.8).
 // Compiled after prelude.cuh (compile.rs prepends it: cuda_bf16.h, INF_F, u32, i64, ld, bf_round, sigmoidf_,
 // block_sum, block_max).
 
 typedef unsigned char u8;
-
-__device__ __forceinline__ float e8m0(u8 b) {
-    if (b == 0xFF) return __int_as_float(0x7fc00000);
-    if (b == 0) return __int_as_float(1 << 22);
-    return __int_as_float((int)b << 23);
-}
 
 // The router's fp32 logit of one expert row `wr` for one token row `x` (d inputs), by one warp; every lane gets it.
 // Each lane reads 8 inputs (16 bytes) at a time, ROUTER_LOADS of them in flight (a K3 row of 7168 inputs takes four
@@ -216,52 +209,9 @@ extern "C" __global__ void __cluster_dims__(ROUTER_CLUSTER, 1, 1) __launch_bound
 // start of each active expert's pairs in `pairs` (A + 1 entries; the last is n k). pairs: [n k], grouped by
 // expert, tokens ascending within an expert.
 //
-// Batch invariance: a pair's dot products run in one warp, each lane over a fixed set of 32-input groups in a
-// fixed order, then a fixed butterfly; nothing depends on which other tokens share the expert, so a token's
-// result is bit-identical whatever the batch. No float atomics anywhere.
-
-#define MOE_GROUPS_IN_FLIGHT 4  // 32-input groups of a row each lane loads before using the first
-
-// The eight E2M1 codes of one 32-bit word (element i in nibble i) as fp32 values times 2^-14, unscaled.
-// Follows the usual fp16 trick for narrow floats: a code's sign and three magnitude bits placed at fp16 bits 15
-// and 9-11 make the fp16 number code * 2^-14 (code 1 lands on the fp16 subnormal 2^-15), exactly. Codes i and
-// i + 4 lie 16 bits apart, so one shift and mask per pair builds both halves of an fp16x2; the hardware
-// conversion to fp32 is exact. About 2.5 instructions per weight instead of 7 (the scale is applied once per
-// 32-input group by the caller, see rows_pass).
-__device__ __forceinline__ void codes_word(u32 w, float out[8]) {
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        u32 mag = (i < 3 ? w << (9 - 4 * i) : w >> 3) & 0x0E000E00u;
-        u32 halves = mag | ((w << (12 - 4 * i)) & 0x80008000u);
-        float lo, hi;
-        asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
-            : "=f"(lo), "=f"(hi)
-            : "r"(halves));
-        out[i] = lo;
-        out[i + 4] = hi;
-    }
-}
-
-// 2^14: undoes codes_word's 2^-14 (exact: a power of two).
-#define CODE_UNIT 16384.0f
+// No float atomics anywhere; batch invariance of the expert kernels: see below.
 
 __device__ __forceinline__ u32 word_of(uint4 q, int i) { return i == 0 ? q.x : i == 1 ? q.y : i == 2 ? q.z : q.w; }
-
-// acc += dot(w[0..8), x[0..8)) with x eight bf16 values packed in a uint4, in element order.
-__device__ __forceinline__ float dot8(const float w[8], uint4 x, float acc) {
-    u32 v[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        acc = fmaf(w[2 * i], __uint_as_float(v[i] << 16), acc);
-        acc = fmaf(w[2 * i + 1], __uint_as_float(v[i] & 0xffff0000u), acc);
-    }
-    return acc;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
 
 // The position of `e` in the ascending list row[0..k), or -1.
 __device__ __forceinline__ int find_expert(const int *row, int k, int e) {
@@ -322,162 +272,6 @@ extern "C" __global__ void moe_group(const int *idx, int n, int k, int E, int *g
             pos += __popc(hits);
         }
     }
-}
-
-// One warp's pass of NM MXFP4 weight rows (NM = 2: gate and up) over T pairs. Lane L takes the 32-input
-// groups L, L + 32, ... of each row (16 packed bytes and one scale each, from `packed[m]`, `scales[m]`),
-// MOE_GROUPS_IN_FLIGHT of them at a time, all loaded before the first is used (a K3 row of 3584 inputs is one
-// such chunk; the first chunk is requested before the pairs' rows are looked up). Each word of codes is
-// dequantised once and applied to every pair's input row: row pairs[j] / div of `in`, `width` bf16 wide.
-// acc[m][j] receives the lane's partial dot of row m and pair j: per group, the unscaled codes' dot in element
-// order, then one fma with the group's scale. Each pair's sum runs over the lane's groups in the same order
-// whatever T is, so a token's result does not depend on how its expert's pairs were split.
-template <int NM, int T>
-__device__ __forceinline__ void rows_pass(const u8 *const packed[NM], const u8 *const scales[NM], int lane,
-                                          int groups, const __nv_bfloat16 *in, const int *pairs, int div, int width,
-                                          float acc[NM][T]) {
-    int x[T];
-    for (int g0 = 0; g0 < groups; g0 += 32 * MOE_GROUPS_IN_FLIGHT) {
-        uint4 q[NM][MOE_GROUPS_IN_FLIGHT];
-        u8 sb[NM][MOE_GROUPS_IN_FLIGHT];
-#pragma unroll
-        for (int i = 0; i < MOE_GROUPS_IN_FLIGHT; i++) {
-            int g = g0 + lane + 32 * i;
-#pragma unroll
-            for (int m = 0; m < NM; m++)
-                if (g < groups) {
-                    q[m][i] = ld_stream16((const uint4 *)packed[m] + g);
-                    sb[m][i] = __ldg(scales[m] + g);
-                }
-        }
-        if (g0 == 0) {
-#pragma unroll
-            for (int j = 0; j < T; j++) x[j] = (pairs[j] / div) * width;
-        }
-#pragma unroll
-        for (int i = 0; i < MOE_GROUPS_IN_FLIGHT; i++) {
-            int g = g0 + lane + 32 * i;
-            if (g >= groups) break;
-            float part[NM][T];  // the group's unscaled partial dots
-#pragma unroll
-            for (int m = 0; m < NM; m++)
-#pragma unroll
-                for (int j = 0; j < T; j++) part[m][j] = 0.0f;
-#pragma unroll
-            for (int wi = 0; wi < 4; wi++) {
-                float w[NM][8];
-#pragma unroll
-                for (int m = 0; m < NM; m++) codes_word(word_of(q[m][i], wi), w[m]);
-                uint4 xv[T];
-#pragma unroll
-                for (int j = 0; j < T; j++) xv[j] = *(const uint4 *)(in + x[j] + g * 32 + wi * 8);
-#pragma unroll
-                for (int j = 0; j < T; j++)
-#pragma unroll
-                    for (int m = 0; m < NM; m++) part[m][j] = dot8(w[m], xv[j], part[m][j]);
-                // With many pairs, keeps the compiler from hoisting every word's input loads at once (spills).
-                if (T > 2) asm volatile("" ::: "memory");
-            }
-            // The scale once per group: scaling by powers of two is exact, so this is the dot of the dequantised
-            // weights up to fp32 summation order (fixed: element order within the group, groups in lane order).
-#pragma unroll
-            for (int m = 0; m < NM; m++) {
-                float scale = e8m0(sb[m][i]);
-#pragma unroll
-                for (int j = 0; j < T; j++) acc[m][j] = fmaf(part[m][j] * CODE_UNIT, scale, acc[m][j]);
-            }
-        }
-    }
-}
-
-// The butterfly sums of acc[m][0..T) over the warp; lane j < T returns pair j's sums in out[m].
-template <int NM, int T>
-__device__ __forceinline__ void lane_sums(float acc[NM][T], int lane, float out[NM]) {
-#pragma unroll
-    for (int j = 0; j < T; j++)
-#pragma unroll
-        for (int m = 0; m < NM; m++) {
-            float v = warp_sum(acc[m][j]);
-            if (lane == j) out[m] = v;
-        }
-}
-
-// Gate/up + SiTU of pairs[0..T) for one row (see moe_gate_up).
-template <int T>
-__device__ __forceinline__ void gate_up_pass(const u8 *const packed[2], const u8 *const scales[2], int lane,
-                                             int groups, const __nv_bfloat16 *z, const int *pairs, int k, int D,
-                                             __nv_bfloat16 *a, int I, int row, float beta, float lbeta) {
-    float acc[2][T], sums[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int j = 0; j < T; j++) acc[0][j] = acc[1][j] = 0.0f;
-    rows_pass<2, T>(packed, scales, lane, groups, z, pairs, k, D, acc);
-    lane_sums<2, T>(acc, lane, sums);
-    if (lane < T) {
-        float g = bf_round(sums[0]), u = bf_round(sums[1]);
-        a[(long)pairs[lane] * I + row] =
-            __float2bfloat16_rn((beta * tanhf(g / beta) * sigmoidf_(g)) * (lbeta * tanhf(u / lbeta)));
-    }
-}
-
-// Gate/up + SiTU per active expert: a[p, r] = bf(SiTU(bf(w1_e[r] z_t), bf(w3_e[r] z_t))) for every pair p = t k + j
-// of expert e. grid = (min(n k, E), ceil(I / warps)), blockDim 256; one warp per output row r. The expert's pairs
-// go in passes of 8 while 8 remain, then one of 4, 2 and 1 as needed: the row's w1 and w3 codes come from HBM
-// for the first pass (later passes find them in the caches), and no pass computes for absent pairs.
-// z: [n, D]; w1/w3 packed [E, I, D/2], scales [E, I, D/32]; a: [n k, I].
-extern "C" __global__ void __launch_bounds__(256, 2)
-    moe_gate_up(const __nv_bfloat16 *z, const u8 *w1p, const u8 *w1s, const u8 *w3p, const u8 *w3s, const int *group,
-                const int *pairs, __nv_bfloat16 *a, int k, int E, int D, int I, float beta, float lbeta) {
-    kernel_entry();
-    int slot = blockIdx.x;
-    if (slot >= group[0]) return;
-    int row = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (row >= I) return;
-    long e = group[1 + slot];
-    int p = group[1 + E + slot], end = group[2 + E + slot], groups = D / 32;
-    long r = e * I + row;
-    const u8 *packed[2] = {w1p + r * (D / 2), w3p + r * (D / 2)}, *scales[2] = {w1s + r * groups, w3s + r * groups};
-#define GATE_UP_PASS(T) gate_up_pass<T>(packed, scales, lane, groups, z, pairs + p, k, D, a, I, row, beta, lbeta)
-    for (; end - p >= 8; p += 8) GATE_UP_PASS(8);
-    if (end - p >= 4) { GATE_UP_PASS(4); p += 4; }
-    if (end - p >= 2) { GATE_UP_PASS(2); p += 2; }
-    if (end - p >= 1) GATE_UP_PASS(1);
-#undef GATE_UP_PASS
-}
-
-// Down projection of pairs[0..T) for one output channel (see moe_down).
-template <int T>
-__device__ __forceinline__ void down_pass(const u8 *const packed[1], const u8 *const scales[1], int lane, int groups,
-                                          const __nv_bfloat16 *a, const int *pairs, int I, __nv_bfloat16 *y, int D,
-                                          int c) {
-    float acc[1][T], sums[1] = {0.0f};
-#pragma unroll
-    for (int j = 0; j < T; j++) acc[0][j] = 0.0f;
-    rows_pass<1, T>(packed, scales, lane, groups, a, pairs, 1, I, acc);
-    lane_sums<1, T>(acc, lane, sums);
-    if (lane < T) y[(long)pairs[lane] * D + c] = __float2bfloat16_rn(sums[0]);
-}
-
-// Down projection per active expert: y[p, c] = bf(w2_e[c] a[p]) for every pair p of expert e, in passes as
-// moe_gate_up. grid = (min(n k, E), ceil(D / warps)), blockDim 256; one warp per output channel c.
-// a: [n k, I]; w2 packed [E, D, I/2], scales [E, D, I/32]; y: [n k, D].
-extern "C" __global__ void __launch_bounds__(256)
-    moe_down(const __nv_bfloat16 *a, const u8 *w2p, const u8 *w2s, const int *group, const int *pairs,
-             __nv_bfloat16 *y, int E, int D, int I) {
-    kernel_entry();
-    int slot = blockIdx.x;
-    if (slot >= group[0]) return;
-    int c = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (c >= D) return;
-    long e = group[1 + slot];
-    int p = group[1 + E + slot], end = group[2 + E + slot], groups = I / 32;
-    long r = e * D + c;
-    const u8 *packed[1] = {w2p + r * (I / 2)}, *scales[1] = {w2s + r * groups};
-#define DOWN_PASS(T) down_pass<T>(packed, scales, lane, groups, a, pairs + p, I, y, D, c)
-    for (; end - p >= 8; p += 8) DOWN_PASS(8);
-    if (end - p >= 4) { DOWN_PASS(4); p += 4; }
-    if (end - p >= 2) { DOWN_PASS(2); p += 2; }
-    if (end - p >= 1) DOWN_PASS(1);
-#undef DOWN_PASS
 }
 
 // The weighted combine in slot order (ascending experts) and the routed RMSNorm, per token:
@@ -579,7 +373,7 @@ extern "C" __global__ void __cluster_dims__(COMBINE_CLUSTER, 1, 1) __launch_boun
 #endif
 
 // ---- Grouped routed experts on the tensor cores -------------------------------------------------------------
-// The same grouping and outputs as moe_gate_up / moe_down, with the dot products on mma.sync m16n8k16 (bf16 in,
+// An active expert's outputs for all its grouped pairs, with the dot products on mma.sync m16n8k16 (bf16 in,
 // fp32 accumulate): the MXFP4 weights are dequantised to bf16 in registers (code * scale is exact in bf16, which
 // shares fp32's exponent range) and multiplied against the expert's tokens 8 at a time, so a weight costs its
 // dequantisation once per chunk of up to 24 tokens. (The tile mapping follows the idea of kernels/cuda/gemm.cu; the
@@ -587,7 +381,9 @@ extern "C" __global__ void __cluster_dims__(COMBINE_CLUSTER, 1, 1) __launch_boun
 //
 // Layout: a warp owns a 16-row tile of one expert's matrix; lane (g = lane / 4, t = lane % 4) holds rows g and
 // g + 8. K runs in blocks of 4 MXFP4 groups (128 inputs); in a block, thread t takes group 4 b + t whole
-// (16 bytes of codes and one scale per row, one 128-bit load per row). A word of 8 codes feeds 2 MMAs: codes
+// (16 bytes of codes and one scale per row, one 128-bit load per row). The weights are stored tiled
+// (kernels/src/cuda/expert_layout.rs): a (tile, block) is one contiguous 1 KB chunk of codes, so the warp's
+// loads of a block are 1 KB in address order. A word of 8 codes feeds 2 MMAs: codes
 // i and i + 4 share one bf16x2 (word_codes_bf16x2), so MMA h of the word takes codes (2h, 2h + 4) as k-slots
 // {2t, 2t + 1} and (2h + 1, 2h + 5) as {2t + 8, 2t + 9}, and the B fragment takes the token's inputs with the same
 // indices (one byte permute per register): each MMA is the plain dot over 16 of the inputs.
@@ -601,8 +397,20 @@ extern "C" __global__ void __cluster_dims__(COMBINE_CLUSTER, 1, 1) __launch_boun
 // which other tokens share its experts.
 
 #define MMA_WARPS 4   // 16-row tiles per block
-#define GATE_UP_KB 2  // K blocks per step of moe_gate_up_mma: 2 matrices x 2 rows x 2 x 16 bytes per lane in flight
-#define DOWN_KB 4     // the same for moe_down_mma (one matrix): 128 bytes per lane in flight as well
+#define TILE_CODE_BYTES 1024  // codes of a (16-row tile, 128-input block) chunk (expert_layout.rs)
+#define TILE_SCALE_BYTES 64   // scale bytes of a chunk
+
+// The first chunk of the tile holding row0 of expert e's matrix of `rows` rows and `groups` 32-input groups: an
+// expert's matrix is ceil(rows / 16) tiles of ceil(groups / 4) chunks.
+__device__ __forceinline__ long tile_index(long e, int row0, int rows, int groups) {
+    long quads = (groups + 3) / 4;
+    return (e * ((rows + 15) / 16) + row0 / 16) * quads;
+}
+// Byte offsets in a chunk of thread (g, t)'s group of row g + 8 r: its 16 bytes of codes, its scale byte.
+__device__ __forceinline__ int tile_code_offset(int g, int r, int t) { return (g + 8 * r) * 64 + t * 16; }
+__device__ __forceinline__ int tile_scale_offset(int g, int r, int t) { return (g + 8 * r) * 4 + t; }
+#define GATE_UP_KB 2  // K blocks per step of moe_gate_up: 2 matrices x 2 rows x 2 x 16 bytes per lane in flight
+#define DOWN_KB 4     // the same for moe_down (one matrix): 128 bytes per lane in flight as well
 
 __device__ __forceinline__ void mma_16816(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -692,8 +500,11 @@ __device__ __forceinline__ void mma_step(const uint4 cur[NM][2][KB], const u32 c
 }
 
 // One warp's pass of a 16-row tile of NM matrices (NM = 2: gate and up) over the pairs[0..count) (count <= 8 NT)
-// of one expert, KB blocks of 128 inputs per step (the next step's codes are in flight during this one).
-// rows[m][r]: the codes of row g (r = 0) / g + 8 (r = 1) of matrix m, or null past the matrix; scales likewise.
+// of one expert, KB blocks of 128 inputs per step (the next step's codes are in flight during this one). The
+// weights are in the tiled layout (expert_layout.rs): block b of the tile is one chunk of TILE_CODE_BYTES codes
+// (16 rows of 64 bytes) and TILE_SCALE_BYTES scales (16 rows of 4).
+// rows[m][r]: this thread's 16 bytes of row g (r = 0) / g + 8 (r = 1) of matrix m in the tile's first chunk, or
+// null past the matrix; scales likewise (its scale byte there).
 // The B column of this thread is pair g of each 8-pair tile: row pairs[.] / div of `in`, `width` (= 32 groups) bf16
 // wide. acc[m][nt]: the MMA accumulators of n-tile nt.
 template <int NM, int NT, int KB>
@@ -713,8 +524,9 @@ __device__ __forceinline__ void mma_rows_pass(const u8 *const rows[NM][2], const
 #pragma unroll
                 for (int r = 0; r < 2; r++) {
                     bool ok = rows[m][r] != nullptr && grp < groups;
-                    q[m][r][blk] = ok ? ld_stream16((const uint4 *)rows[m][r] + grp) : make_uint4(0u, 0u, 0u, 0u);
-                    sb[m][r][blk] = ok ? (u32)__ldg(scales[m][r] + grp) : 0u;
+                    long chunk = KB * s + blk;
+                    q[m][r][blk] = ok ? ld_stream16(rows[m][r] + chunk * TILE_CODE_BYTES) : make_uint4(0u, 0u, 0u, 0u);
+                    sb[m][r][blk] = ok ? (u32)__ldg(scales[m][r] + chunk * TILE_SCALE_BYTES) : 0u;
                 }
         }
     };
@@ -746,7 +558,7 @@ __device__ __forceinline__ void mma_rows_pass(const u8 *const rows[NM][2], const
     }
 }
 
-// Gate/up + SiTU of one 16-row tile for pairs[0..count), count <= 8 NT (see moe_gate_up_mma).
+// Gate/up + SiTU of one 16-row tile for pairs[0..count), count <= 8 NT (see moe_gate_up).
 template <int NT, int KB>
 __device__ __forceinline__ void gate_up_mma_chunk(const u8 *const rows[2][2], const u8 *const scales[2][2], int g,
                                                   int t, int groups, const __nv_bfloat16 *z, const int *pairs,
@@ -787,12 +599,12 @@ __device__ __forceinline__ void gate_up_mma_chunk(const u8 *const rows[2][2], co
         p += count;                                      \
     }
 
-// Gate/up + SiTU per active expert on the tensor cores; the same contract as moe_gate_up. At most 170 registers
-// (3 blocks per SM; the bound also keeps ptxas from spilling). grid = (min(n k, E), ceil(I / (16 MMA_WARPS))),
-// blockDim 32 MMA_WARPS.
-// z: [n, D]; w1/w3 packed [E, I, D/2], scales [E, I, D/32]; a: [n k, I]. D must be a multiple of 32.
+// Gate/up + SiTU per active expert: a[p, r] = bf(SiTU(bf(w1_e[r] z_t), bf(w3_e[r] z_t))) for every pair p = t k + j
+// of expert e. At most 170 registers (3 blocks per SM; the bound also keeps ptxas from spilling).
+// grid = (min(n k, E), ceil(I / (16 MMA_WARPS))), blockDim 32 MMA_WARPS.
+// z: [n, D]; w1/w3 tiled [E, I, D] codes and scales (expert_layout.rs); a: [n k, I]. D must be a multiple of 32.
 extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 3)
-    moe_gate_up_mma(const __nv_bfloat16 *z, const u8 *w1p, const u8 *w1s, const u8 *w3p, const u8 *w3s,
+    moe_gate_up(const __nv_bfloat16 *z, const u8 *w1p, const u8 *w1s, const u8 *w3p, const u8 *w3s,
                     const int *group, const int *pairs, __nv_bfloat16 *a, int k, int E, int D, int I, float beta,
                     float lbeta) {
     kernel_entry();
@@ -805,15 +617,16 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 3)
     if (row0 >= I) return;
     int groups = D / 32;
     const u8 *rows[2][2], *scales[2][2];
+    long tile = tile_index(e, row0, I, groups);
 #pragma unroll
     for (int r = 0; r < 2; r++) {
-        int row = row0 + g + 8 * r;
-        long at = (long)e * I + row;
-        bool ok = row < I;
-        rows[0][r] = ok ? w1p + at * (D / 2) : nullptr;
-        rows[1][r] = ok ? w3p + at * (D / 2) : nullptr;
-        scales[0][r] = ok ? w1s + at * groups : nullptr;
-        scales[1][r] = ok ? w3s + at * groups : nullptr;
+        bool ok = row0 + g + 8 * r < I;
+        long code = tile * TILE_CODE_BYTES + tile_code_offset(g, r, t);
+        long scale = tile * TILE_SCALE_BYTES + tile_scale_offset(g, r, t);
+        rows[0][r] = ok ? w1p + code : nullptr;
+        rows[1][r] = ok ? w3p + code : nullptr;
+        scales[0][r] = ok ? w1s + scale : nullptr;
+        scales[1][r] = ok ? w3s + scale : nullptr;
     }
 #define GATE_UP_MMA(NT, KB) \
     gate_up_mma_chunk<NT, KB>(rows, scales, g, t, groups, z, pairs + p, count, k, D, a, I, row0, beta, lbeta)
@@ -821,7 +634,7 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 3)
 #undef GATE_UP_MMA
 }
 
-// Down projection of one 16-row tile (output channels) for pairs[0..count) (see moe_down_mma).
+// Down projection of one 16-row tile (output channels) for pairs[0..count) (see moe_down).
 template <int NT, int KB>
 __device__ __forceinline__ void down_mma_chunk(const u8 *const rows[1][2], const u8 *const scales[1][2], int g, int t,
                                                int groups, const __nv_bfloat16 *act, const int *pairs, int count,
@@ -841,12 +654,12 @@ __device__ __forceinline__ void down_mma_chunk(const u8 *const rows[1][2], const
         }
 }
 
-// Down projection per active expert on the tensor cores; the same contract as moe_down. At most 170 registers
-// (3 blocks per SM, as moe_gate_up_mma), so that DOWN_KB blocks of codes fit in flight without spills.
+// Down projection per active expert: y[p, c] = bf(w2_e[c] a[p]) for every pair p of expert e. At most 170 registers
+// (3 blocks per SM, as moe_gate_up), so that DOWN_KB blocks of codes fit in flight without spills.
 // grid = (min(n k, E), ceil(D / (16 MMA_WARPS))), blockDim 32 MMA_WARPS.
-// a: [n k, I]; w2 packed [E, D, I/2], scales [E, D, I/32]; y: [n k, D]. I must be a multiple of 32.
+// a: [n k, I]; w2 tiled [E, D, I] codes and scales (expert_layout.rs); y: [n k, D]. I must be a multiple of 32.
 extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 3)
-    moe_down_mma(const __nv_bfloat16 *a, const u8 *w2p, const u8 *w2s, const int *group, const int *pairs,
+    moe_down(const __nv_bfloat16 *a, const u8 *w2p, const u8 *w2s, const int *group, const int *pairs,
                  __nv_bfloat16 *y, int E, int D, int I) {
     kernel_entry();
     int slot = blockIdx.x;
@@ -857,13 +670,12 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 3)
     if (row0 >= D) return;
     int groups = I / 32;
     const u8 *rows[1][2], *scales[1][2];
+    long tile = tile_index(e, row0, D, groups);
 #pragma unroll
     for (int r = 0; r < 2; r++) {
-        int row = row0 + g + 8 * r;
-        long at = (long)e * D + row;
-        bool ok = row < D;
-        rows[0][r] = ok ? w2p + at * (I / 2) : nullptr;
-        scales[0][r] = ok ? w2s + at * groups : nullptr;
+        bool ok = row0 + g + 8 * r < D;
+        rows[0][r] = ok ? w2p + tile * TILE_CODE_BYTES + tile_code_offset(g, r, t) : nullptr;
+        scales[0][r] = ok ? w2s + tile * TILE_SCALE_BYTES + tile_scale_offset(g, r, t) : nullptr;
     }
 #define DOWN_MMA(NT, KB) down_mma_chunk<NT, KB>(rows, scales, g, t, groups, a, pairs + p, count, I, y, D, row0)
     MMA_CHUNKS(DOWN_MMA, DOWN_KB)

@@ -2,7 +2,7 @@
 //! `Gpu::moe_gate_up`, `Gpu::moe_down`) on a GPU, at the k3-mini expert shapes (latent 3584, expert width 3072)
 //! and at a small shape whose rows do not fill a warp's lanes: against an f64 host reference built from
 //! `mxfp4::dequant_row` (every E2M1 code; real checkpoints' scales, below 1, and scales up to 2^3, which take the
-//! tensor-core path's wide dequantisation), over batches of 1, 3, 8, 16 and 64 tokens
+//! kernels' wide dequantisation), over batches of 1, 3, 8, 16 and 64 tokens
 //! with one expert shared by every token, others by a few, and one expert that no token chose; and every token's
 //! outputs bit-identical across those batches (a token's arithmetic may not depend on who shares its experts).
 //! On a machine without a CUDA driver every test says plainly that it skipped.
@@ -19,7 +19,8 @@ use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use sparkd_kernels::cpu::ops::situ;
 use sparkd_kernels::cuda::device::driver_present;
-use sparkd_kernels::cuda::ops::{moe_group_len, DPtr, ExpertCores, Gpu, RouteArgs};
+use sparkd_kernels::cuda::expert_layout::{tile_codes, tile_scales};
+use sparkd_kernels::cuda::ops::{moe_group_len, DPtr, Gpu, RouteArgs};
 use sparkd_kernels::mxfp4::dequant_row;
 use sparkd_kernels::ModelConfig;
 
@@ -33,8 +34,9 @@ fn gpu() -> Option<std::sync::MutexGuard<'static, Gpu>> {
     Some(g.lock().unwrap_or_else(|e| e.into_inner()))
 }
 
-/// One MXFP4 weight tensor of `experts` matrices `[rows, cols]`: packed `[experts, rows, cols/2]`, scales
-/// `[experts, rows, cols/32]` (host copies and device buffers).
+/// One MXFP4 weight tensor of `experts` matrices `[rows, cols]`: on the host as a checkpoint stores it, packed
+/// `[experts, rows, cols/2]` and scales `[experts, rows, cols/32]`; on the device each expert tiled as the weight
+/// loader uploads it (`expert_layout`).
 struct Experts {
     rows: usize,
     cols: usize,
@@ -57,7 +59,12 @@ impl Experts {
         rng.fill_bytes(&mut packed);
         let scales: Vec<u8> =
             (0..experts * rows * cols / 32).map(|_| rng.gen_range(scale_bytes.0..=scale_bytes.1)).collect();
-        let dev = (gpu.upload(&packed).unwrap(), gpu.upload(&scales).unwrap());
+        let (pb, sb) = (rows * cols / 2, rows * cols / 32);
+        let tiled_codes: Vec<u8> =
+            packed.chunks(pb).flat_map(|e| tile_codes(e, rows, cols).unwrap()).collect::<Vec<u8>>();
+        let tiled_scales: Vec<u8> =
+            scales.chunks(sb).flat_map(|e| tile_scales(e, rows, cols).unwrap()).collect::<Vec<u8>>();
+        let dev = (gpu.upload(&tiled_codes).unwrap(), gpu.upload(&tiled_scales).unwrap());
         Experts { rows, cols, packed, scales, dev }
     }
 
@@ -84,7 +91,6 @@ impl Experts {
 #[allow(clippy::too_many_arguments)]
 fn run(
     gpu: &Gpu,
-    cores: ExpertCores,
     cfg: &ModelConfig,
     w: &[Experts; 3],
     z: &[bf16],
@@ -104,9 +110,8 @@ fn run(
     gpu.moe_group(gpu.ptr(&idx_d), n, k, experts, grouping.0, grouping.1).unwrap();
     let (b, lb) = (cfg.situ_beta, cfg.situ_linear_beta);
     let (w1, w3, w2) = (w[0].ptrs(gpu), w[1].ptrs(gpu), w[2].ptrs(gpu));
-    gpu.moe_gate_up(gpu.ptr(&z_d), w1, w3, grouping, gpu.ptr(&act), n, k, experts, latent, inter, b, lb, cores)
-        .unwrap();
-    gpu.moe_down(gpu.ptr(&act), w2, grouping, gpu.ptr(&y), n, k, experts, latent, inter, cores).unwrap();
+    gpu.moe_gate_up(gpu.ptr(&z_d), w1, w3, grouping, gpu.ptr(&act), n, k, experts, latent, inter, b, lb).unwrap();
+    gpu.moe_down(gpu.ptr(&act), w2, grouping, gpu.ptr(&y), n, k, experts, latent, inter).unwrap();
     let bits = |v: Vec<bf16>| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
     (bits(gpu.download(&act, n * k * inter).unwrap()), bits(gpu.download(&y, n * k * latent).unwrap()))
 }
@@ -129,9 +134,9 @@ fn routing(n: usize) -> Vec<i32> {
     (0..n).flat_map(|t| [0, 1 + (t * 5 % 6) as i32]).collect()
 }
 
-/// Scale bytes of real checkpoints (2^-17 .. 2^-1): the tensor-core path's one-multiply dequantisation.
+/// Scale bytes of real checkpoints (2^-17 .. 2^-1): the kernels' one-multiply dequantisation.
 const NARROW_SCALES: (u8, u8) = (110, 126);
-/// Scale bytes 118..=130 (2^-9 .. 2^3): some scales exceed 2, which takes the tensor-core path's two-multiply
+/// Scale bytes 118..=130 (2^-9 .. 2^3): some scales exceed 2, which takes the kernels' two-multiply
 /// dequantisation (no shortcut may overflow on them).
 const WIDE_SCALES: (u8, u8) = (118, 130);
 
@@ -164,56 +169,54 @@ fn check_shape(gpu: &Gpu, latent: usize, inter: usize, scales: (u8, u8)) {
     }
     let rms = (want_act.iter().map(|v| v * v).sum::<f64>() / want_act.len() as f64).sqrt();
 
-    for cores in [ExpertCores::Cuda, ExpertCores::Tensor] {
-        let (act, y) = run(gpu, cores, &cfg, &w, &z, &idx, most, k, experts);
-        let (mut err2, mut ref2) = (0.0f64, 0.0f64);
-        for (i, want) in want_act.iter().enumerate() {
-            let got = f64::from(f(act[i]));
-            // A bf16 step of the gate or up dot (fp32 summation order differs) moves SiTU by about that much.
-            let tol = want.abs() / 32.0 + rms / 64.0;
-            assert!(
-                (got - want).abs() <= tol,
-                "{cores:?} [{latent}, {inter}] act[pair {}, row {}] = {got}, reference {want} (tolerance {tol})",
-                i / inter,
-                i % inter
-            );
-            err2 += (got - want).powi(2);
-            ref2 += want * want;
-        }
-        let act_rel = (err2 / ref2).sqrt();
-        assert!(act_rel < 1e-2, "{cores:?} [{latent}, {inter}] gate/up relative L2 {act_rel}");
+    let (act, y) = run(gpu, &cfg, &w, &z, &idx, most, k, experts);
+    let (mut err2, mut ref2) = (0.0f64, 0.0f64);
+    for (i, want) in want_act.iter().enumerate() {
+        let got = f64::from(f(act[i]));
+        // A bf16 step of the gate or up dot (fp32 summation order differs) moves SiTU by about that much.
+        let tol = want.abs() / 32.0 + rms / 64.0;
+        assert!(
+            (got - want).abs() <= tol,
+            "[{latent}, {inter}] act[pair {}, row {}] = {got}, reference {want} (tolerance {tol})",
+            i / inter,
+            i % inter
+        );
+        err2 += (got - want).powi(2);
+        ref2 += want * want;
+    }
+    let act_rel = (err2 / ref2).sqrt();
+    assert!(act_rel < 1e-2, "[{latent}, {inter}] gate/up relative L2 {act_rel}");
 
-        // Down in f64 over the kernel's own activations.
-        let act_f32: Vec<f32> = act.iter().map(|v| f(*v)).collect();
-        let mut worst = 0.0f64;
-        for e in 0..experts {
-            let mine: Vec<usize> = (0..most * k).filter(|&p| idx[p] as usize == e).collect();
-            for c in 0..latent {
-                let row = w[2].row(e, c);
-                for &p in &mine {
-                    let (want, mag) = dot(&row, &act_f32[p * inter..(p + 1) * inter]);
-                    let got = f64::from(f(y[p * latent + c]));
-                    let tol = want.abs() / 128.0 + mag * 1e-5;
-                    assert!(
-                        (got - want).abs() <= tol,
-                        "{cores:?} [{latent}, {inter}] y[pair {p}, channel {c}] = {got}, reference {want} \
-                         (tolerance {tol})"
-                    );
-                    worst = worst.max((got - want).abs() / (want.abs() + mag * 1e-5));
-                }
+    // Down in f64 over the kernel's own activations.
+    let act_f32: Vec<f32> = act.iter().map(|v| f(*v)).collect();
+    let mut worst = 0.0f64;
+    for e in 0..experts {
+        let mine: Vec<usize> = (0..most * k).filter(|&p| idx[p] as usize == e).collect();
+        for c in 0..latent {
+            let row = w[2].row(e, c);
+            for &p in &mine {
+                let (want, mag) = dot(&row, &act_f32[p * inter..(p + 1) * inter]);
+                let got = f64::from(f(y[p * latent + c]));
+                let tol = want.abs() / 128.0 + mag * 1e-5;
+                assert!(
+                    (got - want).abs() <= tol,
+                    "[{latent}, {inter}] y[pair {p}, channel {c}] = {got}, reference {want} \
+                     (tolerance {tol})"
+                );
+                worst = worst.max((got - want).abs() / (want.abs() + mag * 1e-5));
             }
         }
-        println!(
-            "{cores:?} cores [latent {latent}, expert {inter}], scale bytes {scales:?}: gate/up relative L2 \
-             {act_rel:.3e}; down worst scaled error {worst:.3e}"
-        );
+    }
+    println!(
+        "[latent {latent}, expert {inter}], scale bytes {scales:?}: gate/up relative L2 \
+         {act_rel:.3e}; down worst scaled error {worst:.3e}"
+    );
 
-        // Batch invariance: each prefix batch gives every token exactly its outputs in the batch of 64.
-        for n in [1usize, 3, 8, 16] {
-            let (act_n, y_n) = run(gpu, cores, &cfg, &w, &z, &idx, n, k, experts);
-            let same = act_n == act[..n * k * inter] && y_n == y[..n * k * latent];
-            assert!(same, "{cores:?} [{latent}, {inter}]: a token's outputs in batch {n} differ from batch {most}");
-        }
+    // Batch invariance: each prefix batch gives every token exactly its outputs in the batch of 64.
+    for n in [1usize, 3, 8, 16] {
+        let (act_n, y_n) = run(gpu, &cfg, &w, &z, &idx, n, k, experts);
+        let same = act_n == act[..n * k * inter] && y_n == y[..n * k * latent];
+        assert!(same, "[{latent}, {inter}]: a token's outputs in batch {n} differ from batch {most}");
     }
 }
 
@@ -295,10 +298,8 @@ fn routed_experts_reject_widths_that_are_not_multiples_of_32() {
     let buf = gpu.zeros::<u8>(4096).unwrap();
     let p = gpu.ptr(&buf);
     let (b, lb) = (cfg.situ_beta, cfg.situ_linear_beta);
-    for cores in [ExpertCores::Cuda, ExpertCores::Tensor] {
-        assert!(gpu.moe_gate_up(p, (p, p), (p, p), (p, p), p, 1, 1, 1, 40, 64, b, lb, cores).is_err());
-        assert!(gpu.moe_down(p, (p, p), (p, p), p, 1, 1, 1, 64, 40, cores).is_err());
-    }
+    assert!(gpu.moe_gate_up(p, (p, p), (p, p), (p, p), p, 1, 1, 1, 40, 64, b, lb).is_err());
+    assert!(gpu.moe_down(p, (p, p), (p, p), p, 1, 1, 1, 64, 40).is_err());
 }
 
 /// The combine and routed norm of `n` tokens, `(combined, out)`, in f64 from the bf16 inputs: combined[c] =
@@ -396,51 +397,33 @@ fn routed_expert_bandwidth() {
         let y = gpu.zeros::<bf16>(n * k * latent).unwrap();
         let grouping = (gpu.ptr(&group), gpu.ptr(&pairs));
         gpu.moe_group(gpu.ptr(&idx_d), n, k, experts, grouping.0, grouping.1).unwrap();
-        for cores in [ExpertCores::Cuda, ExpertCores::Tensor] {
-            let gate_up = || {
-                gpu.moe_gate_up(
-                    gpu.ptr(&z),
-                    w1,
-                    w3,
-                    grouping,
-                    gpu.ptr(&act),
-                    n,
-                    k,
-                    experts,
-                    latent,
-                    inter,
-                    b,
-                    lb,
-                    cores,
-                )
-                .unwrap()
-            };
-            let down =
-                || gpu.moe_down(gpu.ptr(&act), w2, grouping, gpu.ptr(&y), n, k, experts, latent, inter, cores).unwrap();
-            let iters = 50;
-            let time = |op: &dyn Fn()| {
+        let gate_up = || {
+            gpu.moe_gate_up(gpu.ptr(&z), w1, w3, grouping, gpu.ptr(&act), n, k, experts, latent, inter, b, lb).unwrap()
+        };
+        let down = || gpu.moe_down(gpu.ptr(&act), w2, grouping, gpu.ptr(&y), n, k, experts, latent, inter).unwrap();
+        let iters = 50;
+        let time = |op: &dyn Fn()| {
+            op();
+            gpu.synchronize().unwrap();
+            let t0 = Instant::now();
+            for _ in 0..iters {
                 op();
-                gpu.synchronize().unwrap();
-                let t0 = Instant::now();
-                for _ in 0..iters {
-                    op();
-                }
-                gpu.synchronize().unwrap();
-                t0.elapsed().as_secs_f64() / f64::from(iters)
-            };
-            let (t_gu, t_down) = (time(&gate_up), time(&down));
-            let gu_bytes = (active * (w[0].expert_bytes() + w[1].expert_bytes())) as f64;
-            let down_bytes = (active * w[2].expert_bytes()) as f64;
-            println!(
-                "{cores:?} cores, batch {n:>2} ({active} active experts): gate/up {:.1} us, {:.0} GB/s; \
-                 down {:.1} us, {:.0} GB/s; both {:.1} us, {:.0} GB/s",
-                t_gu * 1e6,
-                gu_bytes / t_gu / 1e9,
-                t_down * 1e6,
-                down_bytes / t_down / 1e9,
-                (t_gu + t_down) * 1e6,
-                (gu_bytes + down_bytes) / (t_gu + t_down) / 1e9
-            );
-        }
+            }
+            gpu.synchronize().unwrap();
+            t0.elapsed().as_secs_f64() / f64::from(iters)
+        };
+        let (t_gu, t_down) = (time(&gate_up), time(&down));
+        let gu_bytes = (active * (w[0].expert_bytes() + w[1].expert_bytes())) as f64;
+        let down_bytes = (active * w[2].expert_bytes()) as f64;
+        println!(
+            "batch {n:>2} ({active} active experts): gate/up {:.1} us, {:.0} GB/s; \
+             down {:.1} us, {:.0} GB/s; both {:.1} us, {:.0} GB/s",
+            t_gu * 1e6,
+            gu_bytes / t_gu / 1e9,
+            t_down * 1e6,
+            down_bytes / t_down / 1e9,
+            (t_gu + t_down) * 1e6,
+            (gu_bytes + down_bytes) / (t_gu + t_down) / 1e9
+        );
     }
 }

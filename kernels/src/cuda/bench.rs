@@ -549,8 +549,10 @@ fn weight_bytes(w: &DevWeights, cfg: &ModelConfig) -> (u64, u64) {
         dense += match &layer.ffn {
             DevFfn::Dense(m) => mlp(m),
             DevFfn::Moe(m) => {
-                let experts = [&m.w1, &m.w2, &m.w3].iter().map(|x| x.packed.len() + x.scales.len()).sum::<usize>();
-                per_expert = (experts / cfg.moe.num_experts) as u64;
+                // The checkpoint's bytes of one expert's three matrices (the device's tiling pads some shapes;
+                // the kernels never read the padding).
+                let matrix = cfg.moe.expert_dim * cfg.moe.latent_dim;
+                per_expert = (3 * (matrix / 2 + matrix / crate::mxfp4::GROUP_SIZE)) as u64;
                 lin(&m.router)
                     + (m.bias.len() * 4) as u64
                     + lin(&m.down)

@@ -31,17 +31,13 @@ use crate::cpu::moe::Routing;
 use crate::cuda::attn::{KdaArgs, StepBuffer, StepTables, KDA_CHUNKED_MIN_TOKENS};
 use crate::cuda::device::device_err;
 use crate::cuda::graph::{CapturedStep, Decision, GraphCache, RowShape, StepShape, GRAPH_MAX_WINDOW};
-use crate::cuda::ops::{moe_group_len, DPtr, ExpertCores, Gemm, Gpu, RouteArgs, NULL};
+use crate::cuda::ops::{moe_group_len, DPtr, Gemm, Gpu, RouteArgs, NULL};
 use crate::cuda::weights::{
     DevFfn, DevKda, DevLinear, DevMerged, DevMixer, DevMla, DevMlp, DevMoe, DevNorm, DevWeights,
 };
 use crate::error::{KernelError, Result};
 use crate::runner::TokenId;
 use crate::state::{KdaState, MlaCache, SeqState};
-
-/// The units that run the routed experts, the same for every batch size (the two paths sum in different
-/// orders, and a token's result may not depend on the batch).
-const ROUTED_EXPERT_CORES: ExpertCores = ExpertCores::Tensor;
 
 /// Profile span labels ([`Gpu::mark`]): a layer's mixer, its FFN, and the final read, norm and lm_head. The
 /// span of a kind's own label is its AttnRes read and norm; its ops follow in spans labelled `kind.op`
@@ -794,21 +790,9 @@ impl DeviceModel {
             inter,
             self.cfg.situ_beta,
             self.cfg.situ_linear_beta,
-            ROUTED_EXPERT_CORES,
         )?;
         let expert_out = gpu.uninit::<bf16>(n * k * latent)?; // [n k, latent]
-        gpu.moe_down(
-            gpu.ptr(&act),
-            pair(&w.w2),
-            grouping,
-            gpu.ptr(&expert_out),
-            n,
-            k,
-            e,
-            latent,
-            inter,
-            ROUTED_EXPERT_CORES,
-        )?;
+        gpu.moe_down(gpu.ptr(&act), pair(&w.w2), grouping, gpu.ptr(&expert_out), n, k, e, latent, inter)?;
         let normed = gpu.uninit::<bf16>(n * latent)?; // [n, latent]
         gpu.mark("moe.combine")?;
         gpu.moe_combine_norm(

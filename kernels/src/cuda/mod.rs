@@ -21,6 +21,7 @@ pub mod compile;
 pub mod device;
 pub mod drafter;
 pub mod drafter_slot;
+pub mod expert_layout;
 pub mod forward;
 pub mod gemm_ops;
 pub mod graph;

@@ -90,8 +90,8 @@ impl Gpu {
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_group"))
     }
 
-    /// Gate/up + SiTU per active expert over its grouped pairs: `a` `[n k, inter]` (row `t * k + j`), on the
-    /// CUDA cores or the tensor cores (`cores`; the two round differently, so one forward uses one of them).
+    /// Gate/up + SiTU per active expert over its grouped pairs: `a` `[n k, inter]` (row `t * k + j`). `w1` and `w3`
+    /// are (codes, scales) of `[experts, inter, latent]` in the tiled layout of [`crate::cuda::expert_layout`].
     #[allow(clippy::too_many_arguments)]
     pub fn moe_gate_up(
         &self,
@@ -107,19 +107,18 @@ impl Gpu {
         inter: usize,
         beta: f32,
         lbeta: f32,
-        cores: ExpertCores,
     ) -> Result<()> {
         check_expert_width("latent", latent)?;
-        let cfg = cores.launch(n, k, experts, inter);
+        let cfg = expert_launch(n, k, experts, inter);
         let (k, e, dl, di) = (k as i32, experts as i32, latent as i32, inter as i32);
-        let mut b = self.launcher(&self.k.moe_gate_up[cores as usize]);
+        let mut b = self.launcher(&self.k.moe_gate_up);
         b.arg(&z).arg(&w1.0).arg(&w1.1).arg(&w3.0).arg(&w3.1).arg(&grouping.0).arg(&grouping.1).arg(&a);
         b.arg(&k).arg(&e).arg(&dl).arg(&di).arg(&beta).arg(&lbeta);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_gate_up"))
     }
 
-    /// Down projection per active expert over its grouped pairs: `y` `[n k, latent]` (row `t * k + j`), on the
-    /// CUDA cores or the tensor cores (`cores`).
+    /// Down projection per active expert over its grouped pairs: `y` `[n k, latent]` (row `t * k + j`). `w2` is
+    /// (codes, scales) of `[experts, latent, inter]` in the tiled layout of [`crate::cuda::expert_layout`].
     #[allow(clippy::too_many_arguments)]
     pub fn moe_down(
         &self,
@@ -132,12 +131,11 @@ impl Gpu {
         experts: usize,
         latent: usize,
         inter: usize,
-        cores: ExpertCores,
     ) -> Result<()> {
         check_expert_width("expert", inter)?;
-        let cfg = cores.launch(n, k, experts, latent);
+        let cfg = expert_launch(n, k, experts, latent);
         let (e, dl, di) = (experts as i32, latent as i32, inter as i32);
-        let mut b = self.launcher(&self.k.moe_down[cores as usize]);
+        let mut b = self.launcher(&self.k.moe_down);
         b.arg(&a).arg(&w2.0).arg(&w2.1).arg(&grouping.0).arg(&grouping.1).arg(&y).arg(&e).arg(&dl).arg(&di);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_down"))
     }
@@ -212,28 +210,16 @@ pub fn moe_group_len(experts: usize) -> usize {
     2 * experts + 2
 }
 
-/// Which units run the routed experts' dot products (`kernels/cuda/moe.cu`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ExpertCores {
-    /// `moe_gate_up` / `moe_down`: one warp per output row, fp32 fma per token.
-    Cuda = 0,
-    /// `moe_gate_up_mma` / `moe_down_mma`: 16-row tiles on mma.sync, tokens 8 per MMA column block.
-    Tensor = 1,
-}
+/// 16-row tiles (one per warp) per block of the grouped expert kernels (`MMA_WARPS` in `kernels/cuda/moe.cu`).
+const EXPERT_WARPS: u32 = 4;
 
-impl ExpertCores {
-    /// The launch of a grouped expert kernel with `rows` output rows per expert.
-    fn launch(self, n: usize, k: usize, experts: usize, rows: usize) -> LaunchConfig {
-        // Cuda: 8 warps of one row each; Tensor: 4 warps (MMA_WARPS) of one 16-row tile each.
-        let (rows_per_block, threads) = match self {
-            ExpertCores::Cuda => (8, 256),
-            ExpertCores::Tensor => (64, 128),
-        };
-        LaunchConfig {
-            grid_dim: (active_slots(n, k, experts), rows.div_ceil(rows_per_block) as u32, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: 0,
-        }
+/// The launch of a grouped expert kernel with `rows` output rows per expert: one block per active-expert slot and
+/// group of `EXPERT_WARPS` 16-row tiles.
+fn expert_launch(n: usize, k: usize, experts: usize, rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (active_slots(n, k, experts), rows.div_ceil(16 * EXPERT_WARPS as usize) as u32, 1),
+        block_dim: (32 * EXPERT_WARPS, 1, 1),
+        shared_mem_bytes: 0,
     }
 }
 

@@ -42,7 +42,7 @@ use crate::cuda::attn::AttnKernels;
 use crate::cuda::compile::{Compiler, SOURCES};
 use crate::cuda::device::{device_err, info, DeviceInfo};
 pub use crate::cuda::gemm_ops::{skinny_split, SkinnyLayout};
-pub use crate::cuda::moe_ops::{moe_group_len, ExpertCores, RouteArgs};
+pub use crate::cuda::moe_ops::{moe_group_len, RouteArgs};
 use crate::error::{KernelError, Result};
 
 /// A raw device address (valid while the slice it came from lives; see the module invariants).
@@ -122,10 +122,8 @@ pub(crate) struct Kernels {
     /// `moe_router` (both in one launch, thread-block clusters): present from Hopper on.
     pub(crate) moe_router: Option<CudaFunction>,
     pub(crate) moe_group: CudaFunction,
-    /// `moe_gate_up` and `moe_gate_up_mma`, indexed by [`ExpertCores`].
-    pub(crate) moe_gate_up: [CudaFunction; 2],
-    /// `moe_down` and `moe_down_mma`, indexed by [`ExpertCores`].
-    pub(crate) moe_down: [CudaFunction; 2],
+    pub(crate) moe_gate_up: CudaFunction,
+    pub(crate) moe_down: CudaFunction,
     pub(crate) moe_combine_norm: CudaFunction,
     /// `moe_combine_norm` over a cluster of blocks per token: present from Hopper on.
     pub(crate) moe_combine_norm_cluster: Option<CudaFunction>,
@@ -316,8 +314,8 @@ impl Gpu {
             moe_route: f("moe.cu", "moe_route")?,
             moe_router: hopper.then(|| f("moe.cu", "moe_router")).transpose()?,
             moe_group: f("moe.cu", "moe_group")?,
-            moe_gate_up: [f("moe.cu", "moe_gate_up")?, f("moe.cu", "moe_gate_up_mma")?],
-            moe_down: [f("moe.cu", "moe_down")?, f("moe.cu", "moe_down_mma")?],
+            moe_gate_up: f("moe.cu", "moe_gate_up")?,
+            moe_down: f("moe.cu", "moe_down")?,
             moe_combine_norm: f("moe.cu", "moe_combine_norm")?,
             moe_combine_norm_cluster: hopper.then(|| f("moe.cu", "moe_combine_norm_cluster")).transpose()?,
             sample_rows: f("sample.cu", "sample_rows")?,

@@ -17,6 +17,7 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use crate::config::{ExpertFormat, Ffn, Mixer, ModelConfig};
+use crate::cuda::expert_layout::{tile_codes, tile_scales, tiled_code_bytes, tiled_scale_bytes};
 use crate::cuda::ops::Gpu;
 use crate::error::{KernelError, Result};
 use crate::schema::{expert_specs, layer_name, model_tensors};
@@ -99,7 +100,8 @@ impl DevMlp {
     }
 }
 
-/// One MXFP4 projection of every expert of a layer: packed `[E, out, in/2]`, scales `[E, out, in/32]`.
+/// One MXFP4 projection `[out, in]` of every expert of a layer, each expert's codes and scales in the tiled layout of
+/// [`crate::cuda::expert_layout`] (expert after expert).
 pub struct DevExperts {
     pub packed: CudaSlice<u8>,
     pub scales: CudaSlice<u8>,
@@ -279,23 +281,33 @@ impl Uploader<'_> {
         Ok(DevMlp { gate_up, down: self.linear(&format!("{prefix}.down_proj.weight"))? })
     }
 
-    /// Every expert's `proj` of layer `l`, concatenated in expert order on the device; each expert's
-    /// tensors are uploaded as they arrive, so the host holds one expert at a time.
+    /// Every expert's `proj` of layer `l`, concatenated in expert order on the device in the tiled layout of
+    /// [`crate::cuda::expert_layout`]; each expert's tensors are tiled and uploaded as they arrive, so the host
+    /// holds one expert at a time.
     fn experts(&mut self, cfg: &ModelConfig, l: usize, proj: &str) -> Result<DevExperts> {
         let specs = expert_specs(cfg, l, 0, proj);
-        let numel = |s: &TensorSpec| match &s.shape {
-            crate::tensor::ShapeRule::Exact(shape) => Ok(shape.iter().product::<usize>()),
+        let (rows, cols) = match &specs[0].shape {
+            crate::tensor::ShapeRule::Exact(shape) if shape.len() == 2 => (shape[0], shape[1] * 2),
             other => {
-                Err(KernelError::InvalidInput(format!("expert tensor `{}` has no exact shape: {other:?}", s.name)))
+                return Err(KernelError::InvalidInput(format!(
+                    "expert tensor `{}` has no exact 2-d shape: {other:?}",
+                    specs[0].name
+                )))
             }
         };
-        let (per_packed, per_scales) = (numel(&specs[0])?, numel(&specs[1])?);
+        let (per_packed, per_scales) = (rows * cols / 2, rows * cols / crate::mxfp4::GROUP_SIZE);
+        let (tiled_packed, tiled_scales) = (tiled_code_bytes(rows, cols), tiled_scale_bytes(rows, cols));
         let experts = cfg.moe.num_experts;
-        let packed = self.gpu.zeros::<u8>(experts * per_packed)?;
-        let scales = self.gpu.zeros::<u8>(experts * per_scales)?;
+        let packed = self.gpu.zeros::<u8>(experts * tiled_packed)?;
+        let scales = self.gpu.zeros::<u8>(experts * tiled_scales)?;
         for e in 0..experts {
             let specs = expert_specs(cfg, l, e, proj);
-            for (spec, dst, per) in [(&specs[0], &packed, per_packed), (&specs[1], &scales, per_scales)] {
+            type Tiling = fn(&[u8], usize, usize) -> Result<Vec<u8>>;
+            let parts: [(_, _, _, _, Tiling); 2] = [
+                (&specs[0], &packed, per_packed, tiled_packed, tile_codes),
+                (&specs[1], &scales, per_scales, tiled_scales, tile_scales),
+            ];
+            for (spec, dst, per, tiled, tiling) in parts {
                 let t = self.fetch(spec)?;
                 if t.bytes().len() != per {
                     return Err(KernelError::TensorMismatch {
@@ -304,7 +316,8 @@ impl Uploader<'_> {
                         found: format!("{} bytes", t.bytes().len()),
                     });
                 }
-                self.put(|gpu| gpu.upload_bytes_at(gpu.ptr(dst) + (e * per) as u64, t.bytes()))?;
+                let bytes = tiling(t.bytes(), rows, cols)?;
+                self.put(|gpu| gpu.upload_bytes_at(gpu.ptr(dst) + (e * tiled) as u64, &bytes))?;
                 self.bytes += per;
             }
         }

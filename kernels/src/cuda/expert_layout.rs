@@ -1,0 +1,148 @@
+//! The device layout of the routed experts' MXFP4 weights: tiles of 16 rows by 128 inputs, each stored whole.
+//!
+//! A checkpoint stores an expert matrix `[rows, cols]` row by row (`mxfp4`): packed codes `[rows, cols/2]`, scale
+//! bytes `[rows, cols/32]`. The tensor-core expert kernels (`moe_gate_up` / `moe_down` in
+//! `kernels/cuda/moe.cu`) give each warp a 16-row tile and walk its inputs 128 at a time (a *quad* of four 32-input
+//! groups, the kernels' K block). On the device each (tile, quad) is one contiguous chunk: [`CHUNK_CODE_BYTES`] bytes of codes, its 16
+//! rows in order with 64 bytes each, and [`CHUNK_SCALE_BYTES`] scale bytes, 16 rows of 4. Chunks run quad by quad
+//! within a tile and tile by tile within a matrix, so a warp's step reads whole kilobytes in address order
+//! instead of 64 bytes from each of 16 rows 1–2 KB apart.
+//!
+//! Invariants:
+//! - The layout is a permutation of the checkpoint's bytes plus zero padding: rows past `rows` (to a multiple of
+//!   16) and groups past `cols/32` (to a multiple of 4) are zero codes with zero scale bytes, which the kernels
+//!   never read (they check the row and group bounds).
+//! - [`tile_codes`] and [`tile_scales`] check their lengths and fail with an error naming the sizes, never panic.
+
+use crate::error::{KernelError, Result};
+use crate::mxfp4::GROUP_SIZE;
+
+/// Rows of a tile (`MMA` row tile).
+pub const TILE_ROWS: usize = 16;
+
+/// 32-input groups of a quad.
+pub const QUAD_GROUPS: usize = 4;
+
+/// Bytes of codes of one (tile, quad) chunk: 16 rows of 4 groups of 16 bytes.
+pub const CHUNK_CODE_BYTES: usize = TILE_ROWS * QUAD_GROUPS * GROUP_SIZE / 2;
+
+/// Scale bytes of one (tile, quad) chunk.
+pub const CHUNK_SCALE_BYTES: usize = TILE_ROWS * QUAD_GROUPS;
+
+/// The (tiles, quads) of a `[rows, cols]` matrix.
+pub fn tile_grid(rows: usize, cols: usize) -> (usize, usize) {
+    (rows.div_ceil(TILE_ROWS), (cols / GROUP_SIZE).div_ceil(QUAD_GROUPS))
+}
+
+/// Bytes of codes of one tiled `[rows, cols]` matrix.
+pub fn tiled_code_bytes(rows: usize, cols: usize) -> usize {
+    let (tiles, quads) = tile_grid(rows, cols);
+    tiles * quads * CHUNK_CODE_BYTES
+}
+
+/// Scale bytes of one tiled `[rows, cols]` matrix.
+pub fn tiled_scale_bytes(rows: usize, cols: usize) -> usize {
+    let (tiles, quads) = tile_grid(rows, cols);
+    tiles * quads * CHUNK_SCALE_BYTES
+}
+
+fn check(what: &str, found: usize, rows: usize, cols: usize, per_row: usize) -> Result<()> {
+    if cols % GROUP_SIZE != 0 {
+        return Err(KernelError::InvalidInput(format!(
+            "MXFP4 {what} of a [{rows}, {cols}] matrix: {cols} inputs are not a whole number of {GROUP_SIZE}-input groups"
+        )));
+    }
+    if found != rows * per_row {
+        return Err(KernelError::InvalidInput(format!(
+            "MXFP4 {what} of a [{rows}, {cols}] matrix: expected {} bytes, found {found}",
+            rows * per_row
+        )));
+    }
+    Ok(())
+}
+
+/// Rearranges `unit`-byte pieces, `units_per_group` to a group, from row-major `[rows, groups]` into the tiled
+/// order (see the module doc).
+fn tile(src: &[u8], rows: usize, groups: usize, unit: usize, chunk: usize) -> Vec<u8> {
+    let quads = groups.div_ceil(QUAD_GROUPS);
+    let mut out = vec![0u8; rows.div_ceil(TILE_ROWS) * quads * chunk];
+    for row in 0..rows {
+        let (tile, r) = (row / TILE_ROWS, row % TILE_ROWS);
+        for group in 0..groups {
+            let (quad, g) = (group / QUAD_GROUPS, group % QUAD_GROUPS);
+            let at = (tile * quads + quad) * chunk + (r * QUAD_GROUPS + g) * unit;
+            let from = (row * groups + group) * unit;
+            out[at..at + unit].copy_from_slice(&src[from..from + unit]);
+        }
+    }
+    out
+}
+
+/// The packed codes `[rows, cols/2]` of one matrix in the tiled layout ([`tiled_code_bytes`] long).
+pub fn tile_codes(packed: &[u8], rows: usize, cols: usize) -> Result<Vec<u8>> {
+    check("codes", packed.len(), rows, cols, cols / 2)?;
+    Ok(tile(packed, rows, cols / GROUP_SIZE, GROUP_SIZE / 2, CHUNK_CODE_BYTES))
+}
+
+/// The scale bytes `[rows, cols/32]` of one matrix in the tiled layout ([`tiled_scale_bytes`] long).
+pub fn tile_scales(scales: &[u8], rows: usize, cols: usize) -> Result<Vec<u8>> {
+    check("scales", scales.len(), rows, cols, cols / GROUP_SIZE)?;
+    Ok(tile(scales, rows, cols / GROUP_SIZE, 1, CHUNK_SCALE_BYTES))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Where byte `b` of group `group` of row `row` lands, straight from the module doc's description.
+    fn code_at(rows: usize, cols: usize, row: usize, group: usize, b: usize) -> usize {
+        let (_, quads) = tile_grid(rows, cols);
+        let chunk = (row / 16) * quads + group / 4;
+        chunk * 1024 + (row % 16) * 64 + (group % 4) * 16 + b
+    }
+
+    #[test]
+    fn every_code_byte_lands_in_its_chunk_and_the_padding_is_zero() {
+        for (rows, cols) in [(16, 128), (40, 96), (3, 32), (48, 3584)] {
+            let packed: Vec<u8> = (0..rows * cols / 2).map(|i| (i % 251) as u8 + 1).collect();
+            let tiled = tile_codes(&packed, rows, cols).unwrap();
+            assert_eq!(tiled.len(), tiled_code_bytes(rows, cols));
+            let mut hit = vec![false; tiled.len()];
+            for row in 0..rows {
+                for group in 0..cols / 32 {
+                    for b in 0..16 {
+                        let at = code_at(rows, cols, row, group, b);
+                        assert_eq!(tiled[at], packed[row * cols / 2 + group * 16 + b], "[{rows}, {cols}] row {row}");
+                        hit[at] = true;
+                    }
+                }
+            }
+            // Every byte no source byte landed on is padding, and zero.
+            assert!(tiled.iter().zip(&hit).all(|(v, h)| *h || *v == 0));
+            assert_eq!(hit.iter().filter(|h| **h).count(), packed.len());
+        }
+    }
+
+    #[test]
+    fn every_scale_byte_lands_in_its_chunk() {
+        let (rows, cols) = (40, 96); // 3 tiles (the last one half padding), 1 quad of which 3 groups are real
+        let scales: Vec<u8> = (0..rows * cols / 32).map(|i| i as u8 + 1).collect();
+        let tiled = tile_scales(&scales, rows, cols).unwrap();
+        assert_eq!(tiled.len(), 3 * 64);
+        for row in 0..rows {
+            for group in 0..3 {
+                assert_eq!(tiled[(row / 16) * 64 + (row % 16) * 4 + group], scales[row * 3 + group]);
+            }
+            assert_eq!(tiled[(row / 16) * 64 + (row % 16) * 4 + 3], 0, "the fourth group of the quad is padding");
+        }
+        assert!(tiled[2 * 64 + 8 * 4..].iter().all(|&v| v == 0), "rows 40..48 are padding");
+    }
+
+    #[test]
+    fn wrong_sizes_are_errors_that_name_them() {
+        let err = tile_codes(&[0u8; 10], 2, 64).unwrap_err().to_string();
+        assert!(err.contains("[2, 64]") && err.contains("64 bytes") && err.contains("10"), "{err}");
+        let err = tile_scales(&[0u8; 4], 2, 48).unwrap_err().to_string();
+        assert!(err.contains("48 inputs"), "{err}");
+    }
+}
