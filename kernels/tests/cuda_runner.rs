@@ -213,14 +213,14 @@ fn assert_states_equal(a: &[sparkd_kernels::state::SeqState], b: &[sparkd_kernel
 #[test]
 fn cuda_dependent_launch_equals_serialized_launch_bit_for_bit() {
     let Some(mut r) = runner() else { return };
-    let dependent = r.gpu().dependent_launch;
+    let dependent = r.gpu().dependent_launch();
     if !dependent {
         eprintln!("dependent launch is off on this device (before Hopper, or SPARKD_PDL=off): both runs serialise");
     }
     // Eager and graphed steps alike: the scripted steps capture their repeated shapes and replay them.
     let (overlapped, overlapped_states) = scripted_steps(&mut r);
     r.set_dependent_launch(false);
-    assert!(!r.gpu().dependent_launch);
+    assert!(!r.gpu().dependent_launch());
     let (serialized, serialized_states) = scripted_steps(&mut r);
     r.set_dependent_launch(dependent);
     assert_eq!(

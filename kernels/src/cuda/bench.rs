@@ -261,7 +261,7 @@ pub fn run(opts: &CudaBenchOptions) -> Result<CudaBenchReport> {
         device: runner.gpu().info.clone(),
         load: runner.load_stats().clone(),
         copy_bytes_per_second,
-        dependent_launch: runner.gpu().dependent_launch,
+        dependent_launch: runner.gpu().dependent_launch(),
         decode,
         verify,
         forced,
@@ -426,7 +426,7 @@ fn measure_prefilled(
         None
     };
     let serialized_step_ms_median = if opts.compare_serialized {
-        let dependent = runner.gpu().dependent_launch;
+        let dependent = runner.gpu().dependent_launch();
         runner.set_dependent_launch(false);
         let serialized = time_steps(runner, b, opts.steps, draft_len);
         runner.set_dependent_launch(dependent);
@@ -605,7 +605,8 @@ impl CudaBenchReport {
         let mut s = String::new();
         let o = &self.options;
         s += &format!(
-            "sparkd bench: {} on {} ({:?} GEMM, CUDA graphs {}, dependent launch {}), prompt {} tokens, {} timed steps\n",
+            "sparkd bench: {} on {} ({:?} GEMM, CUDA graphs {}, dependent launch {}), prompt {} tokens, {} timed \
+             steps\n",
             o.preset,
             self.device.name,
             o.gemm,

@@ -1,9 +1,9 @@
 //! The device layout of the routed experts' MXFP4 weights: tiles of 16 rows by 128 inputs, each stored whole.
 //!
 //! A checkpoint stores an expert matrix `[rows, cols]` row by row (`mxfp4`): packed codes `[rows, cols/2]`, scale
-//! bytes `[rows, cols/32]`. The tensor-core expert kernels (`moe_gate_up` / `moe_down` in
-//! `kernels/cuda/moe.cu`) give each warp a 16-row tile and walk its inputs 128 at a time (a *quad* of four 32-input
-//! groups, the kernels' K block). On the device each (tile, quad) is one contiguous chunk: [`CHUNK_CODE_BYTES`] bytes of codes, its 16
+//! bytes `[rows, cols/32]`. The tensor-core expert kernels (`moe_gate_up` / `moe_down` in `kernels/cuda/moe.cu`)
+//! give each warp a 16-row tile and walk its inputs 128 at a time (a *quad* of four 32-input groups, the kernels'
+//! K block). On the device each (tile, quad) is one contiguous chunk: [`CHUNK_CODE_BYTES`] bytes of codes, its 16
 //! rows in order with 64 bytes each, and [`CHUNK_SCALE_BYTES`] scale bytes, 16 rows of 4. Chunks run quad by quad
 //! within a tile and tile by tile within a matrix, so a warp's step reads whole kilobytes in address order
 //! instead of 64 bytes from each of 16 rows 1–2 KB apart.
@@ -49,7 +49,8 @@ pub fn tiled_scale_bytes(rows: usize, cols: usize) -> usize {
 fn check(what: &str, found: usize, rows: usize, cols: usize, per_row: usize) -> Result<()> {
     if cols % GROUP_SIZE != 0 {
         return Err(KernelError::InvalidInput(format!(
-            "MXFP4 {what} of a [{rows}, {cols}] matrix: {cols} inputs are not a whole number of {GROUP_SIZE}-input groups"
+            "MXFP4 {what} of a [{rows}, {cols}] matrix: {cols} inputs are not a whole number of \
+             {GROUP_SIZE}-input groups"
         )));
     }
     if found != rows * per_row {

@@ -5,7 +5,7 @@
 //! - No host synchronisation: grids are sized from host-known bounds (at most `n k` active experts, at most
 //!   `experts`), and blocks past the active count exit.
 //! - A token's routing and expert outputs do not depend on the other tokens of the batch, bit for bit (fixed
-//!   summation orders, no float atomics; see `moe.cu`), whichever router form or expert cores run.
+//!   summation orders, no float atomics; see `moe.cu`), whichever router form runs.
 
 use cudarc::driver::LaunchConfig;
 

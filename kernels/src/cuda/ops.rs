@@ -177,10 +177,8 @@ pub struct Gpu {
     pub(crate) attn: AttnKernels,
     pub info: DeviceInfo,
     pub gemm: Gemm,
-    /// Programmatic dependent launch: every kernel may be scheduled while the one before it on its stream is
-    /// still running, and waits for it inside (`grid_dependency_wait`), so a kernel's launch and its weight loads
-    /// overlap its predecessor's tail. On from Hopper on unless `SPARKD_PDL=off`; off before Hopper.
-    pub dependent_launch: bool,
+    /// See [`Gpu::dependent_launch`].
+    dependent_launch: bool,
     counters: Counters,
     profile: Mutex<Option<Vec<Mark>>>,
 }
@@ -384,13 +382,26 @@ impl Gpu {
         self.on_side.load(Ordering::Relaxed)
     }
 
-    /// The stream of the current lane.
     /// A launch of `func` on the current lane, dependent on the kernel before it when [`Gpu::dependent_launch`]
     /// is on.
     pub(crate) fn launcher<'a>(&'a self, func: &'a CudaFunction) -> KernelLaunch<'a> {
         KernelLaunch { func, stream: self.lane(), dependent: self.dependent_launch, args: Vec::with_capacity(16) }
     }
 
+    /// Whether kernels are launched with programmatic dependent launch: every kernel may be scheduled while the one
+    /// before it on its stream is still running, and waits for it inside (`grid_dependency_wait`), so a kernel's
+    /// launch and its first weight loads overlap its predecessor's tail. On from Hopper on unless `SPARKD_PDL=off`.
+    pub fn dependent_launch(&self) -> bool {
+        self.dependent_launch
+    }
+
+    /// Turns programmatic dependent launch on or off for the launches that follow (it stays off before Hopper).
+    /// Graphs captured before keep the setting they were captured with.
+    pub fn set_dependent_launch(&mut self, on: bool) {
+        self.dependent_launch = on && self.info.compute_capability.0 >= 9;
+    }
+
+    /// The stream of the current lane.
     pub(crate) fn lane(&self) -> &Arc<CudaStream> {
         if self.on_side_lane() {
             &self.side

@@ -118,7 +118,7 @@ impl CudaRunner {
     /// Turns programmatic dependent launch on or off (see [`Gpu::dependent_launch`]; it stays off on a device
     /// before Hopper). The graphs held are dropped: their kernels were captured with the old setting.
     pub fn set_dependent_launch(&mut self, on: bool) {
-        self.gpu.dependent_launch = on && self.gpu.info.compute_capability.0 >= 9;
+        self.gpu.set_dependent_launch(on);
         self.model.clear_graphs();
     }
 

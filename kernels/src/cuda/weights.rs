@@ -2,10 +2,11 @@
 //!
 //! Invariants: every tensor is fetched through `schema::model_tensors` (name, shape, dtype checked by
 //! the source) and uploaded in its stored precision: bf16 matrices and norm weights stay bf16, the
-//! f32 KDA tensors stay f32, MXFP4 experts stay packed (the expert kernels dequantise them). The host
-//! never holds more than one tensor at a time, so a large checkpoint does not need host memory for the
-//! whole model. Derived values match the CPU reference exactly: `a = exp(A_log[..num_heads])` and the
-//! AttnRes pseudo-query `norm * proj` are computed on the host in f32, as `cpu::weights` computes them.
+//! f32 KDA tensors stay f32, MXFP4 experts stay packed, rearranged into the expert kernels' tiles
+//! (`expert_layout`; the kernels dequantise them). The host never holds more than one tensor at a time, so a
+//! large checkpoint does not need host memory for the whole model. Derived values match the CPU reference
+//! exactly: `a = exp(A_log[..num_heads])` and the AttnRes pseudo-query `norm * proj` are computed on the host in
+//! f32, as `cpu::weights` computes them.
 //! The projections a mixer applies to the same input are stacked at load into one matrix
 //! ([`DevMerged`]: KDA's q, k, v, g, f_a, b, MLA's q_a, kv_a, g and an MLP's gate and up), uploaded part by part into their
 //! rows, so each runs as one GEMM whose output parts keep the separate tensors' layouts.
