@@ -62,10 +62,10 @@ fn check(what: &str, found: usize, rows: usize, cols: usize, per_row: usize) -> 
     Ok(())
 }
 
-/// Rearranges `unit`-byte pieces, `units_per_group` to a group, from row-major `[rows, groups]` into the tiled
-/// order (see the module doc).
-fn tile(src: &[u8], rows: usize, groups: usize, unit: usize, chunk: usize) -> Vec<u8> {
-    let quads = groups.div_ceil(QUAD_GROUPS);
+/// Rearranges the `unit` bytes of each 32-input group (16 of codes, or 1 scale) from row-major `[rows, groups]`
+/// into the tiled order (see the module doc): chunks of 16 rows of 4 groups.
+fn tile(src: &[u8], rows: usize, groups: usize, unit: usize) -> Vec<u8> {
+    let (quads, chunk) = (groups.div_ceil(QUAD_GROUPS), TILE_ROWS * QUAD_GROUPS * unit);
     let mut out = vec![0u8; rows.div_ceil(TILE_ROWS) * quads * chunk];
     for row in 0..rows {
         let (tile, r) = (row / TILE_ROWS, row % TILE_ROWS);
@@ -82,13 +82,13 @@ fn tile(src: &[u8], rows: usize, groups: usize, unit: usize, chunk: usize) -> Ve
 /// The packed codes `[rows, cols/2]` of one matrix in the tiled layout ([`tiled_code_bytes`] long).
 pub fn tile_codes(packed: &[u8], rows: usize, cols: usize) -> Result<Vec<u8>> {
     check("codes", packed.len(), rows, cols, cols / 2)?;
-    Ok(tile(packed, rows, cols / GROUP_SIZE, GROUP_SIZE / 2, CHUNK_CODE_BYTES))
+    Ok(tile(packed, rows, cols / GROUP_SIZE, GROUP_SIZE / 2))
 }
 
 /// The scale bytes `[rows, cols/32]` of one matrix in the tiled layout ([`tiled_scale_bytes`] long).
 pub fn tile_scales(scales: &[u8], rows: usize, cols: usize) -> Result<Vec<u8>> {
     check("scales", scales.len(), rows, cols, cols / GROUP_SIZE)?;
-    Ok(tile(scales, rows, cols / GROUP_SIZE, 1, CHUNK_SCALE_BYTES))
+    Ok(tile(scales, rows, cols / GROUP_SIZE, 1))
 }
 
 #[cfg(test)]

@@ -301,9 +301,9 @@ impl Uploader<'_> {
         let experts = cfg.moe.num_experts;
         let packed = self.gpu.zeros::<u8>(experts * tiled_packed)?;
         let scales = self.gpu.zeros::<u8>(experts * tiled_scales)?;
+        type Tiling = fn(&[u8], usize, usize) -> Result<Vec<u8>>;
         for e in 0..experts {
             let specs = expert_specs(cfg, l, e, proj);
-            type Tiling = fn(&[u8], usize, usize) -> Result<Vec<u8>>;
             let parts: [(_, _, _, _, Tiling); 2] = [
                 (&specs[0], &packed, per_packed, tiled_packed, tile_codes),
                 (&specs[1], &scales, per_scales, tiled_scales, tile_scales),
