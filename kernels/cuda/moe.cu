@@ -450,7 +450,8 @@ __device__ __forceinline__ u32 bf16x2_mul(u32 a, u32 b) {
 // multiplied by 2^126 and this is 2^(b - 127) (b = 0: the subnormal 2^-127). 0xFF is NaN either way. Every
 // product is exact, so both give the same bf16 weights.
 __device__ __forceinline__ u32 scale_bf16x2(u32 b, bool wide) {
-    u32 h = b == 0xFFu ? 0x7FC0u : wide ? (b == 0u ? 0x0040u : b << 7) : (b + 126u) << 7;
+    if (!wide) return b * 0x00800080u + 0x3F003F00u;  // (b + 126) << 7 in both halves (b <= 128 here)
+    u32 h = b == 0xFFu ? 0x7FC0u : b == 0u ? 0x0040u : b << 7;
     return h | (h << 16);
 }
 
@@ -499,34 +500,31 @@ __device__ __forceinline__ void mma_step(const uint4 cur[NM][2][KB], const u32 c
     }
 }
 
-// One warp's pass of a 16-row tile of NM matrices (NM = 2: gate and up) over the pairs[0..count) (count <= 8 NT)
-// of one expert, KB blocks of 128 inputs per step (the next step's codes are in flight during this one). The
-// weights are in the tiled layout (expert_layout.rs): block b of the tile is one chunk of TILE_CODE_BYTES codes
-// (16 rows of 64 bytes) and TILE_SCALE_BYTES scales (16 rows of 4).
-// rows[m][r]: this thread's 16 bytes of row g (r = 0) / g + 8 (r = 1) of matrix m in the tile's first chunk, or
-// null past the matrix; scales likewise (its scale byte there).
+// The register pass of a 16-row tile of NM matrices (NM = 2: gate and up) over the pairs[0..count) (count <= 8 NT)
+// of one expert, KB blocks of 128 inputs per step: the next step's codes are loaded into registers during this one.
+// rows[m]: this thread's 16 bytes of row g of matrix m in the tile's first chunk (row g + 8 is 512 bytes on);
+// scales[m]: the tile's first chunk of scales of matrix m. Chunks past the matrix's groups read as zeros; rows past
+// the matrix are the tile's zero padding (expert_layout.rs).
 // The B column of this thread is pair g of each 8-pair tile: row pairs[.] / div of `in`, `width` (= 32 groups) bf16
 // wide. acc[m][nt]: the MMA accumulators of n-tile nt.
 template <int NM, int NT, int KB>
-__device__ __forceinline__ void mma_rows_pass(const u8 *const rows[NM][2], const u8 *const scales[NM][2], int g,
-                                              int t, int groups, const __nv_bfloat16 *in, const int *pairs, int count,
+__device__ __forceinline__ void mma_rows_pass(const u8 *const rows[NM], const u8 *const scales[NM], int g, int t,
+                                              int groups, const __nv_bfloat16 *in, const int *pairs, int count,
                                               int div, int width, float acc[NM][NT][4]) {
     int steps = (groups + 4 * KB - 1) / (4 * KB);
     uint4 q[NM][2][KB];
     u32 sb[NM][2][KB];
-    // Loads group 4 (KB s + blk) + t of each row (zeros past the row's groups or the matrix).
     auto load = [&](int s) {
 #pragma unroll
         for (int blk = 0; blk < KB; blk++) {
-            int grp = 4 * (KB * s + blk) + t;
+            long chunk = KB * s + blk;
+            bool ok = 4 * chunk + t < groups;
 #pragma unroll
             for (int m = 0; m < NM; m++)
 #pragma unroll
                 for (int r = 0; r < 2; r++) {
-                    bool ok = rows[m][r] != nullptr && grp < groups;
-                    long chunk = KB * s + blk;
-                    q[m][r][blk] = ok ? ld_stream16(rows[m][r] + chunk * TILE_CODE_BYTES) : make_uint4(0u, 0u, 0u, 0u);
-                    sb[m][r][blk] = ok ? (u32)__ldg(scales[m][r] + chunk * TILE_SCALE_BYTES) : 0u;
+                    q[m][r][blk] = ok ? ld_stream16(rows[m] + chunk * TILE_CODE_BYTES + r * 512) : make_uint4(0u, 0u, 0u, 0u);
+                    sb[m][r][blk] = ok ? (u32)__ldg(scales[m] + chunk * TILE_SCALE_BYTES + tile_scale_offset(g, r, t)) : 0u;
                 }
         }
     };
@@ -558,10 +556,112 @@ __device__ __forceinline__ void mma_rows_pass(const u8 *const rows[NM][2], const
     }
 }
 
+// ---- The weight ring: cp.async copies of the next steps' weights into shared memory ----------------------------
+// The ring pass streams a warp's tile through a private ring of EXPERT_STAGES steps in shared memory: a step's codes
+// and scales are copied by cp.async (LDGSTS: no registers held while in flight), EXPERT_STAGES - 1 steps ahead of
+// the one being multiplied. It holds no next step in registers, which lets moe_gate_up run 4 blocks per SM without
+// spills (the register pass needs 168 registers there). A lane reads back exactly the 16-byte pieces of codes it
+// copied itself; the scales of a step are copied as whole 4-byte words shared by the warp's lanes, so every step
+// starts with a __syncwarp (which also orders the refill of the slot read in the step before).
+#define EXPERT_STAGES 3  // Gpu's EXPERT_STAGES (moe_ops.rs): steps per warp in the ring
+
+// A ring step of NM matrices and KB blocks: codes [NM][2 rows][KB][32 lanes][16 B], then scales [NM][KB][64 B] (the
+// chunks' scale bytes as stored, rows g + 8 r at (g + 8 r) * 4 + t).
+template <int NM, int KB>
+struct RingStep {
+    static constexpr int CODES = NM * 2 * KB * 512;
+    static constexpr int BYTES = CODES + NM * KB * TILE_SCALE_BYTES;
+};
+// Shared memory per warp (Gpu's EXPERT_RING_STEP_BYTES times the stages).
+#define RING_WARP_BYTES (EXPERT_STAGES * RingStep<2, GATE_UP_KB>::BYTES)
+static_assert(RingStep<2, GATE_UP_KB>::BYTES == 4352, "moe_ops.rs's EXPERT_RING_STEP_BYTES");
+
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool ok) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"((u32)__cvta_generic_to_shared(dst)),
+                 "l"(src), "r"(ok ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async4(void *dst, const void *src, bool ok) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src),
+                 "r"(ok ? 4 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+}
+
+// mma_rows_pass through the warp's ring (`ring`: RING_WARP_BYTES of shared memory); the same arguments otherwise,
+// and the same MMAs in the same order.
+template <int NM, int NT, int KB>
+__device__ __forceinline__ void mma_ring_pass(u8 *ring, const u8 *const rows[NM], const u8 *const scales[NM], int g,
+                                              int t, int groups, const __nv_bfloat16 *in, const int *pairs, int count,
+                                              int div, int width, float acc[NM][NT][4]) {
+    using Step = RingStep<NM, KB>;
+    const int lane = g * 4 + t, steps = (groups + 4 * KB - 1) / (4 * KB), quads = (groups + 3) / 4;
+    // Copies step s into its slot (past the last step: nothing), then closes its group, so that the group count
+    // stays one per step.
+    auto issue = [&](int s) {
+        if (s < steps) {
+            u8 *st = ring + (s % EXPERT_STAGES) * Step::BYTES;
+#pragma unroll
+            for (int blk = 0; blk < KB; blk++) {
+                int chunk = KB * s + blk;
+                bool ok = 4 * chunk + t < groups;
+#pragma unroll
+                for (int m = 0; m < NM; m++)
+#pragma unroll
+                    for (int r = 0; r < 2; r++)
+                        cp_async16(st + (((m * 2 + r) * KB + blk) * 32 + lane) * 16,
+                                   rows[m] + (long)chunk * TILE_CODE_BYTES + r * 512, ok);
+            }
+#pragma unroll
+            for (int m = 0; m < NM; m++)
+                for (int word = lane; word < KB * TILE_SCALE_BYTES / 4; word += 32) {
+                    int chunk = KB * s + word / (TILE_SCALE_BYTES / 4);
+                    cp_async4(st + Step::CODES + m * KB * TILE_SCALE_BYTES + word * 4,
+                              scales[m] + (long)KB * s * TILE_SCALE_BYTES + word * 4, chunk < quads);
+                }
+        }
+        cp_async_commit();
+    };
+    __syncwarp();  // every lane is done with the ring of the pass before
+#pragma unroll
+    for (int s = 0; s < EXPERT_STAGES - 1; s++) issue(s);
+    const __nv_bfloat16 *x[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        int c = nt * 8 + g;
+        x[nt] = c < count ? in + (long)(pairs[c] / div) * width : nullptr;
+    }
+    for (int s = 0; s < steps; s++) {
+        cp_async_wait<EXPERT_STAGES - 2>();  // this lane's copies of step s have landed
+        __syncwarp();                        // and every lane's: the shared scale words are in
+        issue(s + EXPERT_STAGES - 1);        // into the slot of step s - 1, which every lane has read
+        const u8 *st = ring + (s % EXPERT_STAGES) * Step::BYTES;
+        uint4 cur[NM][2][KB];
+        u32 cs[NM][2][KB];
+        bool wide = false;
+#pragma unroll
+        for (int blk = 0; blk < KB; blk++)
+#pragma unroll
+            for (int m = 0; m < NM; m++)
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    cur[m][r][blk] = *(const uint4 *)(st + (((m * 2 + r) * KB + blk) * 32 + lane) * 16);
+                    cs[m][r][blk] = st[Step::CODES + (m * KB + blk) * TILE_SCALE_BYTES + tile_scale_offset(g, r, t)];
+                    wide |= cs[m][r][blk] > 128u;
+                }
+        if (__any_sync(0xffffffffu, wide)) mma_step<NM, NT, KB, true>(cur, cs, x, s, t, groups, acc);
+        else mma_step<NM, NT, KB, false>(cur, cs, x, s, t, groups, acc);
+    }
+}
+
 // Gate/up + SiTU of one 16-row tile for pairs[0..count), count <= 8 NT (see moe_gate_up).
 template <int NT, int KB>
-__device__ __forceinline__ void gate_up_mma_chunk(const u8 *const rows[2][2], const u8 *const scales[2][2], int g,
-                                                  int t, int groups, const __nv_bfloat16 *z, const int *pairs,
+__device__ __forceinline__ void gate_up_mma_chunk(u8 *ring, const u8 *const rows[2], const u8 *const scales[2],
+                                                  int g, int t, int groups, const __nv_bfloat16 *z, const int *pairs,
                                                   int count, int k, int D, __nv_bfloat16 *a, int I, int row0,
                                                   float beta, float lbeta) {
     float acc[2][NT][4];
@@ -571,7 +671,7 @@ __device__ __forceinline__ void gate_up_mma_chunk(const u8 *const rows[2][2], co
         for (int nt = 0; nt < NT; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[m][nt][e] = 0.0f;
-    mma_rows_pass<2, NT, KB>(rows, scales, g, t, groups, z, pairs, count, k, D, acc);
+    mma_ring_pass<2, NT, KB>(ring, rows, scales, g, t, groups, z, pairs, count, k, D, acc);
     // c0, c1: row g, pairs 2t, 2t + 1 of the tile; c2, c3: row g + 8, the same pairs.
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
@@ -600,10 +700,12 @@ __device__ __forceinline__ void gate_up_mma_chunk(const u8 *const rows[2][2], co
     }
 
 // Gate/up + SiTU per active expert: a[p, r] = bf(SiTU(bf(w1_e[r] z_t), bf(w3_e[r] z_t))) for every pair p = t k + j
-// of expert e. At most 170 registers (3 blocks per SM; the bound also keeps ptxas from spilling).
-// grid = (min(n k, E), ceil(I / (16 MMA_WARPS))), blockDim 32 MMA_WARPS.
+// of expert e. The weights stream through each warp's ring (mma_ring_pass), which leaves it 128 registers without
+// spills: 4 blocks per SM instead of the register pass's 3.
+// grid = (min(n k, E), ceil(I / (16 MMA_WARPS))), blockDim 32 MMA_WARPS; dynamic shared memory MMA_WARPS
+// RING_WARP_BYTES.
 // z: [n, D]; w1/w3 tiled [E, I, D] codes and scales (expert_layout.rs); a: [n k, I]. D must be a multiple of 32.
-extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 3)
+extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 4)
     moe_gate_up(const __nv_bfloat16 *z, const u8 *w1p, const u8 *w1s, const u8 *w3p, const u8 *w3s,
                     const int *group, const int *pairs, __nv_bfloat16 *a, int k, int E, int D, int I, float beta,
                     float lbeta) {
@@ -616,27 +718,19 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 3)
     int row0 = (blockIdx.y * MMA_WARPS + (threadIdx.x >> 5)) * 16;
     if (row0 >= I) return;
     int groups = D / 32;
-    const u8 *rows[2][2], *scales[2][2];
-    long tile = tile_index(e, row0, I, groups);
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        bool ok = row0 + g + 8 * r < I;
-        long code = tile * TILE_CODE_BYTES + tile_code_offset(g, r, t);
-        long scale = tile * TILE_SCALE_BYTES + tile_scale_offset(g, r, t);
-        rows[0][r] = ok ? w1p + code : nullptr;
-        rows[1][r] = ok ? w3p + code : nullptr;
-        scales[0][r] = ok ? w1s + scale : nullptr;
-        scales[1][r] = ok ? w3s + scale : nullptr;
-    }
+    extern __shared__ __align__(16) u8 rings[];
+    u8 *ring = rings + (threadIdx.x >> 5) * RING_WARP_BYTES;
+    long tile = tile_index(e, row0, I, groups), code = tile * TILE_CODE_BYTES + tile_code_offset(g, 0, t);
+    const u8 *rows[2] = {w1p + code, w3p + code}, *scales[2] = {w1s + tile * TILE_SCALE_BYTES, w3s + tile * TILE_SCALE_BYTES};
 #define GATE_UP_MMA(NT, KB) \
-    gate_up_mma_chunk<NT, KB>(rows, scales, g, t, groups, z, pairs + p, count, k, D, a, I, row0, beta, lbeta)
+    gate_up_mma_chunk<NT, KB>(ring, rows, scales, g, t, groups, z, pairs + p, count, k, D, a, I, row0, beta, lbeta)
     MMA_CHUNKS(GATE_UP_MMA, GATE_UP_KB)
 #undef GATE_UP_MMA
 }
 
 // Down projection of one 16-row tile (output channels) for pairs[0..count) (see moe_down).
 template <int NT, int KB>
-__device__ __forceinline__ void down_mma_chunk(const u8 *const rows[1][2], const u8 *const scales[1][2], int g, int t,
+__device__ __forceinline__ void down_mma_chunk(const u8 *const rows[1], const u8 *const scales[1], int g, int t,
                                                int groups, const __nv_bfloat16 *act, const int *pairs, int count,
                                                int I, __nv_bfloat16 *y, int D, int row0) {
     float acc[1][NT][4];
@@ -670,14 +764,9 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 4)
     int row0 = (blockIdx.y * MMA_WARPS + (threadIdx.x >> 5)) * 16;
     if (row0 >= D) return;
     int groups = I / 32;
-    const u8 *rows[1][2], *scales[1][2];
     long tile = tile_index(e, row0, D, groups);
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        bool ok = row0 + g + 8 * r < D;
-        rows[0][r] = ok ? w2p + tile * TILE_CODE_BYTES + tile_code_offset(g, r, t) : nullptr;
-        scales[0][r] = ok ? w2s + tile * TILE_SCALE_BYTES + tile_scale_offset(g, r, t) : nullptr;
-    }
+    const u8 *rows[1] = {w2p + tile * TILE_CODE_BYTES + tile_code_offset(g, 0, t)};
+    const u8 *scales[1] = {w2s + tile * TILE_SCALE_BYTES};
 #define DOWN_MMA(NT, KB) down_mma_chunk<NT, KB>(rows, scales, g, t, groups, a, pairs + p, count, I, y, D, row0)
     MMA_CHUNKS(DOWN_MMA, DOWN_KB)
 #undef DOWN_MMA

@@ -9,7 +9,8 @@
 
 use cudarc::driver::LaunchConfig;
 
-use crate::cuda::ops::{launch_err, no_clusters, row_cluster_launch, DPtr, Gpu, RowSplit, ROW_CLUSTER};
+use crate::cuda::device::device_err;
+use crate::cuda::ops::{launch_err, no_clusters, row_cluster_launch, DPtr, Gpu, Kernels, RowSplit, ROW_CLUSTER};
 use crate::error::{KernelError, Result};
 
 /// The router of a MoE layer over `n` tokens ([`Gpu::moe_route`]): `h` `[n, d]` bf16, `w` `[experts, d]` bf16,
@@ -109,7 +110,7 @@ impl Gpu {
         lbeta: f32,
     ) -> Result<()> {
         check_expert_width("latent", latent)?;
-        let cfg = expert_launch(n, k, experts, inter);
+        let cfg = expert_launch(n, k, experts, inter, GATE_UP_SHARED_BYTES);
         let (k, e, dl, di) = (k as i32, experts as i32, latent as i32, inter as i32);
         let mut b = self.launcher(&self.k.moe_gate_up);
         b.arg(&z).arg(&w1.0).arg(&w1.1).arg(&w3.0).arg(&w3.1).arg(&grouping.0).arg(&grouping.1).arg(&a);
@@ -133,7 +134,7 @@ impl Gpu {
         inter: usize,
     ) -> Result<()> {
         check_expert_width("expert", inter)?;
-        let cfg = expert_launch(n, k, experts, latent);
+        let cfg = expert_launch(n, k, experts, latent, 0);
         let (e, dl, di) = (experts as i32, latent as i32, inter as i32);
         let mut b = self.launcher(&self.k.moe_down);
         b.arg(&a).arg(&w2.0).arg(&w2.1).arg(&grouping.0).arg(&grouping.1).arg(&y).arg(&e).arg(&dl).arg(&di);
@@ -213,13 +214,31 @@ pub fn moe_group_len(experts: usize) -> usize {
 /// 16-row tiles (one per warp) per block of the grouped expert kernels (`MMA_WARPS` in `kernels/cuda/moe.cu`).
 const EXPERT_WARPS: u32 = 4;
 
-/// The launch of a grouped expert kernel with `rows` output rows per expert: one block per active-expert slot and
-/// group of `EXPERT_WARPS` 16-row tiles.
-fn expert_launch(n: usize, k: usize, experts: usize, rows: usize) -> LaunchConfig {
+/// Steps of weights in each warp's shared-memory ring of `moe_gate_up` (`EXPERT_STAGES` in `kernels/cuda/moe.cu`),
+/// and the bytes of one step (`RingStep<2, GATE_UP_KB>::BYTES` there).
+const EXPERT_STAGES: u32 = 3;
+const EXPERT_RING_STEP_BYTES: u32 = 4352;
+
+/// Dynamic shared memory of a `moe_gate_up` block: one ring per warp.
+const GATE_UP_SHARED_BYTES: u32 = EXPERT_WARPS * EXPERT_STAGES * EXPERT_RING_STEP_BYTES;
+
+/// Raises the dynamic shared memory limit of `moe_gate_up` to its rings' size.
+pub(crate) fn allow_expert_shared_memory(k: &Kernels) -> Result<()> {
+    k.moe_gate_up
+        .set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            GATE_UP_SHARED_BYTES as i32,
+        )
+        .map_err(|e| device_err("allowing moe_gate_up its shared memory", e))
+}
+
+/// The launch of a grouped expert kernel with `rows` output rows per expert and `shared_bytes` of dynamic shared
+/// memory: one block per active-expert slot and group of `EXPERT_WARPS` 16-row tiles.
+fn expert_launch(n: usize, k: usize, experts: usize, rows: usize, shared_bytes: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (active_slots(n, k, experts), rows.div_ceil(16 * EXPERT_WARPS as usize) as u32, 1),
         block_dim: (32 * EXPERT_WARPS, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: shared_bytes,
     }
 }
 
