@@ -223,13 +223,23 @@ __device__ __forceinline__ int find_expert(const int *row, int k, int e) {
     return lo < k && row[lo] == e ? lo : -1;
 }
 
-// Groups the pairs by expert. grid = 1, blockDim 1024 (32 warps); dynamic shared memory 2 E ints.
+// Groups the pairs by expert. grid = 1, blockDim 1024 (32 warps); dynamic shared memory 2 E ints, plus n k when
+// `staged` (the choices are first copied into shared memory, so that the binary searches below are not dependent
+// round trips to global memory).
 // idx: [n, k] chosen experts, ascending per token. One warp per expert scans the tokens 32 at a time (a ballot
 // ranks the hits), so the order within an expert is the token order.
-extern "C" __global__ void moe_group(const int *idx, int n, int k, int E, int *group, int *pairs) {
+extern "C" __global__ void moe_group(const int *idx_global, int n, int k, int E, int staged, int *group,
+                                     int *pairs) {
     kernel_entry();
     extern __shared__ int gsm[];
     int *count = gsm, *start = gsm + E;
+    const int *idx = idx_global;
+    if (staged) {
+        int *copy = gsm + 2 * E;
+        for (int i = threadIdx.x; i < n * k; i += blockDim.x) copy[i] = idx_global[i];
+        __syncthreads();
+        idx = copy;
+    }
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     for (int e = warp; e < E; e += warps) {
         int c = 0;

@@ -7,6 +7,8 @@
 //! outputs bit-identical across those batches (a token's arithmetic may not depend on who shares its experts).
 //! On a machine without a CUDA driver every test says plainly that it skipped.
 //!
+//! The grouping by expert against a host grouping, with the choices staged in shared memory and read from global.
+//!
 //! `routed_expert_bandwidth` (ignored by default; `--ignored`) prints the achieved GB/s of the gate/up and down
 //! kernels for the bytes of the active experts' MXFP4 weights, at 1, 8 and 64 tokens with the k3-mini routing
 //! (64 experts, top 16, real checkpoints' scale bytes). It asserts nothing about speed.
@@ -288,6 +290,62 @@ fn the_one_launch_router_equals_the_two_launch_router_bit_for_bit() {
             assert_eq!(one, two, "{experts} experts, top {k}, {n} tokens: the two router forms disagree");
             assert!(one.0.chunks(k).all(|t| t.windows(2).all(|p| p[0] < p[1])), "experts ascending per token");
         }
+    }
+}
+
+/// The grouping a host computes: the active experts ascending, where each one's pairs start, and the pairs
+/// `t k + j` grouped by expert with tokens ascending (`moe_group`'s layout).
+fn host_grouping(idx: &[i32], n: usize, k: usize, experts: usize) -> (Vec<i32>, Vec<i32>) {
+    let mut group = vec![0i32; moe_group_len(experts)];
+    let mut pairs = Vec::with_capacity(n * k);
+    let mut active = 0;
+    for e in 0..experts as i32 {
+        let start = pairs.len() as i32;
+        pairs.extend((0..n * k).filter(|p| idx[*p] == e).map(|p| p as i32));
+        if pairs.len() as i32 > start {
+            group[1 + active] = e;
+            group[1 + experts + active] = start;
+            active += 1;
+        }
+    }
+    group[0] = active as i32;
+    group[1 + experts + active] = pairs.len() as i32;
+    (group, pairs)
+}
+
+#[test]
+fn grouping_matches_the_host_with_the_choices_staged_in_shared_memory_and_read_from_global() {
+    let Some(gpu) = gpu() else { return };
+    let (experts, k) = (64usize, 16usize);
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    // 3 tokens are staged in shared memory; 800 x 16 choices (51 KB) are past its limit and read from global.
+    for n in [1usize, 3, 800] {
+        let idx: Vec<i32> = (0..n)
+            .flat_map(|_| {
+                let mut mine: Vec<i32> = Vec::new();
+                while mine.len() < k {
+                    let e = rng.gen_range(0..experts as i32);
+                    if !mine.contains(&e) {
+                        mine.push(e);
+                    }
+                }
+                mine.sort_unstable();
+                mine
+            })
+            .collect();
+        let idx_d = gpu.upload(&idx).unwrap();
+        let group = gpu.zeros::<i32>(moe_group_len(experts)).unwrap();
+        let pairs = gpu.zeros::<i32>(n * k).unwrap();
+        gpu.moe_group(gpu.ptr(&idx_d), n, k, experts, gpu.ptr(&group), gpu.ptr(&pairs)).unwrap();
+        let (want_group, want_pairs) = host_grouping(&idx, n, k, experts);
+        let active = want_group[0] as usize;
+        let got_group = gpu.download(&group, moe_group_len(experts)).unwrap();
+        // Entries past the active experts are not part of the layout.
+        assert_eq!(got_group[0], want_group[0], "{n} tokens: active experts");
+        assert_eq!(got_group[1..1 + active], want_group[1..1 + active], "{n} tokens: active experts' ids");
+        let bounds = 1 + experts..2 + experts + active;
+        assert_eq!(got_group[bounds.clone()], want_group[bounds], "{n} tokens: pair bounds");
+        assert_eq!(gpu.download(&pairs, n * k).unwrap(), want_pairs, "{n} tokens: pairs");
     }
 }
 

@@ -726,8 +726,14 @@ impl DeviceModel {
         let c = &self.cfg.moe;
         let (e, k, latent, inter) = (c.num_experts, c.top_k, c.latent_dim, c.expert_dim);
         let d = self.cfg.hidden_size;
-        // The shared expert runs on the side lane, overlapping the routing and the routed experts; its
-        // output is allocated on the main lane before the fork and read after the join.
+        // The latent down projection runs on the side lane while the main lane routes (the router is bound by
+        // its latency, the projection by bandwidth), then the shared expert, overlapping the routing and the
+        // routed experts. Their outputs are allocated on the main lane before the fork and read after the
+        // main lane has waited for them.
+        let z = gpu.uninit::<bf16>(n * latent)?; // [n, latent], written in full by the down GEMM
+        let down = (gpu.ptr(&w.down.w), w.down.out_dim, w.down.in_dim);
+        gpu.on_side(|| gpu.linear(down.0, down.1, down.2, hn, n, gpu.ptr(&z)))?;
+        gpu.mark_side()?;
         let shared = match &w.shared {
             Some(mlp) => {
                 let out = gpu.uninit::<bf16>(n * d)?; // [n, d], written in full by the down GEMM
@@ -772,8 +778,7 @@ impl DeviceModel {
         let pairs = gpu.uninit::<i32>(n * k)?; // [n k], grouped by expert
         gpu.moe_group(gpu.ptr(&idx), n, k, e, gpu.ptr(&group), gpu.ptr(&pairs))?;
         let grouping = (gpu.ptr(&group), gpu.ptr(&pairs));
-        gpu.mark("moe.latent_down")?;
-        let z = self.linear(gpu, &w.down, hn, n)?; // [n, latent]
+        gpu.wait_side_mark()?; // z
         let act = gpu.uninit::<bf16>(n * k * inter)?; // [n k, inter]
         let pair = |x: &crate::cuda::weights::DevExperts| (gpu.ptr(&x.packed), gpu.ptr(&x.scales));
         gpu.mark("moe.experts")?;

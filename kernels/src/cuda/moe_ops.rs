@@ -79,15 +79,18 @@ impl Gpu {
     /// Groups the routed (token, slot) pairs by expert on the device (no host synchronisation): `group`
     /// ([`moe_group_len`] ints: the active experts and where each one's pairs start) and `pairs` `[n k]`
     /// (`t * k + j`, grouped by expert, tokens ascending), from `idx` `[n, k]` (ascending per token).
+    /// The choices are staged in shared memory when they fit beside the counts (decode and verify batches).
     pub fn moe_group(&self, idx: DPtr, n: usize, k: usize, experts: usize, group: DPtr, pairs: DPtr) -> Result<()> {
-        let cfg =
-            LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: (2 * experts * 4) as u32 };
-        if cfg.shared_mem_bytes > 48 * 1024 {
+        let counts_bytes = 2 * experts * 4;
+        if counts_bytes > GROUP_SHARED_LIMIT {
             return Err(KernelError::InvalidInput(format!("grouping {experts} experts needs too much shared memory")));
         }
-        let (n, k, e) = (n as i32, k as i32, experts as i32);
+        let staged = counts_bytes + n * k * 4 <= GROUP_SHARED_LIMIT;
+        let shared_bytes = if staged { counts_bytes + n * k * 4 } else { counts_bytes };
+        let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: shared_bytes as u32 };
+        let (n, k, e, staged) = (n as i32, k as i32, experts as i32, i32::from(staged));
         let mut b = self.launcher(&self.k.moe_group);
-        b.arg(&idx).arg(&n).arg(&k).arg(&e).arg(&group).arg(&pairs);
+        b.arg(&idx).arg(&n).arg(&k).arg(&e).arg(&staged).arg(&group).arg(&pairs);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_group"))
     }
 
@@ -197,6 +200,9 @@ impl Gpu {
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_combine_norm"))
     }
 }
+
+/// The most dynamic shared memory `moe_group` takes (the default limit, no opt-in needed).
+const GROUP_SHARED_LIMIT: usize = 48 * 1024;
 
 /// Blocks per token of the one-launch router (`ROUTER_CLUSTER` in `kernels/cuda/moe.cu`).
 const ROUTER_CLUSTER: u32 = 8;

@@ -168,6 +168,8 @@ pub struct Gpu {
     on_side: AtomicBool,
     fork_event: CudaEvent,
     join_event: CudaEvent,
+    /// Where the side lane had been issued to at the last [`Gpu::mark_side`].
+    side_mark_event: CudaEvent,
     pub(crate) blas: CudaBlas,
     /// The skinny GEMM's tickets of the main and the side lane (all zeros between launches; see `gemm.cu`).
     pub(crate) gemm_tickets: [CudaSlice<u32>; 2],
@@ -348,6 +350,7 @@ impl Gpu {
         let untimed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
         let fork_event = ctx.new_event(untimed).map_err(|e| device_err("creating an event", e))?;
         let join_event = ctx.new_event(untimed).map_err(|e| device_err("creating an event", e))?;
+        let side_mark_event = ctx.new_event(untimed).map_err(|e| device_err("creating an event", e))?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| device_err("creating the cuBLAS handle", e))?;
         let gemm_tickets = [crate::cuda::gemm_ops::new_tickets(&stream)?, crate::cuda::gemm_ops::new_tickets(&side)?];
         Ok(Gpu {
@@ -357,6 +360,7 @@ impl Gpu {
             on_side: AtomicBool::new(false),
             fork_event,
             join_event,
+            side_mark_event,
             blas,
             gemm_tickets,
             skinny_slots,
@@ -440,6 +444,24 @@ impl Gpu {
             .record(&self.side)
             .and_then(|_| self.stream.wait(&self.join_event))
             .map_err(|e| device_err("joining the side lane", e))
+    }
+
+    /// Records how far the side lane has been issued, for [`Gpu::wait_side_mark`]; side ops issued after this
+    /// call are not covered by that wait. A no-op with [`Gemm::Cublas`] (no side lane).
+    pub fn mark_side(&self) -> Result<()> {
+        if self.gemm == Gemm::Cublas {
+            return Ok(());
+        }
+        self.side_mark_event.record(&self.side).map_err(|e| device_err("marking the side lane", e))
+    }
+
+    /// Makes the main stream wait for the side ops issued before the last [`Gpu::mark_side`] (a partial join:
+    /// the later side ops keep overlapping the main lane until [`Gpu::join_side`]).
+    pub fn wait_side_mark(&self) -> Result<()> {
+        if self.gemm == Gemm::Cublas {
+            return Ok(());
+        }
+        self.stream.wait(&self.side_mark_event).map_err(|e| device_err("waiting for the side lane's mark", e))
     }
 
     /// `(kernel launches incl. cuBLAS calls, memsets + device copies)` issued so far.
