@@ -419,7 +419,7 @@ __device__ __forceinline__ long tile_index(long e, int row0, int rows, int group
 // Byte offsets in a chunk of thread (g, t)'s group of row g + 8 r: its 16 bytes of codes, its scale byte.
 __device__ __forceinline__ int tile_code_offset(int g, int r, int t) { return (g + 8 * r) * 64 + t * 16; }
 __device__ __forceinline__ int tile_scale_offset(int g, int r, int t) { return (g + 8 * r) * 4 + t; }
-#define GATE_UP_KB 2  // K blocks per step of moe_gate_up: 2 matrices x 2 rows x 2 x 16 bytes per lane in flight
+#define GATE_UP_KB 2  // K blocks per step of moe_gate_up: a ring step holds 2 matrices x 2 rows x 2 x 16 bytes per lane
 #define DOWN_KB 4     // the same for moe_down (one matrix): 128 bytes per lane in flight as well
 
 __device__ __forceinline__ void mma_16816(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
@@ -572,7 +572,9 @@ __device__ __forceinline__ void mma_rows_pass(const u8 *const rows[NM], const u8
 // the one being multiplied. It holds no next step in registers, which lets moe_gate_up run 4 blocks per SM without
 // spills (the register pass needs 168 registers there). A lane reads back exactly the 16-byte pieces of codes it
 // copied itself; the scales of a step are copied as whole 4-byte words shared by the warp's lanes, so every step
-// starts with a __syncwarp (which also orders the refill of the slot read in the step before).
+// starts with a __syncwarp (which also orders the refill of the slot read in the step before). (The multistage
+// cp.async pipeline follows the idea of CUTLASS's multistage mainloop; here each warp owns its ring, so no block
+// barrier is needed.)
 #define EXPERT_STAGES 3  // Gpu's EXPERT_STAGES (moe_ops.rs): steps per warp in the ring
 
 // A ring step of NM matrices and KB blocks: codes [NM][2 rows][KB][32 lanes][16 B], then scales [NM][KB][64 B] (the

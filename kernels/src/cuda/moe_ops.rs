@@ -262,3 +262,28 @@ fn check_expert_width(what: &str, inputs: usize) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::compile::SOURCES;
+
+    /// The value of `#define name value` in `kernels/cuda/moe.cu`.
+    fn defined(name: &str) -> u32 {
+        let moe = SOURCES.iter().find(|s| s.name == "moe.cu").expect("moe.cu is embedded");
+        let prefix = format!("#define {name} ");
+        let line = moe.code.lines().find(|l| l.starts_with(&prefix)).unwrap_or_else(|| panic!("no #define {name}"));
+        let value = line[prefix.len()..].split_whitespace().next().unwrap_or_default();
+        value.parse().unwrap_or_else(|_| panic!("#define {name} is not a number: {line}"))
+    }
+
+    #[test]
+    fn the_launch_constants_match_the_kernel_source() {
+        // A ring larger than the shared memory the launch gives would overrun it.
+        assert_eq!(EXPERT_STAGES, defined("EXPERT_STAGES"));
+        let kb = defined("GATE_UP_KB");
+        assert_eq!(EXPERT_RING_STEP_BYTES, 2 * 2 * kb * 512 + 2 * kb * defined("TILE_SCALE_BYTES"));
+        assert_eq!(EXPERT_WARPS, defined("MMA_WARPS"));
+        assert_eq!(ROUTER_CLUSTER, defined("ROUTER_CLUSTER"));
+    }
+}
