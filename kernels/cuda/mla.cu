@@ -74,7 +74,7 @@ __device__ __forceinline__ void load8(const __nv_bfloat16 *p, float *out) {
 #define ABSORB_COLS 64     // columns of q_lat per block: 8 groups of 8 (one 16-byte load per weight row)
 #define ABSORB_SLICES 16   // row slices per block: thread (slice s, group g) reads rows s, s + 16, ...
 #define ABSORB_ROWS 8      // rows per slice: nope <= ABSORB_SLICES * ABSORB_ROWS (128)
-#define ABSORB_TOKENS 8    // tokens per pass over the block's weight tile (held in registers)
+#define ABSORB_TOKENS 16   // tokens per pass over the block's weight tile (held in registers)
 #define ABSORB_WARPS 4     // blockDim 128 = ABSORB_SLICES * 8
 #define BLOCK_TOKENS 64    // tokens per block of mla_absorb and mla_out (grid z): decode steps read weights once
 
@@ -243,7 +243,7 @@ extern "C" __global__ void mla_split(const i64 *table, const i64 *tok_row, const
 #define OUT_ROWS 4      // rows of W_UV per warp
 #define OUT_WARPS 4     // blockDim 128
 #define OUT_CHUNKS 2    // 16-byte column chunks per lane and row: r <= 32 * 8 * OUT_CHUNKS (512)
-#define OUT_TOKENS 8    // tokens per pass over the block's weight tile
+#define OUT_TOKENS 16   // tokens per pass over the block's weight tile
 #define OUT_MAX_RANK 512
 
 // The merge of each token's splits and the output, for OUT_ROWS * OUT_WARPS value channels of one head:
@@ -281,14 +281,18 @@ extern "C" __global__ void mla_out(const float *part_o, const float *part_m, con
     int tok_end = min(n, (int)(blockIdx.z + 1) * BLOCK_TOKENS);
     for (int tok0 = blockIdx.z * BLOCK_TOKENS; tok0 < tok_end; tok0 += OUT_TOKENS) {
         int tokens = min(OUT_TOKENS, tok_end - tok0);
-        for (int tk = 0; tk < tokens; tk++) {
+        // The merges: warp w takes tokens w, w + OUT_WARPS, ... (one token's merge is a chain of dependent
+        // loads, so the warps run theirs side by side); each lane sums its channels over the splits in
+        // ascending order.
+        for (int tk = warp; tk < tokens; tk += OUT_WARPS) {
             i64 base = ((i64)(tok0 + tk) * H + h) * splits;
             float M = -INF_F;
             for (int s = 0; s < splits; s++) M = fmaxf(M, part_m[base + s]);
             float L = 0.0f;
             for (int s = 0; s < splits; s++)
                 if (part_l[base + s] > 0.0f) L += expf(part_m[base + s] - M) * part_l[base + s];
-            for (int c = threadIdx.x; c < r; c += blockDim.x) {
+#pragma unroll 4
+            for (int c = lane; c < r; c += 32) {
                 float acc = 0.0f;
                 for (int s = 0; s < splits; s++)
                     if (part_l[base + s] > 0.0f) acc += expf(part_m[base + s] - M) * part_o[(base + s) * r + c];
