@@ -260,6 +260,7 @@ extern "C" __global__ void mla_out(const float *part_o, const float *part_m, con
                                    int splits, int H, int nope, int vdim, int r) {
     kernel_entry();
     __shared__ float4 o_lat4[OUT_TOKENS * OUT_MAX_RANK / 4];  // [OUT_TOKENS, r] (16-byte aligned)
+    __shared__ float merge_m[OUT_TOKENS], merge_l[OUT_TOKENS];  // each token's maximum and sum over its splits
     float *o_lat = (float *)o_lat4;
     int h = blockIdx.x, per_head = nope + vdim;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -281,23 +282,39 @@ extern "C" __global__ void mla_out(const float *part_o, const float *part_m, con
     int tok_end = min(n, (int)(blockIdx.z + 1) * BLOCK_TOKENS);
     for (int tok0 = blockIdx.z * BLOCK_TOKENS; tok0 < tok_end; tok0 += OUT_TOKENS) {
         int tokens = min(OUT_TOKENS, tok_end - tok0);
-        // The merges: warp w takes tokens w, w + OUT_WARPS, ... (one token's merge is a chain of dependent
-        // loads, so the warps run theirs side by side); each lane sums its channels over the splits in
-        // ascending order.
-        for (int tk = warp; tk < tokens; tk += OUT_WARPS) {
-            i64 base = ((i64)(tok0 + tk) * H + h) * splits;
+        // The merges, in two phases, so that no thread walks one token's chain of dependent loads after
+        // another's: thread tk takes the maximum and the sum of token tk's splits, then every thread merges 8
+        // channels of a token at a time (16-byte loads, issued together), over the splits in ascending order.
+        if (threadIdx.x < tokens) {
+            i64 base = ((i64)(tok0 + threadIdx.x) * H + h) * splits;
             float M = -INF_F;
             for (int s = 0; s < splits; s++) M = fmaxf(M, part_m[base + s]);
             float L = 0.0f;
             for (int s = 0; s < splits; s++)
                 if (part_l[base + s] > 0.0f) L += expf(part_m[base + s] - M) * part_l[base + s];
-#pragma unroll 4
-            for (int c = lane; c < r; c += 32) {
-                float acc = 0.0f;
-                for (int s = 0; s < splits; s++)
-                    if (part_l[base + s] > 0.0f) acc += expf(part_m[base + s] - M) * part_o[(base + s) * r + c];
-                o_lat[tk * r + c] = bf_round(acc / L);
+            merge_m[threadIdx.x] = M;
+            merge_l[threadIdx.x] = L;
+        }
+        __syncthreads();
+        for (int x0 = threadIdx.x * 8; x0 < tokens * r; x0 += blockDim.x * 8) {
+            int tk = x0 / r, c0 = x0 - tk * r;  // r % 8 == 0: the 8 channels belong to one token
+            i64 base = ((i64)(tok0 + tk) * H + h) * splits;
+            float M = merge_m[tk], acc[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++) acc[u] = 0.0f;
+            for (int s = 0; s < splits; s++) {
+                if (part_l[base + s] > 0.0f) {
+                    float f = expf(part_m[base + s] - M);
+                    const float4 *o = (const float4 *)(part_o + (base + s) * r + c0);
+                    float4 lo = o[0], hi = o[1];
+                    float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+                    for (int u = 0; u < 8; u++) acc[u] += f * v[u];
+                }
             }
+            float L = merge_l[tk];
+#pragma unroll
+            for (int u = 0; u < 8; u++) o_lat[tk * r + c0 + u] = bf_round(acc[u] / L);
         }
         __syncthreads();
         for (int tk = 0; tk < tokens; tk++) {
