@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Interleaved A/B of several builds in one device call (under 600 s), writing under $OUT:
+#   log.txt              every command's output, in order
+#   bench_<name>_<r>.json  sparkd bench --batch $BATCHES ... for build <name>, round <r> (rounds interleave builds)
+#   ncu.txt              per-kernel ncu durations (only with NCU_KERNELS set)
+# Builds are directories carried to the device, each holding what a step needs: sparkd (bench, validate), the GPU
+# test binaries named in TESTS, and optionally kc/ (CUBINs filled by the cuda_compile test). The first build is the
+# baseline; every later one is validated first (sparkd validate and the TESTS binaries).
+#   BUILDS="dir ..."   the builds, baseline first (required)
+#   ROUNDS             bench rounds (default 2)
+#   BATCHES            batches of the bench (default 1,8,64)
+#   TESTS              GPU test binaries run on every non-baseline build (default: cuda_moe cuda_runner)
+#   MOE_BANDWIDTH=1    also `cuda_moe --ignored routed_expert_bandwidth` for every build, ROUNDS times, interleaved
+#   NCU_KERNELS=regex  also ncu per-kernel durations of a --batch $NCU_BATCH bench (default 64) for every build
+# Example: BUILDS=".bin/base .bin/new" MOE_BANDWIDTH=1 bash kernels/bench/ab_h200.sh
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+LOG="$OUT/log.txt"
+: "${BUILDS:?BUILDS names the build directories, baseline first}"
+ROUNDS=${ROUNDS:-2}
+BATCHES=${BATCHES:-1,8,64}
+TESTS=${TESTS:-cuda_moe cuda_runner}
+export SPARKD_KERNEL_CACHE=/tmp/kc PYTHONUNBUFFERED=1
+mkdir -p /tmp/kc
+for b in $BUILDS; do cp "$b"/kc/*.cubin /tmp/kc/ 2>/dev/null; done
+# As run_h200.sh: the CUBIN cache key includes the include path the cache was filled with.
+INC=/usr/local/cuda/include
+mkdir -p /work/nvrtc-wheels/nvidia/cu13 2>/dev/null && ln -sfn "$INC" /work/nvrtc-wheels/nvidia/cu13/include 2>/dev/null \
+  && export SPARKD_CUDA_INCLUDE=/work/nvrtc-wheels/nvidia/cu13/include
+for d in $(python3 -c 'import nvidia, os; p=nvidia.__path__[0]; print(" ".join(os.path.join(p, x, "lib") for x in os.listdir(p)))' 2>/dev/null); do
+  LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}:$d"
+done
+export LD_LIBRARY_PATH
+run() { # run LIMIT_S CMD...
+  local limit=$1; shift
+  echo "=== $(date -u +%T) $*" >>"$LOG"
+  timeout "$limit" "$@" >>"$LOG" 2>&1
+  echo "=== rc=$?" >>"$LOG"
+}
+name() { basename "$1"; }
+{ date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; } >>"$LOG" 2>&1
+
+first=1
+for b in $BUILDS; do
+  if [ $first = 1 ]; then first=0; continue; fi
+  [ -x "$b/sparkd" ] && run 60 "$b/sparkd" validate --device cuda --config k3-tiny --out "$OUT/validate_$(name "$b").json"
+  for t in $TESTS; do
+    [ -x "$b/$t" ] && run 60 "$b/$t" --test-threads=1 --nocapture --skip cuda_matches_the_cpu_reference
+  done
+done
+if [ "${MOE_BANDWIDTH:-0}" = 1 ]; then
+  for r in $(seq 1 "$ROUNDS"); do
+    for b in $BUILDS; do
+      [ -x "$b/cuda_moe" ] && run 30 "$b/cuda_moe" --ignored --nocapture --test-threads=1 routed_expert_bandwidth
+    done
+  done
+fi
+for r in $(seq 1 "$ROUNDS"); do
+  for b in $BUILDS; do
+    [ -x "$b/sparkd" ] && run 90 "$b/sparkd" bench --device cuda --config k3-mini --batch "$BATCHES" --steps 8 \
+      --prompt-len 64 --max-verify 0 --no-forced --out "$OUT/bench_$(name "$b")_$r.json"
+  done
+done
+if [ -n "${NCU_KERNELS:-}" ]; then
+  NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  for b in $BUILDS; do
+    echo "=== ncu $(name "$b")" >>"$OUT/ncu.txt"
+    timeout 100 "$NCU" --clock-control none --kernel-name "regex:$NCU_KERNELS" --metrics gpu__time_duration.sum \
+      --print-summary per-kernel "$b/sparkd" bench --device cuda --config k3-mini --batch "${NCU_BATCH:-64}" --steps 2 \
+      --prompt-len 64 --max-verify 0 --no-forced 2>&1 | grep -v "^==PROF==" >>"$OUT/ncu.txt"
+  done
+fi
+grep -h "^===\|PASS\|FAIL\|test result\|GB/s" "$LOG"
+# Step medians per build and round.
+python3 - "$OUT" <<'PY'
+import glob, json, os, sys
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "bench_*.json"))):
+    rows = json.load(open(f))["decode"]
+    print(os.path.basename(f), " ".join(f"b{r['batch']} {r['step_ms_median']:.3f}" for r in rows))
+PY
