@@ -11,6 +11,8 @@
 #   validate_tiny256.json, validate_mini.json  256 teacher-forced positions on k3-tiny; k3-mini (real widths)
 #   bench_quick.json   k3-mini at batch 1, 8, 64 only, plus $QUICK_ARGS (only when named in ONLY)
 #   bench_wide.json    k3-mini-wide (57 GB) load time and a short sweep (only when named in ONLY)
+#   bench_long.json    k3-mini decode after 4,096-token prompts at batch 1 and 4: MLA split over the cache (only when
+#                      named in ONLY)
 # Binaries are built on the CPU host and carried: $BIN (sparkd and the GPU test binaries cuda_runner,
 # cuda_sample, cuda_attn, cuda_gemm, cuda_drafter, cuda_moe, cuda_rows; optionally kc/ with CUBINs filled by
 # the cuda_compile test and fallback/sparkd), $BEFORE/sparkd (and optionally its kc/); fla-core as a wheel in .whl/.
@@ -98,4 +100,6 @@ step validate_mini "${MINI_LIMIT:-170}" "$SPARKD" validate --device cuda --confi
   --batch 1,8,64 --steps 8 --prompt-len 64 --max-verify 0 --no-forced ${QUICK_ARGS:-} --out "$OUT/bench_quick.json"
 [[ " ${ONLY:-} " == *" bench_wide "* ]] && step bench_wide 80 "$SPARKD" bench --device cuda --config k3-mini-wide --batch 1,8,64 --steps 4 \
   --prompt-len 16 --max-verify 0 --no-forced --out "$OUT/bench_wide.json"
+[[ " ${ONLY:-} " == *" bench_long "* ]] && step bench_long 150 "$SPARKD" bench --device cuda --config k3-mini --batch 1,4 \
+  --steps 8 --prompt-len 4096 --max-verify 0 --no-forced --out "$OUT/bench_long.json"
 grep "^===" "$LOG"
