@@ -92,7 +92,7 @@ impl Server {
         let log = Arc::new(Mutex::new(Vec::new()));
         let (port_tx, port_rx) = std::sync::mpsc::channel();
         let sink = log.clone();
-        std::thread::spawn(move || {
+        let reader = std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
                 if let Some(rest) = line.split("listening on http://").nth(1) {
                     let port = rest.trim().rsplit(':').next().and_then(|p| p.parse::<u16>().ok());
@@ -109,6 +109,8 @@ impl Server {
                 break port;
             }
             if let Some(status) = child.try_wait()? {
+                // The reader ends when the pipe closes: every line the server printed is in the log then.
+                let _ = reader.join();
                 let log = log.lock().map(|l| l.join("\n")).unwrap_or_default();
                 bail!("sparkd exited ({status}) before listening:\n{log}");
             }
