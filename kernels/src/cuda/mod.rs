@@ -9,8 +9,9 @@
 //!   (norms, AttnRes, router, SiTU, KDA state) are fp32. The two differ only in fp32 summation order.
 //! - The DSpark drafter (`drafter`, `drafter_slot`) runs on the same stream with the same rounding
 //!   rules as the target forward, and reads the target's embedding and lm_head in place.
-//! - All work runs on the backend's main stream in issue order, except the shared expert, which runs on a
-//!   side lane forked from and joined back to it through events (`ops`); repeated step shapes replay as
+//! - All work runs on the backend's main stream in issue order, except the MoE's latent down projection and
+//!   shared expert, which run on a side lane forked from and joined back to it through events (`ops`; the
+//!   main lane waits for the projection alone before the routed experts); repeated step shapes replay as
 //!   CUDA graphs (`graph`). Host copies happen only for the step table (token ids included), routing
 //!   traces asked for by validation, and the per-row results of `sample` (tokens, log-probabilities).
 

@@ -8,8 +8,9 @@
 //!   forward). The main lane is the backend's own stream (never the legacy default stream, which cannot
 //!   be captured into a CUDA graph); [`Gpu::on_side`] issues a closure on the side lane, forked from the
 //!   main stream through an event, and [`Gpu::join_side`] makes the main stream wait for it, so the two
-//!   overlap on the device, eagerly and inside a graph capture alike. Work on the side lane reads only
-//!   buffers allocated before the fork, and the main lane reads its results only after the join.
+//!   overlap on the device, eagerly and inside a graph capture alike ([`Gpu::mark_side`] and
+//!   [`Gpu::wait_side_mark`] join the side ops issued up to the mark only). Work on the side lane reads only
+//!   buffers allocated before the fork, and the main lane reads its results only after the (partial) join.
 //! - Every kernel launch goes through [`Gpu::launcher`]. From Hopper on it carries programmatic stream
 //!   serialisation ([`Gpu::dependent_launch`]): the next kernel's blocks may be scheduled while the one before is
 //!   still running, so every kernel calls `grid_dependency_wait` (prelude.cuh) before it touches anything but
@@ -341,7 +342,8 @@ impl Gpu {
         keep_pool_memory(&ctx)?;
         // The main lane at the device's highest stream priority, the side lane at its lowest: when both have
         // blocks waiting, the critical path (router, experts) gets the SMs first and the shared expert fills
-        // in around it. Graph capture keeps each kernel's priority.
+        // in around it (the latent down projection, first on the side lane, runs beside the router, which
+        // holds few SMs). Graph capture keeps each kernel's priority.
         ctx.bind_to_thread().map_err(|e| device_err("binding the context", e))?;
         let (lowest, highest) = cudarc::driver::result::stream::get_priority_range()
             .map_err(|e| device_err("reading the stream priority range", e))?;
