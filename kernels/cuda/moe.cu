@@ -510,6 +510,35 @@ __device__ __forceinline__ void mma_step(const uint4 cur[NM][2][KB], const u32 c
     }
 }
 
+// mma_step in the form the warp's step needs: WIDE when some of its scales exceed 2^1.
+template <int NM, int NT, int KB>
+__device__ __forceinline__ void mma_step_scaled(const uint4 cur[NM][2][KB], const u32 cs[NM][2][KB],
+                                                const __nv_bfloat16 *const x[NT], int s, int t, int groups,
+                                                float acc[NM][NT][4]) {
+    bool wide = false;
+#pragma unroll
+    for (int m = 0; m < NM; m++)
+#pragma unroll
+        for (int r = 0; r < 2; r++)
+#pragma unroll
+            for (int blk = 0; blk < KB; blk++) wide |= cs[m][r][blk] > 128u;
+    // Real checkpoints never need the wide path (weights of 4 and more); it keeps large scales exact.
+    if (__any_sync(0xffffffffu, wide)) mma_step<NM, NT, KB, true>(cur, cs, x, s, t, groups, acc);
+    else mma_step<NM, NT, KB, false>(cur, cs, x, s, t, groups, acc);
+}
+
+// This thread's B column of each n-tile: pair g of the tile, row pairs[.] / div of `in` (`width` bf16), or null
+// past the `count` pairs.
+template <int NT>
+__device__ __forceinline__ void pair_inputs(const __nv_bfloat16 *x[NT], const __nv_bfloat16 *in, const int *pairs,
+                                            int count, int div, int width, int g) {
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        int c = nt * 8 + g;
+        x[nt] = c < count ? in + (long)(pairs[c] / div) * width : nullptr;
+    }
+}
+
 // The register pass of a 16-row tile of NM matrices (NM = 2: gate and up) over the pairs[0..count) (count <= 8 NT)
 // of one expert, KB blocks of 128 inputs per step: the next step's codes are loaded into registers during this one.
 // rows[m]: this thread's 16 bytes of row g of matrix m in the tile's first chunk (row g + 8 is 512 bytes on);
@@ -540,15 +569,10 @@ __device__ __forceinline__ void mma_rows_pass(const u8 *const rows[NM], const u8
     };
     load(0);  // before the pairs are looked up: the codes are the long wait
     const __nv_bfloat16 *x[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++) {
-        int c = nt * 8 + g;
-        x[nt] = c < count ? in + (long)(pairs[c] / div) * width : nullptr;
-    }
+    pair_inputs<NT>(x, in, pairs, count, div, width, g);
     for (int s = 0; s < steps; s++) {
         uint4 cur[NM][2][KB];
         u32 cs[NM][2][KB];
-        bool wide = false;
 #pragma unroll
         for (int blk = 0; blk < KB; blk++)
 #pragma unroll
@@ -557,12 +581,9 @@ __device__ __forceinline__ void mma_rows_pass(const u8 *const rows[NM], const u8
                 for (int r = 0; r < 2; r++) {
                     cur[m][r][blk] = q[m][r][blk];
                     cs[m][r][blk] = sb[m][r][blk];
-                    wide |= sb[m][r][blk] > 128u;
                 }
         if (s + 1 < steps) load(s + 1);
-        // Real checkpoints never need the wide path (weights of 4 and more); it keeps large scales exact.
-        if (__any_sync(0xffffffffu, wide)) mma_step<NM, NT, KB, true>(cur, cs, x, s, t, groups, acc);
-        else mma_step<NM, NT, KB, false>(cur, cs, x, s, t, groups, acc);
+        mma_step_scaled<NM, NT, KB>(cur, cs, x, s, t, groups, acc);
     }
 }
 
@@ -584,9 +605,8 @@ struct RingStep {
     static constexpr int CODES = NM * 2 * KB * 512;
     static constexpr int BYTES = CODES + NM * KB * TILE_SCALE_BYTES;
 };
-// Shared memory per warp (Gpu's EXPERT_RING_STEP_BYTES times the stages).
+// Shared memory per warp (moe_ops.rs derives the same from GATE_UP_KB, TILE_SCALE_BYTES and EXPERT_STAGES).
 #define RING_WARP_BYTES (EXPERT_STAGES * RingStep<2, GATE_UP_KB>::BYTES)
-static_assert(RingStep<2, GATE_UP_KB>::BYTES == 4352, "moe_ops.rs's EXPERT_RING_STEP_BYTES");
 
 __device__ __forceinline__ void cp_async16(void *dst, const void *src, bool ok) {
     asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"((u32)__cvta_generic_to_shared(dst)),
@@ -642,11 +662,7 @@ __device__ __forceinline__ void mma_ring_pass(u8 *ring, const u8 *const rows[NM]
 #pragma unroll
     for (int s = 0; s < EXPERT_STAGES - 1; s++) issue(s);
     const __nv_bfloat16 *x[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++) {
-        int c = nt * 8 + g;
-        x[nt] = c < count ? in + (long)(pairs[c] / div) * width : nullptr;
-    }
+    pair_inputs<NT>(x, in, pairs, count, div, width, g);
     for (int s = 0; s < steps; s++) {
         cp_async_wait<EXPERT_STAGES - 2>();  // this lane's copies of step s have landed
         __syncwarp();                        // and every lane's: the shared scale words are in
@@ -654,7 +670,6 @@ __device__ __forceinline__ void mma_ring_pass(u8 *ring, const u8 *const rows[NM]
         const u8 *st = ring + (s % EXPERT_STAGES) * Step::BYTES;
         uint4 cur[NM][2][KB];
         u32 cs[NM][2][KB];
-        bool wide = false;
 #pragma unroll
         for (int blk = 0; blk < KB; blk++)
 #pragma unroll
@@ -663,10 +678,8 @@ __device__ __forceinline__ void mma_ring_pass(u8 *ring, const u8 *const rows[NM]
                 for (int r = 0; r < 2; r++) {
                     cur[m][r][blk] = *(const uint4 *)(st + (((m * 2 + r) * KB + blk) * 32 + lane) * 16);
                     cs[m][r][blk] = st[Step::CODES + (m * KB + blk) * TILE_SCALE_BYTES + tile_scale_offset(g, r, t)];
-                    wide |= cs[m][r][blk] > 128u;
                 }
-        if (__any_sync(0xffffffffu, wide)) mma_step<NM, NT, KB, true>(cur, cs, x, s, t, groups, acc);
-        else mma_step<NM, NT, KB, false>(cur, cs, x, s, t, groups, acc);
+        mma_step_scaled<NM, NT, KB>(cur, cs, x, s, t, groups, acc);
     }
 }
 

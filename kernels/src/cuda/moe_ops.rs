@@ -220,10 +220,14 @@ pub fn moe_group_len(experts: usize) -> usize {
 /// 16-row tiles (one per warp) per block of the grouped expert kernels (`MMA_WARPS` in `kernels/cuda/moe.cu`).
 const EXPERT_WARPS: u32 = 4;
 
-/// Steps of weights in each warp's shared-memory ring of `moe_gate_up` (`EXPERT_STAGES` in `kernels/cuda/moe.cu`),
-/// and the bytes of one step (`RingStep<2, GATE_UP_KB>::BYTES` there).
+/// Steps of weights in each warp's shared-memory ring of `moe_gate_up`, K blocks of 128 inputs per step, and the
+/// scale bytes of a block's 16-row chunk (`EXPERT_STAGES`, `GATE_UP_KB`, `TILE_SCALE_BYTES` in `kernels/cuda/moe.cu`).
 const EXPERT_STAGES: u32 = 3;
-const EXPERT_RING_STEP_BYTES: u32 = 4352;
+const GATE_UP_KB: u32 = 2;
+const TILE_SCALE_BYTES: u32 = 64;
+/// The bytes of one ring step (`RingStep<2, GATE_UP_KB>::BYTES` there): the gate and up matrices' codes for 2 rows
+/// per lane, 16 bytes per row and block, then their scale chunks.
+const EXPERT_RING_STEP_BYTES: u32 = 2 * 2 * GATE_UP_KB * 512 + 2 * GATE_UP_KB * TILE_SCALE_BYTES;
 
 /// Dynamic shared memory of a `moe_gate_up` block: one ring per warp.
 const GATE_UP_SHARED_BYTES: u32 = EXPERT_WARPS * EXPERT_STAGES * EXPERT_RING_STEP_BYTES;
@@ -281,8 +285,8 @@ mod tests {
     fn the_launch_constants_match_the_kernel_source() {
         // A ring larger than the shared memory the launch gives would overrun it.
         assert_eq!(EXPERT_STAGES, defined("EXPERT_STAGES"));
-        let kb = defined("GATE_UP_KB");
-        assert_eq!(EXPERT_RING_STEP_BYTES, 2 * 2 * kb * 512 + 2 * kb * defined("TILE_SCALE_BYTES"));
+        assert_eq!(GATE_UP_KB, defined("GATE_UP_KB"));
+        assert_eq!(TILE_SCALE_BYTES, defined("TILE_SCALE_BYTES"));
         assert_eq!(EXPERT_WARPS, defined("MMA_WARPS"));
         assert_eq!(ROUTER_CLUSTER, defined("ROUTER_CLUSTER"));
     }
