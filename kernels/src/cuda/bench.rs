@@ -363,6 +363,22 @@ struct Timed {
     graphed: u64,
 }
 
+/// The median step time with a runner setting turned off (`set(runner, false)`), then the setting put back to `was`
+/// whether or not the timing succeeded.
+fn median_with_off(
+    runner: &mut CudaRunner,
+    b: &mut Batch,
+    steps: usize,
+    draft_len: usize,
+    was: bool,
+    set: fn(&mut CudaRunner, bool),
+) -> Result<f64> {
+    set(runner, false);
+    let off = time_steps(runner, b, steps, draft_len);
+    set(runner, was);
+    Ok(off?.median_ms)
+}
+
 fn time_steps(runner: &mut CudaRunner, b: &mut Batch, steps: usize, draft_len: usize) -> Result<Timed> {
     for _ in 0..2 {
         b.step(runner, draft_len, None)?;
@@ -418,19 +434,13 @@ fn measure_prefilled(
     let timed = time_steps(runner, b, opts.steps, draft_len)?;
     let graphs = runner.model().graph_stats();
     let eager_step_ms_median = if opts.graphs && opts.compare_eager {
-        runner.set_graphs(false);
-        let eager = time_steps(runner, b, opts.steps, draft_len);
-        runner.set_graphs(true);
-        Some(eager?.median_ms)
+        Some(median_with_off(runner, b, opts.steps, draft_len, true, CudaRunner::set_graphs)?)
     } else {
         None
     };
     let serialized_step_ms_median = if opts.compare_serialized {
         let dependent = runner.gpu().dependent_launch();
-        runner.set_dependent_launch(false);
-        let serialized = time_steps(runner, b, opts.steps, draft_len);
-        runner.set_dependent_launch(dependent);
-        Some(serialized?.median_ms)
+        Some(median_with_off(runner, b, opts.steps, draft_len, dependent, CudaRunner::set_dependent_launch)?)
     } else {
         None
     };
