@@ -21,17 +21,8 @@ LOG="$OUT/log.txt"
 ROUNDS=${ROUNDS:-2}
 BATCHES=${BATCHES:-1,8,64}
 TESTS=${TESTS:-cuda_moe cuda_runner}
-export SPARKD_KERNEL_CACHE=/tmp/kc PYTHONUNBUFFERED=1
-mkdir -p /tmp/kc
-for b in $BUILDS; do cp "$b"/kc/*.cubin /tmp/kc/ 2>/dev/null; done
-# As run_h200.sh: the CUBIN cache key includes the include path the cache was filled with.
-INC=/usr/local/cuda/include
-mkdir -p /work/nvrtc-wheels/nvidia/cu13 2>/dev/null && ln -sfn "$INC" /work/nvrtc-wheels/nvidia/cu13/include 2>/dev/null \
-  && export SPARKD_CUDA_INCLUDE=/work/nvrtc-wheels/nvidia/cu13/include
-for d in $(python3 -c 'import nvidia, os; p=nvidia.__path__[0]; print(" ".join(os.path.join(p, x, "lib") for x in os.listdir(p)))' 2>/dev/null); do
-  LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}:$d"
-done
-export LD_LIBRARY_PATH
+# shellcheck disable=SC2086 # BUILDS is a list of directories
+. "$(dirname "$0")/device_env.sh" $BUILDS
 run() { # run LIMIT_S CMD...
   local limit=$1; shift
   echo "=== $(date -u +%T) $*" >>"$LOG"

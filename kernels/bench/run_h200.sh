@@ -26,18 +26,7 @@ mkdir -p "$OUT"
 LOG="$OUT/log.txt"
 BIN=${BIN:-.bin/final}
 BEFORE=${BEFORE:-.bin/before}
-export SPARKD_KERNEL_CACHE=/tmp/kc
-export PYTHONUNBUFFERED=1
-mkdir -p /tmp/kc && cp "$BIN"/kc/*.cubin "$BEFORE"/kc/*.cubin /tmp/kc/ 2>/dev/null
-# The CUBIN cache key includes the include path: point the path the cache was filled with at the real headers.
-INC=/usr/local/cuda/include
-mkdir -p /work/nvrtc-wheels/nvidia/cu13 2>/dev/null && ln -sfn "$INC" /work/nvrtc-wheels/nvidia/cu13/include 2>/dev/null \
-  && export SPARKD_CUDA_INCLUDE=/work/nvrtc-wheels/nvidia/cu13/include
-# NVRTC and cuBLAS from the image's Python wheels, after the system's.
-for d in $(python3 -c 'import nvidia, os; p=nvidia.__path__[0]; print(" ".join(os.path.join(p, x, "lib") for x in os.listdir(p)))' 2>/dev/null); do
-  LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}:$d"
-done
-export LD_LIBRARY_PATH
+. "$(dirname "$0")/device_env.sh" "$BIN" "$BEFORE"
 want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
 step() { # step NAME LIMIT_S CMD...
   local name=$1 limit=$2; shift 2
