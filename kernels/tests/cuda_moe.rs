@@ -11,11 +11,13 @@
 //!
 //! `routed_expert_bandwidth` (ignored by default; `--ignored`) prints the achieved GB/s of the gate/up and down
 //! kernels for the bytes of the active experts' MXFP4 weights, at 1, 8 and 64 tokens with the k3-mini routing
-//! (64 experts, top 16, real checkpoints' scale bytes). It asserts nothing about speed.
+//! (64 experts, top 16, real checkpoints' scale bytes), then with K3's (896 experts: k3-mini's repeated, 16 GB).
+//! It asserts nothing about speed.
 
 use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
 
+use cudarc::driver::CudaSlice;
 use half::bf16;
 use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -414,6 +416,101 @@ fn the_combine_and_routed_norm_match_the_host_in_both_forms_and_are_batch_invari
     }
 }
 
+/// One expert weight tensor (w1, w3 or w2) as the timing below needs it: its device (codes, scales) and the MXFP4
+/// bytes of one expert.
+struct TimedWeights {
+    ptrs: (DPtr, DPtr),
+    expert_bytes: usize,
+}
+
+/// Times the grouped expert kernels for `n` tokens each choosing `k` distinct experts of `experts` at random, and
+/// prints the achieved GB/s of the active experts' bytes.
+#[allow(clippy::too_many_arguments)]
+fn time_routing(
+    gpu: &Gpu,
+    w: &[TimedWeights; 3],
+    experts: usize,
+    k: usize,
+    latent: usize,
+    inter: usize,
+    situ: (f32, f32),
+    n: usize,
+    rng: &mut ChaCha8Rng,
+) {
+    // k distinct experts per token, ascending.
+    let idx: Vec<i32> = (0..n)
+        .flat_map(|_| {
+            let mut all: Vec<i32> = (0..experts as i32).collect();
+            for i in 0..k {
+                let j = rng.gen_range(i..experts);
+                all.swap(i, j);
+            }
+            let mut mine = all[..k].to_vec();
+            mine.sort_unstable();
+            mine
+        })
+        .collect();
+    let mut used = idx.clone();
+    used.sort_unstable();
+    used.dedup();
+    let active = used.len();
+    let idx_d = gpu.upload(&idx).unwrap();
+    let z = gpu.upload(&vec![bf16::from_f32(0.5); n * latent]).unwrap();
+    let group = gpu.zeros::<i32>(moe_group_len(experts)).unwrap();
+    let pairs = gpu.zeros::<i32>(n * k).unwrap();
+    let act = gpu.zeros::<bf16>(n * k * inter).unwrap();
+    let y = gpu.zeros::<bf16>(n * k * latent).unwrap();
+    let grouping = (gpu.ptr(&group), gpu.ptr(&pairs));
+    gpu.moe_group(gpu.ptr(&idx_d), n, k, experts, grouping.0, grouping.1).unwrap();
+    let (w1, w3, w2) = (w[0].ptrs, w[1].ptrs, w[2].ptrs);
+    let gate_up = || {
+        let (z, a) = (gpu.ptr(&z), gpu.ptr(&act));
+        gpu.moe_gate_up(z, w1, w3, grouping, a, n, k, experts, latent, inter, situ.0, situ.1).unwrap()
+    };
+    let down = || gpu.moe_down(gpu.ptr(&act), w2, grouping, gpu.ptr(&y), n, k, experts, latent, inter).unwrap();
+    let iters = 50;
+    let time = |op: &dyn Fn()| {
+        op();
+        gpu.synchronize().unwrap();
+        let t0 = Instant::now();
+        for _ in 0..iters {
+            op();
+        }
+        gpu.synchronize().unwrap();
+        t0.elapsed().as_secs_f64() / f64::from(iters)
+    };
+    let (t_gu, t_down) = (time(&gate_up), time(&down));
+    let gu_bytes = (active * (w[0].expert_bytes + w[1].expert_bytes)) as f64;
+    let down_bytes = (active * w[2].expert_bytes) as f64;
+    println!(
+        "batch {n:>2} ({active} active experts of {experts}): gate/up {:.1} us, {:.0} GB/s; \
+         down {:.1} us, {:.0} GB/s; both {:.1} us, {:.0} GB/s",
+        t_gu * 1e6,
+        gu_bytes / t_gu / 1e9,
+        t_down * 1e6,
+        down_bytes / t_down / 1e9,
+        (t_gu + t_down) * 1e6,
+        (gu_bytes + down_bytes) / (t_gu + t_down) / 1e9
+    );
+}
+
+/// `experts` experts' weights on the device in the tiled layout, made of `w`'s random experts repeated (a timing
+/// needs every byte read, not distinct values): (codes, scales).
+fn repeated_on_device(gpu: &Gpu, w: &Experts, experts: usize) -> (CudaSlice<u8>, CudaSlice<u8>) {
+    let (pb, sb) = (w.rows * w.cols / 2, w.rows * w.cols / 32);
+    let distinct = w.packed.len() / pb;
+    let codes: Vec<u8> = w.packed.chunks(pb).flat_map(|e| tile_codes(e, w.rows, w.cols).unwrap()).collect();
+    let scales: Vec<u8> = w.scales.chunks(sb).flat_map(|e| tile_scales(e, w.rows, w.cols).unwrap()).collect();
+    let (code_bytes, scale_bytes) = (codes.len() / distinct, scales.len() / distinct);
+    let dev = (gpu.uninit::<u8>(experts * code_bytes).unwrap(), gpu.uninit::<u8>(experts * scale_bytes).unwrap());
+    for e0 in (0..experts).step_by(distinct) {
+        let count = distinct.min(experts - e0);
+        gpu.upload_bytes_at(gpu.ptr(&dev.0) + (e0 * code_bytes) as u64, &codes[..count * code_bytes]).unwrap();
+        gpu.upload_bytes_at(gpu.ptr(&dev.1) + (e0 * scale_bytes) as u64, &scales[..count * scale_bytes]).unwrap();
+    }
+    dev
+}
+
 #[test]
 #[ignore = "prints GB/s of the routed expert kernels on the k3-mini shapes; asserts nothing about speed"]
 fn routed_expert_bandwidth() {
@@ -427,61 +524,19 @@ fn routed_expert_bandwidth() {
         Experts::random(&gpu, &mut rng, experts, inter, latent, NARROW_SCALES),
         Experts::random(&gpu, &mut rng, experts, latent, inter, NARROW_SCALES),
     ];
-    let (w1, w3, w2) = (w[0].ptrs(&gpu), w[1].ptrs(&gpu), w[2].ptrs(&gpu));
-    let (b, lb) = (cfg.situ_beta, cfg.situ_linear_beta);
+    let situ = (cfg.situ_beta, cfg.situ_linear_beta);
+    let timed = |x: &Experts, ptrs: (DPtr, DPtr)| TimedWeights { ptrs, expert_bytes: x.expert_bytes() };
+    let mini = [timed(&w[0], w[0].ptrs(&gpu)), timed(&w[1], w[1].ptrs(&gpu)), timed(&w[2], w[2].ptrs(&gpu))];
     for n in [1usize, 8, 64] {
-        // k distinct experts per token, ascending.
-        let idx: Vec<i32> = (0..n)
-            .flat_map(|_| {
-                let mut all: Vec<i32> = (0..experts as i32).collect();
-                for i in 0..k {
-                    let j = rng.gen_range(i..experts);
-                    all.swap(i, j);
-                }
-                let mut mine = all[..k].to_vec();
-                mine.sort_unstable();
-                mine
-            })
-            .collect();
-        let mut used = idx.clone();
-        used.sort_unstable();
-        used.dedup();
-        let active = used.len();
-        let idx_d = gpu.upload(&idx).unwrap();
-        let z = gpu.upload(&vec![bf16::from_f32(0.5); n * latent]).unwrap();
-        let group = gpu.zeros::<i32>(moe_group_len(experts)).unwrap();
-        let pairs = gpu.zeros::<i32>(n * k).unwrap();
-        let act = gpu.zeros::<bf16>(n * k * inter).unwrap();
-        let y = gpu.zeros::<bf16>(n * k * latent).unwrap();
-        let grouping = (gpu.ptr(&group), gpu.ptr(&pairs));
-        gpu.moe_group(gpu.ptr(&idx_d), n, k, experts, grouping.0, grouping.1).unwrap();
-        let gate_up = || {
-            gpu.moe_gate_up(gpu.ptr(&z), w1, w3, grouping, gpu.ptr(&act), n, k, experts, latent, inter, b, lb).unwrap()
-        };
-        let down = || gpu.moe_down(gpu.ptr(&act), w2, grouping, gpu.ptr(&y), n, k, experts, latent, inter).unwrap();
-        let iters = 50;
-        let time = |op: &dyn Fn()| {
-            op();
-            gpu.synchronize().unwrap();
-            let t0 = Instant::now();
-            for _ in 0..iters {
-                op();
-            }
-            gpu.synchronize().unwrap();
-            t0.elapsed().as_secs_f64() / f64::from(iters)
-        };
-        let (t_gu, t_down) = (time(&gate_up), time(&down));
-        let gu_bytes = (active * (w[0].expert_bytes() + w[1].expert_bytes())) as f64;
-        let down_bytes = (active * w[2].expert_bytes()) as f64;
-        println!(
-            "batch {n:>2} ({active} active experts): gate/up {:.1} us, {:.0} GB/s; \
-             down {:.1} us, {:.0} GB/s; both {:.1} us, {:.0} GB/s",
-            t_gu * 1e6,
-            gu_bytes / t_gu / 1e9,
-            t_down * 1e6,
-            down_bytes / t_down / 1e9,
-            (t_gu + t_down) * 1e6,
-            (gu_bytes + down_bytes) / (t_gu + t_down) / 1e9
-        );
+        time_routing(&gpu, &mini, experts, k, latent, inter, situ, n, &mut rng);
+    }
+    // K3's routing (top 16 of 896 experts) spreads a batch over many more experts: about 1.1 tokens per active
+    // expert at 8 and 1.7 at 64 tokens, against k3-mini's 2.2 and 16. The same shapes, k3-mini's experts repeated.
+    let k3 = ModelConfig::preset("k3").unwrap();
+    let k3_experts = k3.moe.num_experts;
+    let dev: Vec<_> = w.iter().map(|x| repeated_on_device(&gpu, x, k3_experts)).collect();
+    let wide = [0, 1, 2].map(|i| timed(&w[i], (gpu.ptr(&dev[i].0), gpu.ptr(&dev[i].1))));
+    for n in [1usize, 8, 64] {
+        time_routing(&gpu, &wide, k3_experts, k3.moe.top_k, latent, inter, situ, n, &mut rng);
     }
 }
