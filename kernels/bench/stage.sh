@@ -18,7 +18,7 @@ TESTS=("$@")
 : "${SPARKD_NVRTC_WHEELS:?SPARKD_NVRTC_WHEELS names the folder with nvidia/cu13 (NVRTC) for filling the kernel cache}"
 cargo build --release -p sparkd
 rm -rf "$DIR" && mkdir -p "$DIR/kc"
-cp target/release/sparkd "$DIR/" && strip "$DIR/sparkd"
+cp "${CARGO_TARGET_DIR:-target}/release/sparkd" "$DIR/" && strip "$DIR/sparkd"
 for t in "${TESTS[@]}"; do
   exe=$(cargo test -p sparkd-kernels --no-run --test "$t" --message-format=json 2>/dev/null | python3 -c '
 import json, sys
