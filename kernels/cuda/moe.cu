@@ -466,8 +466,11 @@ __device__ __forceinline__ u32 scale_bf16x2(u32 b, bool wide) {
 }
 
 // One step of mma_rows_pass: the KB blocks of codes `cur` (scale bytes `cs`) of this step s against the NT
-// n-tiles' inputs x. WIDE: some scale of the warp's step exceeds 2^1 (see scale_bf16x2).
-template <int NM, int NT, int KB, bool WIDE>
+// n-tiles' inputs x (null for a padding column unless FULL). WIDE: some scale of the warp's step exceeds 2^1 (see
+// scale_bf16x2). FULL: the matrix's groups fill every step (groups % (4 KB) == 0, as at K3's widths), so no input
+// is past the row, and every pointer is valid (a padding column reads a real token, whose results are never
+// stored): no masks.
+template <int NM, int NT, int KB, bool WIDE, bool FULL>
 __device__ __forceinline__ void mma_step(const uint4 cur[NM][2][KB], const u32 cs[NM][2][KB],
                                      const __nv_bfloat16 *const x[NT], int s, int t, int groups,
                                      float acc[NM][NT][4]) {
@@ -495,8 +498,8 @@ __device__ __forceinline__ void mma_step(const uint4 cur[NM][2][KB], const u32 c
                 }
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
-                uint4 xv = x[nt] != nullptr && grp < groups ? *(const uint4 *)(x[nt] + grp * 32 + w * 8)
-                                                            : make_uint4(0u, 0u, 0u, 0u);  // [8 inputs]
+                uint4 xv = FULL || (x[nt] != nullptr && grp < groups) ? *(const uint4 *)(x[nt] + grp * 32 + w * 8)
+                                                                       : make_uint4(0u, 0u, 0u, 0u);  // [8 inputs]
                 // Inputs (0, 4), (1, 5), (2, 6), (3, 7), as the codes.
                 u32 b0 = __byte_perm(xv.x, xv.z, 0x5410), b1 = __byte_perm(xv.x, xv.z, 0x7632);
                 u32 b2 = __byte_perm(xv.y, xv.w, 0x5410), b3 = __byte_perm(xv.y, xv.w, 0x7632);
@@ -511,7 +514,7 @@ __device__ __forceinline__ void mma_step(const uint4 cur[NM][2][KB], const u32 c
 }
 
 // mma_step in the form the warp's step needs: WIDE when some of its scales exceed 2^1.
-template <int NM, int NT, int KB>
+template <int NM, int NT, int KB, bool FULL>
 __device__ __forceinline__ void mma_step_scaled(const uint4 cur[NM][2][KB], const u32 cs[NM][2][KB],
                                                 const __nv_bfloat16 *const x[NT], int s, int t, int groups,
                                                 float acc[NM][NT][4]) {
@@ -523,19 +526,20 @@ __device__ __forceinline__ void mma_step_scaled(const uint4 cur[NM][2][KB], cons
 #pragma unroll
             for (int blk = 0; blk < KB; blk++) wide |= cs[m][r][blk] > 128u;
     // Real checkpoints never need the wide path (weights of 4 and more); it keeps large scales exact.
-    if (__any_sync(0xffffffffu, wide)) mma_step<NM, NT, KB, true>(cur, cs, x, s, t, groups, acc);
-    else mma_step<NM, NT, KB, false>(cur, cs, x, s, t, groups, acc);
+    if (__any_sync(0xffffffffu, wide)) mma_step<NM, NT, KB, true, FULL>(cur, cs, x, s, t, groups, acc);
+    else mma_step<NM, NT, KB, false, FULL>(cur, cs, x, s, t, groups, acc);
 }
 
-// This thread's B column of each n-tile: pair g of the tile, row pairs[.] / div of `in` (`width` bf16), or null
-// past the `count` pairs.
-template <int NT>
+// This thread's B column of each n-tile: pair g of the tile, row pairs[.] / div of `in` (`width` bf16). Past the
+// `count` pairs (a padding column, whose results are never stored) the last pair's row when FULL, else null.
+template <int NT, bool FULL>
 __device__ __forceinline__ void pair_inputs(const __nv_bfloat16 *x[NT], const __nv_bfloat16 *in, const int *pairs,
                                             int count, int div, int width, int g) {
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) {
         int c = nt * 8 + g;
-        x[nt] = c < count ? in + (long)(pairs[c] / div) * width : nullptr;
+        if (FULL) x[nt] = in + (long)(pairs[min(c, count - 1)] / div) * width;
+        else x[nt] = c < count ? in + (long)(pairs[c] / div) * width : nullptr;
     }
 }
 
@@ -546,7 +550,7 @@ __device__ __forceinline__ void pair_inputs(const __nv_bfloat16 *x[NT], const __
 // the matrix are the tile's zero padding (expert_layout.rs).
 // The B column of this thread is pair g of each 8-pair tile: row pairs[.] / div of `in`, `width` (= 32 groups) bf16
 // wide. acc[m][nt]: the MMA accumulators of n-tile nt.
-template <int NM, int NT, int KB>
+template <int NM, int NT, int KB, bool FULL>
 __device__ __forceinline__ void mma_rows_pass(const u8 *const rows[NM], const u8 *const scales[NM], int g, int t,
                                               int groups, const __nv_bfloat16 *in, const int *pairs, int count,
                                               int div, int width, float acc[NM][NT][4]) {
@@ -557,7 +561,7 @@ __device__ __forceinline__ void mma_rows_pass(const u8 *const rows[NM], const u8
 #pragma unroll
         for (int blk = 0; blk < KB; blk++) {
             long chunk = KB * s + blk;
-            bool ok = 4 * chunk + t < groups;
+            bool ok = FULL || 4 * chunk + t < groups;
 #pragma unroll
             for (int m = 0; m < NM; m++)
 #pragma unroll
@@ -569,7 +573,7 @@ __device__ __forceinline__ void mma_rows_pass(const u8 *const rows[NM], const u8
     };
     load(0);  // before the pairs are looked up: the codes are the long wait
     const __nv_bfloat16 *x[NT];
-    pair_inputs<NT>(x, in, pairs, count, div, width, g);
+    pair_inputs<NT, FULL>(x, in, pairs, count, div, width, g);
     for (int s = 0; s < steps; s++) {
         uint4 cur[NM][2][KB];
         u32 cs[NM][2][KB];
@@ -583,7 +587,7 @@ __device__ __forceinline__ void mma_rows_pass(const u8 *const rows[NM], const u8
                     cs[m][r][blk] = sb[m][r][blk];
                 }
         if (s + 1 < steps) load(s + 1);
-        mma_step_scaled<NM, NT, KB>(cur, cs, x, s, t, groups, acc);
+        mma_step_scaled<NM, NT, KB, FULL>(cur, cs, x, s, t, groups, acc);
     }
 }
 
@@ -662,7 +666,7 @@ __device__ __forceinline__ void mma_ring_pass(u8 *ring, const u8 *const rows[NM]
 #pragma unroll
     for (int s = 0; s < EXPERT_STAGES - 1; s++) issue(s);
     const __nv_bfloat16 *x[NT];
-    pair_inputs<NT>(x, in, pairs, count, div, width, g);
+    pair_inputs<NT, false>(x, in, pairs, count, div, width, g);
     for (int s = 0; s < steps; s++) {
         cp_async_wait<EXPERT_STAGES - 2>();  // this lane's copies of step s have landed
         __syncwarp();                        // and every lane's: the shared scale words are in
@@ -679,7 +683,7 @@ __device__ __forceinline__ void mma_ring_pass(u8 *ring, const u8 *const rows[NM]
                     cur[m][r][blk] = *(const uint4 *)(st + (((m * 2 + r) * KB + blk) * 32 + lane) * 16);
                     cs[m][r][blk] = st[Step::CODES + (m * KB + blk) * TILE_SCALE_BYTES + tile_scale_offset(g, r, t)];
                 }
-        mma_step_scaled<NM, NT, KB>(cur, cs, x, s, t, groups, acc);
+        mma_step_scaled<NM, NT, KB, false>(cur, cs, x, s, t, groups, acc);
     }
 }
 
@@ -715,12 +719,12 @@ __device__ __forceinline__ void gate_up_mma_chunk(u8 *ring, const u8 *const rows
 // without spills) for more than 16, else one of 2 or 1 n-tiles (KB blocks per step). Every chunk reads the tile's
 // weights (from HBM once, then from the caches; a second pass comes only past 24 tokens on one expert). A token's
 // column sees the same MMAs in the same order whatever the chunk's n-tiles or K blocks per step.
-#define MMA_CHUNKS(CALL, KB)                             \
+#define MMA_CHUNKS(CALL, KB, FULL)                       \
     for (int left = end - p; left > 0; left = end - p) { \
         int count = min(left, 24);                       \
-        if (count > 16) CALL(3, 1);                      \
-        else if (count > 8) CALL(2, KB);                 \
-        else CALL(1, KB);                                \
+        if (count > 16) CALL(3, 1, FULL);                \
+        else if (count > 8) CALL(2, KB, FULL);           \
+        else CALL(1, KB, FULL);                          \
         p += count;                                      \
     }
 
@@ -730,6 +734,7 @@ __device__ __forceinline__ void gate_up_mma_chunk(u8 *ring, const u8 *const rows
 // grid = (min(n k, E), ceil(I / (16 MMA_WARPS))), blockDim 32 MMA_WARPS; dynamic shared memory MMA_WARPS
 // RING_WARP_BYTES.
 // z: [n, D]; w1/w3 tiled [E, I, D] codes and scales (expert_layout.rs); a: [n k, I]. D must be a multiple of 32.
+// (Unlike moe_down, a form without masks for full widths was slower here: 1-3% at K3's routing, BENCHMARKS.md.)
 extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 4)
     moe_gate_up(const __nv_bfloat16 *z, const u8 *w1p, const u8 *w1s, const u8 *w3p, const u8 *w3s,
                     const int *group, const int *pairs, __nv_bfloat16 *a, int k, int E, int D, int I, float beta,
@@ -747,14 +752,14 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 4)
     u8 *ring = rings + (threadIdx.x >> 5) * RING_WARP_BYTES;
     long tile = tile_index(e, row0, I, groups), code = tile * TILE_CODE_BYTES + tile_code_offset(g, 0, t);
     const u8 *rows[2] = {w1p + code, w3p + code}, *scales[2] = {w1s + tile * TILE_SCALE_BYTES, w3s + tile * TILE_SCALE_BYTES};
-#define GATE_UP_MMA(NT, KB) \
+#define GATE_UP_MMA(NT, KB, FULL) \
     gate_up_mma_chunk<NT, KB>(ring, rows, scales, g, t, groups, z, pairs + p, count, k, D, a, I, row0, beta, lbeta)
-    MMA_CHUNKS(GATE_UP_MMA, GATE_UP_KB)
+    MMA_CHUNKS(GATE_UP_MMA, GATE_UP_KB, false)
 #undef GATE_UP_MMA
 }
 
 // Down projection of one 16-row tile (output channels) for pairs[0..count) (see moe_down).
-template <int NT, int KB>
+template <int NT, int KB, bool FULL>
 __device__ __forceinline__ void down_mma_chunk(const u8 *const rows[1], const u8 *const scales[1], int g, int t,
                                                int groups, const __nv_bfloat16 *act, const int *pairs, int count,
                                                int I, __nv_bfloat16 *y, int D, int row0) {
@@ -763,7 +768,7 @@ __device__ __forceinline__ void down_mma_chunk(const u8 *const rows[1], const u8
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
         for (int e = 0; e < 4; e++) acc[0][nt][e] = 0.0f;
-    mma_rows_pass<1, NT, KB>(rows, scales, g, t, groups, act, pairs, count, 1, I, acc);
+    mma_rows_pass<1, NT, KB, FULL>(rows, scales, g, t, groups, act, pairs, count, 1, I, acc);
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
@@ -777,10 +782,11 @@ __device__ __forceinline__ void down_mma_chunk(const u8 *const rows[1], const u8
 // (4 blocks per SM): at batch 1 its 16 x 56 blocks run in 1.7 waves instead of 2.3, which saves more than the few
 // spills of the 3-n-tile pass cost (measured: 38.9 -> 36.9 us at batch 1, 122.9 -> 119.5 at 8, equal at 64).
 // grid = (min(n k, E), ceil(D / (16 MMA_WARPS))), blockDim 32 MMA_WARPS.
-// a: [n k, I]; w2 tiled [E, D, I] codes and scales (expert_layout.rs); y: [n k, D]. I must be a multiple of 32.
-extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 4)
-    moe_down(const __nv_bfloat16 *a, const u8 *w2p, const u8 *w2s, const int *group, const int *pairs,
-                 __nv_bfloat16 *y, int E, int D, int I) {
+// a: [n k, I]; w2 tiled [E, D, I] codes and scales (expert_layout.rs); y: [n k, D]. I must be a multiple of 32;
+// moe_down_full takes the I that are multiples of 128 DOWN_KB (every step full, no masks).
+template <bool FULL>
+__device__ __forceinline__ void down_kernel(const __nv_bfloat16 *a, const u8 *w2p, const u8 *w2s, const int *group,
+                                            const int *pairs, __nv_bfloat16 *y, int E, int D, int I) {
     kernel_entry();
     int slot = blockIdx.x;
     int active = group[0], e = group[1 + slot], p = group[1 + E + slot], end = group[2 + E + slot];
@@ -792,7 +798,18 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 4)
     long tile = tile_index(e, row0, D, groups);
     const u8 *rows[1] = {w2p + tile * TILE_CODE_BYTES + tile_code_offset(g, 0, t)};
     const u8 *scales[1] = {w2s + tile * TILE_SCALE_BYTES};
-#define DOWN_MMA(NT, KB) down_mma_chunk<NT, KB>(rows, scales, g, t, groups, a, pairs + p, count, I, y, D, row0)
-    MMA_CHUNKS(DOWN_MMA, DOWN_KB)
+#define DOWN_MMA(NT, KB, FULL) \
+    down_mma_chunk<NT, KB, FULL>(rows, scales, g, t, groups, a, pairs + p, count, I, y, D, row0)
+    MMA_CHUNKS(DOWN_MMA, DOWN_KB, FULL)
 #undef DOWN_MMA
 }
+#define DOWN_ARGS                                                                                                  \
+    const __nv_bfloat16 *a, const u8 *w2p, const u8 *w2s, const int *group, const int *pairs, __nv_bfloat16 *y,    \
+        int E, int D, int I
+extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 4) moe_down(DOWN_ARGS) {
+    down_kernel<false>(a, w2p, w2s, group, pairs, y, E, D, I);
+}
+extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 4) moe_down_full(DOWN_ARGS) {
+    down_kernel<true>(a, w2p, w2s, group, pairs, y, E, D, I);
+}
+#undef DOWN_ARGS

@@ -139,7 +139,8 @@ impl Gpu {
         check_expert_width("expert", inter)?;
         let cfg = expert_launch(n, k, experts, latent, 0);
         let (e, dl, di) = (experts as i32, latent as i32, inter as i32);
-        let mut b = self.launcher(&self.k.moe_down);
+        let full = inter % (128 * DOWN_KB) == 0;
+        let mut b = self.launcher(&self.k.moe_down[usize::from(full)]);
         b.arg(&a).arg(&w2.0).arg(&w2.1).arg(&grouping.0).arg(&grouping.1).arg(&y).arg(&e).arg(&dl).arg(&di);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_down"))
     }
@@ -242,6 +243,10 @@ pub(crate) fn allow_expert_shared_memory(k: &Kernels) -> Result<()> {
         .map_err(|e| device_err("allowing moe_gate_up its shared memory", e))
 }
 
+/// K blocks of 128 inputs per step of moe_down (`DOWN_KB` in `kernels/cuda/moe.cu`): expert widths that are
+/// multiples of 128 of them (K3's 3,072) fill every step and take `moe_down_full`, the form without masks.
+const DOWN_KB: usize = 4;
+
 /// The launch of a grouped expert kernel with `rows` output rows per expert and `shared_bytes` of dynamic shared
 /// memory: one block per active-expert slot and group of `EXPERT_WARPS` 16-row tiles.
 fn expert_launch(n: usize, k: usize, experts: usize, rows: usize, shared_bytes: u32) -> LaunchConfig {
@@ -287,6 +292,7 @@ mod tests {
         assert_eq!(EXPERT_STAGES, defined("EXPERT_STAGES"));
         assert_eq!(GATE_UP_KB, defined("GATE_UP_KB"));
         assert_eq!(TILE_SCALE_BYTES, defined("TILE_SCALE_BYTES"));
+        assert_eq!(DOWN_KB as u32, defined("DOWN_KB"));
         assert_eq!(EXPERT_WARPS, defined("MMA_WARPS"));
         assert_eq!(ROUTER_CLUSTER, defined("ROUTER_CLUSTER"));
     }

@@ -124,7 +124,8 @@ pub(crate) struct Kernels {
     pub(crate) moe_router: Option<CudaFunction>,
     pub(crate) moe_group: CudaFunction,
     pub(crate) moe_gate_up: CudaFunction,
-    pub(crate) moe_down: CudaFunction,
+    /// The grouped down projection: `[0]` any width, `[1]` widths whose steps are all full (no masks).
+    pub(crate) moe_down: [CudaFunction; 2],
     pub(crate) moe_combine_norm: CudaFunction,
     /// `moe_combine_norm` over a cluster of blocks per token: present from Hopper on.
     pub(crate) moe_combine_norm_cluster: Option<CudaFunction>,
@@ -316,7 +317,7 @@ impl Gpu {
             moe_router: hopper.then(|| f("moe.cu", "moe_router")).transpose()?,
             moe_group: f("moe.cu", "moe_group")?,
             moe_gate_up: f("moe.cu", "moe_gate_up")?,
-            moe_down: f("moe.cu", "moe_down")?,
+            moe_down: [f("moe.cu", "moe_down")?, f("moe.cu", "moe_down_full")?],
             moe_combine_norm: f("moe.cu", "moe_combine_norm")?,
             moe_combine_norm_cluster: hopper.then(|| f("moe.cu", "moe_combine_norm_cluster")).transpose()?,
             sample_rows: f("sample.cu", "sample_rows")?,
