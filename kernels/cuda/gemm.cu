@@ -54,12 +54,6 @@ __device__ __forceinline__ void cp_async16(void *dst, const void *src, int bytes
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(src), "r"(bytes) : "memory");
 }
 
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-template <int PENDING> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
-}
-
 // Packs 8 bf16 read one by one (zero past `limit` elements from p).
 __device__ __forceinline__ uint4 load8_scalar(const __nv_bfloat16 *p, int limit) {
     unsigned short h[8];

@@ -3,11 +3,11 @@
 // (follows fla's fused_recurrent KDA: one program per (head, sequence) with the state held on chip).
 //
 // Invariants:
-// - One block per (head, row); channel j of the head (its q/k/v conv windows) and column j of the head's
-//   state S [K, V] (fp32, in registers for the whole window) belong to thread j (chunked kernel) or to the
-//   lane pair 2j, 2j+1 (recurrent kernel, each half of the key rows). Within a thread key channels i are
-//   walked in ascending order, as the CPU reference does (kernels/src/cpu/kda.rs `recurrent_step`); the
-//   recurrent kernel adds the two halves' partial sums last.
+// - One block per (head, row); channel j of the head (its q/k/v conv windows) belongs to thread j, and the
+//   head's state S [K, V] (fp32) stays in registers for the whole window. The chunked kernel keeps column j in
+//   thread j and walks key channels i in ascending order, as the CPU reference does (kernels/src/cpu/kda.rs
+//   `recurrent_step`); the recurrent kernel tiles S by warps of 16 key rows and sums each column by warp, then
+//   the warps in order.
 // - A row's result depends only on its own table entry and inputs (batch invariance, bit for bit).
 // - Conv windows hold the last kw-1 pre-conv inputs (bf16); conv outputs are rounded to bf16 as the
 //   CPU rounds them with `act`.
@@ -54,23 +54,36 @@ __device__ __forceinline__ float conv_step(float *win, float x, const float *w, 
     return bf_round(acc * sigmoidf_(acc));
 }
 
-// The conv windows of channel c, loaded into registers (kw <= 8), and the old window copied to hist.
+// The conv windows of channel c (kw <= 8), every load in flight at once, then the old window copied to hist.
 __device__ __forceinline__ void load_windows(const i64 *e, float win[3][8], int c, int P, int kw, int t) {
-    __nv_bfloat16 *hist = (__nv_bfloat16 *)e[E_HIST];
+#pragma unroll
     for (int x = 0; x < 3; x++) {
         const __nv_bfloat16 *w = (const __nv_bfloat16 *)e[E_CONV + x];
-        for (int j = 0; j < kw - 1; j++) {
-            win[x][j] = ld(w, (i64)j * P + c);
-            if (hist) hist[((i64)x * (kw - 1 + t) + j) * P + c] = w[(i64)j * P + c];
-        }
+#pragma unroll
+        for (int j = 0; j < 7; j++)
+            if (j < kw - 1) win[x][j] = ld(w, (i64)j * P + c);
     }
+    __nv_bfloat16 *hist = (__nv_bfloat16 *)e[E_HIST];
+    if (hist)
+        for (int x = 0; x < 3; x++)
+            for (int j = 0; j < kw - 1; j++)
+                hist[((i64)x * (kw - 1 + t) + j) * P + c] = __float2bfloat16_rn(win[x][j]);  // exact: bf16 values
 }
 
-__device__ __forceinline__ void store_windows(const i64 *e, float win[3][8], int c, int P, int kw) {
-    for (int x = 0; x < 3; x++) {
-        __nv_bfloat16 *w = (__nv_bfloat16 *)e[E_CONV + x];
-        for (int j = 0; j < kw - 1; j++) w[(i64)j * P + c] = __float2bfloat16_rn(win[x][j]);
-    }
+// load_windows for the recurrent kernel, from the head's windows copied to shared memory (wins[x][j][channel]).
+template <int K>
+__device__ __forceinline__ void windows_from_shared(__nv_bfloat16 *hist, const __nv_bfloat16 wins[3][7][K],
+                                                    float win[3][8], int c, int j, int P, int kw, int t) {
+    for (int x = 0; x < 3; x++)
+        for (int jw = 0; jw < kw - 1; jw++) {
+            win[x][jw] = __bfloat162float(wins[x][jw][j]);
+            if (hist) hist[((i64)x * (kw - 1 + t) + jw) * P + c] = wins[x][jw][j];
+        }
+}
+
+__device__ __forceinline__ void store_windows(__nv_bfloat16 *const conv[3], float win[3][8], int c, int P, int kw) {
+    for (int x = 0; x < 3; x++)
+        for (int j = 0; j < kw - 1; j++) conv[x][(i64)j * P + c] = __float2bfloat16_rn(win[x][j]);
 }
 
 // One token's inputs for channel c of head h: pre-conv q, k, v, the forget-gate input, beta and output-gate logits.
@@ -90,99 +103,178 @@ __device__ __forceinline__ TokenIn load_token(const KdaArgs &A, i64 tok, int c, 
     return in;
 }
 
-// The conv outputs of window position ti for channel c from its raw inputs; the new inputs go to hist.
-__device__ __forceinline__ void conv_token(const KdaArgs &A, const i64 *e, float win[3][8], int c, int P, int t,
-                                           int ti, const __nv_bfloat16 raw[3], float out[3]) {
-    __nv_bfloat16 *hist = (__nv_bfloat16 *)e[E_HIST];
-    const float *ws[3] = {A.wq, A.wk, A.wv};
+// The conv outputs of window position ti for channel c from its raw inputs; the new inputs go to hist. The taps
+// of channel c are row `tap_row` of ws[x] ([.., kw] each).
+__device__ __forceinline__ void conv_token(const KdaArgs &A, __nv_bfloat16 *hist, float win[3][8], int c, int P, int t,
+                                           int ti, const __nv_bfloat16 raw[3], const float *const ws[3], int tap_row,
+                                           float out[3]) {
     for (int x = 0; x < 3; x++) {
         if (hist) hist[((i64)x * (A.kw - 1 + t) + A.kw - 1 + ti) * P + c] = raw[x];
-        out[x] = conv_step(win[x], __bfloat162float(raw[x]), ws[x], c, A.kw);
+        out[x] = conv_step(win[x], __bfloat162float(raw[x]), ws[x], tap_row, A.kw);
     }
 }
 
-// grid = (H, rows); blockDim = 2K. Rows with mode != 0 are left to the chunked kernel. Threads 2j and 2j+1
-// (one warp's lane pair) share channel j: each keeps half of column j of S (key rows [half * K/2, (half + 1) * K/2)),
-// and the pair adds its two partial sums (u and the read), so a column's state stays in registers without spills.
+// A row's table entry (16-byte aligned: the table is, and KDA_ENTRY is even), all of it in flight at once.
+__device__ __forceinline__ void load_entry(const i64 *row, i64 e[KDA_ENTRY]) {
+#pragma unroll
+    for (int f = 0; f < KDA_ENTRY; f += 2)
+        asm volatile("ld.volatile.global.v2.s64 {%0, %1}, [%2];" : "=l"(e[f]), "=l"(e[f + 1]) : "l"(row + f));
+}
+
+// C consecutive floats (16-byte aligned when C = 4) as one access.
+template <int C>
+__device__ __forceinline__ void ld_cols(const float *p, float v[C]) {
+    if constexpr (C == 4) {
+        float4 x = *(const float4 *)p;
+        v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
+    } else {
+#pragma unroll
+        for (int cc = 0; cc < C; cc++) v[cc] = p[cc];
+    }
+}
+template <int C>
+__device__ __forceinline__ void st_cols(float *p, const float v[C]) {
+    if constexpr (C == 4) {
+        *(float4 *)p = make_float4(v[0], v[1], v[2], v[3]);
+    } else {
+#pragma unroll
+        for (int cc = 0; cc < C; cc++) p[cc] = v[cc];
+    }
+}
+
+// This thread's tile of a head's state [K, K] (16 key rows from r0, C value columns from c0) at S.
+template <int K, int C>
+__device__ __forceinline__ void ld_tile(const float *S, int r0, int c0, float s[16][C]) {
+#pragma unroll
+    for (int r = 0; r < 16; r++) ld_cols<C>(S + (r0 + r) * K + c0, s[r]);
+}
+template <int K, int C>
+__device__ __forceinline__ void st_tile(float *S, int r0, int c0, const float s[16][C]) {
+#pragma unroll
+    for (int r = 0; r < 16; r++) st_cols<C>(S + (r0 + r) * K + c0, s[r]);
+}
+
+// grid = (H, rows); blockDim = 2K (K / 16 warps). Rows with mode != 0 are left to the chunked kernel.
+// Warp w keeps key rows [16 w, 16 w + 16) of the head's state S [K, K] in registers, lane l the value columns
+// [l C, l C + C) (C = K / 32): each warp reads and writes whole rows (512 contiguous bytes at K = 128), and a
+// column's sums over the key rows are each warp's 16 rows in ascending order, then the warps' partials in warp
+// order (a fixed order: batch invariant, bit for bit). Thread j < K runs channel j: conv, gates, l2 norms, the
+// delta-rule error and the gated output norm.
+// The loads are issued in two round trips: the row's table entry, then the state, the conv windows
+// (asynchronous copies to shared memory) and the token's inputs together; the head's weights are read before the
+// wait for the kernel before.
 template <int K>
 __device__ void kda_step(const i64 *table, KdaArgs A) {
-    __shared__ float q[K], k[K], decay[K];
-    const int HALF = K / 2;
-    const i64 *e = table + (i64)blockIdx.y * KDA_ENTRY;
+    constexpr int C = K / 32, WARPS = K / 16;
+    __shared__ __align__(16) float qs[K], ks[K], decay[K], bu[K];
+    __shared__ __align__(16) float red[WARPS][K];              // the warps' partial sums
+    __shared__ float taps[3][K * 8];                           // the head's conv taps, [K, kw] per input
+    __shared__ __align__(4) __nv_bfloat16 wins[3][7][K];       // the head's conv windows, [kw - 1, K] per input
+    int h = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, H = A.H, P = H * K, kw = A.kw;
+    bool channel = tid < K;
+    int j = channel ? tid : 0, c = h * K + j, r0 = warp * 16, c0 = lane * C;
+    const float *ws[3] = {A.wq, A.wk, A.wv};
+    for (int x = 0; x < 3; x++)
+        for (int i = tid; i < K * kw; i += 2 * K) taps[x][i] = ws[x][(i64)h * K * kw + i];
+    const float *const taps_of[3] = {taps[0], taps[1], taps[2]};
+    float a_h = A.a[h], dt_c = A.dt_bias[c], norm_j = A.o_norm[j];
+    kernel_entry();
+    // The row's whole table entry in one round trip (volatile loads: none is moved past the mode test).
+    i64 e[KDA_ENTRY];
+    load_entry(table + (i64)blockIdx.y * KDA_ENTRY, e);
     if (e[E_MODE] != 0) return;
-    int h = blockIdx.x, j = threadIdx.x >> 1, half = threadIdx.x & 1, H = A.H, P = H * K, kw = A.kw;
-    int c = h * K + j, i0 = half * HALF;
     i64 offset = e[E_OFFSET];
     int t = (int)e[E_T], from = (int)e[E_FROM];
     float *S = (float *)e[E_S] + (i64)h * K * K;
     float *snaps = (float *)e[E_SNAPS];
-    // Both threads of a pair run channel j's conv (identical values); the first one writes windows and history.
-    i64 quiet[KDA_ENTRY];
-    for (int f = 0; f < KDA_ENTRY; f++) quiet[f] = e[f];
-    if (half) quiet[E_HIST] = 0;
-    float win[3][8];
-    load_windows(quiet, win, c, P, kw, t);
-    float s[HALF];  // rows i0 .. i0 + K/2 of column j
-#pragma unroll
-    for (int i = 0; i < HALF; i++) s[i] = S[(i0 + i) * K + j];
-    // Snapshot m = 0 (the state before the window) when the window may be cut back to nothing.
-    if (snaps && from == 0) {
-        float *dst = snaps + (i64)h * K * K;
-#pragma unroll
-        for (int i = 0; i < HALF; i++) dst[(i0 + i) * K + j] = s[i];
+    __nv_bfloat16 *const conv[3] = {(__nv_bfloat16 *)e[E_CONV], (__nv_bfloat16 *)e[E_CONV + 1],
+                                    (__nv_bfloat16 *)e[E_CONV + 2]};
+    // Only the channel threads write history.
+    __nv_bfloat16 *hist = channel ? (__nv_bfloat16 *)e[E_HIST] : nullptr;
+    float s[16][C];
+    ld_tile<K, C>(S, r0, c0, s);
+    int words = (kw - 1) * K / 2;
+    for (int i = tid; i < 3 * words; i += 2 * K) {
+        int x = i / words, jw = i % words / (K / 2), pair = i % (K / 2);
+        cp_async4(&wins[x][jw][2 * pair], conv[x] + (i64)jw * P + h * K + 2 * pair, true);
     }
-    float scale = 1.0f / sqrtf((float)K);
+    cp_async_commit();
     TokenIn cur = load_token(A, offset, c, h, P);
+    // Snapshot m = 0 (the state before the window) when the window may be cut back to nothing.
+    if (snaps && from == 0) st_tile<K, C>(snaps + (i64)h * K * K, r0, c0, s);
+    float scale = 1.0f / sqrtf((float)K);
+    cp_async_wait<0>();
+    __syncthreads();  // the taps and windows are in
+    float win[3][8];
+    windows_from_shared<K>(hist, wins, win, c, j, P, kw, t);
     for (int ti = 0; ti < t; ti++) {
         i64 tok = offset + ti;
         // The next token's inputs are loaded while this one computes.
         TokenIn next = cur;
         if (ti + 1 < t) next = load_token(A, tok + 1, c, h, P);
-        float x[3];
-        conv_token(A, quiet, win, c, P, t, ti, cur.x, x);
-        float own = half ? 0.0f : 1.0f;
-        float qq = block_sum(own * x[0] * x[0]), kk = block_sum(own * x[1] * x[1]);
-        float qn = (1.0f / sqrtf(qq + A.l2_eps)) * scale;
-        float kn = 1.0f / sqrtf(kk + A.l2_eps);
-        if (!half) {
-            q[j] = x[0] * qn;
-            k[j] = x[1] * kn;
-            float z = A.a[h] * (cur.f + A.dt_bias[c]);
+        float x[3] = {0.0f, 0.0f, 0.0f};
+        if (channel) conv_token(A, hist, win, c, P, t, ti, cur.x, taps_of, j, x);
+        float qq = block_sum(x[0] * x[0]), kk = block_sum(x[1] * x[1]);
+        if (channel) {
+            qs[j] = x[0] * (1.0f / sqrtf(qq + A.l2_eps)) * scale;
+            ks[j] = x[1] * (1.0f / sqrtf(kk + A.l2_eps));
+            float z = a_h * (cur.f + dt_c);
             decay[j] = expf(A.lower_bound * sigmoidf_(z));
         }
-        float beta = sigmoidf_(cur.b);
         __syncthreads();
-        // Decay the rows, then the delta-rule error u_j = v_j - sum_i k_i S[i, j] (two half sums).
-        float pk = 0.0f;
+        // Decay the rows, then the delta-rule error u_j = v_j - sum_i k_i S[i, j].
+        float part[C];
 #pragma unroll
-        for (int i = 0; i < HALF; i++) {
-            s[i] *= decay[i0 + i];
-            pk += k[i0 + i] * s[i];
+        for (int cc = 0; cc < C; cc++) part[cc] = 0.0f;
+#pragma unroll
+        for (int r = 0; r < 16; r++) {
+            float d = decay[r0 + r], ki = ks[r0 + r];
+#pragma unroll
+            for (int cc = 0; cc < C; cc++) {
+                s[r][cc] *= d;
+                part[cc] += ki * s[r][cc];
+            }
         }
-        float u = x[2] - (pk + __shfl_xor_sync(0xffffffffu, pk, 1));
+        st_cols<C>(&red[warp][c0], part);
+        __syncthreads();
+        if (channel) {
+            float pk = 0.0f;
+#pragma unroll
+            for (int w = 0; w < WARPS; w++) pk += red[w][j];
+            bu[j] = sigmoidf_(cur.b) * (x[2] - pk);
+        }
+        __syncthreads();
         // Rank-1 write, then the read with the updated state.
+        float b[C];
+        ld_cols<C>(&bu[c0], b);
 #pragma unroll
-        for (int i = 0; i < HALF; i++) s[i] += beta * k[i0 + i] * u;
-        float pq = 0.0f;
+        for (int cc = 0; cc < C; cc++) part[cc] = 0.0f;
 #pragma unroll
-        for (int i = 0; i < HALF; i++) pq += q[i0 + i] * s[i];
-        float out = pq + __shfl_xor_sync(0xffffffffu, pq, 1);
-        // Gated output RMSNorm of the head (fp32), then bf16.
-        float ss = block_sum(own * out * out);
-        float r = 1.0f / sqrtf(ss / (float)K + A.norm_eps);
-        if (!half) A.o[tok * P + c] = __float2bfloat16_rn(out * r * A.o_norm[j] * sigmoidf_(cur.g));
-        int m = ti + 1;
-        if (snaps && m >= from && m < t) {
-            float *dst = snaps + ((i64)(m - from) * H + h) * K * K;
+        for (int r = 0; r < 16; r++) {
+            float ki = ks[r0 + r], qi = qs[r0 + r];
 #pragma unroll
-            for (int i = 0; i < HALF; i++) dst[(i0 + i) * K + j] = s[i];
+            for (int cc = 0; cc < C; cc++) {
+                s[r][cc] += ki * b[cc];
+                part[cc] += qi * s[r][cc];
+            }
         }
+        st_cols<C>(&red[warp][c0], part);
+        __syncthreads();
+        float out = 0.0f;
+        if (channel)
+#pragma unroll
+            for (int w = 0; w < WARPS; w++) out += red[w][j];
+        // Gated output RMSNorm of the head (fp32), then bf16.
+        float ss = block_sum(out * out);
+        float rn = 1.0f / sqrtf(ss / (float)K + A.norm_eps);
+        if (channel) A.o[tok * P + c] = __float2bfloat16_rn(out * rn * norm_j * sigmoidf_(cur.g));
+        int m = ti + 1;
+        if (snaps && m >= from && m < t) st_tile<K, C>(snaps + ((i64)(m - from) * H + h) * K * K, r0, c0, s);
         cur = next;
         __syncthreads();
     }
-#pragma unroll
-    for (int i = 0; i < HALF; i++) S[(i0 + i) * K + j] = s[i];
-    if (!half) store_windows(e, win, c, P, kw);
+    st_tile<K, C>(S, r0, c0, s);
+    if (channel) store_windows(conv, win, c, P, kw);
 }
 
 #define CHUNK 16
@@ -239,7 +331,8 @@ __device__ void kda_chunk(const i64 *table, KdaArgs A) {
             __nv_bfloat16 raw[3] = {__float2bfloat16_rn(qs[i][j]), __float2bfloat16_rn(ks[i][j]),
                                     __float2bfloat16_rn(us[i][j])};
             float x[3];
-            conv_token(A, e, win, c, P, t, start + i, raw, x);
+            const float *ws[3] = {A.wq, A.wk, A.wv};
+            conv_token(A, (__nv_bfloat16 *)e[E_HIST], win, c, P, t, start + i, raw, ws, c, x);
             qs[i][j] = x[0];
             ks[i][j] = x[1];
             us[i][j] = x[2];
@@ -349,13 +442,14 @@ __device__ void kda_chunk(const i64 *table, KdaArgs A) {
     }
 #pragma unroll
     for (int i = 0; i < K; i++) S[i * K + j] = s[i];
-    store_windows(e, win, c, P, kw);
+    __nv_bfloat16 *const conv[3] = {(__nv_bfloat16 *)e[E_CONV], (__nv_bfloat16 *)e[E_CONV + 1],
+                                    (__nv_bfloat16 *)e[E_CONV + 2]};
+    store_windows(conv, win, c, P, kw);
 }
 
 #define KDA_KERNELS(K)                                                                                        \
     extern "C" __global__ void __launch_bounds__(2 * K) kda_step_##K(const i64 *table, KdaArgs args) {       \
-        kernel_entry();                                                                                      \
-        kda_step<K>(table, args);                                                                              \
+        kda_step<K>(table, args); /* calls kernel_entry() after its weight loads */                            \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(K) kda_chunk_##K(const i64 *table, KdaArgs args) {          \
         kernel_entry();                                                                                      \

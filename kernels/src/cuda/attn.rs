@@ -29,8 +29,10 @@ use crate::cuda::forward::{reserve, DeviceRow, KdaUndo};
 use crate::cuda::ops::{DPtr, Gpu};
 use crate::error::{KernelError, Result};
 
-/// i64 fields per (KDA layer, row) entry: S, 3 conv windows, snapshots, history, offset, t, from, form.
+/// i64 fields per (KDA layer, row) entry: S, 3 conv windows, snapshots, history, offset, t, from, form. Even, so
+/// that every entry of the table (a fresh allocation) is 16-byte aligned: `kda_step` reads it in 16-byte loads.
 pub const KDA_ENTRY: usize = 10;
+const _: () = assert!(KDA_ENTRY % 2 == 0);
 /// i64 fields per (MLA layer, row) entry: cache, first, offset, t, split span.
 pub const MLA_ENTRY: usize = 5;
 /// Positions per tile of the MLA split kernel (`TILE` in `mla.cu`).
