@@ -10,8 +10,8 @@
 //   the order of every sum is the same as a one-column-at-a-time loop's. Block sums run in block_sum's fixed
 //   order, and a cluster's block sums meet in rank order: a row's result never depends on the batch.
 // Math: shared/reference/k3-architecture.md §2.2 (AttnRes), §2.3 (RMSNorm), §2.7 (SiTU).
-// Compiled after prelude.cuh (compile.rs prepends it: cuda_bf16.h, INF_F, u32, i64, ld, bf_round, sigmoidf_,
-// block_sum, block_max).
+// Compiled after prelude.cuh (compile.rs prepends it: cuda_bf16.h and the shared helpers: u32, i64, ld, bf_round,
+// sigmoidf_, block reductions, dependent launch, clusters, cp.async and the bf16 MMA).
 
 #define ROW_BATCH 8
 

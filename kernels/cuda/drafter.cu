@@ -7,8 +7,8 @@
 // them in f32); ties of the argmax go to the lowest id.
 // Math: shared/reference/dspark.md §1.1 (KV injection, non-causal block), §1.2 (Markov head),
 // §2.1 (confidence head); MLA in the absorbed form of k3-architecture.md §2.6 (as kernels/cuda/mla.cu).
-// Compiled after prelude.cuh (compile.rs prepends it: cuda_bf16.h, INF_F, u32, i64, ld, bf_round, sigmoidf_,
-// block_sum, block_max).
+// Compiled after prelude.cuh (compile.rs prepends it: cuda_bf16.h and the shared helpers: u32, i64, ld, bf_round,
+// sigmoidf_, block reductions, dependent launch, clusters, cp.async and the bf16 MMA).
 
 // Per committed token j, the m taps concatenated in tap order:
 // out[j, i * d + c] = taps[i, rows[j], c]. taps: [m, n, d] (slot stride `slot`); out: [N, m * d].

@@ -35,18 +35,11 @@
 // row tile is 16 R * warps rows. Grid: (tiles * slices (split) or tiles (serial), ceil(M / 64)).
 // Each warp loads its next group of k32 steps of weights before multiplying the current group, so loads
 // stay in flight while the tensor cores work (at decode sizes the GEMM is meant to be bound by HBM bandwidth).
-// Compiled after prelude.cuh (compile.rs prepends it: cuda_bf16.h, INF_F, u32, i64, ld, bf_round, sigmoidf_,
-// block_sum, block_max).
+// Compiled after prelude.cuh (compile.rs prepends it: cuda_bf16.h and the shared helpers: u32, i64, ld, bf_round,
+// sigmoidf_, block reductions, dependent launch, clusters, cp.async and the bf16 MMA).
 
 #define KC 256          // K columns staged per chunk (kslice is a multiple of it)
 #define XS_STRIDE 288   // staged row stride in elements: rows g and g + 1 sit 16 banks apart
-
-__device__ __forceinline__ void mma_bf16(float *c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 // 16 bytes global -> shared, asynchronously; `bytes` = 0 writes zeros without reading.
 __device__ __forceinline__ void cp_async16(void *dst, const void *src, int bytes) {

@@ -18,8 +18,8 @@
 // - The chunked kernel (kda_chunk_*) takes the rows whose entry says mode 1 (long windows without
 //   snapshots), the recurrent kernel (kda_step_*) the others; each skips the other's rows.
 // Math: shared/reference/k3-architecture.md §2.4 (decode) and §3.2 (chunked WY form).
-// Compiled after prelude.cuh (compile.rs prepends it: cuda_bf16.h, INF_F, u32, i64, ld, bf_round, sigmoidf_,
-// block_sum, block_max).
+// Compiled after prelude.cuh (compile.rs prepends it: cuda_bf16.h and the shared helpers: u32, i64, ld, bf_round,
+// sigmoidf_, block reductions, dependent launch, clusters, cp.async and the bf16 MMA).
 
 // One row's entry of the step table (i64 fields; kernels/src/cuda/attn.rs `KDA_ENTRY` writes them).
 #define E_S 0          // float S [H, K, K]

@@ -14,8 +14,8 @@
 //   span, chosen from the row alone), and splits merge in ascending order: a row's result does not depend
 //   on the other rows of the batch.
 // Math: shared/reference/k3-architecture.md §2.6 (W_UK absorbed into the query, W_UV applied after).
-// Compiled after prelude.cuh (compile.rs prepends it: cuda_bf16.h, INF_F, u32, i64, ld, bf_round, sigmoidf_,
-// block_sum, block_max).
+// Compiled after prelude.cuh (compile.rs prepends it: cuda_bf16.h and the shared helpers: u32, i64, ld, bf_round,
+// sigmoidf_, block reductions, dependent launch, clusters, cp.async and the bf16 MMA).
 
 // One row's entry of the step table (kernels/src/cuda/attn.rs `MLA_ENTRY`).
 #define M_CACHE 0   // bf16 [capacity, r + rope]

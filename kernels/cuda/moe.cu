@@ -10,8 +10,8 @@
 // experts" below) on the tensor cores; a token's results never depend on the batch.
 // MXFP4: two E2M1 codes per byte, element 2i in the low nibble; one E8M0 scale per 32 inputs;
 // 0xFF is NaN (shared/reference/k3-architecture.md §2.8).
-// Compiled after prelude.cuh (compile.rs prepends it: cuda_bf16.h, INF_F, u32, i64, ld, bf_round, sigmoidf_,
-// block_sum, block_max).
+// Compiled after prelude.cuh (compile.rs prepends it: cuda_bf16.h and the shared helpers: u32, i64, ld, bf_round,
+// sigmoidf_, block reductions, dependent launch, clusters, cp.async and the bf16 MMA).
 
 typedef unsigned char u8;
 
@@ -422,13 +422,6 @@ __device__ __forceinline__ int tile_scale_offset(int g, int r, int t) { return (
 #define GATE_UP_KB 2  // K blocks per step of moe_gate_up: a ring step holds 2 matrices x 2 rows x 2 x 16 bytes per lane
 #define DOWN_KB 4     // the same for moe_down (one matrix): 128 bytes per lane in flight as well
 
-__device__ __forceinline__ void mma_16816(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // The eight E2M1 codes of one word (element i in nibble i) as four bf16x2 of code * 2^-126, exactly: register i
 // holds code i (low half) and code i + 4 (high half). A code's magnitude bits (e1 e0 m) land on the bf16 exponent's
 // two low bits and the top mantissa bit, which makes the bf16 number code * 2^-126 (code 0.5 lands on the
@@ -505,8 +498,8 @@ __device__ __forceinline__ void mma_step(const uint4 cur[NM][2][KB], const u32 c
                 u32 b2 = __byte_perm(xv.y, xv.w, 0x5410), b3 = __byte_perm(xv.y, xv.w, 0x7632);
 #pragma unroll
                 for (int m = 0; m < NM; m++) {
-                    mma_16816(acc[m][nt], a[m][0][0], a[m][1][0], a[m][0][1], a[m][1][1], b0, b1);
-                    mma_16816(acc[m][nt], a[m][0][2], a[m][1][2], a[m][0][3], a[m][1][3], b2, b3);
+                    mma_bf16(acc[m][nt], a[m][0][0], a[m][1][0], a[m][0][1], a[m][1][1], b0, b1);
+                    mma_bf16(acc[m][nt], a[m][0][2], a[m][1][2], a[m][0][3], a[m][1][3], b2, b3);
                 }
             }
         }

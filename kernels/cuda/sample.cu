@@ -29,8 +29,8 @@
 //   a decision differs only where a threshold (u, top_p) lies within ~1e-12 of a cumulative mass.
 // Selection by histograms follows FlashInfer's and vLLM's GPU top-k/top-p samplers (threshold search
 // instead of a sort of the vocabulary); the code is sparkd's own.
-// Compiled after prelude.cuh (compile.rs prepends it: cuda_bf16.h, INF_F, u32, i64, ld, bf_round, sigmoidf_,
-// block_sum, block_max).
+// Compiled after prelude.cuh (compile.rs prepends it: cuda_bf16.h and the shared helpers: u32, i64, ld, bf_round,
+// sigmoidf_, block reductions, dependent launch, clusters, cp.async and the bf16 MMA).
 
 typedef unsigned long long u64;
 typedef unsigned short u16;
