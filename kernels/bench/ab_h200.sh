@@ -9,6 +9,7 @@
 #   BUILDS="dir ..."   the builds, baseline first (required)
 #   ROUNDS             bench rounds (default 2)
 #   BATCHES            batches of the bench (default 1,8,64)
+#   PROMPT_LEN         prompt tokens of every row before the timed steps (default 64; 4096 times long-context decode)
 #   TESTS              GPU test binaries run on every non-baseline build (default: cuda_moe cuda_runner)
 #   MOE_BANDWIDTH=1    also `cuda_moe --ignored routed_expert_bandwidth` for every build, ROUNDS times, interleaved
 #   NCU_KERNELS=regex  also ncu per-kernel durations of a --batch $NCU_BATCH bench (default 64) for every build
@@ -20,6 +21,7 @@ LOG="$OUT/log.txt"
 : "${BUILDS:?BUILDS names the build directories, baseline first}"
 ROUNDS=${ROUNDS:-2}
 BATCHES=${BATCHES:-1,8,64}
+PROMPT_LEN=${PROMPT_LEN:-64}
 TESTS=${TESTS:-cuda_moe cuda_runner}
 # shellcheck disable=SC2086 # BUILDS is a list of directories
 . "$(dirname "$0")/device_env.sh" $BUILDS
@@ -50,7 +52,7 @@ fi
 for r in $(seq 1 "$ROUNDS"); do
   for b in $BUILDS; do
     [ -x "$b/sparkd" ] && run 90 "$b/sparkd" bench --device cuda --config k3-mini --batch "$BATCHES" --steps 8 \
-      --prompt-len 64 --max-verify 0 --no-forced --out "$OUT/bench_$(name "$b")_$r.json"
+      --prompt-len "$PROMPT_LEN" --max-verify 0 --no-forced --out "$OUT/bench_$(name "$b")_$r.json"
   done
 done
 if [ -n "${NCU_KERNELS:-}" ]; then
@@ -59,7 +61,7 @@ if [ -n "${NCU_KERNELS:-}" ]; then
     echo "=== ncu $(name "$b")" >>"$OUT/ncu.txt"
     timeout 100 "$NCU" --clock-control none --kernel-name "regex:$NCU_KERNELS" --metrics gpu__time_duration.sum \
       --print-summary per-kernel "$b/sparkd" bench --device cuda --config k3-mini --batch "${NCU_BATCH:-64}" --steps 2 \
-      --prompt-len 64 --max-verify 0 --no-forced 2>&1 | grep -v "^==PROF==" >>"$OUT/ncu.txt"
+      --prompt-len "$PROMPT_LEN" --max-verify 0 --no-forced 2>&1 | grep -v "^==PROF==" >>"$OUT/ncu.txt"
   done
 fi
 grep -h "^===\|PASS\|FAIL\|test result\|GB/s" "$LOG"
