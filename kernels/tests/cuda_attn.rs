@@ -9,7 +9,7 @@
 //! device times are printed (not asserted: performance numbers go to BENCHMARKS.md).
 
 use sparkd_kernels::cpu::forward::CpuModel;
-use sparkd_kernels::cuda::attn_check::{kda_forms, mla_batch, mla_long_context};
+use sparkd_kernels::cuda::attn_check::{kda_forms, kda_snapshots, mla_batch, mla_long_context};
 use sparkd_kernels::cuda::device::driver_present;
 use sparkd_kernels::cuda::forward::DeviceModel;
 use sparkd_kernels::cuda::ops::Gpu;
@@ -44,6 +44,19 @@ fn chunked_kda_matches_the_cpu_and_the_recurrent_form() {
     for t in [17, 100] {
         checks.extend(kda_forms(&gpu, "k3-tiny", t, 5 + t as u64, true).unwrap().checks);
     }
+    assert_all_pass(&checks);
+}
+
+#[test]
+fn recurrent_kda_snapshots_equal_the_states_of_shorter_windows() {
+    let Some(gpu) = gpu() else { return };
+    // Both head dims (the recurrent kernel's per-lane tiles differ), snapshots from the window's start and from
+    // its middle, as a verify window's rollback reads them.
+    let mut checks = Vec::new();
+    for (preset, t, from) in [("k3-tiny", 7, 0), ("k3-tiny", 7, 3), ("k3-mini", 5, 0), ("k3-mini", 5, 2)] {
+        checks.extend(kda_snapshots(&gpu, preset, t, from, 11).unwrap());
+    }
+    assert_eq!(checks.len(), 7 + 4 + 5 + 3);
     assert_all_pass(&checks);
 }
 

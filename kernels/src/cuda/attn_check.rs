@@ -23,6 +23,7 @@ use crate::cuda::weights::DevMixer;
 use crate::error::{KernelError, Result};
 use crate::runner::TokenId;
 use crate::state::{KdaState, SeqState};
+use cudarc::driver::CudaSlice;
 
 /// Relative L2 bound for fp32 states of two forms of the recurrence (the issue's ~1e-5).
 const TOL_STATE: f64 = 1e-5;
@@ -44,69 +45,103 @@ pub struct KdaForms {
     pub checks: Vec<OpCheck>,
 }
 
-/// One form's run: outputs `[t, P]` and the final state.
+/// One run of KDA layer 0's kernels: outputs `[window, P]`, the final state, and with snapshots on the states
+/// after `m` tokens for `from <= m < window` (`[window - from, H, dk, dk]`).
 struct FormRun {
     out: Vec<f32>,
     state: Vec<f32>,
+    snaps: Vec<f32>,
     ms: f64,
 }
 
-/// Runs KDA layer 0's kernels of `preset`'s dims over one window of `t` random tokens from a random
-/// state, in both forms; with `with_cpu`, also the CPU's chunked form (`t > 16`) on the same inputs.
-pub fn kda_forms(gpu: &Gpu, preset: &str, t: usize, seed: u64, with_cpu: bool) -> Result<KdaForms> {
-    let cfg = ModelConfig::preset(preset)?;
-    let k = &cfg.kda;
-    let (p, heads, dk, kw) = (k.proj_dim(), k.num_heads, k.head_dim, k.conv_kernel);
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-    let mut vals = |n: usize, lo: f32, hi: f32| -> Vec<f32> { (0..n).map(|_| rng.gen_range(lo..hi)).collect() };
-    let w = KdaWeights::<f32> {
-        q_proj: Linear::new(0, 0, Vec::new()),
-        k_proj: Linear::new(0, 0, Vec::new()),
-        v_proj: Linear::new(0, 0, Vec::new()),
-        g_proj: Linear::new(0, 0, Vec::new()),
-        o_proj: Linear::new(0, 0, Vec::new()),
-        f_a_proj: Linear::new(0, 0, Vec::new()),
-        f_b_proj: Linear::new(0, 0, Vec::new()),
-        b_proj: Linear::new(0, 0, Vec::new()),
-        conv: [vals(p * kw, -0.5, 0.5), vals(p * kw, -0.5, 0.5), vals(p * kw, -0.5, 0.5)],
-        a: vals(heads, 1.0, 16.0),
-        dt_bias: vals(p, -5.0, -1.0),
-        o_norm: vals(dk, 0.5, 1.5),
-        o_norm_eps: cfg.rms_norm_eps,
-    };
-    let start = KdaState::<f32> {
-        s: vals(heads * dk * dk, -0.5, 0.5),
-        conv: [0, 1, 2].map(|_| random_bf16(&mut rng, (kw - 1) * p, 2.0)),
-    };
-    let qkv = [0, 1, 2].map(|_| random_bf16(&mut rng, t * p, 2.0));
-    let f = random_bf16(&mut rng, t * p, 2.0);
-    let b = random_bf16(&mut rng, t * heads, 2.0);
-    let g = random_bf16(&mut rng, t * p, 2.0);
+/// KDA layer 0 of a preset's dims with random weights, a random start state and `t` random tokens' inputs on
+/// the device.
+struct KdaCase {
+    cfg: ModelConfig,
+    weights: KdaWeights<f32>,
+    start: KdaState<f32>,
+    /// Host inputs (bf16 values): q, k, v `[t, P]`, the forget-gate input `[t, P]`, beta logits `[t, H]`,
+    /// output-gate logits `[t, P]`.
+    qkv: [Vec<f32>; 3],
+    f: Vec<f32>,
+    b: Vec<f32>,
+    g: Vec<f32>,
+    /// The same on the device (q, k, v, f, b, g), then conv taps, a, dt_bias, o_norm.
+    dev_in: [CudaSlice<bf16>; 6],
+    conv_w: [CudaSlice<f32>; 3],
+    a: CudaSlice<f32>,
+    dt_bias: CudaSlice<f32>,
+    o_norm: CudaSlice<f32>,
+    /// Tokens whose inputs are on the device.
+    t: usize,
+}
 
-    let dev_in = [up(gpu, &qkv[0])?, up(gpu, &qkv[1])?, up(gpu, &qkv[2])?, up(gpu, &f)?, up(gpu, &b)?, up(gpu, &g)?];
-    let conv_w = [gpu.upload(&w.conv[0])?, gpu.upload(&w.conv[1])?, gpu.upload(&w.conv[2])?];
-    let (a, dt_bias, o_norm) = (gpu.upload(&w.a)?, gpu.upload(&w.dt_bias)?, gpu.upload(&w.o_norm)?);
-    let buffer = StepBuffer::default();
-    let tokens = vec![0 as TokenId; t];
-    let run_form = |chunked_min: usize| -> Result<FormRun> {
-        let mut host = SeqState::<f32>::new(&cfg);
-        host.kda[0] = start.clone();
-        let mut state = DeviceState::import(gpu, &cfg, &host)?;
-        let mut rows = [DeviceRow { state: &mut state, tokens: &tokens, logits_from: t, snapshots_from: None }];
-        let tables = StepTables::build(gpu, &cfg, &buffer, &mut rows, &[0, t], &[], chunked_min)?;
-        let o = gpu.zeros::<bf16>(t * p)?;
+impl KdaCase {
+    fn new(gpu: &Gpu, preset: &str, t: usize, seed: u64) -> Result<Self> {
+        let cfg = ModelConfig::preset(preset)?;
+        let k = &cfg.kda;
+        let (p, heads, dk, kw) = (k.proj_dim(), k.num_heads, k.head_dim, k.conv_kernel);
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let mut vals = |n: usize, lo: f32, hi: f32| -> Vec<f32> { (0..n).map(|_| rng.gen_range(lo..hi)).collect() };
+        let weights = KdaWeights::<f32> {
+            q_proj: Linear::new(0, 0, Vec::new()),
+            k_proj: Linear::new(0, 0, Vec::new()),
+            v_proj: Linear::new(0, 0, Vec::new()),
+            g_proj: Linear::new(0, 0, Vec::new()),
+            o_proj: Linear::new(0, 0, Vec::new()),
+            f_a_proj: Linear::new(0, 0, Vec::new()),
+            f_b_proj: Linear::new(0, 0, Vec::new()),
+            b_proj: Linear::new(0, 0, Vec::new()),
+            conv: [vals(p * kw, -0.5, 0.5), vals(p * kw, -0.5, 0.5), vals(p * kw, -0.5, 0.5)],
+            a: vals(heads, 1.0, 16.0),
+            dt_bias: vals(p, -5.0, -1.0),
+            o_norm: vals(dk, 0.5, 1.5),
+            o_norm_eps: cfg.rms_norm_eps,
+        };
+        let start = KdaState::<f32> {
+            s: vals(heads * dk * dk, -0.5, 0.5),
+            conv: [0, 1, 2].map(|_| random_bf16(&mut rng, (kw - 1) * p, 2.0)),
+        };
+        let qkv = [0, 1, 2].map(|_| random_bf16(&mut rng, t * p, 2.0));
+        let f = random_bf16(&mut rng, t * p, 2.0);
+        let b = random_bf16(&mut rng, t * heads, 2.0);
+        let g = random_bf16(&mut rng, t * p, 2.0);
+        let dev_in =
+            [up(gpu, &qkv[0])?, up(gpu, &qkv[1])?, up(gpu, &qkv[2])?, up(gpu, &f)?, up(gpu, &b)?, up(gpu, &g)?];
+        let conv_w = [gpu.upload(&weights.conv[0])?, gpu.upload(&weights.conv[1])?, gpu.upload(&weights.conv[2])?];
+        let (a, dt_bias, o_norm) =
+            (gpu.upload(&weights.a)?, gpu.upload(&weights.dt_bias)?, gpu.upload(&weights.o_norm)?);
+        Ok(KdaCase { cfg, weights, start, qkv, f, b, g, dev_in, conv_w, a, dt_bias, o_norm, t })
+    }
+
+    /// The kernels over the first `window` tokens from the start state: the chunked form for windows of at least
+    /// `chunked_min` tokens without snapshots, else the recurrent one; snapshots from `snapshots_from` when given.
+    fn run(&self, gpu: &Gpu, window: usize, chunked_min: usize, snapshots_from: Option<usize>) -> Result<FormRun> {
+        if window > self.t {
+            return Err(KernelError::InvalidInput(format!("a {window}-token window of a {}-token case", self.t)));
+        }
+        let (cfg, k) = (&self.cfg, &self.cfg.kda);
+        let (p, heads, dk) = (k.proj_dim(), k.num_heads, k.head_dim);
+        let buffer = StepBuffer::default();
+        let tokens = vec![0 as TokenId; window];
+        let mut host = SeqState::<f32>::new(cfg);
+        host.kda[0] = self.start.clone();
+        let mut state = DeviceState::import(gpu, cfg, &host)?;
+        let mut rows = [DeviceRow { state: &mut state, tokens: &tokens, logits_from: window, snapshots_from }];
+        let tables = StepTables::build(gpu, cfg, &buffer, &mut rows, &[0, window], &[], chunked_min)?;
+        let o = gpu.zeros::<bf16>(window * p)?;
         let args = KdaArgs {
-            qkv: [gpu.ptr(&dev_in[0]), gpu.ptr(&dev_in[1]), gpu.ptr(&dev_in[2])],
-            conv_w: [gpu.ptr(&conv_w[0]), gpu.ptr(&conv_w[1]), gpu.ptr(&conv_w[2])],
-            f: gpu.ptr(&dev_in[3]),
-            b: gpu.ptr(&dev_in[4]),
-            g: gpu.ptr(&dev_in[5]),
-            a: gpu.ptr(&a),
-            dt_bias: gpu.ptr(&dt_bias),
-            o_norm: gpu.ptr(&o_norm),
+            qkv: [gpu.ptr(&self.dev_in[0]), gpu.ptr(&self.dev_in[1]), gpu.ptr(&self.dev_in[2])],
+            conv_w: [gpu.ptr(&self.conv_w[0]), gpu.ptr(&self.conv_w[1]), gpu.ptr(&self.conv_w[2])],
+            f: gpu.ptr(&self.dev_in[3]),
+            b: gpu.ptr(&self.dev_in[4]),
+            g: gpu.ptr(&self.dev_in[5]),
+            a: gpu.ptr(&self.a),
+            dt_bias: gpu.ptr(&self.dt_bias),
+            o_norm: gpu.ptr(&self.o_norm),
             o: gpu.ptr(&o),
             heads: heads as i32,
-            kw: kw as i32,
+            kw: k.conv_kernel as i32,
             lower_bound: k.gate_lower_bound,
             l2_eps: crate::config::L2_NORM_EPS,
             norm_eps: cfg.rms_norm_eps,
@@ -117,29 +152,65 @@ pub fn kda_forms(gpu: &Gpu, preset: &str, t: usize, seed: u64, with_cpu: bool) -
         gpu.kda_layer(&tables, 0, dk, &args)?;
         gpu.mark("end")?;
         let ms = gpu.finish_profile()?.first().map_or(0.0, |s| s.ms);
-        let out = down(gpu, &o, t * p)?;
-        let state = gpu.download(&state.kda[0].s, heads * dk * dk)?;
-        Ok(FormRun { out, state, ms })
-    };
+        let out = down(gpu, &o, window * p)?;
+        let state_len = heads * dk * dk;
+        let state = gpu.download(&state.kda[0].s, state_len)?;
+        let snaps = match (&tables.undo[0], snapshots_from) {
+            (Some(undo), Some(from)) => gpu.download(&undo.snaps, (window - from) * state_len)?,
+            _ => Vec::new(),
+        };
+        Ok(FormRun { out, state, snaps, ms })
+    }
+}
+
+/// Runs KDA layer 0's kernels of `preset`'s dims over one window of `t` random tokens from a random
+/// state, in both forms; with `with_cpu`, also the CPU's chunked form (`t > 16`) on the same inputs.
+pub fn kda_forms(gpu: &Gpu, preset: &str, t: usize, seed: u64, with_cpu: bool) -> Result<KdaForms> {
+    let case = KdaCase::new(gpu, preset, t, seed)?;
+    let (heads, dk) = (case.cfg.kda.num_heads, case.cfg.kda.head_dim);
     // Warm both kernels once (module load, first-launch costs), then time.
-    run_form(usize::MAX)?;
-    run_form(1)?;
-    let recurrent = run_form(usize::MAX)?;
-    let chunked = run_form(1)?;
+    case.run(gpu, t, usize::MAX, None)?;
+    case.run(gpu, t, 1, None)?;
+    let recurrent = case.run(gpu, t, usize::MAX, None)?;
+    let chunked = case.run(gpu, t, 1, None)?;
 
     let mut checks = vec![
         compare("kda chunked vs recurrent (device): outputs", &chunked.out, &recurrent.out, TOL_BF16_OUT),
         compare("kda chunked vs recurrent (device): fp32 state", &chunked.state, &recurrent.state, TOL_STATE),
     ];
     if with_cpu {
-        let mut cpu_state = start.clone();
-        let inputs = KdaInputs { qkv: [&qkv[0], &qkv[1], &qkv[2]], f: &f, b: &b, g: &g };
-        let want = kda_window(k, &w, &mut cpu_state, &inputs, None);
+        let mut cpu_state = case.start.clone();
+        let inputs = KdaInputs { qkv: [&case.qkv[0], &case.qkv[1], &case.qkv[2]], f: &case.f, b: &case.b, g: &case.g };
+        let want = kda_window(&case.cfg.kda, &case.weights, &mut cpu_state, &inputs, None);
         checks.push(compare("kda chunked vs CPU chunked: outputs", &chunked.out, &want, TOL_BF16_OUT));
         checks.push(compare("kda chunked vs CPU chunked: fp32 state", &chunked.state, &cpu_state.s, TOL_STATE_CPU));
         checks.push(compare("kda recurrent vs CPU chunked: fp32 state", &recurrent.state, &cpu_state.s, TOL_STATE_CPU));
     }
     Ok(KdaForms { heads, head_dim: dk, tokens: t, recurrent_ms: recurrent.ms, chunked_ms: chunked.ms, checks })
+}
+
+/// The recurrent KDA kernel's snapshots over a window of `t` random tokens (snapshots from `from`): the state
+/// after `m` tokens must equal, bit for bit, the final state of the same kernel over the first `m` tokens (the
+/// start state for m = 0). What a verify window's rollback restores, at `preset`'s head dim.
+pub fn kda_snapshots(gpu: &Gpu, preset: &str, t: usize, from: usize, seed: u64) -> Result<Vec<OpCheck>> {
+    if from >= t {
+        return Err(KernelError::InvalidInput(format!("snapshots from {from} of a {t}-token window")));
+    }
+    let case = KdaCase::new(gpu, preset, t, seed)?;
+    let state_len = case.start.s.len();
+    let window = case.run(gpu, t, usize::MAX, Some(from))?;
+    let mut checks = Vec::with_capacity(t - from);
+    for m in from..t {
+        let want = if m == 0 { case.start.s.clone() } else { case.run(gpu, m, usize::MAX, None)?.state };
+        let got = &window.snaps[(m - from) * state_len..(m - from + 1) * state_len];
+        checks.push(compare(
+            &format!("{preset} kda snapshot after {m} of {t} tokens vs a {m}-token window"),
+            got,
+            &want,
+            0.0,
+        ));
+    }
+    Ok(checks)
 }
 
 /// The split MLA attention of `dev`'s first MLA layer after a context of `context` tokens: one row
