@@ -91,6 +91,48 @@ impl Experts {
     }
 }
 
+/// One routed-expert run's device buffers: the choices `idx` `[n, k]` (ascending per token) grouped by expert on
+/// the device, the inputs `z` `[n, latent]`, and zeroed outputs `act` `[n k, inter]` and `y` `[n k, latent]`.
+struct Routed {
+    idx: CudaSlice<i32>,
+    z: CudaSlice<bf16>,
+    group: CudaSlice<i32>,
+    pairs: CudaSlice<i32>,
+    act: CudaSlice<bf16>,
+    y: CudaSlice<bf16>,
+}
+
+impl Routed {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        gpu: &Gpu,
+        idx: &[i32],
+        z: &[bf16],
+        n: usize,
+        k: usize,
+        experts: usize,
+        latent: usize,
+        inter: usize,
+    ) -> Self {
+        let routed = Routed {
+            idx: gpu.upload(&idx[..n * k]).unwrap(),
+            z: gpu.upload(&z[..n * latent]).unwrap(),
+            group: gpu.zeros::<i32>(moe_group_len(experts)).unwrap(),
+            pairs: gpu.zeros::<i32>(n * k).unwrap(),
+            act: gpu.zeros::<bf16>(n * k * inter).unwrap(),
+            y: gpu.zeros::<bf16>(n * k * latent).unwrap(),
+        };
+        let (group, pairs) = routed.grouping(gpu);
+        gpu.moe_group(gpu.ptr(&routed.idx), n, k, experts, group, pairs).unwrap();
+        routed
+    }
+
+    /// The grouping as the expert kernels take it: (group, pairs).
+    fn grouping(&self, gpu: &Gpu) -> (DPtr, DPtr) {
+        (gpu.ptr(&self.group), gpu.ptr(&self.pairs))
+    }
+}
+
 /// The routed experts' outputs of `n` tokens: `act` `[n k, inter]` and `y` `[n k, latent]` (bf16 bits).
 #[allow(clippy::too_many_arguments)]
 fn run(
@@ -104,20 +146,15 @@ fn run(
     experts: usize,
 ) -> (Vec<u16>, Vec<u16>) {
     let (latent, inter) = (w[0].cols, w[0].rows);
-    let idx_d = gpu.upload(&idx[..n * k]).unwrap();
-    let z_d = gpu.upload(&z[..n * latent]).unwrap();
-    let group = gpu.zeros::<i32>(moe_group_len(experts)).unwrap();
-    let pairs = gpu.zeros::<i32>(n * k).unwrap();
-    let act = gpu.zeros::<bf16>(n * k * inter).unwrap();
-    let y = gpu.zeros::<bf16>(n * k * latent).unwrap();
-    let grouping = (gpu.ptr(&group), gpu.ptr(&pairs));
-    gpu.moe_group(gpu.ptr(&idx_d), n, k, experts, grouping.0, grouping.1).unwrap();
+    let r = Routed::new(gpu, idx, z, n, k, experts, latent, inter);
+    let grouping = r.grouping(gpu);
     let (b, lb) = (cfg.situ_beta, cfg.situ_linear_beta);
     let (w1, w3, w2) = (w[0].ptrs(gpu), w[1].ptrs(gpu), w[2].ptrs(gpu));
-    gpu.moe_gate_up(gpu.ptr(&z_d), w1, w3, grouping, gpu.ptr(&act), n, k, experts, latent, inter, b, lb).unwrap();
-    gpu.moe_down(gpu.ptr(&act), w2, grouping, gpu.ptr(&y), n, k, experts, latent, inter).unwrap();
+    let (z, act, y) = (gpu.ptr(&r.z), gpu.ptr(&r.act), gpu.ptr(&r.y));
+    gpu.moe_gate_up(z, w1, w3, grouping, act, n, k, experts, latent, inter, b, lb).unwrap();
+    gpu.moe_down(act, w2, grouping, y, n, k, experts, latent, inter).unwrap();
     let bits = |v: Vec<bf16>| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
-    (bits(gpu.download(&act, n * k * inter).unwrap()), bits(gpu.download(&y, n * k * latent).unwrap()))
+    (bits(gpu.download(&r.act, n * k * inter).unwrap()), bits(gpu.download(&r.y, n * k * latent).unwrap()))
 }
 
 /// `sum_i a[i] b[i]` in f64 and the sum of the magnitudes of its terms.
@@ -454,20 +491,12 @@ fn time_routing(
     used.sort_unstable();
     used.dedup();
     let active = used.len();
-    let idx_d = gpu.upload(&idx).unwrap();
-    let z = gpu.upload(&vec![bf16::from_f32(0.5); n * latent]).unwrap();
-    let group = gpu.zeros::<i32>(moe_group_len(experts)).unwrap();
-    let pairs = gpu.zeros::<i32>(n * k).unwrap();
-    let act = gpu.zeros::<bf16>(n * k * inter).unwrap();
-    let y = gpu.zeros::<bf16>(n * k * latent).unwrap();
-    let grouping = (gpu.ptr(&group), gpu.ptr(&pairs));
-    gpu.moe_group(gpu.ptr(&idx_d), n, k, experts, grouping.0, grouping.1).unwrap();
+    let r = Routed::new(gpu, &idx, &vec![bf16::from_f32(0.5); n * latent], n, k, experts, latent, inter);
+    let grouping = r.grouping(gpu);
     let (w1, w3, w2) = (w[0].ptrs, w[1].ptrs, w[2].ptrs);
-    let gate_up = || {
-        let (z, a) = (gpu.ptr(&z), gpu.ptr(&act));
-        gpu.moe_gate_up(z, w1, w3, grouping, a, n, k, experts, latent, inter, situ.0, situ.1).unwrap()
-    };
-    let down = || gpu.moe_down(gpu.ptr(&act), w2, grouping, gpu.ptr(&y), n, k, experts, latent, inter).unwrap();
+    let (z, act, y) = (gpu.ptr(&r.z), gpu.ptr(&r.act), gpu.ptr(&r.y));
+    let gate_up = || gpu.moe_gate_up(z, w1, w3, grouping, act, n, k, experts, latent, inter, situ.0, situ.1).unwrap();
+    let down = || gpu.moe_down(act, w2, grouping, y, n, k, experts, latent, inter).unwrap();
     let iters = 50;
     let time = |op: &dyn Fn()| {
         op();

@@ -142,7 +142,8 @@ impl Gpu {
         let full = inter % (128 * DOWN_KB) == 0;
         let mut b = self.launcher(&self.k.moe_down[usize::from(full)]);
         b.arg(&a).arg(&w2.0).arg(&w2.1).arg(&grouping.0).arg(&grouping.1).arg(&y).arg(&e).arg(&dl).arg(&di);
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_down"))
+        let name = if full { "moe_down_full" } else { "moe_down" };
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err(name))
     }
 
     /// The weighted combine of each token's `k` expert outputs `y` `[n k, latent]` in slot order, then the
