@@ -41,8 +41,9 @@
 #define KC 256          // K columns staged per chunk (kslice is a multiple of it)
 #define XS_STRIDE 288   // staged row stride in elements: rows g and g + 1 sit 16 banks apart
 
-// 16 bytes global -> shared, asynchronously; `bytes` = 0 writes zeros without reading.
-__device__ __forceinline__ void cp_async16(void *dst, const void *src, int bytes) {
+// 16 bytes global -> shared, asynchronously, without prelude.cuh's L2 prefetch hint; `bytes` = 0 writes zeros
+// without reading.
+__device__ __forceinline__ void cp_async16_cg(void *dst, const void *src, int bytes) {
     u32 s = (u32)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(src), "r"(bytes) : "memory");
 }
@@ -74,7 +75,7 @@ __device__ __forceinline__ void stage_x(__nv_bfloat16 *xs, const __nv_bfloat16 *
         bool live = r < mc && kc + c < kdim;
         const __nv_bfloat16 *src = x + (long)(m0 + r) * kdim + kc + c;
         if (xvec) {
-            cp_async16(dst, live ? src : x, live ? 16 : 0);
+            cp_async16_cg(dst, live ? src : x, live ? 16 : 0);
         } else {
             *reinterpret_cast<uint4 *>(dst) = live ? load8_scalar(src, kdim - kc - c) : make_uint4(0u, 0u, 0u, 0u);
         }

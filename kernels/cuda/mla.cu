@@ -240,6 +240,200 @@ extern "C" __global__ void mla_split(const i64 *table, const i64 *tok_row, const
     }
 }
 
+#define HEADS_TILE 16    // heads per block of mla_split_heads: one MMA m-tile
+#define KV_TILE 64       // cache positions per staged tile: 16 per warp in the scores
+#define HEADS_WARPS 4    // blockDim 128
+#define HEADS_MAX_NT 16  // value n-tiles (8 channels) per warp: r <= 8 HEADS_MAX_NT HEADS_WARPS (512)
+#define ROW_PAD 8        // bf16 past each staged row: rows sit 4 banks apart, so fragment loads are conflict-free
+
+// Two consecutive bf16 of shared memory (4-byte aligned) as one MMA fragment register.
+__device__ __forceinline__ u32 lds_pair(const __nv_bfloat16 *p) { return *(const u32 *)p; }
+// Two bf16 as one fragment register, `lo` in the low half.
+__device__ __forceinline__ u32 pack_pair(__nv_bfloat16 lo, __nv_bfloat16 hi) {
+    return (u32)__bfloat16_as_ushort(lo) | ((u32)__bfloat16_as_ushort(hi) << 16);
+}
+
+// mla_split for HEADS_TILE heads at once (FlashMLA's shape: every cache tile is read once for a group of heads,
+// not once per head). Scores and values run on the tensor cores: S [16 heads, KV_TILE] = Q [16, r + rope] K^T,
+// then O [16, r] += P_hi V + P_lo V, where P_hi = bf16(P) and P_lo = bf16(P - P_hi): P keeps 16 bits of mantissa
+// (bf16 P alone, as FlashMLA rounds it, moved k3-tiny's logits past validate's bound); the softmax statistics stay
+// fp32. Same partials as mla_split (part_o unnormalised, part_m, part_l; an empty split writes m = -inf, l = 0),
+// for the same splits, so mla_out merges either.
+// Warp w scores positions [16 w, 16 w + 16) of each tile and owns value channels [w r / 4, (w + 1) r / 4). A
+// score sums over the channels in MMA k-steps of 16 in ascending order; a value sums the tiles in ascending order
+// and, within a tile, the positions in k-steps of 16: a fixed order that no other token or head changes.
+// grid = (max splits, ceil(H / 16), n); blockDim 128; dynamic shared memory heads_shared_bytes(r + rope) (attn.rs):
+// Q [16, ld + ROW_PAD], the tile [KV_TILE, ld + ROW_PAD], P_hi and P_lo [16, KV_TILE + ROW_PAD], bf16.
+// Needs (r + rope) % 16 == 0, r % 32 == 0, r <= 512 and nope % 8 == 0 (checked on the host).
+extern "C" __global__ void __launch_bounds__(32 * HEADS_WARPS)
+    mla_split_heads(const i64 *table, const i64 *tok_row, const __nv_bfloat16 *q, const float *q_lat, float *part_o,
+                    float *part_m, float *part_l, int H, int nope, int rope, int r, float scale) {
+    kernel_entry();
+    extern __shared__ __align__(16) __nv_bfloat16 staged[];
+    __shared__ float red_m[HEADS_WARPS][HEADS_TILE], red_l[HEADS_WARPS][HEADS_TILE];
+    int ld_ = r + rope, stride = ld_ + ROW_PAD, pstride = KV_TILE + ROW_PAD, qh = nope + rope;
+    __nv_bfloat16 *qs = staged;                      // [HEADS_TILE, stride]
+    __nv_bfloat16 *kv = qs + HEADS_TILE * stride;    // [KV_TILE, stride]
+    __nv_bfloat16 *ps = kv + KV_TILE * stride;       // P_hi [HEADS_TILE, pstride]
+    __nv_bfloat16 *ps_lo = ps + HEADS_TILE * pstride;  // P_lo [HEADS_TILE, pstride]
+    int s = blockIdx.x, h0 = blockIdx.y * HEADS_TILE, splits = gridDim.x;
+    i64 tok = blockIdx.z;
+    const i64 *e = table + tok_row[tok] * MLA_ENTRY;
+    const __nv_bfloat16 *cache = (const __nv_bfloat16 *)e[M_CACHE];
+    int visible = (int)(e[M_FIRST] + (tok - e[M_OFFSET]) + 1);
+    int span = (int)e[M_SPAN];
+    int lo = s * span, hi = min(visible, lo + span);
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int heads = min(HEADS_TILE, H - h0);
+    // Q rows, 8 channels per 16-byte store: q_lat (fp32 holding bf16 values, so exact) then q_rot (r, nope and rope
+    // are multiples of 8, so no chunk straddles them and every load is aligned); rows past the last head are zero.
+    int qchunks = ld_ / 8;
+    for (int i = threadIdx.x; i < HEADS_TILE * qchunks; i += blockDim.x) {
+        int hh = i / qchunks, c = (i % qchunks) * 8;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (hh < heads && c < r) {
+            const float4 *src = (const float4 *)(q_lat + (tok * H + h0 + hh) * r + c);
+            float4 x = src[0], y = src[1];
+            __nv_bfloat162 b[4] = {__floats2bfloat162_rn(x.x, x.y), __floats2bfloat162_rn(x.z, x.w),
+                                   __floats2bfloat162_rn(y.x, y.y), __floats2bfloat162_rn(y.z, y.w)};
+            v = *(const uint4 *)b;
+        } else if (hh < heads) {
+            v = *(const uint4 *)(q + (tok * H + h0 + hh) * qh + nope + c - r);
+        }
+        *(uint4 *)(qs + hh * stride + c) = v;
+    }
+    int nts = r / (8 * HEADS_WARPS), c0 = warp * nts * 8;  // this warp's value n-tiles and first channel
+    float m_run[2] = {-INF_F, -INF_F}, l_run[2] = {0.0f, 0.0f};  // rows g and g + 8
+    float acc[HEADS_MAX_NT][4];
+#pragma unroll
+    for (int nt = 0; nt < HEADS_MAX_NT; nt++)
+#pragma unroll
+        for (int x = 0; x < 4; x++) acc[nt][x] = 0.0f;
+    int chunks = ld_ / 8;
+    for (int base = lo; base < hi; base += KV_TILE) {
+        int len = min(KV_TILE, hi - base);
+        __syncthreads();  // the tile before is consumed (and, the first time, Q is staged)
+        for (int i = threadIdx.x; i < KV_TILE * chunks; i += blockDim.x) {
+            int p = i / chunks, ch = i % chunks;
+            cp_async16(kv + p * stride + ch * 8, cache + (i64)(base + min(p, len - 1)) * ld_ + ch * 8, p < len);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+        // Scores of this warp's 16 positions (two n-tiles): c[0], c[1] row g, c[2], c[3] row g + 8, positions
+        // 16 warp + 8 nt + 2t (+1).
+        float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+        for (int k0 = 0; k0 < ld_; k0 += 16) {
+            const __nv_bfloat16 *qa = qs + g * stride + k0 + 2 * t;
+            u32 a0 = lds_pair(qa), a1 = lds_pair(qa + 8 * stride), a2 = lds_pair(qa + 8),
+                a3 = lds_pair(qa + 8 * stride + 8);
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++) {
+                const __nv_bfloat16 *kb = kv + (warp * 16 + nt * 8 + g) * stride + k0 + 2 * t;
+                mma_bf16(sc[nt], a0, a1, a2, a3, lds_pair(kb), lds_pair(kb + 8));
+            }
+        }
+        // Online softmax per head row: the maximum and the sum over the tile by lanes t, then by warps in order.
+        float tmax[2] = {-INF_F, -INF_F};
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+            for (int x = 0; x < 4; x++) {
+                int p = warp * 16 + nt * 8 + 2 * t + (x & 1);
+                sc[nt][x] = p < len ? scale * sc[nt][x] : -INF_F;
+                tmax[x >> 1] = fmaxf(tmax[x >> 1], sc[nt][x]);
+            }
+#pragma unroll
+        for (int rr = 0; rr < 2; rr++) {
+            tmax[rr] = fmaxf(tmax[rr], __shfl_xor_sync(0xffffffffu, tmax[rr], 1));
+            tmax[rr] = fmaxf(tmax[rr], __shfl_xor_sync(0xffffffffu, tmax[rr], 2));
+            if (t == 0) red_m[warp][g + 8 * rr] = tmax[rr];
+        }
+        __syncthreads();
+        float m_new[2], factor[2], tsum[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int rr = 0; rr < 2; rr++) {
+            float mx = red_m[0][g + 8 * rr];
+#pragma unroll
+            for (int w = 1; w < HEADS_WARPS; w++) mx = fmaxf(mx, red_m[w][g + 8 * rr]);
+            m_new[rr] = fmaxf(m_run[rr], mx);
+            factor[rr] = expf(m_run[rr] - m_new[rr]);
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++) {
+#pragma unroll
+            for (int x = 0; x < 4; x++) {
+                sc[nt][x] = expf(sc[nt][x] - m_new[x >> 1]);
+                tsum[x >> 1] += sc[nt][x];
+            }
+            int p = warp * 16 + nt * 8 + 2 * t;
+            __nv_bfloat16 hi_[4], lo_[4];
+#pragma unroll
+            for (int x = 0; x < 4; x++) {
+                hi_[x] = __float2bfloat16_rn(sc[nt][x]);
+                lo_[x] = __float2bfloat16_rn(sc[nt][x] - __bfloat162float(hi_[x]));
+            }
+            *(u32 *)(ps + g * pstride + p) = pack_pair(hi_[0], hi_[1]);
+            *(u32 *)(ps + (g + 8) * pstride + p) = pack_pair(hi_[2], hi_[3]);
+            *(u32 *)(ps_lo + g * pstride + p) = pack_pair(lo_[0], lo_[1]);
+            *(u32 *)(ps_lo + (g + 8) * pstride + p) = pack_pair(lo_[2], lo_[3]);
+        }
+#pragma unroll
+        for (int rr = 0; rr < 2; rr++) {
+            tsum[rr] += __shfl_xor_sync(0xffffffffu, tsum[rr], 1);
+            tsum[rr] += __shfl_xor_sync(0xffffffffu, tsum[rr], 2);
+            if (t == 0) red_l[warp][g + 8 * rr] = tsum[rr];
+        }
+        __syncthreads();
+#pragma unroll
+        for (int rr = 0; rr < 2; rr++) {
+            float total = 0.0f;
+#pragma unroll
+            for (int w = 0; w < HEADS_WARPS; w++) total += red_l[w][g + 8 * rr];
+            l_run[rr] = l_run[rr] * factor[rr] + total;
+            m_run[rr] = m_new[rr];
+        }
+        // O [16, this warp's channels] = factor O + P V; the tile's rows past len are zero (and so is P there).
+#pragma unroll
+        for (int nt = 0; nt < HEADS_MAX_NT; nt++)
+#pragma unroll
+            for (int x = 0; x < 4; x++) acc[nt][x] *= factor[x >> 1];
+        for (int k0 = 0; k0 < KV_TILE; k0 += 16) {
+            const __nv_bfloat16 *pa = ps + g * pstride + k0 + 2 * t, *pl = pa + HEADS_TILE * pstride;
+            u32 a0 = lds_pair(pa), a1 = lds_pair(pa + 8 * pstride), a2 = lds_pair(pa + 8),
+                a3 = lds_pair(pa + 8 * pstride + 8);
+            u32 l0 = lds_pair(pl), l1 = lds_pair(pl + 8 * pstride), l2 = lds_pair(pl + 8),
+                l3 = lds_pair(pl + 8 * pstride + 8);
+            const __nv_bfloat16 *vb = kv + (k0 + 2 * t) * stride + c0 + g;
+#pragma unroll
+            for (int nt = 0; nt < HEADS_MAX_NT; nt++) {
+                if (nt >= nts) break;
+                const __nv_bfloat16 *v = vb + nt * 8;
+                u32 b0 = pack_pair(v[0], v[stride]), b1 = pack_pair(v[8 * stride], v[9 * stride]);
+                mma_bf16(acc[nt], a0, a1, a2, a3, b0, b1);
+                mma_bf16(acc[nt], l0, l1, l2, l3, b0, b1);
+            }
+        }
+    }
+    // c[0], c[1]: head g, channels c0 + 8 nt + 2t (+1); c[2], c[3]: head g + 8.
+#pragma unroll
+    for (int rr = 0; rr < 2; rr++) {
+        int hh = g + 8 * rr;
+        if (hh >= heads) continue;
+        i64 part = (tok * H + h0 + hh) * splits + s;
+#pragma unroll
+        for (int nt = 0; nt < HEADS_MAX_NT; nt++) {
+            if (nt >= nts) break;
+            float2 pair = make_float2(acc[nt][2 * rr], acc[nt][2 * rr + 1]);
+            *(float2 *)(part_o + part * r + c0 + nt * 8 + 2 * t) = pair;
+        }
+        if (warp == 0 && t == 0) {
+            part_m[part] = m_run[rr];
+            part_l[part] = l_run[rr];
+        }
+    }
+}
+
 #define OUT_ROWS 4      // rows of W_UV per warp
 #define OUT_WARPS 4     // blockDim 128
 #define OUT_CHUNKS 2    // 16-byte column chunks per lane and row: r <= 32 * 8 * OUT_CHUNKS (512)

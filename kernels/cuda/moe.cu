@@ -605,12 +605,6 @@ struct RingStep {
 // Shared memory per warp (moe_ops.rs derives the same from GATE_UP_KB, TILE_SCALE_BYTES and EXPERT_STAGES).
 #define RING_WARP_BYTES (EXPERT_STAGES * RingStep<2, GATE_UP_KB>::BYTES)
 
-// 16 bytes through L2 only (a miss fetches 256 bytes); with `ok` false the destination is zero-filled.
-__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool ok) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"((u32)__cvta_generic_to_shared(dst)),
-                 "l"(src), "r"(ok ? 16 : 0)
-                 : "memory");
-}
 // mma_rows_pass through the warp's ring (`ring`: RING_WARP_BYTES of shared memory); the same arguments otherwise,
 // and the same MMAs in the same order.
 template <int NM, int NT, int KB>

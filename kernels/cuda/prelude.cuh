@@ -109,8 +109,13 @@ __device__ float block_max(float v) {
     return t;
 }
 
-// Asynchronous copies from global to shared memory (Ampere and later), waited for by commit group: 4 bytes through
-// L1; with `ok` false the destination is zero-filled.
+// Asynchronous copies from global to shared memory (Ampere and later), waited for by commit group: 16 bytes through
+// L2 only (a miss fetches 256 bytes) or 4 bytes through L1; with `ok` false the destination is zero-filled.
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool ok) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"((u32)__cvta_generic_to_shared(dst)),
+                 "l"(src), "r"(ok ? 16 : 0)
+                 : "memory");
+}
 __device__ __forceinline__ void cp_async4(void *dst, const void *src, bool ok) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src),
                  "r"(ok ? 4 : 0)

@@ -54,6 +54,31 @@ const ABSORB_SLICES: usize = 16;
 const ABSORB_COLS: usize = 64;
 const OUT_CHANNELS: usize = 16;
 const BLOCK_TOKENS: usize = 64;
+/// Heads per block of `mla_split_heads` (`HEADS_TILE`), cache positions per staged tile (`KV_TILE`), and bf16
+/// past each staged row (`ROW_PAD`), as in `mla.cu`.
+const HEADS_TILE: usize = 16;
+const HEADS_KV_TILE: usize = 64;
+const HEADS_ROW_PAD: usize = 8;
+/// The dynamic shared memory `mla_split_heads` is allowed (K3's 576-wide entries take 98,048 bytes).
+const HEADS_MAX_SHARED: usize = 96 * 1024;
+
+/// The dynamic shared memory of `mla_split_heads` for cache entries of `ld` bf16: Q `[16, ld + pad]`, the staged
+/// tile `[64, ld + pad]`, and P_hi and P_lo `[16, 64 + pad]`, bf16.
+fn heads_shared_bytes(ld: usize) -> usize {
+    ((HEADS_TILE + HEADS_KV_TILE) * (ld + HEADS_ROW_PAD) + 2 * HEADS_TILE * (HEADS_KV_TILE + HEADS_ROW_PAD)) * 2
+}
+
+/// Whether `mla_split_heads` takes an MLA of latent rank `r`, rope width `rope` and nope width `nope`: MMA
+/// k-steps of 16 over the entry, value channels in n-tiles of 8 for each of its 4 warps (r <= 512, as every MLA
+/// kernel here), the query staged in aligned chunks of 8, and its staging within [`HEADS_MAX_SHARED`]. Otherwise
+/// `mla_split` runs (one block per head).
+fn heads_kernel_fits(r: usize, rope: usize, nope: usize) -> bool {
+    (r + rope) % 16 == 0
+        && r % 32 == 0
+        && r <= MLA_MAX_RANK
+        && nope % 8 == 0
+        && heads_shared_bytes(r + rope) <= HEADS_MAX_SHARED
+}
 
 /// The default window length from which KDA runs its chunked form: never. Measured on an H200
 /// (2026-11-30, one row, 96 heads of 128) the CUDA-core chunked kernel is no faster than the recurrent
@@ -72,6 +97,8 @@ pub(crate) struct AttnKernels {
     mla_norm_append: CudaFunction,
     mla_absorb: CudaFunction,
     mla_split: CudaFunction,
+    /// `mla_split` for 16 heads per block on the tensor cores, where [`heads_kernel_fits`].
+    mla_split_heads: CudaFunction,
     mla_out: CudaFunction,
 }
 
@@ -86,12 +113,20 @@ impl AttnKernels {
         let by_dim = |prefix: &str| -> Result<[CudaFunction; 2]> {
             Ok([f(kda, &format!("{prefix}_32"))?, f(kda, &format!("{prefix}_128"))?])
         };
+        let mla_split_heads = f(mla, "mla_split_heads")?;
+        mla_split_heads
+            .set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                HEADS_MAX_SHARED as i32,
+            )
+            .map_err(|e| device_err("allowing mla_split_heads its shared memory", e))?;
         Ok(AttnKernels {
             kda_step: by_dim("kda_step")?,
             kda_chunk: by_dim("kda_chunk")?,
             mla_norm_append: f(mla, "mla_norm_append")?,
             mla_absorb: f(mla, "mla_absorb")?,
             mla_split: f(mla, "mla_split")?,
+            mla_split_heads,
             mla_out: f(mla, "mla_out")?,
         })
     }
@@ -447,20 +482,32 @@ impl Gpu {
 
         let table = tables.mla + (layer * tables.rows * MLA_ENTRY * 8) as u64;
         let scale = 1.0f32 / (m.q_head_dim() as f32).sqrt();
-        let cfg = LaunchConfig {
-            grid_dim: (splits as u32, h as u32, n as u32),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: ((r + rope) * 4) as u32,
+        // Heads in groups of 16 per cache tile where the shapes allow (the cache is read once per group, not
+        // once per head), else one block per head.
+        let (split, name, cfg) = if heads_kernel_fits(r, rope, nope) {
+            let cfg = LaunchConfig {
+                grid_dim: (splits as u32, h.div_ceil(HEADS_TILE) as u32, n as u32),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: heads_shared_bytes(r + rope) as u32,
+            };
+            (&self.attn.mla_split_heads, "mla_split_heads", cfg)
+        } else {
+            let cfg = LaunchConfig {
+                grid_dim: (splits as u32, h as u32, n as u32),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: ((r + rope) * 4) as u32,
+            };
+            (&self.attn.mla_split, "mla_split", cfg)
         };
         let a = ints(&[h, nope, rope, r]);
-        let mut b = self.launcher(&self.attn.mla_split);
+        let mut b = self.launcher(split);
         b.arg(&table).arg(&tables.tok_row).arg(&q).arg(&q_lat).arg(&part_o).arg(&part_m).arg(&part_l);
         for x in &a {
             b.arg(x);
         }
         b.arg(&scale);
         // SAFETY: the caches hold every visible entry (appended before); partials hold [n, H, splits(, r)].
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("mla_split"))?;
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err(name))?;
 
         let cfg = LaunchConfig {
             grid_dim: (h as u32, vdim.div_ceil(OUT_CHANNELS) as u32, token_blocks),
@@ -482,6 +529,33 @@ impl Gpu {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cuda::compile::source_define;
+
+    #[test]
+    fn the_head_group_kernel_constants_match_mla_cu() {
+        // Shared memory sized from other constants than the kernel's would let its staging overrun.
+        assert_eq!(HEADS_TILE as u32, source_define("mla.cu", "HEADS_TILE"));
+        assert_eq!(HEADS_KV_TILE as u32, source_define("mla.cu", "KV_TILE"));
+        assert_eq!(HEADS_ROW_PAD as u32, source_define("mla.cu", "ROW_PAD"));
+        assert_eq!(
+            MLA_MAX_RANK as u32,
+            8 * source_define("mla.cu", "HEADS_MAX_NT") * source_define("mla.cu", "HEADS_WARPS")
+        );
+    }
+
+    #[test]
+    fn head_groups_take_k3_and_k3_tiny_and_leave_odd_shapes_to_one_head_per_block() {
+        // K3: 512 + 64 wide entries, 98,048 bytes of staging (two blocks per SM on an H200).
+        assert_eq!(heads_shared_bytes(576), 98_048);
+        assert!(heads_kernel_fits(512, 64, 128));
+        assert!(heads_kernel_fits(32, 16, 32));
+        // Entries not a whole number of MMA k-steps, ranks not split into 8-channel tiles over 4 warps, ranks past
+        // every MLA kernel's limit and query rows not in aligned chunks of 8 go to mla_split.
+        assert!(!heads_kernel_fits(512, 40, 128));
+        assert!(!heads_kernel_fits(48, 16, 128));
+        assert!(!heads_kernel_fits(1024, 64, 128));
+        assert!(!heads_kernel_fits(512, 64, 100));
+    }
 
     #[test]
     fn decode_rows_split_long_caches_and_windows_do_not() {

@@ -276,15 +276,10 @@ fn check_expert_width(what: &str, inputs: usize) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::compile::SOURCES;
 
     /// The value of `#define name value` in `kernels/cuda/moe.cu`.
     fn defined(name: &str) -> u32 {
-        let moe = SOURCES.iter().find(|s| s.name == "moe.cu").expect("moe.cu is embedded");
-        let prefix = format!("#define {name} ");
-        let line = moe.code.lines().find(|l| l.starts_with(&prefix)).unwrap_or_else(|| panic!("no #define {name}"));
-        let value = line[prefix.len()..].split_whitespace().next().unwrap_or_default();
-        value.parse().unwrap_or_else(|_| panic!("#define {name} is not a number: {line}"))
+        crate::cuda::compile::source_define("moe.cu", name)
     }
 
     #[test]
