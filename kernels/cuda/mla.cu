@@ -59,9 +59,8 @@ extern "C" __global__ void mla_norm_append(const i64 *table, const __nv_bfloat16
     for (int c = r + threadIdx.x; c < width; c += blockDim.x) dst[c] = xk[c];
 }
 
-// Eight bf16 at a 16-byte aligned address, widened to fp32.
-__device__ __forceinline__ void load8(const __nv_bfloat16 *p, float *out) {
-    uint4 raw = __ldg((const uint4 *)p);
+// Eight bf16 (one 16-byte load), widened to fp32; load8 loads them from a 16-byte aligned address.
+__device__ __forceinline__ void unpack8(uint4 raw, float *out) {
     const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&raw;
 #pragma unroll
     for (int k = 0; k < 4; k++) {
@@ -70,6 +69,7 @@ __device__ __forceinline__ void load8(const __nv_bfloat16 *p, float *out) {
         out[2 * k + 1] = f.y;
     }
 }
+__device__ __forceinline__ void load8(const __nv_bfloat16 *p, float *out) { unpack8(__ldg((const uint4 *)p), out); }
 
 #define ABSORB_COLS 64     // columns of q_lat per block: 8 groups of 8 (one 16-byte load per weight row)
 #define ABSORB_SLICES 16   // row slices per block: thread (slice s, group g) reads rows s, s + 16, ...
@@ -80,15 +80,15 @@ __device__ __forceinline__ void load8(const __nv_bfloat16 *p, float *out) {
 
 // q_lat[tok, h, c] = bf(W_UK_h^T q_nope[tok, h])[c], W_UK_h = kv_b rows [h * per_head, h * per_head + nope).
 // Bandwidth-shaped (issue #7): block (h, column tile) reads its [nope, ABSORB_COLS] weight tile ONCE, as 16-byte
-// loads all in flight (ABSORB_ROWS per thread), and applies it to every token of the step. A thread's partial
-// sums its rows in ascending order; slices are then added by a fixed butterfly within the warp (xor 8, 16) and
-// the warps in ascending order: the same order for every token, whatever the batch.
+// loads all in flight (ABSORB_ROWS per thread) before it waits for the kernel before, and applies it to every
+// token of the step. A thread's partial sums its rows in ascending order; slices are then added by a fixed
+// butterfly within the warp (xor 8, 16) and the warps in ascending order: the same order for every token,
+// whatever the batch.
 // grid = (H, ceil(r / ABSORB_COLS), ceil(n / BLOCK_TOKENS)); blockDim 128. Needs r % 8 == 0, nope % ABSORB_SLICES == 0,
 // nope <= ABSORB_SLICES * ABSORB_ROWS (checked on the host).
 // q: [n, H * (nope + rope)]; kv_b: [H * (nope + v), r]; q_lat: [n, H, r] fp32 (bf16 values).
 extern "C" __global__ void mla_absorb(const __nv_bfloat16 *q, const __nv_bfloat16 *kv_b, float *q_lat, int n, int H,
                                       int nope, int rope, int vdim, int r) {
-    kernel_entry();
     __shared__ float qn[ABSORB_TOKENS][ABSORB_SLICES * ABSORB_ROWS];     // [tokens, nope]
     __shared__ float part[ABSORB_TOKENS][ABSORB_WARPS][ABSORB_COLS];     // per-warp sums
     int h = blockIdx.x, col0 = blockIdx.y * ABSORB_COLS;
@@ -107,6 +107,8 @@ extern "C" __global__ void mla_absorb(const __nv_bfloat16 *q, const __nv_bfloat1
             for (int j = 0; j < 8; j++) w[k][j] = 0.0f;
         }
     }
+    grid_dependency_wait();  // the weights are no kernel's output: their loads overlap the kernel before
+    launch_dependents();
     int tok_end = min(n, (int)(blockIdx.z + 1) * BLOCK_TOKENS);
     for (int tok0 = blockIdx.z * BLOCK_TOKENS; tok0 < tok_end; tok0 += ABSORB_TOKENS) {
         int tokens = min(ABSORB_TOKENS, tok_end - tok0);
@@ -434,71 +436,89 @@ extern "C" __global__ void __launch_bounds__(32 * HEADS_WARPS)
     }
 }
 
-#define OUT_ROWS 4      // rows of W_UV per warp
+#define OUT_ROWS 8      // rows of W_UV per warp
 #define OUT_WARPS 4     // blockDim 128
 #define OUT_CHUNKS 2    // 16-byte column chunks per lane and row: r <= 32 * 8 * OUT_CHUNKS (512)
 #define OUT_TOKENS 16   // tokens per pass over the block's weight tile
 #define OUT_MAX_RANK 512
+#define OUT_MAX_SPLITS 64  // MLA_MAX_SPLITS in attn.rs
+#define OUT_MIN_BLOCKS 3   // blocks per SM: K3's decode step (96 heads x 4 row tiles) in one wave of 132 SMs
 
 // The merge of each token's splits and the output, for OUT_ROWS * OUT_WARPS value channels of one head:
 // o_lat = bf(sum_s e^{m_s - M} o_s / sum_s e^{m_s - M} l_s) (splits in ascending order, as before), then
 // o = bf(W_UV_h o_lat), W_UV_h = kv_b rows [h * per_head + nope, (h + 1) * per_head), and with a gate
 // (non-null) out = bf(o * bf(sigmoid(g))) (HF computes the sigmoid in bf16), else out = o.
 // Bandwidth-shaped (issue #7): block (h, row tile) reads its [OUT_ROWS * OUT_WARPS, r] weight tile ONCE, as
-// 16-byte loads all in flight (OUT_ROWS * OUT_CHUNKS per lane), and applies it to every token of the step; a
-// lane sums its columns in ascending order, then the warp adds lanes by a fixed butterfly (xor 16 .. 1).
-// grid = (H, ceil(v / (OUT_ROWS * OUT_WARPS)), ceil(n / BLOCK_TOKENS)); blockDim 128. Needs r % 8 == 0, r <= OUT_MAX_RANK.
+// 16-byte loads all in flight (OUT_ROWS * OUT_CHUNKS per lane, kept as bf16 in registers), before it waits for
+// the kernel before (the weights are no kernel's output), and applies it to every token of the step; a lane
+// sums its columns in ascending order, then the warp adds lanes by a fixed butterfly (xor 16 .. 1). With the
+// weights and o_lat kept in bf16, OUT_MIN_BLOCKS blocks fit an SM, so a decode step is one wave.
+// Latency: the merge reads every split's m and l at once into shared memory, turns them into factors
+// e^{m_s - M} (0 for an empty split), and then sums part_o over the splits with loads that depend on nothing
+// but the factors, so several are in flight; empty splits are skipped, as exact zeros they would add nothing.
+// grid = (H, ceil(v / (OUT_ROWS * OUT_WARPS)), ceil(n / BLOCK_TOKENS)); blockDim 128. Needs r % 8 == 0,
+// r <= OUT_MAX_RANK and splits <= OUT_MAX_SPLITS.
 // part_o: [n, H, splits, r]; part_m / part_l: [n, H, splits]; g, out: [n, H * v] bf16.
-extern "C" __global__ void mla_out(const float *part_o, const float *part_m, const float *part_l,
-                                   const __nv_bfloat16 *kv_b, const __nv_bfloat16 *g, __nv_bfloat16 *out, int n,
-                                   int splits, int H, int nope, int vdim, int r) {
-    kernel_entry();
-    __shared__ float4 o_lat4[OUT_TOKENS * OUT_MAX_RANK / 4];  // [OUT_TOKENS, r] (16-byte aligned)
-    __shared__ float merge_m[OUT_TOKENS], merge_l[OUT_TOKENS];  // each token's maximum and sum over its splits
-    float *o_lat = (float *)o_lat4;
+extern "C" __global__ void __launch_bounds__(32 * OUT_WARPS, OUT_MIN_BLOCKS)
+    mla_out(const float *part_o, const float *part_m, const float *part_l, const __nv_bfloat16 *kv_b,
+            const __nv_bfloat16 *g, __nv_bfloat16 *out, int n, int splits, int H, int nope, int vdim, int r) {
+    __shared__ uint4 o_lat8[OUT_TOKENS * OUT_MAX_RANK / 8];   // [OUT_TOKENS, r] bf16 (its values are bf16)
+    __shared__ float split_f[OUT_TOKENS][OUT_MAX_SPLITS];     // m_s, then the factor e^{m_s - M} (0: empty)
+    __shared__ float split_l[OUT_TOKENS][OUT_MAX_SPLITS];     // l_s
+    __shared__ float merge_l[OUT_TOKENS];                      // each token's sum over its splits
     int h = blockIdx.x, per_head = nope + vdim;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int j0 = blockIdx.y * (OUT_ROWS * OUT_WARPS) + warp * OUT_ROWS;
-    float w[OUT_ROWS][OUT_CHUNKS][8];
+    uint4 w[OUT_ROWS][OUT_CHUNKS];  // 8 bf16 each
 #pragma unroll
     for (int q = 0; q < OUT_ROWS; q++) {
 #pragma unroll
         for (int m = 0; m < OUT_CHUNKS; m++) {
             int c0 = (lane + 32 * m) * 8;
-            if (j0 + q < vdim && c0 < r) {
-                load8(kv_b + (i64)(h * per_head + nope + j0 + q) * r + c0, w[q][m]);
-            } else {
-#pragma unroll
-                for (int e = 0; e < 8; e++) w[q][m][e] = 0.0f;
-            }
+            w[q][m] = j0 + q < vdim && c0 < r
+                          ? __ldg((const uint4 *)(kv_b + (i64)(h * per_head + nope + j0 + q) * r + c0))
+                          : make_uint4(0u, 0u, 0u, 0u);
         }
     }
+    grid_dependency_wait();
+    launch_dependents();
     int tok_end = min(n, (int)(blockIdx.z + 1) * BLOCK_TOKENS);
     for (int tok0 = blockIdx.z * BLOCK_TOKENS; tok0 < tok_end; tok0 += OUT_TOKENS) {
         int tokens = min(OUT_TOKENS, tok_end - tok0);
-        // The merges, in two phases, so that no thread walks one token's chain of dependent loads after
-        // another's: thread tk takes the maximum and the sum of token tk's splits, then every thread merges 8
-        // channels of a token at a time (16-byte loads, issued together), over the splits in ascending order.
+        // The merges, in three phases, so that no thread walks a chain of dependent loads: every thread loads
+        // some (token, split) m and l; thread tk takes token tk's maximum, factors and sum (splits in ascending
+        // order); then every thread merges 8 channels of a token at a time (16-byte loads, issued together),
+        // over the splits in ascending order.
+        for (int i = threadIdx.x; i < tokens * splits; i += blockDim.x) {
+            int tk = i / splits, s = i - tk * splits;
+            i64 part = ((i64)(tok0 + tk) * H + h) * splits + s;
+            split_f[tk][s] = part_m[part];
+            split_l[tk][s] = part_l[part];
+        }
+        __syncthreads();
         if (threadIdx.x < tokens) {
-            i64 base = ((i64)(tok0 + threadIdx.x) * H + h) * splits;
+            int tk = threadIdx.x;
             float M = -INF_F;
-            for (int s = 0; s < splits; s++) M = fmaxf(M, part_m[base + s]);
+            for (int s = 0; s < splits; s++) M = fmaxf(M, split_f[tk][s]);
             float L = 0.0f;
-            for (int s = 0; s < splits; s++)
-                if (part_l[base + s] > 0.0f) L += expf(part_m[base + s] - M) * part_l[base + s];
-            merge_m[threadIdx.x] = M;
-            merge_l[threadIdx.x] = L;
+            for (int s = 0; s < splits; s++) {
+                float f = split_l[tk][s] > 0.0f ? expf(split_f[tk][s] - M) : 0.0f;
+                split_f[tk][s] = f;
+                L += f * split_l[tk][s];
+            }
+            merge_l[tk] = L;
         }
         __syncthreads();
         for (int x0 = threadIdx.x * 8; x0 < tokens * r; x0 += blockDim.x * 8) {
             int tk = x0 / r, c0 = x0 - tk * r;  // r % 8 == 0: the 8 channels belong to one token
             i64 base = ((i64)(tok0 + tk) * H + h) * splits;
-            float M = merge_m[tk], acc[8];
+            float acc[8];
 #pragma unroll
             for (int u = 0; u < 8; u++) acc[u] = 0.0f;
+#pragma unroll 4
             for (int s = 0; s < splits; s++) {
-                if (part_l[base + s] > 0.0f) {
-                    float f = expf(part_m[base + s] - M);
+                float f = split_f[tk][s];
+                if (f != 0.0f) {
                     const float4 *o = (const float4 *)(part_o + (base + s) * r + c0);
                     float4 lo = o[0], hi = o[1];
                     float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
@@ -507,8 +527,10 @@ extern "C" __global__ void mla_out(const float *part_o, const float *part_m, con
                 }
             }
             float L = merge_l[tk];
+            __nv_bfloat162 packed[4];
 #pragma unroll
-            for (int u = 0; u < 8; u++) o_lat[tk * r + c0 + u] = bf_round(acc[u] / L);
+            for (int u = 0; u < 4; u++) packed[u] = __floats2bfloat162_rn(acc[2 * u] / L, acc[2 * u + 1] / L);
+            o_lat8[(tk * r + c0) / 8] = *(const uint4 *)packed;
         }
         __syncthreads();
         for (int tk = 0; tk < tokens; tk++) {
@@ -519,13 +541,13 @@ extern "C" __global__ void mla_out(const float *part_o, const float *part_m, con
             for (int m = 0; m < OUT_CHUNKS; m++) {
                 int c0 = (lane + 32 * m) * 8;
                 if (c0 < r) {
-                    float4 lo = *(const float4 *)(o_lat + tk * r + c0);
-                    float4 hi = *(const float4 *)(o_lat + tk * r + c0 + 4);
-                    float x[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+                    float x[8], wf[8];
+                    unpack8(o_lat8[(tk * r + c0) / 8], x);
 #pragma unroll
                     for (int q = 0; q < OUT_ROWS; q++) {
+                        unpack8(w[q][m], wf);
 #pragma unroll
-                        for (int e = 0; e < 8; e++) acc[q] += w[q][m][e] * x[e];
+                        for (int e = 0; e < 8; e++) acc[q] += wf[e] * x[e];
                     }
                 }
             }

@@ -40,6 +40,7 @@ const MLA_TILE: usize = 64;
 /// The smallest split span of a decode / verify row, and the most splits one token gets.
 const MLA_MIN_SPAN: usize = 256;
 const MLA_MAX_SPLITS: usize = 64;
+const _: () = assert!(MLA_MAX_SPLITS <= 64, "mla_out stages each token's split statistics for at most OUT_MAX_SPLITS (64) splits");
 /// Rows of at most this many tokens are split over their cache (decode and verify windows); longer
 /// windows have enough tokens to fill the GPU with one split each.
 const MLA_SPLIT_MAX_WINDOW: usize = 16;
@@ -52,7 +53,7 @@ const ABSORB_SLICES: usize = 16;
 /// Columns of q_lat per block of `mla_absorb` (`ABSORB_COLS`), value channels per block of `mla_out`
 /// (`OUT_ROWS * OUT_WARPS`), and tokens per block of both (`BLOCK_TOKENS`).
 const ABSORB_COLS: usize = 64;
-const OUT_CHANNELS: usize = 16;
+const OUT_CHANNELS: usize = 32;
 const BLOCK_TOKENS: usize = 64;
 /// Heads per block of `mla_split_heads` (`HEADS_TILE`), cache positions per staged tile (`KV_TILE`), and bf16
 /// past each staged row (`ROW_PAD`), as in `mla.cu`.
