@@ -1,8 +1,8 @@
 # The fragment-level emulation of mla_split_heads (kernels/cuda/mla.cu), run here without a GPU: every lane's
-# MMA fragments as the kernel addresses them, against a float64 split of the same cache. python3 this_file.py
-# Emulates mla_split_heads (kernels/cuda/mla.cu) lane by lane with the PTX fragment layouts of
-# mma.m16n8k16.row.col (A: a0 (g, 2t..), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..); B: b0 (k 2t.., n g),
-# b1 (k 2t+8.., n g); C: c0,c1 (g, 2t, 2t+1), c2,c3 (g+8, 2t, 2t+1)), against a float64 reference of the split.
+# ldmatrix rows and MMA fragments as the kernel addresses them (PTX layouts of ldmatrix.m8n8.x4(.trans) and
+# mma.m16n8k16.row.col: A a0 (g, 2t..), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..); B b0 (k 2t.., n g),
+# b1 (k 2t+8.., n g); C c0,c1 (g, 2t, 2t+1), c2,c3 (g+8, 2t, 2t+1)), against a float64 split of the same cache.
+# python3 this_file.py
 import numpy as np
 rng = np.random.default_rng(0)
 
@@ -20,20 +20,38 @@ def mma(c, A, B):  # c: [32][4]; A: 16x16, B: 16x8 assembled from fragments
         g, t = lane >> 2, lane & 3
         c[lane][0] += D[g, 2*t]; c[lane][1] += D[g, 2*t+1]; c[lane][2] += D[g+8, 2*t]; c[lane][3] += D[g+8, 2*t+1]
 
-def frag_a(read):  # read(row, col) -> value; emulates a0..a3 loads of every lane, returns the 16x16 A they form
+def ldmatrix_x4(smem, row_of, trans=False):
+    # ldmatrix.m8n8.x4(.trans): lane 8i + j gives (row, col) = row_of(lane), the start of row j of matrix i (8
+    # bf16); returns regs[lane][i] = the pair lane receives of matrix i: (M_i[l/4][2(l%4)], M_i[l/4][2(l%4)+1]),
+    # or with trans (M_i[2(l%4)][l/4], M_i[2(l%4)+1][l/4]).
+    mats = []
+    for i in range(4):
+        M = np.zeros((8, 8), np.float32)
+        for j in range(8):
+            r, c = row_of(8*i + j)
+            assert c % 8 == 0 and c + 8 <= smem.shape[1], "a 16-byte aligned row inside the array"
+            M[j] = smem[r, c:c+8]
+        mats.append(M)
+    regs = []
+    for lane in range(32):
+        q, p = lane >> 2, 2 * (lane & 3)
+        regs.append([(M[p, q], M[p+1, q]) if trans else (M[q, p], M[q, p+1]) for M in mats])
+    return regs
+
+def frag_a(regs):  # a0..a3 of every lane (PTX mma.m16n8k16 layout) -> the 16x16 A they form
     A = np.zeros((16, 16), np.float32)
     for lane in range(32):
         g, t = lane >> 2, lane & 3
-        for (r, c) in [(g, 2*t), (g+8, 2*t), (g, 2*t+8), (g+8, 2*t+8)]:
-            A[r, c] = read(r, c); A[r, c+1] = read(r, c+1)
+        for x, (r, c) in enumerate([(g, 2*t), (g+8, 2*t), (g, 2*t+8), (g+8, 2*t+8)]):
+            A[r, c], A[r, c+1] = regs[lane][x]
     return A
 
-def frag_b(read):  # read(k, n)
+def frag_b(regs, i0):  # b0, b1 = regs[lane][i0], regs[lane][i0 + 1] -> the 16x8 B they form
     B = np.zeros((16, 8), np.float32)
     for lane in range(32):
         g, t = lane >> 2, lane & 3
-        for k in [2*t, 2*t+1, 2*t+8, 2*t+9]:
-            B[k, g] = read(k, g)
+        B[2*t, g], B[2*t+1, g] = regs[lane][i0]
+        B[2*t+8, g], B[2*t+9, g] = regs[lane][i0 + 1]
     return B
 
 def kernel(q_lat, q_rope, cache, lo, hi, h0, H, r, rope, scale):
@@ -52,10 +70,9 @@ def kernel(q_lat, q_rope, cache, lo, hi, h0, H, r, rope, scale):
         sc = np.zeros((WARPS, 2, 32, 4))
         for w in range(WARPS):
             for k0 in range(0, ld, 16):
-                A = frag_a(lambda rr, cc: qs[rr, k0+cc])
-                for nt in range(2):
-                    B = frag_b(lambda k, n: kv[w*16 + nt*8 + n, k0 + k])
-                    mma(sc[w, nt], A, B)
+                A = frag_a(ldmatrix_x4(qs, lambda l: (l & 15, k0 + (l >> 4) * 8)))
+                kb = ldmatrix_x4(kv, lambda l: (w*16 + (l >> 4) * 8 + (l & 7), k0 + ((l >> 3) & 1) * 8))
+                mma(sc[w, 0], A, frag_b(kb, 0)); mma(sc[w, 1], A, frag_b(kb, 2))
         red_m = np.zeros((WARPS, 16)); red_l = np.zeros((WARPS, 16))
         tmax = np.full((WARPS, 32, 2), -np.inf)
         for w in range(WARPS):
@@ -104,10 +121,13 @@ def kernel(q_lat, q_rope, cache, lo, hi, h0, H, r, rope, scale):
                         acc[w, nt, lane, x] *= factor[w, lane, x >> 1]
             c0 = w * nts * 8
             for k0 in range(0, KV_TILE, 16):
-                A = frag_a(lambda rr, cc: ps[rr, k0 + cc]); A_lo = frag_a(lambda rr, cc: ps_lo[rr, k0 + cc])
-                for nt in range(nts):
-                    B = frag_b(lambda k, n: kv[k0 + k, c0 + nt*8 + n])
-                    mma(acc[w, nt], A, B); mma(acc[w, nt], A_lo, B)
+                A = frag_a(ldmatrix_x4(ps, lambda l: (l & 15, k0 + (l >> 4) * 8)))
+                A_lo = frag_a(ldmatrix_x4(ps_lo, lambda l: (l & 15, k0 + (l >> 4) * 8)))
+                for nt in range(0, nts, 2):
+                    vb = ldmatrix_x4(kv, lambda l: (k0 + (l & 15), c0 + min(nt + (l >> 4), nts - 1) * 8), trans=True)
+                    mma(acc[w, nt], A, frag_b(vb, 0)); mma(acc[w, nt], A_lo, frag_b(vb, 0))
+                    if nt + 1 < nts:
+                        mma(acc[w, nt+1], A, frag_b(vb, 2)); mma(acc[w, nt+1], A_lo, frag_b(vb, 2))
     out_o = {}; out_m = {}; out_l = {}
     for w in range(WARPS):
         c0 = w * nts * 8
@@ -149,7 +169,8 @@ def check(H, r, rope, visible, span, h0):
     print(f"H {H} r {r} rope {rope} visible {visible} span {span} group at {h0}: rel L2 of part_o {worst:.2e} (P as bf16 hi + lo)")
     assert worst < 1e-4
 
-check(4, 32, 16, 150, 128, 0)       # k3-tiny: 4 heads of a 16-head group, a partial tile, an empty split
+check(4, 32, 16, 150, 128, 0)       # k3-tiny: 4 heads of a 16-head group, a partial tile, an empty split; 1 n-tile
+check(4, 96, 32, 80, 64, 0)         # 3 value n-tiles per warp: the odd last one
 check(20, 64, 16, 100, 64, 16)      # the second group, 4 heads; one tile per split
 check(16, 512, 64, 70, 64, 0)       # K3's widths: 16 value n-tiles per warp
 print("mla_split_heads emulation matches")

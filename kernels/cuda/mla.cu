@@ -248,8 +248,6 @@ extern "C" __global__ void mla_split(const i64 *table, const i64 *tok_row, const
 #define HEADS_MAX_NT 16  // value n-tiles (8 channels) per warp: r <= 8 HEADS_MAX_NT HEADS_WARPS (512)
 #define ROW_PAD 8        // bf16 past each staged row: rows sit 4 banks apart, so fragment loads are conflict-free
 
-// Two consecutive bf16 of shared memory (4-byte aligned) as one MMA fragment register.
-__device__ __forceinline__ u32 lds_pair(const __nv_bfloat16 *p) { return *(const u32 *)p; }
 // Two bf16 as one fragment register, `lo` in the low half.
 __device__ __forceinline__ u32 pack_pair(__nv_bfloat16 lo, __nv_bfloat16 hi) {
     return (u32)__bfloat16_as_ushort(lo) | ((u32)__bfloat16_as_ushort(hi) << 16);
@@ -325,15 +323,16 @@ extern "C" __global__ void __launch_bounds__(32 * HEADS_WARPS)
         // Scores of this warp's 16 positions (two n-tiles): c[0], c[1] row g, c[2], c[3] row g + 8, positions
         // 16 warp + 8 nt + 2t (+1).
         float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+        // ldmatrix rows: A (Q) lane l gives head l % 16, channels + 8 (l / 16); B (K) positions + 8 (l / 16) +
+        // l % 8, channels + 8 (l / 8 % 2), so b[0], b[1] are n-tile 0's fragments and b[2], b[3] n-tile 1's.
+        const __nv_bfloat16 *q_rows = qs + (lane & 15) * stride + (lane >> 4) * 8;
+        const __nv_bfloat16 *k_rows = kv + (warp * 16 + (lane >> 4) * 8 + (lane & 7)) * stride + ((lane >> 3) & 1) * 8;
         for (int k0 = 0; k0 < ld_; k0 += 16) {
-            const __nv_bfloat16 *qa = qs + g * stride + k0 + 2 * t;
-            u32 a0 = lds_pair(qa), a1 = lds_pair(qa + 8 * stride), a2 = lds_pair(qa + 8),
-                a3 = lds_pair(qa + 8 * stride + 8);
-#pragma unroll
-            for (int nt = 0; nt < 2; nt++) {
-                const __nv_bfloat16 *kb = kv + (warp * 16 + nt * 8 + g) * stride + k0 + 2 * t;
-                mma_bf16(sc[nt], a0, a1, a2, a3, lds_pair(kb), lds_pair(kb + 8));
-            }
+            u32 a[4], b[4];
+            ldmatrix_x4<false>(a, q_rows + k0);
+            ldmatrix_x4<false>(b, k_rows + k0);
+            mma_bf16(sc[0], a[0], a[1], a[2], a[3], b[0], b[1]);
+            mma_bf16(sc[1], a[0], a[1], a[2], a[3], b[2], b[3]);
         }
         // Online softmax per head row: the maximum and the sum over the tile by lanes t, then by warps in order.
         float tmax[2] = {-INF_F, -INF_F};
@@ -400,20 +399,26 @@ extern "C" __global__ void __launch_bounds__(32 * HEADS_WARPS)
         for (int nt = 0; nt < HEADS_MAX_NT; nt++)
 #pragma unroll
             for (int x = 0; x < 4; x++) acc[nt][x] *= factor[x >> 1];
+        // ldmatrix rows: A (P) as for Q; B (V, transposed) lane l gives position l % 16 and the channels of
+        // n-tile nt + l / 16, so b[0], b[1] are n-tile nt's fragments and b[2], b[3] n-tile nt + 1's (the last
+        // n-tile again where nts is odd).
+        const __nv_bfloat16 *p_rows = ps + (lane & 15) * pstride + (lane >> 4) * 8;
+        const __nv_bfloat16 *v_rows = kv + (lane & 15) * stride + c0;
         for (int k0 = 0; k0 < KV_TILE; k0 += 16) {
-            const __nv_bfloat16 *pa = ps + g * pstride + k0 + 2 * t, *pl = pa + HEADS_TILE * pstride;
-            u32 a0 = lds_pair(pa), a1 = lds_pair(pa + 8 * pstride), a2 = lds_pair(pa + 8),
-                a3 = lds_pair(pa + 8 * pstride + 8);
-            u32 l0 = lds_pair(pl), l1 = lds_pair(pl + 8 * pstride), l2 = lds_pair(pl + 8),
-                l3 = lds_pair(pl + 8 * pstride + 8);
-            const __nv_bfloat16 *vb = kv + (k0 + 2 * t) * stride + c0 + g;
+            u32 a[4], al[4];
+            ldmatrix_x4<false>(a, p_rows + k0);
+            ldmatrix_x4<false>(al, p_rows + HEADS_TILE * pstride + k0);
 #pragma unroll
-            for (int nt = 0; nt < HEADS_MAX_NT; nt++) {
+            for (int nt = 0; nt < HEADS_MAX_NT; nt += 2) {
                 if (nt >= nts) break;
-                const __nv_bfloat16 *v = vb + nt * 8;
-                u32 b0 = pack_pair(v[0], v[stride]), b1 = pack_pair(v[8 * stride], v[9 * stride]);
-                mma_bf16(acc[nt], a0, a1, a2, a3, b0, b1);
-                mma_bf16(acc[nt], l0, l1, l2, l3, b0, b1);
+                u32 b[4];
+                ldmatrix_x4<true>(b, v_rows + k0 * stride + min(nt + (lane >> 4), nts - 1) * 8);
+                mma_bf16(acc[nt], a[0], a[1], a[2], a[3], b[0], b[1]);
+                mma_bf16(acc[nt], al[0], al[1], al[2], al[3], b[0], b[1]);
+                if (nt + 1 < nts) {
+                    mma_bf16(acc[nt + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
+                    mma_bf16(acc[nt + 1], al[0], al[1], al[2], al[3], b[2], b[3]);
+                }
             }
         }
     }
