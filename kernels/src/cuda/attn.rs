@@ -8,9 +8,9 @@
 //!   (u32). It is built on the host after every MLA cache of the step has been grown, and uploaded once
 //!   into a device buffer that the model keeps ([`StepBuffer`]), so that a captured step (`cuda::graph`)
 //!   reads its inputs through fixed addresses and nothing else is copied from the host during a step.
-//! - The MLA split count of a step (the grid of `mla_split`) is rounded up to a power of two: splits past
-//!   a token's last are empty and merge as exact zeros, so results do not change, and steps whose longest
-//!   context grows share a captured graph until the count doubles.
+//! - The MLA split count of a step (the grid of `mla_split` and `mla_split_heads`) is rounded up to a power
+//!   of two: splits past a token's last are empty and merge as exact zeros, so results do not change, and
+//!   steps whose longest context grows share a captured graph until the count doubles.
 //! - A row's KDA form and MLA split span depend only on that row (its window length, snapshots and
 //!   cache length), never on the batch, so every row's result is independent of the other rows.
 //! - Windows that keep snapshots (verify windows) always run the recurrent form; the chunked form takes
@@ -40,7 +40,10 @@ const MLA_TILE: usize = 64;
 /// The smallest split span of a decode / verify row, and the most splits one token gets.
 const MLA_MIN_SPAN: usize = 256;
 const MLA_MAX_SPLITS: usize = 64;
-const _: () = assert!(MLA_MAX_SPLITS <= 64, "mla_out stages each token's split statistics for at most OUT_MAX_SPLITS (64) splits");
+/// The most splits `mla_out` merges: it stages each token's split statistics in shared memory
+/// (`OUT_MAX_SPLITS` in `mla.cu`).
+const MLA_OUT_MAX_SPLITS: usize = 64;
+const _: () = assert!(MLA_MAX_SPLITS <= MLA_OUT_MAX_SPLITS);
 /// Rows of at most this many tokens are split over their cache (decode and verify windows); longer
 /// windows have enough tokens to fill the GPU with one split each.
 const MLA_SPLIT_MAX_WINDOW: usize = 16;
@@ -456,7 +459,8 @@ impl Gpu {
             return Ok(());
         }
         // Every element of these is written before it is read: q_lat by mla_absorb (all tokens, heads and
-        // columns), the partials by mla_split (every split of every token and head, empty ones included).
+        // columns), the partials by mla_split or mla_split_heads (every split of every token and head, empty
+        // ones included).
         let q_lat = self.uninit::<f32>(n * h * r)?; // [n, H, r]
         let splits = tables.mla_splits;
         let part_o = self.uninit::<f32>(n * h * splits * r)?; // [n, H, splits, r]
