@@ -127,9 +127,6 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
 }
 
-// d = a b + d on the tensor cores (Ampere and later): a 16 x 16 bf16 A fragment (a0..a3, row-major), a 16 x 8 bf16 B
-// fragment (b0, b1, column-major), fp32 accumulators c[0..3] (rows g and g + 8, columns 2t and 2t + 1 of the tile,
-// g = lane / 4, t = lane % 4).
 // Four 8x8 bf16 matrices from shared memory: lanes 8i..8i+7 give the 16-byte rows of matrix i, and lane l
 // receives r[i] = matrix i's (row l / 4, columns 2 (l % 4), +1); with TRANS, matrix i's (rows 2 (l % 4), +1,
 // column l / 4): the MMA fragment layouts.
@@ -147,6 +144,9 @@ __device__ __forceinline__ void ldmatrix_x4(u32 r[4], const void *row) {
                      : "r"(a)
                      : "memory");
 }
+// d = a b + d on the tensor cores (Ampere and later): a 16 x 16 bf16 A fragment (a0..a3, row-major), a 16 x 8 bf16 B
+// fragment (b0, b1, column-major), fp32 accumulators c[0..3] (rows g and g + 8, columns 2t and 2t + 1 of the tile,
+// g = lane / 4, t = lane % 4).
 __device__ __forceinline__ void mma_bf16(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};"

@@ -549,6 +549,15 @@ mod tests {
     }
 
     #[test]
+    fn the_mla_out_constants_match_mla_cu() {
+        // A grid sized from other channels per block than the kernel's would leave value channels unwritten, and
+        // more splits than it stages would overrun its shared memory.
+        assert_eq!(OUT_CHANNELS as u32, source_define("mla.cu", "OUT_ROWS") * source_define("mla.cu", "OUT_WARPS"));
+        assert_eq!(MLA_OUT_MAX_SPLITS as u32, source_define("mla.cu", "OUT_MAX_SPLITS"));
+        assert_eq!(BLOCK_TOKENS as u32, source_define("mla.cu", "BLOCK_TOKENS"));
+    }
+
+    #[test]
     fn head_groups_take_k3_and_k3_tiny_and_leave_odd_shapes_to_one_head_per_block() {
         // K3: 512 + 64 wide entries, 98,048 bytes of staging (two blocks per SM on an H200).
         assert_eq!(heads_shared_bytes(576), 98_048);
