@@ -13,6 +13,7 @@
 #   TESTS              GPU test binaries run on every non-baseline build (default: cuda_moe cuda_runner)
 #   MOE_BANDWIDTH=1    also `cuda_moe --ignored routed_expert_bandwidth` for every build, ROUNDS times, interleaved
 #   NCU_KERNELS=regex  also ncu per-kernel durations of a --batch $NCU_BATCH bench (default 64) for every build
+#   OPS="op ..."       bench ops (e.g. mla.attention kda.recurrence) whose ms per step the summary prints too
 # Example: BUILDS=".bin/base .bin/new" MOE_BANDWIDTH=1 bash kernels/bench/ab_h200.sh
 set -u
 OUT=${OUT:-/tmp/out}
@@ -65,10 +66,16 @@ if [ -n "${NCU_KERNELS:-}" ]; then
   done
 fi
 grep -h "^===\|PASS\|FAIL\|test result\|GB/s" "$LOG"
-# Step medians per build and round.
-python3 - "$OUT" <<'PY'
+# Step medians (and the OPS' ms per step, and the HBM floor fraction) per build and round.
+# shellcheck disable=SC2086 # OPS is a list of op names
+python3 - "$OUT" ${OPS:-} <<'PY'
 import glob, json, os, sys
 for f in sorted(glob.glob(os.path.join(sys.argv[1], "bench_*.json"))):
     rows = json.load(open(f))["decode"]
-    print(os.path.basename(f), " ".join(f"b{r['batch']} {r['step_ms_median']:.3f}" for r in rows))
+    cells = []
+    for r in rows:
+        ops = {o["op"]: o["ms"] for o in r.get("by_op", [])}
+        extra = "".join(f" {op} {ops[op]:.3f}" if op in ops else f" {op} -" for op in sys.argv[2:])
+        cells.append(f"b{r['batch']} {r['step_ms_median']:.3f} ({100 * r['floor_fraction']:.1f}%){extra}")
+    print(os.path.basename(f), " | ".join(cells))
 PY
