@@ -248,6 +248,35 @@ extern "C" __global__ void mla_split(const i64 *table, const i64 *tok_row, const
 #define HEADS_MAX_NT 16  // value n-tiles (8 channels) per warp: r <= 8 HEADS_MAX_NT HEADS_WARPS (512)
 #define ROW_PAD 8        // bf16 past each staged row: rows sit 4 banks apart, so fragment loads are conflict-free
 
+// The staging of a cache tile by TMA bulk copies (one per cache row) completing on an mbarrier.
+__device__ __forceinline__ u32 smem_addr(const void *p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbarrier_init(unsigned long long *bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// The one arrival of a phase, expecting `bytes` of bulk copies to complete it.
+__device__ __forceinline__ void mbarrier_expect(unsigned long long *bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+// `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to shared memory, counted on `bar`. The
+// proxy fence first orders this thread's earlier generic accesses of shared memory before the copy's writes.
+__device__ __forceinline__ void bulk_copy_to_shared(void *dst, const void *src, u32 bytes, unsigned long long *bar) {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_addr(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_addr(bar))
+                 : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait(unsigned long long *bar, u32 parity) {
+    u32 done = 0;
+    while (!done)
+        asm volatile(
+            "{\n\t.reg .pred q;\n\tmbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2;\n\tselp.u32 %0, 1, 0, q;\n\t}"
+            : "=r"(done)
+            : "r"(smem_addr(bar)), "r"(parity)
+            : "memory");
+}
+
 // Two bf16 as one fragment register, `lo` in the low half.
 __device__ __forceinline__ u32 pack_pair(__nv_bfloat16 lo, __nv_bfloat16 hi) {
     return (u32)__bfloat16_as_ushort(lo) | ((u32)__bfloat16_as_ushort(hi) << 16);
@@ -262,6 +291,8 @@ __device__ __forceinline__ u32 pack_pair(__nv_bfloat16 lo, __nv_bfloat16 hi) {
 // Warp w scores positions [16 w, 16 w + 16) of each tile and owns value channels [w r / 4, (w + 1) r / 4). A
 // score sums over the channels in MMA k-steps of 16 in ascending order; a value sums the tiles in ascending order
 // and, within a tile, the positions in k-steps of 16: a fixed order that no other token or head changes.
+// A tile is staged by warp 0 as one TMA bulk copy per cache row, completing on an mbarrier, so the staging costs
+// a few instructions per row instead of an address computation and a cp.async per 16 bytes and thread.
 // grid = (max splits, ceil(H / 16), n); blockDim 128; dynamic shared memory heads_shared_bytes(r + rope) (attn.rs):
 // Q [16, ld + ROW_PAD], the tile [KV_TILE, ld + ROW_PAD], P_hi and P_lo [16, KV_TILE + ROW_PAD], bf16.
 // Needs (r + rope) % 16 == 0, r % 32 == 0, r <= 512 and nope % 8 == 0 (checked on the host).
@@ -271,6 +302,8 @@ extern "C" __global__ void __launch_bounds__(32 * HEADS_WARPS)
     kernel_entry();
     extern __shared__ __align__(16) __nv_bfloat16 staged[];
     __shared__ float red_m[HEADS_WARPS][HEADS_TILE], red_l[HEADS_WARPS][HEADS_TILE];
+    __shared__ unsigned long long tile_bar;  // the staged tile's bulk copies; phase k = tile k
+    if (threadIdx.x == 0) mbarrier_init(&tile_bar);
     int ld_ = r + rope, stride = ld_ + ROW_PAD, pstride = KV_TILE + ROW_PAD, qh = nope + rope;
     __nv_bfloat16 *qs = staged;                      // [HEADS_TILE, stride]
     __nv_bfloat16 *kv = qs + HEADS_TILE * stride;    // [KV_TILE, stride]
@@ -310,16 +343,22 @@ extern "C" __global__ void __launch_bounds__(32 * HEADS_WARPS)
 #pragma unroll
         for (int x = 0; x < 4; x++) acc[nt][x] = 0.0f;
     int chunks = ld_ / 8;
-    for (int base = lo; base < hi; base += KV_TILE) {
+    u32 parity = 0;
+    for (int base = lo; base < hi; base += KV_TILE, parity ^= 1u) {
         int len = min(KV_TILE, hi - base);
-        __syncthreads();  // the tile before is consumed (and, the first time, Q is staged)
-        for (int i = threadIdx.x; i < KV_TILE * chunks; i += blockDim.x) {
-            int p = i / chunks, ch = i % chunks;
-            cp_async16(kv + p * stride + ch * 8, cache + (i64)(base + min(p, len - 1)) * ld_ + ch * 8, p < len);
+        __syncthreads();  // the tile before is consumed (and, the first time, Q is staged and the barrier set up)
+        // Warp 0 stages the tile's len rows, one bulk copy per row (rows are padded in shared memory); the
+        // rows past len, read by the value MMAs with P = 0 there, are zeroed so that they hold no NaN.
+        if (warp == 0) {
+            if (lane == 0) mbarrier_expect(&tile_bar, (u32)(len * ld_ * 2));
+            __syncwarp();
+            for (int p = lane; p < len; p += 32)
+                bulk_copy_to_shared(kv + p * stride, cache + (i64)(base + p) * ld_, (u32)(ld_ * 2), &tile_bar);
         }
-        cp_async_commit();
-        cp_async_wait<0>();
-        __syncthreads();
+        for (int i = threadIdx.x; i < (KV_TILE - len) * chunks; i += blockDim.x)
+            *(uint4 *)(kv + (len + i / chunks) * stride + (i % chunks) * 8) = make_uint4(0u, 0u, 0u, 0u);
+        mbarrier_wait(&tile_bar, parity);
+        __syncthreads();  // the zeroed rows
         // Scores of this warp's 16 positions (two n-tiles): c[0], c[1] row g, c[2], c[3] row g + 8, positions
         // 16 warp + 8 nt + 2t (+1).
         float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
