@@ -420,7 +420,8 @@ __device__ __forceinline__ long tile_index(long e, int row0, int rows, int group
 __device__ __forceinline__ int tile_code_offset(int g, int r, int t) { return (g + 8 * r) * 64 + t * 16; }
 __device__ __forceinline__ int tile_scale_offset(int g, int r, int t) { return (g + 8 * r) * 4 + t; }
 #define GATE_UP_KB 2  // K blocks per step of moe_gate_up: a ring step holds 2 matrices x 2 rows x 2 x 16 bytes per lane
-#define DOWN_KB 4     // the same for moe_down (one matrix): 128 bytes per lane in flight as well
+#define DOWN_KB 2     // the same for moe_down (one matrix): 64 bytes per lane in flight
+#define DOWN_BLOCKS_PER_SM 5  // moe_down's occupancy target (96 registers; moe_down_full spills none)
 
 // The eight E2M1 codes of one word (element i in nibble i) as four bf16x2 of code * 2^-126, exactly: register i
 // holds code i (low half) and code i + 4 (high half). A code's magnitude bits (e1 e0 m) land on the bf16 exponent's
@@ -755,9 +756,10 @@ __device__ __forceinline__ void down_mma_chunk(const u8 *const rows[1], const u8
         }
 }
 
-// Down projection per active expert: y[p, c] = bf(w2_e[c] a[p]) for every pair p of expert e. At most 128 registers
-// (4 blocks per SM): at batch 1 its 16 x 56 blocks run in 1.7 waves instead of 2.3, which saves more than the few
-// spills of the 3-n-tile pass cost (measured: 38.9 -> 36.9 us at batch 1, 122.9 -> 119.5 at 8, equal at 64).
+// Down projection per active expert: y[p, c] = bf(w2_e[c] a[p]) for every pair p of expert e. Two K blocks per step
+// and at most 96 registers (5 blocks per SM; no spills in moe_down_full): more warps in flight with fewer bytes
+// each beat 4 blocks of 4 K blocks per step (H200, routed_expert_bandwidth: 111.2 -> 105.2 us at batch 8; at K3's
+// routing 212 -> 202 at 8 and 1,185 -> 1,141 at 64; equal at batch 1; BENCHMARKS.md, tenth session).
 // grid = (min(n k, E), ceil(D / (16 MMA_WARPS))), blockDim 32 MMA_WARPS.
 // a: [n k, I]; w2 tiled [E, D, I] codes and scales (expert_layout.rs); y: [n k, D]. I must be a multiple of 32;
 // moe_down_full takes the I that are multiples of 128 DOWN_KB (every step full, no masks).
@@ -783,10 +785,10 @@ __device__ __forceinline__ void down_kernel(const __nv_bfloat16 *a, const u8 *w2
 #define DOWN_ARGS                                                                                                  \
     const __nv_bfloat16 *a, const u8 *w2p, const u8 *w2s, const int *group, const int *pairs, __nv_bfloat16 *y,    \
         int E, int D, int I
-extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 4) moe_down(DOWN_ARGS) {
+extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, DOWN_BLOCKS_PER_SM) moe_down(DOWN_ARGS) {
     down_kernel<false>(a, w2p, w2s, group, pairs, y, E, D, I);
 }
-extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 4) moe_down_full(DOWN_ARGS) {
+extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, DOWN_BLOCKS_PER_SM) moe_down_full(DOWN_ARGS) {
     down_kernel<true>(a, w2p, w2s, group, pairs, y, E, D, I);
 }
 #undef DOWN_ARGS

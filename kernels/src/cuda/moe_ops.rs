@@ -245,8 +245,8 @@ pub(crate) fn allow_expert_shared_memory(k: &Kernels) -> Result<()> {
 }
 
 /// K blocks of 128 inputs per step of moe_down (`DOWN_KB` in `kernels/cuda/moe.cu`): expert widths that are
-/// multiples of 128 of them (K3's 3,072) fill every step and take `moe_down_full`, the form without masks.
-const DOWN_KB: usize = 4;
+/// multiples of `128 * DOWN_KB` inputs (K3's 3,072) fill every step and take `moe_down_full`, the form without masks.
+const DOWN_KB: usize = 2;
 
 /// The launch of a grouped expert kernel with `rows` output rows per expert and `shared_bytes` of dynamic shared
 /// memory: one block per active-expert slot and group of `EXPERT_WARPS` 16-row tiles.
