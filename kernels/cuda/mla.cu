@@ -6,8 +6,9 @@
 // - The cache holds per token [c (kv_lora, normalised) | k_rot (rope, raw)] in bf16. `mla_norm_append` writes
 //   the window's entries first; window token i of a row attends causally over entries 0 ..= first + i.
 // - Four launches per layer: mla_norm_append (both input norms and the append), mla_absorb, mla_split_heads
-//   (16 heads per cache tile, where the shapes allow) or mla_split, mla_out (merge, W_UV and the sigmoid gate). mla_absorb and mla_out read their weight tile once per block of
-//   BLOCK_TOKENS tokens, and every token's sums run in a fixed order that no other token changes.
+//   (16 heads per cache tile, where the shapes allow) or mla_split, mla_out (merge, W_UV and the sigmoid gate).
+//   mla_absorb and mla_out read their weight tile once per block of BLOCK_TOKENS tokens, and every token's sums
+//   run in a fixed order that no other token changes.
 // - q_lat and o_lat are rounded to bf16 where the CPU reference rounds them (kernels/src/cpu/mla.rs);
 //   scores, the softmax and the merge are fp32.
 // - How a token's positions are split depends only on that token (its visible length and its row's split
