@@ -394,12 +394,14 @@ extern "C" __global__ void __cluster_dims__(COMBINE_CLUSTER, 1, 1) __launch_boun
 // (16 bytes of codes and one scale per row, one 128-bit load per row). The weights are stored tiled
 // (kernels/src/cuda/expert_layout.rs): a (tile, block) is one contiguous 1 KB chunk of codes, so the warp's
 // loads of a block are 1 KB in address order. A word of 8 codes feeds 2 MMAs: codes
-// i and i + 4 share one bf16x2 (word_codes_bf16x2), so MMA h of the word takes codes (2h, 2h + 4) as k-slots
-// {2t, 2t + 1} and (2h + 1, 2h + 5) as {2t + 8, 2t + 9}, and the B fragment takes the token's inputs with the same
-// indices (one byte permute per register): each MMA is the plain dot over 16 of the inputs.
+// 2i and 2i + 1 share one bf16x2 (word_codes_bf16x2), so MMA h of the word takes codes (4h, 4h + 1) as k-slots
+// {2t, 2t + 1} and (4h + 2, 4h + 3) as {2t + 8, 2t + 9}, and the B fragment takes the token's inputs with the same
+// indices, which are the 32-bit words of its 16-byte load as they are: each MMA is the plain dot over 16 of the
+// inputs.
 //
-// Cost: every byte of codes becomes two bf16 once per chunk of tokens, in 11 integer instructions and 4 bf16x2
-// multiplies per 8 weights (through fp16 and fp32 it took 36, and bound the kernels at batch 1-8).
+// Cost: every byte of codes becomes two bf16 once per chunk of tokens, in 9 integer instructions and 4 bf16x2
+// multiplies per 8 weights (through fp16 and fp32 it took 36, and bound the kernels at batch 1-8). At batch 1 the
+// kernels are bound by instruction issue (BENCHMARKS.md, tenth session), so these instructions are the cost.
 //
 // Batch invariance: an MMA output depends only on its row of A and column of B (the skinny GEMM relies on the
 // same property), a token's column sees the same MMAs in the same order (blocks ascending, then words, then h)
@@ -423,20 +425,22 @@ __device__ __forceinline__ int tile_scale_offset(int g, int r, int t) { return (
 #define DOWN_KB 2     // the same for moe_down (one matrix): 64 bytes per lane in flight
 #define DOWN_BLOCKS_PER_SM 5  // moe_down's occupancy target (96 registers; moe_down_full spills none)
 
-// The eight E2M1 codes of one word (element i in nibble i) as four bf16x2 of code * 2^-126, exactly: register i
-// holds code i (low half) and code i + 4 (high half). A code's magnitude bits (e1 e0 m) land on the bf16 exponent's
-// two low bits and the top mantissa bit, which makes the bf16 number code * 2^-126 (code 0.5 lands on the
-// subnormal 2^-127), and its sign on the sign bit. Codes i and i + 4 lie 16 bits apart, so one shift and one mask
-// place both; a code's sign sits 3 bits above its magnitude but must land 9 above, so first the signs of codes
-// 0, 1, 4, 5 move 6 bits up (`lo`) and the magnitudes of codes 2, 3, 6, 7 move 6 bits down (`hi`).
+// The eight E2M1 codes of one stored word as four bf16x2 of code * 2^-126, exactly: register i holds code 2i (low
+// half) and code 2i + 1 (high half), the pairs the token's inputs come in. A code's magnitude bits (e1 e0 m) land on
+// the bf16 exponent's two low bits and the top mantissa bit, which makes the bf16 number code * 2^-126 (code 0.5
+// lands on the subnormal 2^-127), and its sign on the sign bit. The codes' bits are stored permuted within each word
+// (expert_layout.rs, CODE_BIT_SOURCE; kernels/bench/code_bit_order.py derives it), so that this takes 9 integer
+// instructions (11 for the checkpoint's nibble order) and the inputs need no byte permutes: registers 0 and 1 are
+// the word rotated by 13 and 8 bits, then masked; registers 2 and 3 come from one blend `u` of the word and the
+// word shifted left by 2 (CODE_BLEND_MASK picks the word's own bits), rotated by 3 and 0 bits, then masked.
+#define CODE_BLEND_MASK 0x11501150u
 __device__ __forceinline__ void word_codes_bf16x2(u32 w, u32 out[4]) {
     const u32 keep = 0x81C081C0u;  // per half: sign, exponent bits 1-0, top mantissa bit
-    u32 lo = (w & 0x00770077u) | ((w << 6) & ~0x00770077u);
-    u32 hi = (w & 0x88008800u) | ((w >> 6) & ~0x88008800u);
-    out[0] = (lo << 6) & keep;
-    out[1] = (lo << 2) & keep;
-    out[2] = (hi << 4) & keep;
-    out[3] = hi & keep;
+    u32 u = (w & CODE_BLEND_MASK) | ((w << 2) & ~CODE_BLEND_MASK);
+    out[0] = __funnelshift_l(w, w, 13) & keep;
+    out[1] = __funnelshift_l(w, w, 8) & keep;
+    out[2] = __funnelshift_l(u, u, 3) & keep;
+    out[3] = u & keep;
 }
 
 // a * b per bf16 half, exactly when the product is a bf16 (fma with -0, which keeps the sign of a zero product).
@@ -494,13 +498,11 @@ __device__ __forceinline__ void mma_step(const uint4 cur[NM][2][KB], const u32 c
             for (int nt = 0; nt < NT; nt++) {
                 uint4 xv = FULL || (x[nt] != nullptr && grp < groups) ? *(const uint4 *)(x[nt] + grp * 32 + w * 8)
                                                                        : make_uint4(0u, 0u, 0u, 0u);  // [8 inputs]
-                // Inputs (0, 4), (1, 5), (2, 6), (3, 7), as the codes.
-                u32 b0 = __byte_perm(xv.x, xv.z, 0x5410), b1 = __byte_perm(xv.x, xv.z, 0x7632);
-                u32 b2 = __byte_perm(xv.y, xv.w, 0x5410), b3 = __byte_perm(xv.y, xv.w, 0x7632);
+                // Inputs (0, 1), (2, 3), (4, 5), (6, 7), as the codes.
 #pragma unroll
                 for (int m = 0; m < NM; m++) {
-                    mma_bf16(acc[m][nt], a[m][0][0], a[m][1][0], a[m][0][1], a[m][1][1], b0, b1);
-                    mma_bf16(acc[m][nt], a[m][0][2], a[m][1][2], a[m][0][3], a[m][1][3], b2, b3);
+                    mma_bf16(acc[m][nt], a[m][0][0], a[m][1][0], a[m][0][1], a[m][1][1], xv.x, xv.y);
+                    mma_bf16(acc[m][nt], a[m][0][2], a[m][1][2], a[m][0][3], a[m][1][3], xv.z, xv.w);
                 }
             }
         }

@@ -189,15 +189,19 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     std::fs::rename(&tmp, path)
 }
 
-/// The value of `#define name value` in the embedded kernel source `file` (for tests that pin a launch
-/// constant of the host to the kernel's).
+/// The value of `#define name value` (decimal, or hex with `0x`; an unsigned `u` suffix allowed) in the embedded
+/// kernel source `file` (for tests that pin a constant of the host to the kernel's).
 #[cfg(test)]
 pub(crate) fn source_define(file: &str, name: &str) -> u32 {
     let src = SOURCES.iter().find(|s| s.name == file).unwrap_or_else(|| panic!("{file} is not embedded"));
     let prefix = format!("#define {name} ");
     let line = src.code.lines().find(|l| l.starts_with(&prefix)).unwrap_or_else(|| panic!("no #define {name}"));
-    let value = line[prefix.len()..].split_whitespace().next().unwrap_or_default();
-    value.parse().unwrap_or_else(|_| panic!("#define {name} is not a number: {line}"))
+    let value = line[prefix.len()..].split_whitespace().next().unwrap_or_default().trim_end_matches('u');
+    let parsed = match value.strip_prefix("0x") {
+        Some(hex) => u32::from_str_radix(hex, 16),
+        None => value.parse(),
+    };
+    parsed.unwrap_or_else(|_| panic!("#define {name} is not a number: {line}"))
 }
 
 #[cfg(test)]

@@ -8,10 +8,17 @@
 //! within a tile and tile by tile within a matrix, so a warp's step reads whole kilobytes in address order
 //! instead of 64 bytes from each of 16 rows 1–2 KB apart.
 //!
+//! Within each 32-bit word of codes (8 codes, element i in nibble i of the checkpoint's little-endian word) the bits
+//! are stored permuted ([`CODE_BIT_SOURCE`]): the order that lets the kernels' `word_codes_bf16x2` turn a word into
+//! four bf16x2 registers in 9 integer instructions, each holding a pair of neighbouring codes as the token inputs
+//! come (derived by `kernels/bench/code_bit_order.py`, which finds no 8-instruction form of its kind; checked here
+//! against the plain E2M1 decoding).
+//!
 //! Invariants:
-//! - The layout is a permutation of the checkpoint's bytes plus zero padding: rows past `rows` (to a multiple of
-//!   16) and groups past `cols/32` (to a multiple of 4) are zero codes with zero scale bytes, which the kernels
-//!   never read (they check the row and group bounds).
+//! - The layout is a permutation of the checkpoint's bytes (of the bits within each code word) plus zero padding:
+//!   rows past `rows` (to a multiple of 16) and groups past `cols/32` (to a multiple of 4) are zero codes with zero
+//!   scale bytes, which the kernels never read (they check the row and group bounds).
+//! - Code words are permuted bit by bit, so zero padding stays zero and every code keeps its word.
 //! - [`tile_codes`] and [`tile_scales`] check their lengths and fail with an error naming the sizes, never panic.
 
 use crate::error::{KernelError, Result};
@@ -79,10 +86,52 @@ fn tile(src: &[u8], rows: usize, groups: usize, unit: usize) -> Vec<u8> {
     out
 }
 
-/// The packed codes `[rows, cols/2]` of one matrix in the tiled layout ([`tiled_code_bytes`] long).
+/// Stored bit `s` of a code word holds bit `CODE_BIT_SOURCE[s]` of the checkpoint's word (code `i`: mantissa bit
+/// `4i`, exponent bits `4i + 1`, `4i + 2`, sign `4i + 3`). `word_codes_bf16x2` in `kernels/cuda/moe.cu` reads
+/// register `j`'s low half (code `2j`) and high half (code `2j + 1`) from these places: the two must change
+/// together.
+pub const CODE_BIT_SOURCE: [u8; 32] = [
+    10, 16, 3, 18, 17, 25, 24, 11, 26, 4, 5, 6, 19, 27, 12, 13, 14, 20, 7, 22, 21, 29, 28, 15, 30, 0, 1, 2, 23, 31, 8,
+    9,
+];
+
+/// For each byte of a checkpoint word, the stored bits its 256 values set ([`CODE_BIT_SOURCE`]).
+const CODE_BYTE_BITS: [[u32; 256]; 4] = code_byte_bits();
+
+const fn code_byte_bits() -> [[u32; 256]; 4] {
+    let mut table = [[0u32; 256]; 4];
+    let mut stored = 0;
+    while stored < 32 {
+        let from = CODE_BIT_SOURCE[stored] as usize;
+        let mut value = 0;
+        while value < 256 {
+            if (value >> (from % 8)) & 1 == 1 {
+                table[from / 8][value] |= 1 << stored;
+            }
+            value += 1;
+        }
+        stored += 1;
+    }
+    table
+}
+
+/// A checkpoint code word (little-endian bytes) in the stored bit order.
+pub fn store_code_word(word: [u8; 4]) -> [u8; 4] {
+    let t = &CODE_BYTE_BITS;
+    let bits = t[0][word[0] as usize] | t[1][word[1] as usize] | t[2][word[2] as usize] | t[3][word[3] as usize];
+    bits.to_le_bytes()
+}
+
+/// The packed codes `[rows, cols/2]` of one matrix in the tiled layout ([`tiled_code_bytes`] long), each word's bits
+/// in the stored order.
 pub fn tile_codes(packed: &[u8], rows: usize, cols: usize) -> Result<Vec<u8>> {
     check("codes", packed.len(), rows, cols, cols / 2)?;
-    Ok(tile(packed, rows, cols / GROUP_SIZE, GROUP_SIZE / 2))
+    let mut tiled = tile(packed, rows, cols / GROUP_SIZE, GROUP_SIZE / 2);
+    for word in tiled.chunks_exact_mut(4) {
+        let stored = store_code_word([word[0], word[1], word[2], word[3]]);
+        word.copy_from_slice(&stored);
+    }
+    Ok(tiled)
 }
 
 /// The scale bytes `[rows, cols/32]` of one matrix in the tiled layout ([`tiled_scale_bytes`] long).
@@ -111,16 +160,53 @@ mod tests {
             let mut hit = vec![false; tiled.len()];
             for row in 0..rows {
                 for group in 0..cols / 32 {
-                    for b in 0..16 {
-                        let at = code_at(rows, cols, row, group, b);
-                        assert_eq!(tiled[at], packed[row * cols / 2 + group * 16 + b], "[{rows}, {cols}] row {row}");
-                        hit[at] = true;
+                    for w in 0..4 {
+                        let at = code_at(rows, cols, row, group, 4 * w);
+                        let from = row * cols / 2 + group * 16 + 4 * w;
+                        let word = [packed[from], packed[from + 1], packed[from + 2], packed[from + 3]];
+                        assert_eq!(tiled[at..at + 4], store_code_word(word), "[{rows}, {cols}] row {row}");
+                        hit[at..at + 4].iter_mut().for_each(|h| *h = true);
                     }
                 }
             }
             // Every byte no source byte landed on is padding, and zero.
             assert!(tiled.iter().zip(&hit).all(|(v, h)| *h || *v == 0));
             assert_eq!(hit.iter().filter(|h| **h).count(), packed.len());
+        }
+    }
+
+    /// `word_codes_bf16x2` of `kernels/cuda/moe.cu`, instruction for instruction, on a stored word.
+    fn kernel_conversion(w: u32) -> [u32; 4] {
+        const KEEP: u32 = 0x81C0_81C0;
+        let blend = crate::cuda::compile::source_define("moe.cu", "CODE_BLEND_MASK");
+        let u = (w & blend) | ((w << 2) & !blend);
+        [w.rotate_left(13) & KEEP, w.rotate_left(8) & KEEP, u.rotate_left(3) & KEEP, u & KEEP]
+    }
+
+    /// The bf16 bits of E2M1 code `c` times 2^-126: sign to bit 15, exponent bits to 8-7, mantissa bit to 6.
+    fn code_bf16_bits(c: u32) -> u32 {
+        ((c >> 3) << 15) | (((c >> 1) & 3) << 7) | ((c & 1) << 6)
+    }
+
+    #[test]
+    fn the_stored_bit_order_is_a_permutation_that_the_kernel_decodes_exactly() {
+        let mut seen = [false; 32];
+        CODE_BIT_SOURCE.iter().for_each(|&b| seen[b as usize] = true);
+        assert!(seen.iter().all(|s| *s), "CODE_BIT_SOURCE is not a permutation");
+        let mut rng = 0x9E37_79B9_7F4A_7C15u64;
+        let words = (0..20_000).map(|_| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng as u32
+        });
+        for word in words.chain([0, u32::MAX, 0x8888_8888, 0x7777_7777, 0x1111_1111]) {
+            let stored = u32::from_le_bytes(store_code_word(word.to_le_bytes()));
+            let regs = kernel_conversion(stored);
+            for (j, reg) in regs.iter().enumerate() {
+                let (lo, hi) = ((word >> (8 * j)) & 15, (word >> (8 * j + 4)) & 15);
+                assert_eq!(*reg, code_bf16_bits(lo) | (code_bf16_bits(hi) << 16), "word {word:#010x}, register {j}");
+            }
         }
     }
 
