@@ -436,7 +436,8 @@ __device__ __forceinline__ int tile_scale_offset(int g, int r, int t) { return (
 #define CODE_BLEND_MASK 0x11501150u
 __device__ __forceinline__ void word_codes_bf16x2(u32 w, u32 out[4]) {
     const u32 keep = 0x81C081C0u;  // per half: sign, exponent bits 1-0, top mantissa bit
-    u32 u = (w & CODE_BLEND_MASK) | ((w << 2) & ~CODE_BLEND_MASK);
+    u32 u;  // (w & CODE_BLEND_MASK) | ((w << 2) & ~CODE_BLEND_MASK) as one LOP3 (ptxas splits the C form in two)
+    asm("lop3.b32 %0, %1, %2, %3, 0xD8;" : "=r"(u) : "r"(w << 2), "r"(w), "n"(CODE_BLEND_MASK));
     out[0] = __funnelshift_l(w, w, 13) & keep;
     out[1] = __funnelshift_l(w, w, 8) & keep;
     out[2] = __funnelshift_l(u, u, 3) & keep;
@@ -609,49 +610,74 @@ struct RingStep {
 #define RING_WARP_BYTES (EXPERT_STAGES * RingStep<2, GATE_UP_KB>::BYTES)
 
 // mma_rows_pass through the warp's ring (`ring`: RING_WARP_BYTES of shared memory); the same arguments otherwise,
-// and the same MMAs in the same order.
+// and the same MMAs in the same order. The slots and the sources of the next copy are bumped once per step; every
+// per-block, per-matrix and per-row offset is a constant that the instructions' addresses take.
 template <int NM, int NT, int KB>
 __device__ __forceinline__ void mma_ring_pass(u8 *ring, const u8 *const rows[NM], const u8 *const scales[NM], int g,
                                               int t, int groups, const __nv_bfloat16 *in, const int *pairs, int count,
                                               int div, int width, float acc[NM][NT][4]) {
     using Step = RingStep<NM, KB>;
+    constexpr int SCALE_WORDS = KB * TILE_SCALE_BYTES / 4;  // per matrix and step
+    static_assert(SCALE_WORDS <= 32, "one scale word per lane and matrix");
     const int lane = g * 4 + t, steps = (groups + 4 * KB - 1) / (4 * KB), quads = (groups + 3) / 4;
-    // Copies step s into its slot (past the last step: nothing), then closes its group, so that the group count
+    // Chunk c holds this thread's group 4 c + t while c < live_chunks; scale word `lane` of a step lies in
+    // chunk KB s + lane / 16.
+    const int live_chunks = (groups - t + 3) / 4, scale_chunk = lane / (TILE_SCALE_BYTES / 4);
+    constexpr int LAST_SLOT = (EXPERT_STAGES - 1) * Step::BYTES;
+    const u32 first_slot = (u32)__cvta_generic_to_shared(ring);
+    const u8 *code_src[NM], *scale_src[NM];  // the next step to copy: its chunk KB s of each matrix
+#pragma unroll
+    for (int m = 0; m < NM; m++) {
+        code_src[m] = rows[m];
+        scale_src[m] = scales[m] + lane * 4;
+    }
+    int next = 0;  // the step that code_src and scale_src point at
+    // Copies step `next` into `slot` (past the last step: nothing), then closes its group, so that the group count
     // stays one per step.
-    auto issue = [&](int s) {
-        if (s < steps) {
-            u8 *st = ring + (s % EXPERT_STAGES) * Step::BYTES;
+    auto issue = [&](u32 slot) {
+        if (next < steps) {
+            u32 code_bytes[KB];
 #pragma unroll
-            for (int blk = 0; blk < KB; blk++) {
-                int chunk = KB * s + blk;
-                bool ok = 4 * chunk + t < groups;
-#pragma unroll
-                for (int m = 0; m < NM; m++)
-#pragma unroll
-                    for (int r = 0; r < 2; r++)
-                        cp_async16(st + (((m * 2 + r) * KB + blk) * 32 + lane) * 16,
-                                   rows[m] + (long)chunk * TILE_CODE_BYTES + r * 512, ok);
-            }
+            for (int blk = 0; blk < KB; blk++) code_bytes[blk] = KB * next + blk < live_chunks ? 16u : 0u;
+            const u32 dst = slot + lane * 16;
 #pragma unroll
             for (int m = 0; m < NM; m++)
-                for (int word = lane; word < KB * TILE_SCALE_BYTES / 4; word += 32) {
-                    int chunk = KB * s + word / (TILE_SCALE_BYTES / 4);
-                    cp_async4(st + Step::CODES + m * KB * TILE_SCALE_BYTES + word * 4,
-                              scales[m] + (long)KB * s * TILE_SCALE_BYTES + word * 4, chunk < quads);
-                }
+#pragma unroll
+                for (int r = 0; r < 2; r++)
+#pragma unroll
+                    for (int blk = 0; blk < KB; blk++)
+                        cp_async16_shared(dst + ((m * 2 + r) * KB + blk) * 512,
+                                          code_src[m] + blk * TILE_CODE_BYTES + r * 512, code_bytes[blk]);
+            if (lane < SCALE_WORDS) {
+                const u32 scale_bytes = KB * next + scale_chunk < quads ? 4u : 0u;
+#pragma unroll
+                for (int m = 0; m < NM; m++)
+                    cp_async4_shared(slot + Step::CODES + m * KB * TILE_SCALE_BYTES + lane * 4, scale_src[m],
+                                     scale_bytes);
+            }
+#pragma unroll
+            for (int m = 0; m < NM; m++) {
+                code_src[m] += KB * TILE_CODE_BYTES;
+                scale_src[m] += KB * TILE_SCALE_BYTES;
+            }
+            next++;
         }
         cp_async_commit();
     };
     __syncwarp();  // every lane is done with the ring of the pass before
 #pragma unroll
-    for (int s = 0; s < EXPERT_STAGES - 1; s++) issue(s);
+    for (int s = 0; s < EXPERT_STAGES - 1; s++) issue(first_slot + s * Step::BYTES);
     const __nv_bfloat16 *x[NT];
     pair_inputs<NT, false>(x, in, pairs, count, div, width, g);
+    // Byte offsets in the ring of the slot of step s (read) and of the slot of step s - 1, which step
+    // s + EXPERT_STAGES - 1 refills.
+    int read = 0, refill = LAST_SLOT;
     for (int s = 0; s < steps; s++) {
         cp_async_wait<EXPERT_STAGES - 2>();  // this lane's copies of step s have landed
         __syncwarp();                        // and every lane's: the shared scale words are in
-        issue(s + EXPERT_STAGES - 1);        // into the slot of step s - 1, which every lane has read
-        const u8 *st = ring + (s % EXPERT_STAGES) * Step::BYTES;
+        issue(first_slot + refill);          // every lane has read the slot of step s - 1
+        const u32 codes = first_slot + read + lane * 16;
+        const u32 scales_at = first_slot + read + Step::CODES + tile_scale_offset(g, 0, t);
         uint4 cur[NM][2][KB];
         u32 cs[NM][2][KB];
 #pragma unroll
@@ -660,9 +686,12 @@ __device__ __forceinline__ void mma_ring_pass(u8 *ring, const u8 *const rows[NM]
             for (int m = 0; m < NM; m++)
 #pragma unroll
                 for (int r = 0; r < 2; r++) {
-                    cur[m][r][blk] = *(const uint4 *)(st + (((m * 2 + r) * KB + blk) * 32 + lane) * 16);
-                    cs[m][r][blk] = st[Step::CODES + (m * KB + blk) * TILE_SCALE_BYTES + tile_scale_offset(g, r, t)];
+                    cur[m][r][blk] = ld_shared16(codes + ((m * 2 + r) * KB + blk) * 512);
+                    // row g + 8 r: tile_scale_offset(g, r, t)
+                    cs[m][r][blk] = ld_shared_u8(scales_at + (m * KB + blk) * TILE_SCALE_BYTES + r * 32);
                 }
+        refill = read;
+        read = read == LAST_SLOT ? 0 : read + Step::BYTES;
         mma_step_scaled<NM, NT, KB, false>(cur, cs, x, s, t, groups, acc);
     }
 }

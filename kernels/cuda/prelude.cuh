@@ -121,6 +121,25 @@ __device__ __forceinline__ void cp_async4(void *dst, const void *src, bool ok) {
                  "r"(ok ? 4 : 0)
                  : "memory");
 }
+// The same at a shared address `dst`, copying `bytes` (16 or 4; 0: zeros, nothing read).
+__device__ __forceinline__ void cp_async16_shared(u32 dst, const void *src, u32 bytes) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async4_shared(u32 dst, const void *src, u32 bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+// Loads from a shared address (the ring pass keeps its slots as shared addresses, so that constant offsets fold into
+// the instructions).
+__device__ __forceinline__ uint4 ld_shared16(u32 addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+}
+__device__ __forceinline__ u32 ld_shared_u8(u32 addr) {
+    u32 v;
+    asm volatile("ld.shared.u8 %0, [%1];" : "=r"(v) : "r"(addr));
+    return v;
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int PENDING>
 __device__ __forceinline__ void cp_async_wait() {
