@@ -822,4 +822,55 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, DOWN_BLOCKS_PER_SM)
 extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, DOWN_BLOCKS_PER_SM) moe_down_full(DOWN_ARGS) {
     down_kernel<true>(a, w2p, w2s, group, pairs, y, E, D, I);
 }
+// Down projection of two 16-row tiles (rows row0 .. row0 + 31) for pairs[0..count) through the warp's ring (see
+// moe_down_tile_pairs).
+template <int NT, int KB>
+__device__ __forceinline__ void down_pair_mma_chunk(u8 *ring, const u8 *const rows[2], const u8 *const scales[2], int g,
+                                                    int t, int groups, const __nv_bfloat16 *act, const int *pairs,
+                                                    int count, int I, __nv_bfloat16 *y, int D, int row0) {
+    float acc[2][NT][4];
+#pragma unroll
+    for (int m = 0; m < 2; m++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[m][nt][e] = 0.0f;
+    mma_ring_pass<2, NT, KB>(ring, rows, scales, g, t, groups, act, pairs, count, 1, I, acc);
+#pragma unroll
+    for (int m = 0; m < 2; m++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int row = row0 + 16 * m + g + (e >> 1) * 8, c = nt * 8 + 2 * t + (e & 1);
+                if (row < D && c < count) y[(long)pairs[c] * D + row] = __float2bfloat16_rn(acc[m][nt][e]);
+            }
+}
+
+// Down projection as moe_down, with two 16-row tiles per warp streamed through its ring as moe_gate_up streams the
+// gate and up tiles: the two tiles share every load of the token inputs. With many pairs per expert those loads, not
+// the weights, bound moe_down (ncu at k3-mini's batch 64, 16 pairs per expert: L1 85% busy, DRAM 31%; BENCHMARKS.md,
+// eleventh session). Each tile sees the MMAs of moe_down in the same order, so the results are the same bits.
+// grid = (min(n k, E), D / (32 MMA_WARPS) rounded up), blockDim 32 MMA_WARPS; dynamic shared memory MMA_WARPS
+// RING_WARP_BYTES. D must be a multiple of 32 (the host takes moe_down otherwise).
+extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 4) moe_down_tile_pairs(DOWN_ARGS) {
+    kernel_entry();
+    int slot = blockIdx.x;
+    int active = group[0], e = group[1 + slot], p = group[1 + E + slot], end = group[2 + E + slot];
+    if (slot >= active) return;
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int row0 = (blockIdx.y * MMA_WARPS + (threadIdx.x >> 5)) * 32;
+    if (row0 >= D) return;
+    int groups = I / 32;
+    extern __shared__ __align__(16) u8 rings[];
+    u8 *ring = rings + (threadIdx.x >> 5) * RING_WARP_BYTES;
+    long tile = tile_index(e, row0, D, groups), quads = (groups + 3) / 4;  // the second tile follows the first
+    long code = tile * TILE_CODE_BYTES + tile_code_offset(g, 0, t);
+    const u8 *rows[2] = {w2p + code, w2p + code + quads * TILE_CODE_BYTES};
+    const u8 *scales[2] = {w2s + tile * TILE_SCALE_BYTES, w2s + (tile + quads) * TILE_SCALE_BYTES};
+#define DOWN_PAIR_MMA(NT, KB, FULL) \
+    down_pair_mma_chunk<NT, KB>(ring, rows, scales, g, t, groups, a, pairs + p, count, I, y, D, row0)
+    MMA_CHUNKS(DOWN_PAIR_MMA, GATE_UP_KB, false)
+#undef DOWN_PAIR_MMA
+}
 #undef DOWN_ARGS

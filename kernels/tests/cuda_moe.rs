@@ -4,7 +4,8 @@
 //! `mxfp4::dequant_row` (every E2M1 code; real checkpoints' scales, below 1, and scales up to 2^3, which take the
 //! kernels' wide dequantisation), over batches of 1, 3, 8, 16 and 64 tokens
 //! with one expert shared by every token, others by a few, and one expert that no token chose; and every token's
-//! outputs bit-identical across those batches (a token's arithmetic may not depend on who shares its experts).
+//! outputs bit-identical across those batches (a token's arithmetic may not depend on who shares its experts), and
+//! across the two forms of the down projection (one or two 16-row tiles per warp).
 //! On a machine without a CUDA driver every test says plainly that it skipped.
 //!
 //! The grouping by expert against a host grouping, with the choices staged in shared memory and read from global.
@@ -24,7 +25,7 @@ use rand_chacha::ChaCha8Rng;
 use sparkd_kernels::cpu::ops::situ;
 use sparkd_kernels::cuda::device::driver_present;
 use sparkd_kernels::cuda::expert_layout::{tile_codes, tile_scales};
-use sparkd_kernels::cuda::ops::{moe_group_len, DPtr, Gpu, RouteArgs};
+use sparkd_kernels::cuda::ops::{moe_group_len, DPtr, DownTiles, Gpu, RouteArgs};
 use sparkd_kernels::mxfp4::dequant_row;
 use sparkd_kernels::ModelConfig;
 
@@ -154,7 +155,15 @@ fn run(
     gpu.moe_gate_up(z, w1, w3, grouping, act, n, k, experts, latent, inter, b, lb).unwrap();
     gpu.moe_down(act, w2, grouping, y, n, k, experts, latent, inter).unwrap();
     let bits = |v: Vec<bf16>| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
-    (bits(gpu.download(&r.act, n * k * inter).unwrap()), bits(gpu.download(&r.y, n * k * latent).unwrap()))
+    let y_bits = bits(gpu.download(&r.y, n * k * latent).unwrap());
+    // Both forms of the down projection give the same bits, whichever the batch takes.
+    let chosen = DownTiles::for_batch(n, k, experts, latent);
+    let other = if chosen == DownTiles::One { DownTiles::Pairs } else { DownTiles::One };
+    let y_other = gpu.zeros::<bf16>(n * k * latent).unwrap();
+    gpu.moe_down_tiles(act, w2, grouping, gpu.ptr(&y_other), n, k, experts, latent, inter, other).unwrap();
+    let y_other = bits(gpu.download(&y_other, n * k * latent).unwrap());
+    assert!(y_other == y_bits, "[{latent}, {inter}] batch {n}: moe_down as {other:?} differs from {chosen:?}");
+    (bits(gpu.download(&r.act, n * k * inter).unwrap()), y_bits)
 }
 
 /// `sum_i a[i] b[i]` in f64 and the sum of the magnitudes of its terms.
@@ -397,6 +406,8 @@ fn routed_experts_reject_widths_that_are_not_multiples_of_32() {
     let (b, lb) = (cfg.situ_beta, cfg.situ_linear_beta);
     assert!(gpu.moe_gate_up(p, (p, p), (p, p), (p, p), p, 1, 1, 1, 40, 64, b, lb).is_err());
     assert!(gpu.moe_down(p, (p, p), (p, p), p, 1, 1, 1, 64, 40).is_err());
+    // Tile pairs need whole pairs of 16-row tiles.
+    assert!(gpu.moe_down_tiles(p, (p, p), (p, p), p, 1, 1, 1, 48, 64, DownTiles::Pairs).is_err());
 }
 
 /// The combine and routed norm of `n` tokens, `(combined, out)`, in f64 from the bf16 inputs: combined[c] =
@@ -497,6 +508,9 @@ fn time_routing(
     let (z, act, y) = (gpu.ptr(&r.z), gpu.ptr(&r.act), gpu.ptr(&r.y));
     let gate_up = || gpu.moe_gate_up(z, w1, w3, grouping, act, n, k, experts, latent, inter, situ.0, situ.1).unwrap();
     let down = || gpu.moe_down(act, w2, grouping, y, n, k, experts, latent, inter).unwrap();
+    let chosen = DownTiles::for_batch(n, k, experts, latent);
+    let other = if chosen == DownTiles::One { DownTiles::Pairs } else { DownTiles::One };
+    let down_other = || gpu.moe_down_tiles(act, w2, grouping, y, n, k, experts, latent, inter, other).unwrap();
     let iters = 50;
     let time = |op: &dyn Fn()| {
         op();
@@ -508,7 +522,7 @@ fn time_routing(
         gpu.synchronize().unwrap();
         t0.elapsed().as_secs_f64() / f64::from(iters)
     };
-    let (t_gu, t_down) = (time(&gate_up), time(&down));
+    let (t_gu, t_down, t_other) = (time(&gate_up), time(&down), time(&down_other));
     let gu_bytes = (active * (w[0].expert_bytes + w[1].expert_bytes)) as f64;
     let down_bytes = (active * w[2].expert_bytes) as f64;
     println!(
@@ -521,6 +535,7 @@ fn time_routing(
         (t_gu + t_down) * 1e6,
         (gu_bytes + down_bytes) / (t_gu + t_down) / 1e9
     );
+    println!("    down as {chosen:?} (taken) {:.1} us; as {other:?} {:.1} us", t_down * 1e6, t_other * 1e6);
 }
 
 /// `experts` experts' weights on the device in the tiled layout, made of `w`'s random experts repeated (a timing

@@ -113,7 +113,7 @@ impl Gpu {
         lbeta: f32,
     ) -> Result<()> {
         check_expert_width("latent", latent)?;
-        let cfg = expert_launch(n, k, experts, inter, GATE_UP_SHARED_BYTES);
+        let cfg = expert_launch(n, k, experts, inter, 16, GATE_UP_SHARED_BYTES);
         let (k, e, dl, di) = (k as i32, experts as i32, latent as i32, inter as i32);
         let mut b = self.launcher(&self.k.moe_gate_up);
         b.arg(&z).arg(&w1.0).arg(&w1.1).arg(&w3.0).arg(&w3.1).arg(&grouping.0).arg(&grouping.1).arg(&a);
@@ -122,7 +122,8 @@ impl Gpu {
     }
 
     /// Down projection per active expert over its grouped pairs: `y` `[n k, latent]` (row `t * k + j`). `w2` is
-    /// (codes, scales) of `[experts, latent, inter]` in the tiled layout of [`crate::cuda::expert_layout`].
+    /// (codes, scales) of `[experts, latent, inter]` in the tiled layout of [`crate::cuda::expert_layout`]. The
+    /// kernel's form is [`DownTiles::for_batch`]'s; both give the same bits.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_down(
         &self,
@@ -136,13 +137,46 @@ impl Gpu {
         latent: usize,
         inter: usize,
     ) -> Result<()> {
+        let tiles = DownTiles::for_batch(n, k, experts, latent);
+        self.moe_down_tiles(a, w2, grouping, y, n, k, experts, latent, inter, tiles)
+    }
+
+    /// [`Gpu::moe_down`] in the form `tiles` (which tests and benchmarks choose); [`DownTiles::Pairs`] needs
+    /// `latent` to be a multiple of 32.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_down_tiles(
+        &self,
+        a: DPtr,
+        w2: (DPtr, DPtr),
+        grouping: (DPtr, DPtr),
+        y: DPtr,
+        n: usize,
+        k: usize,
+        experts: usize,
+        latent: usize,
+        inter: usize,
+        tiles: DownTiles,
+    ) -> Result<()> {
         check_expert_width("expert", inter)?;
-        let cfg = expert_launch(n, k, experts, latent, 0);
         let (e, dl, di) = (experts as i32, latent as i32, inter as i32);
-        let full = inter % (128 * DOWN_KB) == 0;
-        let mut b = self.launcher(&self.k.moe_down[usize::from(full)]);
+        let (kernel, name, cfg) = match tiles {
+            DownTiles::One => {
+                let full = inter % (128 * DOWN_KB) == 0;
+                let name = if full { "moe_down_full" } else { "moe_down" };
+                (&self.k.moe_down[usize::from(full)], name, expert_launch(n, k, experts, latent, 16, 0))
+            }
+            DownTiles::Pairs => {
+                if latent % 32 != 0 {
+                    return Err(KernelError::InvalidInput(format!(
+                        "moe_down by tile pairs needs a multiple of 32 output rows, got {latent}"
+                    )));
+                }
+                let cfg = expert_launch(n, k, experts, latent, 32, GATE_UP_SHARED_BYTES);
+                (&self.k.moe_down_tile_pairs, "moe_down_tile_pairs", cfg)
+            }
+        };
+        let mut b = self.launcher(kernel);
         b.arg(&a).arg(&w2.0).arg(&w2.1).arg(&grouping.0).arg(&grouping.1).arg(&y).arg(&e).arg(&dl).arg(&di);
-        let name = if full { "moe_down_full" } else { "moe_down" };
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err(name))
     }
 
@@ -234,25 +268,54 @@ const EXPERT_RING_STEP_BYTES: u32 = 2 * 2 * GATE_UP_KB * 512 + 2 * GATE_UP_KB * 
 /// Dynamic shared memory of a `moe_gate_up` block: one ring per warp.
 const GATE_UP_SHARED_BYTES: u32 = EXPERT_WARPS * EXPERT_STAGES * EXPERT_RING_STEP_BYTES;
 
-/// Raises the dynamic shared memory limit of `moe_gate_up` to its rings' size.
+/// Raises the dynamic shared memory limit of the ring kernels (`moe_gate_up`, `moe_down_tile_pairs`) to their rings'
+/// size.
 pub(crate) fn allow_expert_shared_memory(k: &Kernels) -> Result<()> {
-    k.moe_gate_up
-        .set_attribute(
-            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            GATE_UP_SHARED_BYTES as i32,
-        )
-        .map_err(|e| device_err("allowing moe_gate_up its shared memory", e))
+    for (kernel, name) in [(&k.moe_gate_up, "moe_gate_up"), (&k.moe_down_tile_pairs, "moe_down_tile_pairs")] {
+        kernel
+            .set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                GATE_UP_SHARED_BYTES as i32,
+            )
+            .map_err(|e| device_err(&format!("allowing {name} its shared memory"), e))?;
+    }
+    Ok(())
 }
 
 /// K blocks of 128 inputs per step of moe_down (`DOWN_KB` in `kernels/cuda/moe.cu`): expert widths that are
 /// multiples of `128 * DOWN_KB` inputs (K3's 3,072) fill every step and take `moe_down_full`, the form without masks.
 const DOWN_KB: usize = 2;
 
-/// The launch of a grouped expert kernel with `rows` output rows per expert and `shared_bytes` of dynamic shared
-/// memory: one block per active-expert slot and group of `EXPERT_WARPS` 16-row tiles.
-fn expert_launch(n: usize, k: usize, experts: usize, rows: usize, shared_bytes: u32) -> LaunchConfig {
+/// Which `moe_down` kernel runs: one 16-row tile per warp (`moe_down` / `moe_down_full`), or two that share the
+/// token inputs' loads (`moe_down_tile_pairs`). The same bits either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DownTiles {
+    One,
+    Pairs,
+}
+
+/// The fewest pairs per expert, on average over the batch, at which [`DownTiles::Pairs`] runs: from there the token
+/// inputs' loads bound the one-tile form (H200, BENCHMARKS.md, eleventh session); with fewer, halving the warps
+/// costs more than the loads it saves.
+const DOWN_TILE_PAIRS_MIN_PAIRS: usize = 8;
+
+impl DownTiles {
+    /// The form for `n` tokens choosing `k` of `experts` experts, with `latent` output rows: a function of the batch
+    /// shape alone (the kernels never wait for the routing on the host).
+    pub fn for_batch(n: usize, k: usize, experts: usize, latent: usize) -> Self {
+        if latent % 32 == 0 && n * k >= DOWN_TILE_PAIRS_MIN_PAIRS * experts {
+            DownTiles::Pairs
+        } else {
+            DownTiles::One
+        }
+    }
+}
+
+/// The launch of a grouped expert kernel with `rows` output rows per expert, `warp_rows` of them per warp, and
+/// `shared_bytes` of dynamic shared memory: one block per active-expert slot and group of `EXPERT_WARPS` warps.
+fn expert_launch(n: usize, k: usize, experts: usize, rows: usize, warp_rows: usize, shared_bytes: u32) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (active_slots(n, k, experts), rows.div_ceil(16 * EXPERT_WARPS as usize) as u32, 1),
+        grid_dim: (active_slots(n, k, experts), rows.div_ceil(warp_rows * EXPERT_WARPS as usize) as u32, 1),
         block_dim: (32 * EXPERT_WARPS, 1, 1),
         shared_mem_bytes: shared_bytes,
     }
