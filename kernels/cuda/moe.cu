@@ -9,7 +9,8 @@
 // The expert kernels work per active expert over its grouped (token, slot) pairs (see "Grouped routed
 // experts" below) on the tensor cores; a token's results never depend on the batch.
 // MXFP4: two E2M1 codes per byte, element 2i in the low nibble; one E8M0 scale per 32 inputs;
-// 0xFF is NaN (shared/reference/k3-architecture.md §2.8).
+// 0xFF is NaN (shared/reference/k3-architecture.md §2.8). On the device the experts are tiled, and the bits of each
+// 32-bit word of codes permuted (kernels/src/cuda/expert_layout.rs).
 // Compiled after prelude.cuh (compile.rs prepends it: cuda_bf16.h and the shared helpers: u32, i64, ld, bf_round,
 // sigmoidf_, block reductions, dependent launch, clusters, cp.async and the bf16 MMA).
 

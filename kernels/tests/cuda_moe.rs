@@ -157,13 +157,20 @@ fn run(
     let bits = |v: Vec<bf16>| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
     let y_bits = bits(gpu.download(&r.y, n * k * latent).unwrap());
     // Both forms of the down projection give the same bits, whichever the batch takes.
-    let chosen = DownTiles::for_batch(n, k, experts, latent);
-    let other = if chosen == DownTiles::One { DownTiles::Pairs } else { DownTiles::One };
+    let (chosen, other) = down_forms(n, k, experts, latent);
     let y_other = gpu.zeros::<bf16>(n * k * latent).unwrap();
     gpu.moe_down_tiles(act, w2, grouping, gpu.ptr(&y_other), n, k, experts, latent, inter, other).unwrap();
     let y_other = bits(gpu.download(&y_other, n * k * latent).unwrap());
     assert!(y_other == y_bits, "[{latent}, {inter}] batch {n}: moe_down as {other:?} differs from {chosen:?}");
     (bits(gpu.download(&r.act, n * k * inter).unwrap()), y_bits)
+}
+
+/// The form of the down projection that `Gpu::moe_down` takes for the batch, and the other one.
+fn down_forms(n: usize, k: usize, experts: usize, latent: usize) -> (DownTiles, DownTiles) {
+    match DownTiles::for_batch(n, k, experts, latent) {
+        DownTiles::One => (DownTiles::One, DownTiles::Pairs),
+        DownTiles::Pairs => (DownTiles::Pairs, DownTiles::One),
+    }
 }
 
 /// `sum_i a[i] b[i]` in f64 and the sum of the magnitudes of its terms.
@@ -508,8 +515,7 @@ fn time_routing(
     let (z, act, y) = (gpu.ptr(&r.z), gpu.ptr(&r.act), gpu.ptr(&r.y));
     let gate_up = || gpu.moe_gate_up(z, w1, w3, grouping, act, n, k, experts, latent, inter, situ.0, situ.1).unwrap();
     let down = || gpu.moe_down(act, w2, grouping, y, n, k, experts, latent, inter).unwrap();
-    let chosen = DownTiles::for_batch(n, k, experts, latent);
-    let other = if chosen == DownTiles::One { DownTiles::Pairs } else { DownTiles::One };
+    let (chosen, other) = down_forms(n, k, experts, latent);
     let down_other = || gpu.moe_down_tiles(act, w2, grouping, y, n, k, experts, latent, inter, other).unwrap();
     let iters = 50;
     let time = |op: &dyn Fn()| {
