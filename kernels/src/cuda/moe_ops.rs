@@ -355,4 +355,17 @@ mod tests {
         assert_eq!(EXPERT_WARPS, defined("MMA_WARPS"));
         assert_eq!(ROUTER_CLUSTER, defined("ROUTER_CLUSTER"));
     }
+
+    #[test]
+    fn tile_pairs_take_the_down_projection_only_with_many_pairs_per_expert() {
+        let (k3_mini, k3, latent) = (64, 896, 3584);
+        // k3-mini's batch 64 puts 16 pairs on each expert: the token loads bound the one-tile form there.
+        assert_eq!(DownTiles::for_batch(64, 16, k3_mini, latent), DownTiles::Pairs);
+        assert_eq!(DownTiles::for_batch(32, 16, k3_mini, latent), DownTiles::Pairs);
+        // Fewer pairs per expert, as in K3's decode (1.7 at batch 64), keep one tile per warp and twice the warps.
+        assert_eq!(DownTiles::for_batch(16, 16, k3_mini, latent), DownTiles::One);
+        assert_eq!(DownTiles::for_batch(64, 16, k3, latent), DownTiles::One);
+        // Tile pairs need whole pairs of 16-row tiles.
+        assert_eq!(DownTiles::for_batch(64, 16, k3_mini, 48), DownTiles::One);
+    }
 }
