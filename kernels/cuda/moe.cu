@@ -697,6 +697,26 @@ __device__ __forceinline__ void mma_ring_pass(u8 *ring, const u8 *const rows[NM]
     }
 }
 
+// The grouping entries of the block's active-expert slot (blockIdx.x) in one round trip with the active count:
+// expert e and its pairs [p, end). False when the slot is idle (its entries are then unused).
+__device__ __forceinline__ bool expert_slot(const int *group, int E, int &e, int &p, int &end) {
+    int slot = blockIdx.x;
+    int active = group[0];
+    e = group[1 + slot], p = group[1 + E + slot], end = group[2 + E + slot];
+    return slot < active;
+}
+
+// The MMA accumulators of NM tiles and NT n-tiles, zeroed.
+template <int NM, int NT>
+__device__ __forceinline__ void zero_acc(float acc[NM][NT][4]) {
+#pragma unroll
+    for (int m = 0; m < NM; m++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[m][nt][e] = 0.0f;
+}
+
 // Gate/up + SiTU of one 16-row tile for pairs[0..count), count <= 8 NT (see moe_gate_up).
 template <int NT, int KB>
 __device__ __forceinline__ void gate_up_mma_chunk(u8 *ring, const u8 *const rows[2], const u8 *const scales[2],
@@ -704,12 +724,7 @@ __device__ __forceinline__ void gate_up_mma_chunk(u8 *ring, const u8 *const rows
                                                   int count, int k, int D, __nv_bfloat16 *a, int I, int row0,
                                                   float beta, float lbeta) {
     float acc[2][NT][4];
-#pragma unroll
-    for (int m = 0; m < 2; m++)
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) acc[m][nt][e] = 0.0f;
+    zero_acc<2, NT>(acc);
     mma_ring_pass<2, NT, KB>(ring, rows, scales, g, t, groups, z, pairs, count, k, D, acc);
     // c0, c1: row g, pairs 2t, 2t + 1 of the tile; c2, c3: row g + 8, the same pairs.
 #pragma unroll
@@ -750,10 +765,8 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 4)
                     const int *group, const int *pairs, __nv_bfloat16 *a, int k, int E, int D, int I, float beta,
                     float lbeta) {
     kernel_entry();
-    int slot = blockIdx.x;
-    // The slot's grouping entries in one round trip with the active count (unused when the slot is idle).
-    int active = group[0], e = group[1 + slot], p = group[1 + E + slot], end = group[2 + E + slot];
-    if (slot >= active) return;
+    int e, p, end;
+    if (!expert_slot(group, E, e, p, end)) return;
     int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int row0 = (blockIdx.y * MMA_WARPS + (threadIdx.x >> 5)) * 16;
     if (row0 >= I) return;
@@ -768,24 +781,31 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 4)
 #undef GATE_UP_MMA
 }
 
+// The down projection's outputs of NM consecutive 16-row tiles from row0 (output channels below D) for the chunk's
+// pairs[0..count): c0, c1 are row g of pairs 2t, 2t + 1 of an n-tile, c2, c3 row g + 8.
+template <int NM, int NT>
+__device__ __forceinline__ void store_down(const float acc[NM][NT][4], const int *pairs, int count,
+                                           __nv_bfloat16 *y, int D, int row0, int g, int t) {
+#pragma unroll
+    for (int m = 0; m < NM; m++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int row = row0 + 16 * m + g + (e >> 1) * 8, c = nt * 8 + 2 * t + (e & 1);
+                if (row < D && c < count) y[(long)pairs[c] * D + row] = __float2bfloat16_rn(acc[m][nt][e]);
+            }
+}
+
 // Down projection of one 16-row tile (output channels) for pairs[0..count) (see moe_down).
 template <int NT, int KB, bool FULL>
 __device__ __forceinline__ void down_mma_chunk(const u8 *const rows[1], const u8 *const scales[1], int g, int t,
                                                int groups, const __nv_bfloat16 *act, const int *pairs, int count,
                                                int I, __nv_bfloat16 *y, int D, int row0) {
     float acc[1][NT][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) acc[0][nt][e] = 0.0f;
+    zero_acc<1, NT>(acc);
     mma_rows_pass<1, NT, KB, FULL>(rows, scales, g, t, groups, act, pairs, count, 1, I, acc);
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            int row = row0 + g + (e >> 1) * 8, c = nt * 8 + 2 * t + (e & 1);
-            if (row < D && c < count) y[(long)pairs[c] * D + row] = __float2bfloat16_rn(acc[0][nt][e]);
-        }
+    store_down<1, NT>(acc, pairs, count, y, D, row0, g, t);
 }
 
 // Down projection per active expert: y[p, c] = bf(w2_e[c] a[p]) for every pair p of expert e. Two K blocks per step
@@ -799,9 +819,8 @@ template <bool FULL>
 __device__ __forceinline__ void down_kernel(const __nv_bfloat16 *a, const u8 *w2p, const u8 *w2s, const int *group,
                                             const int *pairs, __nv_bfloat16 *y, int E, int D, int I) {
     kernel_entry();
-    int slot = blockIdx.x;
-    int active = group[0], e = group[1 + slot], p = group[1 + E + slot], end = group[2 + E + slot];
-    if (slot >= active) return;
+    int e, p, end;
+    if (!expert_slot(group, E, e, p, end)) return;
     int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int row0 = (blockIdx.y * MMA_WARPS + (threadIdx.x >> 5)) * 16;
     if (row0 >= D) return;
@@ -830,22 +849,9 @@ __device__ __forceinline__ void down_pair_mma_chunk(u8 *ring, const u8 *const ro
                                                     int t, int groups, const __nv_bfloat16 *act, const int *pairs,
                                                     int count, int I, __nv_bfloat16 *y, int D, int row0) {
     float acc[2][NT][4];
-#pragma unroll
-    for (int m = 0; m < 2; m++)
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) acc[m][nt][e] = 0.0f;
+    zero_acc<2, NT>(acc);
     mma_ring_pass<2, NT, KB>(ring, rows, scales, g, t, groups, act, pairs, count, 1, I, acc);
-#pragma unroll
-    for (int m = 0; m < 2; m++)
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int row = row0 + 16 * m + g + (e >> 1) * 8, c = nt * 8 + 2 * t + (e & 1);
-                if (row < D && c < count) y[(long)pairs[c] * D + row] = __float2bfloat16_rn(acc[m][nt][e]);
-            }
+    store_down<2, NT>(acc, pairs, count, y, D, row0, g, t);
 }
 
 // Down projection as moe_down, with two 16-row tiles per warp streamed through its ring as moe_gate_up streams the
@@ -856,9 +862,8 @@ __device__ __forceinline__ void down_pair_mma_chunk(u8 *ring, const u8 *const ro
 // RING_WARP_BYTES. D must be a multiple of 32 (the host takes moe_down otherwise).
 extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 4) moe_down_tile_pairs(DOWN_ARGS) {
     kernel_entry();
-    int slot = blockIdx.x;
-    int active = group[0], e = group[1 + slot], p = group[1 + E + slot], end = group[2 + E + slot];
-    if (slot >= active) return;
+    int e, p, end;
+    if (!expert_slot(group, E, e, p, end)) return;
     int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int row0 = (blockIdx.y * MMA_WARPS + (threadIdx.x >> 5)) * 32;
     if (row0 >= D) return;
