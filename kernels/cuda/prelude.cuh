@@ -109,24 +109,18 @@ __device__ float block_max(float v) {
     return t;
 }
 
-// Asynchronous copies from global to shared memory (Ampere and later), waited for by commit group: 16 bytes through
-// L2 only (a miss fetches 256 bytes) or 4 bytes through L1; with `ok` false the destination is zero-filled.
-__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool ok) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"((u32)__cvta_generic_to_shared(dst)),
-                 "l"(src), "r"(ok ? 16 : 0)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async4(void *dst, const void *src, bool ok) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src),
-                 "r"(ok ? 4 : 0)
-                 : "memory");
-}
-// The same at a shared address `dst`, copying `bytes` (16 or 4; 0: zeros, nothing read).
+// Asynchronous copies from global to the shared address `dst` (Ampere and later), waited for by commit group: 16
+// bytes through L2 only (a miss fetches 256 bytes) or 4 bytes through L1, copying `bytes` (16 or 4; 0: zeros, nothing
+// read).
 __device__ __forceinline__ void cp_async16_shared(u32 dst, const void *src, u32 bytes) {
     asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void cp_async4_shared(u32 dst, const void *src, u32 bytes) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+// cp_async4_shared to a generic pointer into shared memory; with `ok` false the destination is zero-filled.
+__device__ __forceinline__ void cp_async4(void *dst, const void *src, bool ok) {
+    cp_async4_shared((u32)__cvta_generic_to_shared(dst), src, ok ? 4u : 0u);
 }
 // Loads from a shared address (the ring pass keeps its slots as shared addresses, so that constant offsets fold into
 // the instructions).
