@@ -5,7 +5,9 @@
 #   ncu.txt              per-kernel ncu durations (only with NCU_KERNELS set)
 # Builds are directories carried to the device, each holding what a step needs: sparkd (bench, validate), the GPU
 # test binaries named in TESTS, and optionally kc/ (CUBINs filled by the cuda_compile test). The first build is the
-# baseline; every later one is validated first (sparkd validate and the TESTS binaries).
+# baseline; every later one is validated first (sparkd validate and the TESTS binaries). A build may be named with
+# environment settings, `dir@VAR=VALUE[,VAR=VALUE...]`: every command of that entry runs with them, and its files
+# are named `<dir's name>_<VALUE>...` (one lab build A/B'd against itself in several modes).
 #   BUILDS="dir ..."   the builds, baseline first (required)
 #   ROUNDS             bench rounds (default 2)
 #   BATCHES            batches of the bench (default 1,8,64)
@@ -14,7 +16,8 @@
 #   MOE_BANDWIDTH=1    also `cuda_moe --ignored routed_expert_bandwidth` for every build, ROUNDS times, interleaved
 #   NCU_KERNELS=regex  also ncu per-kernel durations of a --batch $NCU_BATCH bench (default 64) for every build
 #   OPS="op ..."       bench ops (e.g. mla.attention kda.recurrence) whose ms per step the summary prints too
-# Example: BUILDS=".bin/base .bin/new" MOE_BANDWIDTH=1 bash kernels/bench/ab_h200.sh
+# Examples: BUILDS=".bin/base .bin/new" MOE_BANDWIDTH=1 bash kernels/bench/ab_h200.sh
+#           BUILDS=".bin/lab .bin/lab@SPARKD_LAB_X=2 .bin/lab@SPARKD_LAB_X=3" bash kernels/bench/ab_h200.sh
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -24,35 +27,48 @@ ROUNDS=${ROUNDS:-2}
 BATCHES=${BATCHES:-1,8,64}
 PROMPT_LEN=${PROMPT_LEN:-64}
 TESTS=${TESTS:-cuda_moe cuda_runner}
-# shellcheck disable=SC2086 # BUILDS is a list of directories
-. "$(dirname "$0")/device_env.sh" $BUILDS
-run() { # run LIMIT_S CMD...
-  local limit=$1; shift
+dir() { echo "${1%%@*}"; }
+# The entry's settings, space-separated for env(1) (none for a plain directory).
+settings() { case "$1" in *@*) echo "${1#*@}" | tr ',' ' ' ;; esac; }
+name() { # the directory's name, then _VALUE per setting
+  local n s
+  n=$(basename "$(dir "$1")")
+  for s in $(settings "$1"); do n="${n}_${s#*=}"; done
+  echo "$n"
+}
+# shellcheck disable=SC2046 # one word per build directory
+. "$(dirname "$0")/device_env.sh" $(for b in $BUILDS; do dir "$b"; done)
+run() { # run LIMIT_S BUILD CMD...: CMD with BUILD's settings
+  local limit=$1 build=$2; shift 2
+  # shellcheck disable=SC2046 # one word per setting
+  set -- $(settings "$build") "$@"
   echo "=== $(date -u +%T) $*" >>"$LOG"
-  timeout "$limit" "$@" >>"$LOG" 2>&1
+  timeout "$limit" env "$@" >>"$LOG" 2>&1
   echo "=== rc=$?" >>"$LOG"
 }
-name() { basename "$1"; }
 { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; } >>"$LOG" 2>&1
 
 first=1
 for b in $BUILDS; do
   if [ $first = 1 ]; then first=0; continue; fi
-  [ -x "$b/sparkd" ] && run 60 "$b/sparkd" validate --device cuda --config k3-tiny --out "$OUT/validate_$(name "$b").json"
+  d=$(dir "$b")
+  [ -x "$d/sparkd" ] && run 60 "$b" "$d/sparkd" validate --device cuda --config k3-tiny --out "$OUT/validate_$(name "$b").json"
   for t in $TESTS; do
-    [ -x "$b/$t" ] && run 60 "$b/$t" --test-threads=1 --nocapture --skip cuda_matches_the_cpu_reference
+    [ -x "$d/$t" ] && run 60 "$b" "$d/$t" --test-threads=1 --nocapture --skip cuda_matches_the_cpu_reference
   done
 done
 if [ "${MOE_BANDWIDTH:-0}" = 1 ]; then
   for r in $(seq 1 "$ROUNDS"); do
     for b in $BUILDS; do
-      [ -x "$b/cuda_moe" ] && run 30 "$b/cuda_moe" --ignored --nocapture --test-threads=1 routed_expert_bandwidth
+      d=$(dir "$b")
+      [ -x "$d/cuda_moe" ] && run 30 "$b" "$d/cuda_moe" --ignored --nocapture --test-threads=1 routed_expert_bandwidth
     done
   done
 fi
 for r in $(seq 1 "$ROUNDS"); do
   for b in $BUILDS; do
-    [ -x "$b/sparkd" ] && run 90 "$b/sparkd" bench --device cuda --config k3-mini --batch "$BATCHES" --steps 8 \
+    d=$(dir "$b")
+    [ -x "$d/sparkd" ] && run 90 "$b" "$d/sparkd" bench --device cuda --config k3-mini --batch "$BATCHES" --steps 8 \
       --prompt-len "$PROMPT_LEN" --max-verify 0 --no-forced --out "$OUT/bench_$(name "$b")_$r.json"
   done
 done
@@ -60,8 +76,9 @@ if [ -n "${NCU_KERNELS:-}" ]; then
   NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   for b in $BUILDS; do
     echo "=== ncu $(name "$b")" >>"$OUT/ncu.txt"
-    timeout 100 "$NCU" --clock-control none --kernel-name "regex:$NCU_KERNELS" --metrics gpu__time_duration.sum \
-      --print-summary per-kernel "$b/sparkd" bench --device cuda --config k3-mini --batch "${NCU_BATCH:-64}" --steps 2 \
+    # shellcheck disable=SC2046 # one word per setting
+    timeout 100 env $(settings "$b") "$NCU" --clock-control none --kernel-name "regex:$NCU_KERNELS" \
+      --metrics gpu__time_duration.sum --print-summary per-kernel "$(dir "$b")/sparkd" bench --device cuda --config k3-mini --batch "${NCU_BATCH:-64}" --steps 2 \
       --prompt-len "$PROMPT_LEN" --max-verify 0 --no-forced 2>&1 | grep -v "^==PROF==" >>"$OUT/ncu.txt"
   done
 fi
