@@ -4,12 +4,13 @@
 //! this file only parses, runs and prints. The JSON report goes to `--out` (or stdout when it is
 //! absent) and a readable table to stderr, so `sparkd bench --device cuda > report.json` works.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use sparkd::config::Device;
 use sparkd_kernels::acceptance::{AcceptanceMode, SyntheticSchedule};
 use sparkd_kernels::bench::{run_decode_bench, DecodeBench};
+use sparkd_kernels::checkpoint::Checkpoint;
 use sparkd_kernels::config::PRESET_NAMES;
 use sparkd_kernels::cpu::CpuRunner;
 use sparkd_kernels::cuda::bench::{self as cuda_bench, CudaBenchOptions};
@@ -33,6 +34,11 @@ pub struct BenchArgs {
     /// Named config (k3-tiny, k3-mini, k3-mini-wide), synthetic weights generated in memory.
     #[arg(long, default_value = "k3-tiny")]
     pub config: String,
+    /// Checkpoint folder (config.json + safetensors) to benchmark instead of --config's synthetic weights: real
+    /// weights, or a synthetic checkpoint from `sparkd synth` (the same weights as its config and seed, loaded
+    /// without generating them again).
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["config", "seed"])]
+    pub model: Option<PathBuf>,
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     pub device: Device,
     /// Batch sizes, comma-separated.
@@ -114,8 +120,14 @@ fn emit(json: &str, out: Option<&PathBuf>) -> Result<()> {
     }
 }
 
+fn open_checkpoint(dir: &Path) -> Result<Checkpoint> {
+    Checkpoint::open(dir).with_context(|| format!("--model: opening the checkpoint {}", dir.display()))
+}
+
 pub fn bench(args: &BenchArgs) -> Result<()> {
-    let cfg = check_config(&args.config)?;
+    if args.model.is_none() {
+        check_config(&args.config)?;
+    }
     if args.batch.is_empty() || args.batch.contains(&0) || args.steps == 0 {
         bail!("--batch and --steps: every value must be at least 1");
     }
@@ -140,6 +152,7 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
                 synthetic_al: args.synthetic_al,
                 verify_lens: (1..=args.max_verify).collect(),
                 forced: (!args.no_forced).then_some((7, 6.0)),
+                model: args.model.clone(),
                 ..CudaBenchOptions::for_preset(&args.config)
             };
             let report = cuda_bench::run(&opts)?;
@@ -147,7 +160,16 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
             emit(&serde_json::to_string_pretty(&report)?, args.out.as_ref())
         }
         Device::Cpu => {
-            let mut runner = CpuRunner::new(cfg.clone(), &SyntheticWeights::new(cfg, args.seed))?;
+            let mut runner = match &args.model {
+                Some(dir) => {
+                    let checkpoint = open_checkpoint(dir)?;
+                    CpuRunner::new(checkpoint.config().clone(), &checkpoint)?
+                }
+                None => {
+                    let cfg = check_config(&args.config)?;
+                    CpuRunner::new(cfg.clone(), &SyntheticWeights::new(cfg, args.seed))?
+                }
+            };
             if let Some(al) = args.synthetic_al {
                 runner.set_acceptance(AcceptanceMode::Synthetic(SyntheticSchedule::from_acceptance_length(
                     al,
@@ -155,7 +177,8 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
                 )?));
             }
             let mut results = Vec::new();
-            eprintln!("sparkd bench: {} on the CPU\nbatch  step ms  tok/s", args.config);
+            let name = args.model.as_ref().map_or_else(|| args.config.clone(), |dir| dir.display().to_string());
+            eprintln!("sparkd bench: {name} on the CPU\nbatch  step ms  tok/s");
             for &batch in &args.batch {
                 let bench =
                     DecodeBench { batch, prompt_len: args.prompt_len, steps: args.steps, draft_len: args.draft_len };

@@ -1,6 +1,6 @@
 //! Black-box tests of the `sparkd` command line: clear errors and non-zero exits for bad arguments (never a
-//! panic), `synth` and `tokenizer --export` write what they say, `--model DIR` serves a written checkpoint, and
-//! SIGTERM shuts the server down cleanly.
+//! panic), `synth` and `tokenizer --export` write what they say, `--model DIR` serves and benchmarks a written
+//! checkpoint, and SIGTERM shuts the server down cleanly.
 
 use std::process::Command;
 
@@ -25,6 +25,8 @@ fn bad_arguments_exit_non_zero_with_a_clear_message() {
         (&["serve", "--model", "/no/such/dir"], "--model"),
         (&["serve", "--host", "example dot com"], "--host"),
         (&["synth", "--config", "k9", "--out", "/tmp/x"], "unknown config `k9`"),
+        (&["bench", "--model", "/no/such/dir"], "/no/such/dir"),
+        (&["bench", "--model", "/no/such/dir", "--config", "k3-mini"], "--config"),
         (&["frobnicate"], "frobnicate"),
     ];
     for (args, needle) in cases {
@@ -72,5 +74,26 @@ async fn synth_writes_a_checkpoint_that_serve_loads_and_sigterm_stops_it() {
     assert_eq!(body["usage"]["completion_tokens"], 3);
     let status = s.terminate().unwrap();
     assert!(status.success(), "graceful shutdown exits 0: {status}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bench_runs_on_a_written_checkpoint() {
+    let dir = std::env::temp_dir().join(format!("sparkd-bench-ckpt-{}", std::process::id()));
+    let report = dir.join("report.json");
+    let (code, _, stderr) = run(&["synth", "--config", "k3-tiny", "--seed", "5", "--out", dir.to_str().unwrap()]);
+    assert_eq!(code, 0, "{stderr}");
+    let args = ["bench", "--model", dir.to_str().unwrap(), "--batch", "1,2", "--steps", "2", "--prompt-len", "4"];
+    let (code, _, stderr) = run(&[&args[..], &["--out", report.to_str().unwrap()]].concat());
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stderr.contains(dir.to_str().unwrap()), "the table names the checkpoint: {stderr}");
+    let results: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    let results = results.as_array().expect("one result per batch");
+    let batches: Vec<u64> = results.iter().map(|r| r["config"]["batch"].as_u64().unwrap()).collect();
+    assert_eq!(batches, [1, 2]);
+    for r in results {
+        assert!(r["generated_tokens"].as_u64().unwrap() >= 2 * r["config"]["batch"].as_u64().unwrap(), "{r}");
+        assert!(r["step_ms"].as_f64().unwrap() > 0.0, "{r}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

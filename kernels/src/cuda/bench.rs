@@ -15,11 +15,13 @@
 //!   bytes written), so `floor_fraction = floor_ms / step_ms` is the share of the copy speed reached.
 
 use std::collections::BTreeSet;
+use std::path::PathBuf;
 use std::time::Instant;
 
 use cudarc::driver::sys::CUevent_flags;
 
 use crate::acceptance::{AcceptanceMode, SyntheticSchedule};
+use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
 use crate::cpu::moe::Routing;
 use crate::cuda::device::{device_err, DeviceInfo};
@@ -30,14 +32,18 @@ use crate::cuda::weights::{DevFfn, DevLinear, DevMixer, DevMlp, DevNorm, DevWeig
 use crate::error::{KernelError, Result};
 use crate::runner::{RowInput, Runner, SampleRequest, SamplingParams, StateId, TokenId};
 use crate::synth::SyntheticWeights;
+use crate::tensor::WeightSource;
 
 /// What to measure.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct CudaBenchOptions {
     pub ordinal: usize,
-    /// A preset name (`k3-tiny`, `k3-mini`, `k3-mini-wide`).
+    /// A preset name (`k3-tiny`, `k3-mini`, `k3-mini-wide`), run on synthetic weights of `weights_seed`.
     pub preset: String,
     pub weights_seed: u64,
+    /// A checkpoint folder (`config.json` + safetensors) to load instead; `preset` and `weights_seed` are then
+    /// unused. A synthetic checkpoint written by `sparkd synth` gives the same weights as its preset and seed.
+    pub model: Option<PathBuf>,
     pub gemm: Gemm,
     /// Whether repeated step shapes run as CUDA graphs (the served default).
     pub graphs: bool,
@@ -68,6 +74,7 @@ impl CudaBenchOptions {
             ordinal: 0,
             preset: preset.into(),
             weights_seed: 0,
+            model: None,
             gemm: Gemm::BatchInvariant,
             graphs: true,
             compare_eager: false,
@@ -199,15 +206,23 @@ pub struct CudaBenchReport {
 
 /// Runs everything `opts` asks for on one device.
 pub fn run(opts: &CudaBenchOptions) -> Result<CudaBenchReport> {
-    let cfg = ModelConfig::preset(&opts.preset)?;
     if opts.steps == 0 || opts.batches.contains(&0) {
         return Err(KernelError::InvalidInput("benchmark steps and batch sizes must be at least 1".into()));
     }
     if opts.synthetic_al.is_some() && opts.draft_len == 0 {
         return Err(KernelError::InvalidInput("a synthetic acceptance length needs --draft-len of at least 1".into()));
     }
-    let src = SyntheticWeights::new(cfg.clone(), opts.weights_seed);
-    let mut runner = CudaRunner::new(opts.ordinal, cfg, &src)?;
+    let checkpoint = opts.model.as_deref().map(Checkpoint::open).transpose()?;
+    let cfg = match &checkpoint {
+        Some(c) => c.config().clone(),
+        None => ModelConfig::preset(&opts.preset)?,
+    };
+    let synthetic = SyntheticWeights::new(cfg.clone(), opts.weights_seed);
+    let src: &dyn WeightSource = match &checkpoint {
+        Some(c) => c,
+        None => &synthetic,
+    };
+    let mut runner = CudaRunner::new(opts.ordinal, cfg, src)?;
     runner.set_gemm(opts.gemm);
     runner.set_graphs(opts.graphs);
     let copy_bytes_per_second = copy_bandwidth(runner.gpu())?;
@@ -617,7 +632,7 @@ impl CudaBenchReport {
         s += &format!(
             "sparkd bench: {} on {} ({:?} GEMM, CUDA graphs {}, dependent launch {}), prompt {} tokens, {} timed \
              steps\n",
-            o.preset,
+            o.model.as_ref().map_or_else(|| o.preset.clone(), |dir| dir.display().to_string()),
             self.device.name,
             o.gemm,
             if o.graphs { "on" } else { "off" },
