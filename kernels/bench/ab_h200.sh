@@ -15,6 +15,9 @@
 #   TESTS              GPU test binaries run on every non-baseline build (default: cuda_moe cuda_runner)
 #   MOE_BANDWIDTH=1    also `cuda_moe --ignored routed_expert_bandwidth` for every build, ROUNDS times, interleaved
 #   NCU_KERNELS=regex  also ncu per-kernel durations of a --batch $NCU_BATCH bench (default 64) for every build
+#   CHECKPOINT=DIR     bench k3-mini from a synthetic checkpoint in DIR (`sparkd bench --model`, the same weights),
+#                      written once by the first build's `sparkd synth` when DIR has no config.json: each bench then
+#                      loads its weights instead of generating them again. Every build's sparkd must know --model.
 #   OPS="op ..."       bench ops (e.g. mla.attention kda.recurrence) whose ms per step the summary prints too
 # Examples: BUILDS=".bin/base .bin/new" MOE_BANDWIDTH=1 bash kernels/bench/ab_h200.sh
 #           BUILDS=".bin/lab .bin/lab@SPARKD_LAB_X=2 .bin/lab@SPARKD_LAB_X=3" bash kernels/bench/ab_h200.sh
@@ -65,10 +68,16 @@ if [ "${MOE_BANDWIDTH:-0}" = 1 ]; then
     done
   done
 fi
+WEIGHTS=(--config k3-mini)
+if [ -n "${CHECKPOINT:-}" ]; then
+  writer=$(dir "${BUILDS%% *}")
+  [ -f "$CHECKPOINT/config.json" ] || run 180 "$writer" "$writer/sparkd" synth --config k3-mini --seed 0 --out "$CHECKPOINT"
+  WEIGHTS=(--model "$CHECKPOINT")
+fi
 for r in $(seq 1 "$ROUNDS"); do
   for b in $BUILDS; do
     d=$(dir "$b")
-    [ -x "$d/sparkd" ] && run 90 "$b" "$d/sparkd" bench --device cuda --config k3-mini --batch "$BATCHES" --steps 8 \
+    [ -x "$d/sparkd" ] && run 90 "$b" "$d/sparkd" bench --device cuda "${WEIGHTS[@]}" --batch "$BATCHES" --steps 8 \
       --prompt-len "$PROMPT_LEN" --max-verify 0 --no-forced --out "$OUT/bench_$(name "$b")_$r.json"
   done
 done
