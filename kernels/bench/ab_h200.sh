@@ -16,8 +16,9 @@
 #   MOE_BANDWIDTH=1    also `cuda_moe --ignored routed_expert_bandwidth` for every build, ROUNDS times, interleaved
 #   NCU_KERNELS=regex  also ncu per-kernel durations of a --batch $NCU_BATCH bench (default 64) for every build
 #   CHECKPOINT=DIR     bench k3-mini from a synthetic checkpoint in DIR (`sparkd bench --model`, the same weights),
-#                      written once by the first build's `sparkd synth` unless DIR holds its index (written last): each bench then
-#                      loads its weights instead of generating them again. Every build's sparkd must know --model.
+#                      written once by the first build's `sparkd synth` unless DIR holds its index (synth writes it
+#                      last): each bench then loads the weights instead of generating them again. Every build's
+#                      sparkd must know --model.
 #   OPS="op ..."       bench ops (e.g. mla.attention kda.recurrence) whose ms per step the summary prints too
 # Examples: BUILDS=".bin/base .bin/new" MOE_BANDWIDTH=1 bash kernels/bench/ab_h200.sh
 #           BUILDS=".bin/lab .bin/lab@SPARKD_LAB_X=2 .bin/lab@SPARKD_LAB_X=3" bash kernels/bench/ab_h200.sh
@@ -71,7 +72,8 @@ fi
 WEIGHTS=(--config k3-mini)
 if [ -n "${CHECKPOINT:-}" ]; then
   writer=$(dir "${BUILDS%% *}")
-  [ -f "$CHECKPOINT/model.safetensors.index.json" ] || run 180 "$writer" "$writer/sparkd" synth --config k3-mini --seed 0 --out "$CHECKPOINT"
+  [ -f "$CHECKPOINT/model.safetensors.index.json" ] ||
+    run 180 "$writer" "$writer/sparkd" synth --config k3-mini --seed 0 --out "$CHECKPOINT"
   WEIGHTS=(--model "$CHECKPOINT")
 fi
 for r in $(seq 1 "$ROUNDS"); do
