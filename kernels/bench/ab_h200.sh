@@ -74,7 +74,11 @@ if [ -n "${CHECKPOINT:-}" ]; then
   writer=$(dir "${BUILDS%% *}")
   [ -f "$CHECKPOINT/model.safetensors.index.json" ] ||
     run 180 "$writer" "$writer/sparkd" synth --config k3-mini --seed 0 --out "$CHECKPOINT"
-  WEIGHTS=(--model "$CHECKPOINT")
+  if [ -f "$CHECKPOINT/model.safetensors.index.json" ]; then
+    WEIGHTS=(--model "$CHECKPOINT")
+  else
+    echo "=== no checkpoint in $CHECKPOINT: benching the generated weights" >>"$LOG"
+  fi
 fi
 for r in $(seq 1 "$ROUNDS"); do
   for b in $BUILDS; do
