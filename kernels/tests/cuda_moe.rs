@@ -153,19 +153,19 @@ fn run(
     let (w1, w3, w2) = (w[0].ptrs(gpu), w[1].ptrs(gpu), w[2].ptrs(gpu));
     let (z, act, y) = (gpu.ptr(&r.z), gpu.ptr(&r.act), gpu.ptr(&r.y));
     gpu.moe_gate_up(z, w1, w3, grouping, act, n, k, experts, latent, inter, b, lb).unwrap();
-    gpu.moe_down(act, w2, grouping, y, n, k, experts, latent, inter).unwrap();
+    let (chosen, other) = down_forms(n, k, experts, latent);
+    gpu.moe_down(act, w2, grouping, y, n, k, experts, latent, inter, chosen).unwrap();
     let bits = |v: Vec<bf16>| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
     let y_bits = bits(gpu.download(&r.y, n * k * latent).unwrap());
     // Both forms of the down projection give the same bits, whichever the batch takes.
-    let (chosen, other) = down_forms(n, k, experts, latent);
     let y_other = gpu.zeros::<bf16>(n * k * latent).unwrap();
-    gpu.moe_down_tiles(act, w2, grouping, gpu.ptr(&y_other), n, k, experts, latent, inter, other).unwrap();
+    gpu.moe_down(act, w2, grouping, gpu.ptr(&y_other), n, k, experts, latent, inter, other).unwrap();
     let y_other = bits(gpu.download(&y_other, n * k * latent).unwrap());
     assert!(y_other == y_bits, "[{latent}, {inter}] batch {n}: moe_down as {other:?} differs from {chosen:?}");
     (bits(gpu.download(&r.act, n * k * inter).unwrap()), y_bits)
 }
 
-/// The form of the down projection that `Gpu::moe_down` takes for the batch, and the other one.
+/// The form of the down projection that the model takes for the batch (`DownTiles::for_batch`), and the other one.
 fn down_forms(n: usize, k: usize, experts: usize, latent: usize) -> (DownTiles, DownTiles) {
     match DownTiles::for_batch(n, k, experts, latent) {
         DownTiles::One => (DownTiles::One, DownTiles::Pairs),
@@ -412,9 +412,9 @@ fn routed_experts_reject_widths_that_are_not_multiples_of_32() {
     let p = gpu.ptr(&buf);
     let (b, lb) = (cfg.situ_beta, cfg.situ_linear_beta);
     assert!(gpu.moe_gate_up(p, (p, p), (p, p), (p, p), p, 1, 1, 1, 40, 64, b, lb).is_err());
-    assert!(gpu.moe_down(p, (p, p), (p, p), p, 1, 1, 1, 64, 40).is_err());
+    assert!(gpu.moe_down(p, (p, p), (p, p), p, 1, 1, 1, 64, 40, DownTiles::One).is_err());
     // Tile pairs need whole pairs of 16-row tiles.
-    assert!(gpu.moe_down_tiles(p, (p, p), (p, p), p, 1, 1, 1, 48, 64, DownTiles::Pairs).is_err());
+    assert!(gpu.moe_down(p, (p, p), (p, p), p, 1, 1, 1, 48, 64, DownTiles::Pairs).is_err());
 }
 
 /// The combine and routed norm of `n` tokens, `(combined, out)`, in f64 from the bf16 inputs: combined[c] =
@@ -514,9 +514,9 @@ fn time_routing(
     let (w1, w3, w2) = (w[0].ptrs, w[1].ptrs, w[2].ptrs);
     let (z, act, y) = (gpu.ptr(&r.z), gpu.ptr(&r.act), gpu.ptr(&r.y));
     let gate_up = || gpu.moe_gate_up(z, w1, w3, grouping, act, n, k, experts, latent, inter, situ.0, situ.1).unwrap();
-    let down = || gpu.moe_down(act, w2, grouping, y, n, k, experts, latent, inter).unwrap();
     let (chosen, other) = down_forms(n, k, experts, latent);
-    let down_other = || gpu.moe_down_tiles(act, w2, grouping, y, n, k, experts, latent, inter, other).unwrap();
+    let down = || gpu.moe_down(act, w2, grouping, y, n, k, experts, latent, inter, chosen).unwrap();
+    let down_other = || gpu.moe_down(act, w2, grouping, y, n, k, experts, latent, inter, other).unwrap();
     let iters = 50;
     let time = |op: &dyn Fn()| {
         op();

@@ -213,14 +213,14 @@ pub fn run(opts: &CudaBenchOptions) -> Result<CudaBenchReport> {
         return Err(KernelError::InvalidInput("a synthetic acceptance length needs --draft-len of at least 1".into()));
     }
     let checkpoint = opts.model.as_deref().map(Checkpoint::open).transpose()?;
-    let cfg = match &checkpoint {
-        Some(c) => c.config().clone(),
-        None => ModelConfig::preset(&opts.preset)?,
-    };
-    let synthetic = SyntheticWeights::new(cfg.clone(), opts.weights_seed);
-    let src: &dyn WeightSource = match &checkpoint {
-        Some(c) => c,
-        None => &synthetic,
+    let synthetic;
+    let (cfg, src): (ModelConfig, &dyn WeightSource) = match &checkpoint {
+        Some(c) => (c.config().clone(), c),
+        None => {
+            let cfg = ModelConfig::preset(&opts.preset)?;
+            synthetic = SyntheticWeights::new(cfg.clone(), opts.weights_seed);
+            (cfg, &synthetic)
+        }
     };
     let mut runner = CudaRunner::new(opts.ordinal, cfg, src)?;
     runner.set_gemm(opts.gemm);

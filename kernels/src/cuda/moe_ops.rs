@@ -122,29 +122,11 @@ impl Gpu {
     }
 
     /// Down projection per active expert over its grouped pairs: `y` `[n k, latent]` (row `t * k + j`). `w2` is
-    /// (codes, scales) of `[experts, latent, inter]` in the tiled layout of [`crate::cuda::expert_layout`]. The
-    /// kernel's form is [`DownTiles::for_batch`]'s; both give the same bits.
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_down(
-        &self,
-        a: DPtr,
-        w2: (DPtr, DPtr),
-        grouping: (DPtr, DPtr),
-        y: DPtr,
-        n: usize,
-        k: usize,
-        experts: usize,
-        latent: usize,
-        inter: usize,
-    ) -> Result<()> {
-        let tiles = DownTiles::for_batch(n, k, experts, latent);
-        self.moe_down_tiles(a, w2, grouping, y, n, k, experts, latent, inter, tiles)
-    }
-
-    /// [`Gpu::moe_down`] in the form `tiles` (which tests and benchmarks choose); [`DownTiles::Pairs`] needs
+    /// (codes, scales) of `[experts, latent, inter]` in the tiled layout of [`crate::cuda::expert_layout`]. Both
+    /// forms `tiles` give the same bits (the model takes [`DownTiles::for_batch`]); [`DownTiles::Pairs`] needs
     /// `latent` to be a multiple of 32.
     #[allow(clippy::too_many_arguments)]
-    pub fn moe_down_tiles(
+    pub fn moe_down(
         &self,
         a: DPtr,
         w2: (DPtr, DPtr),
