@@ -31,7 +31,7 @@
 // - The add epilogue rounds like linear then add_in_place (common.cu): bf(bf(acc) + addend), addend
 //   laid out as the output; each output element is read and written by one thread, so addend may be y.
 //
-// Block: blockDim.x = 32 * warps (4 or 8); each warp owns 16 R weight rows (R 16-row MMA tiles), so a
+// Block: blockDim.x = 32 * warps (4 or 8); each warp owns 16 R weight rows (R 16-row MMA tiles, 1 or 2), so a
 // row tile is 16 R * warps rows. Grid: (tiles * slices (split) or tiles (serial), ceil(M / 64)).
 // Each warp loads its next group of k32 steps of weights before multiplying the current group, so loads
 // stay in flight while the tensor cores work (at decode sizes the GEMM is meant to be bound by HBM bandwidth).
@@ -274,6 +274,9 @@ __device__ void skinny_gemm(const __nv_bfloat16 *__restrict__ w, const __nv_bflo
 // accumulators' registers): a group reads 512 contiguous bytes of each weight row, which the H200's HBM
 // serves 10-15% faster than two tiles of 256 (measured over the k3-mini shapes; see BENCHMARKS.md). Serial
 // launches, which keep a second set of accumulators for the fold, use two row tiles per warp.
+// The wide split entry points (32 and 64 tokens) also give each warp two row tiles, 4 k32 steps per group: every
+// token fragment read from shared memory feeds two weight tiles instead of one. They halve the blocks, so the
+// host takes them only for launches of many waves (the lm_head; Gpu::skinny_layout).
 #define SKINNY_GEMM(NAME, NT, SERIAL, STEPS, R, MIN_BLOCKS)                                                           \
     extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS)                                                 \
         NAME(const __nv_bfloat16 *w, const __nv_bfloat16 *x, __nv_bfloat16 *y, const __nv_bfloat16 *addend, int n, \
@@ -284,6 +287,8 @@ SKINNY_GEMM(skinny_gemm_t1, 1, false, 8, 1, 1)
 SKINNY_GEMM(skinny_gemm_t2, 2, false, 8, 1, 1)
 SKINNY_GEMM(skinny_gemm_t4, 4, false, 8, 1, 1)
 SKINNY_GEMM(skinny_gemm_t8, 8, false, 4, 1, 1)
+SKINNY_GEMM(skinny_gemm_wide_t4, 4, false, 4, 2, 1)
+SKINNY_GEMM(skinny_gemm_wide_t8, 8, false, 4, 2, 1)
 SKINNY_GEMM(skinny_gemm_serial_t1, 1, true, 4, 2, 1)
 SKINNY_GEMM(skinny_gemm_serial_t2, 2, true, 4, 2, 1)
 SKINNY_GEMM(skinny_gemm_serial_t4, 4, true, 4, 2, 1)

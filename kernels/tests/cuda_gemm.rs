@@ -130,7 +130,8 @@ fn a_tall_weight_over_many_token_chunks_stays_exact_and_batch_invariant() {
 #[test]
 fn every_layout_of_a_k_split_gives_the_same_bits() {
     // The split fixes the summation order; one block per slice (partials folded by the tile's last block)
-    // and one block running every slice, at 4 or 8 warps per block, must agree bit for bit.
+    // and one block running every slice, at 4 or 8 warps per block, with one or (above 16 tokens) two row
+    // tiles per warp, must agree bit for bit.
     let Some(gpu) = gpu() else { return };
     let mut rng = ChaCha8Rng::seed_from_u64(12);
     for (out_dim, in_dim) in [(3000, 2304), (129, 1000), (1000, 4100)] {
@@ -139,9 +140,13 @@ fn every_layout_of_a_k_split_gives_the_same_bits() {
         for split in [2, 5, 9] {
             for n in [1usize, 8, 40, 64, 200] {
                 let mut first: Option<Vec<u16>> = None;
-                for (warps, serial) in [(4, false), (8, false), (4, true), (8, true)] {
+                let mut layouts = vec![(4, false, false), (8, false, false), (4, true, false), (8, true, false)];
+                if n > 16 {
+                    layouts.extend([(4, false, true), (8, false, true)]);
+                }
+                for (warps, serial, wide) in layouts {
                     let y = gpu.upload(&random_bf16(&mut rng, n * out_dim, 1.0)).unwrap();
-                    let layout = SkinnyLayout { split, warps, serial };
+                    let layout = SkinnyLayout { split, warps, serial, wide };
                     gpu.linear_skinny_layout(gpu.ptr(&w), out_dim, in_dim, gpu.ptr(&x), n, gpu.ptr(&y), layout)
                         .unwrap();
                     let bits: Vec<u16> = gpu.download(&y, n * out_dim).unwrap().iter().map(|v| v.to_bits()).collect();
@@ -245,9 +250,12 @@ fn bad_gemm_arguments_are_errors() {
         assert_eq!(err.kind(), "invalid_input", "{err}");
         assert!(err.to_string().contains(&format!("split {split}")), "{err}");
     }
-    let layout = SkinnyLayout { split: 2, warps: 6, serial: false };
+    let layout = SkinnyLayout { split: 2, warps: 6, serial: false, wide: false };
     let err = gpu.linear_skinny_layout(gpu.ptr(&w), 64, 64, gpu.ptr(&w), 1, gpu.ptr(&y), layout).unwrap_err();
     assert!(err.to_string().contains("6 warps"), "{err}");
+    let layout = SkinnyLayout { split: 2, warps: 4, serial: false, wide: true };
+    let err = gpu.linear_skinny_layout(gpu.ptr(&w), 64, 64, gpu.ptr(&w), 1, gpu.ptr(&y), layout).unwrap_err();
+    assert!(err.to_string().contains("wide skinny GEMM layout for 1 tokens"), "{err}");
     let err = gpu.linear_parts(gpu.ptr(&w), &[0, 40, 30], NULL, 64, gpu.ptr(&w), 1, gpu.ptr(&y)).unwrap_err();
     assert!(err.to_string().contains("not ascending"), "{err}");
 }
@@ -304,7 +312,7 @@ fn gemm_bandwidth() {
     let ms = time(&gpu, 5, || gpu.copy::<bf16>(gpu.ptr(&b), gpu.ptr(&a), copy_elems).unwrap());
     println!("copy bandwidth (read + write): {:.0} GB/s", 2.0 * (copy_elems * 2) as f64 / ms / 1e6);
     drop((a, b));
-    println!("shape | out x in | tokens | split x warps per block | ms | GB/s");
+    println!("shape | out x in | tokens | split x warps per block (row tiles per warp) | ms | GB/s");
     for (name, out_dim, in_dim) in shapes {
         let w = gpu.zeros::<bf16>(out_dim * in_dim).unwrap();
         fill(&gpu, gpu.ptr(&w), out_dim * in_dim, &mut rng);
@@ -314,16 +322,18 @@ fn gemm_bandwidth() {
             let bytes = ((out_dim * in_dim + n * in_dim + n * out_dim) * 2) as f64;
             let reps = (4e9 / bytes).clamp(5.0, 200.0) as usize;
             let default = gpu.skinny_layout(out_dim, in_dim, n, skinny_split(out_dim, in_dim));
+            let wide_too: &[bool] = if n > 16 { &[false, true] } else { &[false] };
             for split in [1usize, 2, 4, 8, 16, 32] {
-                for warps in [4, 8] {
-                    let layout = SkinnyLayout { split, warps, serial: false };
+                for (warps, &wide) in [4, 8].into_iter().flat_map(|w| wide_too.iter().map(move |x| (w, x))) {
+                    let layout = SkinnyLayout { split, warps, serial: false, wide };
                     let ms = time(&gpu, reps, || {
                         gpu.linear_skinny_layout(gpu.ptr(&w), out_dim, in_dim, gpu.ptr(&x), n, gpu.ptr(&y), layout)
                             .unwrap()
                     });
                     let mark = if layout == default { " (default)" } else { "" };
+                    let tiles = if wide { ", 2 row tiles" } else { "" };
                     println!(
-                        "{name} | {out_dim} x {in_dim} | {n} | {split} x {warps} warps{mark} | {ms:.4} | {:.0}",
+                        "{name} | {out_dim} x {in_dim} | {n} | {split} x {warps} warps{tiles}{mark} | {ms:.4} | {:.0}",
                         bytes / ms / 1e6
                     );
                 }
@@ -334,6 +344,21 @@ fn gemm_bandwidth() {
             gpu.gemm = Gemm::BatchInvariant;
             println!("{name} | {out_dim} x {in_dim} | {n} | cublas | {ms:.4} | {:.0}", bytes / ms / 1e6);
         }
+    }
+}
+
+#[test]
+fn only_launches_of_many_waves_take_two_row_tiles_per_warp() {
+    let Some(gpu) = gpu() else { return };
+    for n in [17, 32, 64, 200] {
+        assert!(gpu.skinny_layout(163_840, 7168, n, 1).wide, "lm_head at {n} tokens");
+    }
+    for n in [1, 8, 16] {
+        assert!(!gpu.skinny_layout(163_840, 7168, n, 1).wide, "lm_head at {n} tokens: no wide entry point");
+    }
+    for (out_dim, in_dim) in [(49_376, 7168), (7168, 12_288), (7168, 3584)] {
+        let split = skinny_split(out_dim, in_dim);
+        assert!(!gpu.skinny_layout(out_dim, in_dim, 64, split).wide, "[{out_dim}, {in_dim}] at 64 tokens");
     }
 }
 

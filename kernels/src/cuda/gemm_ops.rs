@@ -28,6 +28,10 @@ const SKINNY_TICKETS: usize = 1 << 16;
 const SKINNY_WORKSPACE_BYTES: usize = 64 << 20;
 /// The most K slices a shape may have.
 const SKINNY_MAX_SPLIT: usize = 64;
+/// Whole waves of blocks a split launch of 17 to 64 tokens must fill with two row tiles per warp before it takes
+/// them ([`SkinnyLayout::wide`]). On the H200 the lm_head (163,840 rows: 4.8 waves) ran 17-26% faster wide at 32
+/// and 64 tokens, while the k3-mini projections of 0.4 to 1.5 waves ran up to 46% slower (BENCHMARKS.md).
+const SKINNY_WIDE_WAVES: usize = 4;
 
 /// Dynamic shared memory of the skinny GEMM for `tiles` token tiles of 8: two staged x chunks,
 /// `[2][8 tiles, 288]` bf16.
@@ -37,14 +41,14 @@ fn skinny_smem_bytes(tiles: usize) -> usize {
 
 /// Raises the dynamic shared memory limit of every skinny GEMM entry point to what its chunk needs.
 pub(crate) fn allow_skinny_shared_memory(k: &Kernels) -> Result<()> {
-    for funcs in [&k.skinny_gemm, &k.skinny_gemm_serial] {
-        for (tiles, func) in [1usize, 2, 4, 8].iter().zip(funcs) {
-            func.set_attribute(
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                skinny_smem_bytes(*tiles) as i32,
-            )
-            .map_err(|e| device_err("allowing the skinny GEMM its shared memory", e))?;
-        }
+    let tiles = [1usize, 2, 4, 8];
+    let entries = tiles.iter().zip(&k.skinny_gemm).chain(tiles.iter().zip(&k.skinny_gemm_serial));
+    for (tiles, func) in entries.chain([4usize, 8].iter().zip(&k.skinny_gemm_wide)) {
+        func.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            skinny_smem_bytes(*tiles) as i32,
+        )
+        .map_err(|e| device_err("allowing the skinny GEMM its shared memory", e))?;
     }
     Ok(())
 }
@@ -88,24 +92,42 @@ pub struct SkinnyLayout {
     pub warps: usize,
     /// One block runs every slice of its rows in turn, instead of one block per slice.
     pub serial: bool,
+    /// A split launch of 17 to 64 tokens gives each warp two 16-row tiles instead of one (`skinny_gemm_wide_t*`):
+    /// each token fragment read from shared memory feeds both, and the launch has half the blocks. Serial
+    /// launches always have two.
+    pub wide: bool,
 }
 
-/// How many blocks of each split entry point (token tiles 1, 2, 4, 8) the device holds at once, at 4 and at 8
-/// warps per block: SMs times the occupancy the driver reports for the kernel's registers and shared memory.
-pub(crate) fn skinny_slots(ctx: &cudarc::driver::CudaContext, k: &Kernels) -> Result<[[usize; 2]; 4]> {
+/// How many blocks of each split entry point the device holds at once, `[4 warps, 8 warps]` per block: SMs times
+/// the occupancy the driver reports for the kernel's registers and shared memory.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SkinnySlots {
+    /// `skinny_gemm_t{1,2,4,8}`.
+    narrow: [[usize; 2]; 4],
+    /// `skinny_gemm_wide_t{4,8}`.
+    wide: [[usize; 2]; 2],
+}
+
+pub(crate) fn skinny_slots(ctx: &cudarc::driver::CudaContext, k: &Kernels) -> Result<SkinnySlots> {
     let sms = ctx
         .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         .map_err(|e| device_err("reading the SM count", e))?;
-    let mut slots = [[0usize; 2]; 4];
-    for (i, tiles) in [1usize, 2, 4, 8].into_iter().enumerate() {
+    let slots = |func: &cudarc::driver::CudaFunction, tiles: usize| -> Result<[usize; 2]> {
+        let mut per_warps = [0usize; 2];
         for (j, warps) in [4u32, 8].into_iter().enumerate() {
-            let per_sm = k.skinny_gemm[i]
+            let per_sm = func
                 .occupancy_max_active_blocks_per_multiprocessor(32 * warps, skinny_smem_bytes(tiles), None)
                 .map_err(|e| device_err("reading the skinny GEMM's occupancy", e))?;
-            slots[i][j] = sms.max(1) as usize * per_sm as usize;
+            per_warps[j] = sms.max(1) as usize * per_sm as usize;
         }
+        Ok(per_warps)
+    };
+    let mut narrow = [[0usize; 2]; 4];
+    for (i, tiles) in [1usize, 2, 4, 8].into_iter().enumerate() {
+        narrow[i] = slots(&k.skinny_gemm[i], tiles)?;
     }
-    Ok(slots)
+    let wide = [slots(&k.skinny_gemm_wide[0], 4)?, slots(&k.skinny_gemm_wide[1], 8)?];
+    Ok(SkinnySlots { narrow, wide })
 }
 
 impl Gpu {
@@ -233,16 +255,22 @@ impl Gpu {
         self.skinny(w, out_dim, in_dim, x, n, y, NULL, None, layout)
     }
 
-    /// The layout of an `n`-token call with `split` slices. Warps per block: whichever of 4 and 8 fills its last
-    /// wave of blocks better, 4 up to 8 tokens and 8 above when they fill equally (the fastest on the H200 over
-    /// the k3-mini shapes; BENCHMARKS.md). Slices run on their own blocks unless the workspace or the tickets
-    /// would run out.
+    /// The layout of an `n`-token call with `split` slices. Two row tiles per warp ([`SkinnyLayout::wide`]) above
+    /// 16 tokens when that still fills [`SKINNY_WIDE_WAVES`] waves of blocks at 4 warps. Warps per block: whichever
+    /// of 4 and 8 fills its last wave of blocks better, 4 up to 8 tokens and 8 above when they fill equally (the
+    /// fastest on the H200 over the k3-mini shapes; BENCHMARKS.md). Slices run on their own blocks unless the
+    /// workspace or the tickets would run out.
     pub fn skinny_layout(&self, out_dim: usize, in_dim: usize, n: usize, split: usize) -> SkinnyLayout {
         let tiles = n.min(SKINNY_TOKENS).div_ceil(8).next_power_of_two();
-        let slots = self.skinny_slots[tiles.trailing_zeros() as usize]; // [4 warps, 8 warps]
         let slices = in_dim.div_ceil(skinny_kslice(in_dim, split));
         let chunks = n.div_ceil(SKINNY_TOKENS);
-        let blocks = |warps: usize| out_dim.div_ceil(16 * warps) * slices * chunks;
+        let wide_slots = self.skinny_slots.wide[usize::from(tiles == 8)];
+        let wide = tiles >= 4 && out_dim.div_ceil(32 * 4) * slices * chunks >= SKINNY_WIDE_WAVES * wide_slots[0].max(1);
+        let (rows, slots) = match wide {
+            true => (32, wide_slots),
+            false => (16, self.skinny_slots.narrow[tiles.trailing_zeros() as usize]),
+        }; // slots: [4 warps, 8 warps]
+        let blocks = |warps: usize| out_dim.div_ceil(rows * warps) * slices * chunks;
         // The share of the launch's waves that is busy: blocks over whole waves of the device's slots.
         let fill = |warps: usize| {
             let (b, s) = (blocks(warps), slots[usize::from(warps == 8)].max(1));
@@ -253,7 +281,7 @@ impl Gpu {
         let warps = if fill(other) > fill(preferred) { other } else { preferred };
         let workspace = slices * n * out_dim * 4;
         let serial = workspace > SKINNY_WORKSPACE_BYTES || blocks(warps) / slices > SKINNY_TICKETS;
-        SkinnyLayout { split, warps, serial }
+        SkinnyLayout { split, warps, serial, wide: wide && !serial }
     }
 
     /// One launch of `skinny_gemm_t*` or `skinny_gemm_serial_t*`, with the add epilogue when `addend` is not
@@ -271,7 +299,7 @@ impl Gpu {
         parts: Option<(DPtr, usize)>,
         layout: SkinnyLayout,
     ) -> Result<()> {
-        let SkinnyLayout { split, warps, serial } = layout;
+        let SkinnyLayout { split, warps, serial, wide } = layout;
         if !(1..=SKINNY_MAX_SPLIT).contains(&split) {
             return Err(KernelError::InvalidInput(format!(
                 "skinny GEMM split {split} (1 to {SKINNY_MAX_SPLIT} slices supported)"
@@ -295,8 +323,14 @@ impl Gpu {
         let kslice = skinny_kslice(in_dim, split);
         let slices = in_dim.div_ceil(kslice);
         let tiles = n.min(SKINNY_TOKENS).div_ceil(8).next_power_of_two();
-        // Weight rows per warp: one MMA row tile in split launches, two in serial ones (gemm.cu).
-        let rows_per_warp = if serial { 32 } else { 16 };
+        if wide && (serial || tiles < 4) {
+            return Err(KernelError::InvalidInput(format!(
+                "wide skinny GEMM layout for {n} tokens{}: only split launches of more than 16 tokens have one",
+                if serial { " run serially" } else { "" }
+            )));
+        }
+        // Weight rows per warp: one MMA row tile in narrow split launches, two in wide and serial ones (gemm.cu).
+        let rows_per_warp = if serial || wide { 32 } else { 16 };
         let row_tiles = out_dim.div_ceil(rows_per_warp * warps);
         let blocks = if serial { row_tiles } else { row_tiles * slices };
         if blocks > i32::MAX as usize {
@@ -312,8 +346,11 @@ impl Gpu {
         let workspace = if split_blocks { Some(self.uninit::<f32>(slices * n * out_dim)?) } else { None };
         let ws = workspace.as_ref().map_or(NULL, |b| self.ptr(b));
         let tickets = self.ptr(&self.gemm_tickets[usize::from(self.on_side_lane())]);
-        let funcs = if serial { &self.k.skinny_gemm_serial } else { &self.k.skinny_gemm };
-        let func = &funcs[tiles.trailing_zeros() as usize];
+        let func = match (serial, wide) {
+            (true, _) => &self.k.skinny_gemm_serial[tiles.trailing_zeros() as usize],
+            (false, true) => &self.k.skinny_gemm_wide[usize::from(tiles == 8)],
+            (false, false) => &self.k.skinny_gemm[tiles.trailing_zeros() as usize],
+        };
         let cfg = LaunchConfig {
             grid_dim: (blocks as u32, chunks as u32, 1),
             block_dim: (32 * warps as u32, 1, 1),

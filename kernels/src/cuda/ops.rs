@@ -118,6 +118,8 @@ pub(crate) struct Kernels {
     pub(crate) skinny_gemm: [CudaFunction; 4],
     /// `skinny_gemm_serial_t{1,2,4,8}`: the same sums, one block running every K slice of its rows.
     pub(crate) skinny_gemm_serial: [CudaFunction; 4],
+    /// `skinny_gemm_wide_t{4,8}`: split launches of up to 32 and 64 tokens with two 16-row tiles per warp.
+    pub(crate) skinny_gemm_wide: [CudaFunction; 2],
     pub(crate) moe_router_logits: CudaFunction,
     pub(crate) moe_route: CudaFunction,
     /// `moe_router` (both in one launch, thread-block clusters): present from Hopper on.
@@ -177,7 +179,7 @@ pub struct Gpu {
     /// The skinny GEMM's tickets of the main and the side lane (all zeros between launches; see `gemm.cu`).
     pub(crate) gemm_tickets: [CudaSlice<u32>; 2],
     /// Blocks of each split skinny GEMM entry point the device holds at once, at 4 and 8 warps per block.
-    pub(crate) skinny_slots: [[usize; 2]; 4],
+    pub(crate) skinny_slots: crate::cuda::gemm_ops::SkinnySlots,
     pub(crate) k: Kernels,
     pub(crate) attn: AttnKernels,
     pub info: DeviceInfo,
@@ -331,6 +333,7 @@ impl Gpu {
                 f("gemm.cu", "skinny_gemm_t4")?,
                 f("gemm.cu", "skinny_gemm_t8")?,
             ],
+            skinny_gemm_wide: [f("gemm.cu", "skinny_gemm_wide_t4")?, f("gemm.cu", "skinny_gemm_wide_t8")?],
             skinny_gemm_serial: [
                 f("gemm.cu", "skinny_gemm_serial_t1")?,
                 f("gemm.cu", "skinny_gemm_serial_t2")?,
