@@ -3,8 +3,8 @@
 //!
 //! Invariants:
 //! - The skinny GEMM's summation order is fixed by its K slice width, which [`skinny_split`] derives from the
-//!   weight's shape alone. The [`SkinnyLayout`] of a call (warps per block, one block per slice or one block
-//!   running every slice) is chosen per call for speed and never changes a bit of the result.
+//!   weight's shape alone. The [`SkinnyLayout`] of a call (warps per block, row tiles per warp, one block per
+//!   slice or one block running every slice) is chosen per call for speed and never changes a bit of the result.
 //! - A split launch of more than one slice takes its workspace (`[slices, n, out]` f32) from the stream-ordered
 //!   pool, freed in stream order after the launch, and the current lane's tickets, which the kernel leaves at
 //!   zero. A lane's launches run in stream order, so no two launches use the same tickets at once.
@@ -108,6 +108,7 @@ pub(crate) struct SkinnySlots {
     wide: [[usize; 2]; 2],
 }
 
+/// Reads [`SkinnySlots`] from the driver's occupancy of each entry point.
 pub(crate) fn skinny_slots(ctx: &cudarc::driver::CudaContext, k: &Kernels) -> Result<SkinnySlots> {
     let sms = ctx
         .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
