@@ -17,7 +17,7 @@
 #   NCU_KERNELS=regex  also ncu per-kernel durations of a --batch $NCU_BATCH bench (default 64) for every build
 #   CHECKPOINT=DIR     bench k3-mini from a synthetic checkpoint in DIR (`sparkd bench --model`, the same weights),
 #                      written once by the first build's `sparkd synth` unless DIR holds its index (synth writes it
-#                      last): each bench then loads the weights instead of generating them again. Every build's
+#                      last): each bench and ncu run then loads the weights instead of generating them. Every build's
 #                      sparkd must know --model.
 #   OPS="op ..."       bench ops (e.g. mla.attention kda.recurrence) whose ms per step the summary prints too
 # Examples: BUILDS=".bin/base .bin/new" MOE_BANDWIDTH=1 bash kernels/bench/ab_h200.sh
@@ -56,7 +56,8 @@ first=1
 for b in $BUILDS; do
   if [ $first = 1 ]; then first=0; continue; fi
   d=$(dir "$b")
-  [ -x "$d/sparkd" ] && run 60 "$b" "$d/sparkd" validate --device cuda --config k3-tiny --out "$OUT/validate_$(name "$b").json"
+  [ -x "$d/sparkd" ] &&
+    run 60 "$b" "$d/sparkd" validate --device cuda --config k3-tiny --out "$OUT/validate_$(name "$b").json"
   for t in $TESTS; do
     [ -x "$d/$t" ] && run 60 "$b" "$d/$t" --test-threads=1 --nocapture --skip cuda_matches_the_cpu_reference
   done
@@ -93,8 +94,9 @@ if [ -n "${NCU_KERNELS:-}" ]; then
     echo "=== ncu $(name "$b")" >>"$OUT/ncu.txt"
     # shellcheck disable=SC2046 # one word per setting
     timeout 100 env $(settings "$b") "$NCU" --clock-control none --kernel-name "regex:$NCU_KERNELS" \
-      --metrics gpu__time_duration.sum --print-summary per-kernel "$(dir "$b")/sparkd" bench --device cuda --config k3-mini --batch "${NCU_BATCH:-64}" --steps 2 \
-      --prompt-len "$PROMPT_LEN" --max-verify 0 --no-forced 2>&1 | grep -v "^==PROF==" >>"$OUT/ncu.txt"
+      --metrics gpu__time_duration.sum --print-summary per-kernel "$(dir "$b")/sparkd" bench --device cuda \
+      "${WEIGHTS[@]}" --batch "${NCU_BATCH:-64}" --steps 2 --prompt-len "$PROMPT_LEN" --max-verify 0 --no-forced 2>&1 |
+      grep -v "^==PROF==" >>"$OUT/ncu.txt"
   done
 fi
 grep -h "^===\|PASS\|FAIL\|test result\|GB/s" "$LOG"
