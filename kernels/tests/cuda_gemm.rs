@@ -1,14 +1,16 @@
-//! The skinny batch-invariant GEMM (`kernels/cuda/gemm.cu`, `Gpu::linear`) on a GPU: against a host
-//! reference over token counts 1..512 and shapes that are not multiples of its tiles, bit-exact batch
-//! invariance (a token's outputs do not change with what else is in the call), the segment-major output
-//! of merged projections, a tall weight over many token chunks, every launch layout of a K split giving the
-//! same bits (one block per K slice or one block running them all, 4 or 8 warps per block), the add epilogue
-//! (`Gpu::linear_add`, bit-identical to `linear` then `add`), and the rejection of bad arguments.
-//! On a machine without a CUDA driver every test says plainly that it skipped.
+//! The batch-invariant GEMM on a GPU: the skinny mma.sync kernels (`kernels/cuda/gemm.cu`) and, on Hopper, the
+//! warpgroup-MMA kernels (`kernels/cuda/gemm_tc.cu`) that `Gpu::linear` takes there. Each against a host reference
+//! over token counts 1..512 and shapes that are not multiples of its tiles, with bit-exact batch invariance (a
+//! token's outputs do not change with what else is in the call, nor with the token chunk the call runs); the
+//! segment-major output of merged projections, a tall weight over many token chunks, every launch layout of a K
+//! split giving the same bits (split or serial blocks; for gemm.cu also 4 or 8 warps per block and one or two row
+//! tiles per warp), the add epilogue (`Gpu::linear_add`, bit-identical to `linear` then `add`), and the rejection
+//! of bad arguments. On a machine without a CUDA driver every test says plainly that it skipped, and the
+//! warpgroup-MMA tests say so on a GPU that is not Hopper.
 //!
-//! `gemm_bandwidth` (ignored by default; `--ignored`) prints the achieved GB/s of the skinny GEMM at each
-//! K split and block size and of cuBLAS for the k3-mini shapes at 1, 8, 16, 32 and 64 tokens. It asserts
-//! nothing about speed.
+//! `gemm_bandwidth` (ignored by default; `--ignored`) prints the achieved GB/s of the skinny GEMM at each K split
+//! and block size, of the warpgroup-MMA GEMM at each K split (Hopper) and of cuBLAS for the k3-mini shapes at 1,
+//! 8, 16, 32 and 64 tokens. It asserts nothing about speed.
 
 use std::sync::{Mutex, OnceLock};
 
@@ -16,7 +18,7 @@ use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use sparkd_kernels::cuda::device::driver_present;
-use sparkd_kernels::cuda::ops::{skinny_split, Gemm, Gpu, SkinnyLayout, NULL};
+use sparkd_kernels::cuda::ops::{skinny_split, tc_split, Gemm, Gpu, SkinnyLayout, NULL};
 use sparkd_kernels::ModelConfig;
 
 fn gpu() -> Option<std::sync::MutexGuard<'static, Gpu>> {
@@ -125,6 +127,116 @@ fn a_tall_weight_over_many_token_chunks_stays_exact_and_batch_invariant() {
             assert!(part == full[..n * out_dim], "split {split}: the first {n} tokens differ from a call of 512");
         }
     }
+}
+
+/// `[n, out]` outputs (bf16 bits) of the warpgroup-MMA GEMM with `split` slices, serial or not; the tokens start
+/// at token `first` of `x`.
+#[allow(clippy::too_many_arguments)]
+fn run_tc(
+    gpu: &Gpu,
+    w: &[bf16],
+    out_dim: usize,
+    x: &[bf16],
+    first: usize,
+    n: usize,
+    split: usize,
+    serial: bool,
+) -> Vec<u16> {
+    let k = w.len() / out_dim;
+    let (wd, xd) = (gpu.upload(w).unwrap(), gpu.upload(&x[first * k..(first + n) * k]).unwrap());
+    let y = gpu.zeros::<bf16>(n * out_dim).unwrap();
+    gpu.linear_tc(gpu.ptr(&wd), out_dim, k, gpu.ptr(&xd), n, gpu.ptr(&y), split, serial).unwrap();
+    gpu.download(&y, n * out_dim).unwrap().iter().map(|v| v.to_bits()).collect()
+}
+
+/// Whether the device runs the warpgroup-MMA GEMM (Hopper), saying so when it does not.
+fn has_tc(gpu: &Gpu) -> bool {
+    let probe = gpu.zeros::<bf16>(64).unwrap();
+    let takes = gpu.tc_gemm_takes(gpu.ptr(&probe), gpu.ptr(&probe), 64);
+    if !takes {
+        eprintln!("SKIPPED: not a Hopper GPU; the warpgroup-MMA GEMM was NOT checked");
+    }
+    takes
+}
+
+#[test]
+fn tc_gemm_matches_the_host_reference_and_is_batch_invariant_bit_for_bit() {
+    // Calls of 1 to 512 tokens run chunks of 8, 16, 32 and 64 tokens (wgmma n8 to n64): a token's bits must not
+    // depend on which, nor on split or serial blocks, nor on its neighbours.
+    let Some(gpu) = gpu() else { return };
+    if !has_tc(&gpu) {
+        return;
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(13);
+    // (out, in): rows not a multiple of the 128-row block, K not a multiple of the 64-column stage or of a slice.
+    for (out_dim, in_dim) in [(1000, 1000), (77, 1048), (300, 1536), (40, 8), (2000, 4104)] {
+        let w = random_bf16(&mut rng, out_dim * in_dim, 1.0);
+        let x = random_bf16(&mut rng, 512 * in_dim, 2.0);
+        let reference: Vec<(f64, f64)> = (0..512)
+            .flat_map(|m| (0..out_dim).map(move |o| (m, o)))
+            .map(|(m, o)| {
+                (0..in_dim).fold((0.0, 0.0), |(sum, mag), c| {
+                    let p = f64::from(w[o * in_dim + c].to_f32()) * f64::from(x[m * in_dim + c].to_f32());
+                    (sum + p, mag + p.abs())
+                })
+            })
+            .collect();
+        let mut splits = vec![1, 2, 3, 4];
+        if !splits.contains(&tc_split(out_dim, in_dim)) {
+            splits.push(tc_split(out_dim, in_dim));
+        }
+        for split in splits {
+            let full = run_tc(&gpu, &w, out_dim, &x, 0, 512, split, false);
+            for (i, (exact, mag)) in reference.iter().enumerate() {
+                let got = f64::from(bf16::from_bits(full[i]).to_f32());
+                let tol = exact.abs() / 128.0 + mag * 1e-6;
+                assert!(
+                    (got - exact).abs() <= tol,
+                    "[{out_dim}, {in_dim}] split {split}: y[{}, {}] = {got}, reference {exact} (tolerance {tol})",
+                    i / out_dim,
+                    i % out_dim
+                );
+            }
+            let serial = run_tc(&gpu, &w, out_dim, &x, 0, 512, split, true);
+            assert!(serial == full, "[{out_dim}, {in_dim}] split {split}: serial blocks differ from split blocks");
+            for n in [1usize, 2, 3, 8, 9, 16, 17, 32, 33, 64, 65, 100] {
+                for serial in [false, true] {
+                    let part = run_tc(&gpu, &w, out_dim, &x, 0, n, split, serial);
+                    assert!(
+                        part == full[..n * out_dim],
+                        "[{out_dim}, {in_dim}] split {split}: the first {n} tokens alone (serial {serial}) differ \
+                         from the same tokens in a call of 512"
+                    );
+                }
+            }
+            let alone = run_tc(&gpu, &w, out_dim, &x, 5, 1, split, false);
+            assert!(alone == full[5 * out_dim..6 * out_dim], "[{out_dim}, {in_dim}] split {split}: token 5 alone");
+        }
+        // The routed GEMM is this one at the shape's split.
+        let (wd, xd) = (gpu.upload(&w).unwrap(), gpu.upload(&x[..17 * in_dim]).unwrap());
+        let y = gpu.zeros::<bf16>(17 * out_dim).unwrap();
+        gpu.linear(gpu.ptr(&wd), out_dim, in_dim, gpu.ptr(&xd), 17, gpu.ptr(&y)).unwrap();
+        let routed: Vec<u16> = gpu.download(&y, 17 * out_dim).unwrap().iter().map(|v| v.to_bits()).collect();
+        let want = run_tc(&gpu, &w, out_dim, &x, 0, 17, tc_split(out_dim, in_dim), false);
+        assert!(routed == want, "[{out_dim}, {in_dim}]: Gpu::linear is not the warpgroup-MMA GEMM at its split");
+    }
+}
+
+#[test]
+fn tc_gemm_rejects_bad_arguments() {
+    let Some(gpu) = gpu() else { return };
+    let w = gpu.zeros::<bf16>(64 * 64).unwrap();
+    let y = gpu.zeros::<bf16>(64).unwrap();
+    if has_tc(&gpu) {
+        for split in [0, 65] {
+            let err = gpu.linear_tc(gpu.ptr(&w), 64, 64, gpu.ptr(&w), 1, gpu.ptr(&y), split, false).unwrap_err();
+            assert_eq!(err.kind(), "invalid_input", "{err}");
+            assert!(err.to_string().contains(&format!("split {split}")), "{err}");
+        }
+    }
+    // Rows that are not 16-byte aligned (K = 60) cannot be read by tensor map, on any device.
+    let err = gpu.linear_tc(gpu.ptr(&w), 64, 60, gpu.ptr(&w), 1, gpu.ptr(&y), 1, false).unwrap_err();
+    assert!(err.to_string().contains("16-byte aligned rows (in_dim 60)"), "{err}");
 }
 
 #[test]
@@ -312,6 +424,7 @@ fn gemm_bandwidth() {
     let ms = time(&gpu, 5, || gpu.copy::<bf16>(gpu.ptr(&b), gpu.ptr(&a), copy_elems).unwrap());
     println!("copy bandwidth (read + write): {:.0} GB/s", 2.0 * (copy_elems * 2) as f64 / ms / 1e6);
     drop((a, b));
+    let tc = has_tc(&gpu);
     println!("shape | out x in | tokens | split x warps per block (row tiles per warp) | ms | GB/s");
     for (name, out_dim, in_dim) in shapes {
         let w = gpu.zeros::<bf16>(out_dim * in_dim).unwrap();
@@ -337,6 +450,16 @@ fn gemm_bandwidth() {
                         bytes / ms / 1e6
                     );
                 }
+            }
+            for split in [1usize, 2, 4, 8, 16].into_iter().filter(|_| tc) {
+                let ms = time(&gpu, reps, || {
+                    gpu.linear_tc(gpu.ptr(&w), out_dim, in_dim, gpu.ptr(&x), n, gpu.ptr(&y), split, false).unwrap()
+                });
+                let mark = if split == tc_split(out_dim, in_dim) { " (default)" } else { "" };
+                println!(
+                    "{name} | {out_dim} x {in_dim} | {n} | wgmma {split}{mark} | {ms:.4} | {:.0}",
+                    bytes / ms / 1e6
+                );
             }
             gpu.gemm = Gemm::Cublas;
             let ms =
@@ -364,6 +487,24 @@ fn only_launches_of_many_waves_take_two_row_tiles_per_warp() {
         let split = skinny_split(out_dim, in_dim);
         assert!(!gpu.skinny_layout(out_dim, in_dim, 64, split).wide, "[{out_dim}, {in_dim}] at 64 tokens");
     }
+}
+
+#[test]
+fn the_tc_k_split_fills_the_gpu_from_the_weight_shape_alone() {
+    // No GPU needed: the warpgroup-MMA GEMM's split is a pure function of (out, in): the fewest slices that give
+    // 256 blocks of 128 rows, none narrower than 768 columns.
+    assert_eq!(tc_split(163_840, 7168), 1, "lm_head: 1,280 blocks");
+    assert_eq!(tc_split(49_376, 7168), 1, "KDA merged input projection: 386 blocks");
+    assert_eq!(tc_split(33_792, 7168), 1, "dense gate / up: 264 blocks");
+    assert_eq!(tc_split(7168, 33_792), 8, "dense down: 56 row tiles");
+    assert_eq!(tc_split(14_400, 7168), 4, "MLA merged input projection: 113 row tiles");
+    assert_eq!(tc_split(7168, 12_288), 8, "o_proj");
+    assert_eq!(tc_split(18_432, 1536), 2, "MLA q_b: 144 row tiles, two slices of 768");
+    assert_eq!(tc_split(3584, 7168), 8, "MoE latent down: 28 row tiles");
+    assert_eq!(tc_split(7168, 3584), 4, "MoE up: slices of 896");
+    assert_eq!(tc_split(12_288, 7168), 4, "shared expert gate / up: 96 row tiles");
+    assert_eq!(tc_split(7168, 6144), 8, "shared expert down");
+    assert_eq!(tc_split(12_288, 128), 1, "f_b: K below two slices of 768 is never split");
 }
 
 #[test]

@@ -45,6 +45,7 @@ pub const SOURCES: &[KernelSource] = &[
     source!("moe.cu"),
     source!("sample.cu"),
     source!("gemm.cu"),
+    source!("gemm_tc.cu"),
     source!("drafter.cu"),
 ];
 

@@ -1,7 +1,10 @@
-//! The linear layers' launches on [`Gpu`]: cuBLAS (`cublasGemmEx`) and the skinny batch-invariant GEMM
-//! (`kernels/cuda/gemm.cu`).
+//! The linear layers' launches on [`Gpu`]: cuBLAS (`cublasGemmEx`) and the batch-invariant GEMM, which runs on
+//! the warpgroup-MMA kernels of `kernels/cuda/gemm_tc.cu` where [`Gpu::tc_gemm_takes`] says so (Hopper, aligned
+//! operands; `gemm_tc`) and on the skinny mma.sync kernels of `kernels/cuda/gemm.cu` everywhere else.
 //!
 //! Invariants:
+//! - Which batch-invariant kernels run a weight depends on the device and the operands' alignment alone, never on
+//!   the token count, so a weight's tokens get the same bits at every batch size.
 //! - The skinny GEMM's summation order is fixed by its K slice width, which [`skinny_split`] derives from the
 //!   weight's shape alone. The [`SkinnyLayout`] of a call (warps per block, row tiles per warp, one block per
 //!   slice or one block running every slice) is chosen per call for speed and never changes a bit of the result.
@@ -13,6 +16,7 @@ use cudarc::cublas::{result as blas_result, sys as blas_sys};
 use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig};
 
 use crate::cuda::device::device_err;
+use crate::cuda::gemm_tc::{tc_split, TcCall};
 use crate::cuda::ops::{launch_err, DPtr, Gemm, Gpu, Kernels, NULL};
 use crate::error::{KernelError, Result};
 
@@ -136,9 +140,7 @@ impl Gpu {
     pub fn linear(&self, w: DPtr, out_dim: usize, in_dim: usize, x: DPtr, n: usize, y: DPtr) -> Result<()> {
         match self.gemm {
             Gemm::Cublas => self.linear_cublas(w, out_dim, in_dim, x, n, y),
-            Gemm::BatchInvariant => {
-                self.linear_skinny(w, out_dim, in_dim, x, n, y, None, skinny_split(out_dim, in_dim))
-            }
+            Gemm::BatchInvariant => self.batch_invariant(w, out_dim, in_dim, x, n, y, NULL, None),
         }
     }
 
@@ -171,16 +173,9 @@ impl Gpu {
                 }
                 Ok(())
             }
-            Gemm::BatchInvariant => self.linear_skinny(
-                w,
-                out_dim,
-                in_dim,
-                x,
-                n,
-                y,
-                Some((bounds_dev, bounds.len() - 1)),
-                skinny_split(out_dim, in_dim),
-            ),
+            Gemm::BatchInvariant => {
+                self.batch_invariant(w, out_dim, in_dim, x, n, y, NULL, Some((bounds_dev, bounds.len() - 1)))
+            }
         }
     }
 
@@ -208,23 +203,37 @@ impl Gpu {
                 self.linear_cublas(w, out_dim, in_dim, x, n, y)?;
                 self.add(y, addend, n * out_dim)
             }
-            Gemm::BatchInvariant => self.skinny(
-                w,
-                out_dim,
-                in_dim,
-                x,
-                n,
-                y,
-                addend,
-                None,
-                self.skinny_layout(out_dim, in_dim, n, skinny_split(out_dim, in_dim)),
-            ),
+            Gemm::BatchInvariant => self.batch_invariant(w, out_dim, in_dim, x, n, y, addend, None),
         }
     }
 
-    /// The skinny GEMM with an explicit K split (1 to 64 slices), row-major output or segment-major output
-    /// `(bounds on the device, parts)`. Results are batch-invariant for a fixed `split`; [`Gpu::linear`] takes
-    /// [`skinny_split`] of the shape, and benchmarks try the others.
+    /// The batch-invariant GEMM of a call, with the add epilogue when `addend` is not [`NULL`] and segment-major
+    /// output for `parts`: the warpgroup-MMA kernels at [`tc_split`] of the shape where they take the call, else
+    /// the skinny kernels at [`skinny_split`] in the call's [`Gpu::skinny_layout`].
+    #[allow(clippy::too_many_arguments)]
+    fn batch_invariant(
+        &self,
+        w: DPtr,
+        out_dim: usize,
+        in_dim: usize,
+        x: DPtr,
+        n: usize,
+        y: DPtr,
+        addend: DPtr,
+        parts: Option<(DPtr, usize)>,
+    ) -> Result<()> {
+        if self.tc_gemm_takes(w, x, in_dim) {
+            let split = tc_split(out_dim, in_dim);
+            return self.tc_gemm(TcCall { w, out_dim, in_dim, x, n, y, addend, parts, split }, false);
+        }
+        let layout = self.skinny_layout(out_dim, in_dim, n, skinny_split(out_dim, in_dim));
+        self.skinny(w, out_dim, in_dim, x, n, y, addend, parts, layout)
+    }
+
+    /// The skinny mma.sync GEMM with an explicit K split (1 to 64 slices), row-major output or segment-major output
+    /// `(bounds on the device, parts)`, on any device. Results are batch-invariant for a fixed `split`;
+    /// [`Gpu::linear`] takes [`skinny_split`] of the shape where the warpgroup-MMA GEMM does not run, and tests and
+    /// benchmarks try the others.
     #[allow(clippy::too_many_arguments)]
     pub fn linear_skinny(
         &self,

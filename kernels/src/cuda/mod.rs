@@ -25,6 +25,7 @@ pub mod drafter_slot;
 pub mod expert_layout;
 pub mod forward;
 pub mod gemm_ops;
+pub mod gemm_tc;
 pub mod graph;
 pub mod matrix;
 pub mod moe_ops;

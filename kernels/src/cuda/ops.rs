@@ -21,9 +21,10 @@
 //! - Every launch and memory operation is counted ([`Gpu::issued`]); while a profile is recorded,
 //!   [`Gpu::mark`] puts timed events on the stream, so spans of the forward are timed on the device.
 //! - GEMMs have two implementations: cuBLAS (`cublasGemmEx`, bf16 in/out, fp32 accumulate) and the
-//!   skinny tensor-core kernel of `gemm.cu`, whose result for a token does not depend on the batch
-//!   (see [`Gemm`]); its K split is a function of the weight's shape alone ([`skinny_split`]). Their
-//!   launches live in `gemm_ops`.
+//!   batch-invariant tensor-core GEMM, whose result for a token does not depend on the batch (see [`Gemm`]):
+//!   on Hopper the warpgroup-MMA kernels of `gemm_tc.cu` ([`tc_split`]), elsewhere the mma.sync kernels of
+//!   `gemm.cu` ([`skinny_split`]); either K split is a function of the weight's shape alone. Their launches
+//!   live in `gemm_ops` and `gemm_tc`.
 //! - The per-token kernels that reduce over a whole row (the fused AttnRes read + norm, the MoE combine +
 //!   routed norm) spread a token over one block or, from Hopper on and for rows of 1024 and wider, over a
 //!   cluster of `ROW_CLUSTER` blocks ([`Gpu::row_split`]); which form runs depends on the device and the
@@ -43,6 +44,7 @@ use crate::cuda::attn::AttnKernels;
 use crate::cuda::compile::{Compiler, SOURCES};
 use crate::cuda::device::{device_err, info, DeviceInfo};
 pub use crate::cuda::gemm_ops::{skinny_split, SkinnyLayout};
+pub use crate::cuda::gemm_tc::tc_split;
 pub use crate::cuda::moe_ops::{moe_group_len, DownTiles, RouteArgs};
 use crate::error::{KernelError, Result};
 
@@ -120,6 +122,8 @@ pub(crate) struct Kernels {
     pub(crate) skinny_gemm_serial: [CudaFunction; 4],
     /// `skinny_gemm_wide_t{4,8}`: split launches of up to 32 and 64 tokens with two 16-row tiles per warp.
     pub(crate) skinny_gemm_wide: [CudaFunction; 2],
+    /// `skinny_wgmma{,_serial}_t{8,16,32,64}` (gemm_tc.cu): the batch-invariant GEMM on Hopper, `None` elsewhere.
+    pub(crate) skinny_wgmma: crate::cuda::gemm_tc::TcKernels,
     pub(crate) moe_router_logits: CudaFunction,
     pub(crate) moe_route: CudaFunction,
     /// `moe_router` (both in one launch, thread-block clusters): present from Hopper on.
@@ -334,6 +338,7 @@ impl Gpu {
                 f("gemm.cu", "skinny_gemm_t8")?,
             ],
             skinny_gemm_wide: [f("gemm.cu", "skinny_gemm_wide_t4")?, f("gemm.cu", "skinny_gemm_wide_t8")?],
+            skinny_wgmma: crate::cuda::gemm_tc::load_tc_kernels(module("gemm_tc.cu")?, info.compute_capability.0)?,
             skinny_gemm_serial: [
                 f("gemm.cu", "skinny_gemm_serial_t1")?,
                 f("gemm.cu", "skinny_gemm_serial_t2")?,

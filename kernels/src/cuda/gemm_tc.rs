@@ -1,0 +1,225 @@
+//! The skinny GEMM on Hopper's warpgroup MMA and copy engine (`kernels/cuda/gemm_tc.cu`): the batch-invariant
+//! linear layers on sm_90 ([`Gpu::tc_gemm_takes`]), where it streams the weights at 32 to 64 tokens as fast as at
+//! one (the mma.sync kernels of `gemm.cu` run everywhere else).
+//!
+//! Invariants:
+//! - The summation order is fixed by the K slice width, which [`tc_split`] derives from the weight's shape alone;
+//!   the token chunk (`NT` = 8, 16, 32 or 64) and the form (split or serial) follow the call and never change a
+//!   bit of a token's result (the H200's wgmma gives a token the same bits for every N; cuda_gemm checks calls of
+//!   1 to 512 tokens against each other).
+//! - Whether a call takes this path depends on the device and on the operands' alignment and K alone, never on
+//!   the token count: a weight's calls all take the same path, so its tokens' bits never depend on the batch.
+//! - A call's tensor maps are encoded on the host (no device work) and passed by value; nothing outlives the
+//!   launch. A split launch of more than one slice takes its workspace (`[slices, n, out]` f32) from the
+//!   stream-ordered pool and the current lane's tickets, as `gemm_ops` does.
+
+use cudarc::driver::{sys, CudaFunction, DeviceRepr, LaunchConfig};
+
+use crate::cuda::device::device_err;
+use crate::cuda::ops::{launch_err, DPtr, Gpu, NULL};
+use crate::error::{KernelError, Result};
+
+/// Weight rows per block (`TC_ROWS`: two m64 tiles).
+const TC_ROWS: usize = 128;
+/// K columns per stage (`TC_K`).
+const TC_K: usize = 64;
+/// Token chunk sizes of the entry points (`skinny_wgmma_t{8,16,32,64}`).
+const TC_TOKENS: [usize; 4] = [8, 16, 32, 64];
+/// Blocks a launch should have before more K slices stop paying: about two per SM of an H200, where two blocks of
+/// 64 tokens fit per SM.
+const TC_BLOCKS: usize = 256;
+/// The narrowest K slice [`tc_split`] cuts: twelve stages, enough to fill the four-stage ring three times over.
+const TC_NARROWEST: usize = 12 * TC_K;
+/// The most K slices a shape may have.
+const TC_MAX_SPLIT: usize = 64;
+/// The largest workspace of a split launch; larger calls (long prefills) run their slices serially.
+const TC_WORKSPACE_BYTES: usize = 64 << 20;
+
+/// Dynamic shared memory of `skinny_wgmma_*_t{nt}`: 4 stages of 16 KB of weights and `nt` rows of 128 bytes of
+/// tokens, 8 mbarriers, and 1 KB to align the stages to the 128-byte swizzle's 1024-byte atoms.
+fn tc_smem_bytes(nt: usize) -> usize {
+    4 * (TC_ROWS * TC_K * 2 + nt * TC_K * 2) + 8 * 8 + 1024
+}
+
+/// The entry points on Hopper (`[split, serial]`, each for chunks of 8, 16, 32 and 64 tokens), `None` elsewhere.
+pub(crate) type TcKernels = Option<[[CudaFunction; 4]; 2]>;
+
+/// Loads the entry points of gemm_tc.cu from `module` on a device of compute capability `major`.x, with their
+/// shared memory allowed.
+pub(crate) fn load_tc_kernels(module: &std::sync::Arc<cudarc::driver::CudaModule>, major: i32) -> Result<TcKernels> {
+    if major != 9 {
+        return Ok(None);
+    }
+    let f = |form: &str, nt: usize| -> Result<CudaFunction> {
+        let name = format!("skinny_wgmma{form}_t{nt}");
+        let func = module.load_function(&name).map_err(|e| device_err(&format!("kernel {name} of gemm_tc.cu"), e))?;
+        func.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            tc_smem_bytes(nt) as i32,
+        )
+        .map_err(|e| device_err("allowing the warpgroup-MMA GEMM its shared memory", e))?;
+        Ok(func)
+    };
+    let set = |form: &str| -> Result<[CudaFunction; 4]> {
+        Ok([f(form, TC_TOKENS[0])?, f(form, TC_TOKENS[1])?, f(form, TC_TOKENS[2])?, f(form, TC_TOKENS[3])?])
+    };
+    Ok(Some([set("")?, set("_serial")?]))
+}
+
+/// The number of K slices of the warpgroup-MMA GEMM for a `[out_dim, in_dim]` weight: the fewest (a power of two)
+/// that give at least [`TC_BLOCKS`] blocks of 128 rows, with every slice at least [`TC_NARROWEST`] columns wide.
+/// A function of the shape alone, so results stay batch-invariant.
+pub fn tc_split(out_dim: usize, in_dim: usize) -> usize {
+    let tiles = out_dim.div_ceil(TC_ROWS);
+    let mut split = 1;
+    while split < TC_MAX_SPLIT && tiles * split < TC_BLOCKS && in_dim / (2 * split) >= TC_NARROWEST {
+        split *= 2;
+    }
+    split
+}
+
+/// The K slice width for `split` slices of `in_dim` columns: a whole number of 256-column chunks, as gemm.cu's.
+fn tc_kslice(in_dim: usize, split: usize) -> usize {
+    in_dim.div_ceil(split.max(1)).div_ceil(256).max(1) * 256
+}
+
+/// A `CUtensorMap` as a kernel parameter (`TensorMap` of gemm_tc.cu).
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct TensorMap(sys::CUtensorMap);
+
+// SAFETY: a plain 128-byte value that the kernel reads by value (`__grid_constant__`).
+unsafe impl DeviceRepr for TensorMap {}
+
+/// The tensor map of a row-major bf16 `[rows, cols]` matrix at `ptr`, read in boxes of `[box_rows, 64]` with the
+/// 128-byte swizzle; reads past the rows or columns give zeros.
+fn tensor_map(ptr: DPtr, rows: usize, cols: usize, box_rows: usize) -> Result<TensorMap> {
+    let dims: [sys::cuuint64_t; 2] = [cols as u64, rows as u64];
+    let strides: [sys::cuuint64_t; 1] = [(cols * 2) as u64];
+    let boxes: [sys::cuuint32_t; 2] = [TC_K as u32, box_rows as u32];
+    let unit: [sys::cuuint32_t; 2] = [1, 1];
+    // SAFETY: an all-zero CUtensorMap is a valid value to be overwritten by the encoder.
+    let mut map: sys::CUtensorMap = unsafe { std::mem::zeroed() };
+    // SAFETY: every pointer is to a live local array of the rank the call names; the encoder only writes `map`.
+    let status = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map,
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            2,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            unit.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if status != sys::CUresult::CUDA_SUCCESS {
+        return Err(KernelError::Device(format!(
+            "encoding the tensor map of a [{rows}, {cols}] bf16 matrix: {status:?}"
+        )));
+    }
+    Ok(TensorMap(map))
+}
+
+/// One call of the warpgroup-MMA GEMM: `y[n, out] (+ addend) = x[n, in] . w[out, in]^T` in `split` K slices,
+/// row-major or segment-major (`parts`: bounds on the device and their count) output.
+pub(crate) struct TcCall {
+    pub w: DPtr,
+    pub out_dim: usize,
+    pub in_dim: usize,
+    pub x: DPtr,
+    pub n: usize,
+    pub y: DPtr,
+    pub addend: DPtr,
+    pub parts: Option<(DPtr, usize)>,
+    pub split: usize,
+}
+
+impl Gpu {
+    /// Whether the batch-invariant GEMM of a weight at `w` with `in_dim` columns on tokens at `x` runs on the
+    /// warpgroup-MMA kernels: a Hopper device, and operands a tensor map can read (16-byte aligned rows).
+    pub fn tc_gemm_takes(&self, w: DPtr, x: DPtr, in_dim: usize) -> bool {
+        self.k.skinny_wgmma.is_some() && w % 16 == 0 && x % 16 == 0 && in_dim % 8 == 0
+    }
+
+    /// The warpgroup-MMA GEMM with an explicit K split (tests and benchmarks; [`Gpu::linear`] takes [`tc_split`]
+    /// of the shape), its slices on their own blocks unless `serial` or the workspace would be too large.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_tc(
+        &self,
+        w: DPtr,
+        out_dim: usize,
+        in_dim: usize,
+        x: DPtr,
+        n: usize,
+        y: DPtr,
+        split: usize,
+        serial: bool,
+    ) -> Result<()> {
+        if !self.tc_gemm_takes(w, x, in_dim) {
+            return Err(KernelError::InvalidInput(format!(
+                "the warpgroup-MMA GEMM needs a Hopper GPU and 16-byte aligned rows (in_dim {in_dim})"
+            )));
+        }
+        let call = TcCall { w, out_dim, in_dim, x, n, y, addend: NULL, parts: None, split };
+        self.tc_gemm(call, serial)
+    }
+
+    /// Launches `skinny_wgmma_t*` or `skinny_wgmma_serial_t*` (gemm_tc.cu) for `call`, serially when asked or
+    /// when the split's workspace or tickets would run out. The caller has checked [`Gpu::tc_gemm_takes`].
+    pub(crate) fn tc_gemm(&self, call: TcCall, serial: bool) -> Result<()> {
+        let TcCall { w, out_dim, in_dim, x, n, y, addend, parts, split } = call;
+        let Some(funcs) = self.k.skinny_wgmma.as_ref() else {
+            return Err(KernelError::Device("the warpgroup-MMA GEMM needs a Hopper GPU".into()));
+        };
+        if !(1..=TC_MAX_SPLIT).contains(&split) {
+            return Err(KernelError::InvalidInput(format!(
+                "warpgroup-MMA GEMM split {split} (1 to {TC_MAX_SPLIT} slices supported)"
+            )));
+        }
+        if out_dim > i32::MAX as usize || in_dim > i32::MAX as usize || n > i32::MAX as usize {
+            return Err(KernelError::InvalidInput(format!(
+                "GEMM of [{n}, {in_dim}] x [{out_dim}, {in_dim}] is too large"
+            )));
+        }
+        if n == 0 || out_dim == 0 {
+            return Ok(());
+        }
+        let size = TC_TOKENS.iter().position(|&t| n <= t).unwrap_or(TC_TOKENS.len() - 1);
+        let nt = TC_TOKENS[size];
+        let chunks = n.div_ceil(nt);
+        if chunks > 65_535 {
+            return Err(KernelError::InvalidInput(format!("GEMM of {n} tokens (at most {} per call)", 65_535 * 64)));
+        }
+        let kslice = tc_kslice(in_dim, split);
+        let slices = in_dim.div_ceil(kslice);
+        let row_tiles = out_dim.div_ceil(TC_ROWS);
+        let tickets_limit = self.gemm_tickets[0].len();
+        let serial = serial || slices * n * out_dim * 4 > TC_WORKSPACE_BYTES || row_tiles * chunks > tickets_limit;
+        let split_blocks = !serial && slices > 1;
+        let tw = tensor_map(w, out_dim, in_dim, TC_ROWS)?;
+        let tx = tensor_map(x, n, in_dim, nt)?;
+        // [slices, n, out] f32 partials, freed in stream order after the launch.
+        let workspace = if split_blocks { Some(self.uninit::<f32>(slices * n * out_dim)?) } else { None };
+        let ws = workspace.as_ref().map_or(NULL, |b| self.ptr(b));
+        let tickets = self.ptr(&self.gemm_tickets[usize::from(self.on_side_lane())]);
+        let blocks = if serial { row_tiles } else { row_tiles * slices };
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, chunks as u32, 1),
+            block_dim: (160, 1, 1),
+            shared_mem_bytes: tc_smem_bytes(nt) as u32,
+        };
+        let (seg, nseg) = parts.unwrap_or((NULL, 0));
+        let (nn, kk, mm, nseg, ks) = (out_dim as i32, in_dim as i32, n as i32, nseg as i32, kslice as i32);
+        let mut b = self.launcher(&funcs[usize::from(serial)][size]);
+        b.arg(&tw).arg(&tx).arg(&y).arg(&addend).arg(&nn).arg(&kk).arg(&mm).arg(&seg).arg(&nseg).arg(&ks);
+        b.arg(&ws).arg(&tickets);
+        // SAFETY: the arguments match skinny_wgmma_* in order and type; the maps name live device buffers of the
+        // shapes given (the caller's contract for w, x, y and addend).
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("skinny_wgmma"))
+    }
+}
