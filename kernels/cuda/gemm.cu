@@ -237,18 +237,20 @@ __device__ void skinny_gemm(const __nv_bfloat16 *__restrict__ w, const __nv_bflo
             __syncthreads();
             if (!last_block) return;
             __threadfence();
+            // ((p0 + p1) + p2) + ...: slice by slice, so each slice's loads are all in flight at once.
+            for (int q = 0; q < slices; q++) {
+                const float *part_q = ws + (long)q * mtotal * n;
 #pragma unroll
-            for (int r = 0; r < R; r++)
+                for (int r = 0; r < R; r++)
 #pragma unroll
-                for (int j = 0; j < NT; j++)
+                    for (int j = 0; j < NT; j++)
 #pragma unroll
-                    for (int e = 0; e < 4; e++)
-                        if (ACC_ROW(r, e) < n && ACC_TOKEN(j, e) < mc) {
-                            const float *p = ws + (long)(m0 + ACC_TOKEN(j, e)) * n + ACC_ROW(r, e);
-                            float sum = __ldcg(p);
-                            for (int q = 1; q < slices; q++) sum += __ldcg(p + (long)q * mtotal * n);
-                            acc[r][j][e] = sum;
-                        }
+                        for (int e = 0; e < 4; e++)
+                            if (ACC_ROW(r, e) < n && ACC_TOKEN(j, e) < mc) {
+                                const float v = __ldcg(part_q + (long)(m0 + ACC_TOKEN(j, e)) * n + ACC_ROW(r, e));
+                                acc[r][j][e] = q == 0 ? v : acc[r][j][e] + v;
+                            }
+            }
         }
     }
 

@@ -199,16 +199,18 @@ __device__ void skinny_wgmma(const TensorMap &tw, const TensorMap &tx, __nv_bflo
         asm volatile("bar.sync 1, 128;" ::: "memory");
         if (!last_block) return;
         __threadfence();
+        // ((p0 + p1) + p2) + ...: slice by slice, so a tile's loads of one slice are all in flight at once.
 #pragma unroll
         for (int m = 0; m < 2; m++)
+            for (int q = 0; q < slices; q++) {
+                const float *part_q = ws + (long)q * mtotal * n;
 #pragma unroll
-            for (int e = 0; e < NT / 2; e++) {
-                const int row = row0 + TC_ROW(m, e), tok = TC_TOKEN(e);
-                if (row < n && tok < mc) {
-                    const float *p = ws + (long)(m0 + tok) * n + row;
-                    float sum = __ldcg(p);
-                    for (int q = 1; q < slices; q++) sum += __ldcg(p + (long)q * mtotal * n);
-                    acc[m][e] = sum;
+                for (int e = 0; e < NT / 2; e++) {
+                    const int row = row0 + TC_ROW(m, e), tok = TC_TOKEN(e);
+                    if (row < n && tok < mc) {
+                        const float v = __ldcg(part_q + (long)(m0 + tok) * n + row);
+                        acc[m][e] = q == 0 ? v : acc[m][e] + v;
+                    }
                 }
             }
     }
@@ -233,7 +235,7 @@ __device__ void skinny_wgmma(const TensorMap &tw, const TensorMap &tx, __nv_bflo
 // [128 rows, 64 columns], `tx` the tokens [mtotal, kdim] in boxes of [NT, 64], both 128-byte swizzled; `ws` and
 // `tickets` as gemm.cu's.
 #define SKINNY_WGMMA(NAME, NT, SERIAL)                                                                                \
-    extern "C" __global__ void __launch_bounds__(160, 1)                                                           \
+    extern "C" __global__ void __launch_bounds__(160, 2)                                                           \
         NAME(const __grid_constant__ TensorMap tw, const __grid_constant__ TensorMap tx, __nv_bfloat16 *y,            \
              const __nv_bfloat16 *addend, int n, int kdim, int mtotal, const int *seg, int nseg, int kslice, float *ws, \
              u32 *tickets) {                                                                                         \

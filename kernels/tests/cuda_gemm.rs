@@ -491,20 +491,21 @@ fn only_launches_of_many_waves_take_two_row_tiles_per_warp() {
 
 #[test]
 fn the_tc_k_split_fills_the_gpu_from_the_weight_shape_alone() {
-    // No GPU needed: the warpgroup-MMA GEMM's split is a pure function of (out, in): the fewest slices that give
-    // 256 blocks of 128 rows, none narrower than 768 columns.
+    // No GPU needed: the warpgroup-MMA GEMM's split is a pure function of (out, in): the most slices that keep the
+    // blocks of 128 rows within 132 (one per SM of an H200), none narrower than 768 columns.
     assert_eq!(tc_split(163_840, 7168), 1, "lm_head: 1,280 blocks");
     assert_eq!(tc_split(49_376, 7168), 1, "KDA merged input projection: 386 blocks");
     assert_eq!(tc_split(33_792, 7168), 1, "dense gate / up: 264 blocks");
-    assert_eq!(tc_split(7168, 33_792), 8, "dense down: 56 row tiles");
-    assert_eq!(tc_split(14_400, 7168), 4, "MLA merged input projection: 113 row tiles");
-    assert_eq!(tc_split(7168, 12_288), 8, "o_proj");
-    assert_eq!(tc_split(18_432, 1536), 2, "MLA q_b: 144 row tiles, two slices of 768");
-    assert_eq!(tc_split(3584, 7168), 8, "MoE latent down: 28 row tiles");
-    assert_eq!(tc_split(7168, 3584), 4, "MoE up: slices of 896");
-    assert_eq!(tc_split(12_288, 7168), 4, "shared expert gate / up: 96 row tiles");
-    assert_eq!(tc_split(7168, 6144), 8, "shared expert down");
-    assert_eq!(tc_split(12_288, 128), 1, "f_b: K below two slices of 768 is never split");
+    assert_eq!(tc_split(7168, 33_792), 2, "dense down: 56 row tiles");
+    assert_eq!(tc_split(14_400, 7168), 1, "MLA merged input projection: 113 row tiles");
+    assert_eq!(tc_split(7168, 12_288), 2, "o_proj");
+    assert_eq!(tc_split(18_432, 1536), 1, "MLA q_b: 144 row tiles");
+    assert_eq!(tc_split(3584, 7168), 4, "MoE latent down: 28 row tiles");
+    assert_eq!(tc_split(7168, 3584), 2, "MoE up");
+    assert_eq!(tc_split(12_288, 7168), 1, "shared expert gate / up: 96 row tiles");
+    assert_eq!(tc_split(7168, 6144), 2, "shared expert down");
+    assert_eq!(tc_split(1000, 4096), 4, "8 row tiles: slices of 1024, as 8 of 512 would be too narrow");
+    assert_eq!(tc_split(7168, 1024), 1, "K below two slices of 768 is never split");
 }
 
 #[test]

@@ -25,11 +25,14 @@ const TC_ROWS: usize = 128;
 const TC_K: usize = 64;
 /// Token chunk sizes of the entry points (`skinny_wgmma_t{8,16,32,64}`).
 const TC_TOKENS: [usize; 4] = [8, 16, 32, 64];
-/// Blocks a launch should have before more K slices stop paying: about two per SM of an H200, where two blocks of
-/// 64 tokens fit per SM.
-const TC_BLOCKS: usize = 256;
+/// The most blocks [`tc_split`] cuts a weight into: one per SM of an H200. Launches of up to one block per SM run
+/// one per SM; between one and three per SM the block scheduler packs some SMs fuller than others, and one block
+/// streams up to about 55 GB/s, more than an SM's share of HBM (H200 sweep of `gemm_bandwidth`; BENCHMARKS.md).
+const TC_SPLIT_BLOCKS: usize = 132;
 /// The narrowest K slice [`tc_split`] cuts: twelve stages, enough to fill the four-stage ring three times over.
 const TC_NARROWEST: usize = 12 * TC_K;
+/// Shared memory per SM that blocks may take on Hopper (228 KB less 1 KB reserved per block, for up to 3 blocks).
+const TC_SM_SHARED_BYTES: usize = 225 << 10;
 /// The most K slices a shape may have.
 const TC_MAX_SPLIT: usize = 64;
 /// The largest workspace of a split launch; larger calls (long prefills) run their slices serially.
@@ -41,12 +44,21 @@ fn tc_smem_bytes(nt: usize) -> usize {
     4 * (TC_ROWS * TC_K * 2 + nt * TC_K * 2) + 8 * 8 + 1024
 }
 
-/// The entry points on Hopper (`[split, serial]`, each for chunks of 8, 16, 32 and 64 tokens), `None` elsewhere.
-pub(crate) type TcKernels = Option<[[CudaFunction; 4]; 2]>;
+/// The entry points of gemm_tc.cu on a Hopper device.
+pub(crate) struct TcKernels {
+    /// `[split, serial]`, each for chunks of 8, 16, 32 and 64 tokens.
+    funcs: [[CudaFunction; 4]; 2],
+    /// The device's SMs.
+    sms: usize,
+}
 
-/// Loads the entry points of gemm_tc.cu from `module` on a device of compute capability `major`.x, with their
-/// shared memory allowed.
-pub(crate) fn load_tc_kernels(module: &std::sync::Arc<cudarc::driver::CudaModule>, major: i32) -> Result<TcKernels> {
+/// Loads the entry points of gemm_tc.cu from `module` on a device of compute capability `major`.x with `sms` SMs,
+/// with their shared memory allowed; `None` off Hopper.
+pub(crate) fn load_tc_kernels(
+    module: &std::sync::Arc<cudarc::driver::CudaModule>,
+    major: i32,
+    sms: usize,
+) -> Result<Option<TcKernels>> {
     if major != 9 {
         return Ok(None);
     }
@@ -55,7 +67,7 @@ pub(crate) fn load_tc_kernels(module: &std::sync::Arc<cudarc::driver::CudaModule
         let func = module.load_function(&name).map_err(|e| device_err(&format!("kernel {name} of gemm_tc.cu"), e))?;
         func.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            tc_smem_bytes(nt) as i32,
+            tc_smem_bytes(nt).max(TC_SM_SHARED_BYTES / 2) as i32,
         )
         .map_err(|e| device_err("allowing the warpgroup-MMA GEMM its shared memory", e))?;
         Ok(func)
@@ -63,16 +75,16 @@ pub(crate) fn load_tc_kernels(module: &std::sync::Arc<cudarc::driver::CudaModule
     let set = |form: &str| -> Result<[CudaFunction; 4]> {
         Ok([f(form, TC_TOKENS[0])?, f(form, TC_TOKENS[1])?, f(form, TC_TOKENS[2])?, f(form, TC_TOKENS[3])?])
     };
-    Ok(Some([set("")?, set("_serial")?]))
+    Ok(Some(TcKernels { funcs: [set("")?, set("_serial")?], sms: sms.max(1) }))
 }
 
-/// The number of K slices of the warpgroup-MMA GEMM for a `[out_dim, in_dim]` weight: the fewest (a power of two)
-/// that give at least [`TC_BLOCKS`] blocks of 128 rows, with every slice at least [`TC_NARROWEST`] columns wide.
-/// A function of the shape alone, so results stay batch-invariant.
+/// The number of K slices of the warpgroup-MMA GEMM for a `[out_dim, in_dim]` weight: the most (a power of two)
+/// that keep the blocks of 128 rows within [`TC_SPLIT_BLOCKS`], with every slice at least [`TC_NARROWEST`] columns
+/// wide. A function of the shape alone, so results stay batch-invariant.
 pub fn tc_split(out_dim: usize, in_dim: usize) -> usize {
     let tiles = out_dim.div_ceil(TC_ROWS);
     let mut split = 1;
-    while split < TC_MAX_SPLIT && tiles * split < TC_BLOCKS && in_dim / (2 * split) >= TC_NARROWEST {
+    while split < TC_MAX_SPLIT && tiles * split * 2 <= TC_SPLIT_BLOCKS && in_dim / (2 * split) >= TC_NARROWEST {
         split *= 2;
     }
     split
@@ -173,7 +185,7 @@ impl Gpu {
     /// when the split's workspace or tickets would run out. The caller has checked [`Gpu::tc_gemm_takes`].
     pub(crate) fn tc_gemm(&self, call: TcCall, serial: bool) -> Result<()> {
         let TcCall { w, out_dim, in_dim, x, n, y, addend, parts, split } = call;
-        let Some(funcs) = self.k.skinny_wgmma.as_ref() else {
+        let Some(tc) = self.k.skinny_wgmma.as_ref() else {
             return Err(KernelError::Device("the warpgroup-MMA GEMM needs a Hopper GPU".into()));
         };
         if !(1..=TC_MAX_SPLIT).contains(&split) {
@@ -208,14 +220,17 @@ impl Gpu {
         let ws = workspace.as_ref().map_or(NULL, |b| self.ptr(b));
         let tickets = self.ptr(&self.gemm_tickets[usize::from(self.on_side_lane())]);
         let blocks = if serial { row_tiles } else { row_tiles * slices };
+        // Blocks per SM: as many as one wave of the launch needs (2 or 3), so that no SM holds more than the others
+        // (shared memory beyond what the stages need only limits the occupancy).
+        let per_sm = (blocks * chunks).div_ceil(tc.sms).clamp(2, 3);
         let cfg = LaunchConfig {
             grid_dim: (blocks as u32, chunks as u32, 1),
             block_dim: (160, 1, 1),
-            shared_mem_bytes: tc_smem_bytes(nt) as u32,
+            shared_mem_bytes: tc_smem_bytes(nt).max(TC_SM_SHARED_BYTES / (per_sm + 1) + 1024) as u32,
         };
         let (seg, nseg) = parts.unwrap_or((NULL, 0));
         let (nn, kk, mm, nseg, ks) = (out_dim as i32, in_dim as i32, n as i32, nseg as i32, kslice as i32);
-        let mut b = self.launcher(&funcs[usize::from(serial)][size]);
+        let mut b = self.launcher(&tc.funcs[usize::from(serial)][size]);
         b.arg(&tw).arg(&tx).arg(&y).arg(&addend).arg(&nn).arg(&kk).arg(&mm).arg(&seg).arg(&nseg).arg(&ks);
         b.arg(&ws).arg(&tickets);
         // SAFETY: the arguments match skinny_wgmma_* in order and type; the maps name live device buffers of the

@@ -123,7 +123,7 @@ pub(crate) struct Kernels {
     /// `skinny_gemm_wide_t{4,8}`: split launches of up to 32 and 64 tokens with two 16-row tiles per warp.
     pub(crate) skinny_gemm_wide: [CudaFunction; 2],
     /// `skinny_wgmma{,_serial}_t{8,16,32,64}` (gemm_tc.cu): the batch-invariant GEMM on Hopper, `None` elsewhere.
-    pub(crate) skinny_wgmma: crate::cuda::gemm_tc::TcKernels,
+    pub(crate) skinny_wgmma: Option<crate::cuda::gemm_tc::TcKernels>,
     pub(crate) moe_router_logits: CudaFunction,
     pub(crate) moe_route: CudaFunction,
     /// `moe_router` (both in one launch, thread-block clusters): present from Hopper on.
@@ -310,6 +310,9 @@ impl Gpu {
         };
         // Thread-block clusters (the one-launch router, the cluster forms of the per-token norms) from Hopper on.
         let hopper = info.compute_capability.0 >= 9;
+        let sms = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| device_err("reading the SM count", e))? as usize;
         let k = Kernels {
             embed_gather: f("common.cu", "embed_gather")?,
             rms_norm: f("common.cu", "rms_norm")?,
@@ -338,7 +341,7 @@ impl Gpu {
                 f("gemm.cu", "skinny_gemm_t8")?,
             ],
             skinny_gemm_wide: [f("gemm.cu", "skinny_gemm_wide_t4")?, f("gemm.cu", "skinny_gemm_wide_t8")?],
-            skinny_wgmma: crate::cuda::gemm_tc::load_tc_kernels(module("gemm_tc.cu")?, info.compute_capability.0)?,
+            skinny_wgmma: crate::cuda::gemm_tc::load_tc_kernels(module("gemm_tc.cu")?, info.compute_capability.0, sms)?,
             skinny_gemm_serial: [
                 f("gemm.cu", "skinny_gemm_serial_t1")?,
                 f("gemm.cu", "skinny_gemm_serial_t2")?,
