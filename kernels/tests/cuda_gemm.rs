@@ -129,8 +129,8 @@ fn a_tall_weight_over_many_token_chunks_stays_exact_and_batch_invariant() {
     }
 }
 
-/// `[n, out]` outputs (bf16 bits) of the warpgroup-MMA GEMM with `split` slices, serial or not; the tokens start
-/// at token `first` of `x`.
+/// `[n, out]` outputs (bf16 bits) of the warpgroup-MMA GEMM with `split` slices, serial, split or (`None`) as the
+/// token count says; the tokens start at token `first` of `x`.
 #[allow(clippy::too_many_arguments)]
 fn run_tc(
     gpu: &Gpu,
@@ -140,7 +140,7 @@ fn run_tc(
     first: usize,
     n: usize,
     split: usize,
-    serial: bool,
+    serial: Option<bool>,
 ) -> Vec<u16> {
     let k = w.len() / out_dim;
     let (wd, xd) = (gpu.upload(w).unwrap(), gpu.upload(&x[first * k..(first + n) * k]).unwrap());
@@ -186,7 +186,7 @@ fn tc_gemm_matches_the_host_reference_and_is_batch_invariant_bit_for_bit() {
             splits.push(tc_split(out_dim, in_dim));
         }
         for split in splits {
-            let full = run_tc(&gpu, &w, out_dim, &x, 0, 512, split, false);
+            let full = run_tc(&gpu, &w, out_dim, &x, 0, 512, split, Some(false));
             for (i, (exact, mag)) in reference.iter().enumerate() {
                 let got = f64::from(bf16::from_bits(full[i]).to_f32());
                 let tol = exact.abs() / 128.0 + mag * 1e-6;
@@ -197,19 +197,19 @@ fn tc_gemm_matches_the_host_reference_and_is_batch_invariant_bit_for_bit() {
                     i % out_dim
                 );
             }
-            let serial = run_tc(&gpu, &w, out_dim, &x, 0, 512, split, true);
+            let serial = run_tc(&gpu, &w, out_dim, &x, 0, 512, split, Some(true));
             assert!(serial == full, "[{out_dim}, {in_dim}] split {split}: serial blocks differ from split blocks");
             for n in [1usize, 2, 3, 8, 9, 16, 17, 32, 33, 64, 65, 100] {
-                for serial in [false, true] {
+                for serial in [None, Some(false), Some(true)] {
                     let part = run_tc(&gpu, &w, out_dim, &x, 0, n, split, serial);
                     assert!(
                         part == full[..n * out_dim],
-                        "[{out_dim}, {in_dim}] split {split}: the first {n} tokens alone (serial {serial}) differ \
+                        "[{out_dim}, {in_dim}] split {split}: the first {n} tokens alone (serial {serial:?}) differ \
                          from the same tokens in a call of 512"
                     );
                 }
             }
-            let alone = run_tc(&gpu, &w, out_dim, &x, 5, 1, split, false);
+            let alone = run_tc(&gpu, &w, out_dim, &x, 5, 1, split, None);
             assert!(alone == full[5 * out_dim..6 * out_dim], "[{out_dim}, {in_dim}] split {split}: token 5 alone");
         }
         // The routed GEMM is this one at the shape's split.
@@ -217,7 +217,7 @@ fn tc_gemm_matches_the_host_reference_and_is_batch_invariant_bit_for_bit() {
         let y = gpu.zeros::<bf16>(17 * out_dim).unwrap();
         gpu.linear(gpu.ptr(&wd), out_dim, in_dim, gpu.ptr(&xd), 17, gpu.ptr(&y)).unwrap();
         let routed: Vec<u16> = gpu.download(&y, 17 * out_dim).unwrap().iter().map(|v| v.to_bits()).collect();
-        let want = run_tc(&gpu, &w, out_dim, &x, 0, 17, tc_split(out_dim, in_dim), false);
+        let want = run_tc(&gpu, &w, out_dim, &x, 0, 17, tc_split(out_dim, in_dim), None);
         assert!(routed == want, "[{out_dim}, {in_dim}]: Gpu::linear is not the warpgroup-MMA GEMM at its split");
     }
 }
@@ -229,13 +229,13 @@ fn tc_gemm_rejects_bad_arguments() {
     let y = gpu.zeros::<bf16>(64).unwrap();
     if has_tc(&gpu) {
         for split in [0, 65] {
-            let err = gpu.linear_tc(gpu.ptr(&w), 64, 64, gpu.ptr(&w), 1, gpu.ptr(&y), split, false).unwrap_err();
+            let err = gpu.linear_tc(gpu.ptr(&w), 64, 64, gpu.ptr(&w), 1, gpu.ptr(&y), split, None).unwrap_err();
             assert_eq!(err.kind(), "invalid_input", "{err}");
             assert!(err.to_string().contains(&format!("split {split}")), "{err}");
         }
     }
     // Rows that are not 16-byte aligned (K = 60) cannot be read by tensor map, on any device.
-    let err = gpu.linear_tc(gpu.ptr(&w), 64, 60, gpu.ptr(&w), 1, gpu.ptr(&y), 1, false).unwrap_err();
+    let err = gpu.linear_tc(gpu.ptr(&w), 64, 60, gpu.ptr(&w), 1, gpu.ptr(&y), 1, None).unwrap_err();
     assert!(err.to_string().contains("16-byte aligned rows (in_dim 60)"), "{err}");
 }
 
@@ -451,13 +451,17 @@ fn gemm_bandwidth() {
                     );
                 }
             }
-            for split in [1usize, 2, 4, 8, 16].into_iter().filter(|_| tc) {
+            let tc_splits = [1usize, 2, 4, 8, 16].into_iter().filter(|_| tc);
+            for (split, serial) in tc_splits.flat_map(|s| [(s, false), (s, true)]) {
                 let ms = time(&gpu, reps, || {
-                    gpu.linear_tc(gpu.ptr(&w), out_dim, in_dim, gpu.ptr(&x), n, gpu.ptr(&y), split, false).unwrap()
+                    let (w, x, y) = (gpu.ptr(&w), gpu.ptr(&x), gpu.ptr(&y));
+                    gpu.linear_tc(w, out_dim, in_dim, x, n, y, split, Some(serial)).unwrap()
                 });
-                let mark = if split == tc_split(out_dim, in_dim) { " (default)" } else { "" };
+                let default = split == tc_split(out_dim, in_dim) && serial == (n >= 32);
+                let mark = if default { " (default)" } else { "" };
+                let form = if serial { "serial" } else { "split" };
                 println!(
-                    "{name} | {out_dim} x {in_dim} | {n} | wgmma {split}{mark} | {ms:.4} | {:.0}",
+                    "{name} | {out_dim} x {in_dim} | {n} | wgmma {split} {form}{mark} | {ms:.4} | {:.0}",
                     bytes / ms / 1e6
                 );
             }

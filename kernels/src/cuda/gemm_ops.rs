@@ -224,7 +224,7 @@ impl Gpu {
     ) -> Result<()> {
         if self.tc_gemm_takes(w, x, in_dim) {
             let split = tc_split(out_dim, in_dim);
-            return self.tc_gemm(TcCall { w, out_dim, in_dim, x, n, y, addend, parts, split }, false);
+            return self.tc_gemm(TcCall { w, out_dim, in_dim, x, n, y, addend, parts, split }, None);
         }
         let layout = self.skinny_layout(out_dim, in_dim, n, skinny_split(out_dim, in_dim));
         self.skinny(w, out_dim, in_dim, x, n, y, addend, parts, layout)

@@ -25,9 +25,10 @@ const TC_ROWS: usize = 128;
 const TC_K: usize = 64;
 /// Token chunk sizes of the entry points (`skinny_wgmma_t{8,16,32,64}`).
 const TC_TOKENS: [usize; 4] = [8, 16, 32, 64];
-/// The most blocks [`tc_split`] cuts a weight into: one per SM of an H200. Launches of up to one block per SM run
-/// one per SM; between one and three per SM the block scheduler packs some SMs fuller than others, and one block
-/// streams up to about 55 GB/s, more than an SM's share of HBM (H200 sweep of `gemm_bandwidth`; BENCHMARKS.md).
+/// The most blocks [`tc_split`] cuts a weight into: one per SM of an H200. One block streams up to about 55 GB/s,
+/// more than an SM's share of HBM, and on the H200 launches of one to two blocks per SM streamed slower than
+/// launches of at most one (at one token the o_proj streams 3.8 TB/s in 112 blocks and 2.8 in 224; the sweep of
+/// `gemm_bandwidth` in BENCHMARKS.md, fourteenth session).
 const TC_SPLIT_BLOCKS: usize = 132;
 /// The narrowest K slice [`tc_split`] cuts: twelve stages, enough to fill the four-stage ring three times over.
 const TC_NARROWEST: usize = 12 * TC_K;
@@ -37,6 +38,11 @@ const TC_SM_SHARED_BYTES: usize = 225 << 10;
 const TC_MAX_SPLIT: usize = 64;
 /// The largest workspace of a split launch; larger calls (long prefills) run their slices serially.
 const TC_WORKSPACE_BYTES: usize = 64 << 20;
+/// Calls of this many tokens or more run their slices serially (one block per row tile folding in registers): on
+/// the H200 a split launch of 32 or 64 tokens costs more than its extra blocks win, e.g. the o_proj (split 2) at 64
+/// tokens streams 2.3 TB/s split and 2.8 serially, and the k3-mini step at batch 64 takes 10.29 ms instead of
+/// 10.95 (BENCHMARKS.md, fourteenth session).
+const TC_SERIAL_TOKENS: usize = 32;
 
 /// Dynamic shared memory of `skinny_wgmma_*_t{nt}`: 4 stages of 16 KB of weights and `nt` rows of 128 bytes of
 /// tokens, 8 mbarriers, and 1 KB to align the stages to the 128-byte swizzle's 1024-byte atoms.
@@ -67,7 +73,7 @@ pub(crate) fn load_tc_kernels(
         let func = module.load_function(&name).map_err(|e| device_err(&format!("kernel {name} of gemm_tc.cu"), e))?;
         func.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            tc_smem_bytes(nt).max(TC_SM_SHARED_BYTES / 2) as i32,
+            tc_smem_bytes(nt).max(TC_SM_SHARED_BYTES / 2 + 1024) as i32,
         )
         .map_err(|e| device_err("allowing the warpgroup-MMA GEMM its shared memory", e))?;
         Ok(func)
@@ -159,7 +165,8 @@ impl Gpu {
     }
 
     /// The warpgroup-MMA GEMM with an explicit K split (tests and benchmarks; [`Gpu::linear`] takes [`tc_split`]
-    /// of the shape), its slices on their own blocks unless `serial` or the workspace would be too large.
+    /// of the shape): its slices run serially or on their own blocks as `serial` says, by the token count when it
+    /// is `None`, and serially whenever the workspace would be too large. Every choice gives the same bits.
     #[allow(clippy::too_many_arguments)]
     pub fn linear_tc(
         &self,
@@ -170,7 +177,7 @@ impl Gpu {
         n: usize,
         y: DPtr,
         split: usize,
-        serial: bool,
+        serial: Option<bool>,
     ) -> Result<()> {
         if !self.tc_gemm_takes(w, x, in_dim) {
             return Err(KernelError::InvalidInput(format!(
@@ -181,9 +188,10 @@ impl Gpu {
         self.tc_gemm(call, serial)
     }
 
-    /// Launches `skinny_wgmma_t*` or `skinny_wgmma_serial_t*` (gemm_tc.cu) for `call`, serially when asked or
-    /// when the split's workspace or tickets would run out. The caller has checked [`Gpu::tc_gemm_takes`].
-    pub(crate) fn tc_gemm(&self, call: TcCall, serial: bool) -> Result<()> {
+    /// Launches `skinny_wgmma_t*` or `skinny_wgmma_serial_t*` (gemm_tc.cu) for `call`: serially as `serial` says
+    /// (by the token count when `None`, [`TC_SERIAL_TOKENS`]) or when the split's workspace or tickets would run
+    /// out. The caller has checked [`Gpu::tc_gemm_takes`].
+    pub(crate) fn tc_gemm(&self, call: TcCall, serial: Option<bool>) -> Result<()> {
         let TcCall { w, out_dim, in_dim, x, n, y, addend, parts, split } = call;
         let Some(tc) = self.k.skinny_wgmma.as_ref() else {
             return Err(KernelError::Device("the warpgroup-MMA GEMM needs a Hopper GPU".into()));
@@ -211,7 +219,9 @@ impl Gpu {
         let slices = in_dim.div_ceil(kslice);
         let row_tiles = out_dim.div_ceil(TC_ROWS);
         let tickets_limit = self.gemm_tickets[0].len();
-        let serial = serial || slices * n * out_dim * 4 > TC_WORKSPACE_BYTES || row_tiles * chunks > tickets_limit;
+        let serial = serial.unwrap_or(n >= TC_SERIAL_TOKENS)
+            || slices * n * out_dim * 4 > TC_WORKSPACE_BYTES
+            || row_tiles * chunks > tickets_limit;
         let split_blocks = !serial && slices > 1;
         let tw = tensor_map(w, out_dim, in_dim, TC_ROWS)?;
         let tx = tensor_map(x, n, in_dim, nt)?;
@@ -221,7 +231,8 @@ impl Gpu {
         let tickets = self.ptr(&self.gemm_tickets[usize::from(self.on_side_lane())]);
         let blocks = if serial { row_tiles } else { row_tiles * slices };
         // Blocks per SM: as many as one wave of the launch needs (2 or 3), so that no SM holds more than the others
-        // (shared memory beyond what the stages need only limits the occupancy).
+        // (shared memory beyond what the stages need only limits the occupancy). The dense gate/up (264 blocks) at
+        // one token streamed 3.4 TB/s with room for 3 blocks per SM and 4.3 with room for 2.
         let per_sm = (blocks * chunks).div_ceil(tc.sms).clamp(2, 3);
         let cfg = LaunchConfig {
             grid_dim: (blocks as u32, chunks as u32, 1),
