@@ -100,9 +100,9 @@ pub enum Gemm {
     /// cuBLAS `GemmEx`: fastest, but its algorithm (and so the fp32 summation order) depends on the
     /// number of tokens in the batch.
     Cublas,
-    /// The skinny tensor-core GEMM (`gemm.cu`): each weight read once per 64 tokens, every output
-    /// summed in a fixed order, so it is batch-invariant bit for bit: a seeded request gives the same
-    /// tokens whatever is batched with it (the runner contract).
+    /// The skinny tensor-core GEMM (`gemm_tc.cu`'s warpgroup MMA on Hopper, `gemm.cu`'s mma.sync elsewhere):
+    /// each weight read once per 64 tokens, every output summed in a fixed order, so it is batch-invariant bit
+    /// for bit: a seeded request gives the same tokens whatever is batched with it (the runner contract).
     BatchInvariant,
 }
 
