@@ -39,9 +39,9 @@ const TC_MAX_SPLIT: usize = 64;
 /// The largest workspace of a split launch; larger calls (long prefills) run their slices serially.
 const TC_WORKSPACE_BYTES: usize = 64 << 20;
 /// Calls of this many tokens or more run their slices serially (one block per row tile folding in registers): on
-/// the H200 a split launch of 32 or 64 tokens costs more than its extra blocks win, e.g. the o_proj (split 2) at 64
-/// tokens streams 2.3 TB/s split and 2.8 serially, and the k3-mini step at batch 64 takes 10.29 ms instead of
-/// 10.95 (BENCHMARKS.md, fourteenth session).
+/// the H200 a split launch of 32 or 64 tokens costs more than its extra blocks win (the o_proj at 64 tokens streams
+/// 2.3 TB/s in two slices on their own blocks and 2.8 in one), and serially the k3-mini step at batch 64 takes
+/// 10.29 ms instead of 10.95 (BENCHMARKS.md, fourteenth session).
 const TC_SERIAL_TOKENS: usize = 32;
 
 /// Dynamic shared memory of `skinny_wgmma_*_t{nt}`: 4 stages of 16 KB of weights and `nt` rows of 128 bytes of
