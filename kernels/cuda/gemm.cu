@@ -167,15 +167,6 @@ __device__ void slice_partial(float (&acc)[R][NT][4], __nv_bfloat16 *xs, const _
     }
 }
 
-// Element index of output (m, col) in a [mtotal, n] result, row-major or segment-major.
-__device__ __forceinline__ long out_index(int m, int col, int n, int mtotal, const int *seg, int nseg) {
-    if (seg == nullptr) return (long)m * n + col;
-    int i = 0;
-    while (i + 1 < nseg && col >= seg[i + 1]) i++;
-    int lo = seg[i], width = seg[i + 1] - lo;
-    return (long)mtotal * lo + (long)m * width + (col - lo);
-}
-
 // Accumulator element e of row tile r, token tile j: row g (+ 8 for e >= 2), token 2t (+ 1 for odd e).
 #define ACC_ROW(r, e) (row0 + (r) * 16 + g + ((e) >> 1) * 8)
 #define ACC_TOKEN(j, e) ((j) * 8 + 2 * t + ((e) & 1))

@@ -90,15 +90,6 @@ template <> __device__ __forceinline__ void wgmma<64>(float (&d)[32], unsigned l
 
 #endif
 
-// Element index of output (m, col) in a [mtotal, n] result, row-major or segment-major (as gemm.cu).
-__device__ __forceinline__ long tc_out_index(int m, int col, int n, int mtotal, const int *seg, int nseg) {
-    if (seg == nullptr) return (long)m * n + col;
-    int i = 0;
-    while (i + 1 < nseg && col >= seg[i + 1]) i++;
-    int lo = seg[i], width = seg[i + 1] - lo;
-    return (long)mtotal * lo + (long)m * width + (col - lo);
-}
-
 // Accumulator i of m64 tile m for consumer thread (warp, lane): weight row and token within the block's tile.
 #define TC_ROW(m, i) (64 * (m) + 16 * warp + lane / 4 + 8 * (((i) % 4) / 2))
 #define TC_TOKEN(i) (8 * ((i) / 4) + 2 * (lane % 4) + (i) % 2)
@@ -220,7 +211,7 @@ __device__ void skinny_wgmma(const TensorMap &tw, const TensorMap &tx, __nv_bflo
         for (int e = 0; e < NT / 2; e++) {
             const int row = row0 + TC_ROW(m, e), tok = TC_TOKEN(e);
             if (row < n && tok < mc) {
-                const long at = tc_out_index(m0 + tok, row, n, mtotal, seg, nseg);
+                const long at = out_index(m0 + tok, row, n, mtotal, seg, nseg);
                 float v = acc[m][e];
                 if (addend != nullptr) v = bf_round(v) + ld(addend, at);
                 y[at] = __float2bfloat16_rn(v);

@@ -166,3 +166,14 @@ __device__ __forceinline__ void mma_bf16(float c[4], u32 a0, u32 a1, u32 a2, u32
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+
+// Element index of output (m, col) of a GEMM's [mtotal, n] result (gemm.cu, gemm_tc.cu): row-major, or segment-major
+// when `seg` is given (column range [seg[i], seg[i + 1]) is its own contiguous [mtotal, seg[i + 1] - seg[i]] block at
+// element offset mtotal * seg[i]).
+__device__ __forceinline__ long out_index(int m, int col, int n, int mtotal, const int *seg, int nseg) {
+    if (seg == nullptr) return (long)m * n + col;
+    int i = 0;
+    while (i + 1 < nseg && col >= seg[i + 1]) i++;
+    int lo = seg[i], width = seg[i + 1] - lo;
+    return (long)mtotal * lo + (long)m * width + (col - lo);
+}

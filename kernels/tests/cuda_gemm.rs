@@ -44,6 +44,20 @@ fn run(gpu: &Gpu, w: &[bf16], out_dim: usize, x: &[bf16], n: usize, split: usize
     gpu.download(&y, n * out_dim).unwrap().iter().map(|v| v.to_bits()).collect()
 }
 
+/// `[tokens, out]` products of `x` and `w` in f64, each with the magnitude sum that bounds fp32 summation error.
+fn host_reference(w: &[bf16], x: &[bf16], out_dim: usize, tokens: usize) -> Vec<(f64, f64)> {
+    let in_dim = w.len() / out_dim;
+    (0..tokens)
+        .flat_map(|m| (0..out_dim).map(move |o| (m, o)))
+        .map(|(m, o)| {
+            (0..in_dim).fold((0.0, 0.0), |(sum, mag), c| {
+                let p = f64::from(w[o * in_dim + c].to_f32()) * f64::from(x[m * in_dim + c].to_f32());
+                (sum + p, mag + p.abs())
+            })
+        })
+        .collect()
+}
+
 #[test]
 fn skinny_gemm_matches_the_host_reference_and_is_batch_invariant_bit_for_bit() {
     let Some(gpu) = gpu() else { return };
@@ -56,16 +70,7 @@ fn skinny_gemm_matches_the_host_reference_and_is_batch_invariant_bit_for_bit() {
         if !splits.contains(&skinny_split(out_dim, in_dim)) {
             splits.push(skinny_split(out_dim, in_dim));
         }
-        // [512, out] reference in f64, with the magnitude sum that bounds fp32 summation error.
-        let reference: Vec<(f64, f64)> = (0..512)
-            .flat_map(|m| (0..out_dim).map(move |o| (m, o)))
-            .map(|(m, o)| {
-                (0..in_dim).fold((0.0, 0.0), |(sum, mag), c| {
-                    let p = f64::from(w[o * in_dim + c].to_f32()) * f64::from(x[m * in_dim + c].to_f32());
-                    (sum + p, mag + p.abs())
-                })
-            })
-            .collect();
+        let reference = host_reference(&w, &x, out_dim, 512);
         for split in splits {
             let full = run(&gpu, &w, out_dim, &x, 512, split);
             for (i, (exact, mag)) in reference.iter().enumerate() {
@@ -172,15 +177,7 @@ fn tc_gemm_matches_the_host_reference_and_is_batch_invariant_bit_for_bit() {
     for (out_dim, in_dim) in [(1000, 1000), (77, 1048), (300, 1536), (40, 8), (2000, 4104)] {
         let w = random_bf16(&mut rng, out_dim * in_dim, 1.0);
         let x = random_bf16(&mut rng, 512 * in_dim, 2.0);
-        let reference: Vec<(f64, f64)> = (0..512)
-            .flat_map(|m| (0..out_dim).map(move |o| (m, o)))
-            .map(|(m, o)| {
-                (0..in_dim).fold((0.0, 0.0), |(sum, mag), c| {
-                    let p = f64::from(w[o * in_dim + c].to_f32()) * f64::from(x[m * in_dim + c].to_f32());
-                    (sum + p, mag + p.abs())
-                })
-            })
-            .collect();
+        let reference = host_reference(&w, &x, out_dim, 512);
         let mut splits = vec![1, 2, 3, 4];
         if !splits.contains(&tc_split(out_dim, in_dim)) {
             splits.push(tc_split(out_dim, in_dim));
