@@ -16,7 +16,7 @@ use cudarc::cublas::{result as blas_result, sys as blas_sys};
 use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig};
 
 use crate::cuda::device::device_err;
-use crate::cuda::gemm_tc::{tc_split, TcCall};
+use crate::cuda::gemm_tc::tc_split;
 use crate::cuda::ops::{launch_err, DPtr, Gemm, Gpu, Kernels, NULL};
 use crate::error::{KernelError, Result};
 
@@ -112,18 +112,15 @@ pub(crate) struct SkinnySlots {
     wide: [[usize; 2]; 2],
 }
 
-/// Reads [`SkinnySlots`] from the driver's occupancy of each entry point.
-pub(crate) fn skinny_slots(ctx: &cudarc::driver::CudaContext, k: &Kernels) -> Result<SkinnySlots> {
-    let sms = ctx
-        .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .map_err(|e| device_err("reading the SM count", e))?;
+/// Reads [`SkinnySlots`] of a device of `sms` SMs from the driver's occupancy of each entry point.
+pub(crate) fn skinny_slots(sms: usize, k: &Kernels) -> Result<SkinnySlots> {
     let slots = |func: &cudarc::driver::CudaFunction, tiles: usize| -> Result<[usize; 2]> {
         let mut per_warps = [0usize; 2];
         for (j, warps) in [4u32, 8].into_iter().enumerate() {
             let per_sm = func
                 .occupancy_max_active_blocks_per_multiprocessor(32 * warps, skinny_smem_bytes(tiles), None)
                 .map_err(|e| device_err("reading the skinny GEMM's occupancy", e))?;
-            per_warps[j] = sms.max(1) as usize * per_sm as usize;
+            per_warps[j] = sms.max(1) * per_sm as usize;
         }
         Ok(per_warps)
     };
@@ -135,12 +132,29 @@ pub(crate) fn skinny_slots(ctx: &cudarc::driver::CudaContext, k: &Kernels) -> Re
     Ok(SkinnySlots { narrow, wide })
 }
 
+/// One batch-invariant GEMM call: `y[n, out] (+ addend) = bf(x[n, in] · w[out, in]ᵀ)`, the add epilogue when
+/// `addend` is not [`NULL`] (bf(bf(x · wᵀ) + addend), `addend` laid out as `y` and possibly `y` itself), row-major
+/// output or segment-major for `parts` (bounds on the device, and their count).
+#[derive(Clone, Copy)]
+pub(crate) struct GemmCall {
+    pub w: DPtr,
+    pub out_dim: usize,
+    pub in_dim: usize,
+    pub x: DPtr,
+    pub n: usize,
+    pub y: DPtr,
+    pub addend: DPtr,
+    pub parts: Option<(DPtr, usize)>,
+}
+
 impl Gpu {
     /// `y[n, out] = bf(x[n, in] · w[out, in]ᵀ)` with fp32 accumulation, by the selected [`Gemm`].
     pub fn linear(&self, w: DPtr, out_dim: usize, in_dim: usize, x: DPtr, n: usize, y: DPtr) -> Result<()> {
         match self.gemm {
             Gemm::Cublas => self.linear_cublas(w, out_dim, in_dim, x, n, y),
-            Gemm::BatchInvariant => self.batch_invariant(w, out_dim, in_dim, x, n, y, NULL, None),
+            Gemm::BatchInvariant => {
+                self.batch_invariant(GemmCall { w, out_dim, in_dim, x, n, y, addend: NULL, parts: None })
+            }
         }
     }
 
@@ -174,7 +188,8 @@ impl Gpu {
                 Ok(())
             }
             Gemm::BatchInvariant => {
-                self.batch_invariant(w, out_dim, in_dim, x, n, y, NULL, Some((bounds_dev, bounds.len() - 1)))
+                let parts = Some((bounds_dev, bounds.len() - 1));
+                self.batch_invariant(GemmCall { w, out_dim, in_dim, x, n, y, addend: NULL, parts })
             }
         }
     }
@@ -203,31 +218,18 @@ impl Gpu {
                 self.linear_cublas(w, out_dim, in_dim, x, n, y)?;
                 self.add(y, addend, n * out_dim)
             }
-            Gemm::BatchInvariant => self.batch_invariant(w, out_dim, in_dim, x, n, y, addend, None),
+            Gemm::BatchInvariant => self.batch_invariant(GemmCall { w, out_dim, in_dim, x, n, y, addend, parts: None }),
         }
     }
 
-    /// The batch-invariant GEMM of a call, with the add epilogue when `addend` is not [`NULL`] and segment-major
-    /// output for `parts`: the warpgroup-MMA kernels at [`tc_split`] of the shape where they take the call, else
-    /// the skinny kernels at [`skinny_split`] in the call's [`Gpu::skinny_layout`].
-    #[allow(clippy::too_many_arguments)]
-    fn batch_invariant(
-        &self,
-        w: DPtr,
-        out_dim: usize,
-        in_dim: usize,
-        x: DPtr,
-        n: usize,
-        y: DPtr,
-        addend: DPtr,
-        parts: Option<(DPtr, usize)>,
-    ) -> Result<()> {
+    /// The batch-invariant GEMM of `call`: the warpgroup-MMA kernels at [`tc_split`] of the shape where they take
+    /// the call, else the skinny kernels at [`skinny_split`] in the call's [`Gpu::skinny_layout`].
+    fn batch_invariant(&self, call: GemmCall) -> Result<()> {
+        let GemmCall { w, out_dim, in_dim, x, n, .. } = call;
         if self.tc_gemm_takes(w, x, in_dim) {
-            let split = tc_split(out_dim, in_dim);
-            return self.tc_gemm(TcCall { w, out_dim, in_dim, x, n, y, addend, parts, split }, None);
+            return self.tc_gemm(call, tc_split(out_dim, in_dim), None);
         }
-        let layout = self.skinny_layout(out_dim, in_dim, n, skinny_split(out_dim, in_dim));
-        self.skinny(w, out_dim, in_dim, x, n, y, addend, parts, layout)
+        self.skinny(call, self.skinny_layout(out_dim, in_dim, n, skinny_split(out_dim, in_dim)))
     }
 
     /// The skinny mma.sync GEMM with an explicit K split (1 to 64 slices), row-major output or segment-major output
@@ -246,7 +248,8 @@ impl Gpu {
         parts: Option<(DPtr, usize)>,
         split: usize,
     ) -> Result<()> {
-        self.skinny(w, out_dim, in_dim, x, n, y, NULL, parts, self.skinny_layout(out_dim, in_dim, n, split))
+        let layout = self.skinny_layout(out_dim, in_dim, n, split);
+        self.skinny(GemmCall { w, out_dim, in_dim, x, n, y, addend: NULL, parts }, layout)
     }
 
     /// The skinny GEMM with an explicit layout (tests and benchmarks: every layout of one `split` gives the
@@ -262,7 +265,7 @@ impl Gpu {
         y: DPtr,
         layout: SkinnyLayout,
     ) -> Result<()> {
-        self.skinny(w, out_dim, in_dim, x, n, y, NULL, None, layout)
+        self.skinny(GemmCall { w, out_dim, in_dim, x, n, y, addend: NULL, parts: None }, layout)
     }
 
     /// The layout of an `n`-token call with `split` slices. Two row tiles per warp ([`SkinnyLayout::wide`]) above
@@ -294,21 +297,9 @@ impl Gpu {
         SkinnyLayout { split, warps, serial, wide: wide && !serial }
     }
 
-    /// One launch of `skinny_gemm_t*` or `skinny_gemm_serial_t*`, with the add epilogue when `addend` is not
-    /// [`NULL`].
-    #[allow(clippy::too_many_arguments)]
-    fn skinny(
-        &self,
-        w: DPtr,
-        out_dim: usize,
-        in_dim: usize,
-        x: DPtr,
-        n: usize,
-        y: DPtr,
-        addend: DPtr,
-        parts: Option<(DPtr, usize)>,
-        layout: SkinnyLayout,
-    ) -> Result<()> {
+    /// One launch of `skinny_gemm_t*`, `skinny_gemm_wide_t*` or `skinny_gemm_serial_t*` for `call` in `layout`.
+    fn skinny(&self, call: GemmCall, layout: SkinnyLayout) -> Result<()> {
+        let GemmCall { w, out_dim, in_dim, x, n, y, addend, parts } = call;
         let SkinnyLayout { split, warps, serial, wide } = layout;
         if !(1..=SKINNY_MAX_SPLIT).contains(&split) {
             return Err(KernelError::InvalidInput(format!(

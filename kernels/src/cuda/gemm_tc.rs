@@ -16,6 +16,7 @@
 use cudarc::driver::{sys, CudaFunction, DeviceRepr, LaunchConfig};
 
 use crate::cuda::device::device_err;
+use crate::cuda::gemm_ops::GemmCall;
 use crate::cuda::ops::{launch_err, DPtr, Gpu, NULL};
 use crate::error::{KernelError, Result};
 
@@ -50,6 +51,12 @@ fn tc_smem_bytes(nt: usize) -> usize {
     4 * (TC_ROWS * TC_K * 2 + nt * TC_K * 2) + 8 * 8 + 1024
 }
 
+/// Dynamic shared memory a launch of `skinny_wgmma_*_t{nt}` asks for so that at most `per_sm` (2 or 3) of its
+/// blocks fit on an SM: what the stages need, or just over the share of `per_sm + 1` blocks when that is more.
+fn tc_launch_smem_bytes(nt: usize, per_sm: usize) -> usize {
+    tc_smem_bytes(nt).max(TC_SM_SHARED_BYTES / (per_sm + 1) + 1024)
+}
+
 /// The entry points of gemm_tc.cu on a Hopper device.
 pub(crate) struct TcKernels {
     /// `[split, serial]`, each for chunks of 8, 16, 32 and 64 tokens.
@@ -73,7 +80,7 @@ pub(crate) fn load_tc_kernels(
         let func = module.load_function(&name).map_err(|e| device_err(&format!("kernel {name} of gemm_tc.cu"), e))?;
         func.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            tc_smem_bytes(nt).max(TC_SM_SHARED_BYTES / 2 + 1024) as i32,
+            tc_launch_smem_bytes(nt, 2) as i32,
         )
         .map_err(|e| device_err("allowing the warpgroup-MMA GEMM its shared memory", e))?;
         Ok(func)
@@ -143,20 +150,6 @@ fn tensor_map(ptr: DPtr, rows: usize, cols: usize, box_rows: usize) -> Result<Te
     Ok(TensorMap(map))
 }
 
-/// One call of the warpgroup-MMA GEMM: `y[n, out] (+ addend) = x[n, in] . w[out, in]^T` in `split` K slices,
-/// row-major or segment-major (`parts`: bounds on the device and their count) output.
-pub(crate) struct TcCall {
-    pub w: DPtr,
-    pub out_dim: usize,
-    pub in_dim: usize,
-    pub x: DPtr,
-    pub n: usize,
-    pub y: DPtr,
-    pub addend: DPtr,
-    pub parts: Option<(DPtr, usize)>,
-    pub split: usize,
-}
-
 impl Gpu {
     /// Whether the batch-invariant GEMM of a weight at `w` with `in_dim` columns on tokens at `x` runs on the
     /// warpgroup-MMA kernels: a Hopper device, and operands a tensor map can read (16-byte aligned rows).
@@ -184,15 +177,14 @@ impl Gpu {
                 "the warpgroup-MMA GEMM needs a Hopper GPU and 16-byte aligned rows (in_dim {in_dim})"
             )));
         }
-        let call = TcCall { w, out_dim, in_dim, x, n, y, addend: NULL, parts: None, split };
-        self.tc_gemm(call, serial)
+        self.tc_gemm(GemmCall { w, out_dim, in_dim, x, n, y, addend: NULL, parts: None }, split, serial)
     }
 
     /// Launches `skinny_wgmma_t*` or `skinny_wgmma_serial_t*` (gemm_tc.cu) for `call`: serially as `serial` says
     /// (by the token count when `None`, [`TC_SERIAL_TOKENS`]) or when the split's workspace or tickets would run
     /// out. The caller has checked [`Gpu::tc_gemm_takes`].
-    pub(crate) fn tc_gemm(&self, call: TcCall, serial: Option<bool>) -> Result<()> {
-        let TcCall { w, out_dim, in_dim, x, n, y, addend, parts, split } = call;
+    pub(crate) fn tc_gemm(&self, call: GemmCall, split: usize, serial: Option<bool>) -> Result<()> {
+        let GemmCall { w, out_dim, in_dim, x, n, y, addend, parts } = call;
         let Some(tc) = self.k.skinny_wgmma.as_ref() else {
             return Err(KernelError::Device("the warpgroup-MMA GEMM needs a Hopper GPU".into()));
         };
@@ -237,7 +229,7 @@ impl Gpu {
         let cfg = LaunchConfig {
             grid_dim: (blocks as u32, chunks as u32, 1),
             block_dim: (160, 1, 1),
-            shared_mem_bytes: tc_smem_bytes(nt).max(TC_SM_SHARED_BYTES / (per_sm + 1) + 1024) as u32,
+            shared_mem_bytes: tc_launch_smem_bytes(nt, per_sm) as u32,
         };
         let (seg, nseg) = parts.unwrap_or((NULL, 0));
         let (nn, kk, mm, nseg, ks) = (out_dim as i32, in_dim as i32, n as i32, nseg as i32, kslice as i32);
