@@ -1,12 +1,13 @@
 // sparkd: the skinny bf16 GEMM on Hopper's warpgroup MMA (wgmma) and copy engine (TMA), y[M, N] =
 // bf(x[M, K] . w[N, K]^T) with fp32 accumulation, optionally y = bf(bf(x . w^T) + addend): the decode path's linear
 // layers on sm_90a. The same contract as gemm.cu's skinny_gemm (split and serial forms, K slices of `kslice` columns
-// folded left in slice order, tickets, segment-major output, the add epilogue) with its own bits.
+// folded left in slice order, segment-major output, the add epilogue) with its own bits; the split form folds its
+// slices in a thread-block cluster instead of a workspace.
 //
 // Invariants:
 // - Batch invariance, bit for bit: a token's output is one accumulator chain per K slice over its k16 steps in
 //   ascending order from zero (each k16 step one wgmma over 16 contiguous k), then the left fold of the slice
-//   partials in slice order, in registers (serial) or through the workspace by the tile's last block (split). The
+//   partials in slice order, in registers (serial) or through distributed shared memory (split). The
 //   host takes `kslice` from the weight's shape alone. Calls of up to 8, 16, 32 or 64 tokens run wgmma m64nNk16 with
 //   N = 8, 16, 32 or 64 (`NT`); the H200 gives a token the same bits for every N (kernels/bench/wgmma_probe.cu
 //   checks it, and cuda_gemm checks whole calls of 1 to 512 tokens), so a token's sums never depend on how many
@@ -15,15 +16,20 @@
 //   tensor maps, 128-byte swizzle, zeros past the rows, the tokens and K) into a ring of TC_STAGES stages; `full[s]`
 //   completes when a stage's bytes land, `empty[s]` when the consumer warpgroup's four warps are done reading it.
 //   The first stages' weights are requested before the dependency wait (they do not depend on the previous kernel).
-// - Tickets and the workspace as in gemm.cu: `tickets[tile * chunks + chunk]` is zero between launches.
+// - The split form runs a tile's slices (2 to TC_MAX_SPLIT) as one cluster, cluster rank = slice. Each block leaves
+//   its slice's partial in its drained stage ring; after a cluster barrier block r folds the r-th contiguous share
+//   of the tile's outputs from every block's shared memory in slice order and writes them, and a second barrier
+//   keeps every block's shared memory alive until all reads are done. No workspace, no tickets, no fences.
 // Block: 160 threads, warps 0-3 the consumer warpgroup (rows 64 m + 16 warp .. + 15 of each m64 tile), warp 4 the
-// producer. Grid: (row tiles * slices (split) or row tiles (serial), ceil(M / NT)). sm_90a only: elsewhere the
-// entry points trap (the host launches them only on Hopper).
+// producer. Grid: (row tiles * slices (split) or row tiles (serial), ceil(M / NT)); clusters (slices, 1, 1) in the
+// split form. sm_90a only: elsewhere the entry points trap (the host launches them only on Hopper).
 
 #define TC_ROWS 128   // weight rows per block: two m64 tiles
 #define TC_K 64       // columns per stage: one 128-byte swizzled line per row
 #define TC_STAGES 4
 #define TC_W_BYTES (TC_ROWS * TC_K * 2)  // 16 KB
+#define TC_MAX_SPLIT 8 // slices of a split launch: a portable cluster
+#define TC_PART_STRIDE (TC_ROWS + 4) // floats per token of a block's partial (the pad spreads the banks)
 
 // A CUtensorMap, passed by value (`__grid_constant__`).
 struct __align__(64) TensorMap {
@@ -90,13 +96,21 @@ template <> __device__ __forceinline__ void wgmma<64>(float (&d)[32], unsigned l
 
 #endif
 
+// Writes output (token, row) of a call: bf(v), or bf(bf(v) + addend) with an addend.
+__device__ __forceinline__ void store_output(__nv_bfloat16 *y, const __nv_bfloat16 *addend, float v, int token, int row,
+                                             int n, int mtotal, const int *seg, int nseg) {
+    const long at = out_index(token, row, n, mtotal, seg, nseg);
+    if (addend != nullptr) v = bf_round(v) + ld(addend, at);
+    y[at] = __float2bfloat16_rn(v);
+}
+
 // Accumulator i of m64 tile m for consumer thread (warp, lane): weight row and token within the block's tile.
 #define TC_ROW(m, i) (64 * (m) + 16 * warp + lane / 4 + 8 * (((i) % 4) / 2))
 #define TC_TOKEN(i) (8 * ((i) / 4) + 2 * (lane % 4) + (i) % 2)
 
 template <int NT, bool SERIAL>
 __device__ void skinny_wgmma(const TensorMap &tw, const TensorMap &tx, __nv_bfloat16 *y, const __nv_bfloat16 *addend,
-                             int n, int kdim, int mtotal, const int *seg, int nseg, int kslice, float *ws, u32 *tickets) {
+                             int n, int kdim, int mtotal, const int *seg, int nseg, int kslice) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ unsigned char tc_raw[];
     unsigned char *base = reinterpret_cast<unsigned char *>(((unsigned long long)tc_raw + 1023) & ~1023ull);
@@ -105,7 +119,6 @@ __device__ void skinny_wgmma(const TensorMap &tw, const TensorMap &tx, __nv_bflo
     unsigned char *xstage = base + TC_STAGES * TC_W_BYTES;         // [TC_STAGES][X_BYTES]
     unsigned long long *full = reinterpret_cast<unsigned long long *>(xstage + TC_STAGES * X_BYTES);
     unsigned long long *empty = full + TC_STAGES;
-    __shared__ int last_block;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int slices = (kdim + kslice - 1) / kslice;
     const int tile = SERIAL ? blockIdx.x : blockIdx.x / slices;
@@ -143,6 +156,10 @@ __device__ void skinny_wgmma(const TensorMap &tw, const TensorMap &tx, __nv_bflo
             grid_dependency_wait();
         }
         launch_dependents();
+        if (!SERIAL && slices > 1) { // the fold's two cluster barriers count every thread
+            cluster_sync();
+            cluster_sync();
+        }
         return;
     }
     grid_dependency_wait();
@@ -172,50 +189,40 @@ __device__ void skinny_wgmma(const TensorMap &tw, const TensorMap &tx, __nv_bflo
             for (int e = 0; e < NT / 2; e++) acc[m][e] = s == first ? part[m][e] : acc[m][e] + part[m][e];
     }
     if (!SERIAL && slices > 1) {
-        const int s = first;
+        // The fold in the cluster: every block leaves its slice's partial in its drained stage ring, then block
+        // `rank` folds its share of the tile's outputs from every block's shared memory, in slice order.
+        float *partial = reinterpret_cast<float *>(wstage); // [NT][TC_PART_STRIDE]: this block's slice, by token
+        asm volatile("bar.sync 1, 128;" ::: "memory");     // every consumer warp is done reading the ring
 #pragma unroll
         for (int m = 0; m < 2; m++)
 #pragma unroll
-            for (int e = 0; e < NT / 2; e++) {
-                const int row = row0 + TC_ROW(m, e), tok = TC_TOKEN(e);
-                if (row < n && tok < mc) ws[((long)s * mtotal + m0 + tok) * n + row] = acc[m][e];
-            }
-        __threadfence();
-        asm volatile("bar.sync 1, 128;" ::: "memory");
-        if (threadIdx.x == 0) {
-            u32 *ticket = tickets + (long)tile * gridDim.y + blockIdx.y;
-            last_block = atomicAdd(ticket, 1u) == (u32)(slices - 1);
-            if (last_block) *ticket = 0u;
+            for (int e = 0; e < NT / 2; e++) partial[TC_TOKEN(e) * TC_PART_STRIDE + TC_ROW(m, e)] = acc[m][e];
+        cluster_sync(); // every block's partial is in its shared memory
+        // Outputs [tok][row] of the tile per block: whole rows of 128 where the slices divide them.
+        const int share = ((TC_ROWS * NT + slices - 1) / slices + 127) / 128 * 128;
+        const int done = min((first + 1) * share, TC_ROWS * NT);
+        for (int idx = first * share + threadIdx.x; idx < done; idx += 128) {
+            const int tok = idx / TC_ROWS, row = row0 + idx % TC_ROWS;
+            const float *at_part = partial + tok * TC_PART_STRIDE + idx % TC_ROWS;
+            float v[TC_MAX_SPLIT];
+#pragma unroll
+            for (int q = 0; q < TC_MAX_SPLIT; q++)
+                if (q < slices) v[q] = ld_cluster(at_part, (u32)q);
+            float total = v[0]; // ((p0 + p1) + p2) + ...: the serial form's order
+#pragma unroll
+            for (int q = 1; q < TC_MAX_SPLIT; q++)
+                if (q < slices) total += v[q];
+            if (row < n && tok < mc) store_output(y, addend, total, m0 + tok, row, n, mtotal, seg, nseg);
         }
-        asm volatile("bar.sync 1, 128;" ::: "memory");
-        if (!last_block) return;
-        __threadfence();
-        // ((p0 + p1) + p2) + ...: slice by slice, so a tile's loads of one slice are all in flight at once.
-#pragma unroll
-        for (int m = 0; m < 2; m++)
-            for (int q = 0; q < slices; q++) {
-                const float *part_q = ws + (long)q * mtotal * n;
-#pragma unroll
-                for (int e = 0; e < NT / 2; e++) {
-                    const int row = row0 + TC_ROW(m, e), tok = TC_TOKEN(e);
-                    if (row < n && tok < mc) {
-                        const float v = __ldcg(part_q + (long)(m0 + tok) * n + row);
-                        acc[m][e] = q == 0 ? v : acc[m][e] + v;
-                    }
-                }
-            }
+        cluster_sync(); // no block leaves while another may still read its shared memory
+        return;
     }
 #pragma unroll
     for (int m = 0; m < 2; m++)
 #pragma unroll
         for (int e = 0; e < NT / 2; e++) {
             const int row = row0 + TC_ROW(m, e), tok = TC_TOKEN(e);
-            if (row < n && tok < mc) {
-                const long at = out_index(m0 + tok, row, n, mtotal, seg, nseg);
-                float v = acc[m][e];
-                if (addend != nullptr) v = bf_round(v) + ld(addend, at);
-                y[at] = __float2bfloat16_rn(v);
-            }
+            if (row < n && tok < mc) store_output(y, addend, acc[m][e], m0 + tok, row, n, mtotal, seg, nseg);
         }
 #else
     __trap();
@@ -223,14 +230,12 @@ __device__ void skinny_wgmma(const TensorMap &tw, const TensorMap &tx, __nv_bflo
 }
 
 // The split and serial entry points for chunks of up to NT tokens: `tw` maps the weight [n, kdim] in boxes of
-// [128 rows, 64 columns], `tx` the tokens [mtotal, kdim] in boxes of [NT, 64], both 128-byte swizzled; `ws` and
-// `tickets` as gemm.cu's.
+// [128 rows, 64 columns], `tx` the tokens [mtotal, kdim] in boxes of [NT, 64], both 128-byte swizzled.
 #define SKINNY_WGMMA(NAME, NT, SERIAL)                                                                                \
     extern "C" __global__ void __launch_bounds__(160, 2)                                                           \
         NAME(const __grid_constant__ TensorMap tw, const __grid_constant__ TensorMap tx, __nv_bfloat16 *y,            \
-             const __nv_bfloat16 *addend, int n, int kdim, int mtotal, const int *seg, int nseg, int kslice, float *ws, \
-             u32 *tickets) {                                                                                         \
-        skinny_wgmma<NT, SERIAL>(tw, tx, y, addend, n, kdim, mtotal, seg, nseg, kslice, ws, tickets);               \
+             const __nv_bfloat16 *addend, int n, int kdim, int mtotal, const int *seg, int nseg, int kslice) {         \
+        skinny_wgmma<NT, SERIAL>(tw, tx, y, addend, n, kdim, mtotal, seg, nseg, kslice);                            \
     }
 SKINNY_WGMMA(skinny_wgmma_t8, 8, false)
 SKINNY_WGMMA(skinny_wgmma_t16, 16, false)

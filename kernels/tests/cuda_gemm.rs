@@ -134,8 +134,8 @@ fn a_tall_weight_over_many_token_chunks_stays_exact_and_batch_invariant() {
     }
 }
 
-/// `[n, out]` outputs (bf16 bits) of the warpgroup-MMA GEMM with `split` slices, serial, split or (`None`) as the
-/// token count says; the tokens start at token `first` of `x`.
+/// `[n, out]` outputs (bf16 bits) of the warpgroup-MMA GEMM with `split` slices, serially in one block per row tile
+/// or as clusters of slices; the tokens start at token `first` of `x`.
 #[allow(clippy::too_many_arguments)]
 fn run_tc(
     gpu: &Gpu,
@@ -145,7 +145,7 @@ fn run_tc(
     first: usize,
     n: usize,
     split: usize,
-    serial: Option<bool>,
+    serial: bool,
 ) -> Vec<u16> {
     let k = w.len() / out_dim;
     let (wd, xd) = (gpu.upload(w).unwrap(), gpu.upload(&x[first * k..(first + n) * k]).unwrap());
@@ -167,7 +167,8 @@ fn has_tc(gpu: &Gpu) -> bool {
 #[test]
 fn tc_gemm_matches_the_host_reference_and_is_batch_invariant_bit_for_bit() {
     // Calls of 1 to 512 tokens run chunks of 8, 16, 32 and 64 tokens (wgmma n8 to n64): a token's bits must not
-    // depend on which, nor on split or serial blocks, nor on its neighbours.
+    // depend on which, nor on serial blocks or clusters of slices (2 to 8, 6 for [2000, 4104] at split 8), nor on
+    // its neighbours.
     let Some(gpu) = gpu() else { return };
     if !has_tc(&gpu) {
         return;
@@ -178,12 +179,12 @@ fn tc_gemm_matches_the_host_reference_and_is_batch_invariant_bit_for_bit() {
         let w = random_bf16(&mut rng, out_dim * in_dim, 1.0);
         let x = random_bf16(&mut rng, 512 * in_dim, 2.0);
         let reference = host_reference(&w, &x, out_dim, 512);
-        let mut splits = vec![1, 2, 3, 4];
+        let mut splits = vec![1, 2, 3, 4, 8];
         if !splits.contains(&tc_split(out_dim, in_dim)) {
             splits.push(tc_split(out_dim, in_dim));
         }
         for split in splits {
-            let full = run_tc(&gpu, &w, out_dim, &x, 0, 512, split, Some(false));
+            let full = run_tc(&gpu, &w, out_dim, &x, 0, 512, split, false);
             for (i, (exact, mag)) in reference.iter().enumerate() {
                 let got = f64::from(bf16::from_bits(full[i]).to_f32());
                 let tol = exact.abs() / 128.0 + mag * 1e-6;
@@ -194,19 +195,19 @@ fn tc_gemm_matches_the_host_reference_and_is_batch_invariant_bit_for_bit() {
                     i % out_dim
                 );
             }
-            let serial = run_tc(&gpu, &w, out_dim, &x, 0, 512, split, Some(true));
+            let serial = run_tc(&gpu, &w, out_dim, &x, 0, 512, split, true);
             assert!(serial == full, "[{out_dim}, {in_dim}] split {split}: serial blocks differ from split blocks");
             for n in [1usize, 2, 3, 8, 9, 16, 17, 32, 33, 64, 65, 100] {
-                for serial in [None, Some(false), Some(true)] {
+                for serial in [false, true] {
                     let part = run_tc(&gpu, &w, out_dim, &x, 0, n, split, serial);
                     assert!(
                         part == full[..n * out_dim],
-                        "[{out_dim}, {in_dim}] split {split}: the first {n} tokens alone (serial {serial:?}) differ \
+                        "[{out_dim}, {in_dim}] split {split}: the first {n} tokens alone (serial {serial}) differ \
                          from the same tokens in a call of 512"
                     );
                 }
             }
-            let alone = run_tc(&gpu, &w, out_dim, &x, 5, 1, split, None);
+            let alone = run_tc(&gpu, &w, out_dim, &x, 5, 1, split, false);
             assert!(alone == full[5 * out_dim..6 * out_dim], "[{out_dim}, {in_dim}] split {split}: token 5 alone");
         }
         // The routed GEMM is this one at the shape's split.
@@ -214,7 +215,7 @@ fn tc_gemm_matches_the_host_reference_and_is_batch_invariant_bit_for_bit() {
         let y = gpu.zeros::<bf16>(17 * out_dim).unwrap();
         gpu.linear(gpu.ptr(&wd), out_dim, in_dim, gpu.ptr(&xd), 17, gpu.ptr(&y)).unwrap();
         let routed: Vec<u16> = gpu.download(&y, 17 * out_dim).unwrap().iter().map(|v| v.to_bits()).collect();
-        let want = run_tc(&gpu, &w, out_dim, &x, 0, 17, tc_split(out_dim, in_dim), None);
+        let want = run_tc(&gpu, &w, out_dim, &x, 0, 17, tc_split(out_dim, in_dim), false);
         assert!(routed == want, "[{out_dim}, {in_dim}]: Gpu::linear is not the warpgroup-MMA GEMM at its split");
     }
 }
@@ -225,14 +226,14 @@ fn tc_gemm_rejects_bad_arguments() {
     let w = gpu.zeros::<bf16>(64 * 64).unwrap();
     let y = gpu.zeros::<bf16>(64).unwrap();
     if has_tc(&gpu) {
-        for split in [0, 65] {
-            let err = gpu.linear_tc(gpu.ptr(&w), 64, 64, gpu.ptr(&w), 1, gpu.ptr(&y), split, None).unwrap_err();
+        for split in [0, 9] {
+            let err = gpu.linear_tc(gpu.ptr(&w), 64, 64, gpu.ptr(&w), 1, gpu.ptr(&y), split, false).unwrap_err();
             assert_eq!(err.kind(), "invalid_input", "{err}");
             assert!(err.to_string().contains(&format!("split {split}")), "{err}");
         }
     }
     // Rows that are not 16-byte aligned (K = 60) cannot be read by tensor map, on any device.
-    let err = gpu.linear_tc(gpu.ptr(&w), 64, 60, gpu.ptr(&w), 1, gpu.ptr(&y), 1, None).unwrap_err();
+    let err = gpu.linear_tc(gpu.ptr(&w), 64, 60, gpu.ptr(&w), 1, gpu.ptr(&y), 1, false).unwrap_err();
     assert!(err.to_string().contains("16-byte aligned rows (in_dim 60)"), "{err}");
 }
 
@@ -448,13 +449,13 @@ fn gemm_bandwidth() {
                     );
                 }
             }
-            let tc_splits = [1usize, 2, 4, 8, 16].into_iter().filter(|_| tc);
+            let tc_splits = [1usize, 2, 4, 8].into_iter().filter(|_| tc);
             for (split, serial) in tc_splits.flat_map(|s| [(s, false), (s, true)]) {
                 let ms = time(&gpu, reps, || {
                     let (w, x, y) = (gpu.ptr(&w), gpu.ptr(&x), gpu.ptr(&y));
-                    gpu.linear_tc(w, out_dim, in_dim, x, n, y, split, Some(serial)).unwrap()
+                    gpu.linear_tc(w, out_dim, in_dim, x, n, y, split, serial).unwrap()
                 });
-                let default = split == tc_split(out_dim, in_dim) && serial == (n >= 32);
+                let default = split == tc_split(out_dim, in_dim) && !serial;
                 let mark = if default { " (default)" } else { "" };
                 let form = if serial { "serial" } else { "split" };
                 println!(
@@ -492,20 +493,23 @@ fn only_launches_of_many_waves_take_two_row_tiles_per_warp() {
 
 #[test]
 fn the_tc_k_split_fills_the_gpu_from_the_weight_shape_alone() {
-    // No GPU needed: the warpgroup-MMA GEMM's split is a pure function of (out, in): the most slices that keep the
-    // blocks of 128 rows within 132 (one per SM of an H200), none narrower than 768 columns.
+    // No GPU needed: the warpgroup-MMA GEMM's split is a pure function of (out, in): none past 66 row tiles of 128
+    // (half the SMs of an H200), else the most slices (at most 8, a cluster) that keep the blocks within 264 (two
+    // per SM), none narrower than 768 columns.
     assert_eq!(tc_split(163_840, 7168), 1, "lm_head: 1,280 blocks");
     assert_eq!(tc_split(49_376, 7168), 1, "KDA merged input projection: 386 blocks");
     assert_eq!(tc_split(33_792, 7168), 1, "dense gate / up: 264 blocks");
-    assert_eq!(tc_split(7168, 33_792), 2, "dense down: 56 row tiles");
+    assert_eq!(tc_split(7168, 33_792), 4, "dense down: 56 row tiles");
     assert_eq!(tc_split(14_400, 7168), 1, "MLA merged input projection: 113 row tiles");
-    assert_eq!(tc_split(7168, 12_288), 2, "o_proj");
+    assert_eq!(tc_split(7168, 12_288), 4, "o_proj");
     assert_eq!(tc_split(18_432, 1536), 1, "MLA q_b: 144 row tiles");
-    assert_eq!(tc_split(3584, 7168), 4, "MoE latent down: 28 row tiles");
-    assert_eq!(tc_split(7168, 3584), 2, "MoE up");
+    assert_eq!(tc_split(3584, 7168), 8, "MoE latent down: 28 row tiles");
+    assert_eq!(tc_split(7168, 3584), 4, "MoE up");
     assert_eq!(tc_split(12_288, 7168), 1, "shared expert gate / up: 96 row tiles");
-    assert_eq!(tc_split(7168, 6144), 2, "shared expert down");
+    assert_eq!(tc_split(7168, 6144), 4, "shared expert down");
+    assert_eq!(tc_split(8960, 7168), 1, "70 row tiles: more than half the SMs");
     assert_eq!(tc_split(1000, 4096), 4, "8 row tiles: slices of 1024, as 8 of 512 would be too narrow");
+    assert_eq!(tc_split(1000, 65_536), 8, "8 row tiles: at most 8 slices, a cluster's portable size");
     assert_eq!(tc_split(7168, 1024), 1, "K below two slices of 768 is never split");
 }
 

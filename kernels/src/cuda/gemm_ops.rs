@@ -227,7 +227,7 @@ impl Gpu {
     fn batch_invariant(&self, call: GemmCall) -> Result<()> {
         let GemmCall { w, out_dim, in_dim, x, n, .. } = call;
         if self.tc_gemm_takes(w, x, in_dim) {
-            return self.tc_gemm(call, tc_split(out_dim, in_dim), None);
+            return self.tc_gemm(call, tc_split(out_dim, in_dim), false);
         }
         self.skinny(call, self.skinny_layout(out_dim, in_dim, n, skinny_split(out_dim, in_dim)))
     }

@@ -10,8 +10,8 @@
 //! - Whether a call takes this path depends on the device and on the operands' alignment and K alone, never on
 //!   the token count: a weight's calls all take the same path, so its tokens' bits never depend on the batch.
 //! - A call's tensor maps are encoded on the host (no device work) and passed by value; nothing outlives the
-//!   launch. A split launch of more than one slice takes its workspace (`[slices, n, out]` f32) from the
-//!   stream-ordered pool and the current lane's tickets, as `gemm_ops` does.
+//!   launch. A split launch of more than one slice runs each row tile's slices as one thread-block cluster that
+//!   folds them in distributed shared memory: it needs no workspace and no tickets.
 
 use cudarc::driver::{sys, CudaFunction, DeviceRepr, LaunchConfig};
 
@@ -26,24 +26,19 @@ const TC_ROWS: usize = 128;
 const TC_K: usize = 64;
 /// Token chunk sizes of the entry points (`skinny_wgmma_t{8,16,32,64}`).
 const TC_TOKENS: [usize; 4] = [8, 16, 32, 64];
-/// The most blocks [`tc_split`] cuts a weight into: one per SM of an H200. One block streams up to about 55 GB/s,
-/// more than an SM's share of HBM, and on the H200 launches of one to two blocks per SM streamed slower than
-/// launches of at most one (at one token the o_proj streams 3.8 TB/s in 112 blocks and 2.8 in 224; the sweep of
-/// `gemm_bandwidth` in BENCHMARKS.md, fourteenth session).
-const TC_SPLIT_BLOCKS: usize = 132;
+/// The SMs of an H200, by which [`tc_split`] measures a weight: a weight of more than half as many row tiles is
+/// not split (its serial launch already keeps most SMs streaming), and the others are cut into at most two blocks
+/// per SM. With the fold in a cluster the o_proj at one token streams 3.9 TB/s in 224 blocks against 3.8 in 112,
+/// and the MoE latent down 3.4 in 224 against 3.0 in 112 (`gemm_bandwidth`, BENCHMARKS.md, fourteenth session,
+/// call 9).
+const TC_SMS: usize = 132;
 /// The narrowest K slice [`tc_split`] cuts: twelve stages, enough to fill the four-stage ring three times over.
 const TC_NARROWEST: usize = 12 * TC_K;
 /// Shared memory per SM that blocks may take on Hopper (228 KB less 1 KB reserved per block, for up to 3 blocks).
 const TC_SM_SHARED_BYTES: usize = 225 << 10;
-/// The most K slices a shape may have.
-const TC_MAX_SPLIT: usize = 64;
-/// The largest workspace of a split launch; larger calls (long prefills) run their slices serially.
-const TC_WORKSPACE_BYTES: usize = 64 << 20;
-/// Calls of this many tokens or more run their slices serially (one block per row tile folding in registers): on
-/// the H200 a split launch of 32 or 64 tokens costs more than its extra blocks win (the o_proj at 64 tokens streams
-/// 2.3 TB/s in two slices on their own blocks and 2.8 in one), and serially the k3-mini step at batch 64 takes
-/// 10.29 ms instead of 10.95 (BENCHMARKS.md, fourteenth session).
-const TC_SERIAL_TOKENS: usize = 32;
+/// The most K slices a shape may have: a split launch's cluster holds them all, and 8 blocks is the portable
+/// cluster size (`TC_MAX_SPLIT` in gemm_tc.cu).
+const TC_MAX_SPLIT: usize = 8;
 
 /// Dynamic shared memory of `skinny_wgmma_*_t{nt}`: 4 stages of 16 KB of weights and `nt` rows of 128 bytes of
 /// tokens, 8 mbarriers, and 1 KB to align the stages to the 128-byte swizzle's 1024-byte atoms.
@@ -91,13 +86,17 @@ pub(crate) fn load_tc_kernels(
     Ok(Some(TcKernels { funcs: [set("")?, set("_serial")?], sms: sms.max(1) }))
 }
 
-/// The number of K slices of the warpgroup-MMA GEMM for a `[out_dim, in_dim]` weight: the most (a power of two)
-/// that keep the blocks of 128 rows within [`TC_SPLIT_BLOCKS`], with every slice at least [`TC_NARROWEST`] columns
-/// wide. A function of the shape alone, so results stay batch-invariant.
+/// The number of K slices of the warpgroup-MMA GEMM for a `[out_dim, in_dim]` weight: 1 for a weight of more than
+/// half of [`TC_SMS`] row tiles of 128, else the most (a power of two, at most [`TC_MAX_SPLIT`]) that keep the
+/// blocks within two per SM, with every slice at least [`TC_NARROWEST`] columns wide. A function of the shape
+/// alone, so results stay batch-invariant.
 pub fn tc_split(out_dim: usize, in_dim: usize) -> usize {
     let tiles = out_dim.div_ceil(TC_ROWS);
+    if 2 * tiles > TC_SMS {
+        return 1;
+    }
     let mut split = 1;
-    while split < TC_MAX_SPLIT && tiles * split * 2 <= TC_SPLIT_BLOCKS && in_dim / (2 * split) >= TC_NARROWEST {
+    while split < TC_MAX_SPLIT && tiles * split * 2 <= 2 * TC_SMS && in_dim / (2 * split) >= TC_NARROWEST {
         split *= 2;
     }
     split
@@ -158,8 +157,8 @@ impl Gpu {
     }
 
     /// The warpgroup-MMA GEMM with an explicit K split (tests and benchmarks; [`Gpu::linear`] takes [`tc_split`]
-    /// of the shape): its slices run serially or on their own blocks as `serial` says, by the token count when it
-    /// is `None`, and serially whenever the workspace would be too large. Every choice gives the same bits.
+    /// of the shape): its slices run serially in one block per row tile, or as clusters of their own blocks, as
+    /// `serial` says. Every choice gives the same bits.
     #[allow(clippy::too_many_arguments)]
     pub fn linear_tc(
         &self,
@@ -170,7 +169,7 @@ impl Gpu {
         n: usize,
         y: DPtr,
         split: usize,
-        serial: Option<bool>,
+        serial: bool,
     ) -> Result<()> {
         if !self.tc_gemm_takes(w, x, in_dim) {
             return Err(KernelError::InvalidInput(format!(
@@ -180,10 +179,9 @@ impl Gpu {
         self.tc_gemm(GemmCall { w, out_dim, in_dim, x, n, y, addend: NULL, parts: None }, split, serial)
     }
 
-    /// Launches `skinny_wgmma_t*` or `skinny_wgmma_serial_t*` (gemm_tc.cu) for `call`: serially as `serial` says
-    /// (by the token count when `None`, [`TC_SERIAL_TOKENS`]) or when the split's workspace or tickets would run
-    /// out. The caller has checked [`Gpu::tc_gemm_takes`].
-    pub(crate) fn tc_gemm(&self, call: GemmCall, split: usize, serial: Option<bool>) -> Result<()> {
+    /// Launches `skinny_wgmma_t*` in clusters of its slices, or `skinny_wgmma_serial_t*` when `serial` says so or
+    /// there is one slice (gemm_tc.cu), for `call`. The caller has checked [`Gpu::tc_gemm_takes`].
+    pub(crate) fn tc_gemm(&self, call: GemmCall, split: usize, serial: bool) -> Result<()> {
         let GemmCall { w, out_dim, in_dim, x, n, y, addend, parts } = call;
         let Some(tc) = self.k.skinny_wgmma.as_ref() else {
             return Err(KernelError::Device("the warpgroup-MMA GEMM needs a Hopper GPU".into()));
@@ -210,17 +208,9 @@ impl Gpu {
         let kslice = tc_kslice(in_dim, split);
         let slices = in_dim.div_ceil(kslice);
         let row_tiles = out_dim.div_ceil(TC_ROWS);
-        let tickets_limit = self.gemm_tickets[0].len();
-        let serial = serial.unwrap_or(n >= TC_SERIAL_TOKENS)
-            || slices * n * out_dim * 4 > TC_WORKSPACE_BYTES
-            || row_tiles * chunks > tickets_limit;
-        let split_blocks = !serial && slices > 1;
+        let serial = serial || slices == 1;
         let tw = tensor_map(w, out_dim, in_dim, TC_ROWS)?;
         let tx = tensor_map(x, n, in_dim, nt)?;
-        // [slices, n, out] f32 partials, freed in stream order after the launch.
-        let workspace = if split_blocks { Some(self.uninit::<f32>(slices * n * out_dim)?) } else { None };
-        let ws = workspace.as_ref().map_or(NULL, |b| self.ptr(b));
-        let tickets = self.ptr(&self.gemm_tickets[usize::from(self.on_side_lane())]);
         let blocks = if serial { row_tiles } else { row_tiles * slices };
         // Blocks per SM: as many as one wave of the launch needs (2 or 3), so that no SM holds more than the others
         // (shared memory beyond what the stages need only limits the occupancy). The dense gate/up (264 blocks) at
@@ -235,9 +225,11 @@ impl Gpu {
         let (nn, kk, mm, nseg, ks) = (out_dim as i32, in_dim as i32, n as i32, nseg as i32, kslice as i32);
         let mut b = self.launcher(&tc.funcs[usize::from(serial)][size]);
         b.arg(&tw).arg(&tx).arg(&y).arg(&addend).arg(&nn).arg(&kk).arg(&mm).arg(&seg).arg(&nseg).arg(&ks);
-        b.arg(&ws).arg(&tickets);
+        if !serial {
+            b.cluster_x(slices as u32);
+        }
         // SAFETY: the arguments match skinny_wgmma_* in order and type; the maps name live device buffers of the
-        // shapes given (the caller's contract for w, x, y and addend).
+        // shapes given (the caller's contract for w, x, y and addend); a split launch's grid is whole clusters.
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("skinny_wgmma"))
     }
 }

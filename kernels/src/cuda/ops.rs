@@ -201,6 +201,8 @@ pub(crate) struct KernelLaunch<'a> {
     func: &'a CudaFunction,
     stream: &'a CudaStream,
     dependent: bool,
+    /// Blocks per cluster along x (1: no clusters); must divide the grid's x.
+    cluster_x: u32,
     args: Vec<*mut std::ffi::c_void>,
 }
 
@@ -208,6 +210,12 @@ impl<'a> KernelLaunch<'a> {
     /// Appends the next argument (passed to the kernel by value; `value` must outlive the launch call).
     pub(crate) fn arg<T: DeviceRepr>(&mut self, value: &'a T) -> &mut Self {
         self.args.push(value as *const T as *mut std::ffi::c_void);
+        self
+    }
+
+    /// Launches the grid as clusters of `blocks` consecutive blocks along x (Hopper and later).
+    pub(crate) fn cluster_x(&mut self, blocks: u32) -> &mut Self {
+        self.cluster_x = blocks;
         self
     }
 
@@ -220,11 +228,23 @@ impl<'a> KernelLaunch<'a> {
     pub(crate) unsafe fn launch(&mut self, cfg: LaunchConfig) -> std::result::Result<(), DriverError> {
         use cudarc::driver::sys;
         self.stream.context().bind_to_thread()?;
-        let mut attr = sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-            pad: [0; 4],
-            value: sys::CUlaunchAttributeValue { programmaticStreamSerializationAllowed: 1 },
-        };
+        let mut attrs = Vec::with_capacity(2);
+        if self.dependent {
+            attrs.push(sys::CUlaunchAttribute {
+                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                pad: [0; 4],
+                value: sys::CUlaunchAttributeValue { programmaticStreamSerializationAllowed: 1 },
+            });
+        }
+        if self.cluster_x > 1 {
+            attrs.push(sys::CUlaunchAttribute {
+                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+                pad: [0; 4],
+                value: sys::CUlaunchAttributeValue {
+                    clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: self.cluster_x, y: 1, z: 1 },
+                },
+            });
+        }
         let config = sys::CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,
             gridDimY: cfg.grid_dim.1,
@@ -234,10 +254,10 @@ impl<'a> KernelLaunch<'a> {
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.stream.cu_stream(),
-            attrs: if self.dependent { &mut attr } else { std::ptr::null_mut() },
-            numAttrs: u32::from(self.dependent),
+            attrs: if attrs.is_empty() { std::ptr::null_mut() } else { attrs.as_mut_ptr() },
+            numAttrs: attrs.len() as u32,
         };
-        // SAFETY: `config` and `attr` live across the call; the argument addresses are the caller's contract.
+        // SAFETY: `config` and `attrs` live across the call; the argument addresses are the caller's contract.
         unsafe { sys::cuLaunchKernelEx(&config, self.func.cu_function(), self.args.as_mut_ptr(), std::ptr::null_mut()) }
             .result()
     }
@@ -406,7 +426,13 @@ impl Gpu {
     /// A launch of `func` on the current lane, dependent on the kernel before it when [`Gpu::dependent_launch`]
     /// is on.
     pub(crate) fn launcher<'a>(&'a self, func: &'a CudaFunction) -> KernelLaunch<'a> {
-        KernelLaunch { func, stream: self.lane(), dependent: self.dependent_launch, args: Vec::with_capacity(16) }
+        KernelLaunch {
+            func,
+            stream: self.lane(),
+            dependent: self.dependent_launch,
+            cluster_x: 1,
+            args: Vec::with_capacity(16),
+        }
     }
 
     /// Whether kernels are launched with programmatic dependent launch: every kernel may be scheduled while the one
