@@ -72,84 +72,81 @@ __device__ __forceinline__ void unpack8(uint4 raw, float *out) {
 }
 __device__ __forceinline__ void load8(const __nv_bfloat16 *p, float *out) { unpack8(__ldg((const uint4 *)p), out); }
 
-#define ABSORB_COLS 64     // columns of q_lat per block: 8 groups of 8 (one 16-byte load per weight row)
-#define ABSORB_SLICES 16   // row slices per block: thread (slice s, group g) reads rows s, s + 16, ...
-#define ABSORB_ROWS 8      // rows per slice: nope <= ABSORB_SLICES * ABSORB_ROWS (128)
-#define ABSORB_TOKENS 16   // tokens per pass over the block's weight tile (held in registers)
-#define ABSORB_WARPS 4     // blockDim 128 = ABSORB_SLICES * 8
-#define BLOCK_TOKENS 64    // tokens per block of mla_absorb and mla_out (grid z): decode steps read weights once
+#define ABSORB_COLS 64       // columns of q_lat per block: one MMA m-tile of 16 per warp
+#define ABSORB_WARPS 4       // blockDim 128
+#define ABSORB_K 16          // nope is a whole number of MMA k-steps
+#define ABSORB_MAX_NOPE 128  // nope <= ABSORB_MAX_NOPE: the A fragments (32 registers) are held for the block's life
+#define ABSORB_TOKENS 32     // tokens per pass: four MMA n-tiles
+#define ABSORB_W_PAD 8       // bf16 past each staged weight row: ldmatrix's 8 rows land 4 banks apart
+#define ABSORB_Q_PAD 8       // bf16 past each staged token row: the B fragments' 8 tokens land 4 banks apart
+#define BLOCK_TOKENS 64      // tokens per block of mla_absorb and mla_out (grid z): decode steps read weights once
 
 // q_lat[tok, h, c] = bf(W_UK_h^T q_nope[tok, h])[c], W_UK_h = kv_b rows [h * per_head, h * per_head + nope).
 // Bandwidth-shaped (issue #7): block (h, column tile) reads its [nope, ABSORB_COLS] weight tile ONCE, as 16-byte
-// loads all in flight (ABSORB_ROWS per thread) before it waits for the kernel before, and applies it to every
-// token of the step. A thread's partial sums its rows in ascending order; slices are then added by a fixed
-// butterfly within the warp (xor 8, 16) and the warps in ascending order: the same order for every token,
-// whatever the batch.
-// grid = (H, ceil(r / ABSORB_COLS), ceil(n / BLOCK_TOKENS)); blockDim 128. Needs r % 8 == 0, nope % ABSORB_SLICES == 0,
-// nope <= ABSORB_SLICES * ABSORB_ROWS (checked on the host).
+// loads into shared memory before it waits for the kernel before (the weights are no kernel's output), and holds
+// it as MMA A fragments (W_UK^T, columns as rows: ldmatrix with transpose) for every token of the step. The dot
+// products run on the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulators, k-steps of 16 in ascending
+// order); a token's outputs depend only on its own column of the MMAs, so they are the same bits whatever the
+// batch.
+// grid = (H, ceil(r / ABSORB_COLS), ceil(n / BLOCK_TOKENS)); blockDim 128. Needs r % 8 == 0, nope % ABSORB_K == 0,
+// nope <= ABSORB_MAX_NOPE (checked on the host).
 // q: [n, H * (nope + rope)]; kv_b: [H * (nope + v), r]; q_lat: [n, H, r] fp32 (bf16 values).
-extern "C" __global__ void mla_absorb(const __nv_bfloat16 *q, const __nv_bfloat16 *kv_b, float *q_lat, int n, int H,
-                                      int nope, int rope, int vdim, int r) {
-    __shared__ float qn[ABSORB_TOKENS][ABSORB_SLICES * ABSORB_ROWS];     // [tokens, nope]
-    __shared__ float part[ABSORB_TOKENS][ABSORB_WARPS][ABSORB_COLS];     // per-warp sums
+extern "C" __global__ void __launch_bounds__(32 * ABSORB_WARPS)
+    mla_absorb(const __nv_bfloat16 *q, const __nv_bfloat16 *kv_b, float *q_lat, int n, int H, int nope, int rope,
+               int vdim, int r) {
+    __shared__ __align__(16) __nv_bfloat16 ws[ABSORB_MAX_NOPE][ABSORB_COLS + ABSORB_W_PAD];  // [nope, cols]
+    __shared__ __align__(16) __nv_bfloat16 qs[ABSORB_TOKENS][ABSORB_MAX_NOPE + ABSORB_Q_PAD]; // [tokens, nope]
     int h = blockIdx.x, col0 = blockIdx.y * ABSORB_COLS;
-    int g = threadIdx.x & 7, s = threadIdx.x >> 3;
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int qh = nope + rope, per_head = nope + vdim, rows = nope / ABSORB_SLICES;
-    int c0 = col0 + g * 8;
-    bool col_ok = c0 < r;  // r % 8 == 0: a group is all in or all out
-    float w[ABSORB_ROWS][8];
-#pragma unroll
-    for (int k = 0; k < ABSORB_ROWS; k++) {
-        if (k < rows && col_ok) {
-            load8(kv_b + (i64)(h * per_head + s + k * ABSORB_SLICES) * r + c0, w[k]);
-        } else {
-#pragma unroll
-            for (int j = 0; j < 8; j++) w[k][j] = 0.0f;
-        }
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, fg = lane >> 2, ft = lane & 3;
+    int qh = nope + rope, per_head = nope + vdim, ksteps = nope / ABSORB_K;
+    // The weight tile, 8 columns per 16-byte load (zeros past r).
+    for (int x = threadIdx.x; x < nope * (ABSORB_COLS / 8); x += blockDim.x) {
+        int i = x / (ABSORB_COLS / 8), c = (x % (ABSORB_COLS / 8)) * 8;
+        *(uint4 *)&ws[i][c] = col0 + c < r ? __ldg((const uint4 *)(kv_b + (i64)(h * per_head + i) * r + col0 + c))
+                                           : make_uint4(0u, 0u, 0u, 0u);
     }
-    grid_dependency_wait();  // the weights are no kernel's output: their loads overlap the kernel before
+    __syncthreads();
+    // Warp w's A fragments: columns col0 + 16 w .. + 15 as rows, k-step ks's inputs 16 ks .. + 15. Lanes 8 j .. 8 j
+    // + 7 address matrix j: inputs 8 (j / 2) + lane % 8 of the k-step, columns 8 (j % 2) of the tile.
+    u32 a[ABSORB_MAX_NOPE / ABSORB_K][4];
+    int mj = lane >> 3, mrow = lane & 7;
+#pragma unroll
+    for (int ks = 0; ks < ABSORB_MAX_NOPE / ABSORB_K; ks++)
+        if (ks < ksteps) ldmatrix_x4<true>(a[ks], &ws[ABSORB_K * ks + 8 * (mj >> 1) + mrow][16 * warp + 8 * (mj & 1)]);
+    grid_dependency_wait();
     launch_dependents();
     int tok_end = min(n, (int)(blockIdx.z + 1) * BLOCK_TOKENS);
     for (int tok0 = blockIdx.z * BLOCK_TOKENS; tok0 < tok_end; tok0 += ABSORB_TOKENS) {
         int tokens = min(ABSORB_TOKENS, tok_end - tok0);
-        for (int x = threadIdx.x; x < tokens * nope; x += blockDim.x) {
-            int tk = x / nope, i = x % nope;
-            qn[tk][i] = ld(q, ((i64)(tok0 + tk) * H + h) * qh + i);
+        __syncthreads();  // every warp is done with the pass before's tokens
+        for (int x = threadIdx.x; x < tokens * (nope / 8); x += blockDim.x) {
+            int tk = x / (nope / 8), i = (x % (nope / 8)) * 8;
+            *(uint4 *)&qs[tk][i] = *(const uint4 *)(q + ((i64)(tok0 + tk) * H + h) * qh + i);
         }
         __syncthreads();
-        for (int tk = 0; tk < tokens; tk++) {
-            float acc[8];
+        float acc[ABSORB_TOKENS / 8][4];  // [n-tile][c0..c3]
 #pragma unroll
-            for (int j = 0; j < 8; j++) acc[j] = 0.0f;
+        for (int nt = 0; nt < ABSORB_TOKENS / 8; nt++)
 #pragma unroll
-            for (int k = 0; k < ABSORB_ROWS; k++) {
-                if (k < rows) {
-                    float qv = qn[tk][s + k * ABSORB_SLICES];
+            for (int e = 0; e < 4; e++) acc[nt][e] = 0.0f;
 #pragma unroll
-                    for (int j = 0; j < 8; j++) acc[j] += qv * w[k][j];
-                }
-            }
+        for (int nt = 0; nt < ABSORB_TOKENS / 8; nt++) {
+            if (8 * nt >= tokens) break;  // uniform: no token in the n-tile (a token past `tokens` is never stored)
+            const __nv_bfloat16 *row = qs[8 * nt + fg];
 #pragma unroll
-            for (int j = 0; j < 8; j++) {
-                acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], 8);
-                acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], 16);
-            }
-            if (lane < 8) {
-#pragma unroll
-                for (int j = 0; j < 8; j++) part[tk][warp][g * 8 + j] = acc[j];
-            }
+            for (int ks = 0; ks < ABSORB_MAX_NOPE / ABSORB_K; ks++)
+                if (ks < ksteps)
+                    mma_bf16(acc[nt], a[ks][0], a[ks][1], a[ks][2], a[ks][3],
+                             *(const u32 *)(row + ABSORB_K * ks + 2 * ft), *(const u32 *)(row + ABSORB_K * ks + 2 * ft + 8));
         }
-        __syncthreads();
-        for (int x = threadIdx.x; x < tokens * ABSORB_COLS; x += blockDim.x) {
-            int tk = x / ABSORB_COLS, col = x % ABSORB_COLS;
-            if (col0 + col < r) {
-                float v = part[tk][0][col];
+        // c0, c1: column 16 w + fg, tokens 2 ft, 2 ft + 1 of the n-tile; c2, c3: column 16 w + fg + 8.
 #pragma unroll
-                for (int wi = 1; wi < ABSORB_WARPS; wi++) v += part[tk][wi][col];
-                q_lat[((i64)(tok0 + tk) * H + h) * r + col0 + col] = bf_round(v);
+        for (int nt = 0; nt < ABSORB_TOKENS / 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int tk = 8 * nt + 2 * ft + (e & 1), c = col0 + 16 * warp + fg + 8 * (e >> 1);
+                if (tk < tokens && c < r) q_lat[((i64)(tok0 + tk) * H + h) * r + c] = bf_round(acc[nt][e]);
             }
-        }
     }
 }
 
@@ -481,28 +478,31 @@ extern "C" __global__ void __launch_bounds__(32 * HEADS_WARPS)
     }
 }
 
-#define OUT_ROWS 8      // rows of W_UV per warp
-#define OUT_WARPS 4     // blockDim 128
-#define OUT_CHUNKS 2    // 16-byte column chunks per lane and row: r <= 32 * 8 * OUT_CHUNKS (512)
-#define OUT_TOKENS 16   // tokens per pass over the block's weight tile
-#define OUT_MAX_RANK 512
+#define OUT_CHANNELS 32 // value channels per block: two MMA m-tiles
+#define OUT_WARPS 4     // blockDim 128; warp w takes columns [128 w, 128 w + 128) of o_lat
+#define OUT_WARP_COLS 128
+#define OUT_CHUNKS 4    // 32-column chunks per warp: one 16-byte piece per lane and row
+#define OUT_TOKENS 16   // tokens per pass over the block's weight tile: two MMA n-tiles
+#define OUT_MAX_RANK 512   // OUT_WARPS * OUT_WARP_COLS
 #define OUT_MAX_SPLITS 64  // MLA_MAX_SPLITS in attn.rs
 #define OUT_MIN_BLOCKS 3   // blocks per SM: K3's decode step (96 heads x 4 row tiles) in one wave of 132 SMs
 
-// The merge of each token's splits and the output, for OUT_ROWS * OUT_WARPS value channels of one head:
+// The merge of each token's splits and the output, for 32 value channels (two MMA m-tiles) of one head:
 // o_lat = bf(sum_s e^{m_s - M} o_s / sum_s e^{m_s - M} l_s) (splits in ascending order, as before), then
 // o = bf(W_UV_h o_lat), W_UV_h = kv_b rows [h * per_head + nope, (h + 1) * per_head), and with a gate
 // (non-null) out = bf(o * bf(sigmoid(g))) (HF computes the sigmoid in bf16), else out = o.
-// Bandwidth-shaped (issue #7): block (h, row tile) reads its [OUT_ROWS * OUT_WARPS, r] weight tile ONCE, as
-// 16-byte loads all in flight (OUT_ROWS * OUT_CHUNKS per lane, kept as bf16 in registers), before it waits for
-// the kernel before (the weights are no kernel's output), and applies it to every token of the step; a lane
-// sums its columns in ascending order, then the warp adds lanes by a fixed butterfly (xor 16 .. 1). With the
-// weights and o_lat kept in bf16, OUT_MIN_BLOCKS blocks fit an SM, so a decode step is one wave.
+// Bandwidth-shaped (issue #7): block (h, row tile) reads its [32, r] weight tile ONCE, as 16-byte loads all in
+// flight, kept as bf16 MMA fragments in registers, before it waits for the kernel before (the weights are no
+// kernel's output), and applies it to every token of the step on the tensor cores (mma.sync m16n8k16, bf16 in,
+// fp32 accumulators): warp w sums its 128 columns of o_lat in four chunks of 32 (lane (g, t) holds 8 contiguous
+// columns 8 t.. of rows g and g + 8, and the token's 16-byte piece of the same columns is its B fragment, as in
+// moe.cu's expert kernels), then the four warps' partials are added in warp order. A token's outputs depend only on
+// its own column of the MMAs: the same bits whatever the batch.
 // Latency: the merge reads every split's m and l at once into shared memory, turns them into factors
 // e^{m_s - M} (0 for an empty split), and then sums part_o over the splits with loads that depend on nothing
 // but the factors, so several are in flight; empty splits are skipped, as exact zeros they would add nothing.
-// grid = (H, ceil(v / (OUT_ROWS * OUT_WARPS)), ceil(n / BLOCK_TOKENS)); blockDim 128. Needs r % 8 == 0,
-// r <= OUT_MAX_RANK and splits <= OUT_MAX_SPLITS.
+// grid = (H, ceil(v / OUT_CHANNELS), ceil(n / BLOCK_TOKENS)); blockDim 128. Needs r % 8 == 0, r <= OUT_MAX_RANK and
+// splits <= OUT_MAX_SPLITS.
 // part_o: [n, H, splits, r]; part_m / part_l: [n, H, splits]; g, out: [n, H * v] bf16.
 extern "C" __global__ void __launch_bounds__(32 * OUT_WARPS, OUT_MIN_BLOCKS)
     mla_out(const float *part_o, const float *part_m, const float *part_l, const __nv_bfloat16 *kv_b,
@@ -511,19 +511,23 @@ extern "C" __global__ void __launch_bounds__(32 * OUT_WARPS, OUT_MIN_BLOCKS)
     __shared__ float split_f[OUT_TOKENS][OUT_MAX_SPLITS];     // m_s, then the factor e^{m_s - M} (0: empty)
     __shared__ float split_l[OUT_TOKENS][OUT_MAX_SPLITS];     // l_s
     __shared__ float merge_l[OUT_TOKENS];                      // each token's sum over its splits
+    __shared__ float red[OUT_WARPS][OUT_TOKENS][OUT_CHANNELS]; // each warp's partial outputs [token, channel]
     int h = blockIdx.x, per_head = nope + vdim;
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int j0 = blockIdx.y * (OUT_ROWS * OUT_WARPS) + warp * OUT_ROWS;
-    uint4 w[OUT_ROWS][OUT_CHUNKS];  // 8 bf16 each
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, fg = lane >> 2, ft = lane & 3;
+    int j0 = blockIdx.y * OUT_CHANNELS;
+    // The A fragments: rows j0 + 16 m + fg + 8 q, columns 128 warp + 32 c + 8 ft .. + 7 (zeros past v and r).
+    uint4 w[OUT_CHUNKS][2][2];  // [chunk][m-tile][row fg / fg + 8], 8 bf16 each
 #pragma unroll
-    for (int q = 0; q < OUT_ROWS; q++) {
+    for (int c = 0; c < OUT_CHUNKS; c++) {
+        int c0 = OUT_WARP_COLS * warp + 32 * c + 8 * ft;
 #pragma unroll
-        for (int m = 0; m < OUT_CHUNKS; m++) {
-            int c0 = (lane + 32 * m) * 8;
-            w[q][m] = j0 + q < vdim && c0 < r
-                          ? __ldg((const uint4 *)(kv_b + (i64)(h * per_head + nope + j0 + q) * r + c0))
-                          : make_uint4(0u, 0u, 0u, 0u);
-        }
+        for (int m = 0; m < 2; m++)
+#pragma unroll
+            for (int q = 0; q < 2; q++) {
+                int j = j0 + 16 * m + fg + 8 * q;
+                w[c][m][q] = j < vdim && c0 < r ? __ldg((const uint4 *)(kv_b + (i64)(h * per_head + nope + j) * r + c0))
+                                                : make_uint4(0u, 0u, 0u, 0u);
+            }
     }
     grid_dependency_wait();
     launch_dependents();
@@ -578,34 +582,45 @@ extern "C" __global__ void __launch_bounds__(32 * OUT_WARPS, OUT_MIN_BLOCKS)
             o_lat8[(tk * r + c0) / 8] = *(const uint4 *)packed;
         }
         __syncthreads();
-        for (int tk = 0; tk < tokens; tk++) {
-            float acc[OUT_ROWS];
+        float acc[2][2][4];  // [m-tile][n-tile][c0..c3]
 #pragma unroll
-            for (int q = 0; q < OUT_ROWS; q++) acc[q] = 0.0f;
+        for (int m = 0; m < 2; m++)
 #pragma unroll
-            for (int m = 0; m < OUT_CHUNKS; m++) {
-                int c0 = (lane + 32 * m) * 8;
-                if (c0 < r) {
-                    float x[8], wf[8];
-                    unpack8(o_lat8[(tk * r + c0) / 8], x);
+            for (int nt = 0; nt < 2; nt++)
 #pragma unroll
-                    for (int q = 0; q < OUT_ROWS; q++) {
-                        unpack8(w[q][m], wf);
+                for (int e = 0; e < 4; e++) acc[m][nt][e] = 0.0f;
 #pragma unroll
-                        for (int e = 0; e < 8; e++) acc[q] += wf[e] * x[e];
-                    }
+        for (int c = 0; c < OUT_CHUNKS; c++) {
+            int c0 = OUT_WARP_COLS * warp + 32 * c + 8 * ft;
+            if (OUT_WARP_COLS * warp + 32 * c >= r) break;  // the warp's chunks past r (uniform)
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++) {
+                if (8 * nt >= tokens) break;  // uniform: no token in the n-tile
+                // Token 8 nt + fg's columns c0 .. c0 + 7 (zeros past r; a column past `tokens` is never stored).
+                uint4 xv = c0 < r ? o_lat8[((8 * nt + fg) * r + c0) / 8] : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+                for (int m = 0; m < 2; m++) {
+                    const uint4 &lo = w[c][m][0], &hi = w[c][m][1];
+                    mma_bf16(acc[m][nt], lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
+                    mma_bf16(acc[m][nt], lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
                 }
             }
+        }
+        // c0, c1: channel fg, tokens 2 ft, 2 ft + 1 of the n-tile; c2, c3: channel fg + 8.
 #pragma unroll
-            for (int q = 0; q < OUT_ROWS; q++) {
-                for (int o = 16; o > 0; o >>= 1) acc[q] += __shfl_xor_sync(0xffffffffu, acc[q], o);
-            }
-            if (lane < OUT_ROWS && j0 + lane < vdim) {
-                float a = acc[0];
+        for (int m = 0; m < 2; m++)
 #pragma unroll
-                for (int q = 1; q < OUT_ROWS; q++)
-                    if (lane == q) a = acc[q];
-                i64 idx = ((i64)(tok0 + tk) * H + h) * vdim + j0 + lane;
+            for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) red[warp][8 * nt + 2 * ft + (e & 1)][16 * m + fg + 8 * (e >> 1)] = acc[m][nt][e];
+        __syncthreads();
+        for (int x = threadIdx.x; x < tokens * OUT_CHANNELS; x += blockDim.x) {
+            int tk = x / OUT_CHANNELS, ch = x % OUT_CHANNELS;
+            if (j0 + ch < vdim) {
+                float a = red[0][tk][ch];
+#pragma unroll
+                for (int wi = 1; wi < OUT_WARPS; wi++) a += red[wi][tk][ch];
+                i64 idx = ((i64)(tok0 + tk) * H + h) * vdim + j0 + ch;
                 __nv_bfloat16 o = __float2bfloat16_rn(a);
                 if (g) o = __float2bfloat16_rn(__bfloat162float(o) * bf_round(sigmoidf_(ld(g, idx))));
                 out[idx] = o;

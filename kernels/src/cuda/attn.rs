@@ -49,12 +49,12 @@ const _: () = assert!(MLA_MAX_SPLITS <= MLA_OUT_MAX_SPLITS);
 const MLA_SPLIT_MAX_WINDOW: usize = 16;
 /// The largest kv_lora_rank of `mla_split` and `mla_out` (`MAX_CH * 128`, `OUT_MAX_RANK` in `mla.cu`).
 const MLA_MAX_RANK: usize = 512;
-/// The largest qk_nope_head_dim of `mla_absorb` (`ABSORB_SLICES * ABSORB_ROWS`), which must also be a
-/// multiple of `ABSORB_SLICES`.
+/// The largest qk_nope_head_dim of `mla_absorb` (`ABSORB_MAX_NOPE`), which must also be a multiple of its MMA
+/// k-step (`ABSORB_K`).
 const MLA_MAX_NOPE: usize = 128;
-const ABSORB_SLICES: usize = 16;
+const ABSORB_K: usize = 16;
 /// Columns of q_lat per block of `mla_absorb` (`ABSORB_COLS`), value channels per block of `mla_out`
-/// (`OUT_ROWS * OUT_WARPS`), and tokens per block of both (`BLOCK_TOKENS`).
+/// (`OUT_CHANNELS`), and tokens per block of both (`BLOCK_TOKENS`).
 const ABSORB_COLS: usize = 64;
 const OUT_CHANNELS: usize = 32;
 const BLOCK_TOKENS: usize = 64;
@@ -448,10 +448,16 @@ impl Gpu {
                 "MLA kv_lora_rank {r} is not supported on CUDA (a multiple of 8, at most {MLA_MAX_RANK})"
             )));
         }
-        if nope > MLA_MAX_NOPE || nope % ABSORB_SLICES != 0 {
+        if nope > MLA_MAX_NOPE || nope % ABSORB_K != 0 {
             return Err(KernelError::InvalidInput(format!(
-                "MLA qk_nope_head_dim {nope} is not supported on CUDA (a multiple of {ABSORB_SLICES}, at most \
+                "MLA qk_nope_head_dim {nope} is not supported on CUDA (a multiple of {ABSORB_K}, at most \
                  {MLA_MAX_NOPE})"
+            )));
+        }
+        if rope % 8 != 0 {
+            return Err(KernelError::InvalidInput(format!(
+                "MLA qk_rope_head_dim {rope} is not supported on CUDA (a multiple of 8: mla_absorb reads each head's \
+                 query in 16-byte pieces)"
             )));
         }
         let n = tables.n;
@@ -549,10 +555,23 @@ mod tests {
     }
 
     #[test]
+    fn the_mla_absorb_constants_match_mla_cu() {
+        // A grid sized from other columns per block than the kernel's would leave columns of q_lat unwritten, and a
+        // larger or ragged nope than the kernel stages would overrun its shared memory.
+        assert_eq!(ABSORB_COLS as u32, source_define("mla.cu", "ABSORB_COLS"));
+        assert_eq!(ABSORB_K as u32, source_define("mla.cu", "ABSORB_K"));
+        assert_eq!(MLA_MAX_NOPE as u32, source_define("mla.cu", "ABSORB_MAX_NOPE"));
+    }
+
+    #[test]
     fn the_mla_out_constants_match_mla_cu() {
         // A grid sized from other channels per block than the kernel's would leave value channels unwritten, and
         // more splits than it stages would overrun its shared memory.
-        assert_eq!(OUT_CHANNELS as u32, source_define("mla.cu", "OUT_ROWS") * source_define("mla.cu", "OUT_WARPS"));
+        assert_eq!(OUT_CHANNELS as u32, source_define("mla.cu", "OUT_CHANNELS"));
+        assert_eq!(
+            MLA_MAX_RANK as u32,
+            source_define("mla.cu", "OUT_WARPS") * source_define("mla.cu", "OUT_WARP_COLS")
+        );
         assert_eq!(MLA_OUT_MAX_SPLITS as u32, source_define("mla.cu", "OUT_MAX_SPLITS"));
         assert_eq!(BLOCK_TOKENS as u32, source_define("mla.cu", "BLOCK_TOKENS"));
     }
