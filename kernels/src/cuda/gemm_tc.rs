@@ -27,10 +27,10 @@ const TC_K: usize = 64;
 /// Token chunk sizes of the entry points (`skinny_wgmma_t{8,16,32,64}`).
 const TC_TOKENS: [usize; 4] = [8, 16, 32, 64];
 /// The SMs of an H200, by which [`tc_split`] measures a weight: a weight of more than half as many row tiles is
-/// not split (its serial launch already keeps most SMs streaming), and the others are cut into at most two blocks
-/// per SM. With the fold in a cluster the o_proj at one token streams 3.9 TB/s in 224 blocks against 3.8 in 112,
-/// and the MoE latent down 3.4 in 224 against 3.0 in 112 (`gemm_bandwidth`, BENCHMARKS.md, fourteenth session,
-/// call 9).
+/// not split (the MLA merged input projection, 113 row tiles, streams 4.0 TB/s at one token in one slice and 3.8
+/// in two; the shared expert's gate/up, 96, 3.9 and 3.4), and the others are cut into at most two blocks per SM
+/// (the o_proj at one token streams 3.9 TB/s in 224 blocks against 3.8 in 112, the MoE latent down 3.5 in 224
+/// against 3.2 in 112). `gemm_bandwidth`, BENCHMARKS.md, fifteenth session, call 1.
 const TC_SMS: usize = 132;
 /// The narrowest K slice [`tc_split`] cuts: twelve stages, enough to fill the four-stage ring three times over.
 const TC_NARROWEST: usize = 12 * TC_K;
