@@ -60,18 +60,6 @@ extern "C" __global__ void mla_norm_append(const i64 *table, const __nv_bfloat16
     for (int c = r + threadIdx.x; c < width; c += blockDim.x) dst[c] = xk[c];
 }
 
-// Eight bf16 (one 16-byte load), widened to fp32; load8 loads them from a 16-byte aligned address.
-__device__ __forceinline__ void unpack8(uint4 raw, float *out) {
-    const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&raw;
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-        float2 f = __bfloat1622float2(h2[k]);
-        out[2 * k] = f.x;
-        out[2 * k + 1] = f.y;
-    }
-}
-__device__ __forceinline__ void load8(const __nv_bfloat16 *p, float *out) { unpack8(__ldg((const uint4 *)p), out); }
-
 #define ABSORB_COLS 64       // columns of q_lat per block: one MMA m-tile of 16 per warp
 #define ABSORB_WARPS 4       // blockDim 128
 #define ABSORB_K 16          // nope is a whole number of MMA k-steps
