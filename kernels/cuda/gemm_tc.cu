@@ -37,33 +37,15 @@ struct __align__(64) TensorMap {
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-__device__ __forceinline__ u32 tc_smem(const void *p) { return (u32)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void tc_bar_init(unsigned long long *bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(tc_smem(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void tc_bar_arrive(unsigned long long *bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(tc_smem(bar)) : "memory");
-}
-__device__ __forceinline__ void tc_bar_expect(unsigned long long *bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(tc_smem(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void tc_bar_wait(unsigned long long *bar, u32 parity) {
-    u32 done = 0;
-    while (!done)
-        asm volatile("{\n\t.reg .pred q;\n\tmbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2;\n\tselp.u32 %0, 1, 0, q;\n\t}"
-                     : "=r"(done)
-                     : "r"(tc_smem(bar)), "r"(parity)
-                     : "memory");
-}
 // The box of `map` at (column k, row) into shared memory, counted on `bar`.
 __device__ __forceinline__ void tc_load(void *dst, const TensorMap *map, int k, int row, unsigned long long *bar) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
-                 ::"r"(tc_smem(dst)), "l"(map), "r"(k), "r"(row), "r"(tc_smem(bar))
+                 ::"r"(smem_addr(dst)), "l"(map), "r"(k), "r"(row), "r"(smem_addr(bar))
                  : "memory");
 }
 // Descriptor of a K-major tile of 128-byte swizzled lines (1024 bytes per 8 rows) from its k16 step at `p`.
 __device__ __forceinline__ unsigned long long tc_desc(const void *p) {
-    return (unsigned long long)((tc_smem(p) & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+    return (unsigned long long)((smem_addr(p) & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
            (1ull << 62);
 }
 // d[64, NT] (+)= a[64, 16] . b[NT, 16]^T: one wgmma m64nNTk16, bf16 in, fp32 accumulators (scale_d = 0: d = a . b^T).
@@ -130,16 +112,16 @@ __device__ void skinny_wgmma(const TensorMap &tw, const TensorMap &tx, __nv_bflo
     const int stages = (k_end - k_first + TC_K - 1) / TC_K;
     if (threadIdx.x == 0) {
         for (int s = 0; s < TC_STAGES; s++) {
-            tc_bar_init(&full[s], 1);
-            tc_bar_init(&empty[s], 4);
+            mbarrier_init(&full[s], 1);
+            mbarrier_init(&empty[s], 4);
         }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        mbarrier_init_fence();
     }
     __syncthreads();
     if (warp == 4) { // the producer: weights before the dependency wait, tokens after it
         if (lane == 0) {
             for (int i = 0; i < min(stages, TC_STAGES); i++) {
-                tc_bar_expect(&full[i], TC_W_BYTES + X_BYTES);
+                mbarrier_expect(&full[i], TC_W_BYTES + X_BYTES);
                 tc_load(wstage + i * TC_W_BYTES, &tw, k_first + i * TC_K, row0, &full[i]);
             }
             grid_dependency_wait();
@@ -147,8 +129,8 @@ __device__ void skinny_wgmma(const TensorMap &tw, const TensorMap &tx, __nv_bflo
                 tc_load(xstage + i * X_BYTES, &tx, k_first + i * TC_K, m0, &full[i]);
             for (int i = TC_STAGES; i < stages; i++) {
                 const int s = i % TC_STAGES;
-                tc_bar_wait(&empty[s], (i / TC_STAGES - 1) & 1);
-                tc_bar_expect(&full[s], TC_W_BYTES + X_BYTES);
+                mbarrier_wait(&empty[s], (i / TC_STAGES - 1) & 1);
+                mbarrier_expect(&full[s], TC_W_BYTES + X_BYTES);
                 tc_load(wstage + s * TC_W_BYTES, &tw, k_first + i * TC_K, row0, &full[s]);
                 tc_load(xstage + s * X_BYTES, &tx, k_first + i * TC_K, m0, &full[s]);
             }
@@ -170,7 +152,7 @@ __device__ void skinny_wgmma(const TensorMap &tw, const TensorMap &tx, __nv_bflo
         const int per = (min((s + 1) * kslice, kdim) - s * kslice + TC_K - 1) / TC_K;
         for (int c = 0; c < per; c++, i++) {
             const int st = i % TC_STAGES;
-            tc_bar_wait(&full[st], (i / TC_STAGES) & 1);
+            mbarrier_wait(&full[st], (i / TC_STAGES) & 1);
             asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
             for (int j = 0; j < TC_K / 16; j++) {
@@ -181,7 +163,7 @@ __device__ void skinny_wgmma(const TensorMap &tw, const TensorMap &tx, __nv_bflo
             asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
             asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
             __syncwarp();
-            if (lane == 0) tc_bar_arrive(&empty[st]);
+            if (lane == 0) mbarrier_arrive(&empty[st]);
         }
 #pragma unroll
         for (int m = 0; m < 2; m++)

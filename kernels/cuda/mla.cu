@@ -234,16 +234,7 @@ extern "C" __global__ void mla_split(const i64 *table, const i64 *tok_row, const
 #define HEADS_MAX_NT 16  // value n-tiles (8 channels) per warp: r <= 8 HEADS_MAX_NT HEADS_WARPS (512)
 #define ROW_PAD 8        // bf16 past each staged row: rows sit 4 banks apart, so fragment loads are conflict-free
 
-// The staging of a cache tile by TMA bulk copies (one per cache row) completing on an mbarrier.
-__device__ __forceinline__ u32 smem_addr(const void *p) { return (u32)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void mbarrier_init(unsigned long long *bar) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-// The one arrival of a phase, expecting `bytes` of bulk copies to complete it.
-__device__ __forceinline__ void mbarrier_expect(unsigned long long *bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-}
+// The staging of a cache tile by TMA bulk copies (one per cache row) completing on an mbarrier (prelude.cuh).
 // `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to shared memory, counted on `bar`. The
 // proxy fence first orders this thread's earlier generic accesses of shared memory before the copy's writes.
 __device__ __forceinline__ void bulk_copy_to_shared(void *dst, const void *src, u32 bytes, unsigned long long *bar) {
@@ -253,16 +244,6 @@ __device__ __forceinline__ void bulk_copy_to_shared(void *dst, const void *src, 
                  "l"(src), "r"(bytes), "r"(smem_addr(bar))
                  : "memory");
 }
-__device__ __forceinline__ void mbarrier_wait(unsigned long long *bar, u32 parity) {
-    u32 done = 0;
-    while (!done)
-        asm volatile(
-            "{\n\t.reg .pred q;\n\tmbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2;\n\tselp.u32 %0, 1, 0, q;\n\t}"
-            : "=r"(done)
-            : "r"(smem_addr(bar)), "r"(parity)
-            : "memory");
-}
-
 // Two bf16 as one fragment register, `lo` in the low half.
 __device__ __forceinline__ u32 pack_pair(__nv_bfloat16 lo, __nv_bfloat16 hi) {
     return (u32)__bfloat16_as_ushort(lo) | ((u32)__bfloat16_as_ushort(hi) << 16);
@@ -289,7 +270,10 @@ extern "C" __global__ void __launch_bounds__(32 * HEADS_WARPS)
     extern __shared__ __align__(16) __nv_bfloat16 staged[];
     __shared__ float red_m[HEADS_WARPS][HEADS_TILE], red_l[HEADS_WARPS][HEADS_TILE];
     __shared__ unsigned long long tile_bar;  // the staged tile's bulk copies; phase k = tile k
-    if (threadIdx.x == 0) mbarrier_init(&tile_bar);
+    if (threadIdx.x == 0) {
+        mbarrier_init(&tile_bar, 1);
+        mbarrier_init_fence();
+    }
     int ld_ = r + rope, stride = ld_ + ROW_PAD, pstride = KV_TILE + ROW_PAD, qh = nope + rope;
     __nv_bfloat16 *qs = staged;                      // [HEADS_TILE, stride]
     __nv_bfloat16 *kv = qs + HEADS_TILE * stride;    // [KV_TILE, stride]

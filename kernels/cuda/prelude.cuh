@@ -63,7 +63,34 @@ __device__ float block_sum(float v) {
     return t;
 }
 
+// The shared-memory address of `p` (a generic pointer into shared memory), as the shared-state instructions take it.
+__device__ __forceinline__ u32 smem_addr(const void *p) { return (u32)__cvta_generic_to_shared(p); }
+
 #if __CUDA_ARCH__ >= 900
+// mbarriers in shared memory that count the copy engine's transfers (Hopper and later).
+__device__ __forceinline__ void mbarrier_init(unsigned long long *bar, u32 arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(arrivals) : "memory");
+}
+// Makes the block's mbarrier initialisations visible to the copy engine and the cluster (once, after them all).
+__device__ __forceinline__ void mbarrier_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+__device__ __forceinline__ void mbarrier_arrive(unsigned long long *bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+// An arrival that also expects `bytes` of copies to complete the phase.
+__device__ __forceinline__ void mbarrier_expect(unsigned long long *bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+// Waits until the phase of parity `parity` has completed.
+__device__ __forceinline__ void mbarrier_wait(unsigned long long *bar, u32 parity) {
+    u32 done = 0;
+    while (!done)
+        asm volatile(
+            "{\n\t.reg .pred q;\n\tmbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2;\n\tselp.u32 %0, 1, 0, q;\n\t}"
+            : "=r"(done)
+            : "r"(smem_addr(bar)), "r"(parity)
+            : "memory");
+}
+
 // Thread-block clusters (Hopper and later).
 
 // Every thread of every block of the cluster waits here; shared-memory writes before it are visible to the
@@ -120,7 +147,7 @@ __device__ __forceinline__ void cp_async4_shared(u32 dst, const void *src, u32 b
 }
 // cp_async4_shared to a generic pointer into shared memory; with `ok` false the destination is zero-filled.
 __device__ __forceinline__ void cp_async4(void *dst, const void *src, bool ok) {
-    cp_async4_shared((u32)__cvta_generic_to_shared(dst), src, ok ? 4u : 0u);
+    cp_async4_shared(smem_addr(dst), src, ok ? 4u : 0u);
 }
 // Loads from a shared address (the ring pass keeps its slots as shared addresses, so that constant offsets fold into
 // the instructions).

@@ -228,23 +228,29 @@ impl<'a> KernelLaunch<'a> {
     pub(crate) unsafe fn launch(&mut self, cfg: LaunchConfig) -> std::result::Result<(), DriverError> {
         use cudarc::driver::sys;
         self.stream.context().bind_to_thread()?;
-        let mut attrs = Vec::with_capacity(2);
-        if self.dependent {
-            attrs.push(sys::CUlaunchAttribute {
-                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-                pad: [0; 4],
-                value: sys::CUlaunchAttributeValue { programmaticStreamSerializationAllowed: 1 },
-            });
-        }
-        if self.cluster_x > 1 {
-            attrs.push(sys::CUlaunchAttribute {
-                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-                pad: [0; 4],
-                value: sys::CUlaunchAttributeValue {
-                    clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: self.cluster_x, y: 1, z: 1 },
-                },
-            });
-        }
+        // The launch's attributes, the first `count` of them set (no allocation: this runs for every kernel).
+        let serialization = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue { programmaticStreamSerializationAllowed: 1 },
+        };
+        let cluster = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue {
+                clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: self.cluster_x, y: 1, z: 1 },
+            },
+        };
+        let mut attrs = [serialization, cluster];
+        let count = match (self.dependent, self.cluster_x > 1) {
+            (true, true) => 2,
+            (true, false) => 1,
+            (false, true) => {
+                attrs[0] = cluster;
+                1
+            }
+            (false, false) => 0,
+        };
         let config = sys::CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,
             gridDimY: cfg.grid_dim.1,
@@ -254,8 +260,8 @@ impl<'a> KernelLaunch<'a> {
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.stream.cu_stream(),
-            attrs: if attrs.is_empty() { std::ptr::null_mut() } else { attrs.as_mut_ptr() },
-            numAttrs: attrs.len() as u32,
+            attrs: if count == 0 { std::ptr::null_mut() } else { attrs.as_mut_ptr() },
+            numAttrs: count,
         };
         // SAFETY: `config` and `attrs` live across the call; the argument addresses are the caller's contract.
         unsafe { sys::cuLaunchKernelEx(&config, self.func.cu_function(), self.args.as_mut_ptr(), std::ptr::null_mut()) }
