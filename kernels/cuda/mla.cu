@@ -6,7 +6,8 @@
 // - The cache holds per token [c (kv_lora, normalised) | k_rot (rope, raw)] in bf16. `mla_norm_append` writes
 //   the window's entries first; window token i of a row attends causally over entries 0 ..= first + i.
 // - Four launches per layer: mla_norm_append (both input norms and the append), mla_absorb, mla_split_heads
-//   (16 heads per cache tile, where the shapes allow) or mla_split, mla_out (merge, W_UV and the sigmoid gate).
+//   (16 heads per cache tile, where the shapes allow, from Hopper on) or mla_split, mla_out (merge, W_UV and the
+//   sigmoid gate).
 //   mla_absorb and mla_out read their weight tile once per block of BLOCK_TOKENS tokens, and every token's sums
 //   run in a fixed order that no other token changes.
 // - q_lat and o_lat are rounded to bf16 where the CPU reference rounds them (kernels/src/cpu/mla.rs);
@@ -234,6 +235,7 @@ extern "C" __global__ void mla_split(const i64 *table, const i64 *tok_row, const
 #define HEADS_MAX_NT 16  // value n-tiles (8 channels) per warp: r <= 8 HEADS_MAX_NT HEADS_WARPS (512)
 #define ROW_PAD 8        // bf16 past each staged row: rows sit 4 banks apart, so fragment loads are conflict-free
 
+#if __CUDA_ARCH__ >= 900
 // The staging of a cache tile by TMA bulk copies (one per cache row) completing on an mbarrier (prelude.cuh).
 // `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to shared memory, counted on `bar`. The
 // proxy fence first orders this thread's earlier generic accesses of shared memory before the copy's writes.
@@ -248,6 +250,7 @@ __device__ __forceinline__ void bulk_copy_to_shared(void *dst, const void *src, 
 __device__ __forceinline__ u32 pack_pair(__nv_bfloat16 lo, __nv_bfloat16 hi) {
     return (u32)__bfloat16_as_ushort(lo) | ((u32)__bfloat16_as_ushort(hi) << 16);
 }
+#endif
 
 // mla_split for HEADS_TILE heads at once (FlashMLA's shape: every cache tile is read once for a group of heads,
 // not once per head). Scores and values run on the tensor cores: S [16 heads, KV_TILE] = Q [16, r + rope] K^T,
@@ -262,11 +265,13 @@ __device__ __forceinline__ u32 pack_pair(__nv_bfloat16 lo, __nv_bfloat16 hi) {
 // a few instructions per row instead of an address computation and a cp.async per 16 bytes and thread.
 // grid = (max splits, ceil(H / 16), n); blockDim 128; dynamic shared memory heads_shared_bytes(r + rope) (attn.rs):
 // Q [16, ld + ROW_PAD], the tile [KV_TILE, ld + ROW_PAD], P_hi and P_lo [16, KV_TILE + ROW_PAD], bf16.
-// Needs (r + rope) % 16 == 0, r % 32 == 0, r <= 512 and nope % 8 == 0 (checked on the host).
+// Needs (r + rope) % 16 == 0, r % 32 == 0, r <= 512 and nope % 8 == 0 (checked on the host). Hopper and later (TMA
+// and mbarriers): elsewhere the entry point traps, and the host takes mla_split.
 extern "C" __global__ void __launch_bounds__(32 * HEADS_WARPS)
     mla_split_heads(const i64 *table, const i64 *tok_row, const __nv_bfloat16 *q, const float *q_lat, float *part_o,
                     float *part_m, float *part_l, int H, int nope, int rope, int r, float scale) {
     kernel_entry();
+#if __CUDA_ARCH__ >= 900
     extern __shared__ __align__(16) __nv_bfloat16 staged[];
     __shared__ float red_m[HEADS_WARPS][HEADS_TILE], red_l[HEADS_WARPS][HEADS_TILE];
     __shared__ unsigned long long tile_bar;  // the staged tile's bulk copies; phase k = tile k
@@ -448,6 +453,9 @@ extern "C" __global__ void __launch_bounds__(32 * HEADS_WARPS)
             part_l[part] = l_run[rr];
         }
     }
+#else
+    __trap();
+#endif
 }
 
 #define OUT_CHANNELS 32 // value channels per block: two MMA m-tiles

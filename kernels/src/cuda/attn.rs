@@ -101,8 +101,9 @@ pub(crate) struct AttnKernels {
     mla_norm_append: CudaFunction,
     mla_absorb: CudaFunction,
     mla_split: CudaFunction,
-    /// `mla_split` for 16 heads per block on the tensor cores, where [`heads_kernel_fits`].
-    mla_split_heads: CudaFunction,
+    /// `mla_split` for 16 heads per block on the tensor cores, where [`heads_kernel_fits`]: present from Hopper on
+    /// (it stages the cache by TMA).
+    mla_split_heads: Option<CudaFunction>,
     mla_out: CudaFunction,
 }
 
@@ -110,20 +111,26 @@ pub(crate) struct AttnKernels {
 const KDA_HEAD_DIMS: [usize; 2] = [32, 128];
 
 impl AttnKernels {
-    pub(crate) fn load(kda: &Arc<CudaModule>, mla: &Arc<CudaModule>) -> Result<Self> {
+    /// The kernels of the two modules; `hopper` says whether the device has TMA and mbarriers (compute capability 9
+    /// and later).
+    pub(crate) fn load(kda: &Arc<CudaModule>, mla: &Arc<CudaModule>, hopper: bool) -> Result<Self> {
         let f = |m: &Arc<CudaModule>, name: &str| {
             m.load_function(name).map_err(|e| device_err(&format!("kernel {name}"), e))
         };
         let by_dim = |prefix: &str| -> Result<[CudaFunction; 2]> {
             Ok([f(kda, &format!("{prefix}_32"))?, f(kda, &format!("{prefix}_128"))?])
         };
-        let mla_split_heads = f(mla, "mla_split_heads")?;
-        mla_split_heads
-            .set_attribute(
+        let mla_split_heads = if hopper {
+            let func = f(mla, "mla_split_heads")?;
+            func.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 HEADS_MAX_SHARED as i32,
             )
             .map_err(|e| device_err("allowing mla_split_heads its shared memory", e))?;
+            Some(func)
+        } else {
+            None
+        };
         Ok(AttnKernels {
             kda_step: by_dim("kda_step")?,
             kda_chunk: by_dim("kda_chunk")?,
@@ -493,15 +500,16 @@ impl Gpu {
 
         let table = tables.mla + (layer * tables.rows * MLA_ENTRY * 8) as u64;
         let scale = 1.0f32 / (m.q_head_dim() as f32).sqrt();
-        // Heads in groups of 16 per cache tile where the shapes allow (the cache is read once per group, not
-        // once per head), else one block per head.
-        let (split, name, cfg) = if heads_kernel_fits(r, rope, nope) {
+        // Heads in groups of 16 per cache tile where the device and the shapes allow (the cache is read once per
+        // group, not once per head), else one block per head.
+        let heads = self.attn.mla_split_heads.as_ref().filter(|_| heads_kernel_fits(r, rope, nope));
+        let (split, name, cfg) = if let Some(heads) = heads {
             let cfg = LaunchConfig {
                 grid_dim: (splits as u32, h.div_ceil(HEADS_TILE) as u32, n as u32),
                 block_dim: (128, 1, 1),
                 shared_mem_bytes: heads_shared_bytes(r + rope) as u32,
             };
-            (&self.attn.mla_split_heads, "mla_split_heads", cfg)
+            (heads, "mla_split_heads", cfg)
         } else {
             let cfg = LaunchConfig {
                 grid_dim: (splits as u32, h as u32, n as u32),

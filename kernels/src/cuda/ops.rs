@@ -378,7 +378,7 @@ impl Gpu {
         crate::cuda::gemm_ops::allow_skinny_shared_memory(&k)?;
         crate::cuda::moe_ops::allow_expert_shared_memory(&k)?;
         let skinny_slots = crate::cuda::gemm_ops::skinny_slots(sms, &k)?;
-        let attn = AttnKernels::load(module("kda.cu")?, module("mla.cu")?)?;
+        let attn = AttnKernels::load(module("kda.cu")?, module("mla.cu")?, hopper)?;
         keep_pool_memory(&ctx)?;
         // The main lane at the device's highest stream priority, the side lane at its lowest: when both have
         // blocks waiting, the critical path (router, experts) gets the SMs first and the shared expert fills
