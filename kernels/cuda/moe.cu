@@ -67,8 +67,11 @@ extern "C" __global__ void moe_router_logits(const __nv_bfloat16 *h, const __nv_
 
 // The per-token selection by warp 0 of a block, from the sigmoid scores `score` and `choice` = score + bias (shared
 // memory, E each; `choice` is consumed). out_idx: [k] chosen experts ascending; out_w: [k]; margin: one float.
+// With `group` non-null (a step of one token, k <= 32) it also writes the grouping moe_group would write for the
+// token (its experts ascending, pair j = slot j; a slot without an expert, -1, sorts first and is left out, as
+// moe_group leaves it out), so that step needs no moe_group launch.
 __device__ void route_select(const float *score, float *choice, int *out_idx, float *out_w, float *margin, int E,
-                             int k, int renormalize, float scale) {
+                             int k, int renormalize, float scale, int *group, int *pairs) {
     int lane = threadIdx.x;
     // k passes of "best remaining" (larger choice, then lower index) by one warp: lane L scans experts L, L + 32,
     // ... in order, then a butterfly keeps the larger choice, ties to the lower index: a strict total order, so
@@ -127,6 +130,18 @@ __device__ void route_select(const float *score, float *choice, int *out_idx, fl
             out_idx[lane] = sorted;
             out_w[lane] = w * scale;
         }
+        if (group != nullptr) {
+            const int active = __popc(__ballot_sync(0xffffffffu, lane < k && sorted >= 0)), a = lane - (k - active);
+            if (lane < k && a >= 0) {
+                group[1 + a] = sorted;   // the active experts, ascending
+                group[1 + E + a] = a;    // where each one's single pair starts
+                pairs[a] = lane;         // pair t k + j of token 0
+            }
+            if (lane == 0) {
+                group[0] = active;
+                group[1 + E + active] = active;
+            }
+        }
         return;
     }
     if (lane != 0) return;
@@ -147,9 +162,9 @@ __device__ void route_select(const float *score, float *choice, int *out_idx, fl
 
 // grid = n tokens, blockDim 256; dynamic shared memory 2 * E floats.
 // logits: [n, E] from moe_router_logits; bias: [E]; idx: [n, k] chosen experts ascending; wts: [n, k];
-// margin: [n].
+// margin: [n]; group / pairs: null, or for one token with k <= 32 moe_group's outputs (see route_select).
 extern "C" __global__ void moe_route(const float *logits, const float *bias, int *idx, float *wts, float *margin,
-                                     int E, int k, int renormalize, float scale) {
+                                     int E, int k, int renormalize, float scale, int *group, int *pairs) {
     kernel_entry();
     extern __shared__ float sm[];
     float *score = sm, *choice = sm + E;
@@ -160,7 +175,7 @@ extern "C" __global__ void moe_route(const float *logits, const float *bias, int
     __syncthreads();
     if (threadIdx.x >= 32) return;
     long t = blockIdx.x;
-    route_select(score, choice, idx + t * k, wts + t * k, margin + t, E, k, renormalize, scale);
+    route_select(score, choice, idx + t * k, wts + t * k, margin + t, E, k, renormalize, scale, group, pairs);
 }
 
 #if __CUDA_ARCH__ >= 900
@@ -174,10 +189,11 @@ extern "C" __global__ void moe_route(const float *logits, const float *bias, int
 #define ROUTER_CLUSTER 8  // blocks per token (the portable cluster size); Gpu::moe_route's ROUTER_CLUSTER
 
 // grid = (ROUTER_CLUSTER, n), blockDim 256, clusters of (ROUTER_CLUSTER, 1, 1); dynamic shared memory 3 E floats.
-// h: [n, d]; w: [E, d]; bias: [E]; idx: [n, k] chosen experts ascending; wts: [n, k]; margin: [n].
+// h: [n, d]; w: [E, d]; bias: [E]; idx: [n, k] chosen experts ascending; wts: [n, k]; margin: [n]; group / pairs:
+// null, or for one token with k <= 32 moe_group's outputs (see route_select).
 extern "C" __global__ void __cluster_dims__(ROUTER_CLUSTER, 1, 1) __launch_bounds__(256)
     moe_router(const __nv_bfloat16 *h, const __nv_bfloat16 *w, const float *bias, int *idx, float *wts,
-               float *margin, int d, int E, int k, int renormalize, float scale) {
+               float *margin, int d, int E, int k, int renormalize, float scale, int *group, int *pairs) {
     kernel_entry();
     extern __shared__ float sm[];
     float *own = sm, *score = sm + E, *choice = sm + 2 * E;  // own: this block's logits at their expert index
@@ -195,7 +211,7 @@ extern "C" __global__ void __cluster_dims__(ROUTER_CLUSTER, 1, 1) __launch_bound
         }
     cluster_sync();  // block 0 has read them (and its score / choice are visible to its warp 0)
     if (rank != 0 || warp != 0) return;
-    route_select(score, choice, idx + t * k, wts + t * k, margin + t, E, k, renormalize, scale);
+    route_select(score, choice, idx + t * k, wts + t * k, margin + t, E, k, renormalize, scale, group, pairs);
 }
 #endif
 

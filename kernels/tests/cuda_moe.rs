@@ -8,7 +8,8 @@
 //! across the two forms of the down projection (one or two 16-row tiles per warp).
 //! On a machine without a CUDA driver every test says plainly that it skipped.
 //!
-//! The grouping by expert against a host grouping, with the choices staged in shared memory and read from global.
+//! The grouping by expert against a host grouping, with the choices staged in shared memory and read from global,
+//! and as both router forms write it for a step of one token.
 //!
 //! `routed_expert_bandwidth` (ignored by default; `--ignored`) prints the achieved GB/s of the gate/up and down
 //! kernels for the bytes of the active experts' MXFP4 weights, at 1, 8 and 64 tokens with the k3-mini routing
@@ -292,20 +293,15 @@ fn routed_experts_match_the_host_reference_and_are_batch_invariant_bit_for_bit()
 
 /// Runs the router over `h` `[n, d]` with router weights `w` `[experts, d]` and `bias` `[experts]`, one-launch (when
 /// the device and expert count allow it) or two-launch; returns `(idx, weight bits, margin bits)`.
-fn route(
-    gpu: &Gpu,
-    h: &[bf16],
-    w: &[bf16],
-    bias: &[f32],
-    k: usize,
-    two_launches: bool,
-) -> (Vec<i32>, Vec<u32>, Vec<u32>) {
+fn route(gpu: &Gpu, h: &[bf16], w: &[bf16], bias: &[f32], k: usize, two_launches: bool) -> RouterRun {
     let (experts, n) = (bias.len(), h.len() / (w.len() / bias.len()));
     let d = w.len() / experts;
     let (hd, wd, bd) = (gpu.upload(h).unwrap(), gpu.upload(w).unwrap(), gpu.upload(bias).unwrap());
     let idx = gpu.zeros::<i32>(n * k).unwrap();
     let wts = gpu.zeros::<f32>(n * k).unwrap();
     let margin = gpu.zeros::<f32>(n).unwrap();
+    let group = gpu.zeros::<i32>(moe_group_len(experts)).unwrap();
+    let pairs = gpu.zeros::<i32>(n * k).unwrap();
     let args = RouteArgs {
         h: gpu.ptr(&hd),
         w: gpu.ptr(&wd),
@@ -319,15 +315,39 @@ fn route(
         k,
         renormalize: true,
         scale: 2.5,
+        grouping: Some((gpu.ptr(&group), gpu.ptr(&pairs))),
     };
     let run = if two_launches { Gpu::moe_route_in_two_launches } else { Gpu::moe_route };
-    run(gpu, &args).unwrap();
+    let grouped = run(gpu, &args).unwrap();
     let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<u32>>();
-    (
-        gpu.download(&idx, n * k).unwrap(),
-        bits(gpu.download(&wts, n * k).unwrap()),
-        bits(gpu.download(&margin, n).unwrap()),
-    )
+    let grouping =
+        grouped.then(|| (gpu.download(&group, moe_group_len(experts)).unwrap(), gpu.download(&pairs, n * k).unwrap()));
+    RouterRun {
+        outputs: (
+            gpu.download(&idx, n * k).unwrap(),
+            bits(gpu.download(&wts, n * k).unwrap()),
+            bits(gpu.download(&margin, n).unwrap()),
+        ),
+        grouping,
+    }
+}
+
+/// A router's outputs, `(idx, weight bits, margin bits)`, and the grouping (group, pairs) when it wrote one.
+struct RouterRun {
+    outputs: (Vec<i32>, Vec<u32>, Vec<u32>),
+    grouping: Option<(Vec<i32>, Vec<i32>)>,
+}
+
+/// `got` (group, pairs) against the host's grouping of `idx`, over the layout's live entries.
+fn assert_grouping(got: &(Vec<i32>, Vec<i32>), idx: &[i32], n: usize, k: usize, experts: usize, what: &str) {
+    let (want_group, want_pairs) = host_grouping(idx, n, k, experts);
+    let active = want_group[0] as usize;
+    // Entries past the active experts are not part of the layout.
+    assert_eq!(got.0[0], want_group[0], "{what}: active experts");
+    assert_eq!(got.0[1..1 + active], want_group[1..1 + active], "{what}: active experts' ids");
+    let bounds = 1 + experts..2 + experts + active;
+    assert_eq!(got.0[bounds.clone()], want_group[bounds], "{what}: pair bounds");
+    assert_eq!(got.1, want_pairs, "{what}: pairs");
 }
 
 #[test]
@@ -342,8 +362,15 @@ fn the_one_launch_router_equals_the_two_launch_router_bit_for_bit() {
             let h: Vec<bf16> = (0..n * d).map(|_| bf16::from_f32(rng.gen_range(-2.0f32..2.0))).collect();
             let one = route(&gpu, &h, &w, &bias, k, false);
             let two = route(&gpu, &h, &w, &bias, k, true);
-            assert_eq!(one, two, "{experts} experts, top {k}, {n} tokens: the two router forms disagree");
-            assert!(one.0.chunks(k).all(|t| t.windows(2).all(|p| p[0] < p[1])), "experts ascending per token");
+            let what = format!("{experts} experts, top {k}, {n} tokens");
+            assert_eq!(one.outputs, two.outputs, "{what}: the two router forms disagree");
+            assert!(one.outputs.0.chunks(k).all(|t| t.windows(2).all(|p| p[0] < p[1])), "experts ascending per token");
+            // A step of one token takes its grouping from the router (no moe_group launch): moe_group's layout.
+            assert_eq!(one.grouping.is_some(), n == 1, "{what}: the one-launch router's grouping");
+            assert_eq!(two.grouping.is_some(), n == 1, "{what}: the two-launch router's grouping");
+            for grouping in [&one.grouping, &two.grouping].into_iter().flatten() {
+                assert_grouping(grouping, &one.outputs.0, n, k, experts, &what);
+            }
         }
     }
 }
@@ -392,15 +419,8 @@ fn grouping_matches_the_host_with_the_choices_staged_in_shared_memory_and_read_f
         let group = gpu.zeros::<i32>(moe_group_len(experts)).unwrap();
         let pairs = gpu.zeros::<i32>(n * k).unwrap();
         gpu.moe_group(gpu.ptr(&idx_d), n, k, experts, gpu.ptr(&group), gpu.ptr(&pairs)).unwrap();
-        let (want_group, want_pairs) = host_grouping(&idx, n, k, experts);
-        let active = want_group[0] as usize;
-        let got_group = gpu.download(&group, moe_group_len(experts)).unwrap();
-        // Entries past the active experts are not part of the layout.
-        assert_eq!(got_group[0], want_group[0], "{n} tokens: active experts");
-        assert_eq!(got_group[1..1 + active], want_group[1..1 + active], "{n} tokens: active experts' ids");
-        let bounds = 1 + experts..2 + experts + active;
-        assert_eq!(got_group[bounds.clone()], want_group[bounds], "{n} tokens: pair bounds");
-        assert_eq!(gpu.download(&pairs, n * k).unwrap(), want_pairs, "{n} tokens: pairs");
+        let got = (gpu.download(&group, moe_group_len(experts)).unwrap(), gpu.download(&pairs, n * k).unwrap());
+        assert_grouping(&got, &idx, n, k, experts, &format!("{n} tokens"));
     }
 }
 

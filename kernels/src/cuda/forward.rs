@@ -745,8 +745,13 @@ impl DeviceModel {
         let idx = gpu.uninit::<i32>(n * k)?; // [n, k], written in full by the router
         let wts = gpu.uninit::<f32>(n * k)?;
         let margin = gpu.uninit::<f32>(n)?;
+        // The pairs grouped by expert, so each expert's weights are read once for its tokens: written by the router
+        // for a step of one token, else by moe_group. The grouping and expert buffers are written in full by their
+        // kernels (no memsets).
+        let group = gpu.uninit::<i32>(moe_group_len(e))?;
+        let pairs = gpu.uninit::<i32>(n * k)?; // [n k], grouped by expert
         gpu.mark("moe.route")?;
-        gpu.moe_route(&RouteArgs {
+        let grouped = gpu.moe_route(&RouteArgs {
             h: hn,
             w: gpu.ptr(&w.router.w),
             bias: gpu.ptr(&w.bias),
@@ -759,6 +764,7 @@ impl DeviceModel {
             k,
             renormalize: c.renormalize,
             scale: c.routed_scaling_factor,
+            grouping: Some((gpu.ptr(&group), gpu.ptr(&pairs))),
         })?;
         if let Some(trace) = trace {
             let (ix, wt, mg) = (gpu.download(&idx, n * k)?, gpu.download(&wts, n * k)?, gpu.download(&margin, n)?);
@@ -772,11 +778,9 @@ impl DeviceModel {
                     .collect(),
             );
         }
-        // Group the pairs by expert on the device, so each expert's weights are read once for its tokens. The
-        // grouping and expert buffers are written in full by their kernels (no memsets).
-        let group = gpu.uninit::<i32>(moe_group_len(e))?;
-        let pairs = gpu.uninit::<i32>(n * k)?; // [n k], grouped by expert
-        gpu.moe_group(gpu.ptr(&idx), n, k, e, gpu.ptr(&group), gpu.ptr(&pairs))?;
+        if !grouped {
+            gpu.moe_group(gpu.ptr(&idx), n, k, e, gpu.ptr(&group), gpu.ptr(&pairs))?;
+        }
         let grouping = (gpu.ptr(&group), gpu.ptr(&pairs));
         gpu.wait_side_mark()?; // z
         let act = gpu.uninit::<bf16>(n * k * inter)?; // [n k, inter]

@@ -10,12 +10,14 @@
 use cudarc::driver::LaunchConfig;
 
 use crate::cuda::device::device_err;
-use crate::cuda::ops::{launch_err, no_clusters, row_cluster_launch, DPtr, Gpu, Kernels, RowSplit, ROW_CLUSTER};
+use crate::cuda::ops::{launch_err, no_clusters, row_cluster_launch, DPtr, Gpu, Kernels, RowSplit, NULL, ROW_CLUSTER};
 use crate::error::{KernelError, Result};
 
 /// The router of a MoE layer over `n` tokens ([`Gpu::moe_route`]): `h` `[n, d]` bf16, `w` `[experts, d]` bf16,
 /// `bias` `[experts]` f32; out: `idx` `[n, k]` chosen experts ascending, `wts` `[n, k]` f32 weights (renormalised
-/// when asked, times `scale`), `margin` `[n]` f32 (the k-th choice over the next).
+/// when asked, times `scale`), `margin` `[n]` f32 (the k-th choice over the next). `grouping`: where
+/// [`Gpu::moe_group`] would write the pairs grouped by expert (`group`, `pairs`), for the router to write them
+/// itself when the step has one token.
 #[derive(Clone, Copy, Debug)]
 pub struct RouteArgs {
     pub h: DPtr,
@@ -30,17 +32,24 @@ pub struct RouteArgs {
     pub k: usize,
     pub renormalize: bool,
     pub scale: f32,
+    pub grouping: Option<(DPtr, DPtr)>,
 }
+
+/// The most experts per token whose grouping the router writes itself (one lane of its selecting warp each).
+const ROUTER_GROUPS_MAX_K: usize = 32;
 
 impl Gpu {
     /// The router of `r.n` tokens: `idx`, `wts` `[n, k]`, `margin` `[n]`. Up to `FUSED_ROUTER_EXPERTS` (128) experts on
     /// Hopper and later, one launch (`moe_router`: a cluster of blocks per token computes its logits, then selects);
     /// otherwise two: the fp32 logits `[n, experts]` (one warp per token and expert), then the per-token
-    /// selection. Both give the same outputs bit for bit.
-    pub fn moe_route(&self, r: &RouteArgs) -> Result<()> {
+    /// selection. Both give the same outputs bit for bit. Returns whether it also wrote `r.grouping` (what
+    /// [`Gpu::moe_group`] writes): it does for a step of one token with at most 32 experts per token, which then
+    /// needs no grouping launch.
+    pub fn moe_route(&self, r: &RouteArgs) -> Result<bool> {
         let Some(router) = self.k.moe_router.as_ref().filter(|_| r.experts <= FUSED_ROUTER_EXPERTS) else {
             return self.moe_route_in_two_launches(r);
         };
+        let (group, pairs, grouped) = router_grouping(r);
         let cfg = LaunchConfig {
             grid_dim: (ROUTER_CLUSTER, r.n as u32, 1),
             block_dim: (256, 1, 1),
@@ -49,12 +58,14 @@ impl Gpu {
         let (d, e, k, rn) = (r.d as i32, r.experts as i32, r.k as i32, r.renormalize as i32);
         let mut b = self.launcher(router);
         b.arg(&r.h).arg(&r.w).arg(&r.bias).arg(&r.idx).arg(&r.wts).arg(&r.margin).arg(&d).arg(&e).arg(&k).arg(&rn);
-        b.arg(&r.scale);
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_router"))
+        b.arg(&r.scale).arg(&group).arg(&pairs);
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_router"))?;
+        Ok(grouped)
     }
 
     /// [`Gpu::moe_route`] in its two-launch form whatever the expert count (the form K3's 896 experts take).
-    pub fn moe_route_in_two_launches(&self, r: &RouteArgs) -> Result<()> {
+    pub fn moe_route_in_two_launches(&self, r: &RouteArgs) -> Result<bool> {
+        let (group, pairs, grouped) = router_grouping(r);
         let logits = self.uninit::<f32>(r.n * r.experts)?; // [n, E], written in full by moe_router_logits
         let logits_ptr = self.ptr(&logits);
         let cfg = LaunchConfig {
@@ -73,7 +84,9 @@ impl Gpu {
         };
         let mut b = self.launcher(&self.k.moe_route);
         b.arg(&logits_ptr).arg(&r.bias).arg(&r.idx).arg(&r.wts).arg(&r.margin).arg(&e).arg(&k).arg(&rn).arg(&r.scale);
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_route"))
+        b.arg(&group).arg(&pairs);
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_route"))?;
+        Ok(grouped)
     }
 
     /// Groups the routed (token, slot) pairs by expert on the device (no host synchronisation): `group`
@@ -216,6 +229,14 @@ impl Gpu {
         let mut b = self.launcher(kernel);
         b.arg(&y).arg(&wts).arg(&norm_w).arg(&out).arg(&k).arg(&dl).arg(&eps);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_combine_norm"))
+    }
+}
+
+/// The grouping pointers the router kernels take (null: `moe_group` groups), and whether they are set.
+fn router_grouping(r: &RouteArgs) -> (DPtr, DPtr, bool) {
+    match r.grouping {
+        Some((group, pairs)) if r.n == 1 && r.k <= ROUTER_GROUPS_MAX_K => (group, pairs, true),
+        _ => (NULL, NULL, false),
     }
 }
 
