@@ -634,21 +634,29 @@ impl DeviceModel {
             };
             pending = Some(f);
         }
-        if let Some(f) = pending.take() {
-            gpu.add(res_at(sealed), gpu.ptr(&f), n * d)?;
-        }
-
-        // The final read, norm and lm_head at the wanted positions only.
+        // The final read, norm and lm_head at the wanted positions only (the residual is read by nothing else, so a
+        // step that wants no logits leaves the last output unadded).
         gpu.mark(SPAN_HEAD)?;
         let (wanted, nw) = tables.wanted();
         if nw > 0 {
-            let packed = gpu.uninit::<bf16>((sealed + 1) * nw * d)?; // [slots, nw, d], written by the gather
-            gpu.gather_rows(gpu.ptr(&res), slot, wanted, nw, gpu.ptr(&packed), nw * d, sealed + 1, d)?;
             let hwn = gpu.uninit::<bf16>(nw * d)?; // [nw, d], written by the read + norm
             let norm = (gpu.ptr(&self.weights.norm.w), self.weights.norm.eps);
             let out_res = gpu.ptr(&self.weights.out_res);
             let hwn_at = gpu.ptr(&hwn);
-            gpu.attn_res_norm(gpu.ptr(&packed), nw * d, sealed + 1, out_res, NULL, norm, hwn_at, NULL, nw, d, eps)?;
+            let last = pending.take();
+            if nw == n {
+                // Every position (the wanted positions ascend, so they are all of them): the read runs on the
+                // residual slots in place and adds the last output as it reads, as the layers' reads do.
+                let add = last.as_ref().map_or(NULL, |f| gpu.ptr(f));
+                gpu.attn_res_norm(gpu.ptr(&res), slot, sealed + 1, out_res, add, norm, hwn_at, NULL, n, d, eps)?;
+            } else {
+                if let Some(f) = last {
+                    gpu.add(res_at(sealed), gpu.ptr(&f), n * d)?;
+                }
+                let packed = gpu.uninit::<bf16>((sealed + 1) * nw * d)?; // [slots, nw, d], written by the gather
+                gpu.gather_rows(gpu.ptr(&res), slot, wanted, nw, gpu.ptr(&packed), nw * d, sealed + 1, d)?;
+                gpu.attn_res_norm(gpu.ptr(&packed), nw * d, sealed + 1, out_res, NULL, norm, hwn_at, NULL, nw, d, eps)?;
+            }
             gpu.mark("head.lm_head")?;
             let lm = &self.weights.lm_head;
             gpu.linear(gpu.ptr(&lm.w), lm.out_dim, lm.in_dim, gpu.ptr(&hwn), nw, logits)?;
