@@ -216,7 +216,8 @@ extern "C" __global__ void __cluster_dims__(ROUTER_CLUSTER, 1, 1) __launch_bound
 #endif
 
 // ---- Grouped routed experts ----------------------------------------------------------------------------------
-// After the router, the (token, slot) pairs are grouped by expert on the device (moe_group), so that the expert
+// After the router, the (token, slot) pairs are grouped by expert on the device (moe_group; a step of one token
+// takes the grouping its router wrote, see route_select), so that the expert
 // kernels read an expert's MXFP4 weights once for all the tokens that chose it (follows the idea of vLLM's
 // moe_align_block_size + fused_moe: sort the pairs by expert, then one weight pass per expert; our own code).
 // Grids are sized from host-known bounds (min(n k, E) active-expert slots); blocks past the active count exit,

@@ -4,6 +4,8 @@
 //! Invariants:
 //! - No host synchronisation: grids are sized from host-known bounds (at most `n k` active experts, at most
 //!   `experts`), and blocks past the active count exit.
+//! - The pairs grouped by expert have one layout whoever writes them: `moe_group`, or for a step of one token the
+//!   router itself (its experts ascending, one pair each), which then saves the grouping launch.
 //! - A token's routing and expert outputs do not depend on the other tokens of the batch, bit for bit (fixed
 //!   summation orders, no float atomics; see `moe.cu`), whichever router form runs.
 
