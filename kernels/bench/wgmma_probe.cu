@@ -17,6 +17,8 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 
+#include "../cuda/prelude.cuh"  // the mbarrier, TMA and descriptor helpers that gemm_tc.cu uses
+
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -167,36 +169,6 @@ template <int NT, int MT, int ST> struct StreamShape {
     static constexpr int SMEM = ST * (W_BYTES + X_BYTES) + 2 * ST * 8 + 1024;
 };
 
-__device__ __forceinline__ unsigned smem_u32(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void bar_init(unsigned long long *bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void bar_arrive(unsigned long long *bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void bar_expect(unsigned long long *bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bar_wait(unsigned long long *bar, unsigned parity) {
-    unsigned done = 0;
-    while (!done)
-        asm volatile("{\n\t.reg .pred q;\n\tmbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2;\n\tselp.u32 %0, 1, 0, q;\n\t}"
-                     : "=r"(done)
-                     : "r"(smem_u32(bar)), "r"(parity)
-                     : "memory");
-}
-// A box of the 2D tensor map at (k, row) into shared memory, counted on `bar`.
-__device__ __forceinline__ void tma_2d(void *dst, const CUtensorMap *map, int k, int row, unsigned long long *bar) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
-                 ::"r"(smem_u32(dst)), "l"(map), "r"(k), "r"(row), "r"(smem_u32(bar))
-                 : "memory");
-}
-// K-major tile of 128-byte swizzled lines (8 lines = 1024 bytes per 8 rows): descriptor of its k16 step at `p`.
-__device__ __forceinline__ unsigned long long desc_sw128(const void *p) {
-    return (unsigned long long)((smem_u32(p) & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
-           (1ull << 62);
-}
-
 template <int NT, int MT, int ST>
 __global__ void __launch_bounds__(160, 1) stream_wgmma(const __grid_constant__ CUtensorMap tw,
                                                       const __grid_constant__ CUtensorMap tx, float *y, int n, int kdim) {
@@ -210,20 +182,20 @@ __global__ void __launch_bounds__(160, 1) stream_wgmma(const __grid_constant__ C
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, chunks = kdim / S_K;
     if (threadIdx.x == 0) {
         for (int s = 0; s < ST; s++) {
-            bar_init(&full[s], 1);
-            bar_init(&empty[s], 4);
+            mbarrier_init(&full[s], 1);
+            mbarrier_init(&empty[s], 4);
         }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        mbarrier_init_fence();
     }
     __syncthreads();
     if (warp == 4) {  // the producer
         if (lane == 0)
             for (int c = 0; c < chunks; c++) {
                 const int s = c % ST;
-                if (c >= ST) bar_wait(&empty[s], (c / ST - 1) & 1);
-                bar_expect(&full[s], S::W_BYTES + S::X_BYTES);
-                tma_2d(ws + s * S::W_BYTES, &tw, c * S_K, blockIdx.x * S::ROWS, &full[s]);
-                tma_2d(xs + s * S::X_BYTES, &tx, c * S_K, 0, &full[s]);
+                if (c >= ST) mbarrier_wait(&empty[s], (c / ST - 1) & 1);
+                mbarrier_expect(&full[s], S::W_BYTES + S::X_BYTES);
+                tma_load_2d(ws + s * S::W_BYTES, &tw, c * S_K, blockIdx.x * S::ROWS, &full[s]);
+                tma_load_2d(xs + s * S::X_BYTES, &tx, c * S_K, 0, &full[s]);
             }
         return;
     }
@@ -232,19 +204,19 @@ __global__ void __launch_bounds__(160, 1) stream_wgmma(const __grid_constant__ C
         for (int i = 0; i < NT / 2; i++) acc[m][i] = 0.0f;
     for (int c = 0; c < chunks; c++) {
         const int s = c % ST;
-        bar_wait(&full[s], (c / ST) & 1);
+        mbarrier_wait(&full[s], (c / ST) & 1);
         asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
         for (int j = 0; j < S_K / 16; j++) {
-            const unsigned long long db = desc_sw128(xs + s * S::X_BYTES + 32 * j);
+            const unsigned long long db = smem_desc_sw128(xs + s * S::X_BYTES + 32 * j);
 #pragma unroll
             for (int m = 0; m < MT; m++)
-                wgmma_n<NT>(acc[m], desc_sw128(ws + s * S::W_BYTES + m * 64 * 128 + 32 * j), db, (c | j) != 0);
+                wgmma_n<NT>(acc[m], smem_desc_sw128(ws + s * S::W_BYTES + m * 64 * 128 + 32 * j), db, (c | j) != 0);
         }
         asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
         __syncwarp();
-        if (lane == 0) bar_arrive(&empty[s]);
+        if (lane == 0) mbarrier_arrive(&empty[s]);
     }
 #pragma unroll
     for (int m = 0; m < MT; m++)

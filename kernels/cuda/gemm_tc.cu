@@ -37,17 +37,6 @@ struct __align__(64) TensorMap {
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// The box of `map` at (column k, row) into shared memory, counted on `bar`.
-__device__ __forceinline__ void tc_load(void *dst, const TensorMap *map, int k, int row, unsigned long long *bar) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
-                 ::"r"(smem_addr(dst)), "l"(map), "r"(k), "r"(row), "r"(smem_addr(bar))
-                 : "memory");
-}
-// Descriptor of a K-major tile of 128-byte swizzled lines (1024 bytes per 8 rows) from its k16 step at `p`.
-__device__ __forceinline__ unsigned long long tc_desc(const void *p) {
-    return (unsigned long long)((smem_addr(p) & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
-           (1ull << 62);
-}
 // d[64, NT] (+)= a[64, 16] . b[NT, 16]^T: one wgmma m64nNTk16, bf16 in, fp32 accumulators (scale_d = 0: d = a . b^T).
 template <int NT>
 __device__ __forceinline__ void wgmma(float (&d)[NT / 2], unsigned long long da, unsigned long long db, int scale_d);
@@ -122,17 +111,17 @@ __device__ void skinny_wgmma(const TensorMap &tw, const TensorMap &tx, __nv_bflo
         if (lane == 0) {
             for (int i = 0; i < min(stages, TC_STAGES); i++) {
                 mbarrier_expect(&full[i], TC_W_BYTES + X_BYTES);
-                tc_load(wstage + i * TC_W_BYTES, &tw, k_first + i * TC_K, row0, &full[i]);
+                tma_load_2d(wstage + i * TC_W_BYTES, &tw, k_first + i * TC_K, row0, &full[i]);
             }
             grid_dependency_wait();
             for (int i = 0; i < min(stages, TC_STAGES); i++)
-                tc_load(xstage + i * X_BYTES, &tx, k_first + i * TC_K, m0, &full[i]);
+                tma_load_2d(xstage + i * X_BYTES, &tx, k_first + i * TC_K, m0, &full[i]);
             for (int i = TC_STAGES; i < stages; i++) {
                 const int s = i % TC_STAGES;
                 mbarrier_wait(&empty[s], (i / TC_STAGES - 1) & 1);
                 mbarrier_expect(&full[s], TC_W_BYTES + X_BYTES);
-                tc_load(wstage + s * TC_W_BYTES, &tw, k_first + i * TC_K, row0, &full[s]);
-                tc_load(xstage + s * X_BYTES, &tx, k_first + i * TC_K, m0, &full[s]);
+                tma_load_2d(wstage + s * TC_W_BYTES, &tw, k_first + i * TC_K, row0, &full[s]);
+                tma_load_2d(xstage + s * X_BYTES, &tx, k_first + i * TC_K, m0, &full[s]);
             }
         } else {
             grid_dependency_wait();
@@ -156,9 +145,9 @@ __device__ void skinny_wgmma(const TensorMap &tw, const TensorMap &tx, __nv_bflo
             asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
             for (int j = 0; j < TC_K / 16; j++) {
-                const unsigned long long db = tc_desc(xstage + st * X_BYTES + 32 * j);
-                wgmma<NT>(part[0], tc_desc(wstage + st * TC_W_BYTES + 32 * j), db, (c | j) != 0);
-                wgmma<NT>(part[1], tc_desc(wstage + st * TC_W_BYTES + 64 * 128 + 32 * j), db, (c | j) != 0);
+                const unsigned long long db = smem_desc_sw128(xstage + st * X_BYTES + 32 * j);
+                wgmma<NT>(part[0], smem_desc_sw128(wstage + st * TC_W_BYTES + 32 * j), db, (c | j) != 0);
+                wgmma<NT>(part[1], smem_desc_sw128(wstage + st * TC_W_BYTES + 64 * 128 + 32 * j), db, (c | j) != 0);
             }
             asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
             asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");

@@ -66,7 +66,9 @@ __device__ float block_sum(float v) {
 // The shared-memory address of `p` (a generic pointer into shared memory), as the shared-state instructions take it.
 __device__ __forceinline__ u32 smem_addr(const void *p) { return (u32)__cvta_generic_to_shared(p); }
 
-#if __CUDA_ARCH__ >= 900
+// Hopper and later; also declared in nvcc's host pass, which parses kernel bodies (kernels/bench/wgmma_probe.cu
+// includes this file; NVRTC always compiles for a device).
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 // mbarriers in shared memory that count the copy engine's transfers (Hopper and later).
 __device__ __forceinline__ void mbarrier_init(unsigned long long *bar, u32 arrivals) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(arrivals) : "memory");
@@ -89,6 +91,20 @@ __device__ __forceinline__ void mbarrier_wait(unsigned long long *bar, u32 parit
             : "=r"(done)
             : "r"(smem_addr(bar)), "r"(parity)
             : "memory");
+}
+
+// The copy engine (TMA): the box of the 2D tensor map `map` (a CUtensorMap) at (column k, row) into shared memory,
+// counted on `bar`.
+__device__ __forceinline__ void tma_load_2d(void *dst, const void *map, int k, int row, unsigned long long *bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+                 ::"r"(smem_addr(dst)), "l"(map), "r"(k), "r"(row), "r"(smem_addr(bar))
+                 : "memory");
+}
+// The warpgroup MMA's descriptor of a K-major tile of 128-byte swizzled lines (1024 bytes per 8 rows) from its k16
+// step at `p` in shared memory.
+__device__ __forceinline__ unsigned long long smem_desc_sw128(const void *p) {
+    return (unsigned long long)((smem_addr(p) & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+           (1ull << 62);
 }
 
 // Thread-block clusters (Hopper and later).

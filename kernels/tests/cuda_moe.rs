@@ -315,7 +315,7 @@ fn route(gpu: &Gpu, h: &[bf16], w: &[bf16], bias: &[f32], k: usize, two_launches
         k,
         renormalize: true,
         scale: 2.5,
-        grouping: Some((gpu.ptr(&group), gpu.ptr(&pairs))),
+        grouping: (gpu.ptr(&group), gpu.ptr(&pairs)),
     };
     let run = if two_launches { Gpu::moe_route_in_two_launches } else { Gpu::moe_route };
     let grouped = run(gpu, &args).unwrap();

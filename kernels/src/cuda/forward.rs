@@ -772,7 +772,7 @@ impl DeviceModel {
             k,
             renormalize: c.renormalize,
             scale: c.routed_scaling_factor,
-            grouping: Some((gpu.ptr(&group), gpu.ptr(&pairs))),
+            grouping: (gpu.ptr(&group), gpu.ptr(&pairs)),
         })?;
         if let Some(trace) = trace {
             let (ix, wt, mg) = (gpu.download(&idx, n * k)?, gpu.download(&wts, n * k)?, gpu.download(&margin, n)?);

@@ -18,8 +18,8 @@ use crate::error::{KernelError, Result};
 /// The router of a MoE layer over `n` tokens ([`Gpu::moe_route`]): `h` `[n, d]` bf16, `w` `[experts, d]` bf16,
 /// `bias` `[experts]` f32; out: `idx` `[n, k]` chosen experts ascending, `wts` `[n, k]` f32 weights (renormalised
 /// when asked, times `scale`), `margin` `[n]` f32 (the k-th choice over the next). `grouping`: where
-/// [`Gpu::moe_group`] would write the pairs grouped by expert (`group`, `pairs`), for the router to write them
-/// itself when the step has one token.
+/// [`Gpu::moe_group`] writes the pairs grouped by expert (`group`, `pairs`), which the router writes itself when
+/// the step has one token.
 #[derive(Clone, Copy, Debug)]
 pub struct RouteArgs {
     pub h: DPtr,
@@ -34,7 +34,7 @@ pub struct RouteArgs {
     pub k: usize,
     pub renormalize: bool,
     pub scale: f32,
-    pub grouping: Option<(DPtr, DPtr)>,
+    pub grouping: (DPtr, DPtr),
 }
 
 /// The most experts per token whose grouping the router writes itself (one lane of its selecting warp each).
@@ -236,9 +236,10 @@ impl Gpu {
 
 /// The grouping pointers the router kernels take (null: `moe_group` groups), and whether they are set.
 fn router_grouping(r: &RouteArgs) -> (DPtr, DPtr, bool) {
-    match r.grouping {
-        Some((group, pairs)) if r.n == 1 && r.k <= ROUTER_GROUPS_MAX_K => (group, pairs, true),
-        _ => (NULL, NULL, false),
+    if r.n == 1 && r.k <= ROUTER_GROUPS_MAX_K {
+        (r.grouping.0, r.grouping.1, true)
+    } else {
+        (NULL, NULL, false)
     }
 }
 

@@ -242,15 +242,13 @@ impl<'a> KernelLaunch<'a> {
             },
         };
         let mut attrs = [serialization, cluster];
-        let count = match (self.dependent, self.cluster_x > 1) {
-            (true, true) => 2,
-            (true, false) => 1,
-            (false, true) => {
-                attrs[0] = cluster;
-                1
+        let mut count = 0;
+        for (wanted, attr) in [(self.dependent, serialization), (self.cluster_x > 1, cluster)] {
+            if wanted {
+                attrs[count] = attr;
+                count += 1;
             }
-            (false, false) => 0,
-        };
+        }
         let config = sys::CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,
             gridDimY: cfg.grid_dim.1,
@@ -261,7 +259,7 @@ impl<'a> KernelLaunch<'a> {
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.stream.cu_stream(),
             attrs: if count == 0 { std::ptr::null_mut() } else { attrs.as_mut_ptr() },
-            numAttrs: count,
+            numAttrs: count as u32,
         };
         // SAFETY: `config` and `attrs` live across the call; the argument addresses are the caller's contract.
         unsafe { sys::cuLaunchKernelEx(&config, self.func.cu_function(), self.args.as_mut_ptr(), std::ptr::null_mut()) }
