@@ -1,13 +1,16 @@
 // wgmma probe: can a Hopper wgmma skinny GEMM keep the decode path's batch invariance? Not part of sparkd; the
-// evidence behind kernels/cuda/gemm_tc.cu (on the H200, 2026-11-30: every answer below "yes", 0 elements with other
+// evidence behind kernels/cuda/gemm_tc.cu (on the H200, 2026-11-30: answers 1-4 "yes", 0 elements with other
 // bits across N and against mma.sync, the control differing in 87% of them; 3.9-4.3 TB/s streamed; BENCHMARKS.md,
-// fourteenth session).
+// fourteenth session). Question 2b was added on 2026-12-01 and has not run on a GPU yet.
 //
 // On random bf16 data of spread magnitudes (so that a different summation order almost always changes the bits):
 //   1. wgmma m64nNk16 chains (N = 8, 16, 32, 64 tokens; 8 k16 steps in ascending order): is every output
 //      element bit-identical across N? If not, a wgmma GEMM cannot serve every batch size with one set of bits.
 //   2. The same chain by mma.sync m16n8k16 (the instruction of gemm.cu, k16 steps in the same order, contiguous
 //      k16 slices): bit-identical to wgmma? If so, the two can be mixed across batch sizes.
+//   2b. The same chain by wgmma with A from registers (the form a grouped MXFP4 expert kernel needs: weights
+//      dequantised into registers in mma.sync's A fragment layout, tokens in shared memory), N = 8 to 64:
+//      bit-identical to the shared-memory form? If so, such a kernel keeps the mma.sync expert kernels' bits.
 //   3. Against a double-precision host reference (the shared-memory layouts and fragment maps are right), and a
 //      plain float sum in k order (a control: it should differ in many elements).
 //   4. What a plain wgmma GEMM streams at 8, 32 and 64 tokens on the k3-mini shapes (gemm.cu's t8 reaches 2.25 TB/s
@@ -113,6 +116,67 @@ __device__ __forceinline__ unsigned pack(const __nv_bfloat16 *p) {
     return (unsigned)__bfloat16_as_ushort(p[0]) | ((unsigned)__bfloat16_as_ushort(p[1]) << 16);
 }
 
+// wgmma m64nNk16 with A from registers: a[] is the warp's mma.sync m16n8k16 A fragment of its 16 rows.
+__device__ __forceinline__ void wgmma_rs_n16(float (&d)[8], const unsigned (&a)[4], unsigned long long db, int scale_d) {
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %13, 0;\n\t"
+                 "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n\t}"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+__device__ __forceinline__ void wgmma_rs_n8(float (&d)[4], const unsigned (&a)[4], unsigned long long db, int scale_d) {
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %9, 0;\n\t"
+                 "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n\t}"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+__device__ __forceinline__ void wgmma_rs_n32(float (&d)[16], const unsigned (&a)[4], unsigned long long db, int scale_d) {
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %21, 0;\n\t"
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n\t}"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+__device__ __forceinline__ void wgmma_rs_n64(float (&d)[32], const unsigned (&a)[4], unsigned long long db, int scale_d) {
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %37, 0;\n\t"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n\t}"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+template <int N> __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long db, int s);
+template <> __device__ __forceinline__ void wgmma_rs<8>(float (&d)[4], const unsigned (&a)[4], unsigned long long db, int s) { wgmma_rs_n8(d, a, db, s); }
+template <> __device__ __forceinline__ void wgmma_rs<16>(float (&d)[8], const unsigned (&a)[4], unsigned long long db, int s) { wgmma_rs_n16(d, a, db, s); }
+template <> __device__ __forceinline__ void wgmma_rs<32>(float (&d)[16], const unsigned (&a)[4], unsigned long long db, int s) { wgmma_rs_n32(d, a, db, s); }
+template <> __device__ __forceinline__ void wgmma_rs<64>(float (&d)[32], const unsigned (&a)[4], unsigned long long db, int s) { wgmma_rs_n64(d, a, db, s); }
+
+// probe_wgmma with A from registers: warp w passes rows 16 w .. 16 w + 15 of each k16 step as mma.sync's A fragment
+// (probe_mma's a0..a3), the tokens from shared memory as before.
+template <int N>
+__global__ void __launch_bounds__(128) probe_wgmma_rs(const __nv_bfloat16 *a, const __nv_bfloat16 *b, float *d) {
+    __shared__ __align__(128) unsigned char sb[TOKENS * K * 2];
+    for (int i = threadIdx.x; i < N * K; i += 128)
+        *reinterpret_cast<__nv_bfloat16 *>(sb + core_offset(i / K, i % K)) = b[i];
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+    const int w = threadIdx.x / 32, l = threadIdx.x % 32, g = l / 4, t = l % 4;
+    unsigned frag[K / 16][4];
+#pragma unroll
+    for (int s = 0; s < K / 16; s++) {
+        const __nv_bfloat16 *r0 = a + (16 * w + g) * K + 16 * s, *r1 = r0 + 8 * K;
+        frag[s][0] = pack(r0 + 2 * t), frag[s][1] = pack(r1 + 2 * t), frag[s][2] = pack(r0 + 2 * t + 8);
+        frag[s][3] = pack(r1 + 2 * t + 8);
+    }
+    float acc[N / 2];
+    for (int i = 0; i < N / 2; i++) acc[i] = 0.0f;
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+    for (int s = 0; s < K / 16; s++) wgmma_rs<N>(acc, frag[s], descriptor(sb + s * 256, 128, K / 8 * 128), s > 0);
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    for (int i = 0; i < N / 2; i++) {
+        const int row = 16 * w + l / 4 + 8 * ((i % 4) / 2), tok = 8 * (i / 4) + 2 * (l % 4) + i % 2;
+        d[row * N + tok] = acc[i];
+    }
+}
+
 // The same product by mma.sync m16n8k16 (gemm.cu's instruction) with contiguous k16 slices in ascending order:
 // warp w owns rows 16 w .. 16 w + 15, every 8-token tile of the 64.
 __global__ void __launch_bounds__(128) probe_mma(const __nv_bfloat16 *a, const __nv_bfloat16 *b, float *d) {
@@ -148,8 +212,12 @@ static __nv_bfloat16 spread_value() {
 }
 
 template <int N>
-static int run_wgmma(const __nv_bfloat16 *da, const __nv_bfloat16 *db, float *dd, std::vector<float> &out) {
-    probe_wgmma<N><<<1, 128>>>(da, db, dd);
+static int run_wgmma(const __nv_bfloat16 *da, const __nv_bfloat16 *db, float *dd, std::vector<float> &out,
+                     bool a_in_registers = false) {
+    if (a_in_registers)
+        probe_wgmma_rs<N><<<1, 128>>>(da, db, dd);
+    else
+        probe_wgmma<N><<<1, 128>>>(da, db, dd);
     CHECK(cudaGetLastError());
     CHECK(cudaDeviceSynchronize());
     out.resize(ROWS * N);
@@ -335,16 +403,17 @@ int main() {
     CHECK(cudaMalloc(&da, sizeof(__nv_bfloat16) * ROWS * K));
     CHECK(cudaMalloc(&db, sizeof(__nv_bfloat16) * TOKENS * K));
     CHECK(cudaMalloc(&dd, sizeof(float) * ROWS * TOKENS));
-    long elements = 0, across_n = 0, mma_vs_wgmma = 0, control = 0;
+    long elements = 0, across_n = 0, mma_vs_wgmma = 0, registers_vs_shared = 0, control = 0;
     double worst_ref = 0.0;
     for (int trial = 0; trial < trials; trial++) {
         for (auto &x : a) x = spread_value();
         for (auto &x : b) x = spread_value();
         CHECK(cudaMemcpy(da, a.data(), sizeof(__nv_bfloat16) * a.size(), cudaMemcpyHostToDevice));
         CHECK(cudaMemcpy(db, b.data(), sizeof(__nv_bfloat16) * b.size(), cudaMemcpyHostToDevice));
-        std::vector<float> w8, w16, w32, w64, m(ROWS * TOKENS);
+        std::vector<float> w8, w16, w32, w64, r8, r16, r32, r64, m(ROWS * TOKENS);
         if (run_wgmma<8>(da, db, dd, w8) || run_wgmma<16>(da, db, dd, w16) || run_wgmma<32>(da, db, dd, w32) ||
-            run_wgmma<64>(da, db, dd, w64))
+            run_wgmma<64>(da, db, dd, w64) || run_wgmma<8>(da, db, dd, r8, true) || run_wgmma<16>(da, db, dd, r16, true) ||
+            run_wgmma<32>(da, db, dd, r32, true) || run_wgmma<64>(da, db, dd, r64, true))
             return 2;
         probe_mma<<<1, 128>>>(da, db, dd);
         CHECK(cudaGetLastError());
@@ -358,6 +427,9 @@ int main() {
                     (c < 32 && !same_bits(w32[r * 32 + c], v)))
                     across_n++;
                 if (!same_bits(m[r * TOKENS + c], v)) mma_vs_wgmma++;
+                if (!same_bits(r64[r * TOKENS + c], v) || (c < 8 && !same_bits(r8[r * 8 + c], v)) ||
+                    (c < 16 && !same_bits(r16[r * 16 + c], v)) || (c < 32 && !same_bits(r32[r * 32 + c], v)))
+                    registers_vs_shared++;
                 double exact = 0.0, scale = 0.0;
                 float plain = 0.0f;
                 for (int k = 0; k < K; k++) {
@@ -373,6 +445,8 @@ int main() {
     printf("wgmma probe: %d trials, %ld output elements (64 rows x 64 tokens, K = %d)\n", trials, elements, K);
     printf("  wgmma n8/n16/n32 against n64, elements with other bits: %ld\n", across_n);
     printf("  mma.sync m16n8k16 against wgmma n64, elements with other bits: %ld\n", mma_vs_wgmma);
+    printf("  wgmma n8/n16/n32/n64 with A from registers against wgmma n64, elements with other bits: %ld\n",
+           registers_vs_shared);
     printf("  control: a float sum in k order against wgmma n64, elements with other bits: %ld\n", control);
     printf("  worst error against the double reference, relative to sum |a b|: %.3e\n", worst_ref);
     const bool layouts_right = worst_ref < 1e-3; // a wrong layout or fragment map errs by O(1)
