@@ -34,11 +34,12 @@ TESTS=${TESTS:-cuda_moe cuda_runner}
 dir() { echo "${1%%@*}"; }
 # The entry's settings, space-separated for env(1) (none for a plain directory).
 settings() { case "$1" in *@*) echo "${1#*@}" | tr ',' ' ' ;; esac; }
-name() { # the directory's name, then _VALUE per setting
+name() { # the directory's name, then _VALUE per setting, with any character but [A-Za-z0-9._-] as _ (the device
+  # tool brings back only files with plain names)
   local n s
   n=$(basename "$(dir "$1")")
   for s in $(settings "$1"); do n="${n}_${s#*=}"; done
-  echo "$n"
+  echo "$n" | tr -c 'A-Za-z0-9._\n-' '_'
 }
 # shellcheck disable=SC2046 # one word per build directory
 . "$(dirname "$0")/device_env.sh" $(for b in $BUILDS; do dir "$b"; done)
