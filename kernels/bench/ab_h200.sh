@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Interleaved A/B of several builds in one device call (under 600 s), writing under $OUT:
 #   log.txt              every command's output, in order
-#   bench_<name>_<r>.json  sparkd bench --batch $BATCHES ... for build <name>, round <r> (rounds interleave builds)
+#   runs.tar.gz          bench_<name>_<r>.json: sparkd bench --batch $BATCHES ... for build <name>, round <r> (rounds
+#                        interleave builds), and validate_<name>.json per validated build: one archive, because the
+#                        device tool brings back at most 8 files and log.txt must be among them
 #   ncu.txt              per-kernel ncu durations (only with NCU_KERNELS set)
 # Builds are directories carried to the device, each holding what a step needs: sparkd (bench, validate), the GPU
 # test binaries named in TESTS, and optionally kc/ (CUBINs filled by the cuda_compile test). The first build is the
@@ -114,3 +116,4 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "bench_*.json"))):
         cells.append(f"b{r['batch']} {r['step_ms_median']:.3f} ({100 * r['floor_fraction']:.1f}%){extra}")
     print(os.path.basename(f), " | ".join(cells))
 PY
+(cd "$OUT" && tar czf runs.tar.gz bench_*.json validate_*.json 2>/dev/null; rm -f bench_*.json validate_*.json)
