@@ -16,7 +16,9 @@
 #   PROMPT_LEN         prompt tokens of every row before the timed steps (default 64; 4096 times long-context decode)
 #   TESTS              GPU test binaries run on every non-baseline build (default: cuda_moe cuda_runner)
 #   MOE_BANDWIDTH=1    also `cuda_moe --ignored routed_expert_bandwidth` for every build, ROUNDS times, interleaved
-#   NCU_KERNELS=regex  also ncu per-kernel durations of a --batch $NCU_BATCH bench (default 64) for every build
+#   NCU_KERNELS=regex  also ncu per-kernel durations of a --batch $NCU_BATCH bench (default 64) for every build;
+#                      NCU_METRICS (comma-separated, default gpu__time_duration.sum) names other metrics, e.g.
+#                      l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum
 #   CHECKPOINT=DIR     bench k3-mini from a synthetic checkpoint in DIR (`sparkd bench --model`, the same weights),
 #                      written once by the first build's `sparkd synth` unless DIR holds its index (synth writes it
 #                      last): each bench and ncu run then loads the weights instead of generating them. Every build's
@@ -97,7 +99,7 @@ if [ -n "${NCU_KERNELS:-}" ]; then
     echo "=== ncu $(name "$b")" >>"$OUT/ncu.txt"
     # shellcheck disable=SC2046 # one word per setting
     timeout 100 env $(settings "$b") "$NCU" --clock-control none --kernel-name "regex:$NCU_KERNELS" \
-      --metrics gpu__time_duration.sum --print-summary per-kernel "$(dir "$b")/sparkd" bench --device cuda \
+      --metrics "${NCU_METRICS:-gpu__time_duration.sum}" --print-summary per-kernel "$(dir "$b")/sparkd" bench --device cuda \
       "${WEIGHTS[@]}" --batch "${NCU_BATCH:-64}" --steps 2 --prompt-len "$PROMPT_LEN" --max-verify 0 --no-forced 2>&1 |
       grep -v "^==PROF==" >>"$OUT/ncu.txt"
   done
