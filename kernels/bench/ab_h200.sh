@@ -4,7 +4,7 @@
 #   runs.tar.gz          bench_<name>_<r>.json: sparkd bench --batch $BATCHES ... for build <name>, round <r> (rounds
 #                        interleave builds), and validate_<name>.json per validated build: one archive, because the
 #                        device tool brings back at most 8 files and log.txt must be among them
-#   ncu.txt              per-kernel ncu durations (only with NCU_KERNELS set)
+#   ncu.txt              per-kernel ncu durations, or NCU_METRICS (only with NCU_KERNELS set)
 # Builds are directories carried to the device, each holding what a step needs: sparkd (bench, validate), the GPU
 # test binaries named in TESTS, and optionally kc/ (CUBINs filled by the cuda_compile test). The first build is the
 # baseline; every later one is validated first (sparkd validate and the TESTS binaries). A build may be named with
