@@ -116,6 +116,12 @@ __device__ __forceinline__ unsigned pack(const __nv_bfloat16 *p) {
     return (unsigned)__bfloat16_as_ushort(p[0]) | ((unsigned)__bfloat16_as_ushort(p[1]) << 16);
 }
 
+// mma.sync m16n8k16's A fragment of thread (g, t) of warp w: rows 16 w + g and + 8 of a [64, K], k16 step s.
+__device__ __forceinline__ void a_fragment(const __nv_bfloat16 *a, int w, int g, int t, int s, unsigned (&f)[4]) {
+    const __nv_bfloat16 *r0 = a + (16 * w + g) * K + 16 * s, *r1 = r0 + 8 * K;
+    f[0] = pack(r0 + 2 * t), f[1] = pack(r1 + 2 * t), f[2] = pack(r0 + 2 * t + 8), f[3] = pack(r1 + 2 * t + 8);
+}
+
 // wgmma m64nNk16 with A from registers: a[] is the warp's mma.sync m16n8k16 A fragment of its 16 rows.
 __device__ __forceinline__ void wgmma_rs_n16(float (&d)[8], const unsigned (&a)[4], unsigned long long db, int scale_d) {
     asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %13, 0;\n\t"
@@ -148,7 +154,7 @@ template <> __device__ __forceinline__ void wgmma_rs<32>(float (&d)[16], const u
 template <> __device__ __forceinline__ void wgmma_rs<64>(float (&d)[32], const unsigned (&a)[4], unsigned long long db, int s) { wgmma_rs_n64(d, a, db, s); }
 
 // probe_wgmma with A from registers: warp w passes rows 16 w .. 16 w + 15 of each k16 step as mma.sync's A fragment
-// (probe_mma's a0..a3), the tokens from shared memory as before.
+// (a_fragment, as probe_mma), the tokens from shared memory as before.
 template <int N>
 __global__ void __launch_bounds__(128) probe_wgmma_rs(const __nv_bfloat16 *a, const __nv_bfloat16 *b, float *d) {
     __shared__ __align__(128) unsigned char sb[TOKENS * K * 2];
@@ -159,11 +165,7 @@ __global__ void __launch_bounds__(128) probe_wgmma_rs(const __nv_bfloat16 *a, co
     const int w = threadIdx.x / 32, l = threadIdx.x % 32, g = l / 4, t = l % 4;
     unsigned frag[K / 16][4];
 #pragma unroll
-    for (int s = 0; s < K / 16; s++) {
-        const __nv_bfloat16 *r0 = a + (16 * w + g) * K + 16 * s, *r1 = r0 + 8 * K;
-        frag[s][0] = pack(r0 + 2 * t), frag[s][1] = pack(r1 + 2 * t), frag[s][2] = pack(r0 + 2 * t + 8);
-        frag[s][3] = pack(r1 + 2 * t + 8);
-    }
+    for (int s = 0; s < K / 16; s++) a_fragment(a, w, g, t, s, frag[s]);
     float acc[N / 2];
     for (int i = 0; i < N / 2; i++) acc[i] = 0.0f;
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -184,13 +186,14 @@ __global__ void __launch_bounds__(128) probe_mma(const __nv_bfloat16 *a, const _
     for (int j = 0; j < TOKENS / 8; j++) {
         float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         for (int s = 0; s < K / 16; s++) {
-            const __nv_bfloat16 *r0 = a + (16 * w + g) * K + 16 * s, *r1 = r0 + 8 * K, *tk = b + (8 * j + g) * K + 16 * s;
-            unsigned a0 = pack(r0 + 2 * t), a1 = pack(r1 + 2 * t), a2 = pack(r0 + 2 * t + 8), a3 = pack(r1 + 2 * t + 8);
+            const __nv_bfloat16 *tk = b + (8 * j + g) * K + 16 * s;
+            unsigned f[4];
+            a_fragment(a, w, g, t, s, f);
             unsigned b0 = pack(tk + 2 * t), b1 = pack(tk + 2 * t + 8);
             asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
                          "{%0, %1, %2, %3};"
                          : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+                         : "r"(f[0]), "r"(f[1]), "r"(f[2]), "r"(f[3]), "r"(b0), "r"(b1));
         }
         for (int e = 0; e < 4; e++) d[(16 * w + g + 8 * (e / 2)) * TOKENS + 8 * j + 2 * t + e % 2] = c[e];
     }
