@@ -27,7 +27,7 @@ use tokio::sync::watch;
 use super::error::ApiError;
 use super::generate::{Generation, GenerationSpec, Progress};
 use super::openai::{self, Prompt, StreamOptions, ValidRequest};
-use super::sse::SseWriter;
+use super::sse::{SseBody, SseWriter};
 use super::wire::{self, Chunk, ChunkChoice, ChunkHeader, ChunkKind, UsageJson};
 use super::{new_id, responses, unix_now, ws, AppState};
 use crate::metrics as m;
@@ -121,7 +121,7 @@ pub fn json_response(status: StatusCode, value: &Value) -> Response<Body> {
 }
 
 /// An SSE response around a channel body.
-pub fn sse_response(body: http_body_util::channel::Channel<Bytes, Infallible>) -> Response<Body> {
+pub fn sse_response(body: SseBody) -> Response<Body> {
     let mut r = Response::new(body.boxed());
     let h = r.headers_mut();
     h.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));

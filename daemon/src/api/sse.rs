@@ -2,14 +2,21 @@
 //!
 //! Invariants:
 //! - The body is a bounded channel (backpressure: a slow client slows its own generation, nobody else's).
+//! - Every frame whose send completed reaches the client, also when the writer is dropped right after it: the
+//!   body ends only once the channel is both closed and empty. (`http_body_util::channel::Channel` does not
+//!   promise that: it polls its frame queue, then its error channel, so a frame sent and a writer dropped
+//!   between the two polls on another thread was lost, and streams ended without `data: [DONE]`.)
 //! - A failed send means the client hung up; the caller then drops its generation, which cancels it.
 //! - Frames are serialized into one reused buffer, then copied once into `Bytes`.
 
 use std::convert::Infallible;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http_body_util::channel::{Channel, Sender};
+use hyper::body::{Body, Frame};
 use serde::Serialize;
+use tokio::sync::mpsc;
 
 /// Frames buffered between the generator and the socket.
 pub const SSE_CHANNEL: usize = 32;
@@ -18,17 +25,36 @@ pub const SSE_CHANNEL: usize = 32;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Disconnected;
 
+/// The reading end of an SSE body: the frames its writer sent, in order, then the end of the stream.
+pub struct SseBody {
+    rx: mpsc::Receiver<Bytes>,
+}
+
+impl Body for SseBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        // `Receiver::poll_recv` yields `None` only when every sender is gone and the queue is drained.
+        self.get_mut().rx.poll_recv(cx).map(|frame| frame.map(|bytes| Ok(Frame::data(bytes))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.rx.is_closed() && self.rx.is_empty()
+    }
+}
+
 /// The writing end of an SSE body.
 pub struct SseWriter {
-    tx: Sender<Bytes, Infallible>,
+    tx: mpsc::Sender<Bytes>,
     buf: Vec<u8>,
 }
 
 impl SseWriter {
     /// A writer and the body to put in the response.
-    pub fn new() -> (SseWriter, Channel<Bytes, Infallible>) {
-        let (tx, body) = Channel::new(SSE_CHANNEL);
-        (SseWriter { tx, buf: Vec::with_capacity(512) }, body)
+    pub fn new() -> (SseWriter, SseBody) {
+        let (tx, rx) = mpsc::channel(SSE_CHANNEL);
+        (SseWriter { tx, buf: Vec::with_capacity(512) }, SseBody { rx })
     }
 
     /// Sends `data: {json}\n\n`.
@@ -65,10 +91,61 @@ impl SseWriter {
 
     /// Sends `data: [DONE]\n\n`.
     pub async fn done(&mut self) -> Result<(), Disconnected> {
-        self.tx.send_data(Bytes::from_static(b"data: [DONE]\n\n")).await.map_err(|_| Disconnected)
+        self.tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await.map_err(|_| Disconnected)
     }
 
     async fn flush(&mut self) -> Result<(), Disconnected> {
-        self.tx.send_data(Bytes::copy_from_slice(&self.buf)).await.map_err(|_| Disconnected)
+        self.tx.send(Bytes::copy_from_slice(&self.buf)).await.map_err(|_| Disconnected)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use http_body_util::BodyExt;
+
+    use super::*;
+
+    async fn read_all(body: SseBody) -> String {
+        let bytes = body.collect().await.expect("an SSE body cannot fail").to_bytes();
+        String::from_utf8(bytes.to_vec()).expect("SSE frames are UTF-8")
+    }
+
+    #[tokio::test]
+    async fn frames_sent_before_the_writer_drops_are_all_read() {
+        let (mut writer, body) = SseWriter::new();
+        writer.data(&serde_json::json!({"n": 1})).await.unwrap();
+        writer.event("response.completed", &serde_json::json!({"n": 2})).await.unwrap();
+        writer.done().await.unwrap();
+        assert!(!body.is_end_stream(), "the queue still holds three frames");
+        drop(writer);
+        assert_eq!(
+            read_all(body).await,
+            "data: {\"n\":1}\n\nevent: response.completed\ndata: {\"n\":2}\n\ndata: [DONE]\n\n"
+        );
+    }
+
+    /// The writer runs on another worker thread, so its last send and its drop race the reader's polls; the
+    /// stream must end with `[DONE]` every time. (The loss this guards against was rare: one chat stream in one
+    /// CI run, under `http_body_util`'s channel body; this loop did not reproduce it on a 2-core machine.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_last_frame_survives_a_writer_dropped_on_another_thread() {
+        for round in 0..1000 {
+            let (mut writer, body) = SseWriter::new();
+            let sender = tokio::spawn(async move {
+                writer.data(&round).await.unwrap();
+                tokio::task::yield_now().await;
+                writer.done().await.unwrap();
+            });
+            let text = read_all(body).await;
+            sender.await.unwrap();
+            assert_eq!(text, format!("data: {round}\n\ndata: [DONE]\n\n"), "round {round}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_dropped_body_reports_the_client_gone() {
+        let (mut writer, body) = SseWriter::new();
+        drop(body);
+        assert_eq!(writer.done().await, Err(Disconnected));
     }
 }
