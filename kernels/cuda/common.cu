@@ -9,6 +9,7 @@
 //   cluster, at decode sizes, so a loop that waited for each load in turn would be bound by memory latency);
 //   the order of every sum is the same as a one-column-at-a-time loop's. Block sums run in block_sum's fixed
 //   order, and a cluster's block sums meet in rank order: a row's result never depends on the batch.
+// - attn_res_norm_cluster differs: its thread owns 8-column chunks of its window, staged in shared memory (see there).
 // Math: shared/reference/k3-architecture.md §2.2 (AttnRes), §2.3 (RMSNorm), §2.7 (SiTU).
 // Compiled after prelude.cuh (compile.rs prepends it: cuda_bf16.h and the shared helpers: u32, i64, ld, bf_round,
 // sigmoidf_, block reductions, dependent launch, clusters, cp.async and the bf16 MMA).
@@ -268,42 +269,196 @@ extern "C" __global__ void attn_res_norm(__nv_bfloat16 *sources, long slot, int 
 }
 
 #if __CUDA_ARCH__ >= 900
-// ---- attn_res_norm over a cluster of blocks per token (Hopper and later) ---------------------------------------
+// ---- attn_res_norm over a cluster of blocks per token, its window staged in shared memory (Hopper and later) ------
 // One block per token leaves the fused read bound by one SM's memory latency at decode sizes (20.7 us per launch
 // at batch 1 on the H200, ncu; 16 launches per k3-mini step). Here the RES_CLUSTER blocks of a token each take one
-// contiguous window of its columns; the per-source sums and the sum of squares of the read are completed through
-// distributed shared memory, each block's partial in rank order. The same math as attn_res_norm, with its sums in
-// another fixed order: the two differ by rounding, and a token's result never depends on the batch.
+// contiguous window of its columns, a multiple of 8 wide. A thread owns 8-column chunks of the window (columns
+// 8 (threadIdx.x + j blockDim.x) on, j < RES_CHUNKS): it copies its chunks of every sealed source into shared memory
+// with cp.async, all in flight at once, adds the addend to its chunks of the live source, and then reads only its own
+// chunks back, for the per-source sums and again for the read, so the launch waits on memory once. The norm weights
+// and the pseudo-query are loaded before the grid dependency wait (weights are never written by a kernel).
+// The per-source sums, the softmax and the sum of squares of the read meet through the block's warps (fixed
+// butterflies, warps in order) and the cluster's blocks (rank order, distributed shared memory). The same math as
+// attn_res_norm with its sums in another fixed order: the two differ by rounding, and a token's result never
+// depends on the batch.
 
 #define RES_CLUSTER 8  // blocks per token (the portable cluster size); Gpu::attn_res_norm's RES_CLUSTER
+#define RES_CHUNKS 2     // 8-column chunks per thread: windows up to 2048 columns (d <= 12288 over 8 blocks)
+#define RES_SUM_BATCH 8  // sources whose per-source sums meet in one pass of butterflies
 
-// grid = (RES_CLUSTER, n), clusters of (RES_CLUSTER, 1, 1), blockDim 128; dynamic shared memory ceil(d /
-// RES_CLUSTER) floats. Arguments as attn_res_norm.
+// Element e of 8 bf16 packed as 4 bf16x2 words, as a float.
+__device__ __forceinline__ float bf16x8_at(uint4 v, int e) {
+    const u32 w = e < 2 ? v.x : e < 4 ? v.y : e < 6 ? v.z : v.w;
+    return __uint_as_float(e % 2 ? w & 0xFFFF0000u : w << 16);
+}
+
+// Packs 8 floats, each rounded to bf16, into 4 bf16x2 words.
+__device__ __forceinline__ uint4 pack_bf16x8(const float (&v)[8]) {
+    u32 h[8];
+#pragma unroll
+    for (int e = 0; e < 8; e++) h[e] = (u32)__bfloat16_as_ushort(__float2bfloat16_rn(v[e]));
+    return make_uint4(h[0] | h[1] << 16, h[2] | h[3] << 16, h[4] | h[5] << 16, h[6] | h[7] << 16);
+}
+
+// The window of each block of a token's cluster: 8-column aligned, RES_CLUSTER of them cover d.
+__device__ __forceinline__ int res_span(int d) { return ((d + RES_CLUSTER - 1) / RES_CLUSTER + 7) / 8 * 8; }
+
+// grid = (RES_CLUSTER, n), clusters of (RES_CLUSTER, 1, 1), blockDim 128; dynamic shared memory nsrc res_span(d)
+// bf16. d and slot must be multiples of 8, so that every window is whole 16-byte chunks. Arguments as attn_res_norm.
 extern "C" __global__ void __cluster_dims__(RES_CLUSTER, 1, 1) __launch_bounds__(128)
     attn_res_norm_cluster(__nv_bfloat16 *sources, long slot, int nsrc, const float *q, const __nv_bfloat16 *addend,
                           const __nv_bfloat16 *norm_w, float norm_eps, __nv_bfloat16 *out, __nv_bfloat16 *read_out,
                           int d, float eps) {
-    kernel_entry();
-    extern __shared__ float read[];  // [window] this block's read, bf16-rounded
-    __shared__ float dot[64], sq[64], score[64], ss_part;
-    const int span = (d + RES_CLUSTER - 1) / RES_CLUSTER, lo = min((int)blockIdx.x * span, d);
-    const int w = min(lo + span, d) - lo;  // this block's columns [lo, lo + w)
+    extern __shared__ __align__(16) unsigned char staged[];  // [nsrc][span] bf16: this block's window of every source
+    __shared__ float warp_dot[64][4], warp_sq[64][4];  // per source and warp
+    __shared__ float dot[64], sq[64], prob[64], ss_part;
+    const int span = res_span(d), lo = min((int)blockIdx.x * span, d);
+    const int w = min(lo + span, d) - lo;       // this block's columns [lo, lo + w)
     const long at = blockIdx.y * (long)d + lo;  // the window's first element in a [n, d] tensor
-    if (addend != nullptr) add_window(sources + (nsrc - 1) * slot + at, addend + at, w);
-    attn_res_sums(sources + at, slot, nsrc, q + lo, w, dot, sq);
-    cluster_sync();  // every block's per-source sums are in its shared memory
-    if (threadIdx.x < nsrc) {
-        float total_sq = cluster_sum<RES_CLUSTER>(sq + threadIdx.x);
-        score[threadIdx.x] = cluster_sum<RES_CLUSTER>(dot + threadIdx.x) * (1.0f / sqrtf(total_sq / (float)d + eps));
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int col[RES_CHUNKS];  // each chunk's first column in the window
+    bool owned[RES_CHUNKS];  // the chunk lies in the window
+    float4 qv[RES_CHUNKS][2];
+    uint4 nw[RES_CHUNKS];
+#pragma unroll
+    for (int j = 0; j < RES_CHUNKS; j++) {
+        col[j] = 8 * (threadIdx.x + j * blockDim.x);
+        owned[j] = col[j] < w;
+        if (!owned[j]) continue;
+        qv[j][0] = *(const float4 *)(q + lo + col[j]);
+        qv[j][1] = *(const float4 *)(q + lo + col[j] + 4);
+        nw[j] = *(const uint4 *)(norm_w + lo + col[j]);
+    }
+    kernel_entry();
+    const u32 base = smem_addr(staged);
+    const int sealed = addend != nullptr ? nsrc - 1 : nsrc;
+    for (int i = 0; i < sealed; i++)
+#pragma unroll
+        for (int j = 0; j < RES_CHUNKS; j++)
+            if (owned[j]) cp_async16_shared(base + 2 * (i * span + col[j]), sources + i * slot + at + col[j], 16u);
+    cp_async_commit();
+    if (addend != nullptr) {
+        __nv_bfloat16 *live = sources + (nsrc - 1) * slot + at;
+#pragma unroll
+        for (int j = 0; j < RES_CHUNKS; j++) {
+            if (!owned[j]) continue;
+            uint4 a = *(const uint4 *)(live + col[j]), b = *(const uint4 *)(addend + at + col[j]);
+            float sum[8];
+#pragma unroll
+            for (int e = 0; e < 8; e++) sum[e] = bf16x8_at(a, e) + bf16x8_at(b, e);
+            uint4 v = pack_bf16x8(sum);
+            *(uint4 *)(live + col[j]) = v;
+            *(uint4 *)(staged + 2 * ((nsrc - 1) * span + col[j])) = v;
+        }
+    }
+    cp_async_wait<0>();  // this thread's chunks are in; no other thread's are read
+    // The per-source sums, RES_SUM_BATCH sources at a time so that their butterflies overlap.
+    for (int i0 = 0; i0 < nsrc; i0 += RES_SUM_BATCH) {
+        float ds[RES_SUM_BATCH], ss[RES_SUM_BATCH];
+#pragma unroll
+        for (int b = 0; b < RES_SUM_BATCH; b++) {
+            ds[b] = 0.0f;
+            ss[b] = 0.0f;
+            if (i0 + b >= nsrc) continue;
+#pragma unroll
+            for (int j = 0; j < RES_CHUNKS; j++) {
+                if (!owned[j]) continue;
+                uint4 x = *(const uint4 *)(staged + 2 * ((i0 + b) * span + col[j]));
+                const float qs[8] = {qv[j][0].x, qv[j][0].y, qv[j][0].z, qv[j][0].w,
+                                     qv[j][1].x, qv[j][1].y, qv[j][1].z, qv[j][1].w};
+#pragma unroll
+                for (int e = 0; e < 8; e++) {
+                    float v = bf16x8_at(x, e);
+                    ds[b] += v * qs[e];
+                    ss[b] += v * v;
+                }
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+            for (int b = 0; b < RES_SUM_BATCH; b++) {
+                ds[b] += __shfl_xor_sync(0xffffffffu, ds[b], o);
+                ss[b] += __shfl_xor_sync(0xffffffffu, ss[b], o);
+            }
+        if (lane == 0)
+#pragma unroll
+            for (int b = 0; b < RES_SUM_BATCH; b++)
+                if (i0 + b < nsrc) {
+                    warp_dot[i0 + b][warp] = ds[b];
+                    warp_sq[i0 + b][warp] = ss[b];
+                }
     }
     __syncthreads();
-    float p[64];
-    attn_res_softmax(score, nsrc, p);
-    float ss = block_sum(read_window(sources + at, slot, nsrc, p, w, read, read_out ? read_out + at : nullptr));
+    const int warps = blockDim.x >> 5;
+    if (threadIdx.x < nsrc) {
+        float ds = 0.0f, ss = 0.0f;
+        for (int v = 0; v < warps; v++) {
+            ds += warp_dot[threadIdx.x][v];
+            ss += warp_sq[threadIdx.x][v];
+        }
+        dot[threadIdx.x] = ds;
+        sq[threadIdx.x] = ss;
+    }
+    cluster_sync();  // every block's per-source sums are in its shared memory
+    if (warp == 0) {
+        // The softmax over the sources in warp 0: lane l takes sources l and l + 32.
+        const float neg_inf = __int_as_float(0xff800000);
+        float score[2], m = neg_inf;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int i = lane + 32 * h;
+            score[h] = neg_inf;
+            if (i < nsrc) {
+                float total_sq = cluster_sum<RES_CLUSTER>(sq + i);
+                score[h] = cluster_sum<RES_CLUSTER>(dot + i) * (1.0f / sqrtf(total_sq / (float)d + eps));
+            }
+            m = fmaxf(m, score[h]);
+        }
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        float e[2], total = 0.0f;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            e[h] = lane + 32 * h < nsrc ? expf(score[h] - m) : 0.0f;
+            total += e[h];
+        }
+        for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+            if (lane + 32 * h < nsrc) prob[lane + 32 * h] = e[h] / total;
+    }
+    __syncthreads();
+    float rd[RES_CHUNKS][8], ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < RES_CHUNKS; j++) {
+#pragma unroll
+        for (int e = 0; e < 8; e++) rd[j][e] = 0.0f;
+        if (!owned[j]) continue;
+#pragma unroll 4
+        for (int i = 0; i < nsrc; i++) {
+            const float p = prob[i];
+            uint4 x = *(const uint4 *)(staged + 2 * (i * span + col[j]));
+#pragma unroll
+            for (int e = 0; e < 8; e++) rd[j][e] += p * bf16x8_at(x, e);
+        }
+        if (read_out != nullptr) *(uint4 *)(read_out + at + col[j]) = pack_bf16x8(rd[j]);
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            rd[j][e] = bf_round(rd[j][e]);
+            ss += rd[j][e] * rd[j][e];
+        }
+    }
+    ss = block_sum(ss);
     if (threadIdx.x == 0) ss_part = ss;
     cluster_sync();  // every block's sum of squares is in its shared memory
-    float r = 1.0f / sqrtf(cluster_sum<RES_CLUSTER>(&ss_part) / (float)d + norm_eps);
-    norm_window(read, norm_w + lo, r, w, out + at);
+    const float r = 1.0f / sqrtf(cluster_sum<RES_CLUSTER>(&ss_part) / (float)d + norm_eps);
+#pragma unroll
+    for (int j = 0; j < RES_CHUNKS; j++) {
+        if (!owned[j]) continue;
+        float o[8];
+#pragma unroll
+        for (int e = 0; e < 8; e++) o[e] = bf16x8_at(nw[j], e) * bf_round(rd[j][e] * r);
+        *(uint4 *)(out + at + col[j]) = pack_bf16x8(o);
+    }
     cluster_sync();  // no block leaves while another may still read its shared memory
 }
 #endif

@@ -61,6 +61,16 @@ pub(crate) const ROW_CLUSTER: u32 = 8;
 /// The narrowest row the cluster forms take: 128 columns (one per thread) for each of the `ROW_CLUSTER` blocks.
 const CLUSTER_MIN_WIDTH: usize = 128 * ROW_CLUSTER as usize;
 
+/// The largest dynamic shared memory of `attn_res_norm_cluster`: 64 sources of a 1536-column window (d = 12288 over
+/// `ROW_CLUSTER` blocks) in bf16.
+const RES_STAGED_MAX_BYTES: usize = 64 * res_span(12_288) * 2;
+
+/// The window of each block of `attn_res_norm_cluster` (`res_span` in `kernels/cuda/common.cu`): a multiple of 8
+/// columns, `ROW_CLUSTER` of them cover `d`.
+const fn res_span(d: usize) -> usize {
+    d.div_ceil(ROW_CLUSTER as usize).div_ceil(8) * 8
+}
+
 /// How a per-token kernel (the fused AttnRes read + norm, the MoE combine + routed norm) spreads one token's row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RowSplit {
@@ -375,6 +385,14 @@ impl Gpu {
         };
         crate::cuda::gemm_ops::allow_skinny_shared_memory(&k)?;
         crate::cuda::moe_ops::allow_expert_shared_memory(&k)?;
+        if let Some(kernel) = &k.attn_res_norm_cluster {
+            kernel
+                .set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    RES_STAGED_MAX_BYTES as i32,
+                )
+                .map_err(|e| device_err("allowing attn_res_norm_cluster its shared memory", e))?;
+        }
         let skinny_slots = crate::cuda::gemm_ops::skinny_slots(sms, &k)?;
         let attn = AttnKernels::load(module("kda.cu")?, module("mla.cu")?, hopper)?;
         keep_pool_memory(&ctx)?;
@@ -699,7 +717,8 @@ impl Gpu {
     /// The residual add, AttnRes read and RMSNorm fused (`attn_res_norm` in common.cu): when `addend`
     /// is not [`NULL`], the live slot (the last of `nsrc`) first becomes `bf(live + addend)`; then
     /// `out = rms_norm(read)`, `[n, d]`, and, when `read_out` is not [`NULL`], `read_out = read` `[n, d]`.
-    /// Each token's row is spread as [`Gpu::row_split`] says.
+    /// Each token's row is spread as [`Gpu::row_split`] says, over one block when the cluster form cannot take
+    /// the row (`d` or `slot` not a multiple of 8).
     #[allow(clippy::too_many_arguments)]
     pub fn attn_res_norm(
         &self,
@@ -715,12 +734,17 @@ impl Gpu {
         d: usize,
         eps: f32,
     ) -> Result<()> {
-        self.attn_res_norm_as(self.row_split(d), sources, slot, nsrc, q, addend, norm, out, read_out, n, d, eps)
+        let split = match self.row_split(d) {
+            RowSplit::Cluster if d % 8 == 0 && slot % 8 == 0 => RowSplit::Cluster,
+            _ => RowSplit::OneBlock,
+        };
+        self.attn_res_norm_as(split, sources, slot, nsrc, q, addend, norm, out, read_out, n, d, eps)
     }
 
     /// [`Gpu::attn_res_norm`] spread as `split` says (for the equivalence checks of both forms). The one-block
     /// form is bit-identical to [`Gpu::add`], [`Gpu::attn_res_read`] and [`Gpu::rms_norm`] in sequence; the
-    /// cluster form sums in another fixed order (the two differ by rounding).
+    /// cluster form sums in another fixed order (the two differ by rounding), and moves the row in 16-byte chunks, so
+    /// it takes `d` and `slot` that are multiples of 8.
     #[allow(clippy::too_many_arguments)]
     pub fn attn_res_norm_as(
         &self,
@@ -744,10 +768,16 @@ impl Gpu {
             return Err(KernelError::InvalidInput(format!("fused AttnRes read + norm of width {d} (at most 12288)")));
         }
         let (kernel, cfg) = match split {
-            RowSplit::Cluster => (
-                self.k.attn_res_norm_cluster.as_ref().ok_or_else(no_clusters)?,
-                row_cluster_launch(n, d.div_ceil(ROW_CLUSTER as usize)),
-            ),
+            RowSplit::Cluster => {
+                if d % 8 != 0 || slot % 8 != 0 {
+                    return Err(KernelError::InvalidInput(format!(
+                        "the cluster form of the AttnRes read + norm moves 16-byte chunks: width {d} and source \
+                         stride {slot} must be multiples of 8"
+                    )));
+                }
+                let staged_floats = nsrc * res_span(d) / 2; // nsrc windows of bf16
+                (self.k.attn_res_norm_cluster.as_ref().ok_or_else(no_clusters)?, row_cluster_launch(n, staged_floats))
+            }
             RowSplit::OneBlock => (
                 &self.k.attn_res_norm,
                 LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: (d * 4) as u32 },
