@@ -306,7 +306,8 @@ extern "C" __global__ void moe_group(const int *idx_global, int n, int k, int E,
 #define COMBINE_BATCH 4  // columns per thread whose loads are in flight together
 
 // The combine over a window of `w` columns of token t (`y` at the window's first column of pair t k; rows D apart):
-// combined[c] = bf(sum_j wt[j] y[t k + j, c]) (shared); returns the thread's part of the sum of combined[c]^2. Each
+// combined[c] = bf(sum_j wt[j] y[t k + j, c]) (shared; `wt`: the token's k weights, read by every thread, so that
+// no barrier waits for them); returns the thread's part of the sum of combined[c]^2. Each
 // thread's columns c0 + u * blockDim.x, COMBINE_BATCH of them per pass with all their loads issued before the sums;
 // every sum runs in the same order as one column at a time.
 __device__ __forceinline__ float combine_window(const __nv_bfloat16 *y, const float *wt, long t, int k, int D, int w,
@@ -339,15 +340,26 @@ __device__ __forceinline__ float combine_window(const __nv_bfloat16 *y, const fl
     return ss;
 }
 
-// out[c] = bf(w[c] * bf(combined[c] * r)) over a window of `width` columns.
+// The thread's norm weights of its first pass of a window of `width` columns (c = threadIdx.x + u blockDim.x), loaded
+// before the kernel's grid dependency wait (weights are never written by a kernel).
+__device__ __forceinline__ void first_norm_weights(const __nv_bfloat16 *w, int width, float (&first)[COMBINE_BATCH]) {
+#pragma unroll
+    for (int u = 0; u < COMBINE_BATCH; u++) {
+        int c = threadIdx.x + u * blockDim.x;
+        first[u] = c < width ? ld(w, c) : 0.0f;
+    }
+}
+
+// out[c] = bf(w[c] * bf(combined[c] * r)) over a window of `width` columns; the first pass's weights are `first`.
 __device__ __forceinline__ void combine_norm_window(const float *combined, const __nv_bfloat16 *w, float r,
-                                                    int width, __nv_bfloat16 *out) {
+                                                    int width, __nv_bfloat16 *out,
+                                                    const float (&first)[COMBINE_BATCH]) {
     for (int c0 = threadIdx.x; c0 < width; c0 += COMBINE_BATCH * blockDim.x) {
         float g[COMBINE_BATCH];
 #pragma unroll
         for (int u = 0; u < COMBINE_BATCH; u++) {
             int c = c0 + u * blockDim.x;
-            g[u] = c < width ? ld(w, c) : 0.0f;
+            g[u] = c0 == (int)threadIdx.x ? first[u] : c < width ? ld(w, c) : 0.0f;
         }
 #pragma unroll
         for (int u = 0; u < COMBINE_BATCH; u++) {
@@ -358,17 +370,16 @@ __device__ __forceinline__ void combine_norm_window(const float *combined, const
 }
 
 // c = bf(sum_j wts[t, j] y[t k + j]); out[t] = bf(w * bf(c * rsqrt(mean(c^2) + eps))).
-// grid = n tokens, blockDim 512; dynamic shared memory D + k floats. y: [n k, D]; wts: [n, k]; out: [n, D].
+// grid = n tokens, blockDim 512; dynamic shared memory D floats. y: [n k, D]; wts: [n, k]; out: [n, D].
 extern "C" __global__ void moe_combine_norm(const __nv_bfloat16 *y, const float *wts, const __nv_bfloat16 *w,
                                             __nv_bfloat16 *out, int k, int D, float eps) {
+    float first[COMBINE_BATCH];
+    first_norm_weights(w, D, first);
     kernel_entry();
     extern __shared__ float combined[];
-    float *wt = combined + D;
     long t = blockIdx.x;
-    for (int j = threadIdx.x; j < k; j += blockDim.x) wt[j] = wts[t * k + j];
-    __syncthreads();
-    float ss = block_sum(combine_window(y, wt, t, k, D, D, combined));
-    combine_norm_window(combined, w, 1.0f / sqrtf(ss / (float)D + eps), D, out + t * D);
+    float ss = block_sum(combine_window(y, wts + t * k, t, k, D, D, combined));
+    combine_norm_window(combined, w, 1.0f / sqrtf(ss / (float)D + eps), D, out + t * D, first);
 }
 
 #if __CUDA_ARCH__ >= 900
@@ -378,24 +389,23 @@ extern "C" __global__ void moe_combine_norm(const __nv_bfloat16 *y, const float 
 #define COMBINE_CLUSTER 8  // Gpu::moe_combine_norm's COMBINE_CLUSTER
 
 // grid = (COMBINE_CLUSTER, n), clusters of (COMBINE_CLUSTER, 1, 1), blockDim 128; dynamic shared memory
-// ceil(D / COMBINE_CLUSTER) + k floats. Arguments as moe_combine_norm.
+// ceil(D / COMBINE_CLUSTER) floats. Arguments as moe_combine_norm.
 extern "C" __global__ void __cluster_dims__(COMBINE_CLUSTER, 1, 1) __launch_bounds__(128)
     moe_combine_norm_cluster(const __nv_bfloat16 *y, const float *wts, const __nv_bfloat16 *w, __nv_bfloat16 *out,
                              int k, int D, float eps) {
+    const int span = (D + COMBINE_CLUSTER - 1) / COMBINE_CLUSTER, lo = min((int)blockIdx.x * span, D);
+    const int width = min(lo + span, D) - lo;  // this block's columns [lo, lo + width)
+    float first[COMBINE_BATCH];
+    first_norm_weights(w + lo, width, first);
     kernel_entry();
     extern __shared__ float combined[];
     __shared__ float ss_part;
-    const int span = (D + COMBINE_CLUSTER - 1) / COMBINE_CLUSTER, lo = min((int)blockIdx.x * span, D);
-    const int width = min(lo + span, D) - lo;  // this block's columns [lo, lo + width)
-    float *wt = combined + span;
     long t = blockIdx.y;
-    for (int j = threadIdx.x; j < k; j += blockDim.x) wt[j] = wts[t * k + j];
-    __syncthreads();
-    float ss = block_sum(combine_window(y + lo, wt, t, k, D, width, combined));
+    float ss = block_sum(combine_window(y + lo, wts + t * k, t, k, D, width, combined));
     if (threadIdx.x == 0) ss_part = ss;
     cluster_sync();  // every block's sum of squares is in its shared memory
     float r = 1.0f / sqrtf(cluster_sum<COMBINE_CLUSTER>(&ss_part) / (float)D + eps);
-    combine_norm_window(combined, w + lo, r, width, out + t * D + lo);
+    combine_norm_window(combined, w + lo, r, width, out + t * D + lo, first);
     cluster_sync();  // no block leaves while another may still read its shared memory
 }
 #endif

@@ -213,14 +213,14 @@ impl Gpu {
         let (kernel, cfg) = match split {
             RowSplit::Cluster => (
                 self.k.moe_combine_norm_cluster.as_ref().ok_or_else(no_clusters)?,
-                row_cluster_launch(n, latent.div_ceil(ROW_CLUSTER as usize) + k),
+                row_cluster_launch(n, latent.div_ceil(ROW_CLUSTER as usize)),
             ),
             RowSplit::OneBlock => (
                 &self.k.moe_combine_norm,
                 LaunchConfig {
                     grid_dim: (n as u32, 1, 1),
                     block_dim: (512, 1, 1),
-                    shared_mem_bytes: ((latent + k) * 4) as u32,
+                    shared_mem_bytes: (latent * 4) as u32,
                 },
             ),
         };
