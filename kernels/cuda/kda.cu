@@ -160,9 +160,11 @@ __device__ __forceinline__ void st_tile(float *S, int r0, int c0, const float s[
 // column's sums over the key rows are each warp's 16 rows in ascending order, then the warps' partials in warp
 // order (a fixed order: batch invariant, bit for bit). Thread j < K runs channel j: conv, gates, l2 norms, the
 // delta-rule error and the gated output norm.
-// The loads are issued in two round trips: the row's table entry, then the state, the conv windows
-// (asynchronous copies to shared memory) and the token's inputs together; the head's weights are read before the
-// wait for the kernel before.
+// The loads are issued in two round trips: the row's table entry, then the state and the conv windows
+// (asynchronous copies to shared memory), and the head's weights, all before the grid dependency wait; after it
+// only the token's inputs, which the kernels just before write. Reading the entry, state and windows early is safe:
+// the table is uploaded before the step's first kernel, and no kernel of the step but this layer's own writes the
+// row's state or windows (they are written back at its end, after the wait).
 template <int K>
 __device__ void kda_step(const i64 *table, KdaArgs A) {
     constexpr int C = K / 32, WARPS = K / 16;
@@ -178,11 +180,13 @@ __device__ void kda_step(const i64 *table, KdaArgs A) {
         for (int i = tid; i < K * kw; i += 2 * K) taps[x][i] = ws[x][(i64)h * K * kw + i];
     const float *const taps_of[3] = {taps[0], taps[1], taps[2]};
     float a_h = A.a[h], dt_c = A.dt_bias[c], norm_j = A.o_norm[j];
-    kernel_entry();
     // The row's whole table entry in one round trip (volatile loads: none is moved past the mode test).
     i64 e[KDA_ENTRY];
     load_entry(table + (i64)blockIdx.y * KDA_ENTRY, e);
-    if (e[E_MODE] != 0) return;
+    if (e[E_MODE] != 0) {
+        kernel_entry();
+        return;
+    }
     i64 offset = e[E_OFFSET];
     int t = (int)e[E_T], from = (int)e[E_FROM];
     float *S = (float *)e[E_S] + (i64)h * K * K;
@@ -199,6 +203,7 @@ __device__ void kda_step(const i64 *table, KdaArgs A) {
         cp_async4(&wins[x][jw][2 * pair], conv[x] + (i64)jw * P + h * K + 2 * pair, true);
     }
     cp_async_commit();
+    kernel_entry();
     TokenIn cur = load_token(A, offset, c, h, P);
     // Snapshot m = 0 (the state before the window) when the window may be cut back to nothing.
     if (snaps && from == 0) st_tile<K, C>(snaps + (i64)h * K * K, r0, c0, s);
