@@ -29,10 +29,10 @@ __device__ __forceinline__ uint4 ld_stream16(const void *p) {
 // every kernel calls grid_dependency_wait() before it writes anything, and before it reads anything but weights and
 // data that it says no kernel of the step writes before it (kda_step: the step table, uploaded before the step,
 // and its own rows' states): the wait returns once the kernel before has finished and its memory is visible (so,
-// in turn, every kernel before that). Every kernel
-// calls it on every path, early exits included, so that its completion implies its predecessors'. Then
-// launch_dependents() lets the next kernel's blocks be scheduled into what this one leaves free; they run only
-// their own weight loads until their wait. Both are no-ops before Hopper and in a launch without the attribute.
+// in turn, every kernel before that). Every kernel calls it on every path, early exits included, so that its
+// completion implies its predecessors'. Then launch_dependents() lets the next kernel's blocks be scheduled into
+// what this one leaves free; they run only their early loads until their wait. Both are no-ops before Hopper and
+// in a launch without the attribute.
 __device__ __forceinline__ void grid_dependency_wait() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

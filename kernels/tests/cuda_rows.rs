@@ -3,8 +3,8 @@
 //! form the device has (one block per token; from Hopper on a cluster of blocks per token): against the CPU
 //! reference's three steps (`cpu::ops::add_rows`, `AttnResQuery::read`, `RmsNorm::forward`), and every token's
 //! outputs bit-identical whatever the batch it runs in. The cluster form refuses a row it cannot move in 16-byte
-//! chunks, which the automatic choice gives to the one-block form. On a machine without a CUDA driver the test says plainly
-//! that it skipped.
+//! chunks, which the automatic choice gives to the one-block form. On a machine without a CUDA driver the test says
+//! plainly that it skipped.
 
 use half::bf16;
 use rand::{Rng, SeedableRng};

@@ -71,6 +71,12 @@ const fn res_span(d: usize) -> usize {
     d.div_ceil(ROW_CLUSTER as usize).div_ceil(8) * 8
 }
 
+/// Whether `attn_res_norm_cluster` can take rows of width `d` whose sources lie `slot` elements apart: it moves
+/// them in 16-byte chunks.
+const fn res_cluster_takes(d: usize, slot: usize) -> bool {
+    d % 8 == 0 && slot % 8 == 0
+}
+
 /// How a per-token kernel (the fused AttnRes read + norm, the MoE combine + routed norm) spreads one token's row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RowSplit {
@@ -735,7 +741,7 @@ impl Gpu {
         eps: f32,
     ) -> Result<()> {
         let split = match self.row_split(d) {
-            RowSplit::Cluster if d % 8 == 0 && slot % 8 == 0 => RowSplit::Cluster,
+            RowSplit::Cluster if res_cluster_takes(d, slot) => RowSplit::Cluster,
             _ => RowSplit::OneBlock,
         };
         self.attn_res_norm_as(split, sources, slot, nsrc, q, addend, norm, out, read_out, n, d, eps)
@@ -769,7 +775,7 @@ impl Gpu {
         }
         let (kernel, cfg) = match split {
             RowSplit::Cluster => {
-                if d % 8 != 0 || slot % 8 != 0 {
+                if !res_cluster_takes(d, slot) {
                     return Err(KernelError::InvalidInput(format!(
                         "the cluster form of the AttnRes read + norm moves 16-byte chunks: width {d} and source \
                          stride {slot} must be multiples of 8"
@@ -882,5 +888,21 @@ impl Gpu {
         let mut b = self.launcher(&self.k.rng_hash3);
         b.arg(&seeds).arg(&positions).arg(&streams).arg(&out).arg(&ni);
         unsafe { b.launch(grid_1d(n, 256)) }.map(|_| self.count_launch()).map_err(launch_err("rng_hash3"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::compile::source_define;
+
+    #[test]
+    fn the_attn_res_cluster_constants_match_common_cu() {
+        // A launch with another cluster size or a window wider than the kernel's threads cover would leave columns
+        // of the row unread.
+        assert_eq!(ROW_CLUSTER, source_define("common.cu", "RES_CLUSTER"));
+        let covered = 8 * 128 * source_define("common.cu", "RES_CHUNKS") as usize; // 8 columns per chunk, 128 threads
+        assert!(res_span(12_288) <= covered, "the widest row's window {} > {covered}", res_span(12_288));
+        assert!(res_cluster_takes(7168, 9 * 7168) && !res_cluster_takes(1004, 1004) && !res_cluster_takes(1000, 1004));
     }
 }
