@@ -42,6 +42,7 @@ pub const SOURCES: &[KernelSource] = &[
     source!("common.cu"),
     source!("kda.cu"),
     source!("mla.cu"),
+    source!("moe_route.cu"),
     source!("moe.cu"),
     source!("sample.cu"),
     source!("gemm.cu"),

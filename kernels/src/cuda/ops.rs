@@ -55,7 +55,7 @@ pub type DPtr = u64;
 pub const NULL: DPtr = 0;
 
 /// Blocks per token of the cluster forms of the per-token kernels (`RES_CLUSTER` in `kernels/cuda/common.cu`,
-/// `COMBINE_CLUSTER` in `kernels/cuda/moe.cu`).
+/// `COMBINE_CLUSTER` in `kernels/cuda/moe_route.cu`).
 pub(crate) const ROW_CLUSTER: u32 = 8;
 
 /// The narrowest row the cluster forms take: 128 columns (one per thread) for each of the `ROW_CLUSTER` blocks.
@@ -362,15 +362,15 @@ impl Gpu {
             add_in_place: f("common.cu", "add_in_place")?,
             situ: f("common.cu", "situ")?,
             gather_rows: f("common.cu", "gather_rows")?,
-            moe_router_logits: f("moe.cu", "moe_router_logits")?,
-            moe_route: f("moe.cu", "moe_route")?,
-            moe_router: hopper.then(|| f("moe.cu", "moe_router")).transpose()?,
-            moe_group: f("moe.cu", "moe_group")?,
+            moe_router_logits: f("moe_route.cu", "moe_router_logits")?,
+            moe_route: f("moe_route.cu", "moe_route")?,
+            moe_router: hopper.then(|| f("moe_route.cu", "moe_router")).transpose()?,
+            moe_group: f("moe_route.cu", "moe_group")?,
             moe_gate_up: f("moe.cu", "moe_gate_up")?,
             moe_down: [f("moe.cu", "moe_down")?, f("moe.cu", "moe_down_full")?],
             moe_down_tile_pairs: f("moe.cu", "moe_down_tile_pairs")?,
-            moe_combine_norm: f("moe.cu", "moe_combine_norm")?,
-            moe_combine_norm_cluster: hopper.then(|| f("moe.cu", "moe_combine_norm_cluster")).transpose()?,
+            moe_combine_norm: f("moe_route.cu", "moe_combine_norm")?,
+            moe_combine_norm_cluster: hopper.then(|| f("moe_route.cu", "moe_combine_norm_cluster")).transpose()?,
             sample_rows: f("sample.cu", "sample_rows")?,
             sample_rows_f32: f("sample.cu", "sample_rows_f32")?,
             rng_hash3: f("sample.cu", "rng_hash3")?,

@@ -1,0 +1,404 @@
+// sparkd: the latent MoE's router, the grouping of its (token, slot) pairs by expert, and the weighted combine of the
+// experts' outputs with the routed norm (the grouped expert kernels are in moe.cu).
+//
+// Invariants: the router is an fp32 island over the full hidden vector: sigmoid scores, the correction
+// bias only selects, top-k ties go to the lowest expert index, chosen experts are listed ascending,
+// weights come from the unbiased scores and are renormalised (in one launch, moe_router, or in two,
+// moe_router_logits + moe_route: the same bits). The k experts' bf16 outputs are combined in fp32 in ascending
+// expert order and rounded once (kernels/src/cpu/moe.rs), then normalised. A token's results never depend on the
+// batch: fixed summation orders, no float atomics.
+// Compiled after prelude.cuh (compile.rs prepends it: cuda_bf16.h and the shared helpers: u32, i64, ld, bf_round,
+// sigmoidf_, block reductions, dependent launch, clusters, cp.async and the bf16 MMA).
+
+// The router's fp32 logit of one expert row `wr` for one token row `x` (d inputs), by one warp; every lane gets it.
+// Each lane reads 8 inputs (16 bytes) at a time, ROUTER_LOADS of them in flight (a K3 row of 7168 inputs takes four
+// such rounds: one warp's dot product is bound by memory latency, not bandwidth; 16 in flight were faster at batch
+// 1-8 but took 182 registers, and the fewer blocks per SM cost more at batch 64), and sums them in element order;
+// the lanes' partials meet in a fixed butterfly, so a token's logit never depends on the batch or on which kernel
+// computes it.
+#define ROUTER_LOADS 8
+
+__device__ __forceinline__ float router_dot(const __nv_bfloat16 *x, const __nv_bfloat16 *wr, int d, int lane) {
+    float acc = 0.0f;
+    int vec = d % 8 == 0 ? d / 8 : 0;  // 16-byte chunks (rows start 16-byte aligned when d is a multiple of 8)
+    for (int c0 = lane; c0 < vec; c0 += 32 * ROUTER_LOADS) {
+        uint4 xv[ROUTER_LOADS], wv[ROUTER_LOADS];
+#pragma unroll
+        for (int u = 0; u < ROUTER_LOADS; u++) {
+            int c = c0 + 32 * u;
+            if (c < vec) {
+                xv[u] = ((const uint4 *)x)[c];
+                wv[u] = ld_stream16((const uint4 *)wr + c);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < ROUTER_LOADS; u++) {
+            if (c0 + 32 * u >= vec) break;
+            unsigned int xs[4] = {xv[u].x, xv[u].y, xv[u].z, xv[u].w}, ws[4] = {wv[u].x, wv[u].y, wv[u].z, wv[u].w};
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                acc += __uint_as_float(xs[i] << 16) * __uint_as_float(ws[i] << 16);
+                acc += __uint_as_float(xs[i] & 0xffff0000u) * __uint_as_float(ws[i] & 0xffff0000u);
+            }
+        }
+    }
+    for (int c = vec * 8 + lane; c < d; c += 32) acc += ld(x, c) * ld(wr, c);
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    return acc;
+}
+
+// The router's fp32 logits, one warp per (token, expert): grid = (ceil(E / warps), n), blockDim 256.
+// h: [n, d]; w: [E, d]; logits: [n, E]. (Split from moe_route so that E dot products run across the whole
+// GPU instead of in one block per token.)
+extern "C" __global__ void moe_router_logits(const __nv_bfloat16 *h, const __nv_bfloat16 *w, float *logits, int d,
+                                             int E) {
+    kernel_entry();
+    int e = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (e >= E) return;
+    float acc = router_dot(h + (long)blockIdx.y * d, w + (long)e * d, d, lane);
+    if (lane == 0) logits[(long)blockIdx.y * E + e] = acc;
+}
+
+// The per-token selection by warp 0 of a block, from the sigmoid scores `score` and `choice` = score + bias (shared
+// memory, E each; `choice` is consumed). out_idx: [k] chosen experts ascending; out_w: [k]; margin: one float.
+// With `group` non-null (a step of one token, k <= 32) it also writes the grouping moe_group would write for the
+// token (its experts ascending, pair j = slot j; a slot without an expert, -1, sorts first and is left out, as
+// moe_group leaves it out), so that step needs no moe_group launch.
+__device__ void route_select(const float *score, float *choice, int *out_idx, float *out_w, float *margin, int E,
+                             int k, int renormalize, float scale, int *group, int *pairs) {
+    int lane = threadIdx.x;
+    // k passes of "best remaining" (larger choice, then lower index) by one warp: lane L scans experts L, L + 32,
+    // ... in order, then a butterfly keeps the larger choice, ties to the lower index: a strict total order, so
+    // every lane gets the expert a sequential scan would. The owner lane marks the chosen entry -inf.
+    // With k <= 32 lane j keeps the j-th choice in a register, and the sort and weights below run on registers and
+    // shuffles (every access to out_idx / out_w in global memory would be a dependent round trip).
+    const bool in_lanes = k <= 32;
+    int mine = -1;
+    float last = 0.0f;
+    for (int j = 0; j < k; j++) {
+        float bv = -INF_F;
+        int bi = -1;
+        for (int e = lane; e < E; e += 32) {
+            float v = choice[e];
+            if (v != -INF_F && (bi < 0 || v > bv)) { bv = v; bi = e; }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
+        }
+        if (in_lanes) {
+            if (lane == j) mine = bi;
+        } else if (lane == 0) {
+            out_idx[j] = bi;
+        }
+        last = bv;
+        if (bi >= 0 && (bi & 31) == lane) choice[bi] = -INF_F;
+    }
+    float next = -INF_F;
+    for (int e = lane; e < E; e += 32) next = fmaxf(next, choice[e]);
+    for (int o = 16; o > 0; o >>= 1) next = fmaxf(next, __shfl_xor_sync(0xffffffffu, next, o));
+    if (lane == 0) *margin = k < E ? last - next : 0.0f;
+    if (in_lanes) {
+        // Ascending expert order: a choice's rank is the number of smaller choices (they are distinct); then the
+        // weights in that order, summed one after another as below.
+        int rank = 0;
+        for (int l = 0; l < k; l++) {
+            int other = __shfl_sync(0xffffffffu, mine, l);
+            rank += lane < k && other < mine;
+        }
+        float sum = 0.0f, w = 0.0f;
+        int sorted = -1;
+        for (int j = 0; j < k; j++) {
+            int src = __ffs(__ballot_sync(0xffffffffu, lane < k && rank == j)) - 1;
+            int e = __shfl_sync(0xffffffffu, mine, src);
+            float wj = score[e];
+            sum += wj;
+            if (lane == j) { w = wj; sorted = e; }
+        }
+        if (renormalize) {
+            sum += 1e-20f;
+            w = w / sum;
+        }
+        if (lane < k) {
+            out_idx[lane] = sorted;
+            out_w[lane] = w * scale;
+        }
+        if (group != nullptr) {
+            const int active = __popc(__ballot_sync(0xffffffffu, lane < k && sorted >= 0)), a = lane - (k - active);
+            if (lane < k && a >= 0) {
+                group[1 + a] = sorted;   // the active experts, ascending
+                group[1 + E + a] = a;    // where each one's single pair starts
+                pairs[a] = lane;         // pair t k + j of token 0
+            }
+            if (lane == 0) {
+                group[0] = active;
+                group[1 + E + active] = active;
+            }
+        }
+        return;
+    }
+    if (lane != 0) return;
+    // Ascending expert order (insertion sort of k entries).
+    for (int a = 1; a < k; a++) {
+        int v = out_idx[a], b = a - 1;
+        while (b >= 0 && out_idx[b] > v) { out_idx[b + 1] = out_idx[b]; b--; }
+        out_idx[b + 1] = v;
+    }
+    float sum = 0.0f;
+    for (int j = 0; j < k; j++) { out_w[j] = score[out_idx[j]]; sum += out_w[j]; }
+    if (renormalize) {
+        sum += 1e-20f;
+        for (int j = 0; j < k; j++) out_w[j] = out_w[j] / sum;
+    }
+    for (int j = 0; j < k; j++) out_w[j] *= scale;
+}
+
+// grid = n tokens, blockDim 256; dynamic shared memory 2 * E floats.
+// logits: [n, E] from moe_router_logits; bias: [E]; idx: [n, k] chosen experts ascending; wts: [n, k];
+// margin: [n]; group / pairs: null, or for one token with k <= 32 moe_group's outputs (see route_select).
+extern "C" __global__ void moe_route(const float *logits, const float *bias, int *idx, float *wts, float *margin,
+                                     int E, int k, int renormalize, float scale, int *group, int *pairs) {
+    kernel_entry();
+    extern __shared__ float sm[];
+    float *score = sm, *choice = sm + E;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        score[e] = sigmoidf_(logits[(long)blockIdx.x * E + e]);
+        choice[e] = score[e] + bias[e];
+    }
+    __syncthreads();
+    if (threadIdx.x >= 32) return;
+    long t = blockIdx.x;
+    route_select(score, choice, idx + t * k, wts + t * k, margin + t, E, k, renormalize, scale, group, pairs);
+}
+
+#if __CUDA_ARCH__ >= 900
+// ---- The router in one launch (Hopper and later: thread-block clusters) -------------------------------------
+// moe_router_logits + moe_route for few experts: a cluster of ROUTER_CLUSTER blocks per token computes its logits
+// (block r takes experts r, r + ROUTER_CLUSTER, ..., one warp each, with router_dot: the same logits), each into its
+// own shared memory; after a cluster barrier block 0 reads them all through distributed shared memory and selects
+// (route_select: the same selection). A second cluster barrier keeps the other blocks' shared memory alive until
+// block 0 has read it. Same outputs as the two kernels, bit for bit.
+
+#define ROUTER_CLUSTER 8  // blocks per token (the portable cluster size); Gpu::moe_route's ROUTER_CLUSTER
+
+// grid = (ROUTER_CLUSTER, n), blockDim 256, clusters of (ROUTER_CLUSTER, 1, 1); dynamic shared memory 3 E floats.
+// h: [n, d]; w: [E, d]; bias: [E]; idx: [n, k] chosen experts ascending; wts: [n, k]; margin: [n]; group / pairs:
+// null, or for one token with k <= 32 moe_group's outputs (see route_select).
+extern "C" __global__ void __cluster_dims__(ROUTER_CLUSTER, 1, 1) __launch_bounds__(256)
+    moe_router(const __nv_bfloat16 *h, const __nv_bfloat16 *w, const float *bias, int *idx, float *wts,
+               float *margin, int d, int E, int k, int renormalize, float scale, int *group, int *pairs) {
+    kernel_entry();
+    extern __shared__ float sm[];
+    float *own = sm, *score = sm + E, *choice = sm + 2 * E;  // own: this block's logits at their expert index
+    int rank = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    long t = blockIdx.y;
+    for (int e = rank + ROUTER_CLUSTER * warp; e < E; e += ROUTER_CLUSTER * warps) {
+        float v = router_dot(h + t * d, w + (long)e * d, d, lane);
+        if (lane == 0) own[e] = v;
+    }
+    cluster_sync();  // every block's logits are in its shared memory
+    if (rank == 0)
+        for (int e = threadIdx.x; e < E; e += blockDim.x) {
+            score[e] = sigmoidf_(ld_cluster(own + e, (u32)(e % ROUTER_CLUSTER)));
+            choice[e] = score[e] + bias[e];
+        }
+    cluster_sync();  // block 0 has read them (and its score / choice are visible to its warp 0)
+    if (rank != 0 || warp != 0) return;
+    route_select(score, choice, idx + t * k, wts + t * k, margin + t, E, k, renormalize, scale, group, pairs);
+}
+#endif
+
+// ---- Grouped routed experts ----------------------------------------------------------------------------------
+// After the router, the (token, slot) pairs are grouped by expert on the device (moe_group; a step of one token
+// takes the grouping its router wrote, see route_select), so that the expert
+// kernels read an expert's MXFP4 weights once for all the tokens that chose it (follows the idea of vLLM's
+// moe_align_block_size + fused_moe: sort the pairs by expert, then one weight pass per expert; our own code).
+// Grids are sized from host-known bounds (min(n k, E) active-expert slots); blocks past the active count exit,
+// so no host synchronisation is needed. A pair p = t * k + j names token t's j-th chosen expert.
+//
+// group layout (ints): [0] active experts A; [1, 1 + E) the active experts, ascending; [1 + E, 2 + E + A) the
+// start of each active expert's pairs in `pairs` (A + 1 entries; the last is n k). pairs: [n k], grouped by
+// expert, tokens ascending within an expert.
+//
+// No float atomics anywhere; batch invariance of the expert kernels: see moe.cu.
+
+
+// The position of `e` in the ascending list row[0..k), or -1.
+__device__ __forceinline__ int find_expert(const int *row, int k, int e) {
+    int lo = 0, hi = k;
+    while (lo < hi) {
+        int mid = (lo + hi) >> 1;
+        if (row[mid] < e) lo = mid + 1; else hi = mid;
+    }
+    return lo < k && row[lo] == e ? lo : -1;
+}
+
+// Groups the pairs by expert. grid = 1, blockDim 1024 (32 warps); dynamic shared memory 2 E ints, plus n k when
+// `staged` (the choices are first copied into shared memory, so that the binary searches below are not dependent
+// round trips to global memory).
+// idx: [n, k] chosen experts, ascending per token. One warp per expert scans the tokens 32 at a time (a ballot
+// ranks the hits), so the order within an expert is the token order.
+extern "C" __global__ void moe_group(const int *idx_global, int n, int k, int E, int staged, int *group,
+                                     int *pairs) {
+    kernel_entry();
+    extern __shared__ int gsm[];
+    int *count = gsm, *start = gsm + E;
+    const int *idx = idx_global;
+    if (staged) {
+        int *copy = gsm + 2 * E;
+        for (int i = threadIdx.x; i < n * k; i += blockDim.x) copy[i] = idx_global[i];
+        __syncthreads();
+        idx = copy;
+    }
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    for (int e = warp; e < E; e += warps) {
+        int c = 0;
+        for (int t0 = 0; t0 < n; t0 += 32) {
+            int t = t0 + lane;
+            bool hit = t < n && find_expert(idx + (long)t * k, k, e) >= 0;
+            c += __popc(__ballot_sync(0xffffffffu, hit));
+        }
+        if (lane == 0) count[e] = c;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        // Exclusive scans of the pair counts and of the active flags: each lane takes a contiguous run of experts.
+        int per = (E + 31) / 32, lo = min(lane * per, E), hi = min(lo + per, E);
+        int pairs_before = 0, active_before = 0;
+        for (int e = lo; e < hi; e++) { pairs_before += count[e]; active_before += count[e] > 0; }
+        int pi = pairs_before, ai = active_before;
+        for (int o = 1; o < 32; o <<= 1) {
+            int pu = __shfl_up_sync(0xffffffffu, pi, o), au = __shfl_up_sync(0xffffffffu, ai, o);
+            if (lane >= o) { pi += pu; ai += au; }
+        }
+        int p = pi - pairs_before, a = ai - active_before;
+        int *active = group + 1, *bounds = group + 1 + E;
+        for (int e = lo; e < hi; e++) {
+            start[e] = p;
+            if (count[e] > 0) { active[a] = e; bounds[a] = p; a++; }
+            p += count[e];
+        }
+        if (lane == 31) { group[0] = ai; bounds[ai] = pi; }
+    }
+    __syncthreads();
+    for (int e = warp; e < E; e += warps) {
+        if (count[e] == 0) continue;
+        int pos = start[e];
+        for (int t0 = 0; t0 < n; t0 += 32) {
+            int t = t0 + lane;
+            int j = t < n ? find_expert(idx + (long)t * k, k, e) : -1;
+            u32 hits = __ballot_sync(0xffffffffu, j >= 0);
+            if (j >= 0) pairs[pos + __popc(hits & ((1u << lane) - 1u))] = t * k + j;
+            pos += __popc(hits);
+        }
+    }
+}
+
+// The weighted combine in slot order (ascending experts) and the routed RMSNorm, per token:
+#define COMBINE_BATCH 4  // columns per thread whose loads are in flight together
+
+// The combine over a window of `w` columns of token t (`y` at the window's first column of pair t k; rows D apart):
+// combined[c] = bf(sum_j wt[j] y[t k + j, c]) (shared; `wt`: the token's k weights, read by every thread, so that
+// no barrier waits for them); returns the thread's part of the sum of combined[c]^2. Each
+// thread's columns c0 + u * blockDim.x, COMBINE_BATCH of them per pass with all their loads issued before the sums;
+// every sum runs in the same order as one column at a time.
+__device__ __forceinline__ float combine_window(const __nv_bfloat16 *y, const float *wt, long t, int k, int D, int w,
+                                                float *combined) {
+    float ss = 0.0f;
+    for (int c0 = threadIdx.x; c0 < w; c0 += COMBINE_BATCH * blockDim.x) {
+        float acc[COMBINE_BATCH];
+#pragma unroll
+        for (int u = 0; u < COMBINE_BATCH; u++) acc[u] = 0.0f;
+#pragma unroll 16
+        for (int j = 0; j < k; j++) {
+            float v[COMBINE_BATCH];
+#pragma unroll
+            for (int u = 0; u < COMBINE_BATCH; u++) {
+                int c = c0 + u * blockDim.x;
+                v[u] = c < w ? ld(y, (t * k + j) * D + c) : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < COMBINE_BATCH; u++) acc[u] += v[u] * wt[j];
+        }
+#pragma unroll
+        for (int u = 0; u < COMBINE_BATCH; u++) {
+            int c = c0 + u * blockDim.x;
+            if (c >= w) continue;
+            float v = bf_round(acc[u]);
+            combined[c] = v;
+            ss += v * v;
+        }
+    }
+    return ss;
+}
+
+// The thread's norm weights of its first pass of a window of `width` columns (c = threadIdx.x + u blockDim.x), loaded
+// before the kernel's grid dependency wait (weights are never written by a kernel).
+__device__ __forceinline__ void first_norm_weights(const __nv_bfloat16 *w, int width, float (&first)[COMBINE_BATCH]) {
+#pragma unroll
+    for (int u = 0; u < COMBINE_BATCH; u++) {
+        int c = threadIdx.x + u * blockDim.x;
+        first[u] = c < width ? ld(w, c) : 0.0f;
+    }
+}
+
+// out[c] = bf(w[c] * bf(combined[c] * r)) over a window of `width` columns; the first pass's weights are `first`.
+__device__ __forceinline__ void combine_norm_window(const float *combined, const __nv_bfloat16 *w, float r,
+                                                    int width, __nv_bfloat16 *out,
+                                                    const float (&first)[COMBINE_BATCH]) {
+    for (int c0 = threadIdx.x; c0 < width; c0 += COMBINE_BATCH * blockDim.x) {
+        float g[COMBINE_BATCH];
+#pragma unroll
+        for (int u = 0; u < COMBINE_BATCH; u++) {
+            int c = c0 + u * blockDim.x;
+            g[u] = c0 == (int)threadIdx.x ? first[u] : c < width ? ld(w, c) : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < COMBINE_BATCH; u++) {
+            int c = c0 + u * blockDim.x;
+            if (c < width) out[c] = __float2bfloat16_rn(g[u] * bf_round(combined[c] * r));
+        }
+    }
+}
+
+// c = bf(sum_j wts[t, j] y[t k + j]); out[t] = bf(w * bf(c * rsqrt(mean(c^2) + eps))).
+// grid = n tokens, blockDim 512; dynamic shared memory D floats. y: [n k, D]; wts: [n, k]; out: [n, D].
+extern "C" __global__ void moe_combine_norm(const __nv_bfloat16 *y, const float *wts, const __nv_bfloat16 *w,
+                                            __nv_bfloat16 *out, int k, int D, float eps) {
+    float first[COMBINE_BATCH];
+    first_norm_weights(w, D, first);
+    kernel_entry();
+    extern __shared__ float combined[];
+    long t = blockIdx.x;
+    float ss = block_sum(combine_window(y, wts + t * k, t, k, D, D, combined));
+    combine_norm_window(combined, w, 1.0f / sqrtf(ss / (float)D + eps), D, out + t * D, first);
+}
+
+#if __CUDA_ARCH__ >= 900
+// moe_combine_norm over a cluster of COMBINE_CLUSTER blocks per token (Hopper and later), as attn_res_norm_cluster in
+// common.cu: each block combines one contiguous window of the columns, and the sum of squares is completed through
+// distributed shared memory in rank order (another fixed order than moe_combine_norm's: the two differ by rounding).
+#define COMBINE_CLUSTER 8  // Gpu::moe_combine_norm's COMBINE_CLUSTER
+
+// grid = (COMBINE_CLUSTER, n), clusters of (COMBINE_CLUSTER, 1, 1), blockDim 128; dynamic shared memory
+// ceil(D / COMBINE_CLUSTER) floats. Arguments as moe_combine_norm.
+extern "C" __global__ void __cluster_dims__(COMBINE_CLUSTER, 1, 1) __launch_bounds__(128)
+    moe_combine_norm_cluster(const __nv_bfloat16 *y, const float *wts, const __nv_bfloat16 *w, __nv_bfloat16 *out,
+                             int k, int D, float eps) {
+    const int span = (D + COMBINE_CLUSTER - 1) / COMBINE_CLUSTER, lo = min((int)blockIdx.x * span, D);
+    const int width = min(lo + span, D) - lo;  // this block's columns [lo, lo + width)
+    float first[COMBINE_BATCH];
+    first_norm_weights(w + lo, width, first);
+    kernel_entry();
+    extern __shared__ float combined[];
+    __shared__ float ss_part;
+    long t = blockIdx.y;
+    float ss = block_sum(combine_window(y + lo, wts + t * k, t, k, D, width, combined));
+    if (threadIdx.x == 0) ss_part = ss;
+    cluster_sync();  // every block's sum of squares is in its shared memory
+    float r = 1.0f / sqrtf(cluster_sum<COMBINE_CLUSTER>(&ss_part) / (float)D + eps);
+    combine_norm_window(combined, w + lo, r, width, out + t * D + lo, first);
+    cluster_sync();  // no block leaves while another may still read its shared memory
+}
+#endif
