@@ -3,7 +3,7 @@
 // Invariants: an expert's gate/up outputs are rounded to bf16, SiTU'd and rounded again; its down output is rounded
 // to bf16 (kernels/src/cpu/moe.rs). The kernels work per active expert over its grouped (token, slot) pairs (the
 // grouping layout: "Grouped routed experts" in moe_route.cu) on the tensor cores; a token's results never depend on
-// the batch.
+// the batch, whichever form (token rows or staged inputs) runs.
 // MXFP4: two E2M1 codes per byte, element 2i in the low nibble; one E8M0 scale per 32 inputs;
 // 0xFF is NaN (shared/reference/k3-architecture.md §2.8). On the device the experts are tiled, and the bits of each
 // 32-bit word of codes permuted (kernels/src/cuda/expert_layout.rs).
@@ -18,8 +18,8 @@ __device__ __forceinline__ u32 word_of(uint4 q, int i) { return i == 0 ? q.x : i
 // An active expert's outputs for all its grouped pairs, with the dot products on mma.sync m16n8k16 (bf16 in,
 // fp32 accumulate): the MXFP4 weights are dequantised to bf16 in registers (code * scale is exact in bf16, which
 // shares fp32's exponent range) and multiplied against the expert's tokens 8 at a time, so a weight costs its
-// dequantisation once per chunk of up to 24 tokens. (The tile mapping follows the idea of kernels/cuda/gemm.cu; the
-// dequantisation into MMA fragments is our own.)
+// dequantisation once per chunk of up to 24 tokens (32 in the staged kernels). (The tile mapping follows the idea of
+// kernels/cuda/gemm.cu; the dequantisation into MMA fragments is our own.)
 //
 // Layout: a warp owns a 16-row tile of one expert's matrix; lane (g = lane / 4, t = lane % 4) holds rows g and
 // g + 8. K runs in blocks of 4 MXFP4 groups (128 inputs); in a block, thread t takes group 4 b + t whole
@@ -96,15 +96,26 @@ __device__ __forceinline__ u32 scale_bf16x2(u32 b, bool wide) {
     return h | (h << 16);
 }
 
-// One step of mma_rows_pass: the KB blocks of codes `cur` (scale bytes `cs`) of this step s against the NT
-// n-tiles' inputs x (null for a padding column unless FULL). WIDE: some scale of the warp's step exceeds 2^1 (see
-// scale_bf16x2). FULL: the matrix's groups fill every step (groups % (4 KB) == 0, as at K3's widths), so no input
-// is past the row, and every pointer is valid (a padding column reads a real token, whose results are never
-// stored): no masks.
-template <int NM, int NT, int KB, bool WIDE, bool FULL>
-__device__ __forceinline__ void mma_step(const uint4 cur[NM][2][KB], const u32 cs[NM][2][KB],
-                                     const __nv_bfloat16 *const x[NT], int s, int t, int groups,
-                                     float acc[NM][NT][4]) {
+// The B operands of mma_step from the token rows in global memory: thread (g, t)'s column of n-tile nt is row
+// x[nt] (null: a padding column, read as zeros unless FULL). FULL: the matrix's groups fill every step (groups % (4
+// KB) == 0, as at K3's widths), so no input is past the row, and every pointer is valid (a padding column reads a
+// real token, whose results are never stored): no masks.
+template <int NT, bool FULL>
+struct RowInputs {
+    const __nv_bfloat16 *x[NT];
+    int groups;
+    // Inputs [32 grp + 8 w, + 8) of n-tile nt's column (`blk`: the K block of the step, unused here).
+    __device__ __forceinline__ uint4 load(int nt, int grp, int blk, int w) const {
+        return FULL || (x[nt] != nullptr && grp < groups) ? *(const uint4 *)(x[nt] + grp * 32 + w * 8)
+                                                          : make_uint4(0u, 0u, 0u, 0u);
+    }
+};
+
+// One step of a pass: the KB blocks of codes `cur` (scale bytes `cs`) of this step s against the NT n-tiles' inputs
+// x (RowInputs, or StagedInputs below). WIDE: some scale of the warp's step exceeds 2^1 (see scale_bf16x2).
+template <int NM, int NT, int KB, bool WIDE, class Inputs>
+__device__ __forceinline__ void mma_step(const uint4 cur[NM][2][KB], const u32 cs[NM][2][KB], const Inputs &x, int s,
+                                         int t, float acc[NM][NT][4]) {
 #pragma unroll
     for (int blk = 0; blk < KB; blk++) {
         int grp = 4 * (KB * s + blk) + t;
@@ -129,8 +140,7 @@ __device__ __forceinline__ void mma_step(const uint4 cur[NM][2][KB], const u32 c
                 }
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
-                uint4 xv = FULL || (x[nt] != nullptr && grp < groups) ? *(const uint4 *)(x[nt] + grp * 32 + w * 8)
-                                                                       : make_uint4(0u, 0u, 0u, 0u);  // [8 inputs]
+                uint4 xv = x.load(nt, grp, blk, w);  // [8 inputs]
                 // Inputs (0, 1), (2, 3), (4, 5), (6, 7), as the codes.
 #pragma unroll
                 for (int m = 0; m < NM; m++) {
@@ -143,10 +153,9 @@ __device__ __forceinline__ void mma_step(const uint4 cur[NM][2][KB], const u32 c
 }
 
 // mma_step in the form the warp's step needs: WIDE when some of its scales exceed 2^1.
-template <int NM, int NT, int KB, bool FULL>
-__device__ __forceinline__ void mma_step_scaled(const uint4 cur[NM][2][KB], const u32 cs[NM][2][KB],
-                                                const __nv_bfloat16 *const x[NT], int s, int t, int groups,
-                                                float acc[NM][NT][4]) {
+template <int NM, int NT, int KB, class Inputs>
+__device__ __forceinline__ void mma_step_scaled(const uint4 cur[NM][2][KB], const u32 cs[NM][2][KB], const Inputs &x,
+                                                int s, int t, float acc[NM][NT][4]) {
     bool wide = false;
 #pragma unroll
     for (int m = 0; m < NM; m++)
@@ -155,21 +164,24 @@ __device__ __forceinline__ void mma_step_scaled(const uint4 cur[NM][2][KB], cons
 #pragma unroll
             for (int blk = 0; blk < KB; blk++) wide |= cs[m][r][blk] > 128u;
     // Real checkpoints never need the wide path (weights of 4 and more); it keeps large scales exact.
-    if (__any_sync(0xffffffffu, wide)) mma_step<NM, NT, KB, true, FULL>(cur, cs, x, s, t, groups, acc);
-    else mma_step<NM, NT, KB, false, FULL>(cur, cs, x, s, t, groups, acc);
+    if (__any_sync(0xffffffffu, wide)) mma_step<NM, NT, KB, true>(cur, cs, x, s, t, acc);
+    else mma_step<NM, NT, KB, false>(cur, cs, x, s, t, acc);
 }
 
 // This thread's B column of each n-tile: pair g of the tile, row pairs[.] / div of `in` (`width` bf16). Past the
 // `count` pairs (a padding column, whose results are never stored) the last pair's row when FULL, else null.
 template <int NT, bool FULL>
-__device__ __forceinline__ void pair_inputs(const __nv_bfloat16 *x[NT], const __nv_bfloat16 *in, const int *pairs,
-                                            int count, int div, int width, int g) {
+__device__ __forceinline__ RowInputs<NT, FULL> pair_inputs(const __nv_bfloat16 *in, const int *pairs, int count,
+                                                           int div, int width, int g, int groups) {
+    RowInputs<NT, FULL> x;
+    x.groups = groups;
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) {
         int c = nt * 8 + g;
-        if (FULL) x[nt] = in + (long)(pairs[min(c, count - 1)] / div) * width;
-        else x[nt] = c < count ? in + (long)(pairs[c] / div) * width : nullptr;
+        if (FULL) x.x[nt] = in + (long)(pairs[min(c, count - 1)] / div) * width;
+        else x.x[nt] = c < count ? in + (long)(pairs[c] / div) * width : nullptr;
     }
+    return x;
 }
 
 // The register pass of a 16-row tile of NM matrices (NM = 2: gate and up) over the pairs[0..count) (count <= 8 NT)
@@ -201,8 +213,7 @@ __device__ __forceinline__ void mma_rows_pass(const u8 *const rows[NM], const u8
         }
     };
     load(0);  // before the pairs are looked up: the codes are the long wait
-    const __nv_bfloat16 *x[NT];
-    pair_inputs<NT, FULL>(x, in, pairs, count, div, width, g);
+    const RowInputs<NT, FULL> x = pair_inputs<NT, FULL>(in, pairs, count, div, width, g, groups);
     for (int s = 0; s < steps; s++) {
         uint4 cur[NM][2][KB];
         u32 cs[NM][2][KB];
@@ -216,7 +227,7 @@ __device__ __forceinline__ void mma_rows_pass(const u8 *const rows[NM], const u8
                     cs[m][r][blk] = sb[m][r][blk];
                 }
         if (s + 1 < steps) load(s + 1);
-        mma_step_scaled<NM, NT, KB, FULL>(cur, cs, x, s, t, groups, acc);
+        mma_step_scaled<NM, NT, KB>(cur, cs, x, s, t, acc);
     }
 }
 
@@ -228,7 +239,7 @@ __device__ __forceinline__ void mma_rows_pass(const u8 *const rows[NM], const u8
 // copied itself; the scales of a step are copied as whole 4-byte words shared by the warp's lanes, so every step
 // starts with a __syncwarp (which also orders the refill of the slot read in the step before). (The multistage
 // cp.async pipeline follows the idea of CUTLASS's multistage mainloop; here each warp owns its ring, so no block
-// barrier is needed.)
+// barrier is needed, except for the token inputs that the staged pass below shares across the block.)
 #define EXPERT_STAGES 3  // Gpu's EXPERT_STAGES (moe_ops.rs): steps per warp in the ring
 
 // A ring step of NM matrices and KB blocks: codes [NM][2 rows][KB][32 lanes][16 B], then scales [NM][KB][64 B] (the
@@ -241,13 +252,53 @@ struct RingStep {
 // Shared memory per warp (moe_ops.rs derives the same from GATE_UP_KB, TILE_SCALE_BYTES and EXPERT_STAGES).
 #define RING_WARP_BYTES (EXPERT_STAGES * RingStep<2, GATE_UP_KB>::BYTES)
 
-// mma_rows_pass through the warp's ring (`ring`: RING_WARP_BYTES of shared memory); the same arguments otherwise,
-// and the same MMAs in the same order. The slots and the sources of the next copy are bumped once per step; every
-// per-block, per-matrix and per-row offset is a constant that the instructions' addresses take.
-template <int NM, int NT, int KB>
-__device__ __forceinline__ void mma_ring_pass(u8 *ring, const u8 *const rows[NM], const u8 *const scales[NM], int g,
-                                              int t, int groups, const __nv_bfloat16 *in, const int *pairs, int count,
-                                              int div, int width, float acc[NM][NT][4]) {
+// ---- Token inputs staged in shared memory --------------------------------------------------------------------
+// In the ring pass every warp of a block loads the same token inputs itself, each step's 16-byte pieces of 8 NT rows,
+// and waits for them: with many pairs per expert (k3-mini's batch 64: 16) those loads bound it, mostly missing L1 at
+// 4 blocks per SM, and in a launch of few waves (few active experts) their round trips are exposed. The staged pass
+// copies a step's inputs of the chunk's columns once per block into a slot of shared memory by cp.async, in the same
+// commit group as the step's weights, EXPERT_STAGES - 1 steps ahead; the block's warps then read them back with one
+// barrier per step. The MMAs see the same operands in the same order: the same bits. (ExpertForm::for_batch in
+// moe_ops.rs says which batches take it.)
+// A slot is [STAGED_COLUMNS][KB * 128 inputs] bf16: column c's row of 16-byte units, unit q (inputs 8 q .. 8 q + 7)
+// stored at unit q ^ (q / 8 % 2 * 2) ^ (c % 2), so that the 8 lanes of a quarter-warp (columns g, g + 1; groups t
+// 0-3, the same word) read 8 different bank groups.
+#define STAGED_COLUMNS 32  // the most pairs per chunk of the staged pass (4 n-tiles)
+
+// Pick<c, A, B>::type: A when c, else B (std::conditional; NVRTC has no standard headers here).
+template <bool C, class A, class B>
+struct Pick {
+    using type = A;
+};
+template <class A, class B>
+struct Pick<false, A, B> {
+    using type = B;
+};
+
+// A stage slot's bytes for KB blocks per step.
+__host__ __device__ constexpr int stage_row_bytes(int kb) { return kb * 256; }
+__host__ __device__ constexpr int stage_slot_bytes(int kb) { return STAGED_COLUMNS * stage_row_bytes(kb); }
+
+// The B operands of mma_step from a stage slot: thread (g, t)'s column of n-tile nt is column 8 nt + g.
+template <int KB>
+struct StagedInputs {
+    u32 lane_at;  // the slot's column g, group t of block 0
+    int swizzle;  // word w of this lane's pieces is at unit 4 t + (w ^ swizzle)
+    __device__ __forceinline__ uint4 load(int nt, int grp, int blk, int w) const {
+        return ld_shared16(lane_at + nt * 8 * stage_row_bytes(KB) + blk * 256 + ((w ^ swizzle) << 4));
+    }
+};
+
+// mma_rows_pass through the warp's ring (`ring`: EXPERT_STAGES RingStep<NM, KB>s of shared memory); the same arguments
+// otherwise, and the same MMAs in the same order. The slots and the sources of the next copy are bumped once per step;
+// every per-block, per-matrix and per-row offset is a constant that the instructions' addresses take.
+// STAGED: the token inputs come through `stage` (EXPERT_STAGES slots of stage_slot_bytes(KB)) as described above,
+// and every warp of the block runs the pass together (its barriers are the block's).
+template <int NM, int NT, int KB, bool STAGED>
+__device__ __forceinline__ void mma_ring_pass(u8 *ring, u8 *stage, const u8 *const rows[NM],
+                                              const u8 *const scales[NM], int g, int t, int groups,
+                                              const __nv_bfloat16 *in, const int *pairs, int count, int div,
+                                              int width, float acc[NM][NT][4]) {
     using Step = RingStep<NM, KB>;
     constexpr int SCALE_WORDS = KB * TILE_SCALE_BYTES / 4;  // per matrix and step
     static_assert(SCALE_WORDS <= 32, "one scale word per lane and matrix");
@@ -262,6 +313,25 @@ __device__ __forceinline__ void mma_ring_pass(u8 *ring, const u8 *const rows[NM]
     for (int m = 0; m < NM; m++) {
         code_src[m] = rows[m];
         scale_src[m] = scales[m] + lane * 4;
+    }
+    // STAGED: this thread copies units unit_q of columns unit_q's column + j COLUMN_STRIDE (a padding column, or
+    // inputs past the row, are zero-filled).
+    constexpr int UNITS = STAGED ? NT * KB : 0, UNITS_PER_ROW = 16 * KB, COLUMN_STRIDE = 128 / UNITS_PER_ROW;
+    const int unit_q = threadIdx.x % UNITS_PER_ROW, unit_column = threadIdx.x / UNITS_PER_ROW;
+    const __nv_bfloat16 *unit_src[STAGED ? UNITS : 1];
+    u32 unit_dst[STAGED ? UNITS : 1];
+    bool unit_live[STAGED ? UNITS : 1];
+    u32 stage_slot = STAGED ? (u32)__cvta_generic_to_shared(stage) : 0u;
+    if constexpr (STAGED) {
+        static_assert(128 % UNITS_PER_ROW == 0 && NT * 8 <= STAGED_COLUMNS, "whole rows per pass of the block");
+        const int physical = unit_q ^ (unit_q / 8 % 2 * 2) ^ (unit_column % 2);  // COLUMN_STRIDE is even
+#pragma unroll
+        for (int j = 0; j < UNITS; j++) {
+            int c = unit_column + j * COLUMN_STRIDE;
+            unit_live[j] = c < count;
+            unit_src[j] = (unit_live[j] ? in + (long)(pairs[c] / div) * width : in) + unit_q * 8;
+            unit_dst[j] = c * stage_row_bytes(KB) + physical * 16;
+        }
     }
     int next = 0;  // the step that code_src and scale_src point at
     // Copies step `next` into `slot` (past the last step: nothing), then closes its group, so that the group count
@@ -287,6 +357,12 @@ __device__ __forceinline__ void mma_ring_pass(u8 *ring, const u8 *const rows[NM]
                     cp_async4_shared(slot + Step::CODES + m * KB * TILE_SCALE_BYTES + lane * 4, scale_src[m],
                                      scale_bytes);
             }
+            if constexpr (STAGED) {
+#pragma unroll
+                for (int j = 0; j < UNITS; j++)
+                    cp_async16_shared(stage_slot + unit_dst[j], unit_src[j] + next * KB * 128,
+                                      unit_live[j] && 4 * KB * next + unit_q / 4 < groups ? 16u : 0u);
+            }
 #pragma unroll
             for (int m = 0; m < NM; m++) {
                 code_src[m] += KB * TILE_CODE_BYTES;
@@ -296,18 +372,35 @@ __device__ __forceinline__ void mma_ring_pass(u8 *ring, const u8 *const rows[NM]
         }
         cp_async_commit();
     };
-    __syncwarp();  // every lane is done with the ring of the pass before
+    if constexpr (STAGED) {
+        __syncthreads();  // every warp is done with the ring and the stage of the pass before
+    } else {
+        __syncwarp();  // every lane is done with the ring of the pass before
+    }
 #pragma unroll
-    for (int s = 0; s < EXPERT_STAGES - 1; s++) issue(first_slot + s * Step::BYTES);
-    const __nv_bfloat16 *x[NT];
-    pair_inputs<NT, false>(x, in, pairs, count, div, width, g);
+    for (int s = 0; s < EXPERT_STAGES - 1; s++) {
+        issue(first_slot + s * Step::BYTES);
+        stage_slot += STAGED ? stage_slot_bytes(KB) : 0;
+    }
+    const int swizzle = t / 2 * 2 ^ g % 2;
+    const u32 first_stage = STAGED ? (u32)__cvta_generic_to_shared(stage) : 0u;
+    typename Pick<STAGED, StagedInputs<KB>, RowInputs<NT, false>>::type x;
+    if constexpr (!STAGED) x = pair_inputs<NT, false>(in, pairs, count, div, width, g, groups);
     // Byte offsets in the ring of the slot of step s (read) and of the slot of step s - 1, which step
-    // s + EXPERT_STAGES - 1 refills.
-    int read = 0, refill = LAST_SLOT;
+    // s + EXPERT_STAGES - 1 refills; `stage_read` and `stage_slot` are the stage's.
+    int read = 0, refill = LAST_SLOT, stage_read = 0;
     for (int s = 0; s < steps; s++) {
         cp_async_wait<EXPERT_STAGES - 2>();  // this lane's copies of step s have landed
-        __syncwarp();                        // and every lane's: the shared scale words are in
-        issue(first_slot + refill);          // every lane has read the slot of step s - 1
+        if constexpr (STAGED) {
+            __syncthreads();  // and every thread's; every warp has read the slots of step s - 1
+            stage_slot = first_stage + (stage_read == 0 ? EXPERT_STAGES - 1 : stage_read - 1) * stage_slot_bytes(KB);
+            x.lane_at = first_stage + stage_read * stage_slot_bytes(KB) + g * stage_row_bytes(KB) + t * 64;
+            x.swizzle = swizzle;
+            stage_read = stage_read == EXPERT_STAGES - 1 ? 0 : stage_read + 1;
+        } else {
+            __syncwarp();  // and every lane's: the shared scale words are in
+        }
+        issue(first_slot + refill);  // every lane has read the slot of step s - 1
         const u32 codes = first_slot + read + lane * 16;
         const u32 scales_at = first_slot + read + Step::CODES + tile_scale_offset(g, 0, t);
         uint4 cur[NM][2][KB];
@@ -324,7 +417,7 @@ __device__ __forceinline__ void mma_ring_pass(u8 *ring, const u8 *const rows[NM]
                 }
         refill = read;
         read = read == LAST_SLOT ? 0 : read + Step::BYTES;
-        mma_step_scaled<NM, NT, KB, false>(cur, cs, x, s, t, groups, acc);
+        mma_step_scaled<NM, NT, KB>(cur, cs, x, s, t, acc);
     }
 }
 
@@ -349,14 +442,14 @@ __device__ __forceinline__ void zero_acc(float acc[NM][NT][4]) {
 }
 
 // Gate/up + SiTU of one 16-row tile for pairs[0..count), count <= 8 NT (see moe_gate_up).
-template <int NT, int KB>
-__device__ __forceinline__ void gate_up_mma_chunk(u8 *ring, const u8 *const rows[2], const u8 *const scales[2],
+template <int NT, int KB, bool STAGED>
+__device__ __forceinline__ void gate_up_mma_chunk(u8 *ring, u8 *stage, const u8 *const rows[2], const u8 *const scales[2],
                                                   int g, int t, int groups, const __nv_bfloat16 *z, const int *pairs,
                                                   int count, int k, int D, __nv_bfloat16 *a, int I, int row0,
                                                   float beta, float lbeta) {
     float acc[2][NT][4];
     zero_acc<2, NT>(acc);
-    mma_ring_pass<2, NT, KB>(ring, rows, scales, g, t, groups, z, pairs, count, k, D, acc);
+    mma_ring_pass<2, NT, KB, STAGED>(ring, stage, rows, scales, g, t, groups, z, pairs, count, k, D, acc);
     // c0, c1: row g, pairs 2t, 2t + 1 of the tile; c2, c3: row g + 8, the same pairs.
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
@@ -384,6 +477,22 @@ __device__ __forceinline__ void gate_up_mma_chunk(u8 *ring, const u8 *const rows
         p += count;                                      \
     }
 
+// The staged kernels' chunks: up to STAGED_COLUMNS pairs, STAGED_KB blocks per step (block-uniform: every warp of
+// the block takes the same chunks, as the staged pass's barriers need).
+#define STAGED_KB 1
+#define STAGED_CHUNKS(CALL)                                   \
+    for (int left = end - p; left > 0; left = end - p) {      \
+        int count = min(left, STAGED_COLUMNS);                \
+        if (count > 24) CALL(4, STAGED_KB, false);            \
+        else if (count > 16) CALL(3, STAGED_KB, false);       \
+        else if (count > 8) CALL(2, STAGED_KB, false);        \
+        else CALL(1, STAGED_KB, false);                       \
+        p += count;                                           \
+    }
+// Shared memory per warp of a staged kernel's rings, and the block's stage after them (moe_ops.rs derives the same).
+#define STAGED_RING_WARP_BYTES (EXPERT_STAGES * RingStep<2, STAGED_KB>::BYTES)
+#define STAGED_SHARED_BYTES (MMA_WARPS * STAGED_RING_WARP_BYTES + EXPERT_STAGES * stage_slot_bytes(STAGED_KB))
+
 // Gate/up + SiTU per active expert: a[p, r] = bf(SiTU(bf(w1_e[r] z_t), bf(w3_e[r] z_t))) for every pair p = t k + j
 // of expert e. The weights stream through each warp's ring (mma_ring_pass), which leaves it 128 registers without
 // spills: 4 blocks per SM instead of the register pass's 3.
@@ -406,9 +515,34 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 4)
     u8 *ring = rings + (threadIdx.x >> 5) * RING_WARP_BYTES;
     long tile = tile_index(e, row0, I, groups), code = tile * TILE_CODE_BYTES + tile_code_offset(g, 0, t);
     const u8 *rows[2] = {w1p + code, w3p + code}, *scales[2] = {w1s + tile * TILE_SCALE_BYTES, w3s + tile * TILE_SCALE_BYTES};
-#define GATE_UP_MMA(NT, KB, FULL) \
-    gate_up_mma_chunk<NT, KB>(ring, rows, scales, g, t, groups, z, pairs + p, count, k, D, a, I, row0, beta, lbeta)
+#define GATE_UP_MMA(NT, KB, FULL)                                                                             \
+    gate_up_mma_chunk<NT, KB, false>(ring, nullptr, rows, scales, g, t, groups, z, pairs + p, count, k, D, a, I, row0, \
+                                     beta, lbeta)
     MMA_CHUNKS(GATE_UP_MMA, GATE_UP_KB, false)
+#undef GATE_UP_MMA
+}
+
+// moe_gate_up with the token inputs staged per block (see "Token inputs staged in shared memory"), one K block per step
+// and chunks of up to STAGED_COLUMNS pairs; the same bits. A warp past the matrix's rows still copies and waits with
+// its block: it runs the last tile and stores nothing. Dynamic shared memory STAGED_SHARED_BYTES.
+extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 4)
+    moe_gate_up_staged(const __nv_bfloat16 *z, const u8 *w1p, const u8 *w1s, const u8 *w3p, const u8 *w3s,
+                       const int *group, const int *pairs, __nv_bfloat16 *a, int k, int E, int D, int I, float beta,
+                       float lbeta) {
+    kernel_entry();
+    int e, p, end;
+    if (!expert_slot(group, E, e, p, end)) return;
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int row0 = (blockIdx.y * MMA_WARPS + (threadIdx.x >> 5)) * 16, groups = D / 32;
+    extern __shared__ __align__(16) u8 rings[];
+    u8 *ring = rings + (threadIdx.x >> 5) * STAGED_RING_WARP_BYTES, *stage = rings + MMA_WARPS * STAGED_RING_WARP_BYTES;
+    long tile = tile_index(e, min(row0, (I - 1) / 16 * 16), I, groups);
+    long code = tile * TILE_CODE_BYTES + tile_code_offset(g, 0, t);
+    const u8 *rows[2] = {w1p + code, w3p + code}, *scales[2] = {w1s + tile * TILE_SCALE_BYTES, w3s + tile * TILE_SCALE_BYTES};
+#define GATE_UP_MMA(NT, KB, FULL)                                                                                 \
+    gate_up_mma_chunk<NT, KB, true>(ring, stage, rows, scales, g, t, groups, z, pairs + p, count, k, D, a, I, row0, \
+                                    beta, lbeta)
+    STAGED_CHUNKS(GATE_UP_MMA)
 #undef GATE_UP_MMA
 }
 
@@ -473,41 +607,42 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, DOWN_BLOCKS_PER_SM)
 extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, DOWN_BLOCKS_PER_SM) moe_down_full(DOWN_ARGS) {
     down_kernel<true>(a, w2p, w2s, group, pairs, y, E, D, I);
 }
-// Down projection of two 16-row tiles (rows row0 .. row0 + 31) for pairs[0..count) through the warp's ring (see
-// moe_down_tile_pairs).
+// Down projection of two 16-row tiles (rows row0 .. row0 + 31) for pairs[0..count) through the warp's ring, the
+// inputs staged per block (see moe_down_staged).
 template <int NT, int KB>
-__device__ __forceinline__ void down_pair_mma_chunk(u8 *ring, const u8 *const rows[2], const u8 *const scales[2], int g,
+__device__ __forceinline__ void down_pair_mma_chunk(u8 *ring, u8 *stage, const u8 *const rows[2], const u8 *const scales[2], int g,
                                                     int t, int groups, const __nv_bfloat16 *act, const int *pairs,
                                                     int count, int I, __nv_bfloat16 *y, int D, int row0) {
     float acc[2][NT][4];
     zero_acc<2, NT>(acc);
-    mma_ring_pass<2, NT, KB>(ring, rows, scales, g, t, groups, act, pairs, count, 1, I, acc);
+    mma_ring_pass<2, NT, KB, true>(ring, stage, rows, scales, g, t, groups, act, pairs, count, 1, I, acc);
     store_down<2, NT>(acc, pairs, count, y, D, row0, g, t);
 }
 
 // Down projection as moe_down, with two 16-row tiles per warp streamed through its ring as moe_gate_up streams the
-// gate and up tiles: the two tiles share every load of the token inputs. With many pairs per expert those loads, not
-// the weights, bound moe_down (ncu at k3-mini's batch 64, 16 pairs per expert: L1 85% busy, DRAM 31%; BENCHMARKS.md,
-// eleventh session). Each tile sees the MMAs of moe_down in the same order, so the results are the same bits.
-// grid = (min(n k, E), D / (32 MMA_WARPS) rounded up), blockDim 32 MMA_WARPS; dynamic shared memory MMA_WARPS
-// RING_WARP_BYTES. D must be a multiple of 32 (the host takes moe_down otherwise).
-extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 4) moe_down_tile_pairs(DOWN_ARGS) {
+// gate and up tiles, and the token inputs staged per block (see "Token inputs staged in shared memory"): the two
+// tiles, and the block's four warps, share every load of them. With many pairs per expert those loads, not the
+// weights, bound moe_down (ncu at k3-mini's batch 64, 16 pairs per expert: L1 85% busy, DRAM 31%; BENCHMARKS.md,
+// eleventh session). Each tile sees the MMAs of moe_down in the same order, so the results are the same bits. A warp
+// past the matrix's rows runs the last tile pair and stores nothing.
+// grid = (min(n k, E), D / (32 MMA_WARPS) rounded up), blockDim 32 MMA_WARPS; dynamic shared memory
+// STAGED_SHARED_BYTES. D must be a multiple of 32 (the host takes moe_down otherwise).
+extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 4) moe_down_staged(DOWN_ARGS) {
     kernel_entry();
     int e, p, end;
     if (!expert_slot(group, E, e, p, end)) return;
     int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    int row0 = (blockIdx.y * MMA_WARPS + (threadIdx.x >> 5)) * 32;
-    if (row0 >= D) return;
-    int groups = I / 32;
+    int row0 = (blockIdx.y * MMA_WARPS + (threadIdx.x >> 5)) * 32, groups = I / 32;
     extern __shared__ __align__(16) u8 rings[];
-    u8 *ring = rings + (threadIdx.x >> 5) * RING_WARP_BYTES;
-    long tile = tile_index(e, row0, D, groups), quads = (groups + 3) / 4;  // the second tile follows the first
+    u8 *ring = rings + (threadIdx.x >> 5) * STAGED_RING_WARP_BYTES, *stage = rings + MMA_WARPS * STAGED_RING_WARP_BYTES;
+    // the second tile follows the first
+    long tile = tile_index(e, min(row0, D - 32), D, groups), quads = (groups + 3) / 4;
     long code = tile * TILE_CODE_BYTES + tile_code_offset(g, 0, t);
     const u8 *rows[2] = {w2p + code, w2p + code + quads * TILE_CODE_BYTES};
     const u8 *scales[2] = {w2s + tile * TILE_SCALE_BYTES, w2s + (tile + quads) * TILE_SCALE_BYTES};
 #define DOWN_PAIR_MMA(NT, KB, FULL) \
-    down_pair_mma_chunk<NT, KB>(ring, rows, scales, g, t, groups, a, pairs + p, count, I, y, D, row0)
-    MMA_CHUNKS(DOWN_PAIR_MMA, GATE_UP_KB, false)
+    down_pair_mma_chunk<NT, KB>(ring, stage, rows, scales, g, t, groups, a, pairs + p, count, I, y, D, row0)
+    STAGED_CHUNKS(DOWN_PAIR_MMA)
 #undef DOWN_PAIR_MMA
 }
 #undef DOWN_ARGS

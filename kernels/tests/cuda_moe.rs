@@ -1,11 +1,11 @@
-//! The grouped routed-expert kernels of the latent MoE (`kernels/cuda/moe.cu`: `Gpu::moe_group`,
+//! The grouped routed-expert kernels of the latent MoE (`kernels/cuda/moe.cu`, `moe_route.cu`: `Gpu::moe_group`,
 //! `Gpu::moe_gate_up`, `Gpu::moe_down`) on a GPU, at the k3-mini expert shapes (latent 3584, expert width 3072)
 //! and at a small shape whose rows do not fill a warp's lanes: against an f64 host reference built from
 //! `mxfp4::dequant_row` (every E2M1 code; real checkpoints' scales, below 1, and scales up to 2^3, which take the
 //! kernels' wide dequantisation), over batches of 1, 3, 8, 16 and 64 tokens
 //! with one expert shared by every token, others by a few, and one expert that no token chose; and every token's
 //! outputs bit-identical across those batches (a token's arithmetic may not depend on who shares its experts), and
-//! across the two forms of the down projection (one or two 16-row tiles per warp).
+//! across the two forms of the expert kernels (token rows read by each warp, or staged per block).
 //! On a machine without a CUDA driver every test says plainly that it skipped.
 //!
 //! The grouping by expert against a host grouping, with the choices staged in shared memory and read from global,
@@ -26,7 +26,7 @@ use rand_chacha::ChaCha8Rng;
 use sparkd_kernels::cpu::ops::situ;
 use sparkd_kernels::cuda::device::driver_present;
 use sparkd_kernels::cuda::expert_layout::{tile_codes, tile_scales};
-use sparkd_kernels::cuda::ops::{moe_group_len, DPtr, DownTiles, Gpu, RouteArgs};
+use sparkd_kernels::cuda::ops::{moe_group_len, DPtr, ExpertForm, Gpu, RouteArgs};
 use sparkd_kernels::mxfp4::dequant_row;
 use sparkd_kernels::ModelConfig;
 
@@ -153,24 +153,29 @@ fn run(
     let (b, lb) = (cfg.situ_beta, cfg.situ_linear_beta);
     let (w1, w3, w2) = (w[0].ptrs(gpu), w[1].ptrs(gpu), w[2].ptrs(gpu));
     let (z, act, y) = (gpu.ptr(&r.z), gpu.ptr(&r.act), gpu.ptr(&r.y));
-    gpu.moe_gate_up(z, w1, w3, grouping, act, n, k, experts, latent, inter, b, lb).unwrap();
-    let (chosen, other) = down_forms(n, k, experts, latent);
+    let (chosen, other) = forms(n, k, experts, latent);
+    gpu.moe_gate_up(z, w1, w3, grouping, act, n, k, experts, latent, inter, b, lb, chosen).unwrap();
     gpu.moe_down(act, w2, grouping, y, n, k, experts, latent, inter, chosen).unwrap();
     let bits = |v: Vec<bf16>| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
+    let act_bits = bits(gpu.download(&r.act, n * k * inter).unwrap());
     let y_bits = bits(gpu.download(&r.y, n * k * latent).unwrap());
-    // Both forms of the down projection give the same bits, whichever the batch takes.
+    // Both forms give the same bits, whichever the batch takes.
+    let act_other = gpu.zeros::<bf16>(n * k * inter).unwrap();
+    gpu.moe_gate_up(z, w1, w3, grouping, gpu.ptr(&act_other), n, k, experts, latent, inter, b, lb, other).unwrap();
+    let act_other = bits(gpu.download(&act_other, n * k * inter).unwrap());
+    assert!(act_other == act_bits, "[{latent}, {inter}] batch {n}: moe_gate_up as {other:?} differs from {chosen:?}");
     let y_other = gpu.zeros::<bf16>(n * k * latent).unwrap();
     gpu.moe_down(act, w2, grouping, gpu.ptr(&y_other), n, k, experts, latent, inter, other).unwrap();
     let y_other = bits(gpu.download(&y_other, n * k * latent).unwrap());
     assert!(y_other == y_bits, "[{latent}, {inter}] batch {n}: moe_down as {other:?} differs from {chosen:?}");
-    (bits(gpu.download(&r.act, n * k * inter).unwrap()), y_bits)
+    (act_bits, y_bits)
 }
 
-/// The form of the down projection that the model takes for the batch (`DownTiles::for_batch`), and the other one.
-fn down_forms(n: usize, k: usize, experts: usize, latent: usize) -> (DownTiles, DownTiles) {
-    match DownTiles::for_batch(n, k, experts, latent) {
-        DownTiles::One => (DownTiles::One, DownTiles::Pairs),
-        DownTiles::Pairs => (DownTiles::Pairs, DownTiles::One),
+/// The form of the expert kernels that the model takes for the batch (`ExpertForm::for_batch`), and the other one.
+fn forms(n: usize, k: usize, experts: usize, latent: usize) -> (ExpertForm, ExpertForm) {
+    match ExpertForm::for_batch(n, k, experts, latent) {
+        ExpertForm::Rows => (ExpertForm::Rows, ExpertForm::Staged),
+        ExpertForm::Staged => (ExpertForm::Staged, ExpertForm::Rows),
     }
 }
 
@@ -431,10 +436,12 @@ fn routed_experts_reject_widths_that_are_not_multiples_of_32() {
     let buf = gpu.zeros::<u8>(4096).unwrap();
     let p = gpu.ptr(&buf);
     let (b, lb) = (cfg.situ_beta, cfg.situ_linear_beta);
-    assert!(gpu.moe_gate_up(p, (p, p), (p, p), (p, p), p, 1, 1, 1, 40, 64, b, lb).is_err());
-    assert!(gpu.moe_down(p, (p, p), (p, p), p, 1, 1, 1, 64, 40, DownTiles::One).is_err());
-    // Tile pairs need whole pairs of 16-row tiles.
-    assert!(gpu.moe_down(p, (p, p), (p, p), p, 1, 1, 1, 48, 64, DownTiles::Pairs).is_err());
+    for form in [ExpertForm::Rows, ExpertForm::Staged] {
+        assert!(gpu.moe_gate_up(p, (p, p), (p, p), (p, p), p, 1, 1, 1, 40, 64, b, lb, form).is_err());
+        assert!(gpu.moe_down(p, (p, p), (p, p), p, 1, 1, 1, 64, 40, form).is_err());
+    }
+    // The staged down projection needs whole pairs of 16-row tiles.
+    assert!(gpu.moe_down(p, (p, p), (p, p), p, 1, 1, 1, 48, 64, ExpertForm::Staged).is_err());
 }
 
 /// The combine and routed norm of `n` tokens, `(combined, out)`, in f64 from the bf16 inputs: combined[c] =
@@ -533,10 +540,9 @@ fn time_routing(
     let grouping = r.grouping(gpu);
     let (w1, w3, w2) = (w[0].ptrs, w[1].ptrs, w[2].ptrs);
     let (z, act, y) = (gpu.ptr(&r.z), gpu.ptr(&r.act), gpu.ptr(&r.y));
-    let gate_up = || gpu.moe_gate_up(z, w1, w3, grouping, act, n, k, experts, latent, inter, situ.0, situ.1).unwrap();
-    let (chosen, other) = down_forms(n, k, experts, latent);
-    let down = || gpu.moe_down(act, w2, grouping, y, n, k, experts, latent, inter, chosen).unwrap();
-    let down_other = || gpu.moe_down(act, w2, grouping, y, n, k, experts, latent, inter, other).unwrap();
+    let (chosen, other) = forms(n, k, experts, latent);
+    let gate_up = |form| gpu.moe_gate_up(z, w1, w3, grouping, act, n, k, experts, latent, inter, situ.0, situ.1, form);
+    let down = |form| gpu.moe_down(act, w2, grouping, y, n, k, experts, latent, inter, form);
     let iters = 50;
     let time = |op: &dyn Fn()| {
         op();
@@ -548,7 +554,8 @@ fn time_routing(
         gpu.synchronize().unwrap();
         t0.elapsed().as_secs_f64() / f64::from(iters)
     };
-    let (t_gu, t_down, t_other) = (time(&gate_up), time(&down), time(&down_other));
+    let (t_gu, t_down) = (time(&|| gate_up(chosen).unwrap()), time(&|| down(chosen).unwrap()));
+    let (t_gu_other, t_down_other) = (time(&|| gate_up(other).unwrap()), time(&|| down(other).unwrap()));
     let gu_bytes = (active * (w[0].expert_bytes + w[1].expert_bytes)) as f64;
     let down_bytes = (active * w[2].expert_bytes) as f64;
     println!(
@@ -561,7 +568,13 @@ fn time_routing(
         (t_gu + t_down) * 1e6,
         (gu_bytes + down_bytes) / (t_gu + t_down) / 1e9
     );
-    println!("    down as {chosen:?} (taken) {:.1} us; as {other:?} {:.1} us", t_down * 1e6, t_other * 1e6);
+    println!(
+        "    as {chosen:?} (taken): gate/up {:.1} us, down {:.1} us; as {other:?}: gate/up {:.1} us, down {:.1} us",
+        t_gu * 1e6,
+        t_down * 1e6,
+        t_gu_other * 1e6,
+        t_down_other * 1e6
+    );
 }
 
 /// `experts` experts' weights on the device in the tiled layout, made of `w`'s random experts repeated (a timing

@@ -31,7 +31,7 @@ use crate::cpu::moe::Routing;
 use crate::cuda::attn::{KdaArgs, StepBuffer, StepTables, KDA_CHUNKED_MIN_TOKENS};
 use crate::cuda::device::device_err;
 use crate::cuda::graph::{CapturedStep, Decision, GraphCache, RowShape, StepShape, GRAPH_MAX_WINDOW};
-use crate::cuda::ops::{moe_group_len, DPtr, DownTiles, Gemm, Gpu, RouteArgs, NULL};
+use crate::cuda::ops::{moe_group_len, DPtr, ExpertForm, Gemm, Gpu, RouteArgs, NULL};
 use crate::cuda::weights::{
     DevFfn, DevKda, DevLinear, DevMerged, DevMixer, DevMla, DevMlp, DevMoe, DevNorm, DevWeights,
 };
@@ -794,6 +794,7 @@ impl DeviceModel {
         let act = gpu.uninit::<bf16>(n * k * inter)?; // [n k, inter]
         let pair = |x: &crate::cuda::weights::DevExperts| (gpu.ptr(&x.packed), gpu.ptr(&x.scales));
         gpu.mark("moe.experts")?;
+        let form = ExpertForm::for_batch(n, k, e, latent);
         gpu.moe_gate_up(
             gpu.ptr(&z),
             pair(&w.w1),
@@ -807,10 +808,10 @@ impl DeviceModel {
             inter,
             self.cfg.situ_beta,
             self.cfg.situ_linear_beta,
+            form,
         )?;
         let expert_out = gpu.uninit::<bf16>(n * k * latent)?; // [n k, latent]
-        let tiles = DownTiles::for_batch(n, k, e, latent);
-        gpu.moe_down(gpu.ptr(&act), pair(&w.w2), grouping, gpu.ptr(&expert_out), n, k, e, latent, inter, tiles)?;
+        gpu.moe_down(gpu.ptr(&act), pair(&w.w2), grouping, gpu.ptr(&expert_out), n, k, e, latent, inter, form)?;
         let normed = gpu.uninit::<bf16>(n * latent)?; // [n, latent]
         gpu.mark("moe.combine")?;
         gpu.moe_combine_norm(

@@ -1,5 +1,5 @@
-//! The latent MoE's launches on [`Gpu`] (`kernels/cuda/moe.cu`): the router, the grouping of (token, expert)
-//! pairs by expert, the grouped MXFP4 expert kernels and the combine with the routed norm.
+//! The latent MoE's launches on [`Gpu`]: the router, the grouping of (token, expert) pairs by expert and the combine
+//! with the routed norm (`kernels/cuda/moe_route.cu`), and the grouped MXFP4 expert kernels (`kernels/cuda/moe.cu`).
 //!
 //! Invariants:
 //! - No host synchronisation: grids are sized from host-known bounds (at most `n k` active experts, at most
@@ -7,7 +7,7 @@
 //! - The pairs grouped by expert have one layout whoever writes them: `moe_group`, or for a step of one token the
 //!   router itself (its experts ascending, one pair each), which then saves the grouping launch.
 //! - A token's routing and expert outputs do not depend on the other tokens of the batch, bit for bit (fixed
-//!   summation orders, no float atomics; see `moe.cu`), whichever router form runs.
+//!   summation orders, no float atomics; see the kernels), whichever router form and expert form run.
 
 use cudarc::driver::LaunchConfig;
 
@@ -110,7 +110,8 @@ impl Gpu {
     }
 
     /// Gate/up + SiTU per active expert over its grouped pairs: `a` `[n k, inter]` (row `t * k + j`). `w1` and `w3`
-    /// are (codes, scales) of `[experts, inter, latent]` in the tiled layout of [`crate::cuda::expert_layout`].
+    /// are (codes, scales) of `[experts, inter, latent]` in the tiled layout of [`crate::cuda::expert_layout`]. Both
+    /// forms give the same bits (the model takes [`ExpertForm::for_batch`]).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_gate_up(
         &self,
@@ -126,20 +127,30 @@ impl Gpu {
         inter: usize,
         beta: f32,
         lbeta: f32,
+        form: ExpertForm,
     ) -> Result<()> {
         check_expert_width("latent", latent)?;
-        let cfg = expert_launch(n, k, experts, inter, 16, GATE_UP_SHARED_BYTES);
+        let (kernel, name, cfg) = match form {
+            ExpertForm::Rows => {
+                (&self.k.moe_gate_up, "moe_gate_up", expert_launch(n, k, experts, inter, 16, GATE_UP_SHARED_BYTES))
+            }
+            ExpertForm::Staged => (
+                &self.k.moe_gate_up_staged,
+                "moe_gate_up_staged",
+                expert_launch(n, k, experts, inter, 16, STAGED_SHARED_BYTES),
+            ),
+        };
         let (k, e, dl, di) = (k as i32, experts as i32, latent as i32, inter as i32);
-        let mut b = self.launcher(&self.k.moe_gate_up);
+        let mut b = self.launcher(kernel);
         b.arg(&z).arg(&w1.0).arg(&w1.1).arg(&w3.0).arg(&w3.1).arg(&grouping.0).arg(&grouping.1).arg(&a);
         b.arg(&k).arg(&e).arg(&dl).arg(&di).arg(&beta).arg(&lbeta);
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_gate_up"))
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err(name))
     }
 
     /// Down projection per active expert over its grouped pairs: `y` `[n k, latent]` (row `t * k + j`). `w2` is
     /// (codes, scales) of `[experts, latent, inter]` in the tiled layout of [`crate::cuda::expert_layout`]. Both
-    /// forms `tiles` give the same bits (the model takes [`DownTiles::for_batch`]); [`DownTiles::Pairs`] needs
-    /// `latent` to be a multiple of 32.
+    /// forms give the same bits (the model takes [`ExpertForm::for_batch`]); [`ExpertForm::Staged`] needs `latent`
+    /// to be a multiple of 32.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_down(
         &self,
@@ -152,24 +163,25 @@ impl Gpu {
         experts: usize,
         latent: usize,
         inter: usize,
-        tiles: DownTiles,
+        form: ExpertForm,
     ) -> Result<()> {
         check_expert_width("expert", inter)?;
         let (e, dl, di) = (experts as i32, latent as i32, inter as i32);
-        let (kernel, name, cfg) = match tiles {
-            DownTiles::One => {
+        let (kernel, name, cfg) = match form {
+            ExpertForm::Rows => {
                 let full = inter % (128 * DOWN_KB) == 0;
                 let name = if full { "moe_down_full" } else { "moe_down" };
                 (&self.k.moe_down[usize::from(full)], name, expert_launch(n, k, experts, latent, 16, 0))
             }
-            DownTiles::Pairs => {
+            ExpertForm::Staged => {
                 if latent % 32 != 0 {
                     return Err(KernelError::InvalidInput(format!(
-                        "moe_down by tile pairs needs a multiple of 32 output rows, got {latent}"
+                        "the staged moe_down takes two 16-row tiles per warp and needs a multiple of 32 output \
+                         rows, got {latent}"
                     )));
                 }
-                let cfg = expert_launch(n, k, experts, latent, 32, GATE_UP_SHARED_BYTES);
-                (&self.k.moe_down_tile_pairs, "moe_down_tile_pairs", cfg)
+                let cfg = expert_launch(n, k, experts, latent, 32, STAGED_SHARED_BYTES);
+                (&self.k.moe_down_staged, "moe_down_staged", cfg)
             }
         };
         let mut b = self.launcher(kernel);
@@ -246,7 +258,7 @@ fn router_grouping(r: &RouteArgs) -> (DPtr, DPtr, bool) {
 /// The most dynamic shared memory `moe_group` takes (the default limit, no opt-in needed).
 const GROUP_SHARED_LIMIT: usize = 48 * 1024;
 
-/// Blocks per token of the one-launch router (`ROUTER_CLUSTER` in `kernels/cuda/moe.cu`).
+/// Blocks per token of the one-launch router (`ROUTER_CLUSTER` in `kernels/cuda/moe_route.cu`).
 const ROUTER_CLUSTER: u32 = 8;
 
 /// The most experts the one-launch router takes (its cluster has 64 warps, one dot product each per 64 experts;
@@ -262,26 +274,41 @@ pub fn moe_group_len(experts: usize) -> usize {
 /// 16-row tiles (one per warp) per block of the grouped expert kernels (`MMA_WARPS` in `kernels/cuda/moe.cu`).
 const EXPERT_WARPS: u32 = 4;
 
-/// Steps of weights in each warp's shared-memory ring of `moe_gate_up`, K blocks of 128 inputs per step, and the
-/// scale bytes of a block's 16-row chunk (`EXPERT_STAGES`, `GATE_UP_KB`, `TILE_SCALE_BYTES` in `kernels/cuda/moe.cu`).
+/// Steps of weights in each warp's shared-memory ring of the ring kernels, K blocks of 128 inputs per step of
+/// `moe_gate_up` and of the staged kernels, and the scale bytes of a block's 16-row chunk (`EXPERT_STAGES`,
+/// `GATE_UP_KB`, `STAGED_KB`, `TILE_SCALE_BYTES` in `kernels/cuda/moe.cu`).
 const EXPERT_STAGES: u32 = 3;
 const GATE_UP_KB: u32 = 2;
+const STAGED_KB: u32 = 1;
 const TILE_SCALE_BYTES: u32 = 64;
-/// The bytes of one ring step (`RingStep<2, GATE_UP_KB>::BYTES` there): the gate and up matrices' codes for 2 rows
-/// per lane, 16 bytes per row and block, then their scale chunks.
-const EXPERT_RING_STEP_BYTES: u32 = 2 * 2 * GATE_UP_KB * 512 + 2 * GATE_UP_KB * TILE_SCALE_BYTES;
+
+/// The bytes of one ring step of two matrices and `kb` K blocks (`RingStep<2, kb>::BYTES` there): codes for 2 rows
+/// per lane, 16 bytes per row and block, then the scale chunks.
+const fn ring_step_bytes(kb: u32) -> u32 {
+    2 * 2 * kb * 512 + 2 * kb * TILE_SCALE_BYTES
+}
 
 /// Dynamic shared memory of a `moe_gate_up` block: one ring per warp.
-const GATE_UP_SHARED_BYTES: u32 = EXPERT_WARPS * EXPERT_STAGES * EXPERT_RING_STEP_BYTES;
+const GATE_UP_SHARED_BYTES: u32 = EXPERT_WARPS * EXPERT_STAGES * ring_step_bytes(GATE_UP_KB);
 
-/// Raises the dynamic shared memory limit of the ring kernels (`moe_gate_up`, `moe_down_tile_pairs`) to their rings'
-/// size.
+/// The most pairs per chunk of the staged kernels (`STAGED_COLUMNS`), and their dynamic shared memory
+/// (`STAGED_SHARED_BYTES`): one ring per warp, then the block's stage of token inputs, a slot per ring step of
+/// `STAGED_COLUMNS` rows of `STAGED_KB` blocks of 128 bf16 inputs.
+const STAGED_COLUMNS: u32 = 32;
+const STAGED_SHARED_BYTES: u32 =
+    EXPERT_WARPS * EXPERT_STAGES * ring_step_bytes(STAGED_KB) + EXPERT_STAGES * STAGED_COLUMNS * STAGED_KB * 256;
+
+/// Raises the dynamic shared memory limit of the ring kernels to their rings' (and stages') size.
 pub(crate) fn allow_expert_shared_memory(k: &Kernels) -> Result<()> {
-    for (kernel, name) in [(&k.moe_gate_up, "moe_gate_up"), (&k.moe_down_tile_pairs, "moe_down_tile_pairs")] {
+    for (kernel, name, bytes) in [
+        (&k.moe_gate_up, "moe_gate_up", GATE_UP_SHARED_BYTES),
+        (&k.moe_gate_up_staged, "moe_gate_up_staged", STAGED_SHARED_BYTES),
+        (&k.moe_down_staged, "moe_down_staged", STAGED_SHARED_BYTES),
+    ] {
         kernel
             .set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                GATE_UP_SHARED_BYTES as i32,
+                bytes as i32,
             )
             .map_err(|e| device_err(&format!("allowing {name} its shared memory"), e))?;
     }
@@ -292,27 +319,36 @@ pub(crate) fn allow_expert_shared_memory(k: &Kernels) -> Result<()> {
 /// multiples of `128 * DOWN_KB` inputs (K3's 3,072) fill every step and take `moe_down_full`, the form without masks.
 const DOWN_KB: usize = 2;
 
-/// Which `moe_down` kernel runs: one 16-row tile per warp (`moe_down` / `moe_down_full`), or two that share the
-/// token inputs' loads (`moe_down_tile_pairs`). The same bits either way.
+/// Where the grouped expert kernels read the token inputs: each warp its pairs' rows from global memory (`Rows`:
+/// `moe_gate_up`, and `moe_down` with one 16-row tile per warp), or through a per-block stage in shared memory that
+/// the block's warps share (`Staged`: `moe_gate_up_staged`, and `moe_down_staged` with two tiles per warp). The
+/// same bits either way.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DownTiles {
-    One,
-    Pairs,
+pub enum ExpertForm {
+    Rows,
+    Staged,
 }
 
-/// The fewest pairs per expert, on average over the batch, at which [`DownTiles::Pairs`] runs: from there the token
-/// inputs' loads bound the one-tile form (H200, BENCHMARKS.md, eleventh session); with fewer, halving the warps
-/// costs more than the loads it saves.
-const DOWN_TILE_PAIRS_MIN_PAIRS: usize = 8;
+/// The fewest pairs per expert, on average over the batch, from which [`ExpertForm::Staged`] runs whatever the
+/// number of active experts: there the token inputs' loads bound the row form (H200, BENCHMARKS.md, eleventh and
+/// twentieth sessions).
+const STAGED_MIN_PAIRS: usize = 8;
 
-impl DownTiles {
+/// The most active experts (bounded by `min(n k, experts)`) at which [`ExpertForm::Staged`] runs with fewer pairs
+/// per expert: a launch of a few waves, whose warps wait on their loads, gains from the stage's prefetched copies
+/// (k3-mini's batches 1 to 32, and K3's batch 1; BENCHMARKS.md, twentieth session), while the many waves of K3's
+/// routing at batch 8 and more run the row form's two K blocks per step faster.
+const STAGED_MAX_ACTIVE_EXPERTS: usize = 64;
+
+impl ExpertForm {
     /// The form for `n` tokens choosing `k` of `experts` experts, with `latent` output rows: a function of the batch
     /// shape alone (the kernels never wait for the routing on the host).
     pub fn for_batch(n: usize, k: usize, experts: usize, latent: usize) -> Self {
-        if latent % 32 == 0 && n * k >= DOWN_TILE_PAIRS_MIN_PAIRS * experts {
-            DownTiles::Pairs
+        let (pairs, active) = (n * k, (n * k).min(experts));
+        if latent % 32 == 0 && (active <= STAGED_MAX_ACTIVE_EXPERTS || pairs >= STAGED_MIN_PAIRS * experts) {
+            ExpertForm::Staged
         } else {
-            DownTiles::One
+            ExpertForm::Rows
         }
     }
 }
@@ -346,9 +382,12 @@ fn check_expert_width(what: &str, inputs: usize) -> Result<()> {
 mod tests {
     use super::*;
 
-    /// The value of `#define name value` in `kernels/cuda/moe.cu`.
+    /// The value of `#define name value` in `kernels/cuda/moe.cu` (and in `moe_route.cu`).
     fn defined(name: &str) -> u32 {
         crate::cuda::compile::source_define("moe.cu", name)
+    }
+    fn defined_in_route(name: &str) -> u32 {
+        crate::cuda::compile::source_define("moe_route.cu", name)
     }
 
     #[test]
@@ -356,22 +395,32 @@ mod tests {
         // A ring larger than the shared memory the launch gives would overrun it.
         assert_eq!(EXPERT_STAGES, defined("EXPERT_STAGES"));
         assert_eq!(GATE_UP_KB, defined("GATE_UP_KB"));
+        assert_eq!(STAGED_KB, defined("STAGED_KB"));
+        assert_eq!(STAGED_COLUMNS, defined("STAGED_COLUMNS"));
         assert_eq!(TILE_SCALE_BYTES, defined("TILE_SCALE_BYTES"));
         assert_eq!(DOWN_KB as u32, defined("DOWN_KB"));
         assert_eq!(EXPERT_WARPS, defined("MMA_WARPS"));
-        assert_eq!(ROUTER_CLUSTER, defined("ROUTER_CLUSTER"));
+        assert_eq!(ROUTER_CLUSTER, defined_in_route("ROUTER_CLUSTER"));
     }
 
     #[test]
-    fn tile_pairs_take_the_down_projection_only_with_many_pairs_per_expert() {
-        let (k3_mini, k3, latent) = (64, 896, 3584);
-        // k3-mini's batch 64 puts 16 pairs on each expert: the token loads bound the one-tile form there.
-        assert_eq!(DownTiles::for_batch(64, 16, k3_mini, latent), DownTiles::Pairs);
-        assert_eq!(DownTiles::for_batch(32, 16, k3_mini, latent), DownTiles::Pairs);
-        // Fewer pairs per expert, as in K3's decode (1.7 at batch 64), keep one tile per warp and twice the warps.
-        assert_eq!(DownTiles::for_batch(16, 16, k3_mini, latent), DownTiles::One);
-        assert_eq!(DownTiles::for_batch(64, 16, k3, latent), DownTiles::One);
-        // Tile pairs need whole pairs of 16-row tiles.
-        assert_eq!(DownTiles::for_batch(64, 16, k3_mini, 48), DownTiles::One);
+    fn the_staged_form_takes_few_active_experts_or_many_pairs_per_expert() {
+        let (k3_mini, k3, k, latent) = (64, 896, 16, 3584);
+        // k3-mini has 64 experts: every batch takes the staged form, and from batch 32 (8 pairs per expert) it is
+        // the token loads it saves that matter.
+        for n in [1, 2, 8, 16, 32, 64] {
+            assert_eq!(ExpertForm::for_batch(n, k, k3_mini, latent), ExpertForm::Staged, "k3-mini batch {n}");
+        }
+        // K3's 896 experts: up to 64 pairs (batch 4) a launch of few waves; from batch 8 (about 1.1 pairs per active
+        // expert) the row form, until 8 pairs per expert on average.
+        for n in [1, 4] {
+            assert_eq!(ExpertForm::for_batch(n, k, k3, latent), ExpertForm::Staged, "K3 batch {n}");
+        }
+        for n in [5, 8, 64, 447] {
+            assert_eq!(ExpertForm::for_batch(n, k, k3, latent), ExpertForm::Rows, "K3 batch {n}");
+        }
+        assert_eq!(ExpertForm::for_batch(448, k, k3, latent), ExpertForm::Staged);
+        // The staged down projection needs whole pairs of 16-row tiles.
+        assert_eq!(ExpertForm::for_batch(64, k, k3_mini, 48), ExpertForm::Rows);
     }
 }

@@ -45,7 +45,7 @@ use crate::cuda::compile::{Compiler, SOURCES};
 use crate::cuda::device::{device_err, info, DeviceInfo};
 pub use crate::cuda::gemm_ops::{skinny_split, SkinnyLayout};
 pub use crate::cuda::gemm_tc::tc_split;
-pub use crate::cuda::moe_ops::{moe_group_len, DownTiles, RouteArgs};
+pub use crate::cuda::moe_ops::{moe_group_len, ExpertForm, RouteArgs};
 use crate::error::{KernelError, Result};
 
 /// A raw device address (valid while the slice it came from lives; see the module invariants).
@@ -148,7 +148,8 @@ pub(crate) struct Kernels {
     pub(crate) moe_gate_up: CudaFunction,
     /// The grouped down projection: `[0]` any width, `[1]` widths whose steps are all full (no masks).
     pub(crate) moe_down: [CudaFunction; 2],
-    pub(crate) moe_down_tile_pairs: CudaFunction,
+    pub(crate) moe_gate_up_staged: CudaFunction,
+    pub(crate) moe_down_staged: CudaFunction,
     pub(crate) moe_combine_norm: CudaFunction,
     /// `moe_combine_norm` over a cluster of blocks per token: present from Hopper on.
     pub(crate) moe_combine_norm_cluster: Option<CudaFunction>,
@@ -368,7 +369,8 @@ impl Gpu {
             moe_group: f("moe_route.cu", "moe_group")?,
             moe_gate_up: f("moe.cu", "moe_gate_up")?,
             moe_down: [f("moe.cu", "moe_down")?, f("moe.cu", "moe_down_full")?],
-            moe_down_tile_pairs: f("moe.cu", "moe_down_tile_pairs")?,
+            moe_gate_up_staged: f("moe.cu", "moe_gate_up_staged")?,
+            moe_down_staged: f("moe.cu", "moe_down_staged")?,
             moe_combine_norm: f("moe_route.cu", "moe_combine_norm")?,
             moe_combine_norm_cluster: hopper.then(|| f("moe_route.cu", "moe_combine_norm_cluster")).transpose()?,
             sample_rows: f("sample.cu", "sample_rows")?,
