@@ -14,7 +14,7 @@
 //!   It is divided by the device-to-device copy bandwidth measured in the same run (bytes read plus
 //!   bytes written), so `floor_fraction = floor_ms / step_ms` is the share of the copy speed reached.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -122,6 +122,9 @@ pub struct Floor {
     pub expert_bytes: u64,
     /// Distinct (layer, expert) pairs read.
     pub experts_read: usize,
+    /// The most (token, slot) pairs that one expert took in one layer: how unevenly the step's tokens share the
+    /// experts (the grouped expert kernels read an expert's weights once per chunk of its pairs).
+    pub busiest_expert_pairs: usize,
     pub embed_bytes: u64,
     /// KDA states and conv windows, read and written.
     pub state_bytes: u64,
@@ -605,6 +608,17 @@ fn floor(
         .iter()
         .map(|layer| layer.iter().flat_map(|r| r.experts.iter().copied()).collect::<BTreeSet<_>>().len())
         .sum();
+    let busiest_expert_pairs = trace
+        .iter()
+        .flat_map(|layer| {
+            let mut pairs = BTreeMap::<usize, usize>::new();
+            for e in layer.iter().flat_map(|r| r.experts.iter().copied()) {
+                *pairs.entry(e).or_default() += 1;
+            }
+            pairs.into_values().max()
+        })
+        .max()
+        .unwrap_or(0);
     let rows = b.states.len() as u64;
     let window = (draft_len + 1) as u64;
     let k = &cfg.kda;
@@ -614,6 +628,7 @@ fn floor(
         dense_weight_bytes: dense,
         expert_bytes: experts_read as u64 * per_expert,
         experts_read,
+        busiest_expert_pairs,
         embed_bytes: rows * window * (cfg.hidden_size * 2) as u64,
         state_bytes: 2 * rows * cfg.kda_layers().len() as u64 * kda_state,
         kv_bytes: rows * cfg.mla_layers().len() as u64 * (len as u64 + window) * latent,
