@@ -70,15 +70,28 @@ __device__ __forceinline__ void load_windows(const i64 *e, float win[3][8], int 
                 hist[((i64)x * (kw - 1 + t) + j) * P + c] = __float2bfloat16_rn(win[x][j]);  // exact: bf16 values
 }
 
-// load_windows for the recurrent kernel, from the head's windows copied to shared memory (wins[x][j][channel]).
+// The recurrent kernel keeps the head's conv windows in shared memory (wins[x][jw][channel], bf16: the pre-conv
+// inputs are bf16, so this is exact), and channel j's thread alone reads and shifts column j after the barrier that
+// follows their copy: no window lives in a local array. The old window goes to hist first.
 template <int K>
-__device__ __forceinline__ void windows_from_shared(__nv_bfloat16 *hist, const __nv_bfloat16 wins[3][7][K],
-                                                    float win[3][8], int c, int j, int P, int kw, int t) {
-    for (int x = 0; x < 3; x++)
-        for (int jw = 0; jw < kw - 1; jw++) {
-            win[x][jw] = __bfloat162float(wins[x][jw][j]);
-            if (hist) hist[((i64)x * (kw - 1 + t) + jw) * P + c] = wins[x][jw][j];
-        }
+__device__ __forceinline__ void windows_to_hist(__nv_bfloat16 *hist, const __nv_bfloat16 wins[3][7][K], int c, int j,
+                                                int P, int kw, int t) {
+    if (hist)
+        for (int x = 0; x < 3; x++)
+            for (int jw = 0; jw < kw - 1; jw++) hist[((i64)x * (kw - 1 + t) + jw) * P + c] = wins[x][jw][j];
+}
+
+// conv_step on column j of a window in shared memory: the same products in the same order (taps 0..kw-2 on the
+// window, oldest first, then tap kw-1 on the new input), then the window shifted by the new input.
+template <int K>
+__device__ __forceinline__ float conv_step_shared(__nv_bfloat16 win[7][K], int j, __nv_bfloat16 raw, const float *w,
+                                                  int c, int kw) {
+    float acc = 0.0f;
+    for (int jw = 0; jw < kw - 1; jw++) acc += w[c * kw + jw] * __bfloat162float(win[jw][j]);
+    acc += w[c * kw + kw - 1] * __bfloat162float(raw);
+    for (int jw = 0; jw + 1 < kw - 1; jw++) win[jw][j] = win[jw + 1][j];
+    if (kw > 1) win[kw - 2][j] = raw;
+    return bf_round(acc * sigmoidf_(acc));
 }
 
 __device__ __forceinline__ void store_windows(__nv_bfloat16 *const conv[3], float win[3][8], int c, int P, int kw) {
@@ -111,6 +124,17 @@ __device__ __forceinline__ void conv_token(const KdaArgs &A, __nv_bfloat16 *hist
     for (int x = 0; x < 3; x++) {
         if (hist) hist[((i64)x * (A.kw - 1 + t) + A.kw - 1 + ti) * P + c] = raw[x];
         out[x] = conv_step(win[x], __bfloat162float(raw[x]), ws[x], tap_row, A.kw);
+    }
+}
+
+// conv_token for the recurrent kernel, on the windows in shared memory (channel j's column).
+template <int K>
+__device__ __forceinline__ void conv_token_shared(const KdaArgs &A, __nv_bfloat16 *hist, __nv_bfloat16 wins[3][7][K],
+                                                  int c, int j, int P, int t, int ti, const __nv_bfloat16 raw[3],
+                                                  const float *const ws[3], float out[3]) {
+    for (int x = 0; x < 3; x++) {
+        if (hist) hist[((i64)x * (A.kw - 1 + t) + A.kw - 1 + ti) * P + c] = raw[x];
+        out[x] = conv_step_shared<K>(wins[x], j, raw[x], ws[x], j, A.kw);
     }
 }
 
@@ -210,15 +234,14 @@ __device__ void kda_step(const i64 *table, KdaArgs A) {
     float scale = 1.0f / sqrtf((float)K);
     cp_async_wait<0>();
     __syncthreads();  // the taps and windows are in
-    float win[3][8];
-    windows_from_shared<K>(hist, wins, win, c, j, P, kw, t);
+    windows_to_hist<K>(hist, wins, c, j, P, kw, t);
     for (int ti = 0; ti < t; ti++) {
         i64 tok = offset + ti;
         // The next token's inputs are loaded while this one computes.
         TokenIn next = cur;
         if (ti + 1 < t) next = load_token(A, tok + 1, c, h, P);
         float x[3] = {0.0f, 0.0f, 0.0f};
-        if (channel) conv_token(A, hist, win, c, P, t, ti, cur.x, taps_of, j, x);
+        if (channel) conv_token_shared<K>(A, hist, wins, c, j, P, t, ti, cur.x, taps_of, x);
         float qq = block_sum(x[0] * x[0]), kk = block_sum(x[1] * x[1]);
         if (channel) {
             qs[j] = x[0] * (1.0f / sqrtf(qq + A.l2_eps)) * scale;
@@ -279,7 +302,9 @@ __device__ void kda_step(const i64 *table, KdaArgs A) {
         __syncthreads();
     }
     st_tile<K, C>(S, r0, c0, s);
-    if (channel) store_windows(conv, win, c, P, kw);
+    if (channel)
+        for (int x = 0; x < 3; x++)
+            for (int jw = 0; jw < kw - 1; jw++) conv[x][(i64)jw * P + c] = wins[x][jw][j];
 }
 
 #define CHUNK 16
