@@ -224,45 +224,45 @@ extern "C" __global__ void __cluster_dims__(ROUTER_CLUSTER, 1, 1) __launch_bound
 // No float atomics anywhere; batch invariance of the expert kernels: see moe.cu.
 
 
-// The position of `e` in the ascending list row[0..k), or -1.
-__device__ __forceinline__ int find_expert(const int *row, int k, int e) {
-    int lo = 0, hi = k;
-    while (lo < hi) {
-        int mid = (lo + hi) >> 1;
-        if (row[mid] < e) lo = mid + 1; else hi = mid;
+// The token-window bitmasks of the pairs of tokens [t0, t1): mask[e words + w] bit b says that token t0 + 32 w + b
+// chose expert e (a token chooses an expert at most once; a slot without an expert, -1, is left out). Integer ORs
+// into shared memory, so the masks do not depend on the order the pairs land in. Ends with the masks complete.
+__device__ __forceinline__ void window_masks(const int *idx, int t0, int t1, int k, int E, int words, u32 *mask) {
+    for (int i = threadIdx.x; i < E * words; i += blockDim.x) mask[i] = 0u;
+    __syncthreads();
+    for (int p = t0 * k + threadIdx.x; p < t1 * k; p += blockDim.x) {
+        int e = idx[p], tl = p / k - t0;
+        if (e >= 0) atomicOr(&mask[e * words + (tl >> 5)], 1u << (tl & 31));
     }
-    return lo < k && row[lo] == e ? lo : -1;
+    __syncthreads();
 }
 
-// Groups the pairs by expert. grid = 1, blockDim 1024 (32 warps); dynamic shared memory 2 E ints, plus n k when
-// `staged` (the choices are first copied into shared memory, so that the binary searches below are not dependent
-// round trips to global memory).
-// idx: [n, k] chosen experts, ascending per token. One warp per expert scans the tokens 32 at a time (a ballot
-// ranks the hits), so the order within an expert is the token order.
-extern "C" __global__ void moe_group(const int *idx_global, int n, int k, int E, int staged, int *group,
-                                     int *pairs) {
+// The pairs of expert e in a window's masks.
+__device__ __forceinline__ int window_count(const u32 *mask, int e, int words) {
+    int c = 0;
+    for (int w = 0; w < words; w++) c += __popc(mask[e * words + w]);
+    return c;
+}
+
+// Groups the pairs by expert. grid = 1, blockDim 256; dynamic shared memory (2 + words) E ints: the tokens go in
+// windows of 32 words (the host sizes words so that the masks fit). Two passes over the windows: the first counts
+// each expert's pairs, then one warp scans the counts; the second places each pair at its expert's start plus the
+// number of earlier tokens that chose the expert (a popcount of the mask bits below it), so the order within an
+// expert is the token order. O(n k + E words) work with no searches: one small block, which the scheduler places
+// beside the side lane's GEMM blocks.
+extern "C" __global__ void moe_group(const int *idx, int n, int k, int E, int words, int *group, int *pairs) {
     kernel_entry();
     extern __shared__ int gsm[];
     int *count = gsm, *start = gsm + E;
-    const int *idx = idx_global;
-    if (staged) {
-        int *copy = gsm + 2 * E;
-        for (int i = threadIdx.x; i < n * k; i += blockDim.x) copy[i] = idx_global[i];
-        __syncthreads();
-        idx = copy;
+    u32 *mask = (u32 *)(gsm + 2 * E);  // [E, words]
+    const int span = 32 * words, lane = threadIdx.x & 31;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
+    for (int t0 = 0; t0 < n; t0 += span) {
+        window_masks(idx, t0, min(n, t0 + span), k, E, words, mask);
+        for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] += window_count(mask, e, words);
+        __syncthreads();  // the counts are read before the next window's masks are cleared
     }
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    for (int e = warp; e < E; e += warps) {
-        int c = 0;
-        for (int t0 = 0; t0 < n; t0 += 32) {
-            int t = t0 + lane;
-            bool hit = t < n && find_expert(idx + (long)t * k, k, e) >= 0;
-            c += __popc(__ballot_sync(0xffffffffu, hit));
-        }
-        if (lane == 0) count[e] = c;
-    }
-    __syncthreads();
-    if (warp == 0) {
+    if (threadIdx.x < 32) {
         // Exclusive scans of the pair counts and of the active flags: each lane takes a contiguous run of experts.
         int per = (E + 31) / 32, lo = min(lane * per, E), hi = min(lo + per, E);
         int pairs_before = 0, active_before = 0;
@@ -281,17 +281,21 @@ extern "C" __global__ void moe_group(const int *idx_global, int n, int k, int E,
         }
         if (lane == 31) { group[0] = ai; bounds[ai] = pi; }
     }
-    __syncthreads();
-    for (int e = warp; e < E; e += warps) {
-        if (count[e] == 0) continue;
-        int pos = start[e];
-        for (int t0 = 0; t0 < n; t0 += 32) {
-            int t = t0 + lane;
-            int j = t < n ? find_expert(idx + (long)t * k, k, e) : -1;
-            u32 hits = __ballot_sync(0xffffffffu, j >= 0);
-            if (j >= 0) pairs[pos + __popc(hits & ((1u << lane) - 1u))] = t * k + j;
-            pos += __popc(hits);
+    __syncthreads();  // start[e]: where expert e's pairs of the first window go
+    for (int t0 = 0; t0 < n; t0 += span) {
+        int t1 = min(n, t0 + span);
+        window_masks(idx, t0, t1, k, E, words, mask);
+        for (int p = t0 * k + threadIdx.x; p < t1 * k; p += blockDim.x) {
+            int e = idx[p], tl = p / k - t0;
+            if (e < 0) continue;
+            const u32 *m = mask + e * words;
+            int below = __popc(m[tl >> 5] & ((1u << (tl & 31)) - 1u));
+            for (int w = 0; w < (tl >> 5); w++) below += __popc(m[w]);
+            pairs[start[e] + below] = p;
         }
+        __syncthreads();  // every pair of the window is placed before the starts move on
+        for (int e = threadIdx.x; e < E; e += blockDim.x) start[e] += window_count(mask, e, words);
+        __syncthreads();
     }
 }
 

@@ -93,19 +93,15 @@ impl Gpu {
 
     /// Groups the routed (token, slot) pairs by expert on the device (no host synchronisation): `group`
     /// ([`moe_group_len`] ints: the active experts and where each one's pairs start) and `pairs` `[n k]`
-    /// (`t * k + j`, grouped by expert, tokens ascending), from `idx` `[n, k]` (ascending per token).
-    /// The choices are staged in shared memory when they fit beside the counts (decode and verify batches).
+    /// (`t * k + j`, grouped by expert, tokens ascending), from `idx` `[n, k]` (ascending per token). One block of
+    /// 256 threads, the tokens in windows whose bitmasks fit in shared memory ([`group_window_words`]).
     pub fn moe_group(&self, idx: DPtr, n: usize, k: usize, experts: usize, group: DPtr, pairs: DPtr) -> Result<()> {
-        let counts_bytes = 2 * experts * 4;
-        if counts_bytes > GROUP_SHARED_LIMIT {
-            return Err(KernelError::InvalidInput(format!("grouping {experts} experts needs too much shared memory")));
-        }
-        let staged = counts_bytes + n * k * 4 <= GROUP_SHARED_LIMIT;
-        let shared_bytes = if staged { counts_bytes + n * k * 4 } else { counts_bytes };
-        let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: shared_bytes as u32 };
-        let (n, k, e, staged) = (n as i32, k as i32, experts as i32, i32::from(staged));
+        let words = group_window_words(n, experts)?;
+        let shared_bytes = (2 + words) * experts * 4;
+        let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: shared_bytes as u32 };
+        let (n, k, e, words) = (n as i32, k as i32, experts as i32, words as i32);
         let mut b = self.launcher(&self.k.moe_group);
-        b.arg(&idx).arg(&n).arg(&k).arg(&e).arg(&staged).arg(&group).arg(&pairs);
+        b.arg(&idx).arg(&n).arg(&k).arg(&e).arg(&words).arg(&group).arg(&pairs);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_group"))
     }
 
@@ -258,6 +254,17 @@ fn router_grouping(r: &RouteArgs) -> (DPtr, DPtr, bool) {
 /// The most dynamic shared memory `moe_group` takes (the default limit, no opt-in needed).
 const GROUP_SHARED_LIMIT: usize = 48 * 1024;
 
+/// The 32-token mask words per expert of each token window of `moe_group` for `n` tokens over `experts` experts:
+/// every token in one window where the masks fit beside the counts and starts (2 ints per expert) in
+/// [`GROUP_SHARED_LIMIT`], else as many words as fit (more windows, the same grouping).
+pub(crate) fn group_window_words(n: usize, experts: usize) -> Result<usize> {
+    let fit = (GROUP_SHARED_LIMIT / 4 / experts.max(1)).saturating_sub(2);
+    if fit == 0 {
+        return Err(KernelError::InvalidInput(format!("grouping {experts} experts needs too much shared memory")));
+    }
+    Ok(n.div_ceil(32).clamp(1, fit))
+}
+
 /// Blocks per token of the one-launch router (`ROUTER_CLUSTER` in `kernels/cuda/moe_route.cu`).
 const ROUTER_CLUSTER: u32 = 8;
 
@@ -401,6 +408,19 @@ mod tests {
         assert_eq!(DOWN_KB as u32, defined("DOWN_KB"));
         assert_eq!(EXPERT_WARPS, defined("MMA_WARPS"));
         assert_eq!(ROUTER_CLUSTER, defined_in_route("ROUTER_CLUSTER"));
+    }
+
+    #[test]
+    fn the_grouping_windows_fit_their_masks_in_shared_memory() {
+        // k3-mini's 64 experts take every decode and verify batch in one window; K3's 896 one of up to 352 tokens.
+        assert_eq!(group_window_words(64, 64).unwrap(), 2);
+        assert_eq!(group_window_words(1, 896).unwrap(), 1);
+        assert_eq!(group_window_words(64, 896).unwrap(), 2);
+        assert_eq!(group_window_words(4096, 896).unwrap(), 11);
+        for (n, e) in [(64, 64), (4096, 896), (100_000, 64)] {
+            assert!((2 + group_window_words(n, e).unwrap()) * e * 4 <= GROUP_SHARED_LIMIT, "{n} tokens, {e} experts");
+        }
+        assert!(group_window_words(64, 6000).is_err());
     }
 
     #[test]
