@@ -357,14 +357,16 @@ fn assert_grouping(got: &(Vec<i32>, Vec<i32>), idx: &[i32], n: usize, k: usize, 
 }
 
 #[test]
-fn the_one_launch_router_equals_the_two_launch_router_bit_for_bit() {
+fn the_router_forms_agree_bit_for_bit_and_a_token_routes_alone_as_in_a_batch() {
     let Some(gpu) = gpu() else { return };
     let mut rng = ChaCha8Rng::seed_from_u64(23);
-    // k3-mini's router (64 experts, top 16, hidden 7,168) and a small one; 1, 5 and 64 tokens.
-    for (experts, k, d) in [(64usize, 16usize, 7168usize), (24, 4, 256)] {
+    // k3-mini's router (64 experts, top 16, hidden 7,168), K3's (896 experts: two launches only) and a small one; 1,
+    // 5, 29 and 64 tokens. k3-mini's batches of 29 and 64 tokens and K3's of 5 and more take the forms for batches
+    // (several tokens per warp, 29 with a partial last tile); each token is routed alone too, by the one-token forms.
+    for (experts, k, d) in [(64usize, 16usize, 7168usize), (896, 16, 7168), (24, 4, 256)] {
         let w: Vec<bf16> = (0..experts * d).map(|_| bf16::from_f32(rng.gen_range(-0.05f32..0.05))).collect();
         let bias: Vec<f32> = (0..experts).map(|_| rng.gen_range(-0.01f32..0.01)).collect();
-        for n in [1usize, 5, 64] {
+        for n in [1usize, 5, 29, 64] {
             let h: Vec<bf16> = (0..n * d).map(|_| bf16::from_f32(rng.gen_range(-2.0f32..2.0))).collect();
             let one = route(&gpu, &h, &w, &bias, k, false);
             let two = route(&gpu, &h, &w, &bias, k, true);
@@ -376,6 +378,15 @@ fn the_one_launch_router_equals_the_two_launch_router_bit_for_bit() {
             assert_eq!(two.grouping.is_some(), n == 1, "{what}: the two-launch router's grouping");
             for grouping in [&one.grouping, &two.grouping].into_iter().flatten() {
                 assert_grouping(grouping, &one.outputs.0, n, k, experts, &what);
+            }
+            for t in 0..n {
+                let alone = route(&gpu, &h[t * d..(t + 1) * d], &w, &bias, k, false).outputs;
+                let in_batch = (
+                    one.outputs.0[t * k..(t + 1) * k].to_vec(),
+                    one.outputs.1[t * k..(t + 1) * k].to_vec(),
+                    one.outputs.2[t..t + 1].to_vec(),
+                );
+                assert_eq!(alone, in_batch, "{what}: token {t} alone");
             }
         }
     }

@@ -44,21 +44,35 @@ impl Gpu {
     /// The router of `r.n` tokens: `idx`, `wts` `[n, k]`, `margin` `[n]`. Up to `FUSED_ROUTER_EXPERTS` (128) experts on
     /// Hopper and later, one launch (`moe_router`: a cluster of blocks per token computes its logits, then selects);
     /// otherwise two: the fp32 logits `[n, experts]` (one warp per token and expert), then the per-token
-    /// selection. Both give the same outputs bit for bit. Returns whether it also wrote `r.grouping` (what
-    /// [`Gpu::moe_group`] writes): it does for a step of one token with at most 32 experts per token, which then
-    /// needs no grouping launch.
+    /// selection. Batches that would read the router weights often enough ([`router_tiles_tokens`]) take the forms
+    /// that compute `ROUTER_TOKENS` tokens per warp. Every form gives the same outputs bit for bit. Returns whether
+    /// it also wrote `r.grouping` (what [`Gpu::moe_group`] writes): it does for a step of one token with at most 32
+    /// experts per token, which then needs no grouping launch.
     pub fn moe_route(&self, r: &RouteArgs) -> Result<bool> {
-        let Some(router) = self.k.moe_router.as_ref().filter(|_| r.experts <= FUSED_ROUTER_EXPERTS) else {
+        let Some(routers) = self.k.moe_router.as_ref().filter(|_| r.experts <= FUSED_ROUTER_EXPERTS) else {
             return self.moe_route_in_two_launches(r);
         };
         let (group, pairs, grouped) = router_grouping(r);
+        let (d, e, k, rn) = (r.d as i32, r.experts as i32, r.k as i32, r.renormalize as i32);
+        if router_tiles_tokens(r.n, r.experts, r.d) {
+            let cfg = LaunchConfig {
+                grid_dim: (ROUTER_CLUSTER, r.n.div_ceil(ROUTER_TOKENS) as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: (3 * ROUTER_TOKENS * r.experts * 4) as u32,
+            };
+            let n = r.n as i32;
+            let mut b = self.launcher(&routers[1]);
+            b.arg(&r.h).arg(&r.w).arg(&r.bias).arg(&r.idx).arg(&r.wts).arg(&r.margin).arg(&d).arg(&e).arg(&k);
+            b.arg(&rn).arg(&r.scale).arg(&n);
+            unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_router_tiled"))?;
+            return Ok(false);
+        }
         let cfg = LaunchConfig {
             grid_dim: (ROUTER_CLUSTER, r.n as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: (3 * r.experts * 4) as u32,
         };
-        let (d, e, k, rn) = (r.d as i32, r.experts as i32, r.k as i32, r.renormalize as i32);
-        let mut b = self.launcher(router);
+        let mut b = self.launcher(&routers[0]);
         b.arg(&r.h).arg(&r.w).arg(&r.bias).arg(&r.idx).arg(&r.wts).arg(&r.margin).arg(&d).arg(&e).arg(&k).arg(&rn);
         b.arg(&r.scale).arg(&group).arg(&pairs);
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_router"))?;
@@ -70,14 +84,20 @@ impl Gpu {
         let (group, pairs, grouped) = router_grouping(r);
         let logits = self.uninit::<f32>(r.n * r.experts)?; // [n, E], written in full by moe_router_logits
         let logits_ptr = self.ptr(&logits);
+        let (d, e, k, rn) = (r.d as i32, r.experts as i32, r.k as i32, r.renormalize as i32);
+        let tiled = router_tiles_tokens(r.n, r.experts, r.d);
+        let token_blocks = if tiled { r.n.div_ceil(ROUTER_TOKENS) } else { r.n };
         let cfg = LaunchConfig {
-            grid_dim: (r.experts.div_ceil(8) as u32, r.n as u32, 1),
+            grid_dim: (r.experts.div_ceil(8) as u32, token_blocks as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (d, e, k, rn) = (r.d as i32, r.experts as i32, r.k as i32, r.renormalize as i32);
-        let mut b = self.launcher(&self.k.moe_router_logits);
+        let mut b = self.launcher(&self.k.moe_router_logits[usize::from(tiled)]);
         b.arg(&r.h).arg(&r.w).arg(&logits_ptr).arg(&d).arg(&e);
+        let n = r.n as i32;
+        if tiled {
+            b.arg(&n);
+        }
         unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_router_logits"))?;
         let cfg = LaunchConfig {
             grid_dim: (r.n as u32, 1, 1),
@@ -268,6 +288,21 @@ pub(crate) fn group_window_words(n: usize, experts: usize) -> Result<usize> {
 /// Blocks per token of the one-launch router (`ROUTER_CLUSTER` in `kernels/cuda/moe_route.cu`).
 const ROUTER_CLUSTER: u32 = 8;
 
+/// Tokens per warp of the routers' forms for batches (`ROUTER_TOKENS` in `kernels/cuda/moe_route.cu`).
+const ROUTER_TOKENS: usize = 4;
+
+/// The router weight bytes a batch reads (once per token) from which the routers compute `ROUTER_TOKENS` tokens
+/// per warp, reading the weights that many times less often. Below it the one-token forms' fewer, wider rounds of
+/// loads (8 chunks in flight against 4) are faster: the bytes are few and each warp's latency sets the time. An
+/// estimate of the three extra rounds' cost in L2 traffic (BENCHMARKS.md, twentieth session): k3-mini's 0.9 MB router
+/// tiles from 26 tokens, K3's 12.8 MB from 2.
+const ROUTER_TILED_MIN_BYTES: usize = 24 << 20;
+
+/// Whether a router call of `n` tokens over `experts` rows of `d` inputs takes the forms for batches.
+fn router_tiles_tokens(n: usize, experts: usize, d: usize) -> bool {
+    n > 1 && n * experts * d * 2 >= ROUTER_TILED_MIN_BYTES
+}
+
 /// The most experts the one-launch router takes (its cluster has 64 warps, one dot product each per 64 experts;
 /// past 2 each the two-launch router spreads the dot products wider).
 const FUSED_ROUTER_EXPERTS: usize = 128;
@@ -408,6 +443,16 @@ mod tests {
         assert_eq!(DOWN_KB as u32, defined("DOWN_KB"));
         assert_eq!(EXPERT_WARPS, defined("MMA_WARPS"));
         assert_eq!(ROUTER_CLUSTER, defined_in_route("ROUTER_CLUSTER"));
+        assert_eq!(ROUTER_TOKENS as u32, defined_in_route("ROUTER_TOKENS"));
+    }
+
+    #[test]
+    fn batches_tile_the_router_where_they_read_its_weights_often() {
+        let d = 7168;
+        assert!(!router_tiles_tokens(1, 896, d), "one token reads the weights once");
+        assert!(router_tiles_tokens(2, 896, d), "K3's 12.8 MB router at two tokens");
+        assert!(!router_tiles_tokens(16, 64, d), "k3-mini's 0.9 MB router at 16 tokens");
+        assert!(router_tiles_tokens(32, 64, d) && router_tiles_tokens(64, 64, d));
     }
 
     #[test]

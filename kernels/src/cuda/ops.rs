@@ -140,10 +140,11 @@ pub(crate) struct Kernels {
     pub(crate) skinny_gemm_wide: [CudaFunction; 2],
     /// `skinny_wgmma{,_serial}_t{8,16,32,64}` (gemm_tc.cu): the batch-invariant GEMM on Hopper, `None` elsewhere.
     pub(crate) skinny_wgmma: Option<crate::cuda::gemm_tc::TcKernels>,
-    pub(crate) moe_router_logits: CudaFunction,
+    /// `moe_router_logits`, then its form for batches (`moe_router_logits_tiled`: several tokens per warp).
+    pub(crate) moe_router_logits: [CudaFunction; 2],
     pub(crate) moe_route: CudaFunction,
-    /// `moe_router` (both in one launch, thread-block clusters): present from Hopper on.
-    pub(crate) moe_router: Option<CudaFunction>,
+    /// `moe_router` and `moe_router_tiled` (both in one launch, thread-block clusters): present from Hopper on.
+    pub(crate) moe_router: Option<[CudaFunction; 2]>,
     pub(crate) moe_group: CudaFunction,
     pub(crate) moe_gate_up: CudaFunction,
     /// The grouped down projection: `[0]` any width, `[1]` widths whose steps are all full (no masks).
@@ -363,9 +364,13 @@ impl Gpu {
             add_in_place: f("common.cu", "add_in_place")?,
             situ: f("common.cu", "situ")?,
             gather_rows: f("common.cu", "gather_rows")?,
-            moe_router_logits: f("moe_route.cu", "moe_router_logits")?,
+            moe_router_logits: [f("moe_route.cu", "moe_router_logits")?, f("moe_route.cu", "moe_router_logits_tiled")?],
             moe_route: f("moe_route.cu", "moe_route")?,
-            moe_router: hopper.then(|| f("moe_route.cu", "moe_router")).transpose()?,
+            moe_router: hopper
+                .then(|| {
+                    Ok::<_, KernelError>([f("moe_route.cu", "moe_router")?, f("moe_route.cu", "moe_router_tiled")?])
+                })
+                .transpose()?,
             moe_group: f("moe_route.cu", "moe_group")?,
             moe_gate_up: f("moe.cu", "moe_gate_up")?,
             moe_down: [f("moe.cu", "moe_down")?, f("moe.cu", "moe_down_full")?],
