@@ -754,8 +754,9 @@ impl DeviceModel {
         let wts = gpu.uninit::<f32>(n * k)?;
         let margin = gpu.uninit::<f32>(n)?;
         // The pairs grouped by expert, so each expert's weights are read once for its tokens: written by the router
-        // for a step of one token, else by moe_group. The grouping and expert buffers are written in full by their
-        // kernels (no memsets).
+        // for a step of one token, else by moe_group. The grouping and expert buffers are written by their kernels
+        // wherever they are read (no memsets: `pairs` past the grouped ones, left by slots without an expert, is
+        // never read).
         let group = gpu.uninit::<i32>(moe_group_len(e))?;
         let pairs = gpu.uninit::<i32>(n * k)?; // [n k], grouped by expert
         gpu.mark("moe.route")?;
