@@ -4,9 +4,10 @@
 // Invariants: the router is an fp32 island over the full hidden vector: sigmoid scores, the correction
 // bias only selects, top-k ties go to the lowest expert index, chosen experts are listed ascending,
 // weights come from the unbiased scores and are renormalised (in one launch, moe_router, or in two,
-// moe_router_logits + moe_route: the same bits). The k experts' bf16 outputs are combined in fp32 in ascending
-// expert order and rounded once (kernels/src/cpu/moe.rs), then normalised. A token's results never depend on the
-// batch: fixed summation orders, no float atomics.
+// moe_router_logits + moe_route, each with a form for batches that computes ROUTER_TOKENS tokens per warp: the same
+// bits). The grouping's integer ORs and popcounts do not depend on the order threads run in. The k experts' bf16
+// outputs are combined in fp32 in ascending expert order and rounded once (kernels/src/cpu/moe.rs), then normalised.
+// A token's results never depend on the batch: fixed summation orders, no float atomics.
 // Compiled after prelude.cuh (compile.rs prepends it: cuda_bf16.h and the shared helpers: u32, i64, ld, bf_round,
 // sigmoidf_, block reductions, dependent launch, clusters, cp.async and the bf16 MMA).
 
