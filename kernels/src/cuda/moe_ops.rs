@@ -98,7 +98,8 @@ impl Gpu {
         if tiled {
             b.arg(&n);
         }
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_router_logits"))?;
+        let name = if tiled { "moe_router_logits_tiled" } else { "moe_router_logits" };
+        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err(name))?;
         let cfg = LaunchConfig {
             grid_dim: (r.n as u32, 1, 1),
             block_dim: (256, 1, 1),
@@ -293,9 +294,11 @@ const ROUTER_TOKENS: usize = 4;
 
 /// The router weight bytes a batch reads (once per token) from which the routers compute `ROUTER_TOKENS` tokens
 /// per warp, reading the weights that many times less often. Below it the one-token forms' fewer, wider rounds of
-/// loads (8 chunks in flight against 4) are faster: the bytes are few and each warp's latency sets the time. An
-/// estimate of the three extra rounds' cost in L2 traffic (BENCHMARKS.md, twentieth session): k3-mini's 0.9 MB router
-/// tiles from 26 tokens, K3's 12.8 MB from 2.
+/// loads (8 chunks in flight against 4) should be faster: the bytes are few and each warp's latency sets the time.
+/// The threshold is an estimate (three extra rounds of L2 latency against the traffic saved), not a measured
+/// crossover: k3-mini's 0.9 MB router tiles from 26 tokens, K3's 12.8 MB from 2. Measured with it (BENCHMARKS.md,
+/// twentieth session, call 6): `moe.route` at k3-mini's batch 32 and 64 0.275 → 0.251 and 0.341 → 0.289 ms per
+/// step, at K3's routing 0.611 → 0.369 at batch 64.
 const ROUTER_TILED_MIN_BYTES: usize = 24 << 20;
 
 /// Whether a router call of `n` tokens over `experts` rows of `d` inputs takes the forms for batches.
