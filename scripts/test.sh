@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The project's test command (README "Pass the tests"): installs what the tests need, idempotently,
-# then runs every test of the workspace.
+# checks formatting (rustfmt) and lints (clippy, warnings as errors), then runs every test of the workspace.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,6 +12,12 @@ if command -v python3 >/dev/null 2>&1; then
     [ -e target/nvrtc-wheels/nvidia/cu13/lib/libnvrtc.so.13 ] || python3 -m pip install --quiet --disable-pip-version-check --target target/nvrtc-wheels "nvidia-cuda-nvrtc==13.0.*" "nvidia-cuda-runtime==13.0.*" || true
     export SPARKD_NVRTC_WHEELS="$PWD/target/nvrtc-wheels"
 fi
+
+# Formatting and lints before the tests; the toolchain's rustfmt and clippy are added only when missing.
+cargo fmt --version >/dev/null 2>&1 || rustup component add rustfmt
+cargo clippy --version >/dev/null 2>&1 || rustup component add clippy
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets -- -D warnings
 
 cargo build --workspace --bins
 cargo test --workspace --no-fail-fast
