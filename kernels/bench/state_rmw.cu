@@ -3,7 +3,7 @@
 // (K = 128, fp32). This times that pattern alone (in-place read-modify-write of each chunk by one block of 256
 // threads, float4 rows in registers, with and without a chain of dependent loads and barriers; the same through
 // shared memory by TMA bulk copies at 3 blocks per SM), against an out-of-place copy of the same bytes.
-// It needs only nvcc, so it runs on the GPU machine as is (BENCHMARKS.md, eighth session):
+// It needs only nvcc, so it runs on the GPU machine as is (its results: docs/perf/decisions.md#d54):
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/state_rmw kernels/bench/state_rmw.cu && /tmp/state_rmw
 #include <cstdio>
 #include <cuda_runtime.h>

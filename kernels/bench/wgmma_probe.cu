@@ -1,7 +1,7 @@
 // wgmma probe: can a Hopper wgmma skinny GEMM keep the decode path's batch invariance? Not part of sparkd; the
 // evidence behind kernels/cuda/gemm_tc.cu (on the H200, 2026-11-30: answers 1-4 "yes", 0 elements with other
-// bits across N and against mma.sync, the control differing in 87% of them; 3.9-4.3 TB/s streamed; BENCHMARKS.md,
-// fourteenth session). Question 2b was added on 2026-12-01 and has not run on a GPU yet.
+// bits across N and against mma.sync, the control differing in 87% of them; 3.9-4.3 TB/s streamed;
+// docs/perf/decisions.md#d25). Question 2b was added on 2026-12-01 and has not run on a GPU yet.
 //
 // On random bf16 data of spread magnitudes (so that a different summation order almost always changes the bits):
 //   1. wgmma m64nNk16 chains (N = 8, 16, 32, 64 tokens; 8 k16 steps in ascending order): is every output

@@ -265,7 +265,7 @@ __device__ void skinny_gemm(const __nv_bfloat16 *__restrict__ w, const __nv_bflo
 // null for a plain GEMM; `ws` and `tickets` are only read by split launches of more than one slice.
 // Split launches give each warp one 16-row MMA tile and 8 k32 steps per load group (4 at 64 tokens, for the
 // accumulators' registers): a group reads 512 contiguous bytes of each weight row, which the H200's HBM
-// serves 10-15% faster than two tiles of 256 (measured over the k3-mini shapes; see BENCHMARKS.md). Serial
+// serves 10-15% faster than two tiles of 256 (measured over the k3-mini shapes; docs/perf/decisions.md#d19). Serial
 // launches, which keep a second set of accumulators for the fold, use two row tiles per warp.
 // The wide split entry points (32 and 64 tokens) also give each warp two row tiles, 4 k32 steps per group: every
 // token fragment read from shared memory feeds two weight tiles instead of one. They halve the blocks, so the

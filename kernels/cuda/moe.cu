@@ -33,7 +33,7 @@ __device__ __forceinline__ u32 word_of(uint4 q, int i) { return i == 0 ? q.x : i
 //
 // Cost: every byte of codes becomes two bf16 once per chunk of tokens, in 9 integer instructions and 4 bf16x2
 // multiplies per 8 weights (through fp16 and fp32 it took 36, and bound the kernels at batch 1-8). At batch 1 the
-// kernels are bound by instruction issue (BENCHMARKS.md, tenth session), so these instructions are the cost.
+// kernels are bound by instruction issue (docs/perf/decisions.md#d32), so these instructions are the cost.
 //
 // Batch invariance: an MMA output depends only on its row of A and column of B (the skinny GEMM relies on the
 // same property), a token's column sees the same MMAs in the same order (blocks ascending, then words, then h)
@@ -499,7 +499,8 @@ __device__ __forceinline__ void gate_up_mma_chunk(u8 *ring, u8 *stage, const u8 
 // grid = (min(n k, E), ceil(I / (16 MMA_WARPS))), blockDim 32 MMA_WARPS; dynamic shared memory MMA_WARPS
 // RING_WARP_BYTES.
 // z: [n, D]; w1/w3 tiled [E, I, D] codes and scales (expert_layout.rs); a: [n k, I]. D must be a multiple of 32.
-// (Unlike moe_down, a form without masks for full widths was slower here: 1-3% at K3's routing, BENCHMARKS.md.)
+// (Unlike moe_down, a form without masks for full widths was slower here: 1-3% at K3's routing,
+// docs/perf/decisions.md#d36.)
 extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 4)
     moe_gate_up(const __nv_bfloat16 *z, const u8 *w1p, const u8 *w1s, const u8 *w3p, const u8 *w3s,
                     const int *group, const int *pairs, __nv_bfloat16 *a, int k, int E, int D, int I, float beta,
@@ -576,7 +577,7 @@ __device__ __forceinline__ void down_mma_chunk(const u8 *const rows[1], const u8
 // Down projection per active expert: y[p, c] = bf(w2_e[c] a[p]) for every pair p of expert e. Two K blocks per step
 // and at most 96 registers (5 blocks per SM; no spills in moe_down_full): more warps in flight with fewer bytes
 // each beat 4 blocks of 4 K blocks per step (H200, routed_expert_bandwidth: 111.2 -> 105.2 us at batch 8; at K3's
-// routing 212 -> 202 at 8 and 1,185 -> 1,141 at 64; equal at batch 1; BENCHMARKS.md, tenth session).
+// routing 212 -> 202 at 8 and 1,185 -> 1,141 at 64; equal at batch 1; docs/perf/decisions.md#d35).
 // grid = (min(n k, E), ceil(D / (16 MMA_WARPS))), blockDim 32 MMA_WARPS.
 // a: [n k, I]; w2 tiled [E, D, I] codes and scales (expert_layout.rs); y: [n k, D]. I must be a multiple of 32;
 // moe_down_full takes the I that are multiples of 128 DOWN_KB (every step full, no masks).
@@ -622,9 +623,9 @@ __device__ __forceinline__ void down_pair_mma_chunk(u8 *ring, u8 *stage, const u
 // Down projection as moe_down, with two 16-row tiles per warp streamed through its ring as moe_gate_up streams the
 // gate and up tiles, and the token inputs staged per block (see "Token inputs staged in shared memory"): the two
 // tiles, and the block's four warps, share every load of them. With many pairs per expert those loads, not the
-// weights, bound moe_down (ncu at k3-mini's batch 64, 16 pairs per expert: L1 85% busy, DRAM 31%; BENCHMARKS.md,
-// eleventh session). Each tile sees the MMAs of moe_down in the same order, so the results are the same bits. A warp
-// past the matrix's rows runs the last tile pair and stores nothing.
+// weights, bound moe_down (ncu at k3-mini's batch 64, 16 pairs per expert: L1 85% busy, DRAM 31%;
+// docs/perf/decisions.md#d37). Each tile sees the MMAs of moe_down in the same order, so the results are the
+// same bits. A warp past the matrix's rows runs the last tile pair and stores nothing.
 // grid = (min(n k, E), D / (32 MMA_WARPS) rounded up), blockDim 32 MMA_WARPS; dynamic shared memory
 // STAGED_SHARED_BYTES. D must be a multiple of 32 (the host takes moe_down otherwise).
 extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 4) moe_down_staged(DOWN_ARGS) {

@@ -516,7 +516,8 @@ fn the_tc_k_split_fills_the_gpu_from_the_weight_shape_alone() {
 #[test]
 fn the_k_split_follows_the_weight_shape_as_tuned_on_the_h200() {
     // No GPU needed: the split is a pure function of (out, in), so a token's summation order never
-    // depends on the batch. Values from the H200 sweep of `gemm_bandwidth` over the k3-mini shapes.
+    // depends on the batch. Values from the H200 sweep of `gemm_bandwidth` over the k3-mini shapes
+    // (docs/perf/decisions.md#d18).
     assert_eq!(skinny_split(163_840, 7168), 1, "lm_head: 2,560 row tiles already fill the GPU");
     assert_eq!(skinny_split(49_376, 7168), 1, "KDA merged input projection");
     assert_eq!(skinny_split(33_792, 7168), 1, "dense gate / up");

@@ -85,7 +85,7 @@ fn heads_kernel_fits(r: usize, rope: usize, nope: usize) -> bool {
 }
 
 /// The default window length from which KDA runs its chunked form: never. Measured on an H200
-/// (2026-11-30, one row, 96 heads of 128) the CUDA-core chunked kernel is no faster than the recurrent
+/// (docs/perf/decisions.md#d52; one row, 96 heads of 128) the CUDA-core chunked kernel is no faster than the recurrent
 /// one (16 / 64 / 256 / 2,048 tokens: 0.083 / 0.260 / 1.060 / 8.41 ms against 0.083 / 0.259 / 1.002 /
 /// 8.02 ms): both are bound by one block per head walking its tokens in order. The chunked form pays off
 /// once its three 16 x 128 x 128 products per chunk run on tensor cores and its state-independent part

@@ -34,7 +34,7 @@ const SKINNY_WORKSPACE_BYTES: usize = 64 << 20;
 const SKINNY_MAX_SPLIT: usize = 64;
 /// Whole waves of blocks a split launch of 17 to 64 tokens must fill with two row tiles per warp before it takes
 /// them ([`SkinnyLayout::wide`]). On the H200 the lm_head (163,840 rows: 4.8 waves) ran 17-26% faster wide at 32
-/// and 64 tokens, while the k3-mini projections of 0.4 to 1.5 waves ran up to 46% slower (BENCHMARKS.md).
+/// and 64 tokens, while the k3-mini projections of 0.4 to 1.5 waves ran up to 46% slower (docs/perf/decisions.md#d22).
 const SKINNY_WIDE_WAVES: usize = 4;
 
 /// Dynamic shared memory of the skinny GEMM for `tiles` token tiles of 8: two staged x chunks,
@@ -66,7 +66,7 @@ pub(crate) fn new_tickets(stream: &std::sync::Arc<CudaStream>) -> Result<CudaSli
 /// that give at least 192 blocks of 64 rows (about 1.5 per SM of an H200), with every slice wider than three
 /// staged chunks (768 columns). A function of the shape alone, so results stay batch-invariant.
 ///
-/// Swept on the H200 over the k3-mini shapes at 1 to 64 tokens (`cuda_gemm gemm_bandwidth`; BENCHMARKS.md):
+/// Swept on the H200 over the k3-mini shapes at 1 to 64 tokens (`gemm_bandwidth`, docs/perf/decisions.md#d18):
 /// the rule picks the split with the least time weighted towards 1 and 8 tokens for all eleven of them. Fewer
 /// blocks leave SMs without weights to stream; more slices cost at 32 and 64 tokens, where each slice stages
 /// its own copy of the tokens and writes fp32 partials.
@@ -271,7 +271,7 @@ impl Gpu {
     /// The layout of an `n`-token call with `split` slices. Two row tiles per warp ([`SkinnyLayout::wide`]) above
     /// 16 tokens when that still fills [`SKINNY_WIDE_WAVES`] waves of blocks at 4 warps. Warps per block: whichever
     /// of 4 and 8 fills its last wave of blocks better, 4 up to 8 tokens and 8 above when they fill equally (the
-    /// fastest on the H200 over the k3-mini shapes; BENCHMARKS.md). Slices run on their own blocks unless the
+    /// fastest over the k3-mini shapes; docs/perf/decisions.md#d20). Slices run on their own blocks unless the
     /// workspace or the tickets would run out.
     pub fn skinny_layout(&self, out_dim: usize, in_dim: usize, n: usize, split: usize) -> SkinnyLayout {
         let tiles = n.min(SKINNY_TOKENS).div_ceil(8).next_power_of_two();

@@ -30,7 +30,7 @@ const TC_TOKENS: [usize; 4] = [8, 16, 32, 64];
 /// not split (the MLA merged input projection, 113 row tiles, streams 4.0 TB/s at one token in one slice and 3.8
 /// in two; the shared expert's gate/up, 96, 3.9 and 3.4), and the others are cut into at most two blocks per SM
 /// (the o_proj at one token streams 3.9 TB/s in 224 blocks against 3.8 in 112, the MoE latent down 3.5 in 224
-/// against 3.2 in 112). `gemm_bandwidth`, BENCHMARKS.md, fifteenth session, call 1.
+/// against 3.2 in 112). `gemm_bandwidth`, docs/perf/decisions.md#d26.
 const TC_SMS: usize = 132;
 /// The narrowest K slice [`tc_split`] cuts: twelve stages, enough to fill the four-stage ring three times over.
 const TC_NARROWEST: usize = 12 * TC_K;

@@ -296,8 +296,8 @@ const ROUTER_TOKENS: usize = 4;
 /// per warp, reading the weights that many times less often. Below it the one-token forms' fewer, wider rounds of
 /// loads (8 chunks in flight against 4) should be faster: the bytes are few and each warp's latency sets the time.
 /// The threshold is an estimate (three extra rounds of L2 latency against the traffic saved), not a measured
-/// crossover: k3-mini's 0.9 MB router tiles from 26 tokens, K3's 12.8 MB from 2. Measured with it (BENCHMARKS.md,
-/// twentieth session, call 6): `moe.route` at k3-mini's batch 32 and 64 0.275 → 0.251 and 0.341 → 0.289 ms per
+/// crossover: k3-mini's 0.9 MB router tiles from 26 tokens, K3's 12.8 MB from 2. Measured with it
+/// (docs/perf/decisions.md#d45): `moe.route` at k3-mini's batch 32 and 64 0.275 → 0.251 and 0.341 → 0.289 ms per
 /// step, at K3's routing 0.611 → 0.369 at batch 64.
 const ROUTER_TILED_MIN_BYTES: usize = 24 << 20;
 
@@ -375,13 +375,13 @@ pub enum ExpertForm {
 }
 
 /// The fewest pairs per expert, on average over the batch, from which [`ExpertForm::Staged`] runs whatever the
-/// number of active experts: there the token inputs' loads bound the row form (H200, BENCHMARKS.md, eleventh and
-/// twentieth sessions).
+/// number of active experts: there the token inputs' loads bound the row form (H200; docs/perf/decisions.md#d37
+/// and docs/perf/decisions.md#d40).
 const STAGED_MIN_PAIRS: usize = 8;
 
 /// The most active experts (bounded by `min(n k, experts)`) at which [`ExpertForm::Staged`] runs with fewer pairs
 /// per expert: a launch of a few waves, whose warps wait on their loads, gains from the stage's prefetched copies
-/// (k3-mini's batches 1 to 32, and K3's batch 1; BENCHMARKS.md, twentieth session), while the many waves of K3's
+/// (k3-mini's batches 1 to 32, and K3's batch 1; docs/perf/decisions.md#d40), while the many waves of K3's
 /// routing at batch 8 and more run the row form's two K blocks per step faster.
 const STAGED_MAX_ACTIVE_EXPERTS: usize = 64;
 
