@@ -99,7 +99,8 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = DEFAULT_HOST_BUDGET_BYTES)]
     pub host_offload_bytes: usize,
     /// Bytes for everything kept responses hold (`store`, `previous_response_id`): states on device and
-    /// host, token histories, stored response objects. Beyond it the least recently used are removed.
+    /// host, token histories, stored response objects. Beyond it the least recently used are removed (0 keeps
+    /// none).
     #[arg(long, default_value_t = DEFAULT_KEPT_RESPONSES_BYTES)]
     pub kept_responses_bytes: usize,
     /// Host bytes for prefix-cache snapshots (0 disables the prefix cache).

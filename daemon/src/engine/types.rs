@@ -211,8 +211,8 @@ pub const DEFAULT_STATE_BUDGET_BYTES: usize = 8 << 30;
 /// Default host byte budget for offloaded kept states.
 pub const DEFAULT_HOST_BUDGET_BYTES: usize = 16 << 30;
 /// Default byte budget for everything kept responses hold (states in every tier, token histories,
-/// stored records): the device and host state budgets together, so by default only what those two
-/// never bounded (histories and records) is removed by it.
+/// stored records): the device and host state budgets together, so with the default budgets states
+/// alone never reach it and what tips it over is what the tiers never bounded (histories, records).
 pub const DEFAULT_KEPT_RESPONSES_BYTES: usize = DEFAULT_STATE_BUDGET_BYTES + DEFAULT_HOST_BUDGET_BYTES;
 /// Default host byte budget for prefix-cache snapshots.
 pub const DEFAULT_PREFIX_CACHE_BYTES: usize = 8 << 30;
