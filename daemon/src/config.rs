@@ -12,8 +12,8 @@ use std::path::PathBuf;
 
 use crate::engine::spec::SpecArgs;
 use crate::engine::types::{
-    EngineConfig, DEFAULT_COMMAND_QUEUE, DEFAULT_HOST_BUDGET_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFIX_CACHE_BYTES, DEFAULT_STATE_BUDGET_BYTES,
+    EngineConfig, DEFAULT_COMMAND_QUEUE, DEFAULT_HOST_BUDGET_BYTES, DEFAULT_KEPT_RESPONSES_BYTES,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFIX_CACHE_BYTES, DEFAULT_STATE_BUDGET_BYTES,
 };
 
 /// The synthetic config served when no `--model` is given.
@@ -98,6 +98,11 @@ pub struct ServeArgs {
     /// Host bytes for kept states offloaded from the device.
     #[arg(long, default_value_t = DEFAULT_HOST_BUDGET_BYTES)]
     pub host_offload_bytes: usize,
+    /// Bytes for everything kept responses hold (`store`, `previous_response_id`): states on device and
+    /// host, token histories, stored response objects. Beyond it the least recently used are removed (0 keeps
+    /// none).
+    #[arg(long, default_value_t = DEFAULT_KEPT_RESPONSES_BYTES)]
+    pub kept_responses_bytes: usize,
     /// Host bytes for prefix-cache snapshots (0 disables the prefix cache).
     #[arg(long, default_value_t = DEFAULT_PREFIX_CACHE_BYTES)]
     pub prefix_cache_bytes: usize,
@@ -174,6 +179,7 @@ impl ServeArgs {
             command_queue: DEFAULT_COMMAND_QUEUE,
             state_budget_bytes: self.state_budget_bytes,
             host_budget_bytes: self.host_offload_bytes,
+            kept_responses_bytes: self.kept_responses_bytes,
             prefix_cache_bytes: self.prefix_cache_bytes,
             // Set by `serve` from `spec.to_config()` (which reads the SPS profile file).
             spec: Default::default(),

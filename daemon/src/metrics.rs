@@ -91,12 +91,18 @@ pub const INTERACTIVITY_P90_TOKENS_PER_SECOND: &str = "sparkd:interactivity_p90_
 pub const STEP_INTERVAL_SECONDS: &str = "sparkd:step_interval_seconds";
 /// Counter: responses kept for continuation (`store`, sessions).
 pub const SESSIONS_KEPT_TOTAL: &str = "sparkd:sessions_kept_total";
-/// Counter with label `tier` (`host`, `dropped`): kept states evicted from the device, or dropped from host.
+/// Counter with label `tier` (`host`, `dropped`, `removed`): kept states evicted from the device, or dropped
+/// from host (the history stays), or kept responses removed entirely by the kept-responses byte budget.
 pub const SESSIONS_EVICTED_TOTAL: &str = "sparkd:sessions_evicted_total";
+/// Counter: kept responses deleted by a client (`DELETE /v1/responses/{id}`).
+pub const SESSIONS_DELETED_TOTAL: &str = "sparkd:sessions_deleted_total";
 /// Counter with label `tier` (`device`, `host`, `prefill`): continuations, by where the state came from.
 pub const SESSIONS_RESTORED_TOTAL: &str = "sparkd:sessions_restored_total";
 /// Gauge: kept responses currently held.
 pub const SESSIONS_KEPT: &str = "sparkd:sessions_kept";
+/// Gauge: bytes kept responses hold (states in every tier, token histories, stored response objects): what
+/// `--kept-responses-bytes` bounds.
+pub const SESSIONS_BYTES: &str = "sparkd:sessions_bytes";
 /// Gauge with label `tier` (`device`, `host`): bytes of per-sequence state held.
 pub const STATE_MEMORY_BYTES: &str = "sparkd:state_memory_bytes";
 /// Gauge: bytes held by prefix-cache snapshots.
@@ -225,9 +231,10 @@ pub const ALL_METRICS: &[MetricSpec] = &[
     labelled(
         SESSIONS_EVICTED_TOTAL,
         Counter,
-        ("tier", &["host", "dropped"]),
-        "Kept states evicted: moved to host memory, or dropped (rebuilt by prefill if continued).",
+        ("tier", &["host", "dropped", "removed"]),
+        "Kept states evicted: moved to host memory, or dropped (rebuilt by prefill if continued); or kept responses removed entirely (the kept-responses byte budget).",
     ),
+    spec(SESSIONS_DELETED_TOTAL, Counter, "Kept responses deleted by a client."),
     labelled(
         SESSIONS_RESTORED_TOTAL,
         Counter,
@@ -235,6 +242,11 @@ pub const ALL_METRICS: &[MetricSpec] = &[
         "Continuations of kept responses, by where the state came from.",
     ),
     spec(SESSIONS_KEPT, Gauge, "Kept responses currently held."),
+    spec(
+        SESSIONS_BYTES,
+        Gauge,
+        "Bytes kept responses hold: states in every tier, token histories and stored response objects.",
+    ),
     labelled(STATE_MEMORY_BYTES, Gauge, ("tier", &["device", "host"]), "Bytes of per-sequence model state held."),
     spec(PREFIX_CACHE_BYTES, Gauge, "Bytes held by prefix-cache state snapshots."),
     labelled(

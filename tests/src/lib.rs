@@ -171,14 +171,28 @@ impl Server {
         Ok((status, String::from_utf8(body.to_vec())?))
     }
 
-    /// POST a JSON body: status and body JSON.
-    pub async fn post(&self, path: &str, body: &Value) -> Result<(u16, Value)> {
-        let resp = self.request("POST", path, Some(body)).await?;
+    /// GET a JSON document: status and body JSON.
+    pub async fn get_json(&self, path: &str) -> Result<(u16, Value)> {
+        self.json_answer("GET", path, None).await
+    }
+
+    /// DELETE: status and body JSON.
+    pub async fn delete(&self, path: &str) -> Result<(u16, Value)> {
+        self.json_answer("DELETE", path, None).await
+    }
+
+    async fn json_answer(&self, method: &str, path: &str, body: Option<&Value>) -> Result<(u16, Value)> {
+        let resp = self.request(method, path, body).await?;
         let status = resp.status().as_u16();
         let bytes = resp.into_body().collect().await?.to_bytes();
         let value = serde_json::from_slice(&bytes)
             .with_context(|| format!("body is not JSON: {:?}", String::from_utf8_lossy(&bytes)))?;
         Ok((status, value))
+    }
+
+    /// POST a JSON body: status and body JSON.
+    pub async fn post(&self, path: &str, body: &Value) -> Result<(u16, Value)> {
+        self.json_answer("POST", path, Some(body)).await
     }
 
     /// POST a body with a raw (possibly invalid) text.

@@ -1,5 +1,6 @@
 //! Black-box tests of the Responses API against `sparkd serve --device null`: WebSocket mode (multi-turn with
-//! `previous_response_id`, forks on one socket, cancel, errors) and `POST /v1/responses` over SSE.
+//! `previous_response_id`, forks on one socket, cancel, errors), `POST /v1/responses` over SSE, `GET` and `DELETE
+//! /v1/responses/{id}`, and the kept-responses byte budget.
 
 use std::time::Duration;
 
@@ -209,4 +210,95 @@ async fn post_responses_streams_named_events_and_answers_plain_json() {
         s.post("/v1/responses", &json!({"input": "x", "previous_response_id": "resp_missing"})).await.unwrap();
     assert_eq!(status, 400);
     assert_eq!(body["error"]["param"], "previous_response_id");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn get_returns_the_stored_response_and_delete_forgets_it() {
+    let s = null_server().await;
+    let (status, created) = s.post("/v1/responses", &json!({"input": "hello", "max_output_tokens": 3})).await.unwrap();
+    assert_eq!(status, 200, "{created}");
+    let id = created["id"].as_str().unwrap().to_string();
+    let (status, got) = s.get_json(&format!("/v1/responses/{id}")).await.unwrap();
+    assert_eq!(status, 200, "{got}");
+    assert_eq!(got, created, "GET returns the response object as it was answered");
+
+    // A streamed response is stored as its terminal event carried it.
+    let events =
+        s.sse_all("/v1/responses", &json!({"input": "hi", "stream": true, "max_output_tokens": 4})).await.unwrap();
+    let last = &events.last().unwrap().data["response"];
+    let (status, got) = s.get_json(&format!("/v1/responses/{}", last["id"].as_str().unwrap())).await.unwrap();
+    assert_eq!((status, &got), (200, last));
+
+    let (status, deleted) = s.delete(&format!("/v1/responses/{id}")).await.unwrap();
+    assert_eq!(status, 200, "{deleted}");
+    assert_eq!(deleted, json!({"id": id, "object": "response.deleted", "deleted": true}));
+    for (status, body) in [
+        s.get_json(&format!("/v1/responses/{id}")).await.unwrap(),
+        s.delete(&format!("/v1/responses/{id}")).await.unwrap(),
+    ] {
+        assert_eq!(status, 404, "{body}");
+        assert_eq!(body["error"]["code"], "response_not_found");
+        assert!(body["error"]["message"].as_str().unwrap().contains(&id), "{body}");
+    }
+    let (status, body) = s
+        .post("/v1/responses", &json!({"input": "more", "previous_response_id": id, "max_output_tokens": 2}))
+        .await
+        .unwrap();
+    assert_eq!(status, 400, "continuing a deleted response: {body}");
+    assert_eq!(body["error"]["param"], "previous_response_id");
+
+    // `store: false` keeps nothing.
+    let (_, unstored) =
+        s.post("/v1/responses", &json!({"input": "x", "store": false, "max_output_tokens": 2})).await.unwrap();
+    assert_eq!(unstored["store"], false);
+    let (status, _) = s.get_json(&format!("/v1/responses/{}", unstored["id"].as_str().unwrap())).await.unwrap();
+    assert_eq!(status, 404);
+    assert_eq!(s.get_json("/v1/responses/resp_never").await.unwrap().0, 404);
+
+    let m = s
+        .wait_metrics(Duration::from_secs(10), |m| m.value("sparkd:sessions_kept", &[]) == Some(1.0))
+        .await
+        .expect("one response (the streamed one) is still kept");
+    assert_eq!(m.value("sparkd:sessions_deleted_total", &[]), Some(1.0));
+    assert!(m.value("sparkd:sessions_bytes", &[]).unwrap() > 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tiny_kept_responses_budget_evicts_the_least_recently_used_response_entirely() {
+    // One response below holds about 8.3 kB of state and history (about 1,030 tokens at 4 bytes each, twice) plus
+    // its stored object (under 2 kB): two fit in 22 kB, three do not.
+    let s = Server::start(&["--device", "null", "--kept-responses-bytes", "22000"]).await.expect("server starts");
+    let mut ids = Vec::new();
+    for word in ["alpha", "beta", "gamma"] {
+        let input = format!("{word} ").repeat(1000);
+        let (status, body) = s
+            .post("/v1/responses", &json!({"input": input, "max_output_tokens": 4, "ignore_eos": true}))
+            .await
+            .unwrap();
+        assert_eq!(status, 200, "{body}");
+        ids.push(body["id"].as_str().unwrap().to_string());
+    }
+    let m = s
+        .wait_metrics(Duration::from_secs(10), |m| m.value("sparkd:sessions_kept", &[]) == Some(2.0))
+        .await
+        .expect("two responses fit the budget");
+    assert_eq!(m.value("sparkd:sessions_evicted_total", &[("tier", "removed")]), Some(1.0));
+    let held = m.value("sparkd:sessions_bytes", &[]).unwrap();
+    assert!(held > 16_000.0 && held <= 22_000.0, "held {held}");
+    assert_eq!(s.get_json(&format!("/v1/responses/{}", ids[0])).await.unwrap().0, 404, "the oldest is gone");
+    for id in &ids[1..] {
+        assert_eq!(s.get_json(&format!("/v1/responses/{id}")).await.unwrap().0, 200);
+    }
+    let (status, body) = s
+        .post("/v1/responses", &json!({"input": "and?", "previous_response_id": ids[0], "max_output_tokens": 2}))
+        .await
+        .unwrap();
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["error"]["param"], "previous_response_id");
+    let (status, body) = s
+        .post("/v1/responses", &json!({"input": "and?", "previous_response_id": ids[2], "max_output_tokens": 2}))
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "the newest is continued: {body}");
+    assert!(body["usage"]["input_tokens_details"]["cached_tokens"].as_u64().unwrap() > 1000);
 }

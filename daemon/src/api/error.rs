@@ -37,6 +37,9 @@ pub enum ApiError {
     /// `previous_response_id` names no kept response.
     #[error("previous_response_id `{0}` is not a kept response (never stored, or dropped)")]
     UnknownResponse(String),
+    /// `GET` or `DELETE /v1/responses/{id}` names no kept response.
+    #[error("Response with id '{0}' not found.")]
+    ResponseNotFound(String),
     /// The engine thread is gone: the daemon cannot serve.
     #[error("the engine is not running")]
     EngineUnavailable,
@@ -66,6 +69,7 @@ impl ApiError {
             ApiError::BodyTooLarge { .. } => "body_too_large",
             ApiError::NotFound { .. } => "not_found",
             ApiError::UnknownResponse(_) => "unknown_response",
+            ApiError::ResponseNotFound(_) => "response_not_found",
             ApiError::EngineUnavailable => "engine_unavailable",
             ApiError::Engine(e) => e.kind(),
             ApiError::Tokenizer(e) => e.kind(),
@@ -88,13 +92,15 @@ impl ApiError {
             }
             ApiError::UnknownResponse(_) => StatusCode::BAD_REQUEST,
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
+            ApiError::NotFound { .. } | ApiError::ResponseNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::EngineUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Engine(EngineError::InvalidRequest(_) | EngineError::UnknownResponse(_)) => {
                 StatusCode::BAD_REQUEST
             }
             ApiError::Engine(EngineError::Stopped) => StatusCode::SERVICE_UNAVAILABLE,
-            ApiError::Engine(EngineError::Runner { .. }) => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Engine(EngineError::Runner { .. } | EngineError::Internal(_)) => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
             ApiError::Tokenizer(TokenizerError::UnknownRole { .. } | TokenizerError::UnknownTokenId(_)) => {
                 StatusCode::BAD_REQUEST
             }
@@ -191,5 +197,19 @@ mod tests {
         assert_eq!(gone.kind(), "engine_unavailable");
         let unknown: ApiError = EngineError::UnknownResponse(crate::engine::types::ResponseId("resp_x".into())).into();
         assert_eq!(unknown.param(), Some("previous_response_id"));
+    }
+
+    #[test]
+    fn internal_engine_faults_are_500_and_a_missing_response_is_404() {
+        let internal: ApiError = EngineError::Internal("step results: 0 rows for 1".into()).into();
+        assert_eq!(internal.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!((internal.kind(), internal.error_type()), ("internal", "server_error"));
+        let invalid: ApiError = EngineError::InvalidRequest("the prompt is empty".into()).into();
+        assert_eq!(invalid.status(), StatusCode::BAD_REQUEST);
+        let missing = ApiError::ResponseNotFound("resp_x".into());
+        assert_eq!(missing.status(), StatusCode::NOT_FOUND);
+        let v: serde_json::Value = serde_json::from_str(&missing.to_json()).unwrap();
+        assert_eq!(v["error"]["code"], "response_not_found");
+        assert_eq!(v["error"]["message"], "Response with id 'resp_x' not found.");
     }
 }

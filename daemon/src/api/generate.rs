@@ -96,8 +96,6 @@ pub struct Outcome {
     pub timings: Timings,
     /// `None` when no drafts were verified.
     pub spec: Option<SpecDecodeStats>,
-    /// The last token the engine produced (kept responses remember it).
-    pub last_token: Option<TokenId>,
 }
 
 /// A step of progress.
@@ -171,7 +169,6 @@ pub struct Generation {
     completion_tokens: usize,
     /// Completion tokens when a stop string matched.
     stop_at_tokens: Option<usize>,
-    last_token: Option<TokenId>,
     acceptance: BTreeMap<String, usize>,
     spec_steps: usize,
     /// The outcome, once the terminal event arrived but a last delta was still to be returned.
@@ -211,7 +208,6 @@ impl Generation {
             last_token_at: None,
             completion_tokens: 0,
             stop_at_tokens: None,
-            last_token: None,
             acceptance: BTreeMap::new(),
             spec_steps: 0,
             finished: None,
@@ -263,7 +259,6 @@ impl Generation {
                     self.first_token_at.get_or_insert(now);
                     self.last_token_at = Some(now);
                     self.completion_tokens += tokens.len();
-                    self.last_token = tokens.last().copied().or(self.last_token);
                     if drafted > 0 {
                         self.spec_steps += 1;
                         *self.acceptance.entry(accepted.to_string()).or_insert(0) += 1;
@@ -360,7 +355,7 @@ impl Generation {
             num_draft_tokens: usage.draft_tokens,
             synthetic_acceptance: usage.forced_acceptance,
         });
-        Outcome { finish_reason, usage, timings, spec, last_token: self.last_token }
+        Outcome { finish_reason, usage, timings, spec }
     }
 
     /// The metrics the API layer owns (see `metrics.rs`): e2e, per-request TPOT, success, lengths, interactivity.

@@ -81,18 +81,22 @@ pub async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Result<Respo
     let arrival = Instant::now();
     let method = req.method().clone();
     let path = req.uri().path().to_string();
-    let (endpoint, result) = match (&method, path.as_str()) {
-        (&Method::GET, "/health") => ("health", Ok(json_response(StatusCode::OK, &json!({"status": "ok"})))),
-        (&Method::GET, "/metrics") => ("metrics", Ok(metrics_response(&state))),
-        (&Method::GET, "/v1/models") => ("models", Ok(models_response(&state))),
-        (&Method::POST, "/v1/chat/completions") => {
+    // `/v1/responses/{id}`: one non-empty path segment after the collection.
+    let response_id = path.strip_prefix("/v1/responses/").filter(|id| !id.is_empty() && !id.contains('/'));
+    let (endpoint, result) = match (&method, path.as_str(), response_id) {
+        (&Method::GET, "/health", _) => ("health", Ok(json_response(StatusCode::OK, &json!({"status": "ok"})))),
+        (&Method::GET, "/metrics", _) => ("metrics", Ok(metrics_response(&state))),
+        (&Method::GET, "/v1/models", _) => ("models", Ok(models_response(&state))),
+        (&Method::POST, "/v1/chat/completions", _) => {
             ("chat_completions", chat_or_completion(&state, req, arrival, ChunkKind::Chat).await)
         }
-        (&Method::POST, "/v1/completions") => {
+        (&Method::POST, "/v1/completions", _) => {
             ("completions", chat_or_completion(&state, req, arrival, ChunkKind::Completion).await)
         }
-        (&Method::POST, "/v1/responses") => ("responses", responses::http(&state, req, arrival).await),
-        (&Method::GET, "/v1/responses") => ("responses_ws", ws::upgrade(&state, req)),
+        (&Method::POST, "/v1/responses", _) => ("responses", responses::http(&state, req, arrival).await),
+        (&Method::GET, "/v1/responses", _) => ("responses_ws", ws::upgrade(&state, req)),
+        (&Method::GET, _, Some(id)) => ("responses_get", responses::retrieve(&state, id).await),
+        (&Method::DELETE, _, Some(id)) => ("responses_delete", responses::delete(&state, id).await),
         _ => ("other", Err(ApiError::NotFound { method: method.to_string(), path: path.clone() })),
     };
     let response = result.unwrap_or_else(|e| error_response(&e));
@@ -108,7 +112,8 @@ pub fn error_response(e: &ApiError) -> Response<Body> {
     bytes_response(e.status(), "application/json", Bytes::from(e.to_json()))
 }
 
-fn bytes_response(status: StatusCode, content_type: &'static str, body: Bytes) -> Response<Body> {
+/// A body of `content_type` as it is.
+pub fn bytes_response(status: StatusCode, content_type: &'static str, body: Bytes) -> Response<Body> {
     let mut r = Response::new(Full::new(body).boxed());
     *r.status_mut() = status;
     r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(content_type));

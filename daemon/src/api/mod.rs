@@ -1,14 +1,15 @@
 //! The serving surface: HTTP (OpenAI chat/completions/responses, SSE), the Responses WebSocket, `/metrics`.
 //!
 //! Layout (aesthetics.md §6 rule 1): [`http`] (hyper server, routes, graceful shutdown), [`openai`] (request
-//! parsing and validation), [`wire`] (response JSON), [`sse`] (event-stream bodies), [`ws`] (Responses
-//! WebSocket mode), [`generate`] (one request's life against the engine: detokenize, stop strings, usage and
-//! timings), [`error`] (the one error type and its HTTP mapping).
+//! parsing and validation), [`wire`] (response JSON), [`sse`] (event-stream bodies), [`responses`] (the
+//! Responses API: create, retrieve, delete), [`ws`] (Responses WebSocket mode), [`generate`] (one request's life
+//! against the engine: detokenize, stop strings, usage and timings), [`error`] (the one error type and its HTTP
+//! mapping).
 //!
 //! Invariants:
 //! - The API layer never touches the model: it talks to the engine thread only through [`EngineHandle`]
-//!   (bounded channels). Control-plane maps ([`AppState::kept`]) hold no engine state, only what the API needs
-//!   to render continuations.
+//!   (bounded channels). It keeps no record of kept responses: the engine's session store owns them, and the
+//!   API asks it for what a continuation or `GET /v1/responses/{id}` needs.
 //! - A request whose client goes away is cancelled in the engine (its [`generate::Generation`] is dropped).
 
 pub mod error;
@@ -24,9 +25,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use dashmap::DashMap;
 use metrics_exporter_prometheus::PrometheusHandle;
-use sparkd_kernels::TokenId;
 use tokio::sync::watch;
 
 use crate::engine::types::{EngineHandle, RequestId};
@@ -38,15 +37,6 @@ pub const INTERACTIVITY_WINDOW_REQUESTS: usize = 1000;
 /// ... and none older than this.
 pub const INTERACTIVITY_WINDOW: Duration = Duration::from_secs(300);
 
-/// What the API remembers of a kept response, to render a continuation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct KeptResponse {
-    /// The last token of the kept state (decides whether the continuation starts with `<|im_end|>`).
-    pub last_token: TokenId,
-    /// Tokens in the kept state (prompt + output), for the context-length check.
-    pub len: usize,
-}
-
 /// Everything a connection task needs. Shared as `Arc<AppState>`.
 pub struct AppState {
     pub engine: EngineHandle,
@@ -55,8 +45,6 @@ pub struct AppState {
     pub max_model_len: usize,
     pub max_body_bytes: usize,
     pub metrics: PrometheusHandle,
-    /// Kept responses by id (the Responses API's `store`).
-    pub kept: DashMap<String, KeptResponse>,
     /// Turns to `true` when the server shuts down (WebSockets close on it).
     pub shutdown: watch::Receiver<bool>,
     /// Unix time of start-up (`created` of `/v1/models`).
@@ -82,7 +70,6 @@ impl AppState {
             max_model_len,
             max_body_bytes,
             metrics,
-            kept: DashMap::new(),
             shutdown,
             started_unix: unix_now(),
             interactivity: Mutex::new(InteractivityWindow::new(INTERACTIVITY_WINDOW_REQUESTS, INTERACTIVITY_WINDOW)),

@@ -1,11 +1,16 @@
-//! The Responses API, shared by `POST /v1/responses` (JSON or SSE) and the WebSocket mode ([`super::ws`]).
+//! The Responses API, shared by `POST /v1/responses` (JSON or SSE) and the WebSocket mode ([`super::ws`]), and
+//! `GET` / `DELETE /v1/responses/{id}`.
 //!
 //! Invariants:
 //! - A request with `previous_response_id` sends the engine only the new input's tokens (rendered by
 //!   [`ChatTemplate::render_continuation`](crate::tokenizer::ChatTemplate::render_continuation)) with
 //!   `continue_from`; the engine restores (or forks) the kept state, so only the suffix is prefilled.
-//! - With `store` (the default), the final state is kept under the response's id and remembered in
-//!   [`AppState::kept`] once the response ends; an unknown `previous_response_id` is a 400 naming the field.
+//! - With `store` (the default), the engine keeps the final state under the response's id, and once the response
+//!   ends the API attaches the final response object to it (before the client sees the end), which is what `GET`
+//!   returns. The engine's store is the only record: a response is visible (to `GET` and as a
+//!   `previous_response_id`) from then until it is deleted or evicted by the kept-responses budget.
+//! - An unknown, evicted or deleted `previous_response_id` is a 400 naming the field; `GET` or `DELETE` of one is
+//!   a 404. `store: false` responses are never kept.
 //! - Event order of one stream: `response.created`, `response.output_item.added`,
 //!   `response.content_part.added`, `response.output_text.delta`…, `response.output_text.done`,
 //!   `response.content_part.done`, `response.output_item.done`, then one terminal event,
@@ -15,17 +20,18 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use bytes::Bytes;
 use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
 use serde_json::{json, Value};
 
 use super::error::ApiError;
 use super::generate::{Generation, GenerationSpec, Outcome, Progress};
-use super::http::{json_response, read_json, sse_response, Body};
+use super::http::{bytes_response, json_response, read_json, sse_response, Body};
 use super::openai::{self, ValidResponsesRequest};
 use super::sse::{Disconnected, SseWriter};
 use super::wire::{self, ResponseHeader};
-use super::{new_id, unix_now, AppState, KeptResponse};
+use super::{new_id, unix_now, AppState};
 use crate::engine::types::ResponseId;
 
 /// Where a stream's events go: an SSE body or a WebSocket (which tags them with the `stream_id`).
@@ -49,7 +55,12 @@ pub async fn start(
 ) -> Result<(Generation, ResponseHeader), ApiError> {
     let (prompt, kept_len) = match &req.previous_response_id {
         Some(prev) => {
-            let kept = state.kept.get(prev).map(|k| *k).ok_or_else(|| ApiError::UnknownResponse(prev.clone()))?;
+            let kept = state
+                .engine
+                .lookup_response(ResponseId(prev.clone()))
+                .await?
+                .filter(|k| k.record.is_some())
+                .ok_or_else(|| ApiError::UnknownResponse(prev.clone()))?;
             (state.template.render_continuation(&[kept.last_token], &req.input)?, kept.len)
         }
         None => (state.template.render(&req.input)?, 0),
@@ -76,12 +87,32 @@ pub async fn start(
     Ok((generation, header))
 }
 
-/// Remembers a stored response so it can be continued.
-fn remember(state: &AppState, header: &ResponseHeader, outcome: &Outcome) {
-    if let (true, Some(last_token)) = (header.store, outcome.last_token) {
-        let len = outcome.usage.prompt_tokens + outcome.usage.completion_tokens;
-        state.kept.insert(header.id.clone(), KeptResponse { last_token, len });
+/// The final response object as JSON bytes; with `store`, also attached to the kept response (so it can be
+/// retrieved and continued from now on).
+async fn finish(state: &AppState, header: &ResponseHeader, text: &str, outcome: &Outcome) -> (Value, Bytes) {
+    let (status, _) = wire::terminal_status(outcome);
+    let object = wire::response_object(header, status, Some(text), Some(outcome));
+    let bytes = Bytes::from(object.to_string());
+    if header.store {
+        // With the engine gone the next request reports it; this response is complete all the same.
+        let _ = state.engine.record_response(ResponseId(header.id.clone()), bytes.clone()).await;
     }
+    (object, bytes)
+}
+
+/// `GET /v1/responses/{id}`: the stored response object.
+pub async fn retrieve(state: &AppState, id: &str) -> Result<Response<Body>, ApiError> {
+    let kept = state.engine.lookup_response(ResponseId(id.to_owned())).await?;
+    let record = kept.and_then(|k| k.record).ok_or_else(|| ApiError::ResponseNotFound(id.to_owned()))?;
+    Ok(bytes_response(StatusCode::OK, "application/json", record))
+}
+
+/// `DELETE /v1/responses/{id}`: forgets a kept response (its state, history and object).
+pub async fn delete(state: &AppState, id: &str) -> Result<Response<Body>, ApiError> {
+    if !state.engine.drop_response(ResponseId(id.to_owned())).await? {
+        return Err(ApiError::ResponseNotFound(id.to_owned()));
+    }
+    Ok(json_response(StatusCode::OK, &json!({"id": id, "object": "response.deleted", "deleted": true})))
 }
 
 /// The `error` event.
@@ -134,7 +165,7 @@ pub async fn stream<S: EventSink>(
             }
         }
     };
-    remember(state, &header, &outcome);
+    let (object, _) = finish(state, &header, &text, &outcome).await;
     sink.send(send(json!({"type": "response.output_text.done", "item_id": header.item_id, "output_index": 0,
                            "content_index": 0, "text": text})))
         .await?;
@@ -144,11 +175,8 @@ pub async fn stream<S: EventSink>(
     sink.send(send(json!({"type": "response.output_item.done", "output_index": 0,
                            "item": wire::message_item(&header, &text, "completed")})))
         .await?;
-    let (status, event_type) = wire::terminal_status(&outcome);
-    sink.send(send(
-        json!({"type": event_type, "response": wire::response_object(&header, status, Some(&text), Some(&outcome))}),
-    ))
-    .await
+    let (_, event_type) = wire::terminal_status(&outcome);
+    sink.send(send(json!({"type": event_type, "response": object}))).await
 }
 
 /// `POST /v1/responses`.
@@ -172,7 +200,6 @@ pub async fn http(state: &Arc<AppState>, req: Request<Incoming>, arrival: Instan
             Progress::Done(o) => break o,
         }
     };
-    remember(state, &header, &outcome);
-    let (status, _) = wire::terminal_status(&outcome);
-    Ok(json_response(StatusCode::OK, &wire::response_object(&header, status, Some(&text), Some(&outcome))))
+    let (_, body) = finish(state, &header, &text, &outcome).await;
+    Ok(bytes_response(StatusCode::OK, "application/json", body))
 }

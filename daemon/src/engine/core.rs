@@ -15,7 +15,10 @@
 //!   closed channel (client gone) cancels the request and frees its state; a request that asked to
 //!   be kept is kept all the same.
 //! - A runner error fails every request of that step (their states are freed, never kept) and the
-//!   engine goes on with the rest.
+//!   engine goes on with the rest. A broken invariant of the engine's own fails the requests it
+//!   touches with `EngineError::Internal` (a server fault, never blamed on the request).
+//! - Kept responses live only in the session store, within its byte budgets (enforced after every
+//!   step and after every command that adds to what it holds).
 //! - Every request that got a state began on the speculator and ends on it exactly once (finish,
 //!   cancel, client gone, failure), so per-request proposer memory never leaks.
 //! - Prefix-cache snapshots are taken where they pay: at the last block boundary of each prompt
@@ -34,7 +37,7 @@ use tokio::sync::mpsc::{self, error::TryRecvError, error::TrySendError};
 
 use super::prefix_cache::PrefixCache;
 use super::scheduler::{FinishedSeq, Scheduler, SchedulerLimits, StepOutcome, StepPlan};
-use super::sessions::{EvictionPolicy, LruPolicy, SessionStore};
+use super::sessions::{EvictionPolicy, LruPolicy, SessionStore, StoreBudgets};
 use super::speculator::{DraftSlot, Speculator};
 use super::types::{
     EngineCommand, EngineConfig, EngineError, EngineEvent, EngineHandle, FinishReason, GenerateRequest, RequestId,
@@ -84,7 +87,7 @@ pub fn spawn_with_policy(
     policy: Box<dyn EvictionPolicy>,
 ) -> Result<Engine, EngineError> {
     if config.max_num_batched_tokens == 0 || config.max_num_seqs == 0 || config.command_queue == 0 {
-        return Err(EngineError::InvalidRequest(
+        return Err(EngineError::Internal(
             "engine config: max_num_batched_tokens, max_num_seqs and command_queue must be at least 1".into(),
         ));
     }
@@ -97,7 +100,7 @@ pub fn spawn_with_policy(
     let thread = std::thread::Builder::new()
         .name("sparkd-engine".into())
         .spawn(move || engine.run())
-        .map_err(|e| EngineError::Runner { kind: "io", message: format!("spawning the engine thread: {e}") })?;
+        .map_err(|e| EngineError::Internal(format!("spawning the engine thread: {e}")))?;
     Ok(Engine { handle: EngineHandle::new(tx), thread })
 }
 
@@ -154,7 +157,10 @@ impl EngineCore {
         EngineCore {
             runner,
             scheduler,
-            sessions: SessionStore::new(policy, config.host_budget_bytes),
+            sessions: SessionStore::new(
+                policy,
+                StoreBudgets { host_bytes: config.host_budget_bytes, total_bytes: config.kept_responses_bytes },
+            ),
             prefix: PrefixCache::new(MLA_BLOCK_TOKENS, config.prefix_cache_bytes),
             config,
             commands,
@@ -235,9 +241,24 @@ impl EngineCore {
             EngineCommand::Generate { request, events } => self.accept(request, events),
             EngineCommand::Cancel(id) => self.cancel(id),
             EngineCommand::Shutdown => self.stopping = true,
-            EngineCommand::DropResponse(id) => {
-                if let Err(e) = self.sessions.remove(self.runner.as_mut(), &id) {
+            EngineCommand::DropResponse { id, reply } => {
+                let dropped = self.sessions.remove(self.runner.as_mut(), &id).unwrap_or_else(|e| {
+                    // The entry is gone all the same; only its state's release failed.
                     tracing::warn!(response = %id, error = %e, "freeing a dropped response's state failed");
+                    true
+                });
+                if dropped {
+                    counter!(names::SESSIONS_DELETED_TOTAL).increment(1);
+                }
+                // The asker may have left; then nobody needs the answer.
+                let _ = reply.send(dropped);
+            }
+            EngineCommand::LookupResponse { id, reply } => {
+                let _ = reply.send(self.sessions.response(&id));
+            }
+            EngineCommand::RecordResponse { id, record } => {
+                if self.sessions.set_record(&id, record) {
+                    self.enforce_memory();
                 }
             }
         }
@@ -260,13 +281,10 @@ impl EngineCore {
             return reject(&events, e);
         }
         if self.live.contains_key(&request.id) {
-            return reject(
-                &events,
-                EngineError::InvalidRequest(format!("request id {} is already in use", request.id)),
-            );
+            return reject(&events, EngineError::Internal(format!("request id {} is already in use", request.id)));
         }
         if let Err(e) = self.scheduler.add(&request, &history) {
-            return reject(&events, EngineError::InvalidRequest(e.to_string()));
+            return reject(&events, EngineError::Internal(e.to_string()));
         }
         self.live.insert(
             request.id,
@@ -364,7 +382,7 @@ impl EngineCore {
             Vec::new()
         };
         counter!(names::PROMPT_TOKENS_TOTAL).increment(tokens.len().saturating_sub(computed) as u64);
-        self.scheduler.restore(id, computed, stops).map_err(|e| EngineError::InvalidRequest(e.to_string()))
+        self.scheduler.restore(id, computed, stops).map_err(|e| EngineError::Internal(e.to_string()))
     }
 
     /// Drafts for every decode row and attaches the drafts the budget verifies (speculation on). A
@@ -409,7 +427,7 @@ impl EngineCore {
         for row in &plan.rows {
             let live = self.live.get_mut(&row.id);
             let Some(state) = live.as_ref().and_then(|l| l.state) else {
-                self.fail(row.id, EngineError::InvalidRequest(format!("{} was planned without a state", row.id)));
+                self.fail(row.id, EngineError::Internal(format!("{} was planned without a state", row.id)));
                 return;
             };
             if let Some(live) = live {
@@ -429,7 +447,7 @@ impl EngineCore {
         let outcome = match self.scheduler.apply(plan, &outputs) {
             Ok(outcome) => outcome,
             Err(e) => {
-                let err = EngineError::InvalidRequest(format!("step results: {e}"));
+                let err = EngineError::Internal(format!("step results: {e}"));
                 plan.rows.iter().for_each(|row| self.fail(row.id, err.clone()));
                 return;
             }
@@ -623,13 +641,15 @@ impl EngineCore {
         }
     }
 
-    /// Keeps kept responses within the device and host budgets (running states are pinned).
+    /// Keeps kept responses within the device, host and kept-responses budgets (running states are
+    /// pinned).
     fn enforce_memory(&mut self) {
         let live_bytes = self.live_bytes();
         match self.sessions.enforce(self.runner.as_mut(), live_bytes, self.config.state_budget_bytes) {
             Ok(done) => {
                 counter!(names::SESSIONS_EVICTED_TOTAL, "tier" => "host").increment(done.to_host as u64);
                 counter!(names::SESSIONS_EVICTED_TOTAL, "tier" => "dropped").increment(done.dropped as u64);
+                counter!(names::SESSIONS_EVICTED_TOTAL, "tier" => "removed").increment(done.removed as u64);
             }
             Err(e) => tracing::warn!(error = %e, "evicting kept responses failed"),
         }
@@ -649,5 +669,6 @@ impl EngineCore {
         gauge!(names::STATE_MEMORY_BYTES, "tier" => "host").set(self.sessions.host_bytes() as f64);
         gauge!(names::PREFIX_CACHE_BYTES).set(self.prefix.bytes() as f64);
         gauge!(names::SESSIONS_KEPT).set(self.sessions.len() as f64);
+        gauge!(names::SESSIONS_BYTES).set(self.sessions.held_bytes() as f64);
     }
 }

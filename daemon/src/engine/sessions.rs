@@ -1,4 +1,5 @@
-//! Kept responses (session turns): their token history and their state, in one of three tiers.
+//! Kept responses (session turns): the one owner of each one's token history, state and stored
+//! record, bounded by a byte budget.
 //!
 //! Invariants:
 //! - Every kept response has its full token history (prompt plus output). Its state, when it has
@@ -6,53 +7,54 @@
 //!   runner contract), so a continuation feeds it first.
 //! - Tiers: `Device` (a runner state), `Host` (an exported copy, counted against the host budget),
 //!   `Dropped` (history only; a continuation rebuilds the state by prefill: correct, only slower).
+//! - A kept response may carry a record: the API's rendering of it (what
+//!   `GET /v1/responses/{id}` returns), opaque bytes here, attached once the response has ended.
+//! - Budget: every byte a kept response holds (its state in whichever tier, its history, its
+//!   record, its id) counts in [`SessionStore::held_bytes`]; beyond [`StoreBudgets::total_bytes`]
+//!   the lowest-ranked responses are removed entirely (state, history and record), so continuing
+//!   one is continuing an unknown id.
 //! - Kept states are idle: a continuation gets a fork (`Runner::fork_state`) or an import of the
 //!   host copy, never the kept state itself, so two requests continuing one response at once each
 //!   get their own state and nothing is recomputed. Running states are not in this store, so they
 //!   are pinned by construction.
-//! - Eviction order is decided by an [`EvictionPolicy`] (LRU today), a separate piece behind a
-//!   trait so a think-time-aware policy can replace it. Device pressure moves the policy's victim
-//!   to host; host pressure drops the policy's victim.
-//! - Complexity: LRU victim choice is O(kept responses in the tier) per eviction.
+//! - Eviction order: an [`EvictionPolicy`] ranks a response whenever it is kept or continued (LRU
+//!   today: a clock), a separate piece behind a trait so a think-time-aware policy can replace it.
+//!   The lowest rank goes first everywhere: device pressure moves it to host, host pressure drops
+//!   its state, the total budget removes it.
+//! - Complexity: ranks are indexed in ordered sets (all entries, device tier, host tier), so keep,
+//!   continue, remove and each eviction are O(log n) in the number of kept responses; nothing scans
+//!   the store.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 
+use bytes::Bytes;
 use sparkd_kernels::state::SeqState;
 use sparkd_kernels::{Result, Runner, StateId, TokenId};
 
-use super::types::ResponseId;
+use super::types::{KeptResponse, ResponseId};
 
-/// Chooses which idle kept response to demote next.
+/// Ranks kept responses for eviction.
 pub trait EvictionPolicy: Send + std::fmt::Debug {
-    /// The response was kept or continued.
-    fn touched(&mut self, id: &ResponseId);
-    /// The response is gone from the store.
-    fn removed(&mut self, id: &ResponseId);
-    /// The next victim among `candidates`, or `None` when there is none.
-    fn victim<'a>(&self, candidates: &[&'a ResponseId]) -> Option<&'a ResponseId>;
+    /// The rank of `id`, which was just kept or continued. Among idle kept responses the lowest rank
+    /// is evicted first (ties by id); a rank holds until the response is touched again.
+    fn rank(&mut self, id: &ResponseId) -> u64;
 }
 
-/// Least recently used first.
+/// Least recently used first: the rank is a clock that ticks on every touch.
 #[derive(Debug, Default)]
 pub struct LruPolicy {
     clock: u64,
-    last_used: HashMap<ResponseId, u64>,
 }
 
 impl EvictionPolicy for LruPolicy {
-    fn touched(&mut self, id: &ResponseId) {
+    fn rank(&mut self, _id: &ResponseId) -> u64 {
         self.clock += 1;
-        self.last_used.insert(id.clone(), self.clock);
-    }
-
-    fn removed(&mut self, id: &ResponseId) {
-        self.last_used.remove(id);
-    }
-
-    fn victim<'a>(&self, candidates: &[&'a ResponseId]) -> Option<&'a ResponseId> {
-        candidates.iter().copied().min_by_key(|id| (self.last_used.get(*id).copied().unwrap_or(0), (*id).clone()))
+        self.clock
     }
 }
+
+/// A place in an eviction order (lowest first).
+type Slot = (u64, ResponseId);
 
 /// Where a kept response's state lives.
 #[derive(Debug)]
@@ -62,10 +64,31 @@ enum Tier {
     Dropped,
 }
 
+impl Tier {
+    fn state_bytes(&self) -> usize {
+        match self {
+            Tier::Device { bytes, .. } | Tier::Host { bytes, .. } => *bytes,
+            Tier::Dropped => 0,
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Kept {
     history: Vec<TokenId>,
     tier: Tier,
+    record: Option<Bytes>,
+    rank: u64,
+}
+
+impl Kept {
+    /// Every byte this entry holds, its id's included.
+    fn held_bytes(&self, id: &ResponseId) -> usize {
+        self.tier.state_bytes()
+            + self.history.len() * std::mem::size_of::<TokenId>()
+            + self.record.as_ref().map_or(0, Bytes::len)
+            + id.0.len()
+    }
 }
 
 /// Where a continuation's state came from (the `tier` label of `sparkd:sessions_restored_total`).
@@ -92,23 +115,52 @@ impl RestoredFrom {
 pub struct Evictions {
     /// Device states moved to host.
     pub to_host: usize,
-    /// States dropped (from host, or straight from device when they do not fit on host).
+    /// States dropped (from host, or straight from device when they do not fit on host); their
+    /// histories stay.
     pub dropped: usize,
+    /// Kept responses removed entirely (the total budget).
+    pub removed: usize,
 }
 
-/// The kept responses and their byte accounting.
+/// The store's byte budgets (the device budget is the engine's, shared with running states).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StoreBudgets {
+    /// Host copies of kept states.
+    pub host_bytes: usize,
+    /// Everything kept responses hold: states in every tier, histories, records.
+    pub total_bytes: usize,
+}
+
+/// The kept responses, their eviction order and their byte accounting.
 #[derive(Debug)]
 pub struct SessionStore {
     entries: HashMap<ResponseId, Kept>,
     policy: Box<dyn EvictionPolicy>,
+    /// Every entry, by rank.
+    by_rank: BTreeSet<Slot>,
+    /// Entries whose state is on the device, by rank.
+    device_by_rank: BTreeSet<Slot>,
+    /// Entries whose state is on the host, by rank.
+    host_by_rank: BTreeSet<Slot>,
     device_bytes: usize,
     host_bytes: usize,
-    host_budget_bytes: usize,
+    held_bytes: usize,
+    budgets: StoreBudgets,
 }
 
 impl SessionStore {
-    pub fn new(policy: Box<dyn EvictionPolicy>, host_budget_bytes: usize) -> Self {
-        SessionStore { entries: HashMap::new(), policy, device_bytes: 0, host_bytes: 0, host_budget_bytes }
+    pub fn new(policy: Box<dyn EvictionPolicy>, budgets: StoreBudgets) -> Self {
+        SessionStore {
+            entries: HashMap::new(),
+            policy,
+            by_rank: BTreeSet::new(),
+            device_by_rank: BTreeSet::new(),
+            host_by_rank: BTreeSet::new(),
+            device_bytes: 0,
+            host_bytes: 0,
+            held_bytes: 0,
+            budgets,
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -129,9 +181,21 @@ impl SessionStore {
         self.host_bytes
     }
 
+    /// Every byte kept responses hold (states in every tier, histories, records, ids): what the
+    /// total budget bounds.
+    pub fn held_bytes(&self) -> usize {
+        self.held_bytes
+    }
+
     /// The token history of a kept response.
     pub fn history(&self, id: &ResponseId) -> Option<&[TokenId]> {
         self.entries.get(id).map(|k| k.history.as_slice())
+    }
+
+    /// What the API may read of a kept response (its history's last token and length, its record).
+    pub fn response(&self, id: &ResponseId) -> Option<KeptResponse> {
+        let kept = self.entries.get(id)?;
+        Some(KeptResponse { last_token: *kept.history.last()?, len: kept.history.len(), record: kept.record.clone() })
     }
 
     /// The tier name of a kept response ("device", "host", "dropped"), for tests and logs.
@@ -144,7 +208,8 @@ impl SessionStore {
     }
 
     /// Keeps `history` under `id` with `state` (which must hold `history.len() - 1` tokens; `None`
-    /// keeps the history only). Replaces, and frees, an earlier entry of the same id.
+    /// keeps the history only). Replaces, and frees, an earlier entry of the same id. The budgets
+    /// are enforced by [`SessionStore::enforce`].
     pub fn keep(
         &mut self,
         runner: &mut dyn Runner,
@@ -154,21 +219,26 @@ impl SessionStore {
     ) -> Result<()> {
         self.remove(runner, &id)?;
         let tier = match state {
-            Some(state) => {
-                let bytes = runner.state_bytes(state)?;
-                self.device_bytes += bytes;
-                Tier::Device { state, bytes }
-            }
+            Some(state) => Tier::Device { state, bytes: runner.state_bytes(state)? },
             None => Tier::Dropped,
         };
-        self.policy.touched(&id);
-        self.entries.insert(id, Kept { history, tier });
+        let rank = self.policy.rank(&id);
+        self.attach(id, Kept { history, tier, record: None, rank });
         Ok(())
+    }
+
+    /// Attaches the API's record to a kept response (replacing an earlier one); `false` when `id`
+    /// is not kept (never, or evicted meanwhile).
+    pub fn set_record(&mut self, id: &ResponseId, record: Bytes) -> bool {
+        let Some(mut kept) = self.detach(id) else { return false };
+        kept.record = Some(record);
+        self.attach(id.clone(), kept);
+        true
     }
 
     /// A new state for a request continuing `id`: a fork of the device state, an import of the host
     /// copy, or `None` when only the history is kept. `Ok(None)` also when `id` is unknown; check
-    /// [`SessionStore::history`] first.
+    /// [`SessionStore::history`] first. Continuing makes `id` the most recently used.
     pub fn checkout(&mut self, runner: &mut dyn Runner, id: &ResponseId) -> Result<(Option<StateId>, RestoredFrom)> {
         let Some(kept) = self.entries.get(id) else { return Ok((None, RestoredFrom::Prefill)) };
         let restored = match &kept.tier {
@@ -176,68 +246,106 @@ impl SessionStore {
             Tier::Host { state, .. } => (Some(runner.import_state(state.clone())?), RestoredFrom::Host),
             Tier::Dropped => (None, RestoredFrom::Prefill),
         };
-        self.policy.touched(id);
+        let rank = self.policy.rank(id);
+        if let Some(mut kept) = self.detach(id) {
+            kept.rank = rank;
+            self.attach(id.clone(), kept);
+        }
         Ok(restored)
     }
 
-    /// Forgets `id` and frees its state; `Ok(false)` when it was not kept.
+    /// Forgets `id` (state, history and record) and frees its state; `Ok(false)` when it was not
+    /// kept. The entry is gone even when freeing its state fails.
     pub fn remove(&mut self, runner: &mut dyn Runner, id: &ResponseId) -> Result<bool> {
-        let Some(kept) = self.entries.remove(id) else { return Ok(false) };
-        self.policy.removed(id);
-        match kept.tier {
-            Tier::Device { state, bytes } => {
-                self.device_bytes -= bytes;
-                runner.free_state(state)?;
-            }
-            Tier::Host { bytes, .. } => self.host_bytes -= bytes,
-            Tier::Dropped => {}
+        let Some(kept) = self.detach(id) else { return Ok(false) };
+        if let Tier::Device { state, .. } = kept.tier {
+            runner.free_state(state)?;
         }
         Ok(true)
     }
 
-    fn candidates(&self, on_device: bool) -> Vec<&ResponseId> {
-        self.entries
-            .iter()
-            .filter(|(_, k)| match k.tier {
-                Tier::Device { .. } => on_device,
-                Tier::Host { .. } => !on_device,
-                Tier::Dropped => false,
-            })
-            .map(|(id, _)| id)
-            .collect()
-    }
-
     /// Brings kept device states within `device_budget - live_bytes` (live = running states, pinned)
-    /// by moving victims to host, and host copies within the host budget by dropping victims.
+    /// by moving victims to host, host copies within the host budget by dropping victims' states,
+    /// and everything held within the total budget by removing victims entirely.
     pub fn enforce(&mut self, runner: &mut dyn Runner, live_bytes: usize, device_budget: usize) -> Result<Evictions> {
-        let mut done = Evictions::default();
+        // Removing first spares a victim a device-to-host copy it would not keep.
+        let mut done = Evictions { removed: self.remove_over_budget(runner)?, ..Evictions::default() };
         while live_bytes + self.device_bytes > device_budget {
-            let Some(victim) = self.policy.victim(&self.candidates(true)).cloned() else { break };
-            let Some(kept) = self.entries.get_mut(&victim) else { break };
-            let Tier::Device { state, bytes } = kept.tier else { break };
+            let Some((_, victim)) = self.device_by_rank.first().cloned() else { break };
+            let Some(Tier::Device { state, .. }) = self.entries.get(&victim).map(|k| &k.tier) else { break };
+            let state = *state;
             let host_copy = runner.export_state(state)?;
-            runner.free_state(state)?;
-            self.device_bytes -= bytes;
+            let Some(mut kept) = self.detach(&victim) else { break };
             let host_bytes = host_copy.bytes();
-            if host_bytes <= self.host_budget_bytes {
+            if host_bytes <= self.budgets.host_bytes {
                 kept.tier = Tier::Host { state: host_copy, bytes: host_bytes };
-                self.host_bytes += host_bytes;
                 done.to_host += 1;
             } else {
                 kept.tier = Tier::Dropped;
                 done.dropped += 1;
             }
+            self.attach(victim, kept);
+            runner.free_state(state)?;
         }
-        while self.host_bytes > self.host_budget_bytes {
-            let Some(victim) = self.policy.victim(&self.candidates(false)).cloned() else { break };
-            let Some(kept) = self.entries.get_mut(&victim) else { break };
-            if let Tier::Host { bytes, .. } = kept.tier {
-                self.host_bytes -= bytes;
-            }
+        while self.host_bytes > self.budgets.host_bytes {
+            let Some((_, victim)) = self.host_by_rank.first().cloned() else { break };
+            let Some(mut kept) = self.detach(&victim) else { break };
             kept.tier = Tier::Dropped;
+            self.attach(victim, kept);
             done.dropped += 1;
         }
+        done.removed += self.remove_over_budget(runner)?;
         Ok(done)
+    }
+
+    /// Removes the lowest-ranked kept responses until what is held fits the total budget.
+    fn remove_over_budget(&mut self, runner: &mut dyn Runner) -> Result<usize> {
+        let mut removed = 0;
+        while self.held_bytes > self.budgets.total_bytes {
+            let Some((_, victim)) = self.by_rank.first().cloned() else { break };
+            removed += 1;
+            self.remove(runner, &victim)?;
+        }
+        Ok(removed)
+    }
+
+    /// Inserts an entry with its rank-order places and its bytes.
+    fn attach(&mut self, id: ResponseId, kept: Kept) {
+        let slot = (kept.rank, id.clone());
+        match kept.tier {
+            Tier::Device { bytes, .. } => {
+                self.device_bytes += bytes;
+                self.device_by_rank.insert(slot.clone());
+            }
+            Tier::Host { bytes, .. } => {
+                self.host_bytes += bytes;
+                self.host_by_rank.insert(slot.clone());
+            }
+            Tier::Dropped => {}
+        }
+        self.held_bytes += kept.held_bytes(&id);
+        self.by_rank.insert(slot);
+        self.entries.insert(id, kept);
+    }
+
+    /// Takes an entry out with its rank-order places and its bytes (its state is not freed).
+    fn detach(&mut self, id: &ResponseId) -> Option<Kept> {
+        let kept = self.entries.remove(id)?;
+        let slot = (kept.rank, id.clone());
+        match kept.tier {
+            Tier::Device { bytes, .. } => {
+                self.device_bytes -= bytes;
+                self.device_by_rank.remove(&slot);
+            }
+            Tier::Host { bytes, .. } => {
+                self.host_bytes -= bytes;
+                self.host_by_rank.remove(&slot);
+            }
+            Tier::Dropped => {}
+        }
+        self.held_bytes -= kept.held_bytes(id);
+        self.by_rank.remove(&slot);
+        Some(kept)
     }
 }
 
@@ -256,6 +364,10 @@ mod tests {
         NullRunner::new(ModelConfig::preset("k3-tiny").unwrap())
     }
 
+    fn store(host_bytes: usize, total_bytes: usize) -> SessionStore {
+        SessionStore::new(Box::<LruPolicy>::default(), StoreBudgets { host_bytes, total_bytes })
+    }
+
     /// A state holding `n` tokens, kept with a history of `n + 1` tokens.
     fn keep(store: &mut SessionStore, r: &mut NullRunner, id: &str, n: usize) {
         let s = r.alloc_state().unwrap();
@@ -266,24 +378,82 @@ mod tests {
         store.keep(r, rid(id), history, Some(s)).unwrap();
     }
 
+    /// Continues `id` and frees the continuation's state at once (the request ended).
+    fn touch(store: &mut SessionStore, r: &mut NullRunner, id: &str) {
+        if let (Some(s), _) = store.checkout(r, &rid(id)).unwrap() {
+            r.free_state(s).unwrap();
+        }
+    }
+
+    /// What a one-letter id kept with a 10-token device state holds: state 10 * 4, history 11 * 4, id 1.
+    const HELD_10: usize = 40 + 44 + 1;
+
     #[test]
-    fn lru_policy_picks_the_least_recently_touched() {
-        let mut lru = LruPolicy::default();
-        let (a, b, c) = (rid("a"), rid("b"), rid("c"));
-        lru.touched(&a);
-        lru.touched(&b);
-        lru.touched(&c);
-        lru.touched(&a);
-        assert_eq!(lru.victim(&[&a, &b, &c]), Some(&b));
-        assert_eq!(lru.victim(&[&a, &c]), Some(&c));
-        lru.removed(&c);
-        assert_eq!(lru.victim(&[]), None);
+    fn the_total_budget_removes_the_least_recently_kept_or_continued_first() {
+        let mut r = runner();
+        let mut store = store(1 << 20, 3 * HELD_10);
+        for id in ["a", "b", "c"] {
+            keep(&mut store, &mut r, id, 10);
+        }
+        touch(&mut store, &mut r, "a");
+        assert_eq!(store.enforce(&mut r, 0, 1 << 20).unwrap(), Evictions::default(), "three fit");
+        keep(&mut store, &mut r, "d", 10);
+        assert_eq!(store.enforce(&mut r, 0, 1 << 20).unwrap().removed, 1);
+        assert_eq!(store.history(&rid("b")), None, "b was the least recently used");
+        keep(&mut store, &mut r, "e", 10);
+        store.enforce(&mut r, 0, 1 << 20).unwrap();
+        assert_eq!(store.history(&rid("c")), None);
+        for id in ["a", "d", "e"] {
+            assert!(store.history(&rid(id)).is_some(), "{id} is kept");
+        }
+        assert_eq!((store.len(), store.held_bytes()), (3, 3 * HELD_10));
+        assert_eq!(r.num_states(), 3, "the removed responses' states were freed");
+    }
+
+    #[test]
+    fn held_bytes_count_state_history_record_and_id_in_every_tier() {
+        let mut r = runner();
+        let mut store = store(1 << 20, 1 << 20);
+        keep(&mut store, &mut r, "a", 10);
+        assert_eq!((store.held_bytes(), store.device_bytes()), (HELD_10, 40));
+        assert!(store.set_record(&rid("a"), Bytes::from(vec![b'x'; 100])));
+        assert!(store.set_record(&rid("a"), Bytes::from(vec![b'y'; 60])), "a record is replaced");
+        assert_eq!(store.held_bytes(), HELD_10 + 60);
+        assert!(!store.set_record(&rid("nope"), Bytes::from_static(b"{}")));
+        // To host: the host copy is one 64-token MLA block of width 1 (256 bytes).
+        assert_eq!(store.enforce(&mut r, 0, 0).unwrap(), Evictions { to_host: 1, ..Evictions::default() });
+        assert_eq!((store.device_bytes(), store.host_bytes()), (0, 256));
+        assert_eq!(store.held_bytes(), 256 + 44 + 1 + 60);
+        let kept = store.response(&rid("a")).unwrap();
+        assert_eq!((kept.last_token, kept.len, kept.record.as_deref()), (7, 11, Some(&[b'y'; 60][..])));
+        assert!(store.remove(&mut r, &rid("a")).unwrap());
+        assert!(!store.remove(&mut r, &rid("a")).unwrap(), "deleting twice finds nothing");
+        assert_eq!((store.held_bytes(), store.host_bytes(), store.len()), (0, 0, 0));
+        assert_eq!(store.response(&rid("a")), None);
+    }
+
+    #[test]
+    fn a_removed_response_is_gone_with_its_history_even_when_only_its_history_was_left() {
+        let mut r = runner();
+        let mut store = store(0, 1 << 20);
+        keep(&mut store, &mut r, "old", 10);
+        assert_eq!(store.enforce(&mut r, 0, 0).unwrap().dropped, 1);
+        assert_eq!(store.tier(&rid("old")), Some("dropped"));
+        assert_eq!(store.held_bytes(), 44 + 3, "a dropped response still holds its history");
+        store.budgets.total_bytes = 0;
+        assert_eq!(store.enforce(&mut r, 0, 1 << 20).unwrap().removed, 1);
+        assert_eq!((store.history(&rid("old")), store.tier(&rid("old")), store.held_bytes()), (None, None, 0));
+        // A response larger than the whole budget is not kept at all.
+        keep(&mut store, &mut r, "big", 10);
+        assert_eq!(store.enforce(&mut r, 0, 1 << 20).unwrap().removed, 1);
+        assert!(store.is_empty());
+        assert_eq!(r.num_states(), 0);
     }
 
     #[test]
     fn checkout_forks_so_the_kept_state_is_untouched() {
         let mut r = runner();
-        let mut store = SessionStore::new(Box::<LruPolicy>::default(), 1 << 20);
+        let mut store = store(1 << 20, 1 << 20);
         keep(&mut store, &mut r, "a", 10);
         let (first, from) = store.checkout(&mut r, &rid("a")).unwrap();
         let (second, _) = store.checkout(&mut r, &rid("a")).unwrap();
@@ -303,14 +473,14 @@ mod tests {
     fn pressure_moves_lru_to_host_then_drops_it() {
         let mut r = runner();
         // Host holds one 10-token state (one 64-token MLA block of width 1: 256 bytes), not two.
-        let mut store = SessionStore::new(Box::<LruPolicy>::default(), 300);
+        let mut store = store(300, 1 << 20);
         keep(&mut store, &mut r, "old", 10);
         keep(&mut store, &mut r, "mid", 10);
         keep(&mut store, &mut r, "new", 10);
         store.checkout(&mut r, &rid("old")).map(|(s, _)| r.free_state(s.unwrap()).unwrap()).unwrap();
         // Budget: live 40 bytes + one kept 10-token state (40 bytes).
         let done = store.enforce(&mut r, 40, 80).unwrap();
-        assert_eq!(done, Evictions { to_host: 2, dropped: 1 });
+        assert_eq!(done, Evictions { to_host: 2, dropped: 1, removed: 0 });
         assert_eq!(store.tier(&rid("old")), Some("device"), "recently continued: kept on device");
         assert_eq!(store.tier(&rid("mid")), Some("dropped"));
         assert_eq!(store.tier(&rid("new")), Some("host"));

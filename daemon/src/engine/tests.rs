@@ -104,6 +104,24 @@ impl Harness {
         self.seen.lock().unwrap().live_states
     }
 
+    fn lookup(&self, id: &str) -> Option<KeptResponse> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        self.handle.blocking_send(EngineCommand::LookupResponse { id: ResponseId(id.into()), reply }).unwrap();
+        answer.blocking_recv().unwrap()
+    }
+
+    fn drop_response(&self, id: &str) -> bool {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        self.handle.blocking_send(EngineCommand::DropResponse { id: ResponseId(id.into()), reply }).unwrap();
+        answer.blocking_recv().unwrap()
+    }
+
+    fn record(&self, id: &str, record: &'static [u8]) {
+        let command =
+            EngineCommand::RecordResponse { id: ResponseId(id.into()), record: bytes::Bytes::from_static(record) };
+        self.handle.blocking_send(command).unwrap();
+    }
+
     /// Waits until the engine has handled everything sent so far (a no-op command round trip).
     fn settle(&self) {
         let done = collect(self.submit(request(u64::MAX, vec![1], 1)));
@@ -270,7 +288,7 @@ fn continuing_a_kept_response_prefills_only_new_tokens_and_forks_never_recompute
     unknown.continue_from = Some(ResponseId("resp_nope".into()));
     let c = collect(h.submit(unknown));
     assert!(matches!(c.failed, Some(EngineError::UnknownResponse(ref id)) if id.0 == "resp_nope"));
-    h.handle.blocking_send(EngineCommand::DropResponse(ResponseId("resp_1".into()))).unwrap();
+    assert!(h.drop_response("resp_1"));
     h.settle();
     assert_eq!(h.live_states(), 0);
 }
@@ -357,4 +375,61 @@ fn invalid_requests_fail_with_a_clear_error() {
     assert!(matches!(c.failed, Some(EngineError::InvalidRequest(ref m)) if m.contains("max_tokens")));
     let c = collect(h.submit(request(3, vec![999_999], 1)));
     assert!(matches!(c.failed, Some(EngineError::InvalidRequest(ref m)) if m.contains("vocabulary")));
+}
+
+#[test]
+fn the_engine_alone_keeps_responses_and_answers_lookups_records_and_deletes() {
+    let h = Harness::new(config());
+    let p = prompt(7, 20);
+    let mut turn1 = request(1, p.clone(), 4);
+    turn1.keep_as = Some(ResponseId("resp_k".into()));
+    let out = collect(h.submit(turn1)).tokens;
+    let kept = h.lookup("resp_k").expect("kept once finished");
+    assert_eq!((kept.last_token, kept.len, kept.record), (*out.last().unwrap(), 24, None));
+    h.record("resp_k", b"{\"id\":\"resp_k\"}");
+    h.record("resp_gone", b"{}");
+    assert_eq!(h.lookup("resp_k").unwrap().record.as_deref(), Some(&b"{\"id\":\"resp_k\"}"[..]));
+    assert_eq!(h.lookup("resp_gone"), None, "a record for an id that is not kept is dropped");
+    assert!(h.drop_response("resp_k"));
+    assert!(!h.drop_response("resp_k"), "deleting twice finds nothing");
+    assert_eq!(h.lookup("resp_k"), None);
+    let mut continued = request(2, vec![5], 1);
+    continued.continue_from = Some(ResponseId("resp_k".into()));
+    let c = collect(h.submit(continued));
+    assert!(matches!(c.failed, Some(EngineError::UnknownResponse(ref id)) if id.0 == "resp_k"));
+    h.settle();
+    assert_eq!(h.live_states(), 0, "the deleted response's state was freed");
+}
+
+#[test]
+fn the_kept_responses_budget_removes_the_least_recently_used_with_its_history() {
+    // One kept 30-token response holds 29 * 4 state + 30 * 4 history + 6 id bytes = 242 bytes: two fit.
+    let h = Harness::new(EngineConfig { kept_responses_bytes: 500, prefix_cache_bytes: 0, ..config() });
+    for (i, id) in ["resp_a", "resp_b", "resp_c"].into_iter().enumerate() {
+        let mut r = request(i as u64 + 1, prompt(i as u32, 26), 4);
+        r.keep_as = Some(ResponseId(id.into()));
+        collect(h.submit(r));
+        if id == "resp_b" {
+            // Continuing resp_a makes resp_b the least recently used.
+            let mut cont = request(10, vec![9], 1);
+            cont.continue_from = Some(ResponseId("resp_a".into()));
+            assert!(collect(h.submit(cont)).failed.is_none());
+        }
+    }
+    h.settle();
+    assert_eq!(h.lookup("resp_b"), None, "evicted entirely, history included");
+    assert!(h.lookup("resp_a").is_some() && h.lookup("resp_c").is_some());
+    let mut cont = request(20, vec![9], 1);
+    cont.continue_from = Some(ResponseId("resp_b".into()));
+    assert!(matches!(collect(h.submit(cont)).failed, Some(EngineError::UnknownResponse(_))));
+    // Two kept device states remain, nothing else.
+    assert_eq!(h.live_states(), 2);
+}
+
+#[test]
+fn a_config_the_cli_would_have_rejected_is_an_internal_fault() {
+    let runner = NullRunner::new(ModelConfig::preset("k3-tiny").unwrap());
+    let err = spawn(Box::new(runner), EngineConfig { max_num_seqs: 0, ..config() }).unwrap_err();
+    assert!(matches!(err, EngineError::Internal(ref m) if m.contains("max_num_seqs")), "{err}");
+    assert_eq!(err.kind(), "internal");
 }

@@ -13,12 +13,16 @@
 //! - A kept response `R` holds the state after its prompt and all its output tokens. Continuing `R`
 //!   (`continue_from`) prefills only the new prompt tokens; two requests continuing `R` each get
 //!   their own fork of `R`'s state, and `R` itself stays kept until dropped or evicted.
+//! - The engine's session store is the only owner of kept responses: the API reads one
+//!   (`LookupResponse`), attaches its rendering (`RecordResponse`) and deletes one (`DropResponse`)
+//!   through the same bounded command channel, so a command sees every command sent before it.
 
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use sparkd_kernels::runner::{SamplingParams, TokenLogprob};
 use sparkd_kernels::{KernelError, TokenId};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 use super::spec::SpecConfig;
 
@@ -75,10 +79,27 @@ pub enum EngineCommand {
     Generate { request: GenerateRequest, events: mpsc::Sender<EngineEvent> },
     /// Stop a request: it finishes with `FinishReason::Cancelled` (and is kept if it asked to be).
     Cancel(RequestId),
-    /// Forget a kept response and free its state.
-    DropResponse(ResponseId),
+    /// Forget a kept response (state, history and record) and free its state; `reply` says whether
+    /// it was kept.
+    DropResponse { id: ResponseId, reply: oneshot::Sender<bool> },
+    /// What the API may read of a kept response; `None` when it is not kept.
+    LookupResponse { id: ResponseId, reply: oneshot::Sender<Option<KeptResponse>> },
+    /// Attach the API's rendering of a kept response (what `GET /v1/responses/{id}` returns); its
+    /// bytes count against the kept-responses budget. Ignored when `id` is no longer kept.
+    RecordResponse { id: ResponseId, record: Bytes },
     /// Cancel every request and stop the engine thread (what `Engine::shutdown` sends).
     Shutdown,
+}
+
+/// What the API may read of a kept response.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeptResponse {
+    /// The last token of its history (decides whether a continuation starts with `<|im_end|>`).
+    pub last_token: TokenId,
+    /// Tokens in its history (prompt + output), for the context-length check.
+    pub len: usize,
+    /// The API's rendering of it, once attached (`RecordResponse`).
+    pub record: Option<Bytes>,
 }
 
 /// Why a request finished.
@@ -158,6 +179,9 @@ pub enum EngineError {
     /// error's own `kind()`.
     #[error("runner ({kind}): {message}")]
     Runner { kind: &'static str, message: String },
+    /// The daemon broke one of its own invariants (not the client's fault).
+    #[error("internal error: {0}")]
+    Internal(String),
     /// The engine thread is gone (its command channel is closed).
     #[error("the engine thread has stopped")]
     Stopped,
@@ -170,6 +194,7 @@ impl EngineError {
             EngineError::UnknownResponse(_) => "unknown_response",
             EngineError::InvalidRequest(_) => "invalid_request",
             EngineError::Runner { .. } => "runner",
+            EngineError::Internal(_) => "internal",
             EngineError::Stopped => "engine_stopped",
         }
     }
@@ -185,6 +210,10 @@ pub const DEFAULT_COMMAND_QUEUE: usize = 1024;
 pub const DEFAULT_STATE_BUDGET_BYTES: usize = 8 << 30;
 /// Default host byte budget for offloaded kept states.
 pub const DEFAULT_HOST_BUDGET_BYTES: usize = 16 << 30;
+/// Default byte budget for everything kept responses hold (states in every tier, token histories,
+/// stored records): the device and host state budgets together, so with the default budgets states
+/// alone never reach it and what tips it over is what the tiers never bounded (histories, records).
+pub const DEFAULT_KEPT_RESPONSES_BYTES: usize = DEFAULT_STATE_BUDGET_BYTES + DEFAULT_HOST_BUDGET_BYTES;
 /// Default host byte budget for prefix-cache snapshots.
 pub const DEFAULT_PREFIX_CACHE_BYTES: usize = 8 << 30;
 
@@ -201,6 +230,9 @@ pub struct EngineConfig {
     pub state_budget_bytes: usize,
     /// Host bytes for offloaded kept states; beyond it they are dropped (rebuilt by prefill).
     pub host_budget_bytes: usize,
+    /// Bytes for everything kept responses hold (states, histories, records); beyond it the least
+    /// recently used are removed entirely.
+    pub kept_responses_bytes: usize,
     /// Host bytes for prefix-cache snapshots (0 disables the prefix cache).
     pub prefix_cache_bytes: usize,
     /// Speculative decoding (off by default).
@@ -215,6 +247,7 @@ impl Default for EngineConfig {
             command_queue: DEFAULT_COMMAND_QUEUE,
             state_budget_bytes: DEFAULT_STATE_BUDGET_BYTES,
             host_budget_bytes: DEFAULT_HOST_BUDGET_BYTES,
+            kept_responses_bytes: DEFAULT_KEPT_RESPONSES_BYTES,
             prefix_cache_bytes: DEFAULT_PREFIX_CACHE_BYTES,
             spec: SpecConfig::default(),
         }
@@ -249,9 +282,23 @@ impl EngineHandle {
         self.send(EngineCommand::Cancel(id)).await
     }
 
-    /// Asks the engine to forget a kept response.
-    pub async fn drop_response(&self, id: ResponseId) -> Result<(), EngineError> {
-        self.send(EngineCommand::DropResponse(id)).await
+    /// Asks the engine to forget a kept response; `false` when it was not kept.
+    pub async fn drop_response(&self, id: ResponseId) -> Result<bool, EngineError> {
+        let (reply, answer) = oneshot::channel();
+        self.send(EngineCommand::DropResponse { id, reply }).await?;
+        answer.await.map_err(|_| EngineError::Stopped)
+    }
+
+    /// What the API may read of a kept response; `None` when it is not kept.
+    pub async fn lookup_response(&self, id: ResponseId) -> Result<Option<KeptResponse>, EngineError> {
+        let (reply, answer) = oneshot::channel();
+        self.send(EngineCommand::LookupResponse { id, reply }).await?;
+        answer.await.map_err(|_| EngineError::Stopped)
+    }
+
+    /// Attaches the API's rendering to a kept response (queued behind every earlier command).
+    pub async fn record_response(&self, id: ResponseId, record: Bytes) -> Result<(), EngineError> {
+        self.send(EngineCommand::RecordResponse { id, record }).await
     }
 
     /// Sends any command, waiting while the queue is full.
