@@ -16,7 +16,7 @@ use sparkd::api::{http, AppState};
 use sparkd::config::{Device, ServeArgs, DEFAULT_SYNTHETIC_CONFIG};
 use sparkd::engine::spec::{describe as describe_spec, SpecConfig};
 use sparkd::engine::EngineConfig;
-use sparkd::tokenizer::{export_hf, ChatTemplate, Tokenizer};
+use sparkd_tokenizer::{export_hf, ChatTemplate, Tokenizer};
 use sparkd_kernels::checkpoint::Checkpoint;
 use sparkd_kernels::config::PRESET_NAMES;
 use sparkd_kernels::cpu::CpuRunner;

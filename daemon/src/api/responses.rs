@@ -2,7 +2,7 @@
 //!
 //! Invariants:
 //! - A request with `previous_response_id` sends the engine only the new input's tokens (rendered by
-//!   [`ChatTemplate::render_continuation`](crate::tokenizer::ChatTemplate::render_continuation)) with
+//!   [`ChatTemplate::render_continuation`](sparkd_tokenizer::ChatTemplate::render_continuation)) with
 //!   `continue_from`; the engine restores (or forks) the kept state, so only the suffix is prefilled.
 //! - With `store` (the default), the final state is kept under the response's id and remembered in
 //!   [`AppState::kept`] once the response ends; an unknown `previous_response_id` is a 400 naming the field.
