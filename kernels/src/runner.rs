@@ -281,10 +281,7 @@ pub trait Runner: Send {
 
     /// Restricts the tokens the runner emits from now on (see [`TokenMask`]).
     fn set_token_mask(&mut self, _mask: TokenMask) -> Result<()> {
-        Err(KernelError::InvalidInput(format!(
-            "the {} runner cannot restrict the tokens it emits",
-            self.device_name()
-        )))
+        Err(KernelError::InvalidInput(format!("the {} runner cannot restrict the tokens it emits", self.device_name())))
     }
 
     /// Loads the drafter of `source` (its config checked against this model) and attaches it in place of any

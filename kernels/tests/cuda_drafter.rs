@@ -371,7 +371,9 @@ fn cuda_sampled_drafts_are_reproducible_and_verified_with_q() {
     prefill(&mut *r, s, &p[..7]);
     let once = r.model_drafter().unwrap().draft(&[draft_req(s, p[7], 7, &sampled(1))]).unwrap();
     assert_eq!(once, r.model_drafter().unwrap().draft(&[draft_req(s, p[7], 7, &sampled(1))]).unwrap());
-    let others: Vec<_> = (2..6).map(|seed| r.model_drafter().unwrap().draft(&[draft_req(s, p[7], 7, &sampled(seed))]).unwrap()).collect();
+    let others: Vec<_> = (2..6)
+        .map(|seed| r.model_drafter().unwrap().draft(&[draft_req(s, p[7], 7, &sampled(seed))]).unwrap())
+        .collect();
     assert!(others.iter().any(|o| o[0].tokens != once[0].tokens));
     check_verification_uses_q(&mut *r, s, p[7], 6);
     r.free_state(s).unwrap();
@@ -410,7 +412,11 @@ fn cuda_drafter_api_errors_change_nothing() {
     assert!(r.model_drafter().unwrap().select_proposal(s).is_err(), "nothing to select");
     assert!(r.model_drafter().unwrap().draft(&[draft_req(StateId(999_999), p[5], 7, &greedy)]).is_err());
     assert!(r.model_drafter().unwrap().draft(&[draft_req(s, p[5], 0, &greedy)]).is_err());
-    assert!(r.model_drafter().unwrap().draft(&[draft_req(s, p[5], 7, &greedy), draft_req(s, p[5], 7, &greedy)]).is_err());
+    assert!(r
+        .model_drafter()
+        .unwrap()
+        .draft(&[draft_req(s, p[5], 7, &greedy), draft_req(s, p[5], 7, &greedy)])
+        .is_err());
     let proposal = r.model_drafter().unwrap().draft(&[draft_req(s, p[5], 4, &greedy)]).unwrap().remove(0);
     r.model_drafter().unwrap().select_proposal(s).unwrap();
     let before = context(&r, s);

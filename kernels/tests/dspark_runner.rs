@@ -179,8 +179,15 @@ fn drafter_api_errors_change_nothing() {
     assert_eq!(r.model_drafter().unwrap().select_proposal(s).unwrap_err().kind(), "invalid_input");
     assert!(r.model_drafter().unwrap().draft(&[draft_req(s, p[5], 0, &greedy)]).is_err());
     assert!(r.model_drafter().unwrap().draft(&[draft_req(s, 163_840, 3, &greedy)]).is_err());
-    assert!(r.model_drafter().unwrap().draft(&[draft_req(s, p[5], 3, &greedy), draft_req(s, p[5], 3, &greedy)]).is_err());
-    assert_eq!(r.model_drafter().unwrap().draft(&[draft_req(StateId(999_999), p[5], 3, &greedy)]).unwrap_err().kind(), "unknown_state");
+    assert!(r
+        .model_drafter()
+        .unwrap()
+        .draft(&[draft_req(s, p[5], 3, &greedy), draft_req(s, p[5], 3, &greedy)])
+        .is_err());
+    assert_eq!(
+        r.model_drafter().unwrap().draft(&[draft_req(StateId(999_999), p[5], 3, &greedy)]).unwrap_err().kind(),
+        "unknown_state"
+    );
     let proposal = r.model_drafter().unwrap().draft(&[draft_req(s, p[5], 3, &greedy)]).unwrap().remove(0);
     r.model_drafter().unwrap().select_proposal(s).unwrap();
     // A selected proposal only verifies its own drafts after its own anchor.

@@ -20,8 +20,6 @@ use sparkd_kernels::runner::{SamplingParams, TokenLogprob};
 use sparkd_kernels::{KernelError, TokenId};
 use tokio::sync::mpsc;
 
-use super::spec::SpecConfig;
-
 /// Unique id of one generation request (assigned by the API layer).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct RequestId(pub u64);
@@ -203,8 +201,6 @@ pub struct EngineConfig {
     pub host_budget_bytes: usize,
     /// Host bytes for prefix-cache snapshots (0 disables the prefix cache).
     pub prefix_cache_bytes: usize,
-    /// Speculative decoding (off by default).
-    pub spec: SpecConfig,
 }
 
 impl Default for EngineConfig {
@@ -216,7 +212,6 @@ impl Default for EngineConfig {
             state_budget_bytes: DEFAULT_STATE_BUDGET_BYTES,
             host_budget_bytes: DEFAULT_HOST_BUDGET_BYTES,
             prefix_cache_bytes: DEFAULT_PREFIX_CACHE_BYTES,
-            spec: SpecConfig::default(),
         }
     }
 }

@@ -110,7 +110,8 @@ pub fn check_verification_uses_q(r: &mut dyn Runner, base: StateId, anchor: Toke
     for seed in 0..seeds {
         let mut verify = |select: bool| {
             let s = r.fork_state(base).unwrap();
-            let proposal = r.model_drafter().unwrap().draft(&[draft_req(s, anchor, 4, &sampled(seed))]).unwrap().remove(0);
+            let proposal =
+                r.model_drafter().unwrap().draft(&[draft_req(s, anchor, 4, &sampled(seed))]).unwrap().remove(0);
             if select {
                 r.model_drafter().unwrap().select_proposal(s).unwrap();
             }
