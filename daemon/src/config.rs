@@ -6,11 +6,14 @@
 //! - [`ServeArgs::validate`] rejects inconsistent values with an error naming the flag, before anything is
 //!   loaded; nothing here panics on input.
 //! - Engine limits are passed on as an [`EngineConfig`]; this module never reaches into the engine.
+//! - The `--spec*` flags and their validation live in [`speculation`].
+
+pub mod speculation;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use crate::engine::spec::SpecArgs;
+use self::speculation::SpecArgs;
 use crate::engine::types::{
     EngineConfig, DEFAULT_COMMAND_QUEUE, DEFAULT_HOST_BUDGET_BYTES, DEFAULT_KEPT_RESPONSES_BYTES,
     DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFIX_CACHE_BYTES, DEFAULT_STATE_BUDGET_BYTES,
@@ -181,8 +184,6 @@ impl ServeArgs {
             host_budget_bytes: self.host_offload_bytes,
             kept_responses_bytes: self.kept_responses_bytes,
             prefix_cache_bytes: self.prefix_cache_bytes,
-            // Set by `serve` from `spec.to_config()` (which reads the SPS profile file).
-            spec: Default::default(),
         }
     }
 }

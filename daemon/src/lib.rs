@@ -3,4 +3,4 @@ pub mod api;
 pub mod config;
 pub mod engine;
 pub mod metrics;
-pub mod tokenizer;
+pub mod startup;

@@ -13,22 +13,14 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use sparkd::api::{http, AppState};
-use sparkd::config::{Device, ServeArgs, DEFAULT_SYNTHETIC_CONFIG};
-use sparkd::engine::spec::{describe as describe_spec, SpecConfig};
-use sparkd::engine::EngineConfig;
-use sparkd::tokenizer::{export_hf, ChatTemplate, Tokenizer};
-use sparkd_kernels::checkpoint::Checkpoint;
+use sparkd::config::{ServeArgs, DEFAULT_SYNTHETIC_CONFIG};
+use sparkd::startup::{compose, load_tokenizer};
 use sparkd_kernels::config::PRESET_NAMES;
-use sparkd_kernels::cpu::CpuRunner;
-use sparkd_kernels::cuda::CudaRunner;
-use sparkd_kernels::null_runner::NullRunner;
-use sparkd_kernels::runner::TokenMask;
-use sparkd_kernels::synth::{write_checkpoint, SyntheticWeights};
-use sparkd_kernels::{ModelConfig, Runner};
+use sparkd_kernels::synth::write_checkpoint;
+use sparkd_kernels::ModelConfig;
+use sparkd_tokenizer::export_hf;
 use tokio::sync::watch;
 
-/// Seed of the built-in synthetic model.
-const BUILTIN_SEED: u64 = 0;
 /// Default shard size of `sparkd synth`.
 const DEFAULT_SHARD_BYTES: u64 = 4 << 30;
 
@@ -134,16 +126,6 @@ fn synth(config: &str, seed: u64, out: &Path, max_shard_bytes: u64) -> Result<()
     Ok(())
 }
 
-/// The tokenizer of a checkpoint folder (its `tiktoken.model`), else the built-in one.
-fn load_tokenizer(model: Option<&Path>) -> Result<Tokenizer> {
-    match model {
-        Some(dir) if dir.join("tiktoken.model").is_file() => {
-            Tokenizer::from_dir(dir).with_context(|| format!("loading the tokenizer of {}", dir.display()))
-        }
-        _ => Tokenizer::builtin().context("building the built-in tokenizer"),
-    }
-}
-
 fn export_tokenizer(dir: &Path, model: Option<&Path>) -> Result<()> {
     let tokenizer = load_tokenizer(model)?;
     export_hf(&tokenizer, dir)?;
@@ -151,82 +133,21 @@ fn export_tokenizer(dir: &Path, model: Option<&Path>) -> Result<()> {
     Ok(())
 }
 
-/// The runner `--device` and `--model` ask for (prepared for the speculation settings `spec`), and its config.
-/// With `--device auto`, a GPU whose runner fails to start is reported and the CPU reference serves instead.
-fn build_runner(args: &ServeArgs, spec: &SpecConfig) -> Result<(Box<dyn Runner>, ModelConfig)> {
-    let checkpoint = match &args.model {
-        Some(dir) => Some(Checkpoint::open(dir).with_context(|| format!("opening the checkpoint {}", dir.display()))?),
-        None => None,
-    };
-    let synthetic = args.synthetic.as_str();
-    let cfg = match &checkpoint {
-        Some(c) => c.config().clone(),
-        None => ModelConfig::preset(synthetic).with_context(|| format!("--synthetic {synthetic}"))?,
-    };
-    let cpu_runner = || -> Result<Box<dyn Runner>> {
-        let mut runner = match &checkpoint {
-            Some(c) => CpuRunner::new(cfg.clone(), c)?,
-            None => CpuRunner::new(cfg.clone(), &SyntheticWeights::new(cfg.clone(), BUILTIN_SEED))?,
-        };
-        spec.prepare_cpu_runner(&mut runner, args.model.as_deref(), synthetic)?;
-        Ok(Box::new(runner))
-    };
-    let cuda_runner = || -> Result<Box<dyn Runner>> {
-        let mut runner = match &checkpoint {
-            Some(c) => CudaRunner::new(0, cfg.clone(), c)?,
-            None => CudaRunner::new(0, cfg.clone(), &SyntheticWeights::new(cfg.clone(), BUILTIN_SEED))?,
-        };
-        spec.prepare_cuda_runner(&mut runner, args.model.as_deref(), synthetic)?;
-        Ok(Box::new(runner))
-    };
-    let runner = match args.device.resolve() {
-        Device::Cuda if args.device == Device::Auto => cuda_runner().or_else(|e| {
-            tracing::warn!("--device auto: the CUDA runner did not start ({e:#}); using the CPU reference");
-            cpu_runner()
-        })?,
-        Device::Cuda => cuda_runner()?,
-        Device::Null => {
-            spec.check_null_runner()?;
-            Box::new(NullRunner::new(cfg.clone()))
-        }
-        Device::Cpu | Device::Auto => cpu_runner()?,
-    };
-    Ok((runner, cfg))
-}
-
-/// Keeps the model from emitting ids the tokenizer cannot decode (the built-in tokenizer's cl100k ranks
-/// leave K3 ids 100,256..163,583 empty, and a synthetic model would sample them). A runner that cannot
-/// mask still serves; its text then skips those ids, which the log says.
-fn restrict_to_tokenizer(runner: &mut dyn Runner, tokenizer: &Tokenizer, cfg: &ModelConfig) {
-    let mask = TokenMask::from_fn(cfg.vocab_size, |id| tokenizer.token_bytes(id).is_some());
-    if mask.num_allowed() == cfg.vocab_size {
-        return;
-    }
-    let holes = cfg.vocab_size - mask.num_allowed();
-    match runner.set_token_mask(mask) {
-        Ok(()) => tracing::info!("{holes} ids without a token in the tokenizer are never emitted"),
-        Err(e) => tracing::warn!("{holes} ids have no token in the tokenizer and may be emitted without text: {e}"),
-    }
-}
-
 fn serve(args: ServeArgs) -> Result<()> {
     args.validate()?;
     let addr = args.listen_addr()?;
     let model_name = args.model_name();
-    let tokenizer = load_tokenizer(args.model.as_deref())?;
-    let template = ChatTemplate::new(tokenizer.clone())?;
-    let spec = args.spec.to_config()?;
-    let (mut runner, cfg) = build_runner(&args, &spec)?;
-    restrict_to_tokenizer(runner.as_mut(), &tokenizer, &cfg);
-    tracing::info!("{}", describe_spec(&spec));
+    let served = compose(&args)?;
+    let cfg = &served.model;
     let max_model_len = args.max_model_len.min(cfg.max_position_embeddings);
     tracing::info!(
-        model = %model_name, device = %runner.device_name(), max_model_len,
+        model = %model_name, device = %served.runner.device_name(), max_model_len,
         "model ready ({} layers, hidden {})", cfg.num_layers(), cfg.hidden_size
     );
     let metrics = sparkd::metrics::install(&model_name).context("installing the Prometheus recorder")?;
-    let engine_config = EngineConfig { spec, ..args.engine_config() };
-    let engine = sparkd::engine::spawn(runner, engine_config).context("starting the engine thread")?;
+    let engine = sparkd::engine::spawn(served.runner, served.speculation, args.engine_config())
+        .context("starting the engine thread")?;
+    let template = served.template;
 
     let engine_handle = engine.handle();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;

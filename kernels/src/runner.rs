@@ -11,9 +11,15 @@
 //! - Randomness comes only from `SamplingParams::seed` and the position of the sampled token, so
 //!   a seeded request gives the same tokens whatever else is batched with it.
 //! - Full logits never leave the runner; only sampled tokens and requested log-probabilities do.
+//!
+//! A model drafter (DSpark) is a capability beside the contract, not part of it: [`Runner::attach_drafter`]
+//! takes a [`DrafterSource`] on every backend (those that cannot host one say so), and
+//! [`Runner::model_drafter`] lends the attached one as a [`Drafter`], which reads the target's weights and
+//! hidden-state taps in place.
 
 use crate::config::ModelConfig;
-use crate::error::Result;
+use crate::dspark::DrafterSource;
+use crate::error::{KernelError, Result};
 use crate::state::SeqState;
 
 /// A token id in the model's vocabulary.
@@ -144,9 +150,9 @@ impl TokenMask {
 
     /// Checks that the mask covers a vocabulary of `vocab` ids and allows at least one (what every runner's
     /// `set_token_mask` requires).
-    pub fn check_fits(&self, vocab: usize) -> crate::error::Result<()> {
+    pub fn check_fits(&self, vocab: usize) -> Result<()> {
         if self.vocab != vocab || self.num_allowed() == 0 {
-            return Err(crate::error::KernelError::InvalidInput(format!(
+            return Err(KernelError::InvalidInput(format!(
                 "a token mask over {} ids with {} allowed does not fit a vocabulary of {vocab}",
                 self.vocab,
                 self.num_allowed()
@@ -169,7 +175,6 @@ impl TokenMask {
 /// an empty row, a token id outside `vocab`, unusable sampling parameters, or more drafts than the row
 /// holds after its anchor. `known` says whether the runner has a state.
 pub fn check_rows(rows: &[RowInput], vocab: usize, known: impl Fn(StateId) -> bool) -> Result<()> {
-    use crate::error::KernelError;
     let mut seen = std::collections::HashSet::new();
     for row in rows {
         if !known(row.state) {
@@ -206,7 +211,6 @@ pub(crate) fn window_offsets<'a>(
     windows: impl Iterator<Item = (&'a [TokenId], usize, Option<usize>)>,
     vocab: usize,
 ) -> Result<Vec<usize>> {
-    use crate::error::KernelError;
     let mut offsets = vec![0usize];
     for (tokens, logits_from, snapshots_from) in windows {
         if tokens.is_empty() {
@@ -223,19 +227,28 @@ pub(crate) fn window_offsets<'a>(
     Ok(offsets)
 }
 
-/// The error of the drafter methods on a runner that has no drafter.
-pub fn no_drafter() -> crate::error::KernelError {
-    crate::error::KernelError::InvalidInput("this runner has no drafter".into())
+/// A model drafter attached to a runner (DSpark, dspark.md §1.2), lent by [`Runner::model_drafter`].
+///
+/// `draft` proposes tokens per row and keeps each row's proposal (with its `q`) as the state's pending
+/// proposal; `select_proposal` declares that the state's next step verifies (a prefix of) that proposal, so
+/// the step verifies it against `q` (lossless speculative sampling with draft distributions). A step on a
+/// state drops its pending proposal whether it was selected or not; drafts that were not selected are
+/// verified one-hot, which is lossless for drafts of any origin.
+pub trait Drafter {
+    /// The block size γ the drafter was built for.
+    fn block_size(&self) -> usize;
+
+    /// Drafts for each row (one output per row, in order) and keeps each as its state's pending
+    /// proposal, replacing an older one.
+    fn draft(&mut self, rows: &[DraftRequest]) -> Result<Vec<DraftProposal>>;
+
+    /// Marks `state`'s pending proposal as the drafts of its next step: that step's row must be
+    /// `[anchor, x_1..x_l]` with `x_1..x_l` a prefix of the proposal, with the sampling parameters the
+    /// proposal was drafted with, and is verified with `q`.
+    fn select_proposal(&mut self, state: StateId) -> Result<()>;
 }
 
 /// A model on a device that steps batches of sequences.
-///
-/// Model drafts (optional; runners without a drafter answer [`no_drafter`]): `draft` proposes
-/// tokens per row and keeps each row's proposal (with its `q`) as the state's pending proposal;
-/// `select_proposal` declares that the state's next step verifies (a prefix of) that proposal, so
-/// the step verifies it against `q` (lossless speculative sampling with draft distributions). A step
-/// on a state drops its pending proposal whether it was selected or not; drafts that were not
-/// selected are verified one-hot, which is lossless for drafts of any origin.
 pub trait Runner: Send {
     fn config(&self) -> &ModelConfig;
 
@@ -268,27 +281,18 @@ pub trait Runner: Send {
 
     /// Restricts the tokens the runner emits from now on (see [`TokenMask`]).
     fn set_token_mask(&mut self, _mask: TokenMask) -> Result<()> {
-        Err(crate::error::KernelError::InvalidInput(format!(
-            "the {} runner cannot restrict the tokens it emits",
-            self.device_name()
-        )))
+        Err(KernelError::InvalidInput(format!("the {} runner cannot restrict the tokens it emits", self.device_name())))
     }
 
-    /// The block size γ the attached drafter was built for; `None` without a drafter.
-    fn drafter_block_size(&self) -> Option<usize> {
+    /// Loads the drafter of `source` (its config checked against this model) and attaches it in place of any
+    /// earlier one; states that already exist get an empty drafter context starting at their current length.
+    /// One signature on every backend; a runner that cannot host a drafter says so.
+    fn attach_drafter(&mut self, _source: DrafterSource) -> Result<()> {
+        Err(KernelError::InvalidInput(format!("the {} runner cannot host a drafter", self.device_name())))
+    }
+
+    /// The attached drafter; `None` without one.
+    fn model_drafter(&mut self) -> Option<Box<dyn Drafter + '_>> {
         None
-    }
-
-    /// Drafts for each row (one output per row, in order) and keeps each as its state's pending
-    /// proposal, replacing an older one.
-    fn draft(&mut self, _rows: &[DraftRequest]) -> Result<Vec<DraftProposal>> {
-        Err(no_drafter())
-    }
-
-    /// Marks `state`'s pending proposal as the drafts of its next step: that step's row must be
-    /// `[anchor, x_1..x_l]` with `x_1..x_l` a prefix of the proposal, with the sampling parameters the
-    /// proposal was drafted with, and is verified with `q`.
-    fn select_proposal(&mut self, _state: StateId) -> Result<()> {
-        Err(no_drafter())
     }
 }

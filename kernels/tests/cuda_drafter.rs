@@ -18,7 +18,7 @@ use sparkd_kernels::cuda::device::driver_present;
 use sparkd_kernels::cuda::drafter::{BlockRow, DrafterContext};
 use sparkd_kernels::cuda::CudaRunner;
 use sparkd_kernels::dspark::model::draft_uniform;
-use sparkd_kernels::dspark::{DrafterConfig, DrafterModel, DrafterState, SyntheticDrafterWeights};
+use sparkd_kernels::dspark::{DrafterConfig, DrafterModel, DrafterSource, DrafterState, SyntheticDrafterWeights};
 use sparkd_kernels::runner::{DraftRequest, SamplingParams, TokenMask};
 use sparkd_kernels::sampling::Distribution;
 use sparkd_kernels::state::SeqState;
@@ -47,7 +47,7 @@ fn runner() -> MutexGuard<'static, CudaRunner> {
         let cfg = ModelConfig::preset("k3-tiny").unwrap();
         let mut r = CudaRunner::new(0, cfg.clone(), &SyntheticWeights::new(cfg, TARGET_SEED)).unwrap();
         let dcfg = DrafterConfig::preset("k3-tiny").unwrap();
-        r.attach_drafter(dcfg.clone(), &SyntheticDrafterWeights::new(dcfg, DRAFTER_SEED)).unwrap();
+        r.attach_drafter(DrafterSource::synthetic(dcfg, DRAFTER_SEED)).unwrap();
         Mutex::new(r)
     })
     .lock()
@@ -273,23 +273,21 @@ fn cuda_drafter_context_follows_commit_rollback_fork_and_import() {
     let p = prompt(12, 3);
     let base = r.alloc_state().unwrap();
     prefill(&mut *r, base, &p[..11]);
-    assert_eq!(r.drafter_block_size(), Some(7));
+    assert_eq!(r.model_drafter().map(|d| d.block_size()), Some(7));
     let plain = r.fork_state(base).unwrap();
     let reference = decode(&mut *r, plain, p[11], 10, &greedy);
 
     let a = r.fork_state(base).unwrap();
     assert_eq!(context(&r, a), context(&r, base), "a fork copies the context");
-    assert_eq!(
-        r.draft(&[draft_req(a, p[11], 7, &greedy)]).unwrap(),
-        r.draft(&[draft_req(base, p[11], 7, &greedy)]).unwrap()
-    );
+    let from_fork = r.model_drafter().unwrap().draft(&[draft_req(a, p[11], 7, &greedy)]).unwrap();
+    assert_eq!(from_fork, r.model_drafter().unwrap().draft(&[draft_req(base, p[11], 7, &greedy)]).unwrap());
     // Two of four oracle drafts right: two accepted, the window rolls back past the third.
     let tokens = vec![p[11], reference[0], reference[1], reference[2] + 1, reference[3]];
     let out = r.step(&[row(a, tokens, &greedy, 4)]).unwrap().remove(0);
     assert_eq!((out.num_accepted, out.tokens.clone()), (2, reference[..3].to_vec()));
     // A selected model draft, verified.
-    let proposal = r.draft(&[draft_req(a, reference[2], 5, &greedy)]).unwrap().remove(0);
-    r.select_proposal(a).unwrap();
+    let proposal = r.model_drafter().unwrap().draft(&[draft_req(a, reference[2], 5, &greedy)]).unwrap().remove(0);
+    r.model_drafter().unwrap().select_proposal(a).unwrap();
     let tokens: Vec<TokenId> = std::iter::once(reference[2]).chain(proposal.tokens[..3].iter().copied()).collect();
     let out = r.step(&[row(a, tokens, &greedy, 3)]).unwrap().remove(0);
     let mut emitted = reference[..3].to_vec();
@@ -307,10 +305,8 @@ fn cuda_drafter_context_follows_commit_rollback_fork_and_import() {
     eprintln!("context after verify/rollback vs prefill of the accepted tokens: max |Δ| {diff:.2e}");
     assert_eq!(diff, 0.0, "the context holds exactly the accepted tokens");
     let last = *emitted.last().unwrap();
-    assert_eq!(
-        r.draft(&[draft_req(a, last, 7, &greedy)]).unwrap(),
-        r.draft(&[draft_req(fresh, last, 7, &greedy)]).unwrap()
-    );
+    let from_a = r.model_drafter().unwrap().draft(&[draft_req(a, last, 7, &greedy)]).unwrap();
+    assert_eq!(from_a, r.model_drafter().unwrap().draft(&[draft_req(fresh, last, 7, &greedy)]).unwrap());
 
     // An import starts an empty context at the state's length (as on the CPU); it then grows.
     let exported = r.export_state(a).unwrap();
@@ -373,9 +369,11 @@ fn cuda_sampled_drafts_are_reproducible_and_verified_with_q() {
     let p = prompt(8, 20);
     let s = r.alloc_state().unwrap();
     prefill(&mut *r, s, &p[..7]);
-    let once = r.draft(&[draft_req(s, p[7], 7, &sampled(1))]).unwrap();
-    assert_eq!(once, r.draft(&[draft_req(s, p[7], 7, &sampled(1))]).unwrap());
-    let others: Vec<_> = (2..6).map(|seed| r.draft(&[draft_req(s, p[7], 7, &sampled(seed))]).unwrap()).collect();
+    let once = r.model_drafter().unwrap().draft(&[draft_req(s, p[7], 7, &sampled(1))]).unwrap();
+    assert_eq!(once, r.model_drafter().unwrap().draft(&[draft_req(s, p[7], 7, &sampled(1))]).unwrap());
+    let others: Vec<_> = (2..6)
+        .map(|seed| r.model_drafter().unwrap().draft(&[draft_req(s, p[7], 7, &sampled(seed))]).unwrap())
+        .collect();
     assert!(others.iter().any(|o| o[0].tokens != once[0].tokens));
     check_verification_uses_q(&mut *r, s, p[7], 6);
     r.free_state(s).unwrap();
@@ -389,14 +387,14 @@ fn cuda_drafts_respect_the_token_mask() {
     let cfg = ModelConfig::preset("k3-tiny").unwrap();
     let mut r = CudaRunner::new(0, cfg.clone(), &SyntheticWeights::new(cfg.clone(), TARGET_SEED)).unwrap();
     let dcfg = DrafterConfig::preset("k3-tiny").unwrap();
-    r.attach_drafter(dcfg.clone(), &SyntheticDrafterWeights::new(dcfg, DRAFTER_SEED)).unwrap();
+    r.attach_drafter(DrafterSource::synthetic(dcfg, DRAFTER_SEED)).unwrap();
     r.set_token_mask(TokenMask::from_fn(cfg.vocab_size, |id| id % 3 == 0)).unwrap();
     let s = r.alloc_state().unwrap();
     let p = prompt(9, 60);
     prefill(&mut r, s, &p[..8]);
     let sampled = SamplingParams { temperature: 1.0, top_p: 1.0, top_k: 0, seed: 2, logprobs: None };
     for params in [SamplingParams::greedy(), sampled] {
-        let proposal = r.draft(&[draft_req(s, p[8], 7, &params)]).unwrap().remove(0);
+        let proposal = r.model_drafter().unwrap().draft(&[draft_req(s, p[8], 7, &params)]).unwrap().remove(0);
         assert!(proposal.tokens.iter().all(|t| t % 3 == 0), "{:?}", proposal.tokens);
     }
 }
@@ -411,12 +409,16 @@ fn cuda_drafter_api_errors_change_nothing() {
     let p = prompt(6, 30);
     let s = r.alloc_state().unwrap();
     prefill(&mut *r, s, &p[..5]);
-    assert!(r.select_proposal(s).is_err(), "nothing to select");
-    assert!(r.draft(&[draft_req(StateId(999_999), p[5], 7, &greedy)]).is_err());
-    assert!(r.draft(&[draft_req(s, p[5], 0, &greedy)]).is_err());
-    assert!(r.draft(&[draft_req(s, p[5], 7, &greedy), draft_req(s, p[5], 7, &greedy)]).is_err());
-    let proposal = r.draft(&[draft_req(s, p[5], 4, &greedy)]).unwrap().remove(0);
-    r.select_proposal(s).unwrap();
+    assert!(r.model_drafter().unwrap().select_proposal(s).is_err(), "nothing to select");
+    assert!(r.model_drafter().unwrap().draft(&[draft_req(StateId(999_999), p[5], 7, &greedy)]).is_err());
+    assert!(r.model_drafter().unwrap().draft(&[draft_req(s, p[5], 0, &greedy)]).is_err());
+    assert!(r
+        .model_drafter()
+        .unwrap()
+        .draft(&[draft_req(s, p[5], 7, &greedy), draft_req(s, p[5], 7, &greedy)])
+        .is_err());
+    let proposal = r.model_drafter().unwrap().draft(&[draft_req(s, p[5], 4, &greedy)]).unwrap().remove(0);
+    r.model_drafter().unwrap().select_proposal(s).unwrap();
     let before = context(&r, s);
     let mut wrong: Vec<TokenId> = std::iter::once(p[5]).chain(proposal.tokens.iter().copied()).collect();
     wrong[2] = wrong[2].wrapping_add(1) % 1000;
@@ -430,7 +432,7 @@ fn cuda_drafter_api_errors_change_nothing() {
 
 /// One draft call at γ = 7 for `batch` rows over 64-token contexts: median ms over 20 calls.
 fn time_drafts(r: &mut CudaRunner, batch: usize, params: &SamplingParams) -> f64 {
-    let gamma = r.drafter_block_size().unwrap();
+    let gamma = r.model_drafter().unwrap().block_size();
     let states: Vec<StateId> = (0..batch)
         .map(|i| {
             let s = r.alloc_state().unwrap();
@@ -439,11 +441,11 @@ fn time_drafts(r: &mut CudaRunner, batch: usize, params: &SamplingParams) -> f64
         })
         .collect();
     let reqs: Vec<DraftRequest> = states.iter().map(|s| draft_req(*s, 5, gamma, params)).collect();
-    r.draft(&reqs).unwrap();
+    r.model_drafter().unwrap().draft(&reqs).unwrap();
     let mut ms: Vec<f64> = (0..20)
         .map(|_| {
             let t0 = Instant::now();
-            r.draft(&reqs).unwrap();
+            r.model_drafter().unwrap().draft(&reqs).unwrap();
             t0.elapsed().as_secs_f64() * 1e3
         })
         .collect();
@@ -470,7 +472,7 @@ fn cuda_draft_cost() {
         let cfg = ModelConfig::preset(preset).unwrap();
         let mut r = CudaRunner::new(0, cfg.clone(), &SyntheticWeights::new(cfg, TARGET_SEED)).unwrap();
         let dcfg = DrafterConfig::preset(preset).unwrap();
-        r.attach_drafter(dcfg.clone(), &SyntheticDrafterWeights::new(dcfg, DRAFTER_SEED)).unwrap();
+        r.attach_drafter(DrafterSource::synthetic(dcfg, DRAFTER_SEED)).unwrap();
         let s = r.alloc_state().unwrap();
         prefill(&mut r, s, &prompt(64, 1));
         let decode_ms = {

@@ -6,7 +6,7 @@
 use std::time::Instant;
 
 use sparkd_kernels::cpu::CpuRunner;
-use sparkd_kernels::dspark::{DrafterConfig, DrafterModel, SyntheticDrafterWeights};
+use sparkd_kernels::dspark::{DrafterConfig, DrafterSource};
 use sparkd_kernels::runner::{DraftRequest, RowInput, SampleRequest, SamplingParams};
 use sparkd_kernels::synth::SyntheticWeights;
 use sparkd_kernels::{ModelConfig, Runner};
@@ -18,7 +18,7 @@ fn drafter_cost_per_proposal_on_k3_tiny() {
     let mut r = CpuRunner::new(cfg.clone(), &SyntheticWeights::new(cfg.clone(), 11)).unwrap();
     let dcfg = DrafterConfig::preset("k3-tiny").unwrap();
     let gamma = dcfg.block_size;
-    r.attach_drafter(DrafterModel::load(dcfg.clone(), &cfg, &SyntheticDrafterWeights::new(dcfg, 3)).unwrap()).unwrap();
+    r.attach_drafter(DrafterSource::synthetic(dcfg, 3)).unwrap();
     let s = r.alloc_state().unwrap();
     for chunk in (0..64u32).collect::<Vec<_>>().chunks(16) {
         r.step(&[RowInput { state: s, tokens: chunk.to_vec(), sample: None }]).unwrap();
@@ -28,10 +28,10 @@ fn drafter_cost_per_proposal_on_k3_tiny() {
     let reps = 10;
     for (name, params) in [("greedy", &greedy), ("sampled T=1", &sampled)] {
         let req = DraftRequest { state: s, anchor: 5, num_drafts: gamma, params: params.clone() };
-        r.draft(std::slice::from_ref(&req)).unwrap();
+        r.model_drafter().unwrap().draft(std::slice::from_ref(&req)).unwrap();
         let t = Instant::now();
         for _ in 0..reps {
-            r.draft(std::slice::from_ref(&req)).unwrap();
+            r.model_drafter().unwrap().draft(std::slice::from_ref(&req)).unwrap();
         }
         let per = t.elapsed().as_secs_f64() / reps as f64;
         println!("drafter, {name}: {:.2} ms per proposal of {gamma} drafts", per * 1e3);
@@ -53,8 +53,8 @@ fn drafter_cost_per_proposal_on_k3_tiny() {
     let (mut accepted, mut drafted) = (0usize, 0usize);
     for _ in 0..reps {
         let req = DraftRequest { state: fork, anchor: last, num_drafts: gamma, params: greedy.clone() };
-        let proposal = r.draft(&[req]).unwrap().remove(0);
-        r.select_proposal(fork).unwrap();
+        let proposal = r.model_drafter().unwrap().draft(&[req]).unwrap().remove(0);
+        r.model_drafter().unwrap().select_proposal(fork).unwrap();
         let row = RowInput {
             state: fork,
             tokens: std::iter::once(last).chain(proposal.tokens).collect(),

@@ -10,7 +10,7 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use sparkd_kernels::acceptance::{AcceptanceMode, SyntheticSchedule};
 use sparkd_kernels::cpu::CpuRunner;
-use sparkd_kernels::dspark::{DrafterConfig, DrafterModel, SyntheticDrafterWeights};
+use sparkd_kernels::dspark::{DrafterConfig, DrafterSource};
 use sparkd_kernels::runner::{DraftProposal, RowInput, SamplingParams, TokenMask};
 use sparkd_kernels::synth::SyntheticWeights;
 use sparkd_kernels::{ModelConfig, Runner, StateId, TokenId};
@@ -26,8 +26,7 @@ fn runner() -> MutexGuard<'static, CpuRunner> {
         let cfg = ModelConfig::preset("k3-tiny").unwrap();
         let mut r = CpuRunner::new(cfg.clone(), &SyntheticWeights::new(cfg.clone(), 11)).unwrap();
         let dcfg = DrafterConfig::preset("k3-tiny").unwrap();
-        let drafter = DrafterModel::load(dcfg.clone(), &cfg, &SyntheticDrafterWeights::new(dcfg, 3)).unwrap();
-        r.attach_drafter(drafter).unwrap();
+        r.attach_drafter(DrafterSource::synthetic(dcfg, 3)).unwrap();
         Mutex::new(r)
     })
     .lock()
@@ -42,23 +41,23 @@ fn drafts_are_deterministic_and_need_the_context() {
     let a = r.alloc_state().unwrap();
     prefill(&mut *r, a, &p[..8]);
     assert_eq!(r.drafter().unwrap().context(a).unwrap().len(), 8);
-    assert_eq!(r.drafter_block_size(), Some(7));
-    let first = r.draft(&[draft_req(a, p[8], 7, &greedy)]).unwrap();
-    let again = r.draft(&[draft_req(a, p[8], 7, &greedy)]).unwrap();
+    assert_eq!(r.model_drafter().map(|d| d.block_size()), Some(7));
+    let first = r.model_drafter().unwrap().draft(&[draft_req(a, p[8], 7, &greedy)]).unwrap();
+    let again = r.model_drafter().unwrap().draft(&[draft_req(a, p[8], 7, &greedy)]).unwrap();
     assert_eq!(first, again);
     // A fork drafts the same; a different context drafts differently.
     let fork = r.fork_state(a).unwrap();
-    assert_eq!(r.draft(&[draft_req(fork, p[8], 7, &greedy)]).unwrap(), first);
+    assert_eq!(r.model_drafter().unwrap().draft(&[draft_req(fork, p[8], 7, &greedy)]).unwrap(), first);
     let other = r.alloc_state().unwrap();
     prefill(&mut *r, other, &prompt(8, 2));
-    let different = r.draft(&[draft_req(other, p[8], 7, &greedy)]).unwrap();
+    let different = r.model_drafter().unwrap().draft(&[draft_req(other, p[8], 7, &greedy)]).unwrap();
     assert_ne!(different[0].confidences, first[0].confidences);
     // Sampled drafts depend on the seed only through the draft stream, reproducibly.
     let sampled = |seed| SamplingParams { temperature: 1.5, top_p: 1.0, top_k: 0, seed, logprobs: None };
-    let s1 = r.draft(&[draft_req(a, p[8], 7, &sampled(1))]).unwrap();
-    assert_eq!(s1, r.draft(&[draft_req(a, p[8], 7, &sampled(1))]).unwrap());
+    let s1 = r.model_drafter().unwrap().draft(&[draft_req(a, p[8], 7, &sampled(1))]).unwrap();
+    assert_eq!(s1, r.model_drafter().unwrap().draft(&[draft_req(a, p[8], 7, &sampled(1))]).unwrap());
     let seeds: Vec<Vec<DraftProposal>> =
-        (2..6).map(|s| r.draft(&[draft_req(a, p[8], 7, &sampled(s))]).unwrap()).collect();
+        (2..6).map(|s| r.model_drafter().unwrap().draft(&[draft_req(a, p[8], 7, &sampled(s))]).unwrap()).collect();
     assert!(seeds.iter().any(|s| s[0].tokens != s1[0].tokens));
     for s in [a, fork, other] {
         r.free_state(s).unwrap();
@@ -81,8 +80,8 @@ fn drafter_context_after_verify_and_rollback_equals_a_fresh_run() {
     let out = r.step(&[row(a, tokens, &greedy, 4)]).unwrap().remove(0);
     assert_eq!((out.num_accepted, out.tokens.clone()), (2, reference[..3].to_vec()));
     // A selected model draft (verified with q), then a fully accepted oracle window.
-    let proposal = r.draft(&[draft_req(a, reference[2], 5, &greedy)]).unwrap().remove(0);
-    r.select_proposal(a).unwrap();
+    let proposal = r.model_drafter().unwrap().draft(&[draft_req(a, reference[2], 5, &greedy)]).unwrap().remove(0);
+    r.model_drafter().unwrap().select_proposal(a).unwrap();
     let mut tokens = vec![reference[2]];
     tokens.extend_from_slice(&proposal.tokens[..3]);
     let out = r.step(&[row(a, tokens, &greedy, 3)]).unwrap().remove(0);
@@ -98,8 +97,8 @@ fn drafter_context_after_verify_and_rollback_equals_a_fresh_run() {
     assert_eq!(emitted[..], reference[..emitted.len()]);
     // A selected model draft whose acceptance is forced: its accepted drafts enter the context too.
     let anchor = *emitted.last().unwrap();
-    let proposal = r.draft(&[draft_req(a, anchor, 4, &greedy)]).unwrap().remove(0);
-    r.select_proposal(a).unwrap();
+    let proposal = r.model_drafter().unwrap().draft(&[draft_req(a, anchor, 4, &greedy)]).unwrap().remove(0);
+    r.model_drafter().unwrap().select_proposal(a).unwrap();
     r.set_acceptance(AcceptanceMode::Synthetic(SyntheticSchedule::from_rates(vec![1.0, 1.0, 1.0]).unwrap()));
     let tokens: Vec<TokenId> = std::iter::once(anchor).chain(proposal.tokens[..3].iter().copied()).collect();
     let forced = r.step(&[row(a, tokens, &greedy, 3)]);
@@ -118,8 +117,8 @@ fn drafter_context_after_verify_and_rollback_equals_a_fresh_run() {
     assert_eq!(d.context(a).unwrap(), d.context(fresh).unwrap());
     // The same context drafts the same.
     let last = *emitted.last().unwrap();
-    let from_a = r.draft(&[draft_req(a, last, 7, &greedy)]).unwrap();
-    assert_eq!(from_a, r.draft(&[draft_req(fresh, last, 7, &greedy)]).unwrap());
+    let from_a = r.model_drafter().unwrap().draft(&[draft_req(a, last, 7, &greedy)]).unwrap();
+    assert_eq!(from_a, r.model_drafter().unwrap().draft(&[draft_req(fresh, last, 7, &greedy)]).unwrap());
     for s in [base, plain, a, fresh] {
         r.free_state(s).unwrap();
     }
@@ -177,13 +176,20 @@ fn drafter_api_errors_change_nothing() {
     let s = r.alloc_state().unwrap();
     prefill(&mut *r, s, &p[..5]);
     // Nothing to select yet.
-    assert_eq!(r.select_proposal(s).unwrap_err().kind(), "invalid_input");
-    assert!(r.draft(&[draft_req(s, p[5], 0, &greedy)]).is_err());
-    assert!(r.draft(&[draft_req(s, 163_840, 3, &greedy)]).is_err());
-    assert!(r.draft(&[draft_req(s, p[5], 3, &greedy), draft_req(s, p[5], 3, &greedy)]).is_err());
-    assert_eq!(r.draft(&[draft_req(StateId(999_999), p[5], 3, &greedy)]).unwrap_err().kind(), "unknown_state");
-    let proposal = r.draft(&[draft_req(s, p[5], 3, &greedy)]).unwrap().remove(0);
-    r.select_proposal(s).unwrap();
+    assert_eq!(r.model_drafter().unwrap().select_proposal(s).unwrap_err().kind(), "invalid_input");
+    assert!(r.model_drafter().unwrap().draft(&[draft_req(s, p[5], 0, &greedy)]).is_err());
+    assert!(r.model_drafter().unwrap().draft(&[draft_req(s, 163_840, 3, &greedy)]).is_err());
+    assert!(r
+        .model_drafter()
+        .unwrap()
+        .draft(&[draft_req(s, p[5], 3, &greedy), draft_req(s, p[5], 3, &greedy)])
+        .is_err());
+    assert_eq!(
+        r.model_drafter().unwrap().draft(&[draft_req(StateId(999_999), p[5], 3, &greedy)]).unwrap_err().kind(),
+        "unknown_state"
+    );
+    let proposal = r.model_drafter().unwrap().draft(&[draft_req(s, p[5], 3, &greedy)]).unwrap().remove(0);
+    r.model_drafter().unwrap().select_proposal(s).unwrap();
     // A selected proposal only verifies its own drafts after its own anchor.
     let wrong_draft = vec![p[5], proposal.tokens[0], (proposal.tokens[1] + 1) % 1000];
     assert!(r.step(&[row(s, wrong_draft, &greedy, 2)]).is_err());
@@ -197,15 +203,18 @@ fn drafter_api_errors_change_nothing() {
     // The proposal is still selected and verifies; the step then drops it.
     let ok = vec![p[5], proposal.tokens[0], proposal.tokens[1]];
     r.step(&[row(s, ok, &greedy, 2)]).unwrap();
-    assert_eq!(r.select_proposal(s).unwrap_err().kind(), "invalid_input");
+    assert_eq!(r.model_drafter().unwrap().select_proposal(s).unwrap_err().kind(), "invalid_input");
     r.free_state(s).unwrap();
 
-    // A runner without a drafter says so.
+    // A runner without a drafter lends none, and one that cannot host a drafter says so.
     let cfg = ModelConfig::preset("k3-tiny").unwrap();
+    let mut plain = CpuRunner::new(cfg.clone(), &SyntheticWeights::new(cfg.clone(), 11)).unwrap();
+    assert!(plain.model_drafter().is_none());
     let mut null = sparkd_kernels::null_runner::NullRunner::new(cfg);
-    let err = null.draft(&[draft_req(StateId(1), 0, 3, &greedy)]).unwrap_err();
-    assert!(err.to_string().contains("no drafter"), "{err}");
-    assert_eq!(null.drafter_block_size(), None);
+    assert!(null.model_drafter().is_none());
+    let err = null.attach_drafter(DrafterSource::synthetic(DrafterConfig::preset("k3-tiny").unwrap(), 3)).unwrap_err();
+    assert!(err.to_string().contains("cannot host a drafter"), "{err}");
+    assert!(null.model_drafter().is_none());
 }
 
 #[test]
@@ -213,16 +222,16 @@ fn drafts_respect_the_runners_token_mask() {
     let cfg = ModelConfig::preset("k3-tiny").unwrap();
     let mut r = CpuRunner::new(cfg.clone(), &SyntheticWeights::new(cfg.clone(), 11)).unwrap();
     let dcfg = DrafterConfig::preset("k3-tiny").unwrap();
-    r.attach_drafter(DrafterModel::load(dcfg.clone(), &cfg, &SyntheticDrafterWeights::new(dcfg, 3)).unwrap()).unwrap();
+    r.attach_drafter(DrafterSource::synthetic(dcfg, 3)).unwrap();
     r.set_token_mask(TokenMask::from_fn(cfg.vocab_size, |id| id % 3 == 0)).unwrap();
     let greedy = SamplingParams::greedy();
     let hot = SamplingParams { temperature: 2.0, top_p: 1.0, top_k: 0, seed: 9, logprobs: None };
     for params in [&greedy, &hot] {
         let s = r.alloc_state().unwrap();
         prefill(&mut r, s, &prompt(6, 40));
-        let proposal = r.draft(&[draft_req(s, 3, 7, params)]).unwrap().remove(0);
+        let proposal = r.model_drafter().unwrap().draft(&[draft_req(s, 3, 7, params)]).unwrap().remove(0);
         assert!(proposal.tokens.iter().all(|t| t % 3 == 0), "{:?}", proposal.tokens);
-        r.select_proposal(s).unwrap();
+        r.model_drafter().unwrap().select_proposal(s).unwrap();
         let tokens: Vec<TokenId> = std::iter::once(3).chain(proposal.tokens).collect();
         let out = r.step(&[row(s, tokens, params, 7)]).unwrap().remove(0);
         assert!(out.tokens.iter().all(|t| t % 3 == 0), "{:?}", out.tokens);

@@ -1,6 +1,8 @@
 //! Drafts and the `Proposer` trait every draft source implements.
 //!
 //! Invariants:
+//! - A draft knows its [`DraftSource`]: only a model draft is the runner drafter's pending proposal, which may
+//!   be verified against the drafter's `q`; every other draft is verified one-hot.
 //! - A [`Draft`] holds one confidence per token: `confidences[k]` is the *conditional* probability
 //!   that token k survives verification given that tokens 0..k did (DSpark's `c_k`, dspark.md §2.1),
 //!   in [0, 1]. The survival of the prefix through k is the product of the first k+1 confidences,
@@ -9,7 +11,8 @@
 //! - Proposers see only tokens already committed to the sequence (the context); they never see the
 //!   target's distribution, so drafting cannot bias the output.
 
-use sparkd_kernels::TokenId;
+use sparkd_kernels::runner::{Drafter, SamplingParams};
+use sparkd_kernels::{StateId, TokenId};
 
 use crate::error::{Result, SpecError};
 
@@ -18,15 +21,27 @@ use crate::error::{Result, SpecError};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SeqKey(pub u64);
 
+/// Where a draft came from, which decides how it is verified.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DraftSource {
+    /// A model-free proposer (suffix tree, n-gram): verified one-hot.
+    #[default]
+    ModelFree,
+    /// The runner's model drafter (DSpark): its pending proposal, verified against the drafter's `q` once
+    /// selected.
+    Model,
+}
+
 /// Draft tokens with per-token conditional confidences.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Draft {
     tokens: Vec<TokenId>,
     confidences: Vec<f64>,
+    source: DraftSource,
 }
 
 impl Draft {
-    /// A draft; `confidences` must match `tokens` in length and lie in [0, 1].
+    /// A model-free draft; `confidences` must match `tokens` in length and lie in [0, 1].
     pub fn new(tokens: Vec<TokenId>, confidences: Vec<f64>) -> Result<Self> {
         if tokens.len() != confidences.len() {
             return Err(SpecError::InvalidInput(format!(
@@ -38,7 +53,16 @@ impl Draft {
         if let Some(k) = confidences.iter().position(|c| !(0.0..=1.0).contains(c)) {
             return Err(SpecError::InvalidInput(format!("draft confidence {k} is {}, not in [0, 1]", confidences[k])));
         }
-        Ok(Draft { tokens, confidences })
+        Ok(Draft { tokens, confidences, source: DraftSource::ModelFree })
+    }
+
+    /// The same draft, marked as coming from `source`.
+    pub fn with_source(self, source: DraftSource) -> Self {
+        Draft { source, ..self }
+    }
+
+    pub fn source(&self) -> DraftSource {
+        self.source
     }
 
     /// A draft from unconditional path probabilities (suffix-tree style: `path[k]` = P(tokens 0..=k
@@ -91,18 +115,40 @@ impl Draft {
     }
 }
 
+/// One sequence of a drafting round, as [`Proposer::prepare_round`] sees it.
+#[derive(Clone, Copy, Debug)]
+pub struct RoundRow<'a> {
+    pub seq: SeqKey,
+    /// The sequence's state in the runner (where a model drafter keeps its context).
+    pub state: StateId,
+    /// The committed context; its last token is the one the next step feeds (a model draft's anchor).
+    pub context: &'a [TokenId],
+    /// ℓ of the request: the most draft tokens it verifies per step.
+    pub request_len: usize,
+    /// The draft tokens this round may verify (ℓ within the tokens the request may still produce); 0: none.
+    pub cap: usize,
+    pub sampling: &'a SamplingParams,
+}
+
 /// A source of draft tokens for one sequence at a time.
 ///
 /// The daemon calls, per sequence: `begin` when a request starts (its prompt is the whole context
 /// so far, tool outputs included), `propose` before each verify step with the committed context,
-/// and `end` when the request finishes. Model drafts (DSpark) come out of the runner's drafter;
-/// [`crate::hybrid::ModelDrafts`] carries them through this same interface.
+/// and `end` when the request finishes. Before the `propose` calls of a round it calls
+/// `prepare_round` once for all of the round's sequences: model drafts (DSpark) are drafted there, in
+/// one batch on the runner's [`Drafter`] ([`crate::hybrid::ModelDrafts`]), and handed out by `propose`.
 pub trait Proposer: Send {
     /// A short stable name ("suffix", "ngram", "dspark", "hybrid") for logs and metric labels.
     fn name(&self) -> &'static str;
 
     /// A request on `seq` starts with `prompt` as its context.
     fn begin(&mut self, seq: SeqKey, prompt: &[TokenId]);
+
+    /// Drafts what the round's `propose` calls hand out, for every row at once (`drafter`: the runner's model
+    /// drafter, if it has one). Model-free proposers have nothing to prepare.
+    fn prepare_round(&mut self, _drafter: Option<&mut (dyn Drafter + '_)>, _rows: &[RoundRow<'_>]) -> Result<()> {
+        Ok(())
+    }
 
     /// Up to `max_len` draft tokens to follow `context` (prompt plus committed output).
     fn propose(&mut self, seq: SeqKey, context: &[TokenId], max_len: usize) -> Draft;

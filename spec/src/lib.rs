@@ -2,7 +2,7 @@
 //!
 //! What to draft and how much of it to verify, and what came of it: proposers behind one trait
 //! ([`draft::Proposer`]: SuffixDecoding trees, n-gram lookup, model drafts from the runner's DSpark
-//! drafter, and the hybrid rule between them), verify budgets ([`budget`]: DSpark Algorithm 1, the
+//! drafter (the kernels' `Drafter` capability), and the hybrid rule between them), verify budgets ([`budget`]: DSpark Algorithm 1, the
 //! production stale-capacity/top-K variant, a static threshold) over an SPS(B) profile ([`sps`]),
 //! and acceptance statistics ([`stats`]). The acceptance rule itself runs in the runner, where the
 //! distributions are (`sparkd_kernels::acceptance`); forced-acceptance schedules live there too and
@@ -22,9 +22,10 @@ pub mod stats;
 pub mod suffix;
 
 pub use budget::{BudgetPolicy, BudgetRow, ProductionBudget};
-pub use draft::{Draft, Proposer, SeqKey};
+pub use draft::{Draft, DraftSource, Proposer, RoundRow, SeqKey};
 pub use error::{Result, SpecError};
 pub use forced::ForcedAcceptance;
+pub use hybrid::{HybridProposer, HybridRule, ModelDrafts};
 pub use sparkd_kernels::acceptance::SyntheticSchedule;
 pub use sps::SpsProfile;
 pub use stats::{AiperfSpeculativeDecoding, RequestSpecStats, SpecCounters};

@@ -1,9 +1,9 @@
 //! The daemon's tokenizer as the [`TokenCodec`] prompt synthesis uses.
 //!
 //! Invariant: the pool is vetted against the very tokenizer the daemon serves with
-//! (`sparkd::tokenizer::Tokenizer`), so synthesized text re-encodes there to exactly the chosen ids.
+//! (`sparkd_tokenizer::Tokenizer`), so synthesized text re-encodes there to exactly the chosen ids.
 
-use sparkd::tokenizer::Tokenizer;
+use sparkd_tokenizer::Tokenizer;
 
 use crate::error::{ReplayError, Result};
 use crate::synth::TokenCodec;

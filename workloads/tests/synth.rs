@@ -3,7 +3,7 @@
 
 use std::sync::OnceLock;
 
-use sparkd::tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
+use sparkd_tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
 use sparkd_workloads::dag::{Chain, Scope, SetupSource, Turn};
 use sparkd_workloads::synth::{Conversation, HistoryMode, Role, Synth, TokenPool, MARKER_TOKENS, POOL_SIZE};
 

@@ -9,9 +9,9 @@
 
 use hyper::StatusCode;
 use serde::Serialize;
+use sparkd_tokenizer::TokenizerError;
 
 use crate::engine::types::EngineError;
-use crate::tokenizer::TokenizerError;
 
 /// Why a request failed.
 #[derive(Debug, thiserror::Error)]

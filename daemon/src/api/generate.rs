@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use sparkd_kernels::runner::TokenLogprob;
 use sparkd_kernels::TokenId;
+use sparkd_tokenizer::IncrementalDecoder;
 use tokio::sync::mpsc;
 
 use super::error::ApiError;
@@ -24,7 +25,6 @@ use super::openai::GenerationParams;
 use super::AppState;
 use crate::engine::types::{EngineError, EngineEvent, FinishReason, GenerateRequest, RequestId, ResponseId, Usage};
 use crate::metrics as m;
-use crate::tokenizer::IncrementalDecoder;
 
 /// Capacity of a request's event channel (engine → API).
 pub const EVENT_CHANNEL: usize = 64;

@@ -26,11 +26,12 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use metrics_exporter_prometheus::PrometheusHandle;
+use sparkd_kernels::TokenId;
+use sparkd_tokenizer::{ChatTemplate, Tokenizer};
 use tokio::sync::watch;
 
 use crate::engine::types::{EngineHandle, RequestId};
 use crate::metrics::{InteractivityWindow, INTERACTIVITY_P90_TOKENS_PER_SECOND};
-use crate::tokenizer::{ChatTemplate, Tokenizer};
 
 /// Finished requests the P90 interactivity gauge looks back over (at most this many ...).
 pub const INTERACTIVITY_WINDOW_REQUESTS: usize = 1000;

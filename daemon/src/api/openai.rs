@@ -11,9 +11,9 @@
 use serde_json::{Map, Value};
 use sparkd_kernels::runner::SamplingParams;
 use sparkd_kernels::TokenId;
+use sparkd_tokenizer::ChatMessage;
 
 use super::error::ApiError;
-use crate::tokenizer::ChatMessage;
 
 /// Output tokens when the request names no limit (also capped by the context left).
 pub const DEFAULT_MAX_TOKENS: usize = 4096;
@@ -326,7 +326,7 @@ pub fn chat_request(body: &Value) -> Result<ValidRequest, ApiError> {
         let role = m
             .str("role")?
             .ok_or_else(|| ApiError::field(m.name("role"), format!("`{}` is required", m.name("role"))))?;
-        if crate::tokenizer::ChatRole::parse(role).is_none() {
+        if sparkd_tokenizer::ChatRole::parse(role).is_none() {
             return Err(ApiError::field(
                 m.name("role"),
                 format!(
@@ -440,7 +440,7 @@ fn input_item(item: &Value, path: &str) -> Result<ChatMessage, ApiError> {
             let role = f
                 .str("role")?
                 .ok_or_else(|| ApiError::field(f.name("role"), format!("`{}` is required", f.name("role"))))?;
-            if crate::tokenizer::ChatRole::parse(role).is_none() {
+            if sparkd_tokenizer::ChatRole::parse(role).is_none() {
                 return Err(ApiError::field(f.name("role"), format!("`{}`: unknown role `{role}`", f.name("role"))));
             }
             let content = content_text(f.get("content"), &f.name("content"), &["input_text", "output_text", "text"])?;

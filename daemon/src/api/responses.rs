@@ -3,7 +3,7 @@
 //!
 //! Invariants:
 //! - A request with `previous_response_id` sends the engine only the new input's tokens (rendered by
-//!   [`ChatTemplate::render_continuation`](crate::tokenizer::ChatTemplate::render_continuation)) with
+//!   [`ChatTemplate::render_continuation`](sparkd_tokenizer::ChatTemplate::render_continuation)) with
 //!   `continue_from`; the engine restores (or forks) the kept state, so only the suffix is prefilled.
 //! - With `store` (the default), the engine keeps the final state under the response's id, and once the response
 //!   ends the API attaches the final response object to it (before the client sees the end), which is what `GET`

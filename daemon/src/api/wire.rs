@@ -14,10 +14,10 @@ use serde::Serialize;
 use serde_json::{json, Map, Value};
 use sparkd_kernels::runner::TokenLogprob;
 use sparkd_kernels::TokenId;
+use sparkd_tokenizer::Tokenizer;
 
 use super::generate::{Outcome, SpecDecodeStats, Timings};
 use crate::engine::types::Usage;
-use crate::tokenizer::Tokenizer;
 
 /// `usage` of chat and completions.
 #[derive(Clone, Copy, Debug, Serialize)]

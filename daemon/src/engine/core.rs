@@ -38,7 +38,7 @@ use tokio::sync::mpsc::{self, error::TryRecvError, error::TrySendError};
 use super::prefix_cache::PrefixCache;
 use super::scheduler::{FinishedSeq, Scheduler, SchedulerLimits, StepOutcome, StepPlan};
 use super::sessions::{EvictionPolicy, LruPolicy, SessionStore, StoreBudgets};
-use super::speculator::{DraftSlot, Speculator};
+use super::speculator::{DraftSlot, Speculation, Speculator};
 use super::types::{
     EngineCommand, EngineConfig, EngineError, EngineEvent, EngineHandle, FinishReason, GenerateRequest, RequestId,
     ResponseId,
@@ -75,14 +75,20 @@ impl Engine {
 }
 
 /// Starts the engine thread with an LRU eviction policy for kept responses.
-pub fn spawn(runner: Box<dyn Runner>, config: EngineConfig) -> Result<Engine, EngineError> {
-    spawn_with_policy(runner, config, Box::<LruPolicy>::default())
+pub fn spawn(
+    runner: Box<dyn Runner>,
+    speculation: Option<Speculation>,
+    config: EngineConfig,
+) -> Result<Engine, EngineError> {
+    spawn_with_policy(runner, speculation, config, Box::<LruPolicy>::default())
 }
 
-/// Starts the engine thread. It stops on [`Engine::shutdown`], or when every [`EngineHandle`] is
-/// dropped and its work is done.
+/// Starts the engine thread on `runner`, speculating with `speculation` (`None`: speculation off); both are
+/// composed at start-up. It stops on [`Engine::shutdown`], or when every [`EngineHandle`] is dropped and its
+/// work is done.
 pub fn spawn_with_policy(
-    mut runner: Box<dyn Runner>,
+    runner: Box<dyn Runner>,
+    speculation: Option<Speculation>,
     config: EngineConfig,
     policy: Box<dyn EvictionPolicy>,
 ) -> Result<Engine, EngineError> {
@@ -91,10 +97,7 @@ pub fn spawn_with_policy(
             "engine config: max_num_batched_tokens, max_num_seqs and command_queue must be at least 1".into(),
         ));
     }
-    let speculator = match config.spec.is_on() {
-        true => Some(Speculator::new(config.spec.clone(), runner.as_mut(), config.max_num_batched_tokens)?),
-        false => None,
-    };
+    let speculator = speculation.map(Speculator::new);
     let (tx, rx) = mpsc::channel(config.command_queue);
     let engine = EngineCore::new(runner, config, policy, speculator, rx);
     let thread = std::thread::Builder::new()

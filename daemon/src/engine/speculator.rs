@@ -1,40 +1,49 @@
 //! The engine's speculator: before each step it drafts for every decode row, decides how many of the
 //! drafts to verify, and hands them to the scheduler; after each step it records what was accepted.
 //!
-//! Follows dspark.md §4.2 (vLLM's proposer/speculator split) and §7 (the daemon's wiring):
-//! 1. Draft: model-free proposers (`sparkd_spec::suffix`, `ngram`) read the row's committed context
-//!    (prompt, tool outputs, output); DSpark asks the runner's drafter for a block after the row's
-//!    last token; the hybrid keeps the suffix draft when its score reaches the DSpark draft's
-//!    expected accepted tokens (`HybridRule::ModelExpected`).
+//! Follows dspark.md §4.2 (vLLM's proposer/speculator split) and §7 (the daemon's wiring). What it drafts
+//! with is composed at start-up and handed over as a [`Speculation`]: one `sparkd_spec::Proposer` (suffix,
+//! n-gram, DSpark's `ModelDrafts` or the `HybridProposer` of the two) and one verify budget.
+//! 1. Draft: the proposer prepares the round for every row at once (model drafts come from the runner's
+//!    `Drafter` in one batch), then proposes per row from the row's committed context (prompt, tool
+//!    outputs, output).
 //! 2. Budget: every row's cap is `request_cap` (ℓ of the request, and accepted drafts plus the bonus
 //!    must fit in `max_tokens`); the policy (`BudgetPolicy`) trims each draft to a prefix.
-//! 3. Select: a DSpark draft that will be verified is selected on the runner, so it is verified
+//! 3. Select: a model draft that will be verified is selected on the runner's drafter, so it is verified
 //!    against its own `q` (lossless speculative sampling); every other draft is verified one-hot.
 //!
 //! Invariants:
 //! - Drafts depend only on committed tokens and the drafter's own state; budgets are
 //!   non-anticipating (`sparkd_spec::budget`), so greedy output is token-identical to decoding
 //!   without speculation and sampled output keeps the target's distribution.
-//! - Under forced acceptance every round verifies its whole cap: drafts of model-free proposers
-//!   that stop short are padded with the row's last token (as the kernels' decode benchmark does),
-//!   so every round is a full `ℓ` window and the forced schedule yields the asked mean length.
+//! - Under forced acceptance every round verifies its whole cap: model-free drafts that stop short
+//!   are padded with the row's last token (as the kernels' decode benchmark does), so every round is
+//!   a full `ℓ` window and the forced schedule yields the asked mean length.
 //! - Per-request memory lives under `SeqKey(request id)` and is released by [`Speculator::end`]
 //!   exactly once per request that began.
 
 use std::collections::HashMap;
 
 use metrics::{counter, gauge};
-use sparkd_kernels::runner::{DraftRequest, SamplingParams};
+use sparkd_kernels::runner::SamplingParams;
 use sparkd_kernels::{KernelError, Runner, StateId, TokenId};
 use sparkd_spec::budget::request_cap;
-use sparkd_spec::hybrid::{DraftSource, HybridRule};
-use sparkd_spec::ngram::{NgramConfig, NgramProposer};
-use sparkd_spec::suffix::{SuffixConfig, SuffixProposer};
-use sparkd_spec::{BudgetPolicy, BudgetRow, Draft, ProductionBudget, Proposer, SeqKey, SpecCounters, SpsProfile};
+use sparkd_spec::{
+    BudgetPolicy, BudgetRow, DraftSource, Proposer, RoundRow, SeqKey, SpecCounters, SpecError, SyntheticSchedule,
+};
 
-use super::spec::{measure_sps, SpecBudget, SpecConfig, SpecMethod};
-use super::types::{EngineError, RequestId};
+use super::types::RequestId;
 use crate::metrics as names;
+
+/// What the engine speculates with, composed at start-up.
+pub struct Speculation {
+    pub proposer: Box<dyn Proposer>,
+    pub budget: BudgetPolicy,
+    /// ℓ, the server's maximum draft tokens per request per step.
+    pub num_spec_tokens: usize,
+    /// The forced-acceptance schedule the runner was set to, if any: every round is then flagged synthetic.
+    pub synthetic: Option<SyntheticSchedule>,
+}
 
 /// One decode row that may carry drafts at the next step.
 #[derive(Clone, Copy, Debug)]
@@ -48,88 +57,49 @@ pub struct DraftSlot<'a> {
     pub sampling: &'a SamplingParams,
 }
 
-/// The draft sources of each method.
-enum Proposers {
-    Suffix(SuffixProposer),
-    Ngram(NgramProposer),
-    Dspark,
-    Hybrid(SuffixProposer),
-}
-
 /// Drafts, budgets and speculation statistics for the engine thread.
 pub struct Speculator {
-    cfg: SpecConfig,
-    proposers: Proposers,
+    proposer: Box<dyn Proposer>,
     budget: BudgetPolicy,
-    /// The DSpark drafter's block size γ, when the method uses it.
-    block: usize,
+    num_spec_tokens: usize,
+    /// Acceptance is forced: every round is flagged synthetic.
+    synthetic: bool,
     /// ℓ of each request that began (the per-request override applied).
     lengths: HashMap<RequestId, usize>,
     totals: SpecCounters,
 }
 
 impl Speculator {
-    /// Builds the speculator for `cfg` (which must be on), checking the runner has the drafter the
-    /// method needs and measuring SPS(B) on it when a load-aware budget has no loaded profile.
-    pub fn new(cfg: SpecConfig, runner: &mut dyn Runner, max_batch_tokens: usize) -> Result<Self, EngineError> {
-        let invalid = |why: String| EngineError::InvalidRequest(format!("speculation: {why}"));
-        let block = match (cfg.method.needs_drafter(), runner.drafter_block_size()) {
-            (true, None) => {
-                return Err(invalid(format!("--spec {} needs a runner with a DSpark drafter", cfg.method.as_str())))
-            }
-            (true, Some(gamma)) => gamma,
-            (false, _) => 0,
-        };
-        let suffix = || SuffixProposer::new(SuffixConfig::default()).map_err(|e| invalid(e.to_string()));
-        let proposers = match cfg.method {
-            SpecMethod::Off => return Err(invalid("the speculator needs a method other than off".into())),
-            SpecMethod::Suffix => Proposers::Suffix(suffix()?),
-            SpecMethod::Hybrid => Proposers::Hybrid(suffix()?),
-            SpecMethod::Ngram => {
-                Proposers::Ngram(NgramProposer::new(NgramConfig::default()).map_err(|e| invalid(e.to_string()))?)
-            }
-            SpecMethod::Dspark => Proposers::Dspark,
-        };
-        let profile = |runner: &mut dyn Runner| -> Result<SpsProfile, EngineError> {
-            match &cfg.sps_profile {
-                Some(p) => Ok(p.clone()),
-                None => {
-                    let p = measure_sps(runner, max_batch_tokens)?;
-                    tracing::info!(profile = %p.to_json(), "measured SPS(B) for the verify budget");
-                    Ok(p)
-                }
-            }
-        };
-        let budget = match cfg.budget {
-            SpecBudget::Static if cfg.threshold > 0.0 => BudgetPolicy::StaticThreshold(cfg.threshold),
-            SpecBudget::Static => BudgetPolicy::Full,
-            SpecBudget::Dspark => BudgetPolicy::Dspark(profile(runner)?),
-            SpecBudget::Production => BudgetPolicy::Production(ProductionBudget::new(profile(runner)?, 0.0)),
-        };
-        for position in 0..cfg.num_spec_tokens {
+    /// The speculator of `speculation`; zeroes the per-position counters and sets the forced-acceptance gauge.
+    pub fn new(speculation: Speculation) -> Self {
+        let Speculation { proposer, budget, num_spec_tokens, synthetic } = speculation;
+        for position in 0..num_spec_tokens {
             counter!(names::SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_TOTAL, "position" => position.to_string())
                 .increment(0);
         }
-        let forced = cfg.synthetic.as_ref().map_or(0.0, |s| s.mean_acceptance_length());
+        let forced = synthetic.as_ref().map_or(0.0, |s| s.mean_acceptance_length());
         gauge!(names::SPEC_DECODE_FORCED_ACCEPTANCE_LENGTH).set(forced);
-        Ok(Speculator { cfg, proposers, budget, block, lengths: HashMap::new(), totals: SpecCounters::default() })
+        Speculator {
+            proposer,
+            budget,
+            num_spec_tokens,
+            synthetic: synthetic.is_some(),
+            lengths: HashMap::new(),
+            totals: SpecCounters::default(),
+        }
     }
 
     /// Whether acceptance is forced (every round this speculator drafts is flagged synthetic).
     pub fn is_synthetic(&self) -> bool {
-        self.cfg.synthetic.is_some()
+        self.synthetic
     }
 
     /// A request starts with `prompt` (its whole context: kept history, tool outputs, new input) and
-    /// asked for at most `requested` draft tokens per step.
+    /// asked for at most `requested` draft tokens per step (capped by the server's ℓ).
     pub fn begin(&mut self, id: RequestId, prompt: &[TokenId], requested: Option<usize>) {
-        self.lengths.insert(id, self.cfg.request_len(requested));
-        let key = SeqKey(id.0);
-        match &mut self.proposers {
-            Proposers::Suffix(p) | Proposers::Hybrid(p) => p.begin(key, prompt),
-            Proposers::Ngram(p) => p.begin(key, prompt),
-            Proposers::Dspark => {}
-        }
+        let len = requested.map_or(self.num_spec_tokens, |n| n.min(self.num_spec_tokens));
+        self.lengths.insert(id, len);
+        self.proposer.begin(SeqKey(id.0), prompt);
     }
 
     /// The request finished (or was cancelled or failed) with `tokens` as its history; its output
@@ -138,12 +108,7 @@ impl Speculator {
         if self.lengths.remove(&id).is_none() {
             return;
         }
-        let key = SeqKey(id.0);
-        match &mut self.proposers {
-            Proposers::Suffix(p) | Proposers::Hybrid(p) => p.end(key, tokens, false),
-            Proposers::Ngram(p) => p.end(key, tokens, false),
-            Proposers::Dspark => {}
-        }
+        self.proposer.end(SeqKey(id.0), tokens, false);
     }
 
     /// Drafts for `slots` and returns, per slot, the draft tokens to verify at the next step.
@@ -153,44 +118,40 @@ impl Speculator {
         runner: &mut dyn Runner,
         slots: &[DraftSlot<'_>],
     ) -> Result<Vec<Vec<TokenId>>, KernelError> {
-        let lengths: Vec<usize> = slots.iter().map(|s| self.lengths.get(&s.id).copied().unwrap_or(0)).collect();
-        let caps: Vec<usize> =
-            slots.iter().zip(&lengths).map(|(s, &l)| request_cap(l, s.new_tokens_left, usize::MAX)).collect();
-        let model = self.model_drafts(runner, slots, &lengths, &caps)?;
-        let mut drafts = Vec::with_capacity(slots.len());
-        for ((slot, &cap), model) in slots.iter().zip(&caps).zip(model) {
-            let key = SeqKey(slot.id.0);
-            // (draft, whether it is the runner's DSpark proposal)
-            let (mut draft, from_model) = match &mut self.proposers {
-                Proposers::Suffix(p) => (p.propose(key, slot.context, cap), false),
-                Proposers::Ngram(p) => (p.propose(key, slot.context, cap), false),
-                Proposers::Dspark => (model, true),
-                Proposers::Hybrid(p) => {
-                    let (suffix, score) = p.propose_scored(key, slot.context, cap);
-                    let (draft, source) = HybridRule::ModelExpected.choose(suffix, score, model);
-                    (draft, source == DraftSource::Model)
+        let rows: Vec<RoundRow<'_>> = slots
+            .iter()
+            .map(|s| {
+                let request_len = self.lengths.get(&s.id).copied().unwrap_or(0);
+                RoundRow {
+                    seq: SeqKey(s.id.0),
+                    state: s.state,
+                    context: s.context,
+                    request_len,
+                    cap: request_cap(request_len, s.new_tokens_left, usize::MAX),
+                    sampling: s.sampling,
                 }
-            };
-            draft.truncate(cap);
-            drafts.push((draft, from_model));
-        }
+            })
+            .collect();
+        let mut drafter = runner.model_drafter();
+        self.proposer.prepare_round(drafter.as_deref_mut(), &rows).map_err(kernel_error)?;
+        let drafts: Vec<_> = rows.iter().map(|r| self.proposer.propose(r.seq, r.context, r.cap)).collect();
         let verified: Vec<usize> = if self.is_synthetic() {
-            caps.clone()
+            rows.iter().map(|r| r.cap).collect()
         } else {
-            let rows: Vec<BudgetRow<'_>> =
-                drafts.iter().zip(&caps).map(|((draft, _), &cap)| BudgetRow { draft, cap }).collect();
-            self.budget.plan(&rows)
+            let budget_rows: Vec<BudgetRow<'_>> =
+                drafts.iter().zip(&rows).map(|(draft, r)| BudgetRow { draft, cap: r.cap }).collect();
+            self.budget.plan(&budget_rows)
         };
         let mut out = Vec::with_capacity(slots.len());
-        for ((slot, (draft, from_model)), &len) in slots.iter().zip(drafts).zip(&verified) {
+        for ((row, draft), &len) in rows.iter().zip(drafts).zip(&verified) {
             let mut tokens = draft.tokens().to_vec();
-            if from_model {
+            if draft.source() == DraftSource::Model {
                 tokens.truncate(len);
                 if !tokens.is_empty() {
-                    runner.select_proposal(slot.state)?;
+                    drafter.as_mut().ok_or_else(no_drafter)?.select_proposal(row.state)?;
                 }
             } else if self.is_synthetic() {
-                let pad = slot.context.last().copied().unwrap_or_default();
+                let pad = row.context.last().copied().unwrap_or_default();
                 tokens.resize(len, pad);
             } else {
                 tokens.truncate(len);
@@ -198,42 +159,6 @@ impl Speculator {
             out.push(tokens);
         }
         Ok(out)
-    }
-
-    /// The runner's DSpark drafts per slot (empty drafts when the method has no model drafter or the
-    /// slot may verify nothing).
-    fn model_drafts(
-        &self,
-        runner: &mut dyn Runner,
-        slots: &[DraftSlot<'_>],
-        lengths: &[usize],
-        caps: &[usize],
-    ) -> Result<Vec<Draft>, KernelError> {
-        let mut drafts = vec![Draft::empty(); slots.len()];
-        if !self.cfg.method.needs_drafter() {
-            return Ok(drafts);
-        }
-        // DSpark drafts its request's ℓ; the hybrid's model drafts are DSpark blocks of γ.
-        let num_drafts = |l: usize| if self.cfg.method == SpecMethod::Hybrid { l.min(self.block) } else { l };
-        let asked: Vec<usize> = (0..slots.len()).filter(|&i| caps[i] > 0).collect();
-        let requests: Vec<DraftRequest> = asked
-            .iter()
-            .filter_map(|&i| {
-                let anchor = *slots[i].context.last()?;
-                let num_drafts = num_drafts(lengths[i]);
-                Some(DraftRequest { state: slots[i].state, anchor, num_drafts, params: slots[i].sampling.clone() })
-            })
-            .collect();
-        if requests.is_empty() {
-            return Ok(drafts);
-        }
-        let proposals = runner.draft(&requests)?;
-        for (&i, proposal) in asked.iter().zip(proposals) {
-            let confidences = proposal.confidences.iter().map(|&c| f64::from(c)).collect();
-            drafts[i] =
-                Draft::new(proposal.tokens, confidences).map_err(|e| KernelError::InvalidInput(e.to_string()))?;
-        }
-        Ok(drafts)
     }
 
     /// Records one verify round of `drafted` draft tokens of which `accepted` were accepted (rounds
@@ -256,4 +181,18 @@ impl Speculator {
             gauge!(names::SPEC_DECODE_MEAN_ACCEPTANCE_LENGTH).set(al);
         }
     }
+}
+
+/// A proposer's failure as the runner error the engine reports: the drafter's own error as it is, anything
+/// else (a malformed model draft) as invalid input.
+fn kernel_error(e: SpecError) -> KernelError {
+    match e {
+        SpecError::Kernel(e) => e,
+        other => KernelError::InvalidInput(other.to_string()),
+    }
+}
+
+/// A model draft without a drafter to verify it on.
+fn no_drafter() -> KernelError {
+    KernelError::InvalidInput("a model draft needs the runner's drafter".into())
 }

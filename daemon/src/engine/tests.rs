@@ -86,7 +86,7 @@ impl Harness {
     fn new(config: EngineConfig) -> Self {
         let seen = Arc::new(Mutex::new(Seen::default()));
         let inner = NullRunner::new(ModelConfig::preset("k3-tiny").unwrap());
-        let engine = spawn(Box::new(Probe { inner, seen: seen.clone() }), config).unwrap();
+        let engine = spawn(Box::new(Probe { inner, seen: seen.clone() }), None, config).unwrap();
         Harness { handle: engine.handle(), seen, engine: Some(engine) }
     }
 

@@ -24,8 +24,6 @@ use sparkd_kernels::runner::{SamplingParams, TokenLogprob};
 use sparkd_kernels::{KernelError, TokenId};
 use tokio::sync::{mpsc, oneshot};
 
-use super::spec::SpecConfig;
-
 /// Unique id of one generation request (assigned by the API layer).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct RequestId(pub u64);
@@ -235,8 +233,6 @@ pub struct EngineConfig {
     pub kept_responses_bytes: usize,
     /// Host bytes for prefix-cache snapshots (0 disables the prefix cache).
     pub prefix_cache_bytes: usize,
-    /// Speculative decoding (off by default).
-    pub spec: SpecConfig,
 }
 
 impl Default for EngineConfig {
@@ -249,7 +245,6 @@ impl Default for EngineConfig {
             host_budget_bytes: DEFAULT_HOST_BUDGET_BYTES,
             kept_responses_bytes: DEFAULT_KEPT_RESPONSES_BYTES,
             prefix_cache_bytes: DEFAULT_PREFIX_CACHE_BYTES,
-            spec: SpecConfig::default(),
         }
     }
 }

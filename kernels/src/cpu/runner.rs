@@ -6,18 +6,19 @@
 //! nothing; it then takes the rows' states out of the map and always puts them back. Acceptance runs
 //! here, where the logits are, and only tokens and requested log-probabilities leave.
 //!
-//! With a drafter attached ([`CpuRunner::attach_drafter`]), every step also taps the target layers
+//! With a drafter attached (`Runner::attach_drafter`), every step also taps the target layers
 //! the drafter reads and appends, per row, the taps of exactly the tokens the step commits to that
-//! state's drafter context, so the context follows the target's commit and rollback.
+//! state's drafter context, so the context follows the target's commit and rollback. The drafter is
+//! lent as a [`Drafter`] that reads the target's weights, state lengths and token mask in place.
 
 use std::collections::HashMap;
 
 use crate::acceptance::{self, AcceptanceMode, VerifyWindow};
 use crate::config::ModelConfig;
 use crate::cpu::forward::{CpuModel, Probe, WindowRow};
-use crate::dspark::{DrafterModel, DrafterSlot};
+use crate::dspark::{DrafterModel, DrafterSlot, DrafterSource};
 use crate::error::{KernelError, Result};
-use crate::runner::{DraftProposal, DraftRequest, RowInput, RowOutput, Runner, StateId, TokenMask};
+use crate::runner::{DraftProposal, DraftRequest, Drafter, RowInput, RowOutput, Runner, StateId, TokenMask};
 use crate::state::SeqState;
 use crate::tensor::WeightSource;
 
@@ -44,18 +45,6 @@ impl CpuRunner {
             drafter: None,
             token_mask: None,
         })
-    }
-
-    /// Attaches a drafter (its config was checked against this model when it was loaded). States
-    /// that already exist get an empty drafter context starting at their current length.
-    pub fn attach_drafter(&mut self, model: DrafterModel<f32>) -> Result<()> {
-        model.config().check_against(&self.model.cfg)?;
-        let mut slot = DrafterSlot::new(model);
-        for (id, state) in &self.states {
-            slot.add_state(*id, state.len);
-        }
-        self.drafter = Some(slot);
-        Ok(())
     }
 
     /// The attached drafter and its per-sequence contexts.
@@ -229,18 +218,43 @@ impl Runner for CpuRunner {
         result
     }
 
-    fn drafter_block_size(&self) -> Option<usize> {
-        self.drafter.as_ref().map(|d| d.model().config().block_size)
+    fn attach_drafter(&mut self, source: DrafterSource) -> Result<()> {
+        let model = DrafterModel::load(source.config, &self.model.cfg, source.weights.as_ref())?;
+        let mut slot = DrafterSlot::new(model);
+        for (id, state) in &self.states {
+            slot.add_state(*id, state.len);
+        }
+        self.drafter = Some(slot);
+        Ok(())
+    }
+
+    fn model_drafter(&mut self) -> Option<Box<dyn Drafter + '_>> {
+        let slot = self.drafter.as_mut()?;
+        Some(Box::new(CpuDrafter { slot, target: &self.model, states: &self.states, mask: self.token_mask.as_ref() }))
+    }
+}
+
+/// A CPU runner's attached drafter lent as the [`Drafter`] capability, with the target's weights, states and
+/// token mask borrowed in place.
+struct CpuDrafter<'a> {
+    slot: &'a mut DrafterSlot,
+    target: &'a CpuModel<f32>,
+    states: &'a HashMap<StateId, SeqState<f32>>,
+    mask: Option<&'a TokenMask>,
+}
+
+impl Drafter for CpuDrafter<'_> {
+    fn block_size(&self) -> usize {
+        self.slot.model().config().block_size
     }
 
     fn draft(&mut self, rows: &[DraftRequest]) -> Result<Vec<DraftProposal>> {
-        let slot = self.drafter.as_mut().ok_or_else(crate::runner::no_drafter)?;
-        let states = &self.states;
+        let states = self.states;
         let state_len = |id: StateId| states.get(&id).map(|s| s.len).ok_or(KernelError::UnknownState(id.0));
-        slot.draft(&self.model, state_len, self.token_mask.as_ref(), rows)
+        self.slot.draft(self.target, state_len, self.mask, rows)
     }
 
     fn select_proposal(&mut self, state: StateId) -> Result<()> {
-        self.drafter.as_mut().ok_or_else(crate::runner::no_drafter)?.select(state)
+        self.slot.select(state)
     }
 }

@@ -10,7 +10,7 @@
 //!   `acceptance::verify` stays the CPU reference the device rule is tested against.
 //! - Commit and rollback happen on the device: the KDA states and conv windows saved after the last
 //!   accepted token are copied back, and the MLA length moves back.
-//! - With a DSpark drafter attached ([`CudaRunner::attach_drafter`]), the forward taps the layers the
+//! - With a DSpark drafter attached (`Runner::attach_drafter`), the forward taps the layers the
 //!   drafter reads and each row's drafter context grows by the taps of exactly the tokens the step
 //!   commits (`cuda::drafter_slot`); a selected sampled proposal is verified with its device `q`.
 
@@ -25,9 +25,9 @@ use crate::cuda::forward::{DeviceModel, DeviceRow, DeviceState};
 use crate::cuda::ops::{Gemm, Gpu};
 use crate::cuda::sample::{verify_rows, DeviceTokenMask, VerifyRow};
 use crate::cuda::weights::DevWeights;
-use crate::dspark::DrafterConfig;
+use crate::dspark::DrafterSource;
 use crate::error::{KernelError, Result};
-use crate::runner::{DraftProposal, DraftRequest, RowInput, RowOutput, Runner, StateId, TokenMask};
+use crate::runner::{DraftProposal, DraftRequest, Drafter, RowInput, RowOutput, Runner, StateId, TokenMask};
 use crate::state::SeqState;
 use crate::tensor::WeightSource;
 
@@ -84,20 +84,6 @@ impl CudaRunner {
             token_mask: None,
             drafter: None,
         })
-    }
-
-    /// Uploads the DSpark drafter `cfg` from `source` and attaches it (the target's embedding and
-    /// lm_head are shared). States that already exist get an empty drafter context starting at their
-    /// current length, as on the CPU.
-    pub fn attach_drafter(&mut self, cfg: DrafterConfig, source: &dyn WeightSource) -> Result<()> {
-        cfg.check_against(&self.model.cfg)?;
-        let mut slot = DeviceDrafterSlot::new(DeviceDrafter::load(&self.gpu, cfg, source)?);
-        for (id, state) in &self.states {
-            slot.add_state(&self.gpu, *id, state.len)?;
-        }
-        self.gpu.synchronize()?;
-        self.drafter = Some(slot);
-        Ok(())
     }
 
     /// The attached drafter and its per-sequence device contexts.
@@ -329,20 +315,49 @@ impl Runner for CudaRunner {
         Ok(())
     }
 
-    fn drafter_block_size(&self) -> Option<usize> {
-        self.drafter.as_ref().map(|d| d.model().config().block_size)
+    /// Uploads the drafter (the target's embedding and lm_head are shared).
+    fn attach_drafter(&mut self, source: DrafterSource) -> Result<()> {
+        source.config.check_against(&self.model.cfg)?;
+        let mut slot = DeviceDrafterSlot::new(DeviceDrafter::load(&self.gpu, source.config, source.weights.as_ref())?);
+        for (id, state) in &self.states {
+            slot.add_state(&self.gpu, *id, state.len)?;
+        }
+        self.gpu.synchronize()?;
+        self.drafter = Some(slot);
+        Ok(())
+    }
+
+    fn model_drafter(&mut self) -> Option<Box<dyn Drafter + '_>> {
+        let slot = self.drafter.as_mut()?;
+        let (gpu, target, states, mask) = (&self.gpu, &self.model, &self.states, self.token_mask.as_ref());
+        Some(Box::new(CudaDrafter { slot, gpu, target, states, mask }))
+    }
+}
+
+/// A CUDA runner's attached drafter lent as the [`Drafter`] capability, with the device, the target's weights,
+/// states and token mask borrowed in place.
+struct CudaDrafter<'a> {
+    slot: &'a mut DeviceDrafterSlot,
+    gpu: &'a Gpu,
+    target: &'a DeviceModel,
+    states: &'a HashMap<StateId, DeviceState>,
+    mask: Option<&'a DeviceTokenMask>,
+}
+
+impl Drafter for CudaDrafter<'_> {
+    fn block_size(&self) -> usize {
+        self.slot.model().config().block_size
     }
 
     fn draft(&mut self, rows: &[DraftRequest]) -> Result<Vec<DraftProposal>> {
-        let slot = self.drafter.as_mut().ok_or_else(crate::runner::no_drafter)?;
-        let states = &self.states;
+        let states = self.states;
         let state_len = |id: StateId| states.get(&id).map(|s| s.len).ok_or(KernelError::UnknownState(id.0));
-        let proposals = slot.draft(&self.gpu, &self.model, self.token_mask.as_ref(), state_len, rows)?;
+        let proposals = self.slot.draft(self.gpu, self.target, self.mask, state_len, rows)?;
         self.gpu.synchronize()?;
         Ok(proposals)
     }
 
     fn select_proposal(&mut self, state: StateId) -> Result<()> {
-        self.drafter.as_mut().ok_or_else(crate::runner::no_drafter)?.select(state)
+        self.slot.select(state)
     }
 }

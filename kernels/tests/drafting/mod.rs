@@ -56,12 +56,12 @@ pub fn decode_with_model_drafts(
     while out.iter().any(|o| o.len() < n) {
         let live: Vec<usize> = (0..rows.len()).filter(|&i| out[i].len() < n).collect();
         let reqs: Vec<DraftRequest> = live.iter().map(|&i| draft_req(rows[i].0, last[i], gamma, params)).collect();
-        let proposals = r.draft(&reqs).unwrap();
+        let proposals = r.model_drafter().unwrap().draft(&reqs).unwrap();
         let mut step_rows = Vec::new();
         for (&i, p) in live.iter().zip(&proposals) {
             assert_eq!((p.tokens.len(), p.confidences.len()), (gamma, gamma));
             assert!(p.confidences.iter().all(|c| (0.0..=1.0).contains(c)));
-            r.select_proposal(rows[i].0).unwrap();
+            r.model_drafter().unwrap().select_proposal(rows[i].0).unwrap();
             let tokens: Vec<TokenId> = std::iter::once(last[i]).chain(p.tokens.iter().copied()).collect();
             step_rows.push(row(rows[i].0, tokens, params, gamma));
         }
@@ -110,9 +110,10 @@ pub fn check_verification_uses_q(r: &mut dyn Runner, base: StateId, anchor: Toke
     for seed in 0..seeds {
         let mut verify = |select: bool| {
             let s = r.fork_state(base).unwrap();
-            let proposal = r.draft(&[draft_req(s, anchor, 4, &sampled(seed))]).unwrap().remove(0);
+            let proposal =
+                r.model_drafter().unwrap().draft(&[draft_req(s, anchor, 4, &sampled(seed))]).unwrap().remove(0);
             if select {
-                r.select_proposal(s).unwrap();
+                r.model_drafter().unwrap().select_proposal(s).unwrap();
             }
             let tokens: Vec<TokenId> = std::iter::once(anchor).chain(proposal.tokens).collect();
             let out = r.step(&[row(s, tokens, &sampled(seed), 4)]).unwrap().remove(0);

@@ -1,4 +1,4 @@
-//! The one error type of the tokenizer layer.
+//! The one error type of `sparkd-tokenizer`.
 //!
 //! Invariant: every failure bad input can cause (a malformed `tiktoken.model`, a token id outside the
 //! vocabulary, a chat message with an unknown role, an export folder that cannot be written) is a variant

@@ -4,7 +4,7 @@ use std::path::Path;
 use std::process::Command;
 
 use base64::Engine as _;
-use sparkd::tokenizer::{
+use sparkd_tokenizer::{
     export_hf, specials, ChatMessage, ChatTemplate, IncrementalDecoder, Tokenizer, TokenizerError, VocabSource,
 };
 

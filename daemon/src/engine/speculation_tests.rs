@@ -8,7 +8,6 @@
 
 use std::time::Instant;
 
-use sparkd_kernels::cpu::CpuRunner;
 use sparkd_kernels::null_runner::NullRunner;
 use sparkd_kernels::runner::SamplingParams;
 use sparkd_kernels::synth::SyntheticWeights;
@@ -18,8 +17,9 @@ use sparkd_spec::{ForcedAcceptance, SpsProfile};
 use tokio::sync::mpsc;
 
 use super::core::{spawn, Engine};
-use super::spec::{SpecBudget, SpecConfig, SpecMethod};
 use super::types::*;
+use crate::config::speculation::{SpecBudget, SpecMethod, SpeculationConfig};
+use crate::startup;
 
 /// What one request received.
 #[derive(Debug, Default)]
@@ -70,9 +70,12 @@ struct Harness {
 }
 
 impl Harness {
-    fn new(runner: Box<dyn Runner>, spec: SpecConfig, max_num_batched_tokens: usize) -> Self {
-        let config = EngineConfig { max_num_batched_tokens, max_num_seqs: 16, spec, ..EngineConfig::default() };
-        Harness { engine: Some(spawn(runner, config).expect("engine starts")), next_id: 1 }
+    /// The engine on `runner`, speculating as start-up composes `spec`.
+    fn new(mut runner: Box<dyn Runner>, spec: SpeculationConfig, max_num_batched_tokens: usize) -> Self {
+        let speculation =
+            startup::speculation(&spec, runner.as_mut(), max_num_batched_tokens).expect("speculation composes");
+        let config = EngineConfig { max_num_batched_tokens, max_num_seqs: 16, ..EngineConfig::default() };
+        Harness { engine: Some(spawn(runner, speculation, config).expect("engine starts")), next_id: 1 }
     }
 
     /// Runs `requests` (prompt, max_tokens, per-request ℓ) concurrently, greedy.
@@ -137,8 +140,8 @@ impl Drop for Harness {
     }
 }
 
-fn spec(method: SpecMethod, num_spec_tokens: usize) -> SpecConfig {
-    SpecConfig { method, num_spec_tokens, ..SpecConfig::default() }
+fn spec(method: SpecMethod, num_spec_tokens: usize) -> SpeculationConfig {
+    SpeculationConfig { method, num_spec_tokens, ..SpeculationConfig::default() }
 }
 
 fn null_runner() -> Box<dyn Runner> {
@@ -192,7 +195,7 @@ fn greedy_output_is_unchanged_by_model_free_speculation_at_every_length_and_batc
 #[test]
 fn load_aware_budgets_stay_lossless() {
     for budget in [SpecBudget::Dspark, SpecBudget::Production] {
-        let cfg = SpecConfig { budget, sps_profile: Some(profile()), ..spec(SpecMethod::Suffix, 6) };
+        let cfg = SpeculationConfig { budget, sps_profile: Some(profile()), ..spec(SpecMethod::Suffix, 6) };
         let mut h = Harness::new(null_runner(), cfg, 48);
         let requests = batch(12, 40);
         for _ in 0..2 {
@@ -202,7 +205,7 @@ fn load_aware_budgets_stay_lossless() {
         }
     }
     // A static threshold of 1 verifies only drafts the proposer is certain of.
-    let cfg = SpecConfig { threshold: 1.0, ..spec(SpecMethod::Ngram, 4) };
+    let cfg = SpeculationConfig { threshold: 1.0, ..spec(SpecMethod::Ngram, 4) };
     let mut h = Harness::new(null_runner(), cfg, 64);
     let requests = batch(4, 50);
     for ((p, max_tokens, _), o) in requests.iter().zip(h.run(&requests)) {
@@ -247,7 +250,7 @@ fn seeded_sampling_is_unchanged_by_speculation_on_the_null_runner() {
     // lossless verification must reproduce the spec-off tokens exactly, sampled or not.
     let sampling = SamplingParams { temperature: 1.0, top_p: 0.9, top_k: 50, seed: 42, logprobs: None };
     let requests = batch(6, 70);
-    let reference = Harness::new(null_runner(), SpecConfig::default(), 64).run_with(&requests, &sampling);
+    let reference = Harness::new(null_runner(), SpeculationConfig::default(), 64).run_with(&requests, &sampling);
     let mut h = Harness::new(null_runner(), spec(SpecMethod::Suffix, 5), 64);
     for round in 0..2 {
         let outcomes = h.run_with(&requests, &sampling);
@@ -283,17 +286,16 @@ fn a_continued_turn_is_lossless_and_its_output_drafts_a_resent_history() {
 
 #[test]
 fn dspark_needs_a_runner_with_a_drafter() {
-    let config = EngineConfig { spec: spec(SpecMethod::Dspark, 7), ..EngineConfig::default() };
-    let err = spawn(null_runner(), config).expect_err("refused");
+    let spec = spec(SpecMethod::Dspark, 7);
+    let err = startup::speculation(&spec, null_runner().as_mut(), 64).err().expect("refused");
     assert!(err.to_string().contains("drafter"), "{err}");
 }
 
-/// The CPU k3-tiny runner, with the synthetic drafter when the method uses one.
-fn cpu_runner(cfg: &SpecConfig) -> Box<dyn Runner> {
+/// The CPU k3-tiny runner as start-up prepares it: with the synthetic drafter when the method uses one, and
+/// the forced acceptance.
+fn cpu_runner(cfg: &SpeculationConfig) -> Box<dyn Runner> {
     let model = ModelConfig::preset("k3-tiny").expect("preset");
-    let mut r = CpuRunner::new(model.clone(), &SyntheticWeights::new(model, 5)).expect("cpu runner");
-    cfg.prepare_cpu_runner(&mut r, None, "k3-tiny").expect("drafter");
-    Box::new(r)
+    startup::cpu_runner(&model, &SyntheticWeights::new(model.clone(), 5), cfg, None, "k3-tiny").expect("cpu runner")
 }
 
 /// Token ids spread over the vocabulary (the synthetic model's embeddings are random).
@@ -308,7 +310,7 @@ fn cpu_greedy_output_is_unchanged_by_dspark_hybrid_and_suffix() {
         .enumerate()
         .map(|(i, &(len, max_tokens))| (cpu_prompt(len, i as u32), max_tokens, None))
         .collect();
-    let off = SpecConfig::default();
+    let off = SpeculationConfig::default();
     let reference: Vec<Vec<TokenId>> =
         Harness::new(cpu_runner(&off), off, 16).run(&requests).into_iter().map(|o| o.tokens).collect();
     for (method, len) in [(SpecMethod::Dspark, 8), (SpecMethod::Hybrid, 3)] {
@@ -345,7 +347,7 @@ fn a_forced_acceptance_length_is_met_and_flagged() {
     // the last round of each request can be cut by max_tokens. Tolerance: 0.25.
     for method in [SpecMethod::Dspark, SpecMethod::Suffix] {
         let synthetic = ForcedAcceptance::Length(6.0).schedule(7).expect("schedule");
-        let cfg = SpecConfig { synthetic: Some(synthetic), ..spec(method, 7) };
+        let cfg = SpeculationConfig { synthetic: Some(synthetic), ..spec(method, 7) };
         let requests = vec![(cpu_prompt(6, 1), 31, None)];
         let outcomes = Harness::new(cpu_runner(&cfg), cfg, 32).run(&requests);
         for o in &outcomes {

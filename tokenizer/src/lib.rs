@@ -1,4 +1,6 @@
-//! Tokenizer, chat template and incremental detokenizer of the daemon.
+//! `sparkd-tokenizer`: the tokenizer the daemon serves with, its chat template, incremental detokenizer and
+//! Hugging Face export, in a crate of its own so that tools (`sparkd-replay`) tokenize exactly as the daemon
+//! does without linking the engine or the kernels.
 //!
 //! - [`Tokenizer`] (`bpe`): Kimi's tiktoken BPE (`tiktoken.model` + Kimi's regex and 256 reserved special
 //!   ids), or the built-in cl100k_base ranks with K3's special tokens at their real ids. Every id it

@@ -1,43 +1,26 @@
-//! Speculative-decoding settings of the engine: the `--spec*` command-line flags, their validation,
-//! the runner preparation they imply (a DSpark drafter, forced acceptance), and the start-up SPS(B)
-//! measurement the load-aware budgets need.
+//! The speculative-decoding settings of `sparkd serve`: the `--spec*` command-line flags and their validation
+//! into a [`SpeculationConfig`] (start-up turns it into a runner's drafter, a proposer and a verify budget).
 //!
 //! Invariants:
 //! - [`SpecArgs::to_config`] rejects every inconsistent combination with a [`SpecSettingError`]
-//!   naming the flag, before anything is loaded; a [`SpecConfig`] that exists is usable as it is.
+//!   naming the flag, before anything is loaded; a [`SpeculationConfig`] that exists is usable as it is.
 //! - `--spec off` (the default) means no proposer, no drafts, no spec metrics beyond zeros: the
-//!   engine behaves exactly as without this module.
-//! - A forced acceptance length (`--spec-synthetic-al`, vLLM's `synthetic_acceptance_length`) is set
-//!   on the runner by [`SpecConfig::prepare_cpu_runner`] and recorded here, so the engine flags
-//!   exactly the rounds the runner forced; the schedule is the kernels' one definition
-//!   (`SyntheticSchedule::from_acceptance_length`).
+//!   engine behaves exactly as without speculation.
+//! - A forced acceptance length (`--spec-synthetic-al`, vLLM's `synthetic_acceptance_length`) becomes the
+//!   kernels' one schedule definition (`SyntheticSchedule::from_acceptance_length`); start-up sets it on the
+//!   runner and hands the same schedule to the engine, so the engine flags exactly the rounds the runner forced.
 //! - The per-request override (`speculation.num_tokens`) can only lower ℓ: it is capped by
 //!   `num_spec_tokens`, the server's maximum.
 
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::path::PathBuf;
 
-use sparkd_kernels::acceptance::AcceptanceMode;
-use sparkd_kernels::cpu::CpuRunner;
-use sparkd_kernels::cuda::CudaRunner;
-use sparkd_kernels::dspark::{DrafterCheckpoint, DrafterConfig, DrafterModel, SyntheticDrafterWeights, DRAFTER_DIR};
-use sparkd_kernels::runner::{RowInput, SampleRequest, SamplingParams};
-use sparkd_kernels::tensor::WeightSource;
-use sparkd_kernels::{KernelError, ModelConfig, Runner, StateId, TokenId};
 use sparkd_spec::suffix::SuffixConfig;
 use sparkd_spec::{ForcedAcceptance, SpsProfile, SyntheticSchedule};
-
-/// A drafter's config and the source of its weights (a checkpoint folder or a synthetic generator).
-type DrafterSource = (DrafterConfig, Box<dyn WeightSource>);
 
 /// ℓ when `--spec dspark` is given without `--num-spec-tokens` (DSpark's γ = 7, dspark.md §1.3).
 pub const DSPARK_DEFAULT_NUM_SPEC_TOKENS: usize = 7;
 /// Most draft tokens a round may verify (the drafter's largest block, `dspark::config::MAX_BLOCK`).
 pub const MAX_NUM_SPEC_TOKENS: usize = 64;
-/// Seed of the synthetic drafter attached to the built-in synthetic model.
-pub const BUILTIN_DRAFTER_SEED: u64 = 0;
-/// Batch sizes (tokens) at which SPS(B) is measured at start-up, capped by the step token budget.
-pub const SPS_BATCH_SIZES: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
 
 /// Where draft tokens come from.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -121,15 +104,15 @@ pub struct SpecArgs {
     pub sps_profile: Option<PathBuf>,
 }
 
-/// The engine's validated speculation settings.
+/// The validated speculation settings.
 #[derive(Clone, Debug, Default, PartialEq)]
-pub struct SpecConfig {
+pub struct SpeculationConfig {
     pub method: SpecMethod,
     /// ℓ, the server's maximum draft tokens per request per step (0 when off).
     pub num_spec_tokens: usize,
     pub budget: SpecBudget,
     pub threshold: f64,
-    /// The forced-acceptance schedule the runner was set to, if any.
+    /// The forced-acceptance schedule to set on the runner, if any.
     pub synthetic: Option<SyntheticSchedule>,
     /// SPS(B) loaded from `--sps-profile`; `None` with a load-aware budget means "measure at start-up".
     pub sps_profile: Option<SpsProfile>,
@@ -137,7 +120,7 @@ pub struct SpecConfig {
 
 impl SpecArgs {
     /// Validates the flags (and reads `--sps-profile`).
-    pub fn to_config(&self) -> Result<SpecConfig, SpecSettingError> {
+    pub fn to_config(&self) -> Result<SpeculationConfig, SpecSettingError> {
         if self.method == SpecMethod::Off {
             let stray = [
                 ("num-spec-tokens", self.num_spec_tokens.is_some()),
@@ -149,7 +132,7 @@ impl SpecArgs {
             if let Some((flag, _)) = stray.iter().find(|(_, set)| *set) {
                 return Err(bad(flag, "needs --spec dspark|suffix|ngram|hybrid"));
             }
-            return Ok(SpecConfig::default());
+            return Ok(SpeculationConfig::default());
         }
         let default_len = match self.method {
             SpecMethod::Dspark => DSPARK_DEFAULT_NUM_SPEC_TOKENS,
@@ -187,7 +170,7 @@ impl SpecArgs {
             }
             Some(path) => Some(SpsProfile::load(path).map_err(|e| bad("sps-profile", e.to_string()))?),
         };
-        Ok(SpecConfig {
+        Ok(SpeculationConfig {
             method: self.method,
             num_spec_tokens,
             budget: self.spec_budget,
@@ -198,89 +181,14 @@ impl SpecArgs {
     }
 }
 
-impl SpecConfig {
+impl SpeculationConfig {
     pub fn is_on(&self) -> bool {
         self.method != SpecMethod::Off
-    }
-
-    /// ℓ for a request that asked for `requested` draft tokens (`None`: the server's ℓ).
-    pub fn request_len(&self, requested: Option<usize>) -> usize {
-        requested.map_or(self.num_spec_tokens, |n| n.min(self.num_spec_tokens))
     }
 
     /// Whether the budget needs SPS(B) and none was loaded.
     pub fn needs_measured_profile(&self) -> bool {
         self.is_on() && self.budget != SpecBudget::Static && self.sps_profile.is_none()
-    }
-
-    /// The DSpark drafter the method needs, if any: its config and weights from `MODEL/drafter`, or,
-    /// when `model_dir` is `None`, a synthetic drafter for the built-in synthetic preset `builtin`.
-    fn drafter_source(
-        &self,
-        target: &ModelConfig,
-        model_dir: Option<&Path>,
-        builtin: &str,
-    ) -> Result<Option<DrafterSource>, SpecSettingError> {
-        if !self.method.needs_drafter() {
-            return Ok(None);
-        }
-        let flag = "spec";
-        Ok(Some(match model_dir {
-            Some(dir) => {
-                let path = dir.join(DRAFTER_DIR);
-                if !path.is_dir() {
-                    return Err(bad(
-                        flag,
-                        format!("{} needs a DSpark drafter in {}", self.method.as_str(), path.display()),
-                    ));
-                }
-                let ckpt = DrafterCheckpoint::open(&path, target).map_err(|e| bad(flag, e.to_string()))?;
-                (ckpt.config().clone(), Box::new(ckpt))
-            }
-            None => {
-                let cfg = DrafterConfig::for_target(builtin, target).map_err(|e| bad(flag, e.to_string()))?;
-                (cfg.clone(), Box::new(SyntheticDrafterWeights::new(cfg, BUILTIN_DRAFTER_SEED)))
-            }
-        }))
-    }
-
-    /// Attaches the DSpark drafter the method needs (see [`Self::drafter_source`]) and sets the forced
-    /// acceptance, if any.
-    pub fn prepare_cpu_runner(
-        &self,
-        runner: &mut CpuRunner,
-        model_dir: Option<&Path>,
-        builtin: &str,
-    ) -> Result<(), SpecSettingError> {
-        let target = runner.config().clone();
-        if let Some((cfg, source)) = self.drafter_source(&target, model_dir, builtin)? {
-            let model = DrafterModel::load(cfg, &target, source.as_ref())
-                .map_err(|e| bad("spec", format!("loading the DSpark drafter: {e}")))?;
-            runner.attach_drafter(model).map_err(|e| bad("spec", e.to_string()))?;
-        }
-        if let Some(schedule) = &self.synthetic {
-            runner.set_acceptance(AcceptanceMode::Synthetic(schedule.clone()));
-        }
-        Ok(())
-    }
-
-    /// [`Self::prepare_cpu_runner`] for the CUDA runner: the same drafter, uploaded to the device.
-    pub fn prepare_cuda_runner(
-        &self,
-        runner: &mut CudaRunner,
-        model_dir: Option<&Path>,
-        builtin: &str,
-    ) -> Result<(), SpecSettingError> {
-        let target = runner.config().clone();
-        if let Some((cfg, source)) = self.drafter_source(&target, model_dir, builtin)? {
-            runner
-                .attach_drafter(cfg, source.as_ref())
-                .map_err(|e| bad("spec", format!("loading the DSpark drafter: {e}")))?;
-        }
-        if let Some(schedule) = &self.synthetic {
-            runner.set_acceptance(AcceptanceMode::Synthetic(schedule.clone()));
-        }
-        Ok(())
     }
 
     /// Checks that a runner which cannot take these settings is not asked to (the null runner has
@@ -296,43 +204,8 @@ impl SpecConfig {
     }
 }
 
-/// Measures SPS(B) on `runner` at the sizes of [`SPS_BATCH_SIZES`] up to `max_batch_tokens`: each
-/// size is one step of verify windows over up to 8 fresh states (a warm-up, then the faster of two
-/// timed steps). Every state it makes is freed.
-pub fn measure_sps(runner: &mut dyn Runner, max_batch_tokens: usize) -> Result<SpsProfile, KernelError> {
-    let sizes: Vec<usize> = SPS_BATCH_SIZES.iter().copied().filter(|&b| b <= max_batch_tokens.max(1)).collect();
-    let states = (0..8).map(|_| runner.alloc_state()).collect::<Result<Vec<StateId>, _>>()?;
-    let result = SpsProfile::measure(&sizes, |b| time_step(runner, &states, b));
-    for s in states {
-        runner.free_state(s)?;
-    }
-    result.map_err(|e| KernelError::InvalidInput(e.to_string()))
-}
-
-/// The best of two timed steps of `batch_tokens` tokens spread over `states` (after one warm-up).
-fn time_step(runner: &mut dyn Runner, states: &[StateId], batch_tokens: usize) -> Result<Duration, KernelError> {
-    let rows_n = batch_tokens.min(states.len());
-    let mut best = Duration::MAX;
-    for rep in 0..3 {
-        let rows: Vec<RowInput> = (0..rows_n)
-            .map(|r| {
-                let len = batch_tokens / rows_n + usize::from(r < batch_tokens % rows_n);
-                let tokens: Vec<TokenId> = (0..len).map(|i| (1000 + 37 * r + i) as TokenId).collect();
-                let sample = SampleRequest { params: SamplingParams::greedy(), draft_len: len - 1 };
-                RowInput { state: states[r], tokens, sample: Some(sample) }
-            })
-            .collect();
-        let start = Instant::now();
-        runner.step(&rows)?;
-        if rep > 0 {
-            best = best.min(start.elapsed());
-        }
-    }
-    Ok(best.max(Duration::from_nanos(1)))
-}
-
 /// One line for the start-up log.
-pub fn describe(cfg: &SpecConfig) -> String {
+pub fn describe(cfg: &SpeculationConfig) -> String {
     if !cfg.is_on() {
         return "speculation off".into();
     }
@@ -354,7 +227,7 @@ mod tests {
         spec: SpecArgs,
     }
 
-    fn parse(args: &[&str]) -> Result<SpecConfig, SpecSettingError> {
+    fn parse(args: &[&str]) -> Result<SpeculationConfig, SpecSettingError> {
         let mut all = vec!["sparkd"];
         all.extend_from_slice(args);
         Cli::try_parse_from(all).expect("parses").spec.to_config()
@@ -362,12 +235,11 @@ mod tests {
 
     #[test]
     fn defaults_are_off_and_lengths_follow_the_method() {
-        assert_eq!(parse(&[]).unwrap(), SpecConfig::default());
+        assert_eq!(parse(&[]).unwrap(), SpeculationConfig::default());
         assert_eq!(parse(&["--spec", "dspark"]).unwrap().num_spec_tokens, 7);
         assert_eq!(parse(&["--spec", "suffix"]).unwrap().num_spec_tokens, 24);
         assert_eq!(parse(&["--spec", "ngram", "--num-spec-tokens", "3"]).unwrap().num_spec_tokens, 3);
-        let c = parse(&["--spec", "suffix", "--num-spec-tokens", "5"]).unwrap();
-        assert_eq!((c.request_len(None), c.request_len(Some(2)), c.request_len(Some(50))), (5, 2, 5));
+        assert_eq!(parse(&["--spec", "suffix", "--num-spec-tokens", "5"]).unwrap().num_spec_tokens, 5);
     }
 
     #[test]
@@ -411,14 +283,5 @@ mod tests {
         assert!(!c.needs_measured_profile());
         assert!((c.sps_profile.unwrap().sps(1) - 50.0).abs() < 1e-9);
         assert!(parse(&["--spec", "suffix", "--spec-budget", "dspark"]).unwrap().needs_measured_profile());
-    }
-
-    #[test]
-    fn sps_is_measured_on_the_runner_and_frees_its_states() {
-        let mut r = sparkd_kernels::null_runner::NullRunner::new(ModelConfig::preset("k3-tiny").unwrap());
-        let p = measure_sps(&mut r, 16).unwrap();
-        let sizes: Vec<usize> = p.points().iter().map(|p| p.batch_tokens).collect();
-        assert_eq!(sizes, vec![1, 2, 4, 8, 16]);
-        assert_eq!(r.num_states(), 0);
     }
 }

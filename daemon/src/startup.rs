@@ -1,0 +1,285 @@
+//! Start-up composition of `sparkd serve`: the one place that builds the runner (CPU, CUDA or null, per
+//! `--device`), attaches the DSpark drafter the speculation settings need, builds the tokenizer and its chat
+//! template, and turns the settings into a proposer and a verify budget (measuring SPS(B) on the runner when
+//! a load-aware budget has no profile).
+//!
+//! Invariants:
+//! - Composition happens once, before the engine starts; the engine is handed trait objects only
+//!   (`Box<dyn Runner>`, a [`Speculation`] holding a `Box<dyn Proposer>`), so no backend or drafter loader
+//!   type reaches `crate::engine`.
+//! - A setting the runner cannot honour (a drafter or forced acceptance on the null runner, a method that
+//!   needs a drafter on a runner without one, a missing `MODEL/drafter` folder) is an error naming the flag
+//!   before anything serves.
+//! - The SPS(B) measurement steps only states it allocates, and frees every one of them.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use sparkd_kernels::acceptance::AcceptanceMode;
+use sparkd_kernels::checkpoint::Checkpoint;
+use sparkd_kernels::cpu::CpuRunner;
+use sparkd_kernels::cuda::CudaRunner;
+use sparkd_kernels::dspark::{DrafterConfig, DrafterSource, DRAFTER_DIR};
+use sparkd_kernels::null_runner::NullRunner;
+use sparkd_kernels::runner::{RowInput, SampleRequest, SamplingParams, TokenMask};
+use sparkd_kernels::synth::SyntheticWeights;
+use sparkd_kernels::tensor::WeightSource;
+use sparkd_kernels::{KernelError, ModelConfig, Runner, StateId, TokenId};
+use sparkd_spec::ngram::{NgramConfig, NgramProposer};
+use sparkd_spec::suffix::{SuffixConfig, SuffixProposer};
+use sparkd_spec::{BudgetPolicy, HybridProposer, HybridRule, ModelDrafts, ProductionBudget, Proposer, SpsProfile};
+use sparkd_tokenizer::{ChatTemplate, Tokenizer};
+
+use crate::config::speculation::{describe, SpecBudget, SpecMethod, SpecSettingError, SpeculationConfig};
+use crate::config::{Device, ServeArgs};
+use crate::engine::Speculation;
+
+/// Seed of the built-in synthetic model.
+pub const BUILTIN_SEED: u64 = 0;
+/// Seed of the synthetic drafter attached to the built-in synthetic model.
+pub const BUILTIN_DRAFTER_SEED: u64 = 0;
+/// Batch sizes (tokens) at which SPS(B) is measured at start-up, capped by the step token budget.
+pub const SPS_BATCH_SIZES: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
+
+/// What `sparkd serve` serves: everything the engine and the API are started with.
+pub struct Served {
+    pub runner: Box<dyn Runner>,
+    pub model: ModelConfig,
+    pub template: ChatTemplate,
+    /// `None` with speculation off.
+    pub speculation: Option<Speculation>,
+}
+
+/// Builds what `args` ask to serve (the arguments were validated).
+pub fn compose(args: &ServeArgs) -> Result<Served> {
+    let tokenizer = load_tokenizer(args.model.as_deref())?;
+    let template = ChatTemplate::new(tokenizer.clone())?;
+    let spec = args.spec.to_config()?;
+    let (mut runner, model) = build_runner(args, &spec)?;
+    restrict_to_tokenizer(runner.as_mut(), &tokenizer, &model);
+    tracing::info!("{}", describe(&spec));
+    let speculation = speculation(&spec, runner.as_mut(), args.max_num_batched_tokens)?;
+    Ok(Served { runner, model, template, speculation })
+}
+
+/// The tokenizer of a checkpoint folder (its `tiktoken.model`), else the built-in one.
+pub fn load_tokenizer(model: Option<&Path>) -> Result<Tokenizer> {
+    match model {
+        Some(dir) if dir.join("tiktoken.model").is_file() => {
+            Tokenizer::from_dir(dir).with_context(|| format!("loading the tokenizer of {}", dir.display()))
+        }
+        _ => Tokenizer::builtin().context("building the built-in tokenizer"),
+    }
+}
+
+/// The runner `--device` and `--model` ask for (prepared for the speculation settings `spec`), and its config.
+/// With `--device auto`, a GPU whose runner fails to start is reported and the CPU reference serves instead.
+pub fn build_runner(args: &ServeArgs, spec: &SpeculationConfig) -> Result<(Box<dyn Runner>, ModelConfig)> {
+    let checkpoint = match &args.model {
+        Some(dir) => Some(Checkpoint::open(dir).with_context(|| format!("opening the checkpoint {}", dir.display()))?),
+        None => None,
+    };
+    let preset = args.synthetic.as_str();
+    let cfg = match &checkpoint {
+        Some(c) => c.config().clone(),
+        None => ModelConfig::preset(preset).with_context(|| format!("--synthetic {preset}"))?,
+    };
+    let synthetic;
+    let weights: &dyn WeightSource = match &checkpoint {
+        Some(c) => c,
+        None => {
+            synthetic = SyntheticWeights::new(cfg.clone(), BUILTIN_SEED);
+            &synthetic
+        }
+    };
+    let model_dir = args.model.as_deref();
+    let runner = match args.device.resolve() {
+        Device::Cuda if args.device == Device::Auto => {
+            cuda_runner(&cfg, weights, spec, model_dir, preset).or_else(|e| {
+                tracing::warn!("--device auto: the CUDA runner did not start ({e:#}); using the CPU reference");
+                cpu_runner(&cfg, weights, spec, model_dir, preset)
+            })?
+        }
+        Device::Cuda => cuda_runner(&cfg, weights, spec, model_dir, preset)?,
+        Device::Null => {
+            spec.check_null_runner()?;
+            Box::new(NullRunner::new(cfg.clone()))
+        }
+        Device::Cpu | Device::Auto => cpu_runner(&cfg, weights, spec, model_dir, preset)?,
+    };
+    Ok((runner, cfg))
+}
+
+/// The CPU reference runner of `cfg` with `weights`, prepared for `spec`: the drafter it needs attached (from
+/// `model_dir/drafter`, else synthetic for the preset `preset`), the forced acceptance set.
+pub fn cpu_runner(
+    cfg: &ModelConfig,
+    weights: &dyn WeightSource,
+    spec: &SpeculationConfig,
+    model_dir: Option<&Path>,
+    preset: &str,
+) -> Result<Box<dyn Runner>> {
+    let mut runner = CpuRunner::new(cfg.clone(), weights)?;
+    attach_drafter(&mut runner, spec, model_dir, preset)?;
+    if let Some(schedule) = &spec.synthetic {
+        runner.set_acceptance(AcceptanceMode::Synthetic(schedule.clone()));
+    }
+    Ok(Box::new(runner))
+}
+
+/// [`cpu_runner`] on the CUDA backend (device 0): the same drafter, uploaded to the device.
+pub fn cuda_runner(
+    cfg: &ModelConfig,
+    weights: &dyn WeightSource,
+    spec: &SpeculationConfig,
+    model_dir: Option<&Path>,
+    preset: &str,
+) -> Result<Box<dyn Runner>> {
+    let mut runner = CudaRunner::new(0, cfg.clone(), weights)?;
+    attach_drafter(&mut runner, spec, model_dir, preset)?;
+    if let Some(schedule) = &spec.synthetic {
+        runner.set_acceptance(AcceptanceMode::Synthetic(schedule.clone()));
+    }
+    Ok(Box::new(runner))
+}
+
+/// Attaches the DSpark drafter the method needs, if any: from `model_dir/drafter`, or, without a model folder,
+/// a synthetic drafter for the built-in synthetic preset `preset`.
+fn attach_drafter(
+    runner: &mut dyn Runner,
+    spec: &SpeculationConfig,
+    model_dir: Option<&Path>,
+    preset: &str,
+) -> Result<(), SpecSettingError> {
+    if !spec.method.needs_drafter() {
+        return Ok(());
+    }
+    let bad = |reason: String| SpecSettingError { flag: "spec", reason };
+    let target = runner.config().clone();
+    let source = match model_dir {
+        Some(dir) => {
+            let path = dir.join(DRAFTER_DIR);
+            if !path.is_dir() {
+                return Err(bad(format!("{} needs a DSpark drafter in {}", spec.method.as_str(), path.display())));
+            }
+            DrafterSource::checkpoint(&path, &target).map_err(|e| bad(e.to_string()))?
+        }
+        None => {
+            let cfg = DrafterConfig::for_target(preset, &target).map_err(|e| bad(e.to_string()))?;
+            DrafterSource::synthetic(cfg, BUILTIN_DRAFTER_SEED)
+        }
+    };
+    runner.attach_drafter(source).map_err(|e| bad(format!("loading the DSpark drafter: {e}")))
+}
+
+/// Keeps the model from emitting ids the tokenizer cannot decode (the built-in tokenizer's cl100k ranks
+/// leave K3 ids 100,256..163,583 empty, and a synthetic model would sample them). A runner that cannot
+/// mask still serves; its text then skips those ids, which the log says.
+fn restrict_to_tokenizer(runner: &mut dyn Runner, tokenizer: &Tokenizer, cfg: &ModelConfig) {
+    let mask = TokenMask::from_fn(cfg.vocab_size, |id| tokenizer.token_bytes(id).is_some());
+    if mask.num_allowed() == cfg.vocab_size {
+        return;
+    }
+    let holes = cfg.vocab_size - mask.num_allowed();
+    match runner.set_token_mask(mask) {
+        Ok(()) => tracing::info!("{holes} ids without a token in the tokenizer are never emitted"),
+        Err(e) => tracing::warn!("{holes} ids have no token in the tokenizer and may be emitted without text: {e}"),
+    }
+}
+
+/// The proposer and verify budget of `spec` on `runner` (`None` with speculation off): the method's
+/// proposer (DSpark and the hybrid draft with the runner's drafter, which must be attached), and the budget,
+/// over SPS(B) measured on `runner` up to `max_batch_tokens` when a load-aware budget has no loaded profile.
+pub fn speculation(
+    spec: &SpeculationConfig,
+    runner: &mut dyn Runner,
+    max_batch_tokens: usize,
+) -> Result<Option<Speculation>> {
+    let bad = |reason: String| SpecSettingError { flag: "spec", reason };
+    // γ of the runner's drafter, which the model-drafting methods need.
+    let block = runner.model_drafter().map(|d| d.block_size());
+    let drafter_block =
+        || block.ok_or_else(|| bad(format!("{} needs a runner with a DSpark drafter", spec.method.as_str())));
+    let suffix = || SuffixProposer::new(SuffixConfig::default()).map_err(|e| bad(e.to_string()));
+    let proposer: Box<dyn Proposer> = match spec.method {
+        SpecMethod::Off => return Ok(None),
+        SpecMethod::Suffix => Box::new(suffix()?),
+        SpecMethod::Ngram => Box::new(NgramProposer::new(NgramConfig::default()).map_err(|e| bad(e.to_string()))?),
+        // DSpark drafts its request's ℓ; the hybrid's model drafts are DSpark blocks of γ.
+        SpecMethod::Dspark => {
+            drafter_block()?;
+            Box::new(ModelDrafts::new("dspark"))
+        }
+        SpecMethod::Hybrid => {
+            let model = ModelDrafts::new("dspark").with_max_block(drafter_block()?);
+            Box::new(HybridProposer::new(suffix()?, Box::new(model), HybridRule::ModelExpected))
+        }
+    };
+    let mut profile = || -> Result<SpsProfile> {
+        match &spec.sps_profile {
+            Some(p) => Ok(p.clone()),
+            None => {
+                let p = measure_sps(runner, max_batch_tokens).context("measuring SPS(B) for the verify budget")?;
+                tracing::info!(profile = %p.to_json(), "measured SPS(B) for the verify budget");
+                Ok(p)
+            }
+        }
+    };
+    let budget = match spec.budget {
+        SpecBudget::Static if spec.threshold > 0.0 => BudgetPolicy::StaticThreshold(spec.threshold),
+        SpecBudget::Static => BudgetPolicy::Full,
+        SpecBudget::Dspark => BudgetPolicy::Dspark(profile()?),
+        SpecBudget::Production => BudgetPolicy::Production(ProductionBudget::new(profile()?, 0.0)),
+    };
+    Ok(Some(Speculation { proposer, budget, num_spec_tokens: spec.num_spec_tokens, synthetic: spec.synthetic.clone() }))
+}
+
+/// Measures SPS(B) on `runner` at the sizes of [`SPS_BATCH_SIZES`] up to `max_batch_tokens`: each
+/// size is one step of verify windows over up to 8 fresh states (a warm-up, then the faster of two
+/// timed steps). Every state it makes is freed.
+pub fn measure_sps(runner: &mut dyn Runner, max_batch_tokens: usize) -> Result<SpsProfile, KernelError> {
+    let sizes: Vec<usize> = SPS_BATCH_SIZES.iter().copied().filter(|&b| b <= max_batch_tokens.max(1)).collect();
+    let states = (0..8).map(|_| runner.alloc_state()).collect::<Result<Vec<StateId>, _>>()?;
+    let result = SpsProfile::measure(&sizes, |b| time_step(runner, &states, b));
+    for s in states {
+        runner.free_state(s)?;
+    }
+    result.map_err(|e| KernelError::InvalidInput(e.to_string()))
+}
+
+/// The best of two timed steps of `batch_tokens` tokens spread over `states` (after one warm-up).
+fn time_step(runner: &mut dyn Runner, states: &[StateId], batch_tokens: usize) -> Result<Duration, KernelError> {
+    let rows_n = batch_tokens.min(states.len());
+    let mut best = Duration::MAX;
+    for rep in 0..3 {
+        let rows: Vec<RowInput> = (0..rows_n)
+            .map(|r| {
+                let len = batch_tokens / rows_n + usize::from(r < batch_tokens % rows_n);
+                let tokens: Vec<TokenId> = (0..len).map(|i| (1000 + 37 * r + i) as TokenId).collect();
+                let sample = SampleRequest { params: SamplingParams::greedy(), draft_len: len - 1 };
+                RowInput { state: states[r], tokens, sample: Some(sample) }
+            })
+            .collect();
+        let start = Instant::now();
+        runner.step(&rows)?;
+        if rep > 0 {
+            best = best.min(start.elapsed());
+        }
+    }
+    Ok(best.max(Duration::from_nanos(1)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sps_is_measured_on_the_runner_and_frees_its_states() {
+        let mut r = NullRunner::new(ModelConfig::preset("k3-tiny").unwrap());
+        let p = measure_sps(&mut r, 16).unwrap();
+        let sizes: Vec<usize> = p.points().iter().map(|p| p.batch_tokens).collect();
+        assert_eq!(sizes, vec![1, 2, 4, 8, 16]);
+        assert_eq!(r.num_states(), 0);
+    }
+}
