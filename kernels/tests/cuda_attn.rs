@@ -9,12 +9,12 @@
 //! device times are printed (not asserted: performance numbers go to BENCHMARKS.md).
 
 use sparkd_kernels::cpu::forward::CpuModel;
-use sparkd_kernels::cuda::attn_check::{kda_forms, kda_snapshots, mla_batch, mla_long_context};
 use sparkd_kernels::cuda::device::driver_present;
 use sparkd_kernels::cuda::forward::DeviceModel;
 use sparkd_kernels::cuda::ops::Gpu;
-use sparkd_kernels::cuda::validate::OpCheck;
 use sparkd_kernels::cuda::weights::DevWeights;
+use sparkd_kernels::harness::attn_check::{kda_forms, kda_snapshots, mla_batch, mla_long_context};
+use sparkd_kernels::harness::compare::OpCheck;
 use sparkd_kernels::synth::SyntheticWeights;
 use sparkd_kernels::ModelConfig;
 

@@ -27,7 +27,6 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use crate::config::ModelConfig;
-use crate::cpu::moe::Routing;
 use crate::cuda::attn::{KdaArgs, StepBuffer, StepTables, KDA_CHUNKED_MIN_TOKENS};
 use crate::cuda::device::device_err;
 use crate::cuda::graph::{CapturedStep, Decision, GraphCache, RowShape, StepShape, GRAPH_MAX_WINDOW};
@@ -36,6 +35,7 @@ use crate::cuda::weights::{
     DevFfn, DevKda, DevLinear, DevMerged, DevMixer, DevMla, DevMlp, DevMoe, DevNorm, DevWeights,
 };
 use crate::error::{KernelError, Result};
+use crate::routing::Routing;
 use crate::runner::TokenId;
 use crate::state::{KdaState, MlaCache, SeqState};
 

@@ -16,8 +16,6 @@
 //!   traces asked for by validation, and the per-row results of `sample` (tokens, log-probabilities).
 
 pub mod attn;
-pub mod attn_check;
-pub mod bench;
 pub mod compile;
 pub mod device;
 pub mod drafter;
@@ -27,12 +25,10 @@ pub mod forward;
 pub mod gemm_ops;
 pub mod gemm_tc;
 pub mod graph;
-pub mod matrix;
 pub mod moe_ops;
 pub mod ops;
 pub mod runner;
 pub mod sample;
-pub mod validate;
 pub mod weights;
 
 pub use device::{probe, DeviceInfo};

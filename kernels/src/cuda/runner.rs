@@ -18,7 +18,6 @@ use std::collections::HashMap;
 
 use crate::acceptance::AcceptanceMode;
 use crate::config::ModelConfig;
-use crate::cpu::moe::Routing;
 use crate::cuda::drafter::DeviceDrafter;
 use crate::cuda::drafter_slot::DeviceDrafterSlot;
 use crate::cuda::forward::{DeviceModel, DeviceRow, DeviceState};
@@ -27,6 +26,7 @@ use crate::cuda::sample::{verify_rows, DeviceTokenMask, VerifyRow};
 use crate::cuda::weights::DevWeights;
 use crate::dspark::DrafterConfig;
 use crate::error::{KernelError, Result};
+use crate::routing::Routing;
 use crate::runner::{DraftProposal, DraftRequest, RowInput, RowOutput, Runner, StateId, TokenMask};
 use crate::state::SeqState;
 use crate::tensor::WeightSource;

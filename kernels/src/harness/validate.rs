@@ -15,27 +15,28 @@
 //! 3. Verify + rollback on the device: a window verified and cut back to `m` tokens leaves exactly the
 //!    device state that running the `m` tokens leaves, and it agrees with the CPU reference's state.
 //!
-//! 4. The batch × window matrix (`cuda::matrix`): batches 1..64 × windows 1..8, fresh and reused
+//! 4. The batch × window matrix (`harness::matrix`): batches 1..64 × windows 1..8, fresh and reused
 //!    state, exact on the device (batch invariance, reuse, rollback) and close to the CPU.
 //!
 //! Invariant: `run` never panics on a machine without a GPU; it returns the `Device` error.
 
-use cudarc::driver::CudaSlice;
 use half::bf16;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 
 use crate::config::ModelConfig;
 use crate::cpu::forward::{CpuModel, RoutingTrace, WindowRow};
 use crate::cpu::kda::{kda_window, KdaInputs};
 use crate::cpu::mla::mla_window;
-use crate::cpu::moe::{latent_moe, Routing};
+use crate::cpu::moe::latent_moe;
 use crate::cpu::ops::situ_rows;
 use crate::cpu::weights::{FfnWeights, MixerWeights};
 use crate::cuda::forward::{DeviceModel, DeviceRow, DeviceState};
-use crate::cuda::matrix::{run_case, MatrixCase};
 use crate::cuda::ops::{Gemm, Gpu};
 use crate::cuda::weights::{DevFfn, DevMixer, DevWeights};
 use crate::error::{KernelError, Result};
+use crate::harness::compare::{argmax, compare, down, random_bf16, rel_l2, up, OpCheck};
+use crate::harness::matrix::{run_case, MatrixCase};
+use crate::routing::Routing;
 use crate::runner::TokenId;
 use crate::state::SeqState;
 use crate::synth::SyntheticWeights;
@@ -49,7 +50,7 @@ pub struct ValidationOptions {
     pub weights_seed: u64,
     /// Teacher-forced positions.
     pub positions: usize,
-    /// Batch sizes of the batch × window matrix (`cuda::matrix`).
+    /// Batch sizes of the batch × window matrix (`harness::matrix`).
     pub batches: Vec<usize>,
     /// Windows 1..=max_window of the matrix.
     pub max_window: usize,
@@ -66,17 +67,6 @@ impl Default for ValidationOptions {
             max_window: 8,
         }
     }
-}
-
-/// One op comparison.
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct OpCheck {
-    pub op: String,
-    /// `|gpu - cpu|_2 / |cpu|_2`
-    pub rel_l2: f64,
-    pub max_abs: f64,
-    pub tolerance: f64,
-    pub pass: bool,
 }
 
 /// The teacher-forced whole-model comparison under one GEMM.
@@ -127,32 +117,6 @@ pub struct ValidationReport {
     /// Matrix cases that passed, of all.
     pub matrix_passed: usize,
     pub pass: bool,
-}
-
-pub(crate) fn compare(op: &str, gpu: &[f32], cpu: &[f32], tolerance: f64) -> OpCheck {
-    let (mut num, mut den, mut max_abs) = (0.0f64, 0.0f64, 0.0f64);
-    for (g, c) in gpu.iter().zip(cpu) {
-        let d = (*g as f64 - *c as f64).abs();
-        num += d * d;
-        den += (*c as f64) * (*c as f64);
-        max_abs = max_abs.max(d);
-    }
-    let finite = gpu.iter().all(|x| x.is_finite()) && gpu.len() == cpu.len();
-    let rel_l2 = if den > 0.0 { (num / den).sqrt() } else { num.sqrt() };
-    OpCheck { op: op.into(), rel_l2, max_abs, tolerance, pass: finite && rel_l2 <= tolerance }
-}
-
-/// Random values rounded to bf16, `[n]`.
-pub(crate) fn random_bf16(rng: &mut rand_chacha::ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n).map(|_| bf16::from_f32(rng.gen_range(-scale..scale)).to_f32()).collect()
-}
-
-pub(crate) fn up(gpu: &Gpu, x: &[f32]) -> Result<CudaSlice<bf16>> {
-    gpu.upload(&x.iter().map(|v| bf16::from_f32(*v)).collect::<Vec<_>>())
-}
-
-pub(crate) fn down(gpu: &Gpu, x: &CudaSlice<bf16>, n: usize) -> Result<Vec<f32>> {
-    Ok(gpu.download(x, n)?.into_iter().map(f32::from).collect())
 }
 
 /// Runs the whole matrix on device `opts.ordinal`.
@@ -468,18 +432,6 @@ pub(crate) fn cpu_mla(
 
 fn prompt(len: usize, salt: u64) -> Vec<TokenId> {
     (0..len as u64).map(|i| ((i * 7919 + salt * 104_729 + 13) % 100_000) as TokenId).collect()
-}
-
-/// Relative L2 error of `a` against the reference `b`.
-pub(crate) fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
-    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
-    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    (num / den.max(1e-30)).sqrt()
-}
-
-/// The greedy token of a logits row (the first of equal maxima).
-pub(crate) fn argmax(row: &[f32]) -> usize {
-    (0..row.len()).fold(0, |best, i| if row[i] > row[best] { i } else { best })
 }
 
 fn teacher_forced(gpu: &Gpu, dev: &DeviceModel, cpu: &CpuModel<f32>, positions: usize) -> Result<WholeModel> {
