@@ -12,7 +12,7 @@ use sparkd_kernels::acceptance::{AcceptanceMode, SyntheticSchedule};
 use sparkd_kernels::checkpoint::Checkpoint;
 use sparkd_kernels::config::PRESET_NAMES;
 use sparkd_kernels::cpu::CpuRunner;
-use sparkd_kernels::cuda::ops::Gemm;
+use sparkd_kernels::cuda::gpu::Gemm;
 use sparkd_kernels::harness::cuda_bench::{self, CudaBenchOptions};
 use sparkd_kernels::harness::decode::{run_decode_bench, DecodeBench};
 use sparkd_kernels::harness::validate::{self, ValidationOptions};

@@ -8,7 +8,7 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 use rand::Rng;
 
-use crate::cuda::ops::Gpu;
+use crate::cuda::gpu::Gpu;
 use crate::error::Result;
 
 /// One op comparison.

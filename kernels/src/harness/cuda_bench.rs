@@ -25,7 +25,7 @@ use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
 use crate::cuda::device::{device_err, DeviceInfo};
 use crate::cuda::forward::{SPAN_DENSE, SPAN_HEAD, SPAN_KDA, SPAN_MLA, SPAN_MOE};
-use crate::cuda::ops::{Gemm, Gpu, Span};
+use crate::cuda::gpu::{Gemm, Gpu, Span};
 use crate::cuda::runner::{CudaRunner, LoadStats};
 use crate::cuda::weights::{DevFfn, DevLinear, DevMixer, DevMlp, DevNorm, DevWeights};
 use crate::error::{KernelError, Result};
