@@ -1,6 +1,6 @@
 //! `sparkd bench` and `sparkd validate`: the argument structs and what they run.
 //!
-//! Invariants: every number comes from `sparkd_kernels` (`bench`, `cuda::bench`, `cuda::validate`);
+//! Invariants: every number comes from `sparkd_kernels::harness` (`decode`, `cuda_bench`, `validate`);
 //! this file only parses, runs and prints. The JSON report goes to `--out` (or stdout when it is
 //! absent) and a readable table to stderr, so `sparkd bench --device cuda > report.json` works.
 
@@ -9,13 +9,13 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use sparkd::config::Device;
 use sparkd_kernels::acceptance::{AcceptanceMode, SyntheticSchedule};
-use sparkd_kernels::bench::{run_decode_bench, DecodeBench};
 use sparkd_kernels::checkpoint::Checkpoint;
 use sparkd_kernels::config::PRESET_NAMES;
 use sparkd_kernels::cpu::CpuRunner;
-use sparkd_kernels::cuda::bench::{self as cuda_bench, CudaBenchOptions};
-use sparkd_kernels::cuda::ops::Gemm;
-use sparkd_kernels::cuda::validate::{self, ValidationOptions};
+use sparkd_kernels::cuda::gpu::Gemm;
+use sparkd_kernels::harness::cuda_bench::{self, CudaBenchOptions};
+use sparkd_kernels::harness::decode::{run_decode_bench, DecodeBench};
+use sparkd_kernels::harness::validate::{self, ValidationOptions};
 use sparkd_kernels::synth::SyntheticWeights;
 use sparkd_kernels::ModelConfig;
 

@@ -3,10 +3,10 @@
 //!
 //! K3 configs ([`config`]), the checkpoint schema ([`schema`]) and host tensors ([`tensor`]),
 //! per-sequence state ([`state`]), and the [`runner::Runner`] trait that the daemon drives. This
-//! crate knows nothing of HTTP, sessions or speculation policy.
+//! crate knows nothing of HTTP, sessions or speculation policy. The backends (`cpu`, `cuda`) are checked and
+//! benchmarked from outside by [`harness`]; the routing trace both record is [`routing::Routing`].
 
 pub mod acceptance;
-pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod cpu;
@@ -14,8 +14,10 @@ pub mod cuda;
 pub mod dspark;
 pub mod error;
 pub mod float;
+pub mod harness;
 pub mod mxfp4;
 pub mod null_runner;
+pub mod routing;
 pub mod runner;
 pub mod sampling;
 pub mod schema;

@@ -4,9 +4,9 @@
 
 use std::sync::OnceLock;
 
-use sparkd_kernels::cpu::moe::Routing;
 use sparkd_kernels::cpu::{CpuModel, Probe, WindowRow};
 use sparkd_kernels::float::Real;
+use sparkd_kernels::routing::Routing;
 use sparkd_kernels::state::SeqState;
 use sparkd_kernels::synth::SyntheticWeights;
 use sparkd_kernels::{ModelConfig, TokenId};

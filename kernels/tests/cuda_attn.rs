@@ -9,12 +9,13 @@
 //! device times are printed (not asserted: performance numbers go to BENCHMARKS.md).
 
 use sparkd_kernels::cpu::forward::CpuModel;
-use sparkd_kernels::cuda::attn_check::{kda_forms, kda_snapshots, mla_batch, mla_long_context};
 use sparkd_kernels::cuda::device::driver_present;
 use sparkd_kernels::cuda::forward::DeviceModel;
-use sparkd_kernels::cuda::ops::Gpu;
-use sparkd_kernels::cuda::validate::OpCheck;
+use sparkd_kernels::cuda::gpu::Gpu;
+use sparkd_kernels::cuda::ops::Ops;
 use sparkd_kernels::cuda::weights::DevWeights;
+use sparkd_kernels::harness::attn_check::{kda_forms, kda_snapshots, mla_batch, mla_long_context};
+use sparkd_kernels::harness::compare::OpCheck;
 use sparkd_kernels::synth::SyntheticWeights;
 use sparkd_kernels::ModelConfig;
 
@@ -80,7 +81,7 @@ fn split_mla_attention_over_a_long_context_matches_the_cpu() {
     let Some(gpu) = gpu() else { return };
     let cfg = ModelConfig::preset("k3-tiny").unwrap();
     let src = SyntheticWeights::new(cfg.clone(), 7);
-    let dev = DeviceModel::new(cfg.clone(), DevWeights::load(&gpu, &cfg, &src).unwrap());
+    let dev = DeviceModel::new(cfg.clone(), DevWeights::load(&gpu, &cfg, &src).unwrap(), Ops::load(&gpu).unwrap());
     let cpu: CpuModel<f32> = CpuModel::load(cfg, &src).unwrap();
     for window in [1, 4] {
         assert_all_pass(&mla_long_context(&gpu, &dev, &cpu, 3000, window).unwrap());

@@ -116,7 +116,7 @@ fn identical_taps(r: &CudaRunner) -> TapCase {
         assert_eq!(flat.len(), m * len * d);
         let dev_taps = gpu.upload(&flat).unwrap();
         let mut ctx = DrafterContext::new(gpu, &dcfg, 0).unwrap();
-        dev.append_context(gpu, &dev_taps, *len, &mut [(&mut ctx, 0, *len)]).unwrap();
+        dev.append_context(gpu, r.model(), &dev_taps, *len, &mut [(&mut ctx, 0, *len)]).unwrap();
         let exported = ctx.export(gpu, &dcfg).unwrap();
         worst_ctx = worst_ctx.max(max_context_diff(&exported, &cpu_ctx, dcfg.num_draft_layers));
         cpu_states.push(cpu_ctx);

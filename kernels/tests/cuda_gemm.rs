@@ -1,10 +1,10 @@
 //! The batch-invariant GEMM on a GPU: the skinny mma.sync kernels (`kernels/cuda/gemm.cu`) and, on Hopper, the
-//! warpgroup-MMA kernels (`kernels/cuda/gemm_tc.cu`) that `Gpu::linear` takes there. Each against a host reference
+//! warpgroup-MMA kernels (`kernels/cuda/gemm_tc.cu`) that `GemmKernels::linear` takes there. Each against a host reference
 //! over token counts 1..512 and shapes that are not multiples of its tiles, with bit-exact batch invariance (a
 //! token's outputs do not change with what else is in the call, nor with the token chunk the call runs); the
 //! segment-major output of merged projections, a tall weight over many token chunks, every launch layout of a K
 //! split giving the same bits (split or serial blocks; for gemm.cu also 4 or 8 warps per block and one or two row
-//! tiles per warp), the add epilogue (`Gpu::linear_add`, bit-identical to `linear` then `add`), and the rejection
+//! tiles per warp), the add epilogue (`GemmKernels::linear_add`, bit-identical to `linear` then `add`), and the rejection
 //! of bad arguments. On a machine without a CUDA driver every test says plainly that it skipped, and the
 //! warpgroup-MMA tests say so on a GPU that is not Hopper.
 //!
@@ -18,17 +18,36 @@ use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use sparkd_kernels::cuda::device::driver_present;
-use sparkd_kernels::cuda::ops::{skinny_split, tc_split, Gemm, Gpu, SkinnyLayout, NULL};
+use sparkd_kernels::cuda::gemm::{skinny_split, tc_split, GemmKernels, LinearArgs, PartsArgs, SkinnyLayout};
+use sparkd_kernels::cuda::gpu::{Gemm, Gpu};
+use sparkd_kernels::cuda::launch::{DPtr, NULL};
+use sparkd_kernels::cuda::rows::RowKernels;
 use sparkd_kernels::ModelConfig;
 
-fn gpu() -> Option<std::sync::MutexGuard<'static, Gpu>> {
+/// The GPU with its GEMM kernels (and the row kernels, for the add the epilogue is checked against).
+struct Dev {
+    gpu: Gpu,
+    gemm: GemmKernels,
+    rows: RowKernels,
+}
+
+fn gpu() -> Option<std::sync::MutexGuard<'static, Dev>> {
     if !driver_present() {
         eprintln!("SKIPPED: no CUDA driver on this machine; the skinny GEMM was NOT checked");
         return None;
     }
-    static G: OnceLock<Mutex<Gpu>> = OnceLock::new();
-    let g = G.get_or_init(|| Mutex::new(Gpu::new(0).expect("open GPU 0")));
+    static G: OnceLock<Mutex<Dev>> = OnceLock::new();
+    let g = G.get_or_init(|| {
+        let gpu = Gpu::new(0).expect("open GPU 0");
+        let (gemm, rows) = (GemmKernels::load(&gpu).expect("GEMM kernels"), RowKernels::load(&gpu).expect("rows"));
+        Mutex::new(Dev { gpu, gemm, rows })
+    });
     Some(g.lock().unwrap_or_else(|e| e.into_inner()))
+}
+
+/// The GEMM of `w` `[out_dim, in_dim]` on `x` `[n, in_dim]` into `y` `[n, out_dim]`.
+fn args(w: DPtr, out_dim: usize, in_dim: usize, x: DPtr, n: usize, y: DPtr) -> LinearArgs {
+    LinearArgs { w, out_dim, in_dim, x, n, y }
 }
 
 fn random_bf16(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<bf16> {
@@ -36,11 +55,12 @@ fn random_bf16(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<bf16> {
 }
 
 /// `[n, out]` outputs of the GEMM (bf16 bits), run with `split`.
-fn run(gpu: &Gpu, w: &[bf16], out_dim: usize, x: &[bf16], n: usize, split: usize) -> Vec<u16> {
+fn run(dev: &Dev, w: &[bf16], out_dim: usize, x: &[bf16], n: usize, split: usize) -> Vec<u16> {
+    let Dev { gpu, gemm, .. } = dev;
     let k = w.len() / out_dim;
     let (wd, xd) = (gpu.upload(w).unwrap(), gpu.upload(&x[..n * k]).unwrap());
     let y = gpu.zeros::<bf16>(n * out_dim).unwrap();
-    gpu.linear_skinny(gpu.ptr(&wd), out_dim, k, gpu.ptr(&xd), n, gpu.ptr(&y), None, split).unwrap();
+    gemm.linear_skinny(gpu, &args(gpu.ptr(&wd), out_dim, k, gpu.ptr(&xd), n, gpu.ptr(&y)), None, split).unwrap();
     gpu.download(&y, n * out_dim).unwrap().iter().map(|v| v.to_bits()).collect()
 }
 
@@ -60,7 +80,7 @@ fn host_reference(w: &[bf16], x: &[bf16], out_dim: usize, tokens: usize) -> Vec<
 
 #[test]
 fn skinny_gemm_matches_the_host_reference_and_is_batch_invariant_bit_for_bit() {
-    let Some(gpu) = gpu() else { return };
+    let Some(dev) = gpu() else { return };
     let mut rng = ChaCha8Rng::seed_from_u64(7);
     // (out, in): not multiples of the 16- or 32-row warp tile, the 256-wide K chunk or 8 (the scalar-load path).
     for (out_dim, in_dim) in [(1000, 1000), (77, 999), (300, 1536), (40, 8), (5, 3)] {
@@ -72,7 +92,7 @@ fn skinny_gemm_matches_the_host_reference_and_is_batch_invariant_bit_for_bit() {
         }
         let reference = host_reference(&w, &x, out_dim, 512);
         for split in splits {
-            let full = run(&gpu, &w, out_dim, &x, 512, split);
+            let full = run(&dev, &w, out_dim, &x, 512, split);
             for (i, (exact, mag)) in reference.iter().enumerate() {
                 let got = f64::from(bf16::from_bits(full[i]).to_f32());
                 // One bf16 rounding of the result plus fp32 summation error.
@@ -85,7 +105,7 @@ fn skinny_gemm_matches_the_host_reference_and_is_batch_invariant_bit_for_bit() {
                 );
             }
             for n in [1usize, 2, 3, 8, 17, 64, 100] {
-                let part = run(&gpu, &w, out_dim, &x, n, split);
+                let part = run(&dev, &w, out_dim, &x, n, split);
                 assert!(
                     part == full[..n * out_dim],
                     "[{out_dim}, {in_dim}] split {split}: the first {n} tokens alone differ from the same tokens \
@@ -93,7 +113,7 @@ fn skinny_gemm_matches_the_host_reference_and_is_batch_invariant_bit_for_bit() {
                 );
             }
             // A token's outputs do not depend on its neighbours either: token 5 alone vs in the batch.
-            let alone = run(&gpu, &w, out_dim, &x[5 * in_dim..], 1, split);
+            let alone = run(&dev, &w, out_dim, &x[5 * in_dim..], 1, split);
             assert!(alone == full[5 * out_dim..6 * out_dim], "[{out_dim}, {in_dim}] split {split}: token 5 alone");
         }
     }
@@ -103,7 +123,7 @@ fn skinny_gemm_matches_the_host_reference_and_is_batch_invariant_bit_for_bit() {
 fn a_tall_weight_over_many_token_chunks_stays_exact_and_batch_invariant() {
     // 9,000 rows: 71 row tiles of 128 per slice, 283 blocks per token chunk at split 4, and 512 tokens are
     // 8 chunks, so blocks of later waves and later chunks are checked too.
-    let Some(gpu) = gpu() else { return };
+    let Some(dev) = gpu() else { return };
     let mut rng = ChaCha8Rng::seed_from_u64(10);
     let (out_dim, in_dim) = (9000, 1100);
     let w = random_bf16(&mut rng, out_dim * in_dim, 1.0);
@@ -121,43 +141,43 @@ fn a_tall_weight_over_many_token_chunks_stays_exact_and_batch_invariant() {
         })
         .collect();
     for split in [1, 2, 4, 8] {
-        let full = run(&gpu, &w, out_dim, &x, 512, split);
+        let full = run(&dev, &w, out_dim, &x, 512, split);
         for &(m, o, exact, mag) in &reference {
             let got = f64::from(bf16::from_bits(full[m * out_dim + o]).to_f32());
             let tol = exact.abs() / 128.0 + mag * 1e-6;
             assert!((got - exact).abs() <= tol, "split {split}: y[{m}, {o}] = {got}, reference {exact}");
         }
         for n in [1usize, 8, 33, 64, 100] {
-            let part = run(&gpu, &w, out_dim, &x, n, split);
+            let part = run(&dev, &w, out_dim, &x, n, split);
             assert!(part == full[..n * out_dim], "split {split}: the first {n} tokens differ from a call of 512");
         }
     }
 }
 
 /// `[n, out]` outputs (bf16 bits) of the warpgroup-MMA GEMM with `split` slices, serially in one block per row tile
-/// or as clusters of slices; the tokens start at token `first` of `x`.
-#[allow(clippy::too_many_arguments)]
+/// or as clusters of slices; the tokens are `tokens` of `x`.
 fn run_tc(
-    gpu: &Gpu,
+    dev: &Dev,
     w: &[bf16],
     out_dim: usize,
     x: &[bf16],
-    first: usize,
-    n: usize,
+    tokens: std::ops::Range<usize>,
     split: usize,
     serial: bool,
 ) -> Vec<u16> {
+    let Dev { gpu, gemm, .. } = dev;
+    let (first, n) = (tokens.start, tokens.len());
     let k = w.len() / out_dim;
     let (wd, xd) = (gpu.upload(w).unwrap(), gpu.upload(&x[first * k..(first + n) * k]).unwrap());
     let y = gpu.zeros::<bf16>(n * out_dim).unwrap();
-    gpu.linear_tc(gpu.ptr(&wd), out_dim, k, gpu.ptr(&xd), n, gpu.ptr(&y), split, serial).unwrap();
+    gemm.linear_tc(gpu, &args(gpu.ptr(&wd), out_dim, k, gpu.ptr(&xd), n, gpu.ptr(&y)), split, serial).unwrap();
     gpu.download(&y, n * out_dim).unwrap().iter().map(|v| v.to_bits()).collect()
 }
 
 /// Whether the device runs the warpgroup-MMA GEMM (Hopper), saying so when it does not.
-fn has_tc(gpu: &Gpu) -> bool {
+fn has_tc(gpu: &Gpu, gemm: &GemmKernels) -> bool {
     let probe = gpu.zeros::<bf16>(64).unwrap();
-    let takes = gpu.tc_gemm_takes(gpu.ptr(&probe), gpu.ptr(&probe), 64);
+    let takes = gemm.tc_gemm_takes(gpu.ptr(&probe), gpu.ptr(&probe), 64);
     if !takes {
         eprintln!("SKIPPED: not a Hopper GPU; the warpgroup-MMA GEMM was NOT checked");
     }
@@ -169,8 +189,9 @@ fn tc_gemm_matches_the_host_reference_and_is_batch_invariant_bit_for_bit() {
     // Calls of 1 to 512 tokens run chunks of 8, 16, 32 and 64 tokens (wgmma n8 to n64): a token's bits must not
     // depend on which, nor on serial blocks or clusters of slices (2 to 8, 6 for [2000, 4104] at split 8), nor on
     // its neighbours.
-    let Some(gpu) = gpu() else { return };
-    if !has_tc(&gpu) {
+    let Some(dev) = gpu() else { return };
+    let Dev { gpu, gemm, .. } = &*dev;
+    if !has_tc(gpu, gemm) {
         return;
     }
     let mut rng = ChaCha8Rng::seed_from_u64(13);
@@ -184,7 +205,7 @@ fn tc_gemm_matches_the_host_reference_and_is_batch_invariant_bit_for_bit() {
             splits.push(tc_split(out_dim, in_dim));
         }
         for split in splits {
-            let full = run_tc(&gpu, &w, out_dim, &x, 0, 512, split, false);
+            let full = run_tc(&dev, &w, out_dim, &x, 0..512, split, false);
             for (i, (exact, mag)) in reference.iter().enumerate() {
                 let got = f64::from(bf16::from_bits(full[i]).to_f32());
                 let tol = exact.abs() / 128.0 + mag * 1e-6;
@@ -195,11 +216,11 @@ fn tc_gemm_matches_the_host_reference_and_is_batch_invariant_bit_for_bit() {
                     i % out_dim
                 );
             }
-            let serial = run_tc(&gpu, &w, out_dim, &x, 0, 512, split, true);
+            let serial = run_tc(&dev, &w, out_dim, &x, 0..512, split, true);
             assert!(serial == full, "[{out_dim}, {in_dim}] split {split}: serial blocks differ from split blocks");
             for n in [1usize, 2, 3, 8, 9, 16, 17, 32, 33, 64, 65, 100] {
                 for serial in [false, true] {
-                    let part = run_tc(&gpu, &w, out_dim, &x, 0, n, split, serial);
+                    let part = run_tc(&dev, &w, out_dim, &x, 0..n, split, serial);
                     assert!(
                         part == full[..n * out_dim],
                         "[{out_dim}, {in_dim}] split {split}: the first {n} tokens alone (serial {serial}) differ \
@@ -207,33 +228,38 @@ fn tc_gemm_matches_the_host_reference_and_is_batch_invariant_bit_for_bit() {
                     );
                 }
             }
-            let alone = run_tc(&gpu, &w, out_dim, &x, 5, 1, split, false);
+            let alone = run_tc(&dev, &w, out_dim, &x, 5..6, split, false);
             assert!(alone == full[5 * out_dim..6 * out_dim], "[{out_dim}, {in_dim}] split {split}: token 5 alone");
         }
         // The routed GEMM is this one at the shape's split.
         let (wd, xd) = (gpu.upload(&w).unwrap(), gpu.upload(&x[..17 * in_dim]).unwrap());
         let y = gpu.zeros::<bf16>(17 * out_dim).unwrap();
-        gpu.linear(gpu.ptr(&wd), out_dim, in_dim, gpu.ptr(&xd), 17, gpu.ptr(&y)).unwrap();
+        gemm.linear(gpu, &args(gpu.ptr(&wd), out_dim, in_dim, gpu.ptr(&xd), 17, gpu.ptr(&y))).unwrap();
         let routed: Vec<u16> = gpu.download(&y, 17 * out_dim).unwrap().iter().map(|v| v.to_bits()).collect();
-        let want = run_tc(&gpu, &w, out_dim, &x, 0, 17, tc_split(out_dim, in_dim), false);
-        assert!(routed == want, "[{out_dim}, {in_dim}]: Gpu::linear is not the warpgroup-MMA GEMM at its split");
+        let want = run_tc(&dev, &w, out_dim, &x, 0..17, tc_split(out_dim, in_dim), false);
+        assert!(
+            routed == want,
+            "[{out_dim}, {in_dim}]: GemmKernels::linear is not the warpgroup-MMA GEMM at its split"
+        );
     }
 }
 
 #[test]
 fn tc_gemm_rejects_bad_arguments() {
-    let Some(gpu) = gpu() else { return };
+    let Some(dev) = gpu() else { return };
+    let Dev { gpu, gemm, .. } = &*dev;
     let w = gpu.zeros::<bf16>(64 * 64).unwrap();
     let y = gpu.zeros::<bf16>(64).unwrap();
-    if has_tc(&gpu) {
+    if has_tc(gpu, gemm) {
         for split in [0, 9] {
-            let err = gpu.linear_tc(gpu.ptr(&w), 64, 64, gpu.ptr(&w), 1, gpu.ptr(&y), split, false).unwrap_err();
+            let err =
+                gemm.linear_tc(gpu, &args(gpu.ptr(&w), 64, 64, gpu.ptr(&w), 1, gpu.ptr(&y)), split, false).unwrap_err();
             assert_eq!(err.kind(), "invalid_input", "{err}");
             assert!(err.to_string().contains(&format!("split {split}")), "{err}");
         }
     }
     // Rows that are not 16-byte aligned (K = 60) cannot be read by tensor map, on any device.
-    let err = gpu.linear_tc(gpu.ptr(&w), 64, 60, gpu.ptr(&w), 1, gpu.ptr(&y), 1, false).unwrap_err();
+    let err = gemm.linear_tc(gpu, &args(gpu.ptr(&w), 64, 60, gpu.ptr(&w), 1, gpu.ptr(&y)), 1, false).unwrap_err();
     assert!(err.to_string().contains("16-byte aligned rows (in_dim 60)"), "{err}");
 }
 
@@ -242,7 +268,8 @@ fn every_layout_of_a_k_split_gives_the_same_bits() {
     // The split fixes the summation order; one block per slice (partials folded by the tile's last block)
     // and one block running every slice, at 4 or 8 warps per block, with one or (above 16 tokens) two row
     // tiles per warp, must agree bit for bit.
-    let Some(gpu) = gpu() else { return };
+    let Some(dev) = gpu() else { return };
+    let Dev { gpu, gemm, .. } = &*dev;
     let mut rng = ChaCha8Rng::seed_from_u64(12);
     for (out_dim, in_dim) in [(3000, 2304), (129, 1000), (1000, 4100)] {
         let w = gpu.upload(&random_bf16(&mut rng, out_dim * in_dim, 1.0)).unwrap();
@@ -257,8 +284,12 @@ fn every_layout_of_a_k_split_gives_the_same_bits() {
                 for (warps, serial, wide) in layouts {
                     let y = gpu.upload(&random_bf16(&mut rng, n * out_dim, 1.0)).unwrap();
                     let layout = SkinnyLayout { split, warps, serial, wide };
-                    gpu.linear_skinny_layout(gpu.ptr(&w), out_dim, in_dim, gpu.ptr(&x), n, gpu.ptr(&y), layout)
-                        .unwrap();
+                    gemm.linear_skinny_layout(
+                        gpu,
+                        &args(gpu.ptr(&w), out_dim, in_dim, gpu.ptr(&x), n, gpu.ptr(&y)),
+                        layout,
+                    )
+                    .unwrap();
                     let bits: Vec<u16> = gpu.download(&y, n * out_dim).unwrap().iter().map(|v| v.to_bits()).collect();
                     match &first {
                         None => first = Some(bits),
@@ -275,7 +306,8 @@ fn every_layout_of_a_k_split_gives_the_same_bits() {
 
 #[test]
 fn linear_add_equals_linear_then_add_bit_for_bit() {
-    let Some(mut gpu) = gpu() else { return };
+    let Some(mut dev) = gpu() else { return };
+    let Dev { gpu, gemm, rows } = &mut *dev;
     let mut rng = ChaCha8Rng::seed_from_u64(11);
     for (out_dim, in_dim) in [(1000, 1000), (77, 999), (4096, 2048)] {
         let w = random_bf16(&mut rng, out_dim * in_dim, 1.0);
@@ -283,26 +315,35 @@ fn linear_add_equals_linear_then_add_bit_for_bit() {
         for n in [1usize, 3, 17, 64, 100] {
             let x = gpu.upload(&random_bf16(&mut rng, n * in_dim, 1.0)).unwrap();
             let addend_host = random_bf16(&mut rng, n * out_dim, 30.0);
-            for gemm in [Gemm::BatchInvariant, Gemm::Cublas] {
-                gpu.gemm = gemm;
+            for choice in [Gemm::BatchInvariant, Gemm::Cublas] {
+                gpu.gemm = choice;
                 let addend = gpu.upload(&addend_host).unwrap();
                 let expected = gpu.zeros::<bf16>(n * out_dim).unwrap();
-                gpu.linear(gpu.ptr(&wd), out_dim, in_dim, gpu.ptr(&x), n, gpu.ptr(&expected)).unwrap();
-                gpu.add(gpu.ptr(&expected), gpu.ptr(&addend), n * out_dim).unwrap();
+                gemm.linear(gpu, &args(gpu.ptr(&wd), out_dim, in_dim, gpu.ptr(&x), n, gpu.ptr(&expected))).unwrap();
+                rows.add(gpu, gpu.ptr(&expected), gpu.ptr(&addend), n * out_dim).unwrap();
                 let expected = gpu.download(&expected, n * out_dim).unwrap();
                 // Into a separate output, then in place (the addend is the output).
                 let y = gpu.upload(&random_bf16(&mut rng, n * out_dim, 1.0)).unwrap();
-                gpu.linear_add(gpu.ptr(&wd), out_dim, in_dim, gpu.ptr(&x), n, gpu.ptr(&y), gpu.ptr(&addend)).unwrap();
+                gemm.linear_add(
+                    gpu,
+                    &args(gpu.ptr(&wd), out_dim, in_dim, gpu.ptr(&x), n, gpu.ptr(&y)),
+                    gpu.ptr(&addend),
+                )
+                .unwrap();
                 let separate = gpu.download(&y, n * out_dim).unwrap();
-                gpu.linear_add(gpu.ptr(&wd), out_dim, in_dim, gpu.ptr(&x), n, gpu.ptr(&addend), gpu.ptr(&addend))
-                    .unwrap();
+                gemm.linear_add(
+                    gpu,
+                    &args(gpu.ptr(&wd), out_dim, in_dim, gpu.ptr(&x), n, gpu.ptr(&addend)),
+                    gpu.ptr(&addend),
+                )
+                .unwrap();
                 let in_place = gpu.download(&addend, n * out_dim).unwrap();
                 let bits = |v: &[bf16]| v.iter().map(|e| e.to_bits()).collect::<Vec<_>>();
-                assert!(bits(&separate) == bits(&expected), "{gemm:?} [{out_dim}, {in_dim}] n {n}: linear_add");
-                assert!(bits(&in_place) == bits(&expected), "{gemm:?} [{out_dim}, {in_dim}] n {n}: in place");
+                assert!(bits(&separate) == bits(&expected), "{choice:?} [{out_dim}, {in_dim}] n {n}: linear_add");
+                assert!(bits(&in_place) == bits(&expected), "{choice:?} [{out_dim}, {in_dim}] n {n}: in place");
                 assert!(
                     expected.iter().zip(&addend_host).filter(|(e, a)| e != a).count() > n * out_dim / 2,
-                    "{gemm:?}: the product barely changed the addend, so the check proves little"
+                    "{choice:?}: the product barely changed the addend, so the check proves little"
                 );
             }
         }
@@ -312,7 +353,8 @@ fn linear_add_equals_linear_then_add_bit_for_bit() {
 
 #[test]
 fn merged_projection_parts_equal_each_part_run_alone() {
-    let Some(mut gpu) = gpu() else { return };
+    let Some(mut dev) = gpu() else { return };
+    let Dev { gpu, gemm, .. } = &mut *dev;
     let mut rng = ChaCha8Rng::seed_from_u64(8);
     let (in_dim, n) = (520, 13);
     let bounds = [0usize, 100, 133, 300, 301];
@@ -321,21 +363,32 @@ fn merged_projection_parts_equal_each_part_run_alone() {
     let (wd, xd) = (gpu.upload(&w).unwrap(), gpu.upload(&x).unwrap());
     let table: Vec<i32> = bounds.iter().map(|b| *b as i32).collect();
     let table_dev = gpu.upload(&table).unwrap();
-    for gemm in [Gemm::BatchInvariant, Gemm::Cublas] {
-        gpu.gemm = gemm;
+    for choice in [Gemm::BatchInvariant, Gemm::Cublas] {
+        gpu.gemm = choice;
         let merged = gpu.zeros::<bf16>(n * bounds[4]).unwrap();
-        gpu.linear_parts(gpu.ptr(&wd), &bounds, gpu.ptr(&table_dev), in_dim, gpu.ptr(&xd), n, gpu.ptr(&merged))
-            .unwrap();
+        gemm.linear_parts(
+            gpu,
+            &PartsArgs {
+                w: gpu.ptr(&wd),
+                bounds: &bounds,
+                bounds_dev: gpu.ptr(&table_dev),
+                in_dim,
+                x: gpu.ptr(&xd),
+                n,
+                y: gpu.ptr(&merged),
+            },
+        )
+        .unwrap();
         let merged = gpu.download(&merged, n * bounds[4]).unwrap();
         for p in bounds.windows(2) {
             let rows = p[1] - p[0];
             let part_w = gpu.upload(&w[p[0] * in_dim..p[1] * in_dim]).unwrap();
             let y = gpu.zeros::<bf16>(n * rows).unwrap();
-            gpu.linear(gpu.ptr(&part_w), rows, in_dim, gpu.ptr(&xd), n, gpu.ptr(&y)).unwrap();
+            gemm.linear(gpu, &args(gpu.ptr(&part_w), rows, in_dim, gpu.ptr(&xd), n, gpu.ptr(&y))).unwrap();
             let alone = gpu.download(&y, n * rows).unwrap();
             let got = &merged[n * p[0]..n * p[1]];
-            if gemm == Gemm::Cublas {
-                assert_eq!(got, alone.as_slice(), "{gemm:?}: part {p:?}");
+            if choice == Gemm::Cublas {
+                assert_eq!(got, alone.as_slice(), "{choice:?}: part {p:?}");
             } else {
                 // The skinny GEMM's split follows the merged shape, so compare values, not bits.
                 for (a, b) in got.iter().zip(&alone) {
@@ -352,21 +405,38 @@ fn merged_projection_parts_equal_each_part_run_alone() {
 
 #[test]
 fn bad_gemm_arguments_are_errors() {
-    let Some(gpu) = gpu() else { return };
+    let Some(dev) = gpu() else { return };
+    let Dev { gpu, gemm, .. } = &*dev;
     let w = gpu.zeros::<bf16>(64 * 64).unwrap();
     let y = gpu.zeros::<bf16>(64).unwrap();
     for split in [0, 65] {
-        let err = gpu.linear_skinny(gpu.ptr(&w), 64, 64, gpu.ptr(&w), 1, gpu.ptr(&y), None, split).unwrap_err();
+        let err =
+            gemm.linear_skinny(gpu, &args(gpu.ptr(&w), 64, 64, gpu.ptr(&w), 1, gpu.ptr(&y)), None, split).unwrap_err();
         assert_eq!(err.kind(), "invalid_input", "{err}");
         assert!(err.to_string().contains(&format!("split {split}")), "{err}");
     }
     let layout = SkinnyLayout { split: 2, warps: 6, serial: false, wide: false };
-    let err = gpu.linear_skinny_layout(gpu.ptr(&w), 64, 64, gpu.ptr(&w), 1, gpu.ptr(&y), layout).unwrap_err();
+    let err =
+        gemm.linear_skinny_layout(gpu, &args(gpu.ptr(&w), 64, 64, gpu.ptr(&w), 1, gpu.ptr(&y)), layout).unwrap_err();
     assert!(err.to_string().contains("6 warps"), "{err}");
     let layout = SkinnyLayout { split: 2, warps: 4, serial: false, wide: true };
-    let err = gpu.linear_skinny_layout(gpu.ptr(&w), 64, 64, gpu.ptr(&w), 1, gpu.ptr(&y), layout).unwrap_err();
+    let err =
+        gemm.linear_skinny_layout(gpu, &args(gpu.ptr(&w), 64, 64, gpu.ptr(&w), 1, gpu.ptr(&y)), layout).unwrap_err();
     assert!(err.to_string().contains("wide skinny GEMM layout for 1 tokens"), "{err}");
-    let err = gpu.linear_parts(gpu.ptr(&w), &[0, 40, 30], NULL, 64, gpu.ptr(&w), 1, gpu.ptr(&y)).unwrap_err();
+    let err = gemm
+        .linear_parts(
+            gpu,
+            &PartsArgs {
+                w: gpu.ptr(&w),
+                bounds: &[0, 40, 30],
+                bounds_dev: NULL,
+                in_dim: 64,
+                x: gpu.ptr(&w),
+                n: 1,
+                y: gpu.ptr(&y),
+            },
+        )
+        .unwrap_err();
     assert!(err.to_string().contains("not ascending"), "{err}");
 }
 
@@ -397,7 +467,8 @@ fn time(gpu: &Gpu, reps: usize, f: impl Fn()) -> f64 {
 #[test]
 #[ignore = "a benchmark: prints GB/s, run with --ignored on a GPU"]
 fn gemm_bandwidth() {
-    let Some(mut gpu) = gpu() else { return };
+    let Some(mut dev) = gpu() else { return };
+    let Dev { gpu, gemm, .. } = &mut *dev;
     let mut rng = ChaCha8Rng::seed_from_u64(9);
     let cfg = ModelConfig::preset("k3-mini").unwrap();
     let d = cfg.hidden_size;
@@ -419,27 +490,31 @@ fn gemm_bandwidth() {
     ];
     let copy_elems = 1usize << 29; // 1 GiB of bf16
     let (a, b) = (gpu.zeros::<bf16>(copy_elems).unwrap(), gpu.zeros::<bf16>(copy_elems).unwrap());
-    let ms = time(&gpu, 5, || gpu.copy::<bf16>(gpu.ptr(&b), gpu.ptr(&a), copy_elems).unwrap());
+    let ms = time(gpu, 5, || gpu.copy::<bf16>(gpu.ptr(&b), gpu.ptr(&a), copy_elems).unwrap());
     println!("copy bandwidth (read + write): {:.0} GB/s", 2.0 * (copy_elems * 2) as f64 / ms / 1e6);
     drop((a, b));
-    let tc = has_tc(&gpu);
+    let tc = has_tc(gpu, gemm);
     println!("shape | out x in | tokens | split x warps per block (row tiles per warp) | ms | GB/s");
     for (name, out_dim, in_dim) in shapes {
         let w = gpu.zeros::<bf16>(out_dim * in_dim).unwrap();
-        fill(&gpu, gpu.ptr(&w), out_dim * in_dim, &mut rng);
+        fill(gpu, gpu.ptr(&w), out_dim * in_dim, &mut rng);
         let x = gpu.upload(&random_bf16(&mut rng, 64 * in_dim, 1.0)).unwrap();
         let y = gpu.zeros::<bf16>(64 * out_dim).unwrap();
         for n in [1usize, 8, 16, 32, 64] {
             let bytes = ((out_dim * in_dim + n * in_dim + n * out_dim) * 2) as f64;
             let reps = (4e9 / bytes).clamp(5.0, 200.0) as usize;
-            let default = gpu.skinny_layout(out_dim, in_dim, n, skinny_split(out_dim, in_dim));
+            let default = gemm.skinny_layout(out_dim, in_dim, n, skinny_split(out_dim, in_dim));
             let wide_too: &[bool] = if n > 16 { &[false, true] } else { &[false] };
             for split in [1usize, 2, 4, 8, 16, 32] {
                 for (warps, &wide) in [4, 8].into_iter().flat_map(|w| wide_too.iter().map(move |x| (w, x))) {
                     let layout = SkinnyLayout { split, warps, serial: false, wide };
-                    let ms = time(&gpu, reps, || {
-                        gpu.linear_skinny_layout(gpu.ptr(&w), out_dim, in_dim, gpu.ptr(&x), n, gpu.ptr(&y), layout)
-                            .unwrap()
+                    let ms = time(gpu, reps, || {
+                        gemm.linear_skinny_layout(
+                            gpu,
+                            &args(gpu.ptr(&w), out_dim, in_dim, gpu.ptr(&x), n, gpu.ptr(&y)),
+                            layout,
+                        )
+                        .unwrap()
                     });
                     let mark = if layout == default { " (default)" } else { "" };
                     let tiles = if wide { ", 2 row tiles" } else { "" };
@@ -451,9 +526,9 @@ fn gemm_bandwidth() {
             }
             let tc_splits = [1usize, 2, 4, 8].into_iter().filter(|_| tc);
             for (split, serial) in tc_splits.flat_map(|s| [(s, false), (s, true)]) {
-                let ms = time(&gpu, reps, || {
+                let ms = time(gpu, reps, || {
                     let (w, x, y) = (gpu.ptr(&w), gpu.ptr(&x), gpu.ptr(&y));
-                    gpu.linear_tc(w, out_dim, in_dim, x, n, y, split, serial).unwrap()
+                    gemm.linear_tc(gpu, &args(w, out_dim, in_dim, x, n, y), split, serial).unwrap()
                 });
                 let default = split == tc_split(out_dim, in_dim) && !serial;
                 let mark = if default { " (default)" } else { "" };
@@ -464,8 +539,9 @@ fn gemm_bandwidth() {
                 );
             }
             gpu.gemm = Gemm::Cublas;
-            let ms =
-                time(&gpu, reps, || gpu.linear(gpu.ptr(&w), out_dim, in_dim, gpu.ptr(&x), n, gpu.ptr(&y)).unwrap());
+            let ms = time(gpu, reps, || {
+                gemm.linear(gpu, &args(gpu.ptr(&w), out_dim, in_dim, gpu.ptr(&x), n, gpu.ptr(&y))).unwrap()
+            });
             gpu.gemm = Gemm::BatchInvariant;
             println!("{name} | {out_dim} x {in_dim} | {n} | cublas | {ms:.4} | {:.0}", bytes / ms / 1e6);
         }
@@ -474,20 +550,21 @@ fn gemm_bandwidth() {
 
 #[test]
 fn only_launches_of_many_waves_take_two_row_tiles_per_warp() {
-    let Some(gpu) = gpu() else { return };
+    let Some(dev) = gpu() else { return };
+    let Dev { gemm, .. } = &*dev;
     for n in [17, 32, 64] {
-        assert!(gpu.skinny_layout(163_840, 7168, n, 1).wide, "lm_head at {n} tokens");
+        assert!(gemm.skinny_layout(163_840, 7168, n, 1).wide, "lm_head at {n} tokens");
     }
     // A prefill of 200 tokens would need a 131 MB workspace: it runs its slices serially, which takes two row tiles
     // per warp in its own entry point, so the split launch's wide form is not chosen.
-    let prefill = gpu.skinny_layout(163_840, 7168, 200, 1);
+    let prefill = gemm.skinny_layout(163_840, 7168, 200, 1);
     assert!(prefill.serial && !prefill.wide, "lm_head at 200 tokens: {prefill:?}");
     for n in [1, 8, 16] {
-        assert!(!gpu.skinny_layout(163_840, 7168, n, 1).wide, "lm_head at {n} tokens: no wide entry point");
+        assert!(!gemm.skinny_layout(163_840, 7168, n, 1).wide, "lm_head at {n} tokens: no wide entry point");
     }
     for (out_dim, in_dim) in [(49_376, 7168), (7168, 12_288), (7168, 3584)] {
         let split = skinny_split(out_dim, in_dim);
-        assert!(!gpu.skinny_layout(out_dim, in_dim, 64, split).wide, "[{out_dim}, {in_dim}] at 64 tokens");
+        assert!(!gemm.skinny_layout(out_dim, in_dim, 64, split).wide, "[{out_dim}, {in_dim}] at 64 tokens");
     }
 }
 

@@ -1,5 +1,5 @@
-//! The grouped routed-expert kernels of the latent MoE (`kernels/cuda/moe.cu`, `moe_route.cu`: `Gpu::moe_group`,
-//! `Gpu::moe_gate_up`, `Gpu::moe_down`) on a GPU, at the k3-mini expert shapes (latent 3584, expert width 3072)
+//! The grouped routed-expert kernels of the latent MoE (`kernels/cuda/moe.cu`, `moe_route.cu`:
+//! `MoeKernels::moe_group`, `MoeKernels::moe_gate_up`, `MoeKernels::moe_down`) on a GPU, at the k3-mini expert shapes (latent 3584, expert width 3072)
 //! and at a small shape whose rows do not fill a warp's lanes: against an f64 host reference built from
 //! `mxfp4::dequant_row` (every E2M1 code; real checkpoints' scales, below 1, and scales up to 2^3, which take the
 //! kernels' wide dequantisation), over batches of 1, 3, 8, 16 and 64 tokens
@@ -26,18 +26,43 @@ use rand_chacha::ChaCha8Rng;
 use sparkd_kernels::cpu::ops::situ;
 use sparkd_kernels::cuda::device::driver_present;
 use sparkd_kernels::cuda::expert_layout::{tile_codes, tile_scales};
-use sparkd_kernels::cuda::ops::{moe_group_len, DPtr, ExpertForm, Gpu, RouteArgs};
+use sparkd_kernels::cuda::gpu::Gpu;
+use sparkd_kernels::cuda::launch::DPtr;
+use sparkd_kernels::cuda::moe::{
+    moe_group_len, CombineArgs, DownArgs, ExpertForm, GateUpArgs, MoeKernels, Pairs, RouteArgs,
+};
 use sparkd_kernels::mxfp4::dequant_row;
 use sparkd_kernels::ModelConfig;
 
-fn gpu() -> Option<std::sync::MutexGuard<'static, Gpu>> {
+/// The GPU with its MoE kernels.
+struct Dev {
+    gpu: Gpu,
+    moe: MoeKernels,
+}
+
+fn gpu() -> Option<std::sync::MutexGuard<'static, Dev>> {
     if !driver_present() {
         eprintln!("SKIPPED: no CUDA driver on this machine; the routed MoE kernels were NOT checked");
         return None;
     }
-    static G: OnceLock<Mutex<Gpu>> = OnceLock::new();
-    let g = G.get_or_init(|| Mutex::new(Gpu::new(0).expect("open GPU 0")));
+    static G: OnceLock<Mutex<Dev>> = OnceLock::new();
+    let g = G.get_or_init(|| {
+        let gpu = Gpu::new(0).expect("open GPU 0");
+        let moe = MoeKernels::load(&gpu).expect("MoE kernels");
+        Mutex::new(Dev { gpu, moe })
+    });
     Some(g.lock().unwrap_or_else(|e| e.into_inner()))
+}
+
+/// A routed batch's shape: `n` tokens each choosing `k` of `experts`, experts of `latent` inputs and outputs and
+/// `inter` intermediate rows.
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    n: usize,
+    k: usize,
+    experts: usize,
+    latent: usize,
+    inter: usize,
 }
 
 /// One MXFP4 weight tensor of `experts` matrices `[rows, cols]`: on the host as a checkpoint stores it, packed
@@ -105,17 +130,8 @@ struct Routed {
 }
 
 impl Routed {
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        gpu: &Gpu,
-        idx: &[i32],
-        z: &[bf16],
-        n: usize,
-        k: usize,
-        experts: usize,
-        latent: usize,
-        inter: usize,
-    ) -> Self {
+    fn new(dev: &Dev, idx: &[i32], z: &[bf16], s: Shape) -> Self {
+        let (Dev { gpu, moe }, Shape { n, k, experts, latent, inter }) = (dev, s);
         let routed = Routed {
             idx: gpu.upload(&idx[..n * k]).unwrap(),
             z: gpu.upload(&z[..n * latent]).unwrap(),
@@ -124,48 +140,49 @@ impl Routed {
             act: gpu.zeros::<bf16>(n * k * inter).unwrap(),
             y: gpu.zeros::<bf16>(n * k * latent).unwrap(),
         };
-        let (group, pairs) = routed.grouping(gpu);
-        gpu.moe_group(gpu.ptr(&routed.idx), n, k, experts, group, pairs).unwrap();
+        moe.moe_group(gpu, gpu.ptr(&routed.idx), &routed.pairs(gpu, s)).unwrap();
         routed
     }
 
-    /// The grouping as the expert kernels take it: (group, pairs).
-    fn grouping(&self, gpu: &Gpu) -> (DPtr, DPtr) {
-        (gpu.ptr(&self.group), gpu.ptr(&self.pairs))
+    /// The grouped pairs as the expert kernels take them.
+    fn pairs(&self, gpu: &Gpu, s: Shape) -> Pairs {
+        Pairs { n: s.n, k: s.k, experts: s.experts, grouping: (gpu.ptr(&self.group), gpu.ptr(&self.pairs)) }
     }
 }
 
-/// The routed experts' outputs of `n` tokens: `act` `[n k, inter]` and `y` `[n k, latent]` (bf16 bits).
-#[allow(clippy::too_many_arguments)]
+/// The routed experts' outputs of `n` tokens (each choosing `k` of `experts`): `act` `[n k, inter]` and `y`
+/// `[n k, latent]` (bf16 bits).
 fn run(
-    gpu: &Gpu,
+    dev: &Dev,
     cfg: &ModelConfig,
     w: &[Experts; 3],
     z: &[bf16],
     idx: &[i32],
-    n: usize,
-    k: usize,
-    experts: usize,
+    (n, k, experts): (usize, usize, usize),
 ) -> (Vec<u16>, Vec<u16>) {
+    let Dev { gpu, moe } = dev;
     let (latent, inter) = (w[0].cols, w[0].rows);
-    let r = Routed::new(gpu, idx, z, n, k, experts, latent, inter);
-    let grouping = r.grouping(gpu);
-    let (b, lb) = (cfg.situ_beta, cfg.situ_linear_beta);
+    let s = Shape { n, k, experts, latent, inter };
+    let r = Routed::new(dev, idx, z, s);
+    let pairs = r.pairs(gpu, s);
+    let (beta, lbeta) = (cfg.situ_beta, cfg.situ_linear_beta);
     let (w1, w3, w2) = (w[0].ptrs(gpu), w[1].ptrs(gpu), w[2].ptrs(gpu));
     let (z, act, y) = (gpu.ptr(&r.z), gpu.ptr(&r.act), gpu.ptr(&r.y));
     let (chosen, other) = forms(n, k, experts, latent);
-    gpu.moe_gate_up(z, w1, w3, grouping, act, n, k, experts, latent, inter, b, lb, chosen).unwrap();
-    gpu.moe_down(act, w2, grouping, y, n, k, experts, latent, inter, chosen).unwrap();
+    let gate_up = GateUpArgs { z, w1, w3, a: act, latent, inter, beta, lbeta };
+    let down = DownArgs { a: act, w2, y, latent, inter };
+    moe.moe_gate_up(gpu, &pairs, &gate_up, chosen).unwrap();
+    moe.moe_down(gpu, &pairs, &down, chosen).unwrap();
     let bits = |v: Vec<bf16>| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
     let act_bits = bits(gpu.download(&r.act, n * k * inter).unwrap());
     let y_bits = bits(gpu.download(&r.y, n * k * latent).unwrap());
     // Both forms give the same bits, whichever the batch takes.
     let act_other = gpu.zeros::<bf16>(n * k * inter).unwrap();
-    gpu.moe_gate_up(z, w1, w3, grouping, gpu.ptr(&act_other), n, k, experts, latent, inter, b, lb, other).unwrap();
+    moe.moe_gate_up(gpu, &pairs, &GateUpArgs { a: gpu.ptr(&act_other), ..gate_up }, other).unwrap();
     let act_other = bits(gpu.download(&act_other, n * k * inter).unwrap());
     assert!(act_other == act_bits, "[{latent}, {inter}] batch {n}: moe_gate_up as {other:?} differs from {chosen:?}");
     let y_other = gpu.zeros::<bf16>(n * k * latent).unwrap();
-    gpu.moe_down(act, w2, grouping, gpu.ptr(&y_other), n, k, experts, latent, inter, other).unwrap();
+    moe.moe_down(gpu, &pairs, &DownArgs { y: gpu.ptr(&y_other), ..down }, other).unwrap();
     let y_other = bits(gpu.download(&y_other, n * k * latent).unwrap());
     assert!(y_other == y_bits, "[{latent}, {inter}] batch {n}: moe_down as {other:?} differs from {chosen:?}");
     (act_bits, y_bits)
@@ -203,7 +220,8 @@ const NARROW_SCALES: (u8, u8) = (110, 126);
 /// dequantisation (no shortcut may overflow on them).
 const WIDE_SCALES: (u8, u8) = (118, 130);
 
-fn check_shape(gpu: &Gpu, latent: usize, inter: usize, scales: (u8, u8)) {
+fn check_shape(dev: &Dev, latent: usize, inter: usize, scales: (u8, u8)) {
+    let gpu = &dev.gpu;
     let cfg = ModelConfig::preset("k3-mini").unwrap();
     let (experts, k, most) = (8usize, 2usize, 64usize);
     let mut rng = ChaCha8Rng::seed_from_u64(11);
@@ -232,7 +250,7 @@ fn check_shape(gpu: &Gpu, latent: usize, inter: usize, scales: (u8, u8)) {
     }
     let rms = (want_act.iter().map(|v| v * v).sum::<f64>() / want_act.len() as f64).sqrt();
 
-    let (act, y) = run(gpu, &cfg, &w, &z, &idx, most, k, experts);
+    let (act, y) = run(dev, &cfg, &w, &z, &idx, (most, k, experts));
     let (mut err2, mut ref2) = (0.0f64, 0.0f64);
     for (i, want) in want_act.iter().enumerate() {
         let got = f64::from(f(act[i]));
@@ -277,7 +295,7 @@ fn check_shape(gpu: &Gpu, latent: usize, inter: usize, scales: (u8, u8)) {
 
     // Batch invariance: each prefix batch gives every token exactly its outputs in the batch of 64.
     for n in [1usize, 3, 8, 16] {
-        let (act_n, y_n) = run(gpu, &cfg, &w, &z, &idx, n, k, experts);
+        let (act_n, y_n) = run(dev, &cfg, &w, &z, &idx, (n, k, experts));
         let same = act_n == act[..n * k * inter] && y_n == y[..n * k * latent];
         assert!(same, "[{latent}, {inter}]: a token's outputs in batch {n} differ from batch {most}");
     }
@@ -285,20 +303,21 @@ fn check_shape(gpu: &Gpu, latent: usize, inter: usize, scales: (u8, u8)) {
 
 #[test]
 fn routed_experts_match_the_host_reference_and_are_batch_invariant_bit_for_bit() {
-    let Some(gpu) = gpu() else { return };
+    let Some(dev) = gpu() else { return };
     // k3-mini's expert shapes with real checkpoints' scales, then ones whose rows leave most lanes of a warp without
     // a group and whose K is not a multiple of the tensor-core path's K steps (256 and 512 inputs) or whose rows fill
     // only part of a block, with both scale ranges.
-    check_shape(&gpu, 3584, 3072, NARROW_SCALES);
+    check_shape(&dev, 3584, 3072, NARROW_SCALES);
     for scales in [NARROW_SCALES, WIDE_SCALES] {
-        check_shape(&gpu, 96, 160, scales);
-        check_shape(&gpu, 224, 32, scales);
+        check_shape(&dev, 96, 160, scales);
+        check_shape(&dev, 224, 32, scales);
     }
 }
 
 /// Runs the router over `h` `[n, d]` with router weights `w` `[experts, d]` and `bias` `[experts]`, one-launch (when
 /// the device and expert count allow it) or two-launch; returns `(idx, weight bits, margin bits)`.
-fn route(gpu: &Gpu, h: &[bf16], w: &[bf16], bias: &[f32], k: usize, two_launches: bool) -> RouterRun {
+fn route(dev: &Dev, h: &[bf16], w: &[bf16], bias: &[f32], k: usize, two_launches: bool) -> RouterRun {
+    let Dev { gpu, moe } = dev;
     let (experts, n) = (bias.len(), h.len() / (w.len() / bias.len()));
     let d = w.len() / experts;
     let (hd, wd, bd) = (gpu.upload(h).unwrap(), gpu.upload(w).unwrap(), gpu.upload(bias).unwrap());
@@ -322,8 +341,8 @@ fn route(gpu: &Gpu, h: &[bf16], w: &[bf16], bias: &[f32], k: usize, two_launches
         scale: 2.5,
         grouping: (gpu.ptr(&group), gpu.ptr(&pairs)),
     };
-    let run = if two_launches { Gpu::moe_route_in_two_launches } else { Gpu::moe_route };
-    let grouped = run(gpu, &args).unwrap();
+    let run = if two_launches { MoeKernels::moe_route_in_two_launches } else { MoeKernels::moe_route };
+    let grouped = run(moe, gpu, &args).unwrap();
     let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<u32>>();
     let grouping =
         grouped.then(|| (gpu.download(&group, moe_group_len(experts)).unwrap(), gpu.download(&pairs, n * k).unwrap()));
@@ -358,7 +377,7 @@ fn assert_grouping(got: &(Vec<i32>, Vec<i32>), idx: &[i32], n: usize, k: usize, 
 
 #[test]
 fn the_router_forms_agree_bit_for_bit_and_a_token_routes_alone_as_in_a_batch() {
-    let Some(gpu) = gpu() else { return };
+    let Some(dev) = gpu() else { return };
     let mut rng = ChaCha8Rng::seed_from_u64(23);
     // k3-mini's router (64 experts, top 16, hidden 7,168), K3's (896 experts: two launches only) and a small one; 1,
     // 5, 29 and 64 tokens. k3-mini's batches of 29 and 64 tokens and K3's of 5 and more take the forms for batches
@@ -368,8 +387,8 @@ fn the_router_forms_agree_bit_for_bit_and_a_token_routes_alone_as_in_a_batch() {
         let bias: Vec<f32> = (0..experts).map(|_| rng.gen_range(-0.01f32..0.01)).collect();
         for n in [1usize, 5, 29, 64] {
             let h: Vec<bf16> = (0..n * d).map(|_| bf16::from_f32(rng.gen_range(-2.0f32..2.0))).collect();
-            let one = route(&gpu, &h, &w, &bias, k, false);
-            let two = route(&gpu, &h, &w, &bias, k, true);
+            let one = route(&dev, &h, &w, &bias, k, false);
+            let two = route(&dev, &h, &w, &bias, k, true);
             let what = format!("{experts} experts, top {k}, {n} tokens");
             assert_eq!(one.outputs, two.outputs, "{what}: the two router forms disagree");
             assert!(one.outputs.0.chunks(k).all(|t| t.windows(2).all(|p| p[0] < p[1])), "experts ascending per token");
@@ -380,7 +399,7 @@ fn the_router_forms_agree_bit_for_bit_and_a_token_routes_alone_as_in_a_batch() {
                 assert_grouping(grouping, &one.outputs.0, n, k, experts, &what);
             }
             for t in 0..n {
-                let alone = route(&gpu, &h[t * d..(t + 1) * d], &w, &bias, k, false).outputs;
+                let alone = route(&dev, &h[t * d..(t + 1) * d], &w, &bias, k, false).outputs;
                 let in_batch = (
                     one.outputs.0[t * k..(t + 1) * k].to_vec(),
                     one.outputs.1[t * k..(t + 1) * k].to_vec(),
@@ -414,7 +433,8 @@ fn host_grouping(idx: &[i32], n: usize, k: usize, experts: usize) -> (Vec<i32>, 
 
 #[test]
 fn grouping_matches_the_host_in_one_token_window_and_in_several() {
-    let Some(gpu) = gpu() else { return };
+    let Some(dev) = gpu() else { return };
+    let Dev { gpu, moe } = &*dev;
     let k = 16usize;
     let mut rng = ChaCha8Rng::seed_from_u64(11);
     // k3-mini's 64 experts hold 6,080 tokens' masks in one window, K3's 896 experts 352: 7,000 and 800 tokens take
@@ -436,7 +456,8 @@ fn grouping_matches_the_host_in_one_token_window_and_in_several() {
         let idx_d = gpu.upload(&idx).unwrap();
         let group = gpu.zeros::<i32>(moe_group_len(experts)).unwrap();
         let pairs = gpu.zeros::<i32>(n * k).unwrap();
-        gpu.moe_group(gpu.ptr(&idx_d), n, k, experts, gpu.ptr(&group), gpu.ptr(&pairs)).unwrap();
+        let grouped = Pairs { n, k, experts, grouping: (gpu.ptr(&group), gpu.ptr(&pairs)) };
+        moe.moe_group(gpu, gpu.ptr(&idx_d), &grouped).unwrap();
         let got = (gpu.download(&group, moe_group_len(experts)).unwrap(), gpu.download(&pairs, n * k).unwrap());
         assert_grouping(&got, &idx, n, k, experts, &format!("{n} tokens over {experts} experts"));
     }
@@ -444,17 +465,22 @@ fn grouping_matches_the_host_in_one_token_window_and_in_several() {
 
 #[test]
 fn routed_experts_reject_widths_that_are_not_multiples_of_32() {
-    let Some(gpu) = gpu() else { return };
+    let Some(dev) = gpu() else { return };
+    let Dev { gpu, moe } = &*dev;
     let cfg = ModelConfig::preset("k3-mini").unwrap();
     let buf = gpu.zeros::<u8>(4096).unwrap();
     let p = gpu.ptr(&buf);
     let (b, lb) = (cfg.situ_beta, cfg.situ_linear_beta);
     for form in [ExpertForm::Rows, ExpertForm::Staged] {
-        assert!(gpu.moe_gate_up(p, (p, p), (p, p), (p, p), p, 1, 1, 1, 40, 64, b, lb, form).is_err());
-        assert!(gpu.moe_down(p, (p, p), (p, p), p, 1, 1, 1, 64, 40, form).is_err());
+        let pairs = Pairs { n: 1, k: 1, experts: 1, grouping: (p, p) };
+        let gate_up = GateUpArgs { z: p, w1: (p, p), w3: (p, p), a: p, latent: 40, inter: 64, beta: b, lbeta: lb };
+        assert!(moe.moe_gate_up(gpu, &pairs, &gate_up, form).is_err());
+        assert!(moe.moe_down(gpu, &pairs, &DownArgs { a: p, w2: (p, p), y: p, latent: 64, inter: 40 }, form).is_err());
     }
     // The staged down projection needs whole pairs of 16-row tiles.
-    assert!(gpu.moe_down(p, (p, p), (p, p), p, 1, 1, 1, 48, 64, ExpertForm::Staged).is_err());
+    let pairs = Pairs { n: 1, k: 1, experts: 1, grouping: (p, p) };
+    let down = DownArgs { a: p, w2: (p, p), y: p, latent: 48, inter: 64 };
+    assert!(moe.moe_down(gpu, &pairs, &down, ExpertForm::Staged).is_err());
 }
 
 /// The combine and routed norm of `n` tokens, `(combined, out)`, in f64 from the bf16 inputs: combined[c] =
@@ -479,7 +505,8 @@ fn host_combine_norm(y: &[f32], wts: &[f32], w: &[f32], n: usize, k: usize, d: u
 
 #[test]
 fn the_combine_and_routed_norm_match_the_host_in_both_forms_and_are_batch_invariant() {
-    let Some(gpu) = gpu() else { return };
+    let Some(dev) = gpu() else { return };
+    let Dev { gpu, moe } = &*dev;
     let mut rng = ChaCha8Rng::seed_from_u64(21);
     // k3-mini's latent width and top-k, then widths that leave cluster blocks a ragged or an empty window.
     for (d, k) in [(3584usize, 16usize), (100, 4), (5, 3)] {
@@ -490,11 +517,12 @@ fn the_combine_and_routed_norm_match_the_host_in_both_forms_and_are_batch_invari
         let f32s = |v: &[bf16]| v.iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
         let want = host_combine_norm(&f32s(&y), &wts, &f32s(&w), most, k, d, 1e-5);
         let (yd, wd, nd) = (gpu.upload(&y).unwrap(), gpu.upload(&wts).unwrap(), gpu.upload(&w).unwrap());
-        for split in gpu.row_splits() {
+        for split in moe.row_splits() {
             let run = |n: usize| {
                 let out = gpu.zeros::<bf16>(n * d).unwrap();
-                let ptrs = (gpu.ptr(&yd), gpu.ptr(&wd), gpu.ptr(&nd), gpu.ptr(&out));
-                gpu.moe_combine_norm_as(split, ptrs.0, ptrs.1, ptrs.2, ptrs.3, n, k, d, 1e-5).unwrap();
+                let (y, wts, norm_w, out_at) = (gpu.ptr(&yd), gpu.ptr(&wd), gpu.ptr(&nd), gpu.ptr(&out));
+                let combine = CombineArgs { y, wts, norm_w, out: out_at, n, k, latent: d, eps: 1e-5 };
+                moe.moe_combine_norm_as(gpu, split, &combine).unwrap();
                 gpu.download(&out, n * d).unwrap()
             };
             let got = run(most);
@@ -520,18 +548,8 @@ struct TimedWeights {
 
 /// Times the grouped expert kernels for `n` tokens each choosing `k` distinct experts of `experts` at random, and
 /// prints the achieved GB/s of the active experts' bytes.
-#[allow(clippy::too_many_arguments)]
-fn time_routing(
-    gpu: &Gpu,
-    w: &[TimedWeights; 3],
-    experts: usize,
-    k: usize,
-    latent: usize,
-    inter: usize,
-    situ: (f32, f32),
-    n: usize,
-    rng: &mut ChaCha8Rng,
-) {
+fn time_routing(dev: &Dev, w: &[TimedWeights; 3], s: Shape, (beta, lbeta): (f32, f32), rng: &mut ChaCha8Rng) {
+    let (Dev { gpu, moe }, Shape { n, k, experts, latent, inter }) = (dev, s);
     // k distinct experts per token, ascending.
     let idx: Vec<i32> = (0..n)
         .flat_map(|_| {
@@ -549,13 +567,15 @@ fn time_routing(
     used.sort_unstable();
     used.dedup();
     let active = used.len();
-    let r = Routed::new(gpu, &idx, &vec![bf16::from_f32(0.5); n * latent], n, k, experts, latent, inter);
-    let grouping = r.grouping(gpu);
+    let r = Routed::new(dev, &idx, &vec![bf16::from_f32(0.5); n * latent], s);
+    let pairs = r.pairs(gpu, s);
     let (w1, w3, w2) = (w[0].ptrs, w[1].ptrs, w[2].ptrs);
     let (z, act, y) = (gpu.ptr(&r.z), gpu.ptr(&r.act), gpu.ptr(&r.y));
     let (chosen, other) = forms(n, k, experts, latent);
-    let gate_up = |form| gpu.moe_gate_up(z, w1, w3, grouping, act, n, k, experts, latent, inter, situ.0, situ.1, form);
-    let down = |form| gpu.moe_down(act, w2, grouping, y, n, k, experts, latent, inter, form);
+    let gate_up_args = GateUpArgs { z, w1, w3, a: act, latent, inter, beta, lbeta };
+    let down_args = DownArgs { a: act, w2, y, latent, inter };
+    let gate_up = |form| moe.moe_gate_up(gpu, &pairs, &gate_up_args, form);
+    let down = |form| moe.moe_down(gpu, &pairs, &down_args, form);
     let iters = 50;
     let time = |op: &dyn Fn()| {
         op();
@@ -610,29 +630,31 @@ fn repeated_on_device(gpu: &Gpu, w: &Experts, experts: usize) -> (CudaSlice<u8>,
 #[test]
 #[ignore = "prints GB/s of the routed expert kernels on the k3-mini shapes; asserts nothing about speed"]
 fn routed_expert_bandwidth() {
-    let Some(gpu) = gpu() else { return };
+    let Some(dev) = gpu() else { return };
+    let Dev { gpu, .. } = &*dev;
     let cfg = ModelConfig::preset("k3-mini").unwrap();
     let (experts, k) = (cfg.moe.num_experts, cfg.moe.top_k);
     let (latent, inter) = (cfg.moe.latent_dim, cfg.moe.expert_dim);
     let mut rng = ChaCha8Rng::seed_from_u64(5);
     let w = [
-        Experts::random(&gpu, &mut rng, experts, inter, latent, NARROW_SCALES),
-        Experts::random(&gpu, &mut rng, experts, inter, latent, NARROW_SCALES),
-        Experts::random(&gpu, &mut rng, experts, latent, inter, NARROW_SCALES),
+        Experts::random(gpu, &mut rng, experts, inter, latent, NARROW_SCALES),
+        Experts::random(gpu, &mut rng, experts, inter, latent, NARROW_SCALES),
+        Experts::random(gpu, &mut rng, experts, latent, inter, NARROW_SCALES),
     ];
     let situ = (cfg.situ_beta, cfg.situ_linear_beta);
     let timed = |x: &Experts, ptrs: (DPtr, DPtr)| TimedWeights { ptrs, expert_bytes: x.expert_bytes() };
-    let mini = [timed(&w[0], w[0].ptrs(&gpu)), timed(&w[1], w[1].ptrs(&gpu)), timed(&w[2], w[2].ptrs(&gpu))];
+    let mini = [timed(&w[0], w[0].ptrs(gpu)), timed(&w[1], w[1].ptrs(gpu)), timed(&w[2], w[2].ptrs(gpu))];
     for n in [1usize, 8, 64] {
-        time_routing(&gpu, &mini, experts, k, latent, inter, situ, n, &mut rng);
+        time_routing(&dev, &mini, Shape { n, k, experts, latent, inter }, situ, &mut rng);
     }
     // K3's routing (top 16 of 896 experts) spreads a batch over many more experts: about 1.1 tokens per active
     // expert at 8 and 1.7 at 64 tokens, against k3-mini's 2.2 and 16. The same shapes, k3-mini's experts repeated.
     let k3 = ModelConfig::preset("k3").unwrap();
     let k3_experts = k3.moe.num_experts;
-    let dev: Vec<_> = w.iter().map(|x| repeated_on_device(&gpu, x, k3_experts)).collect();
-    let wide = [0, 1, 2].map(|i| timed(&w[i], (gpu.ptr(&dev[i].0), gpu.ptr(&dev[i].1))));
+    let repeated: Vec<_> = w.iter().map(|x| repeated_on_device(gpu, x, k3_experts)).collect();
+    let wide = [0, 1, 2].map(|i| timed(&w[i], (gpu.ptr(&repeated[i].0), gpu.ptr(&repeated[i].1))));
     for n in [1usize, 8, 64] {
-        time_routing(&gpu, &wide, k3_experts, k3.moe.top_k, latent, inter, situ, n, &mut rng);
+        let s = Shape { n, k: k3.moe.top_k, experts: k3_experts, latent, inter };
+        time_routing(&dev, &wide, s, situ, &mut rng);
     }
 }

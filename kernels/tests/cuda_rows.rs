@@ -1,4 +1,4 @@
-//! The fused residual add, AttnRes read and RMSNorm (`Gpu::attn_res_norm`, `kernels/cuda/common.cu`) on a GPU at
+//! The fused residual add, AttnRes read and RMSNorm (`RowKernels::attn_res_norm`, `kernels/cuda/common.cu`) on a GPU at
 //! K3's hidden width (7,168), at a width whose cluster windows are ragged (1,000) and at k3-tiny's (128), in every
 //! form the device has (one block per token; from Hopper on a cluster of blocks per token): against the CPU
 //! reference's three steps (`cpu::ops::add_rows`, `AttnResQuery::read`, `RmsNorm::forward`), and every token's
@@ -11,14 +11,18 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use sparkd_kernels::cpu::ops::{add_rows, AttnResQuery, RmsNorm};
 use sparkd_kernels::cuda::device::driver_present;
-use sparkd_kernels::cuda::ops::{Gpu, RowSplit, NULL};
+use sparkd_kernels::cuda::gpu::Gpu;
+use sparkd_kernels::cuda::launch::NULL;
+use sparkd_kernels::cuda::rows::{AttnResNormArgs, AttnResRead, RowKernels, RowSplit};
 
-fn gpu() -> Option<Gpu> {
+fn gpu() -> Option<(Gpu, RowKernels)> {
     if !driver_present() {
         eprintln!("SKIPPED: no CUDA driver on this machine; the fused AttnRes read + norm was NOT checked");
         return None;
     }
-    Some(Gpu::new(0).unwrap())
+    let gpu = Gpu::new(0).unwrap();
+    let rows = RowKernels::load(&gpu).unwrap();
+    Some((gpu, rows))
 }
 
 /// `n` values rounded to bf16, uniform in `[-scale, scale)`.
@@ -35,33 +39,36 @@ fn slots(sources: &[Vec<f32>], m: usize, d: usize) -> Vec<bf16> {
     sources.iter().flat_map(|s| to_bf16(&s[..m * d])).collect()
 }
 
-/// One launch over the first `m` tokens: `(out, read)` `[m, d]` as bf16 bits.
-#[allow(clippy::too_many_arguments)]
-fn run(
-    gpu: &Gpu,
-    split: RowSplit,
-    sources: &[Vec<f32>],
-    addend: &[f32],
-    q: &[f32],
-    w: &[f32],
-    m: usize,
+/// One row case: the sources `[nsrc][n, d]`, the addend `[n, d]`, the pseudo-query `q` and norm weight `w`
+/// `[d]`, and the epsilon of both.
+struct Case<'a> {
+    sources: &'a [Vec<f32>],
+    addend: &'a [f32],
+    q: &'a [f32],
+    w: &'a [f32],
     d: usize,
     eps: f32,
-) -> (Vec<u16>, Vec<u16>) {
+}
+
+/// One launch over the first `m` tokens of `c`: `(out, read)` `[m, d]` as bf16 bits.
+fn run(gpu: &Gpu, rows: &RowKernels, split: RowSplit, c: &Case<'_>, m: usize) -> (Vec<u16>, Vec<u16>) {
+    let Case { sources, addend, q, w, d, eps } = *c;
     let src = gpu.upload(&slots(sources, m, d)).unwrap(); // [nsrc, m, d]; the launch writes the live slot
     let add = gpu.upload(&to_bf16(&addend[..m * d])).unwrap();
     let (qd, wd) = (gpu.upload(q).unwrap(), gpu.upload(&to_bf16(w)).unwrap());
     let (out, read) = (gpu.zeros::<bf16>(m * d).unwrap(), gpu.zeros::<bf16>(m * d).unwrap());
     let (s, a, qp, wp) = (gpu.ptr(&src), gpu.ptr(&add), gpu.ptr(&qd), gpu.ptr(&wd));
     let (o, r) = (gpu.ptr(&out), gpu.ptr(&read));
-    gpu.attn_res_norm_as(split, s, m * d, sources.len(), qp, a, (wp, eps), o, r, m, d, eps).unwrap();
+    let reading = AttnResRead { sources: s, slot: m * d, nsrc: sources.len(), q: qp, n: m, d, eps };
+    let args = AttnResNormArgs { read: reading, addend: a, norm: (wp, eps), out: o, read_out: r };
+    rows.attn_res_norm_as(gpu, split, &args).unwrap();
     let bits = |x: Vec<bf16>| x.iter().map(|v| v.to_bits()).collect::<Vec<u16>>();
     (bits(gpu.download(&out, m * d).unwrap()), bits(gpu.download(&read, m * d).unwrap()))
 }
 
 #[test]
 fn the_fused_attn_res_read_and_norm_match_the_cpu_in_every_form_and_are_batch_invariant() {
-    let Some(gpu) = gpu() else { return };
+    let Some((gpu, rows)) = gpu() else { return };
     let mut rng = ChaCha8Rng::seed_from_u64(31);
     let (n, eps) = (16usize, 1e-5f32);
     // K3's 9 sources at most (8 sealed blocks and the live sum); 40 takes both halves of the cluster form's softmax warp.
@@ -83,8 +90,9 @@ fn the_fused_attn_res_read_and_norm_match_the_cpu_in_every_form_and_are_batch_in
         let rms = |x: &[f32]| (x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32).sqrt();
         let (out_floor, read_floor) = (rms(&want) / 4096.0, rms(&want_read) / 4096.0);
 
-        for split in gpu.row_splits() {
-            let (out, read) = run(&gpu, split, &sources, &addend, &q, &w, n, d, eps);
+        let case = Case { sources: &sources, addend: &addend, q: &q, w: &w, d, eps };
+        for split in rows.row_splits() {
+            let (out, read) = run(&gpu, &rows, split, &case, n);
             for (i, (got, want)) in out.iter().zip(&want).enumerate() {
                 // Up to one bf16 step (2^-7 relative at most) each for the read, the normalised value and the output:
                 // the sums run in other fixed orders than the CPU's.
@@ -98,7 +106,7 @@ fn the_fused_attn_res_read_and_norm_match_the_cpu_in_every_form_and_are_batch_in
                 assert!((got - want).abs() <= tol, "{split:?} d {d}, {nsrc} sources: read[{i}] = {got}, CPU {want}");
             }
             for m in [1usize, 3] {
-                let (out_m, read_m) = run(&gpu, split, &sources, &addend, &q, &w, m, d, eps);
+                let (out_m, read_m) = run(&gpu, &rows, split, &case, m);
                 let same = out_m == out[..m * d] && read_m == read[..m * d];
                 assert!(same, "{split:?} d {d}, {nsrc} sources: a token's outputs in a batch of {m} differ from {n}'s");
             }
@@ -109,8 +117,8 @@ fn the_fused_attn_res_read_and_norm_match_the_cpu_in_every_form_and_are_batch_in
 
 #[test]
 fn the_cluster_form_refuses_rows_it_cannot_move_in_16_byte_chunks() {
-    let Some(gpu) = gpu() else { return };
-    if !gpu.row_splits().contains(&RowSplit::Cluster) {
+    let Some((gpu, rows)) = gpu() else { return };
+    if !rows.row_splits().contains(&RowSplit::Cluster) {
         eprintln!("SKIPPED: this GPU has no cluster form (before Hopper); its width check was NOT exercised");
         return;
     }
@@ -120,12 +128,14 @@ fn the_cluster_form_refuses_rows_it_cannot_move_in_16_byte_chunks() {
     let w = gpu.upload(&vec![bf16::ONE; d]).unwrap();
     let out = gpu.upload(&vec![bf16::ONE; n * d]).unwrap();
     let (s, qp, wp, o) = (gpu.ptr(&src), gpu.ptr(&q), gpu.ptr(&w), gpu.ptr(&out));
-    let err = gpu.attn_res_norm_as(RowSplit::Cluster, s, n * d, nsrc, qp, NULL, (wp, 1e-5), o, NULL, n, d, 1e-5);
+    let read = AttnResRead { sources: s, slot: n * d, nsrc, q: qp, n, d, eps: 1e-5 };
+    let args = AttnResNormArgs { read, addend: NULL, norm: (wp, 1e-5), out: o, read_out: NULL };
+    let err = rows.attn_res_norm_as(&gpu, RowSplit::Cluster, &args);
     let text = err.expect_err("width 1004 is not whole 16-byte chunks").to_string();
     assert!(text.contains("width 1004") && text.contains("multiples of 8"), "{text}");
     // The automatic choice takes the one-block form for such a row instead, and overwrites the ones with the
     // normalised zeros.
-    gpu.attn_res_norm(s, n * d, nsrc, qp, NULL, (wp, 1e-5), o, NULL, n, d, 1e-5).unwrap();
+    rows.attn_res_norm(&gpu, &args).unwrap();
     let got = gpu.download(&out, n * d).unwrap();
     assert!(got.iter().all(|v| v.to_f32() == 0.0), "the one-block form's output of zero sources is zero");
 }

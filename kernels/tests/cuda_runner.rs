@@ -10,8 +10,8 @@ use std::sync::{Mutex, OnceLock};
 
 use contract::*;
 use sparkd_kernels::cuda::device::driver_present;
-use sparkd_kernels::cuda::validate::{self, ValidationOptions};
 use sparkd_kernels::cuda::{probe, CudaRunner};
+use sparkd_kernels::harness::validate::{self, ValidationOptions};
 use sparkd_kernels::runner::{RowInput, RowOutput, SampleRequest, SamplingParams};
 use sparkd_kernels::synth::SyntheticWeights;
 use sparkd_kernels::{ModelConfig, Runner};

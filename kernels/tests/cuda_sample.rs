@@ -14,8 +14,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use sparkd_kernels::acceptance::{self, AcceptanceMode, SyntheticSchedule, VerifyWindow};
 use sparkd_kernels::cuda::device::driver_present;
-use sparkd_kernels::cuda::ops::Gpu;
-use sparkd_kernels::cuda::sample::{self, DeviceDraw, DeviceTokenMask, DrawPlan, VerifyRow};
+use sparkd_kernels::cuda::gpu::Gpu;
+use sparkd_kernels::cuda::sample::{self, DeviceDraw, DeviceTokenMask, DrawPlan, LogitsRows, SampleKernels, VerifyRow};
 use sparkd_kernels::dspark::model::{draft_uniform, DRAFT_STREAM};
 use sparkd_kernels::runner::{RowInput, SampleRequest, SamplingParams, TokenMask};
 use sparkd_kernels::sampling::{self, hash3, uniform, Distribution, RngStream};
@@ -29,13 +29,23 @@ const CDF_EPS: f64 = 1e-9;
 /// f32 draft probabilities against the CPU's f64 ones.
 const Q_REL: f64 = 1e-5;
 
-fn gpu() -> Option<std::sync::MutexGuard<'static, Gpu>> {
+/// The GPU with its sampling kernels.
+struct Dev {
+    gpu: Gpu,
+    sample: SampleKernels,
+}
+
+fn gpu() -> Option<std::sync::MutexGuard<'static, Dev>> {
     if !driver_present() {
         eprintln!("SKIPPED: no CUDA driver on this machine; device sampling was NOT checked");
         return None;
     }
-    static G: OnceLock<Mutex<Gpu>> = OnceLock::new();
-    let g = G.get_or_init(|| Mutex::new(Gpu::new(0).unwrap()));
+    static G: OnceLock<Mutex<Dev>> = OnceLock::new();
+    let g = G.get_or_init(|| {
+        let gpu = Gpu::new(0).unwrap();
+        let sample = SampleKernels::load(&gpu).unwrap();
+        Mutex::new(Dev { gpu, sample })
+    });
     Some(g.lock().unwrap_or_else(|e| e.into_inner()))
 }
 
@@ -132,12 +142,13 @@ impl Tally {
 
 #[test]
 fn the_rng_port_matches_bit_for_bit() {
-    let Some(g) = gpu() else { return };
+    let Some(held) = gpu() else { return };
+    let Dev { gpu: g, sample: k } = &*held;
     let mut rng = ChaCha8Rng::seed_from_u64(3);
     let mut inputs: Vec<(u64, u64, u64)> =
         (0..20_000).map(|i| (rng.gen(), rng.gen::<u64>() >> (i % 64), [0, 1, 2, DRAFT_STREAM][i % 4])).collect();
     inputs.extend([(0, 0, 0), (u64::MAX, u64::MAX, u64::MAX), (42, 7, DRAFT_STREAM)]);
-    let device = sample::hash3_on_device(&g, &inputs).unwrap();
+    let device = k.hash3_on_device(g, &inputs).unwrap();
     let wrong = inputs.iter().zip(&device).filter(|((s, p, st), d)| hash3(*s, *p, *st) != **d).count();
     eprintln!("hash3: {} triples, {wrong} differ", inputs.len());
     assert_eq!(wrong, 0);
@@ -145,11 +156,12 @@ fn the_rng_port_matches_bit_for_bit() {
 
 #[test]
 fn sampling_and_processed_probabilities_match_the_cpu() {
-    let Some(g) = gpu() else { return };
+    let Some(held) = gpu() else { return };
+    let Dev { gpu: g, sample: k } = &*held;
     let rows = logit_rows(7);
     let dev = g.upload(&rows).unwrap();
     let mask = test_mask();
-    let dmask = DeviceTokenMask::upload(&g, &mask).unwrap();
+    let dmask = DeviceTokenMask::upload(g, &mask).unwrap();
     let probs = g.zeros::<f32>(ROWS * VOCAB).unwrap();
     let mut tally = Tally::default();
     let (mut worst_rel, mut support_diff, mut compared) = (0.0f64, 0usize, 0usize);
@@ -159,18 +171,16 @@ fn sampling_and_processed_probabilities_match_the_cpu() {
             let params: Vec<SamplingParams> =
                 (0..ROWS).map(|r| SamplingParams { seed: (ci * 1000 + r) as u64, ..base.clone() }).collect();
             let positions: Vec<u64> = (0..ROWS).map(|r| 100 + (r * 37 + ci) as u64).collect();
-            let tokens = sample::sample_rows(
-                &g,
-                g.ptr(&dev),
-                ROWS,
-                VOCAB,
-                &params,
-                &positions,
-                RngStream::Token as u64,
-                masked.then_some(&dmask),
-                Some(g.ptr(&probs)),
-            )
-            .unwrap();
+            let tokens = k
+                .sample_rows(
+                    g,
+                    &LogitsRows { logits: g.ptr(&dev), rows: ROWS, vocab: VOCAB, params: &params },
+                    &positions,
+                    RngStream::Token as u64,
+                    masked.then_some(&dmask),
+                    Some(g.ptr(&probs)),
+                )
+                .unwrap();
             let host_probs = g.download(&probs, ROWS * VOCAB).unwrap();
             // Per row: (cpu token, near a boundary, (worst relative error, support differences) when compared).
             let cpu_rows = par_map(ROWS, |r| {
@@ -221,15 +231,24 @@ fn sampling_and_processed_probabilities_match_the_cpu() {
 
 #[test]
 fn draft_sampling_uses_the_drafter_stream() {
-    let Some(g) = gpu() else { return };
+    let Some(held) = gpu() else { return };
+    let Dev { gpu: g, sample: k } = &*held;
     let rows = logit_rows(8);
     let dev = g.upload(&rows).unwrap();
     let params: Vec<SamplingParams> = (0..ROWS)
         .map(|r| SamplingParams { temperature: 0.8, top_p: 0.95, top_k: 0, seed: r as u64 * 3, logprobs: None })
         .collect();
     let positions: Vec<u64> = (0..ROWS as u64).map(|r| 5000 + r).collect();
-    let tokens =
-        sample::sample_rows(&g, g.ptr(&dev), ROWS, VOCAB, &params, &positions, DRAFT_STREAM, None, None).unwrap();
+    let tokens = k
+        .sample_rows(
+            g,
+            &LogitsRows { logits: g.ptr(&dev), rows: ROWS, vocab: VOCAB, params: &params },
+            &positions,
+            DRAFT_STREAM,
+            None,
+            None,
+        )
+        .unwrap();
     let mut tally = Tally::default();
     for r in 0..ROWS {
         let d = Distribution::from_logits(&host_row(&rows, r, None), &params[r]).unwrap();
@@ -280,7 +299,8 @@ fn f32_logit_rows(seed: u64) -> Vec<f32> {
 /// distribution the CPU's, with the same support, for every parameter set.
 #[test]
 fn f32_rows_draw_like_the_cpu_drafter() {
-    let Some(g) = gpu() else { return };
+    let Some(held) = gpu() else { return };
+    let Dev { gpu: g, sample: k } = &*held;
     let rows = f32_logit_rows(12);
     let dev = g.upload(&rows).unwrap();
     let probs = g.zeros::<f32>(ROWS * VOCAB).unwrap(); // [ROWS, VOCAB]
@@ -304,9 +324,9 @@ fn f32_rows_draw_like_the_cpu_drafter() {
                 })
                 .collect()
         };
-        let plan = DrawPlan::new(&g, VOCAB, &[group(0), group(1)], DRAFT_STREAM).unwrap();
-        plan.launch(&g, 1).unwrap();
-        plan.finish(&g).unwrap();
+        let plan = DrawPlan::new(g, VOCAB, &[group(0), group(1)], DRAFT_STREAM).unwrap();
+        plan.launch(g, k, 1).unwrap();
+        plan.finish(g).unwrap();
         let slots = g.download(&tokens, 2 * ROWS).unwrap();
         assert!(slots[..ROWS].iter().all(|t| *t == 0), "an unlaunched group wrote tokens");
         let got = &slots[ROWS..];
@@ -355,7 +375,8 @@ fn f32_rows_draw_like_the_cpu_drafter() {
 /// A NaN or +inf f32 logit, or a row of only -inf, is an error of `finish`, naming the row.
 #[test]
 fn bad_f32_rows_are_errors() {
-    let Some(g) = gpu() else { return };
+    let Some(held) = gpu() else { return };
+    let Dev { gpu: g, sample: k } = &*held;
     let params = SamplingParams { temperature: 1.0, top_p: 1.0, top_k: 0, seed: 1, logprobs: None };
     let token = g.zeros::<u32>(1).unwrap();
     let probs = g.zeros::<f32>(VOCAB).unwrap();
@@ -376,19 +397,18 @@ fn bad_f32_rows_are_errors() {
             params: &params,
             position: 3,
         };
-        let plan = DrawPlan::new(&g, VOCAB, &[vec![draw]], DRAFT_STREAM).unwrap();
-        plan.launch(&g, 0).unwrap();
-        let err = plan.finish(&g).expect_err(name).to_string();
+        let plan = DrawPlan::new(g, VOCAB, &[vec![draw]], DRAFT_STREAM).unwrap();
+        plan.launch(g, k, 0).unwrap();
+        let err = plan.finish(g).expect_err(name).to_string();
         assert!(err.contains(want), "{name}: {err}");
-        assert!(plan.launch(&g, 1).is_err(), "a group that does not exist");
+        assert!(plan.launch(g, k, 1).is_err(), "a group that does not exist");
     }
     let bad = SamplingParams { temperature: -1.0, ..params };
     let draw = DeviceDraw { logits: 0, probs_out: 0, token_out: 0, params: &bad, position: 0 };
-    assert!(DrawPlan::new(&g, VOCAB, &[vec![draw]], DRAFT_STREAM).is_err(), "bad parameters");
+    assert!(DrawPlan::new(g, VOCAB, &[vec![draw]], DRAFT_STREAM).is_err(), "bad parameters");
 }
 
 /// Why a device verdict may differ from the CPU's: the first differing position decides.
-#[allow(clippy::too_many_arguments)]
 fn explain(
     target: &[f32],
     q_logits: Option<&[f32]>,
@@ -428,11 +448,12 @@ fn explain(
 
 #[test]
 fn verify_matches_acceptance_verify() {
-    let Some(g) = gpu() else { return };
+    let Some(held) = gpu() else { return };
+    let Dev { gpu: g, sample: k } = &*held;
     let rows = logit_rows(9);
     let dev = g.upload(&rows).unwrap();
     let mask = test_mask();
-    let dmask = DeviceTokenMask::upload(&g, &mask).unwrap();
+    let dmask = DeviceTokenMask::upload(g, &mask).unwrap();
     let l = 3; // drafts per window: rows [4w, 4w + 4) are a window's target, rows of window w + 8 its q
     let windows = ROWS / (l + 1);
     let q_buf = g.zeros::<f32>(ROWS * VOCAB).unwrap();
@@ -463,7 +484,13 @@ fn verify_matches_acceptance_verify() {
                 for (w, p) in params.iter().enumerate() {
                     let src = g.ptr(&dev) + (q_rows(w) * VOCAB * 2) as u64;
                     let dst = g.ptr(&q_buf) + (w * (l + 1) * VOCAB * 4) as u64;
-                    sample::probs_from_logits(&g, src, l, VOCAB, &vec![p.clone(); l], None, dst).unwrap();
+                    k.probs_from_logits(
+                        g,
+                        &LogitsRows { logits: src, rows: l, vocab: VOCAB, params: &vec![p.clone(); l] },
+                        None,
+                        dst,
+                    )
+                    .unwrap();
                 }
             }
             let mut rng = ChaCha8Rng::seed_from_u64((ci * 10 + variant) as u64);
@@ -496,10 +523,9 @@ fn verify_matches_acceptance_verify() {
                     q: with_q.then(|| g.ptr(&q_buf) + (w * (l + 1) * VOCAB * 4) as u64),
                 })
                 .collect();
-            let verdicts = sample::verify_rows(&g, VOCAB, &verify, masked.then_some(&dmask), &mode).unwrap();
+            let verdicts = k.verify_rows(g, VOCAB, &verify, masked.then_some(&dmask), &mode).unwrap();
             // Batch invariance: the last window alone gives the same verdict.
-            let alone =
-                sample::verify_rows(&g, VOCAB, &verify[windows - 1..], masked.then_some(&dmask), &mode).unwrap();
+            let alone = k.verify_rows(g, VOCAB, &verify[windows - 1..], masked.then_some(&dmask), &mode).unwrap();
             assert_eq!(alone[0], verdicts[windows - 1], "a verdict depends on the batch");
             // Per window: the CPU verdict, and whether a difference from the device's is near a boundary.
             let cpu_windows = par_map(windows, |w| {
@@ -567,22 +593,68 @@ fn verify_matches_acceptance_verify() {
 
 #[test]
 fn bad_rows_and_parameters_are_errors() {
-    let Some(g) = gpu() else { return };
+    let Some(held) = gpu() else { return };
+    let Dev { gpu: g, sample: k } = &*held;
     let mut rows = vec![bf16::from_f32(0.5); 2 * VOCAB];
     rows[VOCAB + 77] = bf16::NAN;
     let dev = g.upload(&rows).unwrap();
     let greedy = vec![SamplingParams::greedy(); 2];
-    let err = sample::sample_rows(&g, g.ptr(&dev), 2, VOCAB, &greedy, &[0, 0], 0, None, None).unwrap_err();
+    let err = k
+        .sample_rows(
+            g,
+            &LogitsRows { logits: g.ptr(&dev), rows: 2, vocab: VOCAB, params: &greedy },
+            &[0, 0],
+            0,
+            None,
+            None,
+        )
+        .unwrap_err();
     assert_eq!(err.kind(), "invalid_input");
     assert!(err.to_string().contains("77"), "{err}");
     let many = SamplingParams { logprobs: Some(sample::MAX_TOP_N + 1), ..SamplingParams::greedy() };
-    assert!(sample::sample_rows(&g, g.ptr(&dev), 1, VOCAB, &[many], &[0], 0, None, None).is_err());
-    assert!(sample::sample_rows(&g, g.ptr(&dev), 2, VOCAB, &greedy[..1], &[0], 0, None, None).is_err());
+    assert!(k
+        .sample_rows(
+            g,
+            &LogitsRows { logits: g.ptr(&dev), rows: 1, vocab: VOCAB, params: &[many] },
+            &[0],
+            0,
+            None,
+            None
+        )
+        .is_err());
+    assert!(k
+        .sample_rows(
+            g,
+            &LogitsRows { logits: g.ptr(&dev), rows: 2, vocab: VOCAB, params: &greedy[..1] },
+            &[0],
+            0,
+            None,
+            None
+        )
+        .is_err());
     let bad_t = SamplingParams { temperature: f32::NAN, ..SamplingParams::greedy() };
-    assert!(sample::sample_rows(&g, g.ptr(&dev), 1, VOCAB, &[bad_t], &[0], 0, None, None).is_err());
-    assert!(DeviceTokenMask::upload(&g, &TokenMask::from_fn(VOCAB, |_| false)).is_err());
-    let small = DeviceTokenMask::upload(&g, &TokenMask::from_fn(10, |_| true)).unwrap();
-    assert!(sample::sample_rows(&g, g.ptr(&dev), 1, VOCAB, &greedy[..1], &[0], 0, Some(&small), None).is_err());
+    assert!(k
+        .sample_rows(
+            g,
+            &LogitsRows { logits: g.ptr(&dev), rows: 1, vocab: VOCAB, params: &[bad_t] },
+            &[0],
+            0,
+            None,
+            None
+        )
+        .is_err());
+    assert!(DeviceTokenMask::upload(g, &TokenMask::from_fn(VOCAB, |_| false)).is_err());
+    let small = DeviceTokenMask::upload(g, &TokenMask::from_fn(10, |_| true)).unwrap();
+    assert!(k
+        .sample_rows(
+            g,
+            &LogitsRows { logits: g.ptr(&dev), rows: 1, vocab: VOCAB, params: &greedy[..1] },
+            &[0],
+            0,
+            Some(&small),
+            None
+        )
+        .is_err());
 }
 
 /// A measurement, not a check (`-- --ignored --nocapture sampling_step_time`): the sampling launch
@@ -591,7 +663,8 @@ fn bad_rows_and_parameters_are_errors() {
 #[test]
 #[ignore = "a measurement: prints µs per sampling step; run with --ignored on a GPU"]
 fn sampling_step_time() {
-    let Some(g) = gpu() else { return };
+    let Some(held) = gpu() else { return };
+    let Dev { gpu: g, sample: k } = &*held;
     let rows = logit_rows(10);
     let dev = g.upload(&rows).unwrap();
     let sets = [
@@ -604,8 +677,17 @@ fn sampling_step_time() {
         for batch in [1usize, 64] {
             let params = vec![p.clone(); batch];
             let positions: Vec<u64> = (0..batch as u64).collect();
-            let run =
-                || sample::sample_rows(&g, g.ptr(&dev), batch, VOCAB, &params, &positions, 0, None, None).unwrap();
+            let run = || {
+                k.sample_rows(
+                    g,
+                    &LogitsRows { logits: g.ptr(&dev), rows: batch, vocab: VOCAB, params: &params },
+                    &positions,
+                    0,
+                    None,
+                    None,
+                )
+                .unwrap()
+            };
             run();
             let iters = 20;
             let t0 = std::time::Instant::now();
@@ -635,9 +717,9 @@ fn sampling_step_time() {
                 })
                 .collect();
             let run = || {
-                let plan = DrawPlan::new(&g, VOCAB, std::slice::from_ref(&draws), DRAFT_STREAM).unwrap();
-                plan.launch(&g, 0).unwrap();
-                plan.finish(&g).unwrap();
+                let plan = DrawPlan::new(g, VOCAB, std::slice::from_ref(&draws), DRAFT_STREAM).unwrap();
+                plan.launch(g, k, 0).unwrap();
+                plan.finish(g).unwrap();
             };
             run();
             let t0 = std::time::Instant::now();
@@ -661,7 +743,7 @@ fn sampling_step_time() {
                 q: None,
             })
             .collect();
-        let run = || sample::verify_rows(&g, VOCAB, &rows, None, &AcceptanceMode::Standard).unwrap();
+        let run = || k.verify_rows(g, VOCAB, &rows, None, &AcceptanceMode::Standard).unwrap();
         run();
         let t0 = std::time::Instant::now();
         for _ in 0..20 {

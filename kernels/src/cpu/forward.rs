@@ -14,11 +14,12 @@
 use crate::config::ModelConfig;
 use crate::cpu::kda::{kda_window, KdaInputs};
 use crate::cpu::mla::mla_window;
-use crate::cpu::moe::{latent_moe, situ_mlp, Routing};
+use crate::cpu::moe::{latent_moe, situ_mlp};
 use crate::cpu::ops::add_rows;
 use crate::cpu::weights::{FfnWeights, MixerWeights, ModelWeights};
 use crate::error::{KernelError, Result};
 use crate::float::Real;
+use crate::routing::Routing;
 use crate::runner::TokenId;
 use crate::state::{KdaState, SeqState};
 use crate::tensor::WeightSource;

@@ -11,6 +11,7 @@ use crate::config::ModelConfig;
 use crate::cpu::ops::{add_rows, situ_rows};
 use crate::cpu::weights::{MoeWeights, SituMlp};
 use crate::float::Real;
+use crate::routing::Routing;
 
 /// `down(SiTU(gate x, up x))` over rows `[n, d]`.
 pub fn situ_mlp<F: Real>(cfg: &ModelConfig, w: &SituMlp<F>, x: &[F]) -> Vec<F> {
@@ -18,17 +19,6 @@ pub fn situ_mlp<F: Real>(cfg: &ModelConfig, w: &SituMlp<F>, x: &[F]) -> Vec<F> {
     let u = w.up.forward(x);
     let a = situ_rows(&g, &u, F::from_f32(cfg.situ_beta), F::from_f32(cfg.situ_linear_beta));
     w.down.forward(&a)
-}
-
-/// The experts chosen for one token and their combine weights.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Routing<F> {
-    /// Chosen experts, ascending.
-    pub experts: Vec<usize>,
-    pub weights: Vec<F>,
-    /// Selection score of the last chosen expert minus that of the best unchosen one (how close the
-    /// decision was to a tie); 0 when every expert is chosen.
-    pub margin: F,
 }
 
 /// The router for one token `h` `[d]`: top-k of `sigmoid(W h) + bias`, weights from the unbiased scores.

@@ -272,7 +272,7 @@ mod tests {
 
     #[test]
     fn every_kernel_waits_for_the_kernel_before_it() {
-        // The host launches every kernel with programmatic stream serialisation (ops.rs); a kernel that never
+        // The host launches every kernel with programmatic stream serialisation (`cuda::launch`); a kernel that never
         // reached `grid_dependency_wait` could read its predecessor's output before it is written.
         for src in SOURCES {
             let fns = functions(src.code);

@@ -23,18 +23,21 @@
 //!   and the processed distribution as that draft's `q` (f32 probabilities, the layout
 //!   `cuda::sample::verify_rows` reads). No logits row leaves the device: only the block's tokens,
 //!   confidences and the draws' status words come back, at the end.
-//! - All work runs on the runner's one stream (see `cuda::ops`).
+//! - All work runs on the runner's main stream (see `cuda::gpu`). The kernels of `drafter.cu` come from the
+//!   device's module store (compiled once with every other source); the shared ops (norms, GEMMs, sampling) are
+//!   the target model's op families (`DeviceModel::ops`).
 
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
-use cudarc::nvrtc::Ptx;
 use half::bf16;
 
 use crate::config::MLA_NORM_EPS;
-use crate::cuda::compile::{Compiler, SOURCES};
-use crate::cuda::device::device_err;
-use crate::cuda::forward::{reserve, DeviceMla, DeviceModel};
-use crate::cuda::ops::{DPtr, Gpu, NULL};
+use crate::cuda::forward::DeviceModel;
+use crate::cuda::gpu::Gpu;
+use crate::cuda::launch::{DPtr, NULL};
+use crate::cuda::ops::Ops;
+use crate::cuda::rows::{RmsNormArgs, SituArgs};
 use crate::cuda::sample::{DeviceDraw, DeviceTokenMask, DrawPlan};
+use crate::cuda::state::{reserve, DeviceMla};
 use crate::cuda::weights::{DevLinear, DevNorm};
 use crate::dspark::config::{DrafterConfig, MAX_BLOCK};
 use crate::dspark::model::DRAFT_STREAM;
@@ -57,21 +60,9 @@ struct DrafterKernels {
 }
 
 impl DrafterKernels {
+    /// Looks the kernels up in `gpu`'s module store.
     fn load(gpu: &Gpu) -> Result<Self> {
-        let src = SOURCES
-            .iter()
-            .find(|s| s.name == "drafter.cu")
-            .ok_or_else(|| KernelError::Device("drafter.cu is not among the kernel sources".into()))?;
-        let compiler = Compiler {
-            arch: gpu.info.arch(),
-            include_dir: crate::cuda::compile::default_include_dir(),
-            cache_dir: crate::cuda::compile::default_cache_dir(),
-        };
-        let module = gpu
-            .ctx
-            .load_module(Ptx::from_binary(compiler.cubin(src)?))
-            .map_err(|e| device_err("loading drafter.cu", e))?;
-        let f = |name: &str| module.load_function(name).map_err(|e| device_err(&format!("kernel {name}"), e));
+        let f = |name: &str| gpu.function(name);
         Ok(DrafterKernels {
             concat_taps: f("concat_taps")?,
             rope_rows: f("rope_rows")?,
@@ -80,6 +71,18 @@ impl DrafterKernels {
             argmax_step: f("argmax_step")?,
         })
     }
+}
+
+/// RoPE in place of `vectors` vectors at `x + v * stride + offset` (elements, bf16), vector `v` at position
+/// `positions[v / group]` (`positions` `[vectors / group]` i32).
+#[derive(Clone, Copy, Debug)]
+struct RopeArgs {
+    x: DPtr,
+    stride: usize,
+    offset: usize,
+    group: usize,
+    positions: DPtr,
+    vectors: usize,
 }
 
 /// One draft layer's weights: RoPE MLA (no output gate) and a dense SiTU MLP, pre-norm.
@@ -239,16 +242,16 @@ impl Loader<'_> {
 }
 
 /// `[n, out]` = `x [n, in] · wᵀ`, a fresh buffer.
-fn linear(gpu: &Gpu, w: &DevLinear, x: DPtr, n: usize) -> Result<CudaSlice<bf16>> {
+fn linear(gpu: &Gpu, ops: &Ops, w: &DevLinear, x: DPtr, n: usize) -> Result<CudaSlice<bf16>> {
     let y = gpu.uninit::<bf16>(n * w.out_dim)?; // written in full by the GEMM
-    gpu.linear(gpu.ptr(&w.w), w.out_dim, w.in_dim, x, n, gpu.ptr(&y))?;
+    ops.gemm.linear(gpu, &w.args(gpu, x, n, gpu.ptr(&y)))?;
     Ok(y)
 }
 
 /// RMSNorm of `[n, dim]` rows into a fresh buffer.
-fn norm(gpu: &Gpu, w: &DevNorm, x: DPtr, n: usize, dim: usize) -> Result<CudaSlice<bf16>> {
+fn norm(gpu: &Gpu, ops: &Ops, w: &DevNorm, x: DPtr, n: usize, dim: usize) -> Result<CudaSlice<bf16>> {
     let y = gpu.uninit::<bf16>(n * dim)?; // every row written by the norm
-    gpu.rms_norm(x, dim, gpu.ptr(&w.w), gpu.ptr(&y), dim, n, dim, w.eps)?;
+    ops.rows.rms_norm(gpu, &w.args(gpu, x, gpu.ptr(&y), n, dim))?;
     Ok(y)
 }
 
@@ -308,23 +311,9 @@ impl DeviceDrafter {
         &self.cfg
     }
 
-    fn launch_err(name: &'static str) -> impl Fn(cudarc::driver::DriverError) -> KernelError {
-        move |e| device_err(&format!("launching {name}"), e)
-    }
-
-    /// RoPE in place of `vectors` vectors at `x + v * stride + offset` (elements), vector `v` at
-    /// position `positions[v / group]`.
-    #[allow(clippy::too_many_arguments)]
-    fn rope(
-        &self,
-        gpu: &Gpu,
-        x: DPtr,
-        stride: usize,
-        offset: usize,
-        group: usize,
-        positions: DPtr,
-        vectors: usize,
-    ) -> Result<()> {
+    /// RoPE in place as `a` says.
+    fn rope(&self, gpu: &Gpu, a: &RopeArgs) -> Result<()> {
+        let RopeArgs { x, stride, offset, group, positions, vectors } = *a;
         let len = self.cfg.qk_rope_head_dim;
         let pairs = vectors * len / 2;
         let cfg = LaunchConfig {
@@ -337,25 +326,46 @@ impl DeviceDrafter {
         let theta = self.cfg.rope_theta;
         let mut b = gpu.launcher(&self.kernels.rope_rows);
         b.arg(&x).arg(&stride).arg(&offset).arg(&len).arg(&group).arg(&positions).arg(&vectors).arg(&theta);
-        unsafe { b.launch(cfg) }.map(|_| gpu.count_launch()).map_err(Self::launch_err("rope_rows"))
+        // SAFETY: the arguments match rope_rows; `x` and `positions` cover the vectors (callers' shapes).
+        unsafe { b.launch(cfg, "rope_rows") }
     }
 
     /// Latent entries `[n, kv_lora + rope]` of rows `h` `[n, d]` at `positions` (`[n]` i32).
-    fn latents(&self, gpu: &Gpu, layer: &DraftLayer, h: DPtr, positions: DPtr, n: usize) -> Result<CudaSlice<bf16>> {
+    fn latents(
+        &self,
+        gpu: &Gpu,
+        ops: &Ops,
+        layer: &DraftLayer,
+        h: DPtr,
+        positions: DPtr,
+        n: usize,
+    ) -> Result<CudaSlice<bf16>> {
         let m = self.cfg.mla();
         let (r, ld) = (m.kv_lora_rank, m.latent_dim());
-        let kva = linear(gpu, &layer.kv_a_proj, h, n)?;
+        let kva = linear(gpu, ops, &layer.kv_a_proj, h, n)?;
         let p = gpu.ptr(&kva);
-        gpu.rms_norm(p, ld, gpu.ptr(&layer.kv_a_norm.w), p, ld, n, r, layer.kv_a_norm.eps)?;
-        self.rope(gpu, p, ld, r, 1, positions, n)?;
+        let kv_norm = &layer.kv_a_norm;
+        let normed = RmsNormArgs {
+            x: p,
+            x_stride: ld,
+            w: gpu.ptr(&kv_norm.w),
+            y: p,
+            y_stride: ld,
+            rows: n,
+            dim: r,
+            eps: kv_norm.eps,
+        };
+        ops.rows.rms_norm(gpu, &normed)?;
+        self.rope(gpu, &RopeArgs { x: p, stride: ld, offset: r, group: 1, positions, vectors: n })?;
         Ok(kva)
     }
 
     /// Appends context entries to each `(context, count)` from `taps` (`[m, tokens, d]`, the
-    /// forward's taps): context `i` gets the taps of the `count` tokens starting at token `first`.
+    /// forward's taps of `target`): context `i` gets the taps of the `count` tokens starting at token `first`.
     pub fn append_context(
         &self,
         gpu: &Gpu,
+        target: &DeviceModel,
         taps: &CudaSlice<bf16>,
         tokens: usize,
         rows: &mut [(&mut DrafterContext, usize, usize)],
@@ -377,13 +387,15 @@ impl DeviceDrafter {
         let (taps_ptr, idx_ptr, out_ptr) = (gpu.ptr(taps), gpu.ptr(&idx), gpu.ptr(&concat));
         let mut b = gpu.launcher(&self.kernels.concat_taps);
         b.arg(&taps_ptr).arg(&slot).arg(&idx_ptr).arg(&out_ptr).arg(&d_);
-        unsafe { b.launch(cfg) }.map(|_| gpu.count_launch()).map_err(Self::launch_err("concat_taps"))?;
-        let projected = linear(gpu, &self.context_proj, gpu.ptr(&concat), n)?;
-        let ctx = norm(gpu, &self.context_norm, gpu.ptr(&projected), n, d)?; // [n, d]
+        // SAFETY: the arguments match concat_taps; the taps cover every wanted token (checked above).
+        unsafe { b.launch(cfg, "concat_taps") }?;
+        let ops = &target.ops;
+        let projected = linear(gpu, ops, &self.context_proj, gpu.ptr(&concat), n)?;
+        let ctx = norm(gpu, ops, &self.context_norm, gpu.ptr(&projected), n, d)?; // [n, d]
         let positions = gpu.upload(&to_i32(rows.iter().flat_map(|(c, _, count)| c.len()..c.len() + count))?)?;
         let ld = self.cfg.mla().latent_dim();
         for (li, layer) in self.layers.iter().enumerate() {
-            let kva = self.latents(gpu, layer, gpu.ptr(&ctx), gpu.ptr(&positions), n)?;
+            let kva = self.latents(gpu, ops, layer, gpu.ptr(&ctx), gpu.ptr(&positions), n)?;
             let mut at = 0usize;
             for (context, _, count) in rows.iter_mut() {
                 let cache = &mut context.layers[li];
@@ -452,15 +464,24 @@ impl DeviceDrafter {
         let tokens = gpu.upload(&block_tokens)?;
         let positions = gpu.upload(&to_i32(positions.into_iter())?)?;
         let x = gpu.zeros::<bf16>(n * d)?; // [n, d] residual stream
-        gpu.embed(gpu.ptr(&target.weights.embed), gpu.ptr(&tokens), gpu.ptr(&x), n, d)?;
+        let ops = &target.ops;
+        ops.rows.embed(gpu, gpu.ptr(&target.weights.embed), gpu.ptr(&tokens), gpu.ptr(&x), n, d)?;
         let scale = 1.0f32 / (qh as f32).sqrt();
         for (li, layer) in self.layers.iter().enumerate() {
-            let h = norm(gpu, &layer.input_norm, gpu.ptr(&x), n, d)?;
-            let qa = linear(gpu, &layer.q_a_proj, gpu.ptr(&h), n)?;
-            let qa_n = norm(gpu, &layer.q_a_norm, gpu.ptr(&qa), n, mla.q_lora_rank)?;
-            let q = linear(gpu, &layer.q_b_proj, gpu.ptr(&qa_n), n)?; // [n, H·qh]
-            self.rope(gpu, gpu.ptr(&q), qh, mla.qk_nope_head_dim, heads, gpu.ptr(&positions), n * heads)?;
-            let block = self.latents(gpu, layer, gpu.ptr(&h), gpu.ptr(&positions), n)?; // [n, ld]
+            let h = norm(gpu, ops, &layer.input_norm, gpu.ptr(&x), n, d)?;
+            let qa = linear(gpu, ops, &layer.q_a_proj, gpu.ptr(&h), n)?;
+            let qa_n = norm(gpu, ops, &layer.q_a_norm, gpu.ptr(&qa), n, mla.q_lora_rank)?;
+            let q = linear(gpu, ops, &layer.q_b_proj, gpu.ptr(&qa_n), n)?; // [n, H·qh]
+            let rope = RopeArgs {
+                x: gpu.ptr(&q),
+                stride: qh,
+                offset: mla.qk_nope_head_dim,
+                group: heads,
+                positions: gpu.ptr(&positions),
+                vectors: n * heads,
+            };
+            self.rope(gpu, &rope)?;
+            let block = self.latents(gpu, ops, layer, gpu.ptr(&h), gpu.ptr(&positions), n)?; // [n, ld]
             let o = gpu.zeros::<bf16>(n * heads * mla.v_head_dim)?; // [n, H·v]
             for (row, s) in rows.iter_mut().zip(&first) {
                 let (t, entries) = (row.num_drafts, row.context.entries);
@@ -490,24 +511,24 @@ impl DeviceDrafter {
                     b.arg(i);
                 }
                 b.arg(&scale);
-                unsafe { b.launch(launch) }
-                    .map(|_| gpu.count_launch())
-                    .map_err(Self::launch_err("mla_attend_block"))?;
+                // SAFETY: the arguments match mla_attend_block; the cache holds `visible` entries (reserved above).
+                unsafe { b.launch(launch, "mla_attend_block") }?;
             }
-            let attn = linear(gpu, &layer.o_proj, gpu.ptr(&o), n)?;
-            gpu.add(gpu.ptr(&x), gpu.ptr(&attn), n * d)?;
-            let hn = norm(gpu, &layer.post_norm, gpu.ptr(&x), n, d)?;
-            let g = linear(gpu, &layer.mlp_gate, gpu.ptr(&hn), n)?;
-            let u = linear(gpu, &layer.mlp_up, gpu.ptr(&hn), n)?;
+            let attn = linear(gpu, ops, &layer.o_proj, gpu.ptr(&o), n)?;
+            ops.rows.add(gpu, gpu.ptr(&x), gpu.ptr(&attn), n * d)?;
+            let hn = norm(gpu, ops, &layer.post_norm, gpu.ptr(&x), n, d)?;
+            let g = linear(gpu, ops, &layer.mlp_gate, gpu.ptr(&hn), n)?;
+            let u = linear(gpu, ops, &layer.mlp_up, gpu.ptr(&hn), n)?;
             let a = gpu.uninit::<bf16>(n * layer.mlp_gate.out_dim)?; // written in full by situ
             let len = n * layer.mlp_gate.out_dim;
-            gpu.situ(gpu.ptr(&g), gpu.ptr(&u), gpu.ptr(&a), len, cfg.situ_beta, cfg.situ_linear_beta)?;
-            let f = linear(gpu, &layer.mlp_down, gpu.ptr(&a), n)?;
-            gpu.add(gpu.ptr(&x), gpu.ptr(&f), n * d)?;
+            let (beta, lbeta) = (cfg.situ_beta, cfg.situ_linear_beta);
+            ops.rows.situ(gpu, &SituArgs { g: gpu.ptr(&g), u: gpu.ptr(&u), out: gpu.ptr(&a), len, beta, lbeta })?;
+            let f = linear(gpu, ops, &layer.mlp_down, gpu.ptr(&a), n)?;
+            ops.rows.add(gpu, gpu.ptr(&x), gpu.ptr(&f), n * d)?;
         }
-        let hidden = norm(gpu, &self.norm, gpu.ptr(&x), n, d)?; // [n, d]
+        let hidden = norm(gpu, ops, &self.norm, gpu.ptr(&x), n, d)?; // [n, d]
         let lm = &target.weights.lm_head;
-        let base_logits = linear(gpu, lm, gpu.ptr(&hidden), n)?; // U: [n, V]
+        let base_logits = linear(gpu, ops, lm, gpu.ptr(&hidden), n)?; // U: [n, V]
 
         // The Markov loop: one step per block position for every row at once.
         let mut host_tokens = vec![0u32; rows.len() * stride]; // [R, stride]: anchor, then drafts
@@ -577,11 +598,13 @@ impl DeviceDrafter {
             b.arg(&base_ptr).arg(&count_ptr).arg(&tok_ptr).arg(&stride_).arg(&mask_ptr).arg(&logits_ptr);
             b.arg(&conf_ptr);
             b.arg(&v_).arg(&r_).arg(&d_);
-            unsafe { b.launch(step_cfg) }.map(|_| gpu.count_launch()).map_err(Self::launch_err("markov_step"))?;
+            // SAFETY: the arguments match markov_step; every buffer covers the block's rows and vocabulary.
+            unsafe { b.launch(step_cfg, "markov_step") }?;
             let mut b = gpu.launcher(&self.kernels.argmax_step);
             b.arg(&k_).arg(&logits_ptr).arg(&base_ptr).arg(&count_ptr).arg(&tok_ptr).arg(&stride_).arg(&v_);
-            unsafe { b.launch(argmax_cfg) }.map(|_| gpu.count_launch()).map_err(Self::launch_err("argmax_step"))?;
-            plan.launch(gpu, k)?;
+            // SAFETY: the arguments match argmax_step; as above.
+            unsafe { b.launch(argmax_cfg, "argmax_step") }?;
+            plan.launch(gpu, &ops.sample, k)?;
         }
         plan.finish(gpu)?;
         let all_tokens = gpu.download(&draft_tokens, rows.len() * stride)?;

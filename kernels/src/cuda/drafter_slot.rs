@@ -10,7 +10,7 @@
 //!   an import attend over the tokens committed since (still verified losslessly).
 //! - A state has at most one pending proposal: the last `draft` for it, dropped by any step on the
 //!   state. Its `q` (the processed draft distributions `[num_drafts, V]` f32, as
-//!   `cuda::sample::probs_from_logits` writes them) stays on the device for `cuda::sample::verify_rows`;
+//!   `SampleKernels::probs_from_logits` writes them) stays on the device for `SampleKernels::verify_rows`;
 //!   greedy proposals keep none, since greedy verification never reads it. A selected proposal's row
 //!   is checked by `dspark::runner::Pending::check_row` before any state changes.
 
@@ -21,7 +21,7 @@ use half::bf16;
 
 use crate::cuda::drafter::{BlockRow, DeviceDrafter, DrafterContext};
 use crate::cuda::forward::DeviceModel;
-use crate::cuda::ops::Gpu;
+use crate::cuda::gpu::Gpu;
 use crate::cuda::sample::DeviceTokenMask;
 use crate::dspark::runner::{Pending, PendingProposals};
 use crate::error::{KernelError, Result};
@@ -150,11 +150,12 @@ impl DeviceDrafterSlot {
         self.pending.take(id).filter(|p| p.selected).and_then(|p| p.q)
     }
 
-    /// Appends to each state's context the taps (`[m, tokens, d]`, the forward's) of the `count` tokens
-    /// it committed, which start at token `first` of the step: `commits` holds `(state, first, count)`.
+    /// Appends to each state's context the taps (`[m, tokens, d]`, the forward's of `target`) of the `count`
+    /// tokens it committed, which start at token `first` of the step: `commits` holds `(state, first, count)`.
     pub fn commit(
         &mut self,
         gpu: &Gpu,
+        target: &DeviceModel,
         taps: &CudaSlice<bf16>,
         tokens: usize,
         commits: &[(StateId, usize, usize)],
@@ -169,7 +170,7 @@ impl DeviceDrafterSlot {
         let result = {
             let mut rows: Vec<(&mut DrafterContext, usize, usize)> =
                 contexts.iter_mut().zip(commits).map(|(c, (_, first, count))| (c, *first, *count)).collect();
-            self.model.append_context(gpu, taps, tokens, &mut rows)
+            self.model.append_context(gpu, target, taps, tokens, &mut rows)
         };
         for ((id, _, _), context) in commits.iter().zip(contexts) {
             self.contexts.insert(*id, context);

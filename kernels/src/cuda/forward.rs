@@ -1,5 +1,5 @@
-//! The K3 forward on one GPU over a batch of sequence windows, op by op, and the device-resident
-//! per-sequence state it updates.
+//! The K3 forward on one GPU over a batch of sequence windows, op by op ([`DeviceModel`]), over the
+//! device-resident per-sequence state of `cuda::state`.
 //!
 //! Invariants:
 //! - The same contract as `cpu::forward`: row `r` appends its tokens to its state; a row that asked
@@ -8,12 +8,12 @@
 //!   moves the MLA length back (the latent entries past it are simply overwritten later).
 //! - Per-token work (projections, AttnRes, norms, FFN) is batched over every token of every row; the
 //!   KDA and MLA mixers run one batched launch per kernel for all rows, each row over its own device
-//!   state, found through the step's row table (`cuda::attn`), built once per forward.
+//!   state, found through the step's row table (`cuda::step`), built once per forward.
 //! - AttnRes sources live in one buffer of slots `[slots, n, d]`: sealed blocks in seal order, the
 //!   live sum in slot `sealed` (follows shared/reference/k3-architecture.md §2.1: a seal before the
 //!   attention of layer `l % block == 0`; the pre-attention read is skipped while nothing is sealed).
 //!   Each read is fused with the RMSNorm after it and with the residual add before it
-//!   (`Gpu::attn_res_norm`), so an FFN output is added to the live slot by the next layer's read.
+//!   (`RowKernels::attn_res_norm`), so an FFN output is added to the live slot by the next layer's read.
 //! - Logits are produced only for the positions rows ask for, and stay on the device.
 //! - A step is host work (the step table, with the token ids and wanted positions, uploaded once) and then
 //!   device work only (`step_body`: launches, stream-ordered allocations, events), so a step whose shape
@@ -27,17 +27,21 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use crate::config::ModelConfig;
-use crate::cpu::moe::Routing;
-use crate::cuda::attn::{KdaArgs, StepBuffer, StepTables, KDA_CHUNKED_MIN_TOKENS};
+use crate::cuda::attn::{KdaArgs, MlaAppendArgs, MlaAttentionArgs, KDA_CHUNKED_MIN_TOKENS};
 use crate::cuda::device::device_err;
+use crate::cuda::gpu::{Gemm, Gpu};
 use crate::cuda::graph::{CapturedStep, Decision, GraphCache, RowShape, StepShape, GRAPH_MAX_WINDOW};
-use crate::cuda::ops::{moe_group_len, DPtr, ExpertForm, Gemm, Gpu, RouteArgs, NULL};
+use crate::cuda::launch::{DPtr, NULL};
+use crate::cuda::moe::{moe_group_len, CombineArgs, DownArgs, ExpertForm, GateUpArgs, Pairs, RouteArgs};
+use crate::cuda::ops::Ops;
+use crate::cuda::rows::{AttnResNormArgs, AttnResRead, GatherArgs, SituArgs};
+use crate::cuda::state::{DeviceRow, DeviceUndo};
+use crate::cuda::step::{StepBuffer, StepTables};
 use crate::cuda::weights::{
     DevFfn, DevKda, DevLinear, DevMerged, DevMixer, DevMla, DevMlp, DevMoe, DevNorm, DevWeights,
 };
 use crate::error::{KernelError, Result};
-use crate::runner::TokenId;
-use crate::state::{KdaState, MlaCache, SeqState};
+use crate::routing::Routing;
 
 /// Profile span labels ([`Gpu::mark`]): a layer's mixer, its FFN, and the final read, norm and lm_head. The
 /// span of a kind's own label is its AttnRes read and norm; its ops follow in spans labelled `kind.op`
@@ -47,196 +51,6 @@ pub const SPAN_MLA: &str = "mla";
 pub const SPAN_DENSE: &str = "dense";
 pub const SPAN_MOE: &str = "moe";
 pub const SPAN_HEAD: &str = "head";
-
-/// One KDA layer's state on the device.
-pub struct DeviceKda {
-    /// `[H, dk, dk]` fp32
-    pub s: CudaSlice<f32>,
-    /// q, k, v windows, each `[kernel - 1, P]` bf16, oldest first.
-    pub conv: [CudaSlice<bf16>; 3],
-}
-
-/// One MLA layer's latent cache on the device: `[capacity, latent_dim]` bf16, the first `len` valid.
-pub struct DeviceMla {
-    pub cache: CudaSlice<bf16>,
-    pub capacity: usize,
-}
-
-/// A sequence's state on the device.
-pub struct DeviceState {
-    pub len: usize,
-    pub kda: Vec<DeviceKda>,
-    pub mla: Vec<DeviceMla>,
-}
-
-impl DeviceState {
-    pub fn new(gpu: &Gpu, cfg: &ModelConfig) -> Result<Self> {
-        let k = &cfg.kda;
-        let window = (k.conv_kernel - 1) * k.proj_dim();
-        let mut kda = Vec::new();
-        for _ in cfg.kda_layers() {
-            kda.push(DeviceKda {
-                s: gpu.zeros(k.num_heads * k.head_dim * k.head_dim)?,
-                conv: [gpu.zeros(window)?, gpu.zeros(window)?, gpu.zeros(window)?],
-            });
-        }
-        let mut mla = Vec::new();
-        for _ in cfg.mla_layers() {
-            mla.push(DeviceMla { cache: gpu.zeros(0)?, capacity: 0 });
-        }
-        Ok(DeviceState { len: 0, kda, mla })
-    }
-
-    /// A device copy of `self`.
-    pub fn duplicate(&self, gpu: &Gpu, cfg: &ModelConfig) -> Result<Self> {
-        let mut out = DeviceState::new(gpu, cfg)?;
-        out.len = self.len;
-        for (dst, src) in out.kda.iter_mut().zip(&self.kda) {
-            gpu.copy::<f32>(gpu.ptr(&dst.s), gpu.ptr(&src.s), src.s.len())?;
-            for (d, s) in dst.conv.iter().zip(&src.conv) {
-                gpu.copy::<bf16>(gpu.ptr(d), gpu.ptr(s), s.len())?;
-            }
-        }
-        let ld = cfg.mla.latent_dim();
-        for (dst, src) in out.mla.iter_mut().zip(&self.mla) {
-            reserve(gpu, dst, self.len, ld)?;
-            gpu.copy::<bf16>(gpu.ptr(&dst.cache), gpu.ptr(&src.cache), self.len * ld)?;
-        }
-        Ok(out)
-    }
-
-    /// Device bytes the state holds.
-    pub fn bytes(&self, cfg: &ModelConfig) -> usize {
-        let kda: usize =
-            self.kda.iter().map(|k| k.s.len() * 4 + k.conv.iter().map(|c| c.len() * 2).sum::<usize>()).sum();
-        kda + self.mla.iter().map(|m| m.capacity * cfg.mla.latent_dim() * 2).sum::<usize>()
-    }
-
-    /// A host copy in the CPU reference's layout (f32 values; conv windows and latents are bf16 values).
-    pub fn export(&self, gpu: &Gpu, cfg: &ModelConfig) -> Result<SeqState<f32>> {
-        let widen = |v: Vec<bf16>| v.into_iter().map(f32::from).collect::<Vec<f32>>();
-        let mut kda = Vec::new();
-        for k in &self.kda {
-            let conv = [
-                widen(gpu.download(&k.conv[0], k.conv[0].len())?),
-                widen(gpu.download(&k.conv[1], k.conv[1].len())?),
-                widen(gpu.download(&k.conv[2], k.conv[2].len())?),
-            ];
-            kda.push(KdaState { s: gpu.download(&k.s, k.s.len())?, conv });
-        }
-        let ld = cfg.mla.latent_dim();
-        let mut mla = Vec::new();
-        for m in &self.mla {
-            let values = widen(gpu.download(&m.cache, self.len * ld)?);
-            let mut cache = MlaCache::new(ld);
-            for e in values.chunks_exact(ld) {
-                cache.push(e);
-            }
-            mla.push(cache);
-        }
-        Ok(SeqState { len: self.len, kda, mla })
-    }
-
-    /// Uploads a host state (checked against the model's layers by the caller).
-    pub fn import(gpu: &Gpu, cfg: &ModelConfig, host: &SeqState<f32>) -> Result<Self> {
-        let narrow = |v: &[f32]| v.iter().map(|x| bf16::from_f32(*x)).collect::<Vec<bf16>>();
-        let mut kda = Vec::new();
-        for k in &host.kda {
-            kda.push(DeviceKda {
-                s: gpu.upload(&k.s)?,
-                conv: [
-                    gpu.upload(&narrow(&k.conv[0]))?,
-                    gpu.upload(&narrow(&k.conv[1]))?,
-                    gpu.upload(&narrow(&k.conv[2]))?,
-                ],
-            });
-        }
-        let ld = cfg.mla.latent_dim();
-        let mut mla = Vec::new();
-        for m in &host.mla {
-            let flat: Vec<f32> = (0..m.len()).flat_map(|t| m.entry(t).iter().copied()).collect();
-            let mut dev = DeviceMla { cache: gpu.zeros(0)?, capacity: 0 };
-            reserve(gpu, &mut dev, m.len(), ld)?;
-            if !flat.is_empty() {
-                let up = gpu.upload(&narrow(&flat))?;
-                gpu.copy::<bf16>(gpu.ptr(&dev.cache), gpu.ptr(&up), flat.len())?;
-            }
-            mla.push(dev);
-        }
-        Ok(DeviceState { len: host.len, kda, mla })
-    }
-}
-
-/// Grows an MLA cache to hold at least `tokens` entries (doubling), keeping its contents.
-pub(crate) fn reserve(gpu: &Gpu, m: &mut DeviceMla, tokens: usize, ld: usize) -> Result<()> {
-    if tokens <= m.capacity {
-        return Ok(());
-    }
-    let capacity = tokens.max(2 * m.capacity).max(64);
-    let fresh = gpu.zeros::<bf16>(capacity * ld)?;
-    if m.capacity > 0 {
-        gpu.copy::<bf16>(gpu.ptr(&fresh), gpu.ptr(&m.cache), m.capacity * ld)?;
-    }
-    m.cache = fresh;
-    m.capacity = capacity;
-    Ok(())
-}
-
-/// What a verify window keeps on the device to be cut back to an accepted prefix.
-pub struct DeviceUndo {
-    start_len: usize,
-    from: usize,
-    window_len: usize,
-    kda: KdaUndo,
-}
-
-/// The KDA part of a [`DeviceUndo`], every KDA layer of one row (written by the batched KDA kernel).
-pub struct KdaUndo {
-    /// The states after `m` tokens for `from <= m < window_len`, `[layers, window_len - from, H, dk, dk]`.
-    pub(crate) snaps: CudaSlice<f32>,
-    /// The q/k/v conv histories `[layers, 3, kernel - 1 + window_len, P]` (old window, then the window's inputs).
-    pub(crate) hist: CudaSlice<bf16>,
-}
-
-impl DeviceUndo {
-    /// Keeps the first `m` tokens of the window in `state`.
-    pub fn commit(self, gpu: &Gpu, cfg: &ModelConfig, state: &mut DeviceState, m: usize) -> Result<()> {
-        if m < self.from || m > self.window_len {
-            return Err(KernelError::InvalidInput(format!(
-                "cannot commit {m} tokens of a window of {} with snapshots from {}",
-                self.window_len, self.from
-            )));
-        }
-        if m == self.window_len {
-            return Ok(());
-        }
-        let k = &cfg.kda;
-        let (state_len, p, kw) = (k.num_heads * k.head_dim * k.head_dim, k.proj_dim(), k.conv_kernel);
-        let (snaps, hist) = (gpu.ptr(&self.kda.snaps), gpu.ptr(&self.kda.hist));
-        let kept = self.window_len - self.from;
-        let hist_len = kw - 1 + self.window_len;
-        for (l, layer) in state.kda.iter_mut().enumerate() {
-            let snap = snaps + ((l * kept + m - self.from) * state_len * 4) as u64;
-            gpu.copy::<f32>(gpu.ptr(&layer.s), snap, state_len)?;
-            for (x, window) in layer.conv.iter().enumerate() {
-                let rows = hist + (((l * 3 + x) * hist_len + m) * p * 2) as u64;
-                gpu.copy::<bf16>(gpu.ptr(window), rows, (kw - 1) * p)?;
-            }
-        }
-        state.len = self.start_len + m;
-        Ok(())
-    }
-}
-
-/// One sequence's window in a forward call.
-pub struct DeviceRow<'a> {
-    pub state: &'a mut DeviceState,
-    pub tokens: &'a [TokenId],
-    /// Logits are produced for window positions `logits_from..tokens.len()`.
-    pub logits_from: usize,
-    /// Keep what is needed to commit only the first `m >= snapshots_from` tokens afterwards.
-    pub snapshots_from: Option<usize>,
-}
 
 /// The result of a forward call.
 pub struct DeviceOutput {
@@ -269,6 +83,8 @@ pub struct GraphStats {
 pub struct DeviceModel {
     pub cfg: ModelConfig,
     pub weights: DevWeights,
+    /// The op families' kernels on the model's device.
+    pub ops: Ops,
     /// KDA windows of at least this many tokens without snapshots run the chunked form.
     pub kda_chunked_min: usize,
     /// Whether repeated step shapes are captured into CUDA graphs and replayed (on by default).
@@ -281,10 +97,12 @@ pub struct DeviceModel {
 }
 
 impl DeviceModel {
-    pub fn new(cfg: ModelConfig, weights: DevWeights) -> Self {
+    /// The model of `cfg` over `weights`, run with `ops` (both on the same device).
+    pub fn new(cfg: ModelConfig, weights: DevWeights, ops: Ops) -> Self {
         DeviceModel {
             cfg,
             weights,
+            ops,
             kda_chunked_min: KDA_CHUNKED_MIN_TOKENS,
             graphs_enabled: true,
             tables: StepBuffer::default(),
@@ -294,14 +112,14 @@ impl DeviceModel {
     }
 
     /// Grows the rows' MLA caches for their windows, allocates their snapshot buffers and uploads the
-    /// step's row table (see `cuda::attn`), for running single ops of a step (the op checks).
+    /// step's row table (see `cuda::step`), for running single ops of a step (the op checks).
     pub fn step_tables(&self, gpu: &Gpu, rows: &mut [DeviceRow<'_>], offsets: &[usize]) -> Result<StepTables> {
         StepTables::build(gpu, &self.cfg, &self.tables, rows, offsets, &[], self.kda_chunked_min)
     }
 
     fn linear(&self, gpu: &Gpu, w: &DevLinear, x: DPtr, n: usize) -> Result<CudaSlice<bf16>> {
         let y = gpu.uninit::<bf16>(n * w.out_dim)?; // [n, out], written in full by the GEMM
-        gpu.linear(gpu.ptr(&w.w), w.out_dim, w.in_dim, x, n, gpu.ptr(&y))?;
+        self.ops.gemm.linear(gpu, &w.args(gpu, x, n, gpu.ptr(&y)))?;
         Ok(y)
     }
 
@@ -309,22 +127,24 @@ impl DeviceModel {
     /// the device address of each part.
     fn linear_parts(&self, gpu: &Gpu, m: &DevMerged, x: DPtr, n: usize) -> Result<(CudaSlice<bf16>, Vec<DPtr>)> {
         let y = gpu.uninit::<bf16>(n * m.out_dim())?; // [n, out] segment-major, written in full by the GEMM
-        gpu.linear_parts(gpu.ptr(&m.w), &m.bounds, gpu.ptr(&m.bounds_dev), m.in_dim, x, n, gpu.ptr(&y))?;
+        self.ops.gemm.linear_parts(gpu, &m.args(gpu, x, n, gpu.ptr(&y)))?;
         let parts = m.bounds[..m.bounds.len() - 1].iter().map(|b| gpu.ptr(&y) + (n * b * 2) as u64).collect();
         Ok((y, parts))
     }
 
     fn norm_rows(&self, gpu: &Gpu, norm: &DevNorm, x: DPtr, y: DPtr, rows: usize, dim: usize) -> Result<()> {
-        gpu.rms_norm(x, dim, gpu.ptr(&norm.w), y, dim, rows, dim, norm.eps)
+        self.ops.rows.rms_norm(gpu, &norm.args(gpu, x, y, rows, dim))
     }
 
     /// `down(SiTU(gate x, up x))` over `[n, d]`, into `out` `[n, d]`: the merged gate/up GEMM, SiTU, down.
     pub(crate) fn situ_mlp_into(&self, gpu: &Gpu, w: &DevMlp, x: DPtr, n: usize, out: DPtr) -> Result<()> {
         let (gu, parts) = self.linear_parts(gpu, &w.gate_up, x, n)?; // [n, inter] gate, then [n, inter] up
         let a = gpu.uninit::<bf16>(n * w.inter())?; // [n, inter], written in full by situ
-        gpu.situ(parts[0], parts[1], gpu.ptr(&a), n * w.inter(), self.cfg.situ_beta, self.cfg.situ_linear_beta)?;
+        let (beta, lbeta) = (self.cfg.situ_beta, self.cfg.situ_linear_beta);
+        let situ = SituArgs { g: parts[0], u: parts[1], out: gpu.ptr(&a), len: n * w.inter(), beta, lbeta };
+        self.ops.rows.situ(gpu, &situ)?;
         drop(gu);
-        gpu.linear(gpu.ptr(&w.down.w), w.down.out_dim, w.down.in_dim, gpu.ptr(&a), n, out)
+        self.ops.gemm.linear(gpu, &w.down.args(gpu, gpu.ptr(&a), n, out))
     }
 
     /// [`Self::situ_mlp_into`] into a fresh buffer.
@@ -540,13 +360,16 @@ impl DeviceModel {
         // [slots, n, d]: slot 0 written by the embedding, each later one by the copy that opens it, before any read.
         let res = gpu.uninit::<bf16>(slots * slot)?;
         let res_at = |i: usize| gpu.ptr(&res) + (i * slot * 2) as u64;
-        gpu.embed(gpu.ptr(&self.weights.embed), tables.token_ids(), res_at(0), n, d)?;
+        let rows_ops = &self.ops.rows;
+        rows_ops.embed(gpu, gpu.ptr(&self.weights.embed), tables.token_ids(), res_at(0), n, d)?;
         // [n, d]: the normalised AttnRes read, the input of each mixer and FFN.
         let hn_buf = gpu.uninit::<bf16>(n * d)?; // written by each layer's norm before its mixer and FFN read it
         let hn = gpu.ptr(&hn_buf);
         let mut sealed = 0usize;
         let (mut kda_idx, mut mla_idx) = (0usize, 0usize);
         let eps = cfg.rms_norm_eps;
+        // The AttnRes read of every layer over the residual slots `[slots, n, d]` (its source count set per read).
+        let read = |nsrc: usize, q: DPtr| AttnResRead { sources: gpu.ptr(&res), slot, nsrc, q, n, d, eps };
         // The last FFN output, added to the live slot by the next read (one fused launch).
         let mut pending: Option<CudaSlice<bf16>> = None;
         for (l, lw) in self.weights.layers.iter().enumerate() {
@@ -561,7 +384,7 @@ impl DeviceModel {
             let tap_at = tap.zip(taps).map(|(i, taps)| taps + (i * n * d * 2) as u64);
             if sealed == 0 {
                 if let Some(f) = pending.take() {
-                    gpu.add(res_at(0), gpu.ptr(&f), n * d)?;
+                    rows_ops.add(gpu, res_at(0), gpu.ptr(&f), n * d)?;
                 }
                 self.norm_rows(gpu, &lw.input_norm, res_at(0), hn, n, d)?;
                 if let Some(dst) = tap_at {
@@ -570,18 +393,15 @@ impl DeviceModel {
             } else {
                 let addend = pending.take();
                 let add = addend.as_ref().map_or(NULL, |f| gpu.ptr(f));
-                gpu.attn_res_norm(
-                    gpu.ptr(&res),
-                    slot,
-                    sealed + 1,
-                    gpu.ptr(&lw.attn_res),
-                    add,
-                    input_norm,
-                    hn,
-                    tap_at.unwrap_or(NULL),
-                    n,
-                    d,
-                    eps,
+                rows_ops.attn_res_norm(
+                    gpu,
+                    &AttnResNormArgs {
+                        read: read(sealed + 1, gpu.ptr(&lw.attn_res)),
+                        addend: add,
+                        norm: input_norm,
+                        out: hn,
+                        read_out: tap_at.unwrap_or(NULL),
+                    },
                 )?;
             }
             let live_fresh = cfg.seals_before(l);
@@ -612,18 +432,15 @@ impl DeviceModel {
                 DevFfn::Moe(_) => SPAN_MOE,
             })?;
             let post_norm = (gpu.ptr(&lw.post_norm.w), lw.post_norm.eps);
-            gpu.attn_res_norm(
-                gpu.ptr(&res),
-                slot,
-                sealed + 1,
-                gpu.ptr(&lw.mlp_res),
-                add,
-                post_norm,
-                hn,
-                NULL,
-                n,
-                d,
-                eps,
+            rows_ops.attn_res_norm(
+                gpu,
+                &AttnResNormArgs {
+                    read: read(sealed + 1, gpu.ptr(&lw.mlp_res)),
+                    addend: add,
+                    norm: post_norm,
+                    out: hn,
+                    read_out: NULL,
+                },
             )?;
             let f = match &lw.ffn {
                 DevFfn::Dense(w) => {
@@ -648,18 +465,40 @@ impl DeviceModel {
                 // Every position (the wanted positions ascend, so they are all of them): the read runs on the
                 // residual slots in place and adds the last output as it reads, as the layers' reads do.
                 let add = last.as_ref().map_or(NULL, |f| gpu.ptr(f));
-                gpu.attn_res_norm(gpu.ptr(&res), slot, sealed + 1, out_res, add, norm, hwn_at, NULL, n, d, eps)?;
+                let args =
+                    AttnResNormArgs { read: read(sealed + 1, out_res), addend: add, norm, out: hwn_at, read_out: NULL };
+                rows_ops.attn_res_norm(gpu, &args)?;
             } else {
                 if let Some(f) = last {
-                    gpu.add(res_at(sealed), gpu.ptr(&f), n * d)?;
+                    rows_ops.add(gpu, res_at(sealed), gpu.ptr(&f), n * d)?;
                 }
                 let packed = gpu.uninit::<bf16>((sealed + 1) * nw * d)?; // [slots, nw, d], written by the gather
-                gpu.gather_rows(gpu.ptr(&res), slot, wanted, nw, gpu.ptr(&packed), nw * d, sealed + 1, d)?;
-                gpu.attn_res_norm(gpu.ptr(&packed), nw * d, sealed + 1, out_res, NULL, norm, hwn_at, NULL, nw, d, eps)?;
+                let gather = GatherArgs {
+                    src: gpu.ptr(&res),
+                    src_slot: slot,
+                    rows: wanted,
+                    nrows: nw,
+                    out: gpu.ptr(&packed),
+                    out_slot: nw * d,
+                    slots: sealed + 1,
+                    d,
+                };
+                rows_ops.gather_rows(gpu, &gather)?;
+                let read = AttnResRead {
+                    sources: gpu.ptr(&packed),
+                    slot: nw * d,
+                    nsrc: sealed + 1,
+                    q: out_res,
+                    n: nw,
+                    d,
+                    eps,
+                };
+                rows_ops
+                    .attn_res_norm(gpu, &AttnResNormArgs { read, addend: NULL, norm, out: hwn_at, read_out: NULL })?;
             }
             gpu.mark("head.lm_head")?;
             let lm = &self.weights.lm_head;
-            gpu.linear(gpu.ptr(&lm.w), lm.out_dim, lm.in_dim, gpu.ptr(&hwn), nw, logits)?;
+            self.ops.gemm.linear(gpu, &lm.args(gpu, gpu.ptr(&hwn), nw, logits))?;
         }
         gpu.mark("end")?;
         Ok(())
@@ -693,7 +532,7 @@ impl DeviceModel {
             norm_eps: self.cfg.rms_norm_eps,
         };
         gpu.mark("kda.recurrence")?;
-        gpu.kda_layer(tables, layer, k.head_dim, &args)?;
+        self.ops.attn.kda_layer(gpu, tables, layer, k.head_dim, &args)?;
         gpu.mark("kda.o_proj")?;
         self.linear(gpu, &w.o_proj, gpu.ptr(&o), n)
     }
@@ -711,14 +550,21 @@ impl DeviceModel {
         let (qa, kva, gate) = (parts[0], parts[1], parts[2]);
         // Both input norms and the cache append (the normalised c part, the raw k_rot) in one launch.
         let qa_n = gpu.uninit::<bf16>(n * m.q_lora_rank)?; // [n, q_lora_rank], every token written
-        let norms = ((gpu.ptr(&w.q_a_norm.w), w.q_a_norm.eps), (gpu.ptr(&w.kv_a_norm.w), w.kv_a_norm.eps));
+        let append = MlaAppendArgs {
+            qa,
+            qa_n: gpu.ptr(&qa_n),
+            kva,
+            q_norm: (gpu.ptr(&w.q_a_norm.w), w.q_a_norm.eps),
+            kv_norm: (gpu.ptr(&w.kv_a_norm.w), w.kv_a_norm.eps),
+        };
         gpu.mark("mla.q_b")?;
-        gpu.mla_norm_append(m, tables, layer, qa, gpu.ptr(&qa_n), kva, norms.0, norms.1)?;
+        self.ops.attn.mla_norm_append(gpu, m, tables, layer, &append)?;
         let q = self.linear(gpu, &w.q_b_proj, gpu.ptr(&qa_n), n)?;
         let gated = gpu.uninit::<bf16>(n * vw)?; // [n, H * v], every token written by mla_out
         let kv_b = gpu.ptr(&w.kv_b_proj.w);
         gpu.mark("mla.attention")?;
-        gpu.mla_attention(m, tables, layer, gpu.ptr(&q), kv_b, Some(gate), gpu.ptr(&gated))?;
+        let attention = MlaAttentionArgs { q: gpu.ptr(&q), kv_b, gate: Some(gate), out: gpu.ptr(&gated) };
+        self.ops.attn.mla_attention(gpu, m, tables, layer, &attention)?;
         gpu.mark("mla.o_proj")?;
         self.linear(gpu, &w.o_proj, gpu.ptr(&gated), n)
     }
@@ -739,8 +585,8 @@ impl DeviceModel {
         // routed experts. Their outputs are allocated on the main lane before the fork and read after the
         // main lane has waited for them.
         let z = gpu.uninit::<bf16>(n * latent)?; // [n, latent], written in full by the down GEMM
-        let down = (gpu.ptr(&w.down.w), w.down.out_dim, w.down.in_dim);
-        gpu.on_side(|| gpu.linear(down.0, down.1, down.2, hn, n, gpu.ptr(&z)))?;
+        let down = w.down.args(gpu, hn, n, gpu.ptr(&z));
+        gpu.on_side(|| self.ops.gemm.linear(gpu, &down))?;
         gpu.mark_side()?;
         let shared = match &w.shared {
             Some(mlp) => {
@@ -760,21 +606,25 @@ impl DeviceModel {
         let group = gpu.uninit::<i32>(moe_group_len(e))?;
         let pairs = gpu.uninit::<i32>(n * k)?; // [n k], grouped by expert
         gpu.mark("moe.route")?;
-        let grouped = gpu.moe_route(&RouteArgs {
-            h: hn,
-            w: gpu.ptr(&w.router.w),
-            bias: gpu.ptr(&w.bias),
-            idx: gpu.ptr(&idx),
-            wts: gpu.ptr(&wts),
-            margin: gpu.ptr(&margin),
-            n,
-            d: self.cfg.hidden_size,
-            experts: e,
-            k,
-            renormalize: c.renormalize,
-            scale: c.routed_scaling_factor,
-            grouping: (gpu.ptr(&group), gpu.ptr(&pairs)),
-        })?;
+        let moe = &self.ops.moe;
+        let grouped = moe.moe_route(
+            gpu,
+            &RouteArgs {
+                h: hn,
+                w: gpu.ptr(&w.router.w),
+                bias: gpu.ptr(&w.bias),
+                idx: gpu.ptr(&idx),
+                wts: gpu.ptr(&wts),
+                margin: gpu.ptr(&margin),
+                n,
+                d: self.cfg.hidden_size,
+                experts: e,
+                k,
+                renormalize: c.renormalize,
+                scale: c.routed_scaling_factor,
+                grouping: (gpu.ptr(&group), gpu.ptr(&pairs)),
+            },
+        )?;
         if let Some(trace) = trace {
             let (ix, wt, mg) = (gpu.download(&idx, n * k)?, gpu.download(&wts, n * k)?, gpu.download(&margin, n)?);
             trace.push(
@@ -787,51 +637,48 @@ impl DeviceModel {
                     .collect(),
             );
         }
+        let routed = Pairs { n, k, experts: e, grouping: (gpu.ptr(&group), gpu.ptr(&pairs)) };
         if !grouped {
-            gpu.moe_group(gpu.ptr(&idx), n, k, e, gpu.ptr(&group), gpu.ptr(&pairs))?;
+            moe.moe_group(gpu, gpu.ptr(&idx), &routed)?;
         }
-        let grouping = (gpu.ptr(&group), gpu.ptr(&pairs));
         gpu.wait_side_mark()?; // z
         let act = gpu.uninit::<bf16>(n * k * inter)?; // [n k, inter]
         let pair = |x: &crate::cuda::weights::DevExperts| (gpu.ptr(&x.packed), gpu.ptr(&x.scales));
         gpu.mark("moe.experts")?;
         let form = ExpertForm::for_batch(n, k, e, latent);
-        gpu.moe_gate_up(
-            gpu.ptr(&z),
-            pair(&w.w1),
-            pair(&w.w3),
-            grouping,
-            gpu.ptr(&act),
-            n,
-            k,
-            e,
+        let gate_up = GateUpArgs {
+            z: gpu.ptr(&z),
+            w1: pair(&w.w1),
+            w3: pair(&w.w3),
+            a: gpu.ptr(&act),
             latent,
             inter,
-            self.cfg.situ_beta,
-            self.cfg.situ_linear_beta,
-            form,
-        )?;
+            beta: self.cfg.situ_beta,
+            lbeta: self.cfg.situ_linear_beta,
+        };
+        moe.moe_gate_up(gpu, &routed, &gate_up, form)?;
         let expert_out = gpu.uninit::<bf16>(n * k * latent)?; // [n k, latent]
-        gpu.moe_down(gpu.ptr(&act), pair(&w.w2), grouping, gpu.ptr(&expert_out), n, k, e, latent, inter, form)?;
+        let down = DownArgs { a: gpu.ptr(&act), w2: pair(&w.w2), y: gpu.ptr(&expert_out), latent, inter };
+        moe.moe_down(gpu, &routed, &down, form)?;
         let normed = gpu.uninit::<bf16>(n * latent)?; // [n, latent]
         gpu.mark("moe.combine")?;
-        gpu.moe_combine_norm(
-            gpu.ptr(&expert_out),
-            gpu.ptr(&wts),
-            gpu.ptr(&w.norm.w),
-            gpu.ptr(&normed),
+        let combine = CombineArgs {
+            y: gpu.ptr(&expert_out),
+            wts: gpu.ptr(&wts),
+            norm_w: gpu.ptr(&w.norm.w),
+            out: gpu.ptr(&normed),
             n,
             k,
             latent,
-            w.norm.eps,
-        )?;
+            eps: w.norm.eps,
+        };
+        moe.moe_combine_norm(gpu, &combine)?;
         // The up projection, with the shared expert's output added as it is written: bf(bf(up) + shared).
         gpu.mark("moe.up")?;
         match shared {
             Some(sh) => {
                 gpu.join_side()?;
-                let up = (gpu.ptr(&w.up.w), w.up.out_dim, w.up.in_dim);
-                gpu.linear_add(up.0, up.1, up.2, gpu.ptr(&normed), n, gpu.ptr(&sh), gpu.ptr(&sh))?;
+                self.ops.gemm.linear_add(gpu, &w.up.args(gpu, gpu.ptr(&normed), n, gpu.ptr(&sh)), gpu.ptr(&sh))?;
                 Ok(sh)
             }
             None => self.linear(gpu, &w.up, gpu.ptr(&normed), n),

@@ -1,5 +1,5 @@
 //! The skinny GEMM on Hopper's warpgroup MMA and copy engine (`kernels/cuda/gemm_tc.cu`): the batch-invariant
-//! linear layers on sm_90 ([`Gpu::tc_gemm_takes`]), where it streams the weights at 32 to 64 tokens as fast as at
+//! linear layers on sm_90 (`GemmKernels::tc_gemm_takes`), where it streams the weights at 32 to 64 tokens as fast as at
 //! one (the mma.sync kernels of `gemm.cu` run everywhere else).
 //!
 //! Invariants:
@@ -15,10 +15,24 @@
 
 use cudarc::driver::{sys, CudaFunction, DeviceRepr, LaunchConfig};
 
-use crate::cuda::device::device_err;
-use crate::cuda::gemm_ops::GemmCall;
-use crate::cuda::ops::{launch_err, DPtr, Gpu, NULL};
+use crate::cuda::gpu::Gpu;
+use crate::cuda::launch::{allow_shared_memory, DPtr, NULL};
 use crate::error::{KernelError, Result};
+
+/// One batch-invariant GEMM call: `y[n, out] (+ addend) = bf(x[n, in] · w[out, in]ᵀ)`, the add epilogue when
+/// `addend` is not [`NULL`] (bf(bf(x · wᵀ) + addend), `addend` laid out as `y` and possibly `y` itself), row-major
+/// output or segment-major for `parts` (bounds on the device, and their count).
+#[derive(Clone, Copy)]
+pub(crate) struct GemmCall {
+    pub w: DPtr,
+    pub out_dim: usize,
+    pub in_dim: usize,
+    pub x: DPtr,
+    pub n: usize,
+    pub y: DPtr,
+    pub addend: DPtr,
+    pub parts: Option<(DPtr, usize)>,
+}
 
 /// Weight rows per block (`TC_ROWS`: two m64 tiles).
 const TC_ROWS: usize = 128;
@@ -60,30 +74,23 @@ pub(crate) struct TcKernels {
     sms: usize,
 }
 
-/// Loads the entry points of gemm_tc.cu from `module` on a device of compute capability `major`.x with `sms` SMs,
-/// with their shared memory allowed; `None` off Hopper.
-pub(crate) fn load_tc_kernels(
-    module: &std::sync::Arc<cudarc::driver::CudaModule>,
-    major: i32,
-    sms: usize,
-) -> Result<Option<TcKernels>> {
-    if major != 9 {
-        return Ok(None);
+impl TcKernels {
+    /// The entry points of gemm_tc.cu from `gpu`'s module store, with their shared memory allowed; `None` off
+    /// Hopper (compute capability 9.x).
+    pub(crate) fn load(gpu: &Gpu) -> Result<Option<Self>> {
+        if gpu.info.compute_capability.0 != 9 {
+            return Ok(None);
+        }
+        let f = |form: &str, nt: usize| -> Result<CudaFunction> {
+            let func = gpu.function(&format!("skinny_wgmma{form}_t{nt}"))?;
+            allow_shared_memory(&func, tc_launch_smem_bytes(nt, 2), "the warpgroup-MMA GEMM")?;
+            Ok(func)
+        };
+        let set = |form: &str| -> Result<[CudaFunction; 4]> {
+            Ok([f(form, TC_TOKENS[0])?, f(form, TC_TOKENS[1])?, f(form, TC_TOKENS[2])?, f(form, TC_TOKENS[3])?])
+        };
+        Ok(Some(TcKernels { funcs: [set("")?, set("_serial")?], sms: gpu.sms.max(1) }))
     }
-    let f = |form: &str, nt: usize| -> Result<CudaFunction> {
-        let name = format!("skinny_wgmma{form}_t{nt}");
-        let func = module.load_function(&name).map_err(|e| device_err(&format!("kernel {name} of gemm_tc.cu"), e))?;
-        func.set_attribute(
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            tc_launch_smem_bytes(nt, 2) as i32,
-        )
-        .map_err(|e| device_err("allowing the warpgroup-MMA GEMM its shared memory", e))?;
-        Ok(func)
-    };
-    let set = |form: &str| -> Result<[CudaFunction; 4]> {
-        Ok([f(form, TC_TOKENS[0])?, f(form, TC_TOKENS[1])?, f(form, TC_TOKENS[2])?, f(form, TC_TOKENS[3])?])
-    };
-    Ok(Some(TcKernels { funcs: [set("")?, set("_serial")?], sms: sms.max(1) }))
 }
 
 /// The number of K slices of the warpgroup-MMA GEMM for a `[out_dim, in_dim]` weight: 1 for a weight of more than
@@ -149,43 +156,11 @@ fn tensor_map(ptr: DPtr, rows: usize, cols: usize, box_rows: usize) -> Result<Te
     Ok(TensorMap(map))
 }
 
-impl Gpu {
-    /// Whether the batch-invariant GEMM of a weight at `w` with `in_dim` columns on tokens at `x` runs on the
-    /// warpgroup-MMA kernels: a Hopper device, and operands a tensor map can read (16-byte aligned rows).
-    pub fn tc_gemm_takes(&self, w: DPtr, x: DPtr, in_dim: usize) -> bool {
-        self.k.skinny_wgmma.is_some() && w % 16 == 0 && x % 16 == 0 && in_dim % 8 == 0
-    }
-
-    /// The warpgroup-MMA GEMM with an explicit K split (tests and benchmarks; [`Gpu::linear`] takes [`tc_split`]
-    /// of the shape): its slices run serially in one block per row tile, or as clusters of their own blocks, as
-    /// `serial` says. Every choice gives the same bits.
-    #[allow(clippy::too_many_arguments)]
-    pub fn linear_tc(
-        &self,
-        w: DPtr,
-        out_dim: usize,
-        in_dim: usize,
-        x: DPtr,
-        n: usize,
-        y: DPtr,
-        split: usize,
-        serial: bool,
-    ) -> Result<()> {
-        if !self.tc_gemm_takes(w, x, in_dim) {
-            return Err(KernelError::InvalidInput(format!(
-                "the warpgroup-MMA GEMM needs a Hopper GPU and 16-byte aligned rows (in_dim {in_dim})"
-            )));
-        }
-        self.tc_gemm(GemmCall { w, out_dim, in_dim, x, n, y, addend: NULL, parts: None }, split, serial)
-    }
-
+impl TcKernels {
     /// Launches `skinny_wgmma_t*` in clusters of its slices, or `skinny_wgmma_serial_t*` when `serial` says so or
-    /// there is one slice (gemm_tc.cu), for `call`. The caller has checked [`Gpu::tc_gemm_takes`].
-    pub(crate) fn tc_gemm(&self, call: GemmCall, split: usize, serial: bool) -> Result<()> {
+    /// there is one slice (gemm_tc.cu), for `call`. The caller has checked `GemmKernels::tc_gemm_takes`.
+    pub(crate) fn tc_gemm(&self, gpu: &Gpu, call: GemmCall, split: usize, serial: bool) -> Result<()> {
         let GemmCall { w, out_dim, in_dim, x, n, y, addend, parts } = call;
-        let Some(tc) = self.k.skinny_wgmma.as_ref() else {
-            return Err(KernelError::Device("the warpgroup-MMA GEMM needs a Hopper GPU".into()));
-        };
         if !(1..=TC_MAX_SPLIT).contains(&split) {
             return Err(KernelError::InvalidInput(format!(
                 "warpgroup-MMA GEMM split {split} (1 to {TC_MAX_SPLIT} slices supported)"
@@ -215,7 +190,7 @@ impl Gpu {
         // Blocks per SM: as many as one wave of the launch needs (2 or 3), so that no SM holds more than the others
         // (shared memory beyond what the stages need only limits the occupancy). The dense gate/up (264 blocks) at
         // one token streamed 3.4 TB/s with room for 3 blocks per SM and 4.3 with room for 2.
-        let per_sm = (blocks * chunks).div_ceil(tc.sms).clamp(2, 3);
+        let per_sm = (blocks * chunks).div_ceil(self.sms).clamp(2, 3);
         let cfg = LaunchConfig {
             grid_dim: (blocks as u32, chunks as u32, 1),
             block_dim: (160, 1, 1),
@@ -223,13 +198,13 @@ impl Gpu {
         };
         let (seg, nseg) = parts.unwrap_or((NULL, 0));
         let (nn, kk, mm, nseg, ks) = (out_dim as i32, in_dim as i32, n as i32, nseg as i32, kslice as i32);
-        let mut b = self.launcher(&tc.funcs[usize::from(serial)][size]);
+        let mut b = gpu.launcher(&self.funcs[usize::from(serial)][size]);
         b.arg(&tw).arg(&tx).arg(&y).arg(&addend).arg(&nn).arg(&kk).arg(&mm).arg(&seg).arg(&nseg).arg(&ks);
         if !serial {
             b.cluster_x(slices as u32);
         }
         // SAFETY: the arguments match skinny_wgmma_* in order and type; the maps name live device buffers of the
         // shapes given (the caller's contract for w, x, y and addend); a split launch's grid is whole clusters.
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("skinny_wgmma"))
+        unsafe { b.launch(cfg, "skinny_wgmma") }
     }
 }

@@ -4,7 +4,7 @@
 //! - A step is captured by its [`StepShape`]: every row's window (tokens, first logits position,
 //!   snapshots), the MLA split count of the step, the tapped layers and the device address of the step
 //!   table. Everything else a captured launch reads through a fixed address: the weights, the step table
-//!   (rewritten before each replay, see `cuda::attn`), and the graph's own buffers. Temporaries are
+//!   (rewritten before each replay, see `cuda::step`), and the graph's own buffers. Temporaries are
 //!   allocated and freed inside the graph (stream-ordered memory nodes), so a graph is self-contained and
 //!   can be replayed any number of times.
 //! - A shape is captured the second time it is seen ([`GraphCache::decide`]): one-off shapes (a prefill
@@ -26,7 +26,7 @@ use std::collections::HashMap;
 use cudarc::driver::{CudaGraph, CudaSlice};
 use half::bf16;
 
-use crate::cuda::ops::DPtr;
+use crate::cuda::launch::DPtr;
 
 /// The most captured steps kept at once.
 pub const MAX_GRAPHS: usize = 64;

@@ -4,7 +4,7 @@
 //! - The runner owns every [`DeviceState`] it hands out, keyed by `StateId`; a step validates all of
 //!   its input (the same checks as `CpuRunner`) before it touches any state, so a rejected step
 //!   changes nothing, and it always puts the rows' states back.
-//! - Every row is decided on the device (`cuda::sample::verify_rows`, one launch per step): greedy,
+//! - Every row is decided on the device (`SampleKernels::verify_rows`, one launch per step): greedy,
 //!   sampling, log-probabilities and forced acceptance, with the token mask applied first. Only the
 //!   emitted tokens and requested log-probabilities come back; logits never leave the device.
 //!   `acceptance::verify` stays the CPU reference the device rule is tested against.
@@ -18,15 +18,17 @@ use std::collections::HashMap;
 
 use crate::acceptance::AcceptanceMode;
 use crate::config::ModelConfig;
-use crate::cpu::moe::Routing;
 use crate::cuda::drafter::DeviceDrafter;
 use crate::cuda::drafter_slot::DeviceDrafterSlot;
-use crate::cuda::forward::{DeviceModel, DeviceRow, DeviceState};
-use crate::cuda::ops::{Gemm, Gpu};
-use crate::cuda::sample::{verify_rows, DeviceTokenMask, VerifyRow};
+use crate::cuda::forward::DeviceModel;
+use crate::cuda::gpu::{Gemm, Gpu};
+use crate::cuda::ops::Ops;
+use crate::cuda::sample::{DeviceTokenMask, VerifyRow};
+use crate::cuda::state::{DeviceRow, DeviceState};
 use crate::cuda::weights::DevWeights;
 use crate::dspark::DrafterSource;
 use crate::error::{KernelError, Result};
+use crate::routing::Routing;
 use crate::runner::{DraftProposal, DraftRequest, Drafter, RowInput, RowOutput, Runner, StateId, TokenMask};
 use crate::state::SeqState;
 use crate::tensor::WeightSource;
@@ -63,6 +65,7 @@ impl CudaRunner {
     pub fn new(ordinal: usize, cfg: ModelConfig, source: &dyn WeightSource) -> Result<Self> {
         let t0 = std::time::Instant::now();
         let gpu = Gpu::new(ordinal)?;
+        let ops = Ops::load(&gpu)?;
         let kernel_setup_seconds = t0.elapsed().as_secs_f64();
         let t1 = std::time::Instant::now();
         let weights = DevWeights::load(&gpu, &cfg, source)?;
@@ -77,7 +80,7 @@ impl CudaRunner {
         Ok(CudaRunner {
             gpu,
             load,
-            model: DeviceModel::new(cfg, weights),
+            model: DeviceModel::new(cfg, weights, ops),
             states: HashMap::new(),
             next_id: 1,
             acceptance: AcceptanceMode::Standard,
@@ -220,7 +223,9 @@ impl CudaRunner {
                 })
             })
             .collect();
-        let mut verdicts = verify_rows(gpu, vocab, &windows, self.token_mask.as_ref(), &self.acceptance)?.into_iter();
+        let sample = &self.model.ops.sample;
+        let mut verdicts =
+            sample.verify_rows(gpu, vocab, &windows, self.token_mask.as_ref(), &self.acceptance)?.into_iter();
         let mut results = Vec::with_capacity(rows.len());
         // (state, first token of the row in the step, tokens committed): the drafter contexts' growth.
         let mut commits = Vec::with_capacity(rows.len());
@@ -248,7 +253,7 @@ impl CudaRunner {
             });
         }
         if let (Some(d), Some(taps)) = (&mut self.drafter, &out.taps) {
-            d.commit(gpu, taps, row_start, &commits)?;
+            d.commit(gpu, &self.model, taps, row_start, &commits)?;
         }
         gpu.synchronize()?;
         Ok(results)

@@ -16,17 +16,22 @@
 //! - Input checks (parameters, draft ids, mask size, `top_n`) happen on the host before any launch; a
 //!   row whose logits hold NaN or +inf, or are all masked, is a [`KernelError::InvalidInput`].
 //!
-//! API for callers that keep distributions on the device (the DSpark drafter): [`probs_from_logits`]
-//! (the processed `q`), [`sample_rows`] (one token per row with any RNG stream, e.g.
-//! `dspark::model::DRAFT_STREAM`), [`verify_rows`] (the acceptance rule over verify windows, with
-//! one-hot or device `q`), and [`DrawPlan`] (f32 logits rows sampled with their tokens and `q` written
-//! to device memory, launch after launch without a host round trip: the drafter's Markov loop).
+//! - The row descriptor the host writes ([`RowDesc`]) and the one `sample.cu` reads (`D_*` word indices) have
+//!   one layout; a unit test pins every field's offset, the descriptor's size and the shared constants to the
+//!   kernel source's `#define`s.
+//!
+//! API ([`SampleKernels`]) for callers that keep distributions on the device (the DSpark drafter):
+//! [`SampleKernels::probs_from_logits`] (the processed `q`), [`SampleKernels::sample_rows`] (one token per row
+//! with any RNG stream, e.g. `dspark::model::DRAFT_STREAM`), [`SampleKernels::verify_rows`] (the acceptance rule
+//! over verify windows, with one-hot or device `q`), and [`DrawPlan`] (f32 logits rows sampled with their tokens
+//! and `q` written to device memory, launch after launch without a host round trip: the drafter's Markov loop).
 //! f32 rows are never rounded to bf16: the kernel keys their full 32-bit values.
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 
 use crate::acceptance::{AcceptanceMode, Verdict};
-use crate::cuda::ops::{DPtr, Gpu, LogitsDtype, NULL};
+use crate::cuda::gpu::Gpu;
+use crate::cuda::launch::{grid_1d, DPtr, NULL};
 use crate::error::{KernelError, Result};
 use crate::runner::{SamplingParams, TokenId, TokenLogprob, TokenMask};
 use crate::sampling::{check_params, RngStream};
@@ -34,8 +39,8 @@ use crate::sampling::{check_params, RngStream};
 /// The most top-N alternatives a row may ask for with its log-probabilities.
 pub const MAX_TOP_N: usize = 64;
 
-/// u64 words per row descriptor (`DESC_WORDS` in sample.cu).
-const DESC_WORDS: usize = 11;
+/// u64 words per row descriptor (`DESC_WORDS` in sample.cu): the size of [`RowDesc`].
+const DESC_WORDS: usize = std::mem::size_of::<RowDesc>() / 8;
 /// u32 words of a row's result (`STATUS_WORDS` in sample.cu): token, accepted, error code, error id,
 /// f32 bits of the token's and of the draft's log-probability.
 const STATUS_WORDS: usize = 6;
@@ -44,6 +49,45 @@ const MODE_SAMPLE: u64 = 0;
 const MODE_VERIFY: u64 = 1;
 const MODE_PROBS: u64 = 2;
 const ERR_BAD_LOGIT: u32 = 1;
+
+/// The element type of the logits rows the kernel reads: the target's bf16 logits (`sample_rows`), or the DSpark
+/// drafter's f32 Markov logits (`sample_rows_f32`, never rounded to bf16).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitsDtype {
+    Bf16,
+    F32,
+}
+
+/// One row's descriptor as `sample.cu` reads it: one u64 word per field, in this order (`D_LOGITS` ..
+/// `D_TOKEN_OUT`, the word indices of the kernel source; a unit test pins each field's offset to them).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct RowDesc {
+    /// `[vocab]` logits, bf16 or f32 by kernel.
+    logits: u64,
+    /// f32 `[vocab]` processed draft probabilities; 0: one-hot on the draft.
+    q: u64,
+    /// f32 `[vocab]` processed probabilities out; 0: none.
+    probs_out: u64,
+    seed: u64,
+    position: u64,
+    /// The RNG stream of the emitted token.
+    stream: u64,
+    /// temperature f32 bits | top_p f32 bits << 32.
+    temp_top_p: u64,
+    /// top_k u32 | draft id << 32 (`NO_ID`: none).
+    top_k_draft: u64,
+    /// 0: no log-probabilities, else top_n + 1.
+    top_n: u64,
+    mode: u64,
+    /// u32 the row's token is also written to; 0: not.
+    token_out: u64,
+}
+
+// SAFETY: eleven u64 fields under `repr(C)`: no padding, every bit pattern valid.
+unsafe impl bytemuck::Zeroable for RowDesc {}
+// SAFETY: as above; `Copy` and `'static`.
+unsafe impl bytemuck::Pod for RowDesc {}
 
 /// The token mask on the device: `[ceil(vocab / 32)]` u32 words, bit `id % 32` of word `id / 32` set
 /// when `id` may be emitted.
@@ -103,20 +147,20 @@ struct RowJob<'a> {
 impl RowJob<'_> {
     fn encode(&self, out: &mut Vec<u64>) {
         let p = self.params;
-        let top_n = p.logprobs.map_or(0, |n| n as u64 + 1);
-        out.extend_from_slice(&[
-            self.logits,
-            self.q,
-            self.probs_out,
-            p.seed,
-            self.position,
-            self.stream,
-            p.temperature.to_bits() as u64 | (p.top_p.to_bits() as u64) << 32,
-            p.top_k.min(u32::MAX as usize) as u64 | (self.draft.unwrap_or(NO_ID) as u64) << 32,
-            top_n,
-            self.mode,
-            self.token_out,
-        ]);
+        let desc = RowDesc {
+            logits: self.logits,
+            q: self.q,
+            probs_out: self.probs_out,
+            seed: p.seed,
+            position: self.position,
+            stream: self.stream,
+            temp_top_p: p.temperature.to_bits() as u64 | (p.top_p.to_bits() as u64) << 32,
+            top_k_draft: p.top_k.min(u32::MAX as usize) as u64 | (self.draft.unwrap_or(NO_ID) as u64) << 32,
+            top_n: p.logprobs.map_or(0, |n| n as u64 + 1),
+            mode: self.mode,
+            token_out: self.token_out,
+        };
+        out.extend_from_slice(&bytemuck::cast::<RowDesc, [u64; DESC_WORDS]>(desc));
     }
 }
 
@@ -150,56 +194,124 @@ fn check_job(job: &RowJob<'_>, vocab: usize) -> Result<()> {
     Ok(())
 }
 
-/// Runs the kernel over `jobs` (one launch) and brings back each row's result.
-fn launch(gpu: &Gpu, vocab: usize, jobs: &[RowJob<'_>], mask: Option<&DeviceTokenMask>) -> Result<Vec<RowResult>> {
-    if vocab == 0 || vocab > i32::MAX as usize {
-        return Err(KernelError::InvalidInput(format!("a vocabulary of {vocab} ids cannot be sampled")));
-    }
-    if let Some(m) = mask {
-        if m.vocab != vocab {
-            return Err(KernelError::InvalidInput(format!(
-                "a token mask over {} ids does not fit a vocabulary of {vocab}",
-                m.vocab
-            )));
-        }
-    }
-    for job in jobs {
-        check_job(job, vocab)?;
-    }
-    if jobs.is_empty() {
-        return Ok(Vec::new());
-    }
-    let rows = jobs.len();
-    let mut words = Vec::with_capacity(rows * DESC_WORDS);
-    for job in jobs {
-        job.encode(&mut words);
-    }
-    let desc = gpu.upload(&words)?;
-    let status = gpu.zeros::<u32>(rows * STATUS_WORDS)?; // [rows, STATUS_WORDS]
-    let want_top = jobs.iter().any(|j| j.params.logprobs.is_some_and(|n| n > 0));
-    let top_len = if want_top { rows * MAX_TOP_N * 2 } else { 1 };
-    let top = gpu.zeros::<u32>(top_len)?; // [rows, MAX_TOP_N, 2]: id, f32 bits of its log-probability
-    let mask_ptr = mask.map_or(NULL, |m| m.ptr(gpu));
-    gpu.sample_rows(LogitsDtype::Bf16, gpu.ptr(&desc), mask_ptr, vocab, rows, gpu.ptr(&status), gpu.ptr(&top))?;
-    let status = gpu.download(&status, rows * STATUS_WORDS)?;
-    let top = if want_top { gpu.download(&top, top_len)? } else { Vec::new() };
-    jobs.iter()
-        .enumerate()
-        .map(|(r, job)| {
-            let st = &status[r * STATUS_WORDS..(r + 1) * STATUS_WORDS];
-            check_status(r, st)?;
-            let n = job.params.logprobs.unwrap_or(0).min(vocab);
-            let at = |i: usize| r * MAX_TOP_N * 2 + 2 * i;
-            let top = (0..n).map(|i| (top[at(i)], f32::from_bits(top[at(i) + 1]))).collect();
-            Ok(RowResult {
-                token: st[0],
-                accepted: st[1] != 0,
-                logprob_token: f32::from_bits(st[4]),
-                logprob_draft: f32::from_bits(st[5]),
-                top,
-            })
+/// One launch of the row kernel: `rows` descriptors at `desc` (`[rows, DESC_WORDS]` u64), the token mask words
+/// (`NULL`: none) over `vocab` ids, `status` `[rows, STATUS_WORDS]` u32 and `top` `[rows, MAX_TOP_N, 2]` u32 out
+/// (`NULL` when no row asks for log-probabilities).
+struct RowsLaunch {
+    desc: DPtr,
+    mask: DPtr,
+    vocab: usize,
+    rows: usize,
+    status: DPtr,
+    top: DPtr,
+}
+
+/// A batch of logits rows `[rows, vocab]` (bf16) and each row's sampling parameters.
+#[derive(Clone, Copy, Debug)]
+pub struct LogitsRows<'a> {
+    pub logits: DPtr,
+    pub rows: usize,
+    pub vocab: usize,
+    pub params: &'a [SamplingParams],
+}
+
+/// The kernels of `sample.cu`.
+pub struct SampleKernels {
+    sample_rows: CudaFunction,
+    sample_rows_f32: CudaFunction,
+    rng_hash3: CudaFunction,
+}
+
+impl SampleKernels {
+    /// Looks the kernels up in `gpu`'s module store.
+    pub fn load(gpu: &Gpu) -> Result<Self> {
+        Ok(SampleKernels {
+            sample_rows: gpu.function("sample_rows")?,
+            sample_rows_f32: gpu.function("sample_rows_f32")?,
+            rng_hash3: gpu.function("rng_hash3")?,
         })
-        .collect()
+    }
+
+    /// Sampling, log-probabilities and acceptance of the rows `l` describes, whose logits are `dtype`
+    /// (`sample_rows` or `sample_rows_f32`): one block of 1024 threads per row.
+    fn launch_rows(&self, gpu: &Gpu, dtype: LogitsDtype, l: &RowsLaunch) -> Result<()> {
+        let cfg = LaunchConfig { grid_dim: (l.rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        let v = l.vocab as i32;
+        let (func, name) = match dtype {
+            LogitsDtype::Bf16 => (&self.sample_rows, "sample_rows"),
+            LogitsDtype::F32 => (&self.sample_rows_f32, "sample_rows_f32"),
+        };
+        let mut b = gpu.launcher(func);
+        b.arg(&l.desc).arg(&l.mask).arg(&v).arg(&l.status).arg(&l.top);
+        // SAFETY: the arguments match sample_rows(_f32); the descriptors name live rows (checked jobs).
+        unsafe { b.launch(cfg, name) }
+    }
+
+    /// Runs the kernel over `jobs` (one launch) and brings back each row's result.
+    fn run_jobs(
+        &self,
+        gpu: &Gpu,
+        vocab: usize,
+        jobs: &[RowJob<'_>],
+        mask: Option<&DeviceTokenMask>,
+    ) -> Result<Vec<RowResult>> {
+        if vocab == 0 || vocab > i32::MAX as usize {
+            return Err(KernelError::InvalidInput(format!("a vocabulary of {vocab} ids cannot be sampled")));
+        }
+        if let Some(m) = mask {
+            if m.vocab != vocab {
+                return Err(KernelError::InvalidInput(format!(
+                    "a token mask over {} ids does not fit a vocabulary of {vocab}",
+                    m.vocab
+                )));
+            }
+        }
+        for job in jobs {
+            check_job(job, vocab)?;
+        }
+        if jobs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows = jobs.len();
+        let mut words = Vec::with_capacity(rows * DESC_WORDS);
+        for job in jobs {
+            job.encode(&mut words);
+        }
+        let desc = gpu.upload(&words)?;
+        let status = gpu.zeros::<u32>(rows * STATUS_WORDS)?; // [rows, STATUS_WORDS]
+        let want_top = jobs.iter().any(|j| j.params.logprobs.is_some_and(|n| n > 0));
+        let top_len = if want_top { rows * MAX_TOP_N * 2 } else { 1 };
+        let top = gpu.zeros::<u32>(top_len)?; // [rows, MAX_TOP_N, 2]: id, f32 bits of its log-probability
+        let mask_ptr = mask.map_or(NULL, |m| m.ptr(gpu));
+        let launch = RowsLaunch {
+            desc: gpu.ptr(&desc),
+            mask: mask_ptr,
+            vocab,
+            rows,
+            status: gpu.ptr(&status),
+            top: gpu.ptr(&top),
+        };
+        self.launch_rows(gpu, LogitsDtype::Bf16, &launch)?;
+        let status = gpu.download(&status, rows * STATUS_WORDS)?;
+        let top = if want_top { gpu.download(&top, top_len)? } else { Vec::new() };
+        jobs.iter()
+            .enumerate()
+            .map(|(r, job)| {
+                let st = &status[r * STATUS_WORDS..(r + 1) * STATUS_WORDS];
+                check_status(r, st)?;
+                let n = job.params.logprobs.unwrap_or(0).min(vocab);
+                let at = |i: usize| r * MAX_TOP_N * 2 + 2 * i;
+                let top = (0..n).map(|i| (top[at(i)], f32::from_bits(top[at(i) + 1]))).collect();
+                Ok(RowResult {
+                    token: st[0],
+                    accepted: st[1] != 0,
+                    logprob_token: f32::from_bits(st[4]),
+                    logprob_draft: f32::from_bits(st[5]),
+                    top,
+                })
+            })
+            .collect()
+    }
 }
 
 /// The error a row's status words report, if any.
@@ -220,75 +332,74 @@ fn check_rows_params(rows: usize, params: &[SamplingParams]) -> Result<()> {
     Ok(())
 }
 
-/// Writes the processed distribution (`Distribution::from_logits` with `params[r]`, after `mask`) of
-/// each of the `rows` bf16 logits rows `logits` `[rows, vocab]` into `out`, f32 `[rows, vocab]`.
-/// Greedy parameters give the one-hot distribution on the argmax.
-pub fn probs_from_logits(
-    gpu: &Gpu,
-    logits: DPtr,
-    rows: usize,
-    vocab: usize,
-    params: &[SamplingParams],
-    mask: Option<&DeviceTokenMask>,
-    out: DPtr,
-) -> Result<()> {
-    check_rows_params(rows, params)?;
-    let jobs: Vec<RowJob<'_>> = params
-        .iter()
-        .enumerate()
-        .map(|(r, p)| RowJob {
-            logits: logits + (r * vocab * 2) as u64,
-            q: NULL,
-            probs_out: out + (r * vocab * 4) as u64,
-            params: p,
-            position: 0,
-            stream: 0,
-            draft: None,
-            mode: MODE_PROBS,
-            token_out: NULL,
-        })
-        .collect();
-    launch(gpu, vocab, &jobs, mask).map(|_| ())
-}
-
-/// One token per bf16 logits row of `logits` `[rows, vocab]`: the argmax for greedy `params[r]`, else
-/// the inverse CDF of the processed distribution at `hash3(seed, positions[r], stream) >> 11` · 2^-53
-/// (`RngStream::Token as u64` gives `sampling::sample`; `dspark::model::DRAFT_STREAM` gives the CPU
-/// drafter's `draft_uniform`). `probs_out`, when given, receives the processed distributions, f32
-/// `[rows, vocab]`, as [`probs_from_logits`] writes them.
-#[allow(clippy::too_many_arguments)]
-pub fn sample_rows(
-    gpu: &Gpu,
-    logits: DPtr,
-    rows: usize,
-    vocab: usize,
-    params: &[SamplingParams],
-    positions: &[u64],
-    stream: u64,
-    mask: Option<&DeviceTokenMask>,
-    probs_out: Option<DPtr>,
-) -> Result<Vec<TokenId>> {
-    check_rows_params(rows, params)?;
-    if positions.len() != rows {
-        return Err(KernelError::InvalidInput(format!("{} positions for {rows} logits rows", positions.len())));
+impl SampleKernels {
+    /// Writes the processed distribution (`Distribution::from_logits` with `params[r]`, after `mask`) of
+    /// each of the bf16 logits rows of `l` `[rows, vocab]` into `out`, f32 `[rows, vocab]`.
+    /// Greedy parameters give the one-hot distribution on the argmax.
+    pub fn probs_from_logits(
+        &self,
+        gpu: &Gpu,
+        l: &LogitsRows<'_>,
+        mask: Option<&DeviceTokenMask>,
+        out: DPtr,
+    ) -> Result<()> {
+        let LogitsRows { logits, rows, vocab, params } = *l;
+        check_rows_params(rows, params)?;
+        let jobs: Vec<RowJob<'_>> = params
+            .iter()
+            .enumerate()
+            .map(|(r, p)| RowJob {
+                logits: logits + (r * vocab * 2) as u64,
+                q: NULL,
+                probs_out: out + (r * vocab * 4) as u64,
+                params: p,
+                position: 0,
+                stream: 0,
+                draft: None,
+                mode: MODE_PROBS,
+                token_out: NULL,
+            })
+            .collect();
+        self.run_jobs(gpu, vocab, &jobs, mask).map(|_| ())
     }
-    let jobs: Vec<RowJob<'_>> = params
-        .iter()
-        .zip(positions)
-        .enumerate()
-        .map(|(r, (p, &position))| RowJob {
-            logits: logits + (r * vocab * 2) as u64,
-            q: NULL,
-            probs_out: probs_out.map_or(NULL, |o| o + (r * vocab * 4) as u64),
-            params: p,
-            position,
-            stream,
-            draft: None,
-            mode: MODE_SAMPLE,
-            token_out: NULL,
-        })
-        .collect();
-    Ok(launch(gpu, vocab, &jobs, mask)?.into_iter().map(|r| r.token).collect())
+
+    /// One token per bf16 logits row of `l` (`[rows, vocab]`): the argmax for greedy `params[r]`, else
+    /// the inverse CDF of the processed distribution at `hash3(seed, positions[r], stream) >> 11` · 2^-53
+    /// (`RngStream::Token as u64` gives `sampling::sample`; `dspark::model::DRAFT_STREAM` gives the CPU
+    /// drafter's `draft_uniform`). `probs_out`, when given, receives the processed distributions, f32
+    /// `[rows, vocab]`, as [`SampleKernels::probs_from_logits`] writes them.
+    pub fn sample_rows(
+        &self,
+        gpu: &Gpu,
+        l: &LogitsRows<'_>,
+        positions: &[u64],
+        stream: u64,
+        mask: Option<&DeviceTokenMask>,
+        probs_out: Option<DPtr>,
+    ) -> Result<Vec<TokenId>> {
+        let LogitsRows { logits, rows, vocab, params } = *l;
+        check_rows_params(rows, params)?;
+        if positions.len() != rows {
+            return Err(KernelError::InvalidInput(format!("{} positions for {rows} logits rows", positions.len())));
+        }
+        let jobs: Vec<RowJob<'_>> = params
+            .iter()
+            .zip(positions)
+            .enumerate()
+            .map(|(r, (p, &position))| RowJob {
+                logits: logits + (r * vocab * 2) as u64,
+                q: NULL,
+                probs_out: probs_out.map_or(NULL, |o| o + (r * vocab * 4) as u64),
+                params: p,
+                position,
+                stream,
+                draft: None,
+                mode: MODE_SAMPLE,
+                token_out: NULL,
+            })
+            .collect();
+        Ok(self.run_jobs(gpu, vocab, &jobs, mask)?.into_iter().map(|r| r.token).collect())
+    }
 }
 
 /// One request's verify window on the device.
@@ -301,73 +412,76 @@ pub struct VerifyRow<'a> {
     /// Absolute position of the first draft token (the number of tokens before it).
     pub first_position: u64,
     /// f32 `[drafts.len(), vocab]` processed probabilities the drafts were sampled from (as
-    /// [`probs_from_logits`] writes them); `None` for model-free drafts (one-hot `q`).
+    /// [`SampleKernels::probs_from_logits`] writes them); `None` for model-free drafts (one-hot `q`).
     pub q: Option<DPtr>,
 }
 
-/// `acceptance::verify` on the device for every window, in one launch: returns one verdict per row
-/// (accepted drafts, then the correction or bonus token; log-probabilities when asked).
-pub fn verify_rows(
-    gpu: &Gpu,
-    vocab: usize,
-    rows: &[VerifyRow<'_>],
-    mask: Option<&DeviceTokenMask>,
-    mode: &AcceptanceMode,
-) -> Result<Vec<Verdict>> {
-    let token = RngStream::Token as u64;
-    let mut jobs = Vec::new();
-    // Per window: (first job, accepted count decided on the host for forced acceptance).
-    let mut spans = Vec::with_capacity(rows.len());
-    for row in rows {
-        let l = row.drafts.len();
-        let logits_row = |i: usize| row.logits + (i * vocab * 2) as u64;
-        let first = jobs.len();
-        match mode {
-            AcceptanceMode::Standard => {
-                for i in 0..=l {
-                    jobs.push(RowJob {
-                        logits: logits_row(i),
-                        q: row.q.filter(|_| i < l).map_or(NULL, |q| q + (i * vocab * 4) as u64),
-                        probs_out: NULL,
-                        params: row.params,
-                        position: row.first_position + i as u64,
-                        stream: token,
-                        draft: row.drafts.get(i).copied(),
-                        mode: if i < l { MODE_VERIFY } else { MODE_SAMPLE },
-                        token_out: NULL,
-                    });
+impl SampleKernels {
+    /// `acceptance::verify` on the device for every window, in one launch: returns one verdict per row
+    /// (accepted drafts, then the correction or bonus token; log-probabilities when asked).
+    pub fn verify_rows(
+        &self,
+        gpu: &Gpu,
+        vocab: usize,
+        rows: &[VerifyRow<'_>],
+        mask: Option<&DeviceTokenMask>,
+        mode: &AcceptanceMode,
+    ) -> Result<Vec<Verdict>> {
+        let token = RngStream::Token as u64;
+        let mut jobs = Vec::new();
+        // Per window: (first job, accepted count decided on the host for forced acceptance).
+        let mut spans = Vec::with_capacity(rows.len());
+        for row in rows {
+            let l = row.drafts.len();
+            let logits_row = |i: usize| row.logits + (i * vocab * 2) as u64;
+            let first = jobs.len();
+            match mode {
+                AcceptanceMode::Standard => {
+                    for i in 0..=l {
+                        jobs.push(RowJob {
+                            logits: logits_row(i),
+                            q: row.q.filter(|_| i < l).map_or(NULL, |q| q + (i * vocab * 4) as u64),
+                            probs_out: NULL,
+                            params: row.params,
+                            position: row.first_position + i as u64,
+                            stream: token,
+                            draft: row.drafts.get(i).copied(),
+                            mode: if i < l { MODE_VERIFY } else { MODE_SAMPLE },
+                            token_out: NULL,
+                        });
+                    }
+                    spans.push((first, None));
                 }
-                spans.push((first, None));
-            }
-            AcceptanceMode::Synthetic(schedule) => {
-                // The accepted drafts are emitted as they are; only their log-probabilities need rows.
-                let accepted = schedule.accepted_count(row.params.seed, row.first_position, l);
-                let from = if row.params.logprobs.is_some() { 0 } else { accepted };
-                for i in from..=accepted {
-                    jobs.push(RowJob {
-                        logits: logits_row(i),
-                        q: NULL,
-                        probs_out: NULL,
-                        params: row.params,
-                        position: row.first_position + i as u64,
-                        stream: token,
-                        draft: row.drafts.get(i).copied(),
-                        mode: MODE_SAMPLE,
-                        token_out: NULL,
-                    });
+                AcceptanceMode::Synthetic(schedule) => {
+                    // The accepted drafts are emitted as they are; only their log-probabilities need rows.
+                    let accepted = schedule.accepted_count(row.params.seed, row.first_position, l);
+                    let from = if row.params.logprobs.is_some() { 0 } else { accepted };
+                    for i in from..=accepted {
+                        jobs.push(RowJob {
+                            logits: logits_row(i),
+                            q: NULL,
+                            probs_out: NULL,
+                            params: row.params,
+                            position: row.first_position + i as u64,
+                            stream: token,
+                            draft: row.drafts.get(i).copied(),
+                            mode: MODE_SAMPLE,
+                            token_out: NULL,
+                        });
+                    }
+                    spans.push((first, Some((from, accepted))));
                 }
-                spans.push((first, Some((from, accepted))));
             }
         }
+        let results = self.run_jobs(gpu, vocab, &jobs, mask)?;
+        Ok(rows
+            .iter()
+            .zip(spans)
+            .map(|(row, (first, synthetic))| {
+                assemble(row.drafts, row.params.logprobs.is_some(), &results[first..], synthetic)
+            })
+            .collect())
     }
-    let results = launch(gpu, vocab, &jobs, mask)?;
-    Ok(rows
-        .iter()
-        .zip(spans)
-        .map(|(row, (first, synthetic))| {
-            assemble(row.drafts, row.params.logprobs.is_some(), &results[first..], synthetic)
-        })
-        .collect())
 }
 
 /// One window's verdict from its rows' results (`results[0]` is its first launched row). Standard
@@ -476,8 +590,8 @@ impl DrawPlan {
         Ok(DrawPlan { desc, status, groups: spans, vocab, rows })
     }
 
-    /// Launches group `group` (nothing for an empty one).
-    pub fn launch(&self, gpu: &Gpu, group: usize) -> Result<()> {
+    /// Launches group `group` (nothing for an empty one) with `kernels`.
+    pub fn launch(&self, gpu: &Gpu, kernels: &SampleKernels, group: usize) -> Result<()> {
         let Some(&(first, rows)) = self.groups.get(group) else {
             return Err(KernelError::InvalidInput(format!("draw group {group} of {}", self.groups.len())));
         };
@@ -486,7 +600,8 @@ impl DrawPlan {
         }
         let desc = gpu.ptr(&self.desc) + (first * DESC_WORDS * 8) as u64;
         let status = gpu.ptr(&self.status) + (first * STATUS_WORDS * 4) as u64;
-        gpu.sample_rows(LogitsDtype::F32, desc, NULL, self.vocab, rows, status, NULL)
+        let launch = RowsLaunch { desc, mask: NULL, vocab: self.vocab, rows, status, top: NULL };
+        kernels.launch_rows(gpu, LogitsDtype::F32, &launch)
     }
 
     /// The first error any launched row reported.
@@ -499,17 +614,23 @@ impl DrawPlan {
     }
 }
 
-/// `sampling::hash3` computed on the device for each `(seed, position, stream)`, to check the port.
-pub fn hash3_on_device(gpu: &Gpu, inputs: &[(u64, u64, u64)]) -> Result<Vec<u64>> {
-    let seeds: Vec<u64> = inputs.iter().map(|x| x.0).collect();
-    let positions: Vec<u64> = inputs.iter().map(|x| x.1).collect();
-    let streams: Vec<u64> = inputs.iter().map(|x| x.2).collect();
-    let (s, p, st) = (gpu.upload(&seeds)?, gpu.upload(&positions)?, gpu.upload(&streams)?);
-    let out = gpu.zeros::<u64>(inputs.len())?;
-    if !inputs.is_empty() {
-        gpu.rng_hash3(gpu.ptr(&s), gpu.ptr(&p), gpu.ptr(&st), gpu.ptr(&out), inputs.len())?;
+impl SampleKernels {
+    /// `sampling::hash3` computed on the device for each `(seed, position, stream)`, to check the port.
+    pub fn hash3_on_device(&self, gpu: &Gpu, inputs: &[(u64, u64, u64)]) -> Result<Vec<u64>> {
+        let seeds: Vec<u64> = inputs.iter().map(|x| x.0).collect();
+        let positions: Vec<u64> = inputs.iter().map(|x| x.1).collect();
+        let streams: Vec<u64> = inputs.iter().map(|x| x.2).collect();
+        let (s, p, st) = (gpu.upload(&seeds)?, gpu.upload(&positions)?, gpu.upload(&streams)?);
+        let out = gpu.zeros::<u64>(inputs.len())?;
+        if !inputs.is_empty() {
+            let (s, p, st, o, n) = (gpu.ptr(&s), gpu.ptr(&p), gpu.ptr(&st), gpu.ptr(&out), inputs.len() as i32);
+            let mut b = gpu.launcher(&self.rng_hash3);
+            b.arg(&s).arg(&p).arg(&st).arg(&o).arg(&n);
+            // SAFETY: the arguments match rng_hash3; every buffer holds `inputs.len()` u64.
+            unsafe { b.launch(grid_1d(inputs.len(), 256), "rng_hash3") }?;
+        }
+        gpu.download(&out, inputs.len())
     }
-    gpu.download(&out, inputs.len())
 }
 
 #[cfg(test)]
@@ -587,5 +708,38 @@ mod tests {
         let mut words = Vec::new();
         none.encode(&mut words);
         assert_eq!(((words[7] >> 32) as u32, words[8]), (NO_ID, 0));
+    }
+
+    #[test]
+    fn the_row_descriptor_and_the_shared_constants_match_sample_cu() {
+        use crate::cuda::compile::source_define;
+        // A field the host writes at another word than the kernel reads would sample with the wrong parameters.
+        let word = |offset: usize| (offset / 8) as u32;
+        let fields = [
+            ("D_LOGITS", std::mem::offset_of!(RowDesc, logits)),
+            ("D_Q", std::mem::offset_of!(RowDesc, q)),
+            ("D_PROBS_OUT", std::mem::offset_of!(RowDesc, probs_out)),
+            ("D_SEED", std::mem::offset_of!(RowDesc, seed)),
+            ("D_POSITION", std::mem::offset_of!(RowDesc, position)),
+            ("D_STREAM", std::mem::offset_of!(RowDesc, stream)),
+            ("D_TEMP_TOPP", std::mem::offset_of!(RowDesc, temp_top_p)),
+            ("D_TOPK_DRAFT", std::mem::offset_of!(RowDesc, top_k_draft)),
+            ("D_TOP_N", std::mem::offset_of!(RowDesc, top_n)),
+            ("D_MODE", std::mem::offset_of!(RowDesc, mode)),
+            ("D_TOKEN_OUT", std::mem::offset_of!(RowDesc, token_out)),
+        ];
+        for (name, offset) in fields {
+            assert_eq!(offset % 8, 0, "{name} is not a whole word");
+            assert_eq!(word(offset), source_define("sample.cu", name), "{name}");
+        }
+        assert_eq!(std::mem::size_of::<RowDesc>(), fields.len() * 8, "RowDesc has padding or fields sample.cu lacks");
+        assert_eq!(DESC_WORDS as u32, source_define("sample.cu", "DESC_WORDS"));
+        assert_eq!(STATUS_WORDS as u32, source_define("sample.cu", "STATUS_WORDS"));
+        assert_eq!(NO_ID, source_define("sample.cu", "NO_ID"));
+        assert_eq!(MAX_TOP_N as u32, source_define("sample.cu", "MAX_TOP_N"));
+        assert_eq!(ERR_BAD_LOGIT, source_define("sample.cu", "ERR_BAD_LOGIT"));
+        for (mode, name) in [(MODE_SAMPLE, "MODE_SAMPLE"), (MODE_VERIFY, "MODE_VERIFY"), (MODE_PROBS, "MODE_PROBS")] {
+            assert_eq!(mode, u64::from(source_define("sample.cu", name)), "{name}");
+        }
     }
 }

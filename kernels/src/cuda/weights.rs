@@ -19,7 +19,10 @@ use half::bf16;
 
 use crate::config::{ExpertFormat, Ffn, Mixer, ModelConfig};
 use crate::cuda::expert_layout::{tile_codes, tile_scales, tiled_code_bytes, tiled_scale_bytes};
-use crate::cuda::ops::Gpu;
+use crate::cuda::gemm::{LinearArgs, PartsArgs};
+use crate::cuda::gpu::Gpu;
+use crate::cuda::launch::DPtr;
+use crate::cuda::rows::RmsNormArgs;
 use crate::error::{KernelError, Result};
 use crate::schema::{expert_specs, layer_name, model_tensors};
 use crate::tensor::{DType, HostTensor, TensorSpec, WeightSource};
@@ -31,8 +34,15 @@ pub struct DevLinear {
     pub in_dim: usize,
 }
 
+impl DevLinear {
+    /// The GEMM of this weight on tokens `x` `[n, in_dim]` into `y` `[n, out_dim]`.
+    pub fn args(&self, gpu: &Gpu, x: DPtr, n: usize, y: DPtr) -> LinearArgs {
+        LinearArgs { w: gpu.ptr(&self.w), out_dim: self.out_dim, in_dim: self.in_dim, x, n, y }
+    }
+}
+
 /// Projections of the same input stacked into one bf16 matrix `[sum of outs, in]` (rows in part
-/// order), run as one GEMM with a segment-major output (`Gpu::linear_parts`): part `i` is its own
+/// order), run as one GEMM with a segment-major output (`GemmKernels::linear_parts`): part `i` is its own
 /// contiguous `[n, bounds[i + 1] - bounds[i]]` block at element offset `n * bounds[i]`.
 pub struct DevMerged {
     pub w: CudaSlice<bf16>,
@@ -44,6 +54,19 @@ pub struct DevMerged {
 }
 
 impl DevMerged {
+    /// The merged GEMM of these parts on tokens `x` `[n, in_dim]` into `y` (segment-major, see [`DevMerged`]).
+    pub fn args(&self, gpu: &Gpu, x: DPtr, n: usize, y: DPtr) -> PartsArgs<'_> {
+        PartsArgs {
+            w: gpu.ptr(&self.w),
+            bounds: &self.bounds,
+            bounds_dev: gpu.ptr(&self.bounds_dev),
+            in_dim: self.in_dim,
+            x,
+            n,
+            y,
+        }
+    }
+
     /// Total output width.
     pub fn out_dim(&self) -> usize {
         self.bounds[self.bounds.len() - 1]
@@ -61,6 +84,13 @@ pub const MLA_IN_PARTS: [&str; 3] = ["q_a_proj", "kv_a_proj_with_mqa", "g_proj"]
 pub struct DevNorm {
     pub w: CudaSlice<bf16>,
     pub eps: f32,
+}
+
+impl DevNorm {
+    /// This norm over contiguous rows `x` `[rows, dim]` into `y` `[rows, dim]`.
+    pub fn args(&self, gpu: &Gpu, x: DPtr, y: DPtr, rows: usize, dim: usize) -> RmsNormArgs {
+        RmsNormArgs::packed(x, gpu.ptr(&self.w), y, rows, dim, self.eps)
+    }
 }
 
 pub struct DevKda {

@@ -16,11 +16,12 @@
 //! (5% relative L2 before the first flip).
 
 use crate::cpu::forward::{CpuModel, RoutingTrace, WindowRow};
-use crate::cpu::moe::Routing;
-use crate::cuda::forward::{DeviceModel, DeviceRow, DeviceState};
-use crate::cuda::ops::Gpu;
-use crate::cuda::validate::{argmax, rel_l2};
+use crate::cuda::forward::DeviceModel;
+use crate::cuda::gpu::Gpu;
+use crate::cuda::state::{DeviceRow, DeviceState};
 use crate::error::{KernelError, Result};
+use crate::harness::compare::{argmax, rel_l2};
+use crate::routing::Routing;
 use crate::runner::TokenId;
 use crate::state::SeqState;
 

@@ -1,6 +1,7 @@
-//! The linear layers' launches on [`Gpu`]: cuBLAS (`cublasGemmEx`) and the batch-invariant GEMM, which runs on
-//! the warpgroup-MMA kernels of `kernels/cuda/gemm_tc.cu` where [`Gpu::tc_gemm_takes`] says so (Hopper, aligned
-//! operands; `gemm_tc`) and on the skinny mma.sync kernels of `kernels/cuda/gemm.cu` everywhere else.
+//! The linear layers ([`GemmKernels`]): cuBLAS (`cublasGemmEx`, bf16 in and out, fp32 accumulate) and the
+//! batch-invariant GEMM, whose result for a token does not depend on the batch ([`Gemm`]): the warpgroup-MMA
+//! kernels of `kernels/cuda/gemm_tc.cu` where [`GemmKernels::tc_gemm_takes`] says so (Hopper, aligned operands;
+//! `gemm_tc`) and the skinny mma.sync kernels of `kernels/cuda/gemm.cu` everywhere else.
 //!
 //! Invariants:
 //! - Which batch-invariant kernels run a weight depends on the device and the operands' alignment alone, never on
@@ -11,13 +12,20 @@
 //! - A split launch of more than one slice takes its workspace (`[slices, n, out]` f32) from the stream-ordered
 //!   pool, freed in stream order after the launch, and the current lane's tickets, which the kernel leaves at
 //!   zero. A lane's launches run in stream order, so no two launches use the same tickets at once.
+//! - cuBLAS is bound to the main stream (so [`Gemm::Cublas`] has no side lane; see `cuda::gpu`), and each of its
+//!   calls counts as one launch.
+//! - Every call is described by a [`LinearArgs`] (weight `[out_dim, in_dim]`, tokens `[n, in_dim]`, output
+//!   `[n, out_dim]`, all bf16 and row-major) or, for stacked projections, a [`PartsArgs`].
 
-use cudarc::cublas::{result as blas_result, sys as blas_sys};
-use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig};
+use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig};
 
 use crate::cuda::device::device_err;
-use crate::cuda::gemm_tc::tc_split;
-use crate::cuda::ops::{launch_err, DPtr, Gemm, Gpu, Kernels, NULL};
+pub use crate::cuda::gemm_tc::tc_split;
+use crate::cuda::gemm_tc::{GemmCall, TcKernels};
+use crate::cuda::gpu::{Gemm, Gpu};
+use crate::cuda::launch::{allow_shared_memory, DPtr, NULL};
+use crate::cuda::rows::add_in_place;
 use crate::error::{KernelError, Result};
 
 /// Tokens per chunk of the skinny GEMM (each chunk reads the weight once).
@@ -43,22 +51,8 @@ fn skinny_smem_bytes(tiles: usize) -> usize {
     2 * 8 * tiles * SKINNY_XS_STRIDE * 2
 }
 
-/// Raises the dynamic shared memory limit of every skinny GEMM entry point to what its chunk needs.
-pub(crate) fn allow_skinny_shared_memory(k: &Kernels) -> Result<()> {
-    let tiles = [1usize, 2, 4, 8];
-    let entries = tiles.iter().zip(&k.skinny_gemm).chain(tiles.iter().zip(&k.skinny_gemm_serial));
-    for (tiles, func) in entries.chain([4usize, 8].iter().zip(&k.skinny_gemm_wide)) {
-        func.set_attribute(
-            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            skinny_smem_bytes(*tiles) as i32,
-        )
-        .map_err(|e| device_err("allowing the skinny GEMM its shared memory", e))?;
-    }
-    Ok(())
-}
-
 /// A lane's tickets, zeroed in that lane's stream order.
-pub(crate) fn new_tickets(stream: &std::sync::Arc<CudaStream>) -> Result<CudaSlice<u32>> {
+fn new_tickets(stream: &std::sync::Arc<CudaStream>) -> Result<CudaSlice<u32>> {
     stream.alloc_zeros::<u32>(SKINNY_TICKETS).map_err(|e| device_err("allocating the GEMM tickets", e))
 }
 
@@ -105,7 +99,7 @@ pub struct SkinnyLayout {
 /// How many blocks of each split entry point the device holds at once, `[4 warps, 8 warps]` per block: SMs times
 /// the occupancy the driver reports for the kernel's registers and shared memory.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct SkinnySlots {
+struct SkinnySlots {
     /// `skinny_gemm_t{1,2,4,8}`.
     narrow: [[usize; 2]; 4],
     /// `skinny_gemm_wide_t{4,8}`.
@@ -113,7 +107,7 @@ pub(crate) struct SkinnySlots {
 }
 
 /// Reads [`SkinnySlots`] of a device of `sms` SMs from the driver's occupancy of each entry point.
-pub(crate) fn skinny_slots(sms: usize, k: &Kernels) -> Result<SkinnySlots> {
+fn skinny_slots(sms: usize, narrow_funcs: &[CudaFunction; 4], wide_funcs: &[CudaFunction; 2]) -> Result<SkinnySlots> {
     let slots = |func: &cudarc::driver::CudaFunction, tiles: usize| -> Result<[usize; 2]> {
         let mut per_warps = [0usize; 2];
         for (j, warps) in [4u32, 8].into_iter().enumerate() {
@@ -126,146 +120,194 @@ pub(crate) fn skinny_slots(sms: usize, k: &Kernels) -> Result<SkinnySlots> {
     };
     let mut narrow = [[0usize; 2]; 4];
     for (i, tiles) in [1usize, 2, 4, 8].into_iter().enumerate() {
-        narrow[i] = slots(&k.skinny_gemm[i], tiles)?;
+        narrow[i] = slots(&narrow_funcs[i], tiles)?;
     }
-    let wide = [slots(&k.skinny_gemm_wide[0], 4)?, slots(&k.skinny_gemm_wide[1], 8)?];
+    let wide = [slots(&wide_funcs[0], 4)?, slots(&wide_funcs[1], 8)?];
     Ok(SkinnySlots { narrow, wide })
 }
 
-/// One batch-invariant GEMM call: `y[n, out] (+ addend) = bf(x[n, in] · w[out, in]ᵀ)`, the add epilogue when
-/// `addend` is not [`NULL`] (bf(bf(x · wᵀ) + addend), `addend` laid out as `y` and possibly `y` itself), row-major
-/// output or segment-major for `parts` (bounds on the device, and their count).
-#[derive(Clone, Copy)]
-pub(crate) struct GemmCall {
+/// One linear layer call: `y[n, out_dim] = bf(x[n, in_dim] · w[out_dim, in_dim]ᵀ)`, bf16, row-major.
+#[derive(Clone, Copy, Debug)]
+pub struct LinearArgs {
     pub w: DPtr,
     pub out_dim: usize,
     pub in_dim: usize,
     pub x: DPtr,
     pub n: usize,
     pub y: DPtr,
-    pub addend: DPtr,
-    pub parts: Option<(DPtr, usize)>,
 }
 
-impl Gpu {
-    /// `y[n, out] = bf(x[n, in] · w[out, in]ᵀ)` with fp32 accumulation, by the selected [`Gemm`].
-    pub fn linear(&self, w: DPtr, out_dim: usize, in_dim: usize, x: DPtr, n: usize, y: DPtr) -> Result<()> {
-        match self.gemm {
-            Gemm::Cublas => self.linear_cublas(w, out_dim, in_dim, x, n, y),
-            Gemm::BatchInvariant => {
-                self.batch_invariant(GemmCall { w, out_dim, in_dim, x, n, y, addend: NULL, parts: None })
-            }
+impl LinearArgs {
+    fn call(&self, addend: DPtr, parts: Option<(DPtr, usize)>) -> GemmCall {
+        let LinearArgs { w, out_dim, in_dim, x, n, y } = *self;
+        GemmCall { w, out_dim, in_dim, x, n, y, addend, parts }
+    }
+}
+
+/// A merged projection: `w` stacks parts of `bounds[i + 1] - bounds[i]` rows (`bounds` starts at 0 and ends at
+/// the total), `[total, in_dim]`; the result `y` is segment-major: part `i` is a contiguous
+/// `[n, bounds[i + 1] - bounds[i]]` block at element offset `n * bounds[i]`. `bounds_dev` holds `bounds` as i32
+/// on the device.
+#[derive(Clone, Copy, Debug)]
+pub struct PartsArgs<'a> {
+    pub w: DPtr,
+    pub bounds: &'a [usize],
+    pub bounds_dev: DPtr,
+    pub in_dim: usize,
+    pub x: DPtr,
+    pub n: usize,
+    pub y: DPtr,
+}
+
+/// The GEMM kernels of `gemm.cu` and (on Hopper) `gemm_tc.cu`, the cuBLAS handle, and each lane's tickets.
+pub struct GemmKernels {
+    /// `skinny_gemm_t{1,2,4,8}`: token chunks of up to 8, 16, 32, 64 tokens, one block per K slice.
+    skinny_gemm: [CudaFunction; 4],
+    /// `skinny_gemm_serial_t{1,2,4,8}`: the same sums, one block running every K slice of its rows.
+    skinny_gemm_serial: [CudaFunction; 4],
+    /// `skinny_gemm_wide_t{4,8}`: split launches of up to 32 and 64 tokens with two 16-row tiles per warp.
+    skinny_gemm_wide: [CudaFunction; 2],
+    /// `skinny_wgmma{,_serial}_t{8,16,32,64}` (gemm_tc.cu): the batch-invariant GEMM on Hopper, `None` elsewhere.
+    tc: Option<TcKernels>,
+    /// `add_in_place` (common.cu), for cuBLAS's add epilogue.
+    add_in_place: CudaFunction,
+    blas: CudaBlas,
+    /// The skinny GEMM's tickets of the main and the side lane (all zeros between launches; see `gemm.cu`).
+    tickets: [CudaSlice<u32>; 2],
+    /// Blocks of each split skinny GEMM entry point the device holds at once, at 4 and 8 warps per block.
+    slots: SkinnySlots,
+}
+
+impl GemmKernels {
+    /// Looks the kernels up in `gpu`'s module store, allows them their shared memory, reads their occupancy,
+    /// creates the cuBLAS handle on the main stream and each lane's tickets.
+    pub fn load(gpu: &Gpu) -> Result<Self> {
+        let f = |name: &str| gpu.function(name);
+        let skinny_gemm = [f("skinny_gemm_t1")?, f("skinny_gemm_t2")?, f("skinny_gemm_t4")?, f("skinny_gemm_t8")?];
+        let skinny_gemm_serial = [
+            f("skinny_gemm_serial_t1")?,
+            f("skinny_gemm_serial_t2")?,
+            f("skinny_gemm_serial_t4")?,
+            f("skinny_gemm_serial_t8")?,
+        ];
+        let skinny_gemm_wide = [f("skinny_gemm_wide_t4")?, f("skinny_gemm_wide_t8")?];
+        let tiles = [1usize, 2, 4, 8];
+        let entries = tiles.iter().zip(&skinny_gemm).chain(tiles.iter().zip(&skinny_gemm_serial));
+        for (tiles, func) in entries.chain([4usize, 8].iter().zip(&skinny_gemm_wide)) {
+            allow_shared_memory(func, skinny_smem_bytes(*tiles), "the skinny GEMM")?;
+        }
+        let slots = skinny_slots(gpu.sms, &skinny_gemm, &skinny_gemm_wide)?;
+        let tc = TcKernels::load(gpu)?;
+        let blas = CudaBlas::new(gpu.stream.clone()).map_err(|e| device_err("creating the cuBLAS handle", e))?;
+        let tickets = [new_tickets(&gpu.stream)?, new_tickets(gpu.side_stream())?];
+        Ok(GemmKernels {
+            skinny_gemm,
+            skinny_gemm_serial,
+            skinny_gemm_wide,
+            tc,
+            add_in_place: f("add_in_place")?,
+            blas,
+            tickets,
+            slots,
+        })
+    }
+
+    /// `y[n, out] = bf(x[n, in] · w[out, in]ᵀ)` with fp32 accumulation, by `gpu`'s selected [`Gemm`].
+    pub fn linear(&self, gpu: &Gpu, a: &LinearArgs) -> Result<()> {
+        match gpu.gemm {
+            Gemm::Cublas => self.linear_cublas(gpu, a),
+            Gemm::BatchInvariant => self.batch_invariant(gpu, a.call(NULL, None)),
         }
     }
 
-    /// A merged projection: `w` stacks parts of `bounds[i + 1] - bounds[i]` rows (`bounds` starts at 0
-    /// and ends at the total), and the result is segment-major: part `i` is a contiguous
-    /// `[n, bounds[i + 1] - bounds[i]]` block at element offset `n * bounds[i]` of `y`, exactly as if
-    /// each part had run alone. `bounds_dev` holds `bounds` as i32 on the device.
-    #[allow(clippy::too_many_arguments)]
-    pub fn linear_parts(
-        &self,
-        w: DPtr,
-        bounds: &[usize],
-        bounds_dev: DPtr,
-        in_dim: usize,
-        x: DPtr,
-        n: usize,
-        y: DPtr,
-    ) -> Result<()> {
+    /// A merged projection (see [`PartsArgs`]), exactly as if each part had run alone.
+    pub fn linear_parts(&self, gpu: &Gpu, a: &PartsArgs<'_>) -> Result<()> {
+        let PartsArgs { w, bounds, bounds_dev, in_dim, x, n, y } = *a;
         let out_dim = *bounds.last().unwrap_or(&0);
         if bounds.len() < 2 || bounds[0] != 0 || bounds.windows(2).any(|b| b[0] > b[1]) || out_dim > i32::MAX as usize {
             return Err(KernelError::InvalidInput(format!(
                 "merged projection bounds {bounds:?} are not ascending from 0"
             )));
         }
-        match self.gemm {
+        match gpu.gemm {
             Gemm::Cublas => {
                 for b in bounds.windows(2) {
                     let part_w = w + (b[0] * in_dim * 2) as u64;
-                    self.linear_cublas(part_w, b[1] - b[0], in_dim, x, n, y + (n * b[0] * 2) as u64)?;
+                    let part =
+                        LinearArgs { w: part_w, out_dim: b[1] - b[0], in_dim, x, n, y: y + (n * b[0] * 2) as u64 };
+                    self.linear_cublas(gpu, &part)?;
                 }
                 Ok(())
             }
             Gemm::BatchInvariant => {
                 let parts = Some((bounds_dev, bounds.len() - 1));
-                self.batch_invariant(GemmCall { w, out_dim, in_dim, x, n, y, addend: NULL, parts })
+                let whole = LinearArgs { w, out_dim, in_dim, x, n, y };
+                self.batch_invariant(gpu, whole.call(NULL, parts))
             }
         }
     }
 
     /// `y = bf(bf(x · wᵀ) + addend)` (`addend` `[n, out_dim]` bf16, which may be `y` itself): bit-identical
-    /// to [`Gpu::linear`] followed by [`Gpu::add`], in one pass with the batch-invariant GEMM (a residual or
+    /// to [`GemmKernels::linear`] followed by an add, in one pass with the batch-invariant GEMM (a residual or
     /// a sum of expert outputs added where the GEMM writes).
-    #[allow(clippy::too_many_arguments)]
-    pub fn linear_add(
-        &self,
-        w: DPtr,
-        out_dim: usize,
-        in_dim: usize,
-        x: DPtr,
-        n: usize,
-        y: DPtr,
-        addend: DPtr,
-    ) -> Result<()> {
-        match self.gemm {
+    pub fn linear_add(&self, gpu: &Gpu, a: &LinearArgs, addend: DPtr) -> Result<()> {
+        let (y, len) = (a.y, a.n * a.out_dim);
+        match gpu.gemm {
             Gemm::Cublas if addend == y => {
-                let product = self.uninit::<half::bf16>(n * out_dim)?;
-                self.linear_cublas(w, out_dim, in_dim, x, n, self.ptr(&product))?;
-                self.add(y, self.ptr(&product), n * out_dim)
+                let product = gpu.uninit::<half::bf16>(len)?;
+                self.linear_cublas(gpu, &LinearArgs { y: gpu.ptr(&product), ..*a })?;
+                add_in_place(gpu, &self.add_in_place, y, gpu.ptr(&product), len)
             }
             Gemm::Cublas => {
-                self.linear_cublas(w, out_dim, in_dim, x, n, y)?;
-                self.add(y, addend, n * out_dim)
+                self.linear_cublas(gpu, a)?;
+                add_in_place(gpu, &self.add_in_place, y, addend, len)
             }
-            Gemm::BatchInvariant => self.batch_invariant(GemmCall { w, out_dim, in_dim, x, n, y, addend, parts: None }),
+            Gemm::BatchInvariant => self.batch_invariant(gpu, a.call(addend, None)),
         }
     }
 
     /// The batch-invariant GEMM of `call`: the warpgroup-MMA kernels at [`tc_split`] of the shape where they take
-    /// the call, else the skinny kernels at [`skinny_split`] in the call's [`Gpu::skinny_layout`].
-    fn batch_invariant(&self, call: GemmCall) -> Result<()> {
+    /// the call, else the skinny kernels at [`skinny_split`] in the call's [`GemmKernels::skinny_layout`].
+    fn batch_invariant(&self, gpu: &Gpu, call: GemmCall) -> Result<()> {
         let GemmCall { w, out_dim, in_dim, x, n, .. } = call;
-        if self.tc_gemm_takes(w, x, in_dim) {
-            return self.tc_gemm(call, tc_split(out_dim, in_dim), false);
+        if let Some(tc) = self.tc.as_ref().filter(|_| self.tc_gemm_takes(w, x, in_dim)) {
+            return tc.tc_gemm(gpu, call, tc_split(out_dim, in_dim), false);
         }
-        self.skinny(call, self.skinny_layout(out_dim, in_dim, n, skinny_split(out_dim, in_dim)))
+        self.skinny(gpu, call, self.skinny_layout(out_dim, in_dim, n, skinny_split(out_dim, in_dim)))
     }
 
     /// The skinny mma.sync GEMM with an explicit K split (1 to 64 slices), row-major output or segment-major output
     /// `(bounds on the device, parts)`, on any device. Results are batch-invariant for a fixed `split`;
-    /// [`Gpu::linear`] takes [`skinny_split`] of the shape where the warpgroup-MMA GEMM does not run, and tests and
-    /// benchmarks try the others.
-    #[allow(clippy::too_many_arguments)]
-    pub fn linear_skinny(
-        &self,
-        w: DPtr,
-        out_dim: usize,
-        in_dim: usize,
-        x: DPtr,
-        n: usize,
-        y: DPtr,
-        parts: Option<(DPtr, usize)>,
-        split: usize,
-    ) -> Result<()> {
-        let layout = self.skinny_layout(out_dim, in_dim, n, split);
-        self.skinny(GemmCall { w, out_dim, in_dim, x, n, y, addend: NULL, parts }, layout)
+    /// [`GemmKernels::linear`] takes [`skinny_split`] of the shape where the warpgroup-MMA GEMM does not run, and
+    /// tests and benchmarks try the others.
+    pub fn linear_skinny(&self, gpu: &Gpu, a: &LinearArgs, parts: Option<(DPtr, usize)>, split: usize) -> Result<()> {
+        let layout = self.skinny_layout(a.out_dim, a.in_dim, a.n, split);
+        self.skinny(gpu, a.call(NULL, parts), layout)
     }
 
     /// The skinny GEMM with an explicit layout (tests and benchmarks: every layout of one `split` gives the
     /// same bits).
-    #[allow(clippy::too_many_arguments)]
-    pub fn linear_skinny_layout(
-        &self,
-        w: DPtr,
-        out_dim: usize,
-        in_dim: usize,
-        x: DPtr,
-        n: usize,
-        y: DPtr,
-        layout: SkinnyLayout,
-    ) -> Result<()> {
-        self.skinny(GemmCall { w, out_dim, in_dim, x, n, y, addend: NULL, parts: None }, layout)
+    pub fn linear_skinny_layout(&self, gpu: &Gpu, a: &LinearArgs, layout: SkinnyLayout) -> Result<()> {
+        self.skinny(gpu, a.call(NULL, None), layout)
+    }
+
+    /// Whether the batch-invariant GEMM of a weight at `w` with `in_dim` columns on tokens at `x` runs on the
+    /// warpgroup-MMA kernels: a Hopper device, and operands a tensor map can read (16-byte aligned rows).
+    pub fn tc_gemm_takes(&self, w: DPtr, x: DPtr, in_dim: usize) -> bool {
+        self.tc.is_some() && w % 16 == 0 && x % 16 == 0 && in_dim % 8 == 0
+    }
+
+    /// The warpgroup-MMA GEMM with an explicit K split (tests and benchmarks; [`GemmKernels::linear`] takes
+    /// [`tc_split`] of the shape): its slices run serially in one block per row tile, or as clusters of their own
+    /// blocks, as `serial` says. Every choice gives the same bits.
+    pub fn linear_tc(&self, gpu: &Gpu, a: &LinearArgs, split: usize, serial: bool) -> Result<()> {
+        let tc = self.tc.as_ref().filter(|_| self.tc_gemm_takes(a.w, a.x, a.in_dim)).ok_or_else(|| {
+            KernelError::InvalidInput(format!(
+                "the warpgroup-MMA GEMM needs a Hopper GPU and 16-byte aligned rows (in_dim {})",
+                a.in_dim
+            ))
+        })?;
+        tc.tc_gemm(gpu, a.call(NULL, None), split, serial)
     }
 
     /// The layout of an `n`-token call with `split` slices. Two row tiles per warp ([`SkinnyLayout::wide`]) above
@@ -277,11 +319,11 @@ impl Gpu {
         let tiles = n.min(SKINNY_TOKENS).div_ceil(8).next_power_of_two();
         let slices = in_dim.div_ceil(skinny_kslice(in_dim, split));
         let chunks = n.div_ceil(SKINNY_TOKENS);
-        let wide_slots = self.skinny_slots.wide[usize::from(tiles == 8)];
+        let wide_slots = self.slots.wide[usize::from(tiles == 8)];
         let wide = tiles >= 4 && out_dim.div_ceil(32 * 4) * slices * chunks >= SKINNY_WIDE_WAVES * wide_slots[0].max(1);
         let (rows, slots) = match wide {
             true => (32, wide_slots),
-            false => (16, self.skinny_slots.narrow[tiles.trailing_zeros() as usize]),
+            false => (16, self.slots.narrow[tiles.trailing_zeros() as usize]),
         }; // slots: [4 warps, 8 warps]
         let blocks = |warps: usize| out_dim.div_ceil(rows * warps) * slices * chunks;
         // The share of the launch's waves that is busy: blocks over whole waves of the device's slots.
@@ -298,7 +340,7 @@ impl Gpu {
     }
 
     /// One launch of `skinny_gemm_t*`, `skinny_gemm_wide_t*` or `skinny_gemm_serial_t*` for `call` in `layout`.
-    fn skinny(&self, call: GemmCall, layout: SkinnyLayout) -> Result<()> {
+    fn skinny(&self, gpu: &Gpu, call: GemmCall, layout: SkinnyLayout) -> Result<()> {
         let GemmCall { w, out_dim, in_dim, x, n, y, addend, parts } = call;
         let SkinnyLayout { split, warps, serial, wide } = layout;
         if !(1..=SKINNY_MAX_SPLIT).contains(&split) {
@@ -344,13 +386,13 @@ impl Gpu {
             )));
         }
         // [slices, n, out] f32 partials, freed in stream order after the launch.
-        let workspace = if split_blocks { Some(self.uninit::<f32>(slices * n * out_dim)?) } else { None };
-        let ws = workspace.as_ref().map_or(NULL, |b| self.ptr(b));
-        let tickets = self.ptr(&self.gemm_tickets[usize::from(self.on_side_lane())]);
+        let workspace = if split_blocks { Some(gpu.uninit::<f32>(slices * n * out_dim)?) } else { None };
+        let ws = workspace.as_ref().map_or(NULL, |b| gpu.ptr(b));
+        let tickets = gpu.ptr(&self.tickets[usize::from(gpu.on_side_lane())]);
         let func = match (serial, wide) {
-            (true, _) => &self.k.skinny_gemm_serial[tiles.trailing_zeros() as usize],
-            (false, true) => &self.k.skinny_gemm_wide[usize::from(tiles == 8)],
-            (false, false) => &self.k.skinny_gemm[tiles.trailing_zeros() as usize],
+            (true, _) => &self.skinny_gemm_serial[tiles.trailing_zeros() as usize],
+            (false, true) => &self.skinny_gemm_wide[usize::from(tiles == 8)],
+            (false, false) => &self.skinny_gemm[tiles.trailing_zeros() as usize],
         };
         let cfg = LaunchConfig {
             grid_dim: (blocks as u32, chunks as u32, 1),
@@ -361,15 +403,17 @@ impl Gpu {
         let vec = aligned(w) as i32 | ((aligned(x) as i32) << 1);
         let (seg, nseg) = parts.unwrap_or((NULL, 0));
         let (nn, kk, mm, nseg, ks) = (out_dim as i32, in_dim as i32, n as i32, nseg as i32, kslice as i32);
-        let mut b = self.launcher(func);
+        let mut b = gpu.launcher(func);
         b.arg(&w).arg(&x).arg(&y).arg(&addend).arg(&nn).arg(&kk).arg(&mm).arg(&seg).arg(&nseg).arg(&ks);
         b.arg(&ws).arg(&tickets).arg(&vec);
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("skinny_gemm"))
+        // SAFETY: the arguments match skinny_gemm_*; the workspace and tickets cover the launch (checked above).
+        unsafe { b.launch(cfg, "skinny_gemm") }
     }
 
     /// The cuBLAS GEMM: row-major `y = x wᵀ` is column-major `yᵀ = w xᵀ` with `w` transposed
     /// (shared/reference/rust-stack.md §1.5).
-    pub fn linear_cublas(&self, w: DPtr, out_dim: usize, in_dim: usize, x: DPtr, n: usize, y: DPtr) -> Result<()> {
+    pub fn linear_cublas(&self, gpu: &Gpu, a: &LinearArgs) -> Result<()> {
+        let LinearArgs { w, out_dim, in_dim, x, n, y } = *a;
         let (alpha, beta) = (1.0f32, 0.0f32);
         let bf = blas_sys::cudaDataType_t::CUDA_R_16BF;
         // SAFETY: w is [out, in], x is [n, in], y is [n, out], all bf16 and live (caller's contract).
@@ -396,7 +440,7 @@ impl Gpu {
                 blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         }
-        .map(|_| self.count_launch())
+        .map(|_| gpu.count_launch())
         .map_err(|e| device_err("cublasGemmEx", e))
     }
 }

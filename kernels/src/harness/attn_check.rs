@@ -15,12 +15,15 @@ use crate::cpu::kda::{kda_window, KdaInputs};
 use crate::cpu::mla::mla_window;
 use crate::cpu::ops::{Linear, RmsNorm};
 use crate::cpu::weights::{KdaWeights, MixerWeights};
-use crate::cuda::attn::{KdaArgs, StepBuffer, StepTables};
-use crate::cuda::forward::{DeviceModel, DeviceRow, DeviceState};
-use crate::cuda::ops::Gpu;
-use crate::cuda::validate::{compare, cpu_mla, down, random_bf16, up, OpCheck};
+use crate::cuda::attn::{AttnKernels, KdaArgs, MlaAppendArgs, MlaAttentionArgs};
+use crate::cuda::forward::DeviceModel;
+use crate::cuda::gpu::Gpu;
+use crate::cuda::state::{DeviceRow, DeviceState};
+use crate::cuda::step::{StepBuffer, StepTables};
 use crate::cuda::weights::DevMixer;
 use crate::error::{KernelError, Result};
+use crate::harness::compare::{compare, down, random_bf16, up, OpCheck};
+use crate::harness::validate::cpu_mla;
 use crate::runner::TokenId;
 use crate::state::{KdaState, SeqState};
 use cudarc::driver::CudaSlice;
@@ -74,6 +77,8 @@ struct KdaCase {
     o_norm: CudaSlice<f32>,
     /// Tokens whose inputs are on the device.
     t: usize,
+    /// The device's KDA and MLA kernels.
+    kernels: AttnKernels,
 }
 
 impl KdaCase {
@@ -111,7 +116,8 @@ impl KdaCase {
         let conv_w = [gpu.upload(&weights.conv[0])?, gpu.upload(&weights.conv[1])?, gpu.upload(&weights.conv[2])?];
         let (a, dt_bias, o_norm) =
             (gpu.upload(&weights.a)?, gpu.upload(&weights.dt_bias)?, gpu.upload(&weights.o_norm)?);
-        Ok(KdaCase { cfg, weights, start, qkv, f, b, g, dev_in, conv_w, a, dt_bias, o_norm, t })
+        let kernels = AttnKernels::load(gpu)?;
+        Ok(KdaCase { cfg, weights, start, qkv, f, b, g, dev_in, conv_w, a, dt_bias, o_norm, t, kernels })
     }
 
     /// The kernels over the first `window` tokens from the start state: the chunked form for windows of at least
@@ -149,7 +155,7 @@ impl KdaCase {
         gpu.synchronize()?;
         gpu.start_profile();
         gpu.mark("kda")?;
-        gpu.kda_layer(&tables, 0, dk, &args)?;
+        self.kernels.kda_layer(gpu, &tables, 0, dk, &args)?;
         gpu.mark("end")?;
         let ms = gpu.finish_profile()?.first().map_or(0.0, |s| s.ms);
         let out = down(gpu, &o, window * p)?;
@@ -360,6 +366,7 @@ pub fn mla_batch(gpu: &Gpu, preset: &str, batch: usize, seed: u64) -> Result<Mla
     let gate = random_bf16(&mut rng, n * vw, 4.0); // [n, H * v]
     let (kv_b_dev, q_norm_w, kv_norm_w) = (up(gpu, &kv_b.w)?, up(gpu, &q_norm.w)?, up(gpu, &kv_norm.w)?);
     let buffer = StepBuffer::default();
+    let kernels = AttnKernels::load(gpu)?;
 
     // Runs rows `which` (their tokens only) as one step; returns qa_n and the gated outputs, token-major.
     let run = |states: &mut [DeviceState], which: &[usize], profile: bool| -> Result<(Vec<f32>, Vec<f32>, f64, u64)> {
@@ -394,9 +401,21 @@ pub fn mla_batch(gpu: &Gpu, preset: &str, batch: usize, seed: u64) -> Result<Mla
             gpu.start_profile();
         }
         gpu.mark("mla")?;
-        let norms = ((gpu.ptr(&q_norm_w), q_norm.eps), (gpu.ptr(&kv_norm_w), kv_norm.eps));
-        gpu.mla_norm_append(&m, &tables, 0, gpu.ptr(&qa_d), gpu.ptr(&qa_n), gpu.ptr(&kva_d), norms.0, norms.1)?;
-        gpu.mla_attention(&m, &tables, 0, gpu.ptr(&q_d), gpu.ptr(&kv_b_dev), Some(gpu.ptr(&gate_d)), gpu.ptr(&out))?;
+        let append = MlaAppendArgs {
+            qa: gpu.ptr(&qa_d),
+            qa_n: gpu.ptr(&qa_n),
+            kva: gpu.ptr(&kva_d),
+            q_norm: (gpu.ptr(&q_norm_w), q_norm.eps),
+            kv_norm: (gpu.ptr(&kv_norm_w), kv_norm.eps),
+        };
+        kernels.mla_norm_append(gpu, &m, &tables, 0, &append)?;
+        let attention = MlaAttentionArgs {
+            q: gpu.ptr(&q_d),
+            kv_b: gpu.ptr(&kv_b_dev),
+            gate: Some(gpu.ptr(&gate_d)),
+            out: gpu.ptr(&out),
+        };
+        kernels.mla_attention(gpu, &m, &tables, 0, &attention)?;
         gpu.mark("end")?;
         let span = if profile { gpu.finish_profile()?.first().map(|s| (s.ms, s.launches)) } else { None };
         let (ms, launches) = span.unwrap_or((0.0, 0));

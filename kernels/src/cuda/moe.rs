@@ -1,5 +1,6 @@
-//! The latent MoE's launches on [`Gpu`]: the router, the grouping of (token, expert) pairs by expert and the combine
-//! with the routed norm (`kernels/cuda/moe_route.cu`), and the grouped MXFP4 expert kernels (`kernels/cuda/moe.cu`).
+//! The latent MoE's kernels ([`MoeKernels`]): the router, the grouping of (token, expert) pairs by expert and the
+//! combine with the routed norm (`kernels/cuda/moe_route.cu`), and the grouped MXFP4 expert kernels
+//! (`kernels/cuda/moe.cu`).
 //!
 //! Invariants:
 //! - No host synchronisation: grids are sized from host-known bounds (at most `n k` active experts, at most
@@ -8,17 +9,20 @@
 //!   router itself (its experts ascending, one pair each), which then saves the grouping launch.
 //! - A token's routing and expert outputs do not depend on the other tokens of the batch, bit for bit (fixed
 //!   summation orders, no float atomics; see the kernels), whichever router form and expert form run.
+//! - Every launch takes an argument struct ([`RouteArgs`], [`Pairs`], [`GateUpArgs`], [`DownArgs`],
+//!   [`CombineArgs`]) of device addresses the caller keeps alive across the call.
 
-use cudarc::driver::LaunchConfig;
+use cudarc::driver::{CudaFunction, LaunchConfig};
 
-use crate::cuda::device::device_err;
-use crate::cuda::ops::{launch_err, no_clusters, row_cluster_launch, DPtr, Gpu, Kernels, RowSplit, NULL, ROW_CLUSTER};
+use crate::cuda::gpu::Gpu;
+use crate::cuda::launch::{allow_shared_memory, DPtr, NULL};
+use crate::cuda::rows::{no_clusters, row_cluster_launch, RowSplit, ROW_CLUSTER};
 use crate::error::{KernelError, Result};
 
-/// The router of a MoE layer over `n` tokens ([`Gpu::moe_route`]): `h` `[n, d]` bf16, `w` `[experts, d]` bf16,
+/// The router of a MoE layer over `n` tokens ([`MoeKernels::moe_route`]): `h` `[n, d]` bf16, `w` `[experts, d]` bf16,
 /// `bias` `[experts]` f32; out: `idx` `[n, k]` chosen experts ascending, `wts` `[n, k]` f32 weights (renormalised
 /// when asked, times `scale`), `margin` `[n]` f32 (the k-th choice over the next). `grouping`: where
-/// [`Gpu::moe_group`] writes the pairs grouped by expert (`group`, `pairs`), which the router writes itself when
+/// [`MoeKernels::moe_group`] writes the pairs grouped by expert (`group`, `pairs`), which the router writes itself when
 /// the step has one token.
 #[derive(Clone, Copy, Debug)]
 pub struct RouteArgs {
@@ -40,17 +44,119 @@ pub struct RouteArgs {
 /// The most experts per token whose grouping the router writes itself (one lane of its selecting warp each).
 const ROUTER_GROUPS_MAX_K: usize = 32;
 
-impl Gpu {
+/// The (token, expert) pairs of a routed batch: `n` tokens each choosing `k` of `experts`, grouped by expert in
+/// `grouping` = (`group`: [`moe_group_len`] ints, the active experts and where each one's pairs start; `pairs`
+/// `[n k]`: `t * k + j`, grouped by expert, tokens ascending), as [`MoeKernels::moe_group`] writes them.
+#[derive(Clone, Copy, Debug)]
+pub struct Pairs {
+    pub n: usize,
+    pub k: usize,
+    pub experts: usize,
+    pub grouping: (DPtr, DPtr),
+}
+
+/// Gate/up + SiTU of the grouped pairs: `z` `[n, latent]` bf16 in, `a` `[n k, inter]` bf16 out (row `t * k + j`);
+/// `w1` and `w3` are (codes, scales) of `[experts, inter, latent]` in the tiled layout of
+/// [`crate::cuda::expert_layout`]; `beta` and `lbeta` are SiTU's.
+#[derive(Clone, Copy, Debug)]
+pub struct GateUpArgs {
+    pub z: DPtr,
+    pub w1: (DPtr, DPtr),
+    pub w3: (DPtr, DPtr),
+    pub a: DPtr,
+    pub latent: usize,
+    pub inter: usize,
+    pub beta: f32,
+    pub lbeta: f32,
+}
+
+/// The down projection of the grouped pairs: `a` `[n k, inter]` bf16 in, `y` `[n k, latent]` bf16 out (row
+/// `t * k + j`); `w2` is (codes, scales) of `[experts, latent, inter]` in the tiled layout of
+/// [`crate::cuda::expert_layout`].
+#[derive(Clone, Copy, Debug)]
+pub struct DownArgs {
+    pub a: DPtr,
+    pub w2: (DPtr, DPtr),
+    pub y: DPtr,
+    pub latent: usize,
+    pub inter: usize,
+}
+
+/// The weighted combine of each token's `k` expert outputs `y` `[n k, latent]` bf16 with weights `wts` `[n, k]`
+/// f32, in slot order, then the routed RMSNorm with weight `norm_w` `[latent]` bf16: `out` `[n, latent]` bf16.
+#[derive(Clone, Copy, Debug)]
+pub struct CombineArgs {
+    pub y: DPtr,
+    pub wts: DPtr,
+    pub norm_w: DPtr,
+    pub out: DPtr,
+    pub n: usize,
+    pub k: usize,
+    pub latent: usize,
+    pub eps: f32,
+}
+
+/// The kernels of `moe_route.cu` and `moe.cu`.
+pub struct MoeKernels {
+    /// `moe_router_logits`, then its form for batches (`moe_router_logits_tiled`: several tokens per warp).
+    moe_router_logits: [CudaFunction; 2],
+    moe_route: CudaFunction,
+    /// `moe_router` and `moe_router_tiled` (both in one launch, thread-block clusters): present from Hopper on.
+    moe_router: Option<[CudaFunction; 2]>,
+    moe_group: CudaFunction,
+    moe_gate_up: CudaFunction,
+    /// The grouped down projection: `[0]` any width, `[1]` widths whose steps are all full (no masks).
+    moe_down: [CudaFunction; 2],
+    moe_gate_up_staged: CudaFunction,
+    moe_down_staged: CudaFunction,
+    moe_combine_norm: CudaFunction,
+    /// `moe_combine_norm` over a cluster of blocks per token: present from Hopper on.
+    moe_combine_norm_cluster: Option<CudaFunction>,
+}
+
+impl MoeKernels {
+    /// Looks the kernels up in `gpu`'s module store and allows the ring kernels their shared memory.
+    pub fn load(gpu: &Gpu) -> Result<Self> {
+        let f = |name: &str| gpu.function(name);
+        let hopper = gpu.hopper();
+        let k = MoeKernels {
+            moe_router_logits: [f("moe_router_logits")?, f("moe_router_logits_tiled")?],
+            moe_route: f("moe_route")?,
+            moe_router: hopper.then(|| Ok::<_, KernelError>([f("moe_router")?, f("moe_router_tiled")?])).transpose()?,
+            moe_group: f("moe_group")?,
+            moe_gate_up: f("moe_gate_up")?,
+            moe_down: [f("moe_down")?, f("moe_down_full")?],
+            moe_gate_up_staged: f("moe_gate_up_staged")?,
+            moe_down_staged: f("moe_down_staged")?,
+            moe_combine_norm: f("moe_combine_norm")?,
+            moe_combine_norm_cluster: hopper.then(|| f("moe_combine_norm_cluster")).transpose()?,
+        };
+        for (kernel, name, bytes) in [
+            (&k.moe_gate_up, "moe_gate_up", GATE_UP_SHARED_BYTES),
+            (&k.moe_gate_up_staged, "moe_gate_up_staged", STAGED_SHARED_BYTES),
+            (&k.moe_down_staged, "moe_down_staged", STAGED_SHARED_BYTES),
+        ] {
+            allow_shared_memory(kernel, bytes as usize, name)?;
+        }
+        Ok(k)
+    }
+
+    /// The row splits the combine + routed norm has on this device: the cluster form from Hopper on, the one-block
+    /// form always.
+    pub fn row_splits(&self) -> Vec<RowSplit> {
+        RowSplit::available(self.moe_combine_norm_cluster.is_some())
+    }
+
     /// The router of `r.n` tokens: `idx`, `wts` `[n, k]`, `margin` `[n]`. Up to `FUSED_ROUTER_EXPERTS` (128) experts on
     /// Hopper and later, one launch (`moe_router`: a cluster of blocks per token computes its logits, then selects);
     /// otherwise two: the fp32 logits `[n, experts]` (one warp per token and expert), then the per-token
     /// selection. Batches that would read the router weights often enough ([`router_tiles_tokens`]) take the forms
     /// that compute `ROUTER_TOKENS` tokens per warp. Every form gives the same outputs bit for bit. Returns whether
-    /// it also wrote `r.grouping` (what [`Gpu::moe_group`] writes): it does for a step of one token with at most 32
+    /// it also wrote `r.grouping` (what [`MoeKernels::moe_group`] writes): it does for a step of one token with at most 32
     /// experts per token, which then needs no grouping launch.
-    pub fn moe_route(&self, r: &RouteArgs) -> Result<bool> {
-        let Some(routers) = self.k.moe_router.as_ref().filter(|_| r.experts <= FUSED_ROUTER_EXPERTS) else {
-            return self.moe_route_in_two_launches(r);
+    pub fn moe_route(&self, gpu: &Gpu, r: &RouteArgs) -> Result<bool> {
+        let Some(routers) = self.moe_router.as_ref().filter(|_| r.experts <= FUSED_ROUTER_EXPERTS) else {
+            return self.moe_route_in_two_launches(gpu, r);
         };
         let (group, pairs, grouped) = router_grouping(r);
         let (d, e, k, rn) = (r.d as i32, r.experts as i32, r.k as i32, r.renormalize as i32);
@@ -61,10 +167,11 @@ impl Gpu {
                 shared_mem_bytes: (3 * ROUTER_TOKENS * r.experts * 4) as u32,
             };
             let n = r.n as i32;
-            let mut b = self.launcher(&routers[1]);
+            let mut b = gpu.launcher(&routers[1]);
             b.arg(&r.h).arg(&r.w).arg(&r.bias).arg(&r.idx).arg(&r.wts).arg(&r.margin).arg(&d).arg(&e).arg(&k);
             b.arg(&rn).arg(&r.scale).arg(&n);
-            unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_router_tiled"))?;
+            // SAFETY: the arguments match moe_router_tiled; the buffers are the caller's (`RouteArgs`).
+            unsafe { b.launch(cfg, "moe_router_tiled") }?;
             return Ok(false);
         }
         let cfg = LaunchConfig {
@@ -72,18 +179,19 @@ impl Gpu {
             block_dim: (256, 1, 1),
             shared_mem_bytes: (3 * r.experts * 4) as u32,
         };
-        let mut b = self.launcher(&routers[0]);
+        let mut b = gpu.launcher(&routers[0]);
         b.arg(&r.h).arg(&r.w).arg(&r.bias).arg(&r.idx).arg(&r.wts).arg(&r.margin).arg(&d).arg(&e).arg(&k).arg(&rn);
         b.arg(&r.scale).arg(&group).arg(&pairs);
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_router"))?;
+        // SAFETY: the arguments match moe_router; the buffers are the caller's (`RouteArgs`).
+        unsafe { b.launch(cfg, "moe_router") }?;
         Ok(grouped)
     }
 
-    /// [`Gpu::moe_route`] in its two-launch form whatever the expert count (the form K3's 896 experts take).
-    pub fn moe_route_in_two_launches(&self, r: &RouteArgs) -> Result<bool> {
+    /// [`MoeKernels::moe_route`] in its two-launch form whatever the expert count (the form K3's 896 experts take).
+    pub fn moe_route_in_two_launches(&self, gpu: &Gpu, r: &RouteArgs) -> Result<bool> {
         let (group, pairs, grouped) = router_grouping(r);
-        let logits = self.uninit::<f32>(r.n * r.experts)?; // [n, E], written in full by moe_router_logits
-        let logits_ptr = self.ptr(&logits);
+        let logits = gpu.uninit::<f32>(r.n * r.experts)?; // [n, E], written in full by moe_router_logits
+        let logits_ptr = gpu.ptr(&logits);
         let (d, e, k, rn) = (r.d as i32, r.experts as i32, r.k as i32, r.renormalize as i32);
         let tiled = router_tiles_tokens(r.n, r.experts, r.d);
         let token_blocks = if tiled { r.n.div_ceil(ROUTER_TOKENS) } else { r.n };
@@ -92,103 +200,79 @@ impl Gpu {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self.launcher(&self.k.moe_router_logits[usize::from(tiled)]);
+        let mut b = gpu.launcher(&self.moe_router_logits[usize::from(tiled)]);
         b.arg(&r.h).arg(&r.w).arg(&logits_ptr).arg(&d).arg(&e);
         let n = r.n as i32;
         if tiled {
             b.arg(&n);
         }
         let name = if tiled { "moe_router_logits_tiled" } else { "moe_router_logits" };
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err(name))?;
+        // SAFETY: the arguments match moe_router_logits(_tiled); `logits` holds [n, E].
+        unsafe { b.launch(cfg, name) }?;
         let cfg = LaunchConfig {
             grid_dim: (r.n as u32, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: (2 * r.experts * 4) as u32,
         };
-        let mut b = self.launcher(&self.k.moe_route);
+        let mut b = gpu.launcher(&self.moe_route);
         b.arg(&logits_ptr).arg(&r.bias).arg(&r.idx).arg(&r.wts).arg(&r.margin).arg(&e).arg(&k).arg(&rn).arg(&r.scale);
         b.arg(&group).arg(&pairs);
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_route"))?;
+        // SAFETY: the arguments match moe_route; the buffers are the caller's (`RouteArgs`).
+        unsafe { b.launch(cfg, "moe_route") }?;
         Ok(grouped)
     }
 
-    /// Groups the routed (token, slot) pairs by expert on the device (no host synchronisation): `group`
-    /// ([`moe_group_len`] ints: the active experts and where each one's pairs start) and `pairs` `[n k]`
-    /// (`t * k + j`, grouped by expert, tokens ascending), from `idx` `[n, k]` (ascending per token). One block of
-    /// 256 threads, the tokens in windows whose bitmasks fit in shared memory ([`group_window_words`]).
-    pub fn moe_group(&self, idx: DPtr, n: usize, k: usize, experts: usize, group: DPtr, pairs: DPtr) -> Result<()> {
-        let words = group_window_words(n, experts)?;
-        let shared_bytes = (2 + words) * experts * 4;
+    /// Groups the routed (token, slot) pairs by expert on the device (no host synchronisation) into `p.grouping`
+    /// (see [`Pairs`]), from `idx` `[n, k]` (ascending per token). One block of 256 threads, the tokens in windows
+    /// whose bitmasks fit in shared memory ([`group_window_words`]).
+    pub fn moe_group(&self, gpu: &Gpu, idx: DPtr, p: &Pairs) -> Result<()> {
+        let words = group_window_words(p.n, p.experts)?;
+        let shared_bytes = (2 + words) * p.experts * 4;
         let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: shared_bytes as u32 };
-        let (n, k, e, words) = (n as i32, k as i32, experts as i32, words as i32);
-        let mut b = self.launcher(&self.k.moe_group);
+        let (n, k, e, words) = (p.n as i32, p.k as i32, p.experts as i32, words as i32);
+        let (group, pairs) = p.grouping;
+        let mut b = gpu.launcher(&self.moe_group);
         b.arg(&idx).arg(&n).arg(&k).arg(&e).arg(&words).arg(&group).arg(&pairs);
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_group"))
+        // SAFETY: the arguments match moe_group; `idx` holds [n, k] and the grouping buffers their lengths.
+        unsafe { b.launch(cfg, "moe_group") }
     }
 
-    /// Gate/up + SiTU per active expert over its grouped pairs: `a` `[n k, inter]` (row `t * k + j`). `w1` and `w3`
-    /// are (codes, scales) of `[experts, inter, latent]` in the tiled layout of [`crate::cuda::expert_layout`]. Both
-    /// forms give the same bits (the model takes [`ExpertForm::for_batch`]).
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_gate_up(
-        &self,
-        z: DPtr,
-        w1: (DPtr, DPtr),
-        w3: (DPtr, DPtr),
-        grouping: (DPtr, DPtr),
-        a: DPtr,
-        n: usize,
-        k: usize,
-        experts: usize,
-        latent: usize,
-        inter: usize,
-        beta: f32,
-        lbeta: f32,
-        form: ExpertForm,
-    ) -> Result<()> {
+    /// Gate/up + SiTU per active expert over its grouped pairs (see [`GateUpArgs`]). Both forms give the same bits
+    /// (the model takes [`ExpertForm::for_batch`]).
+    pub fn moe_gate_up(&self, gpu: &Gpu, p: &Pairs, a: &GateUpArgs, form: ExpertForm) -> Result<()> {
+        let Pairs { n, k, experts, grouping } = *p;
+        let GateUpArgs { z, w1, w3, a: act, latent, inter, beta, lbeta } = *a;
         check_expert_width("latent", latent)?;
         let (kernel, name, cfg) = match form {
             ExpertForm::Rows => {
-                (&self.k.moe_gate_up, "moe_gate_up", expert_launch(n, k, experts, inter, 16, GATE_UP_SHARED_BYTES))
+                (&self.moe_gate_up, "moe_gate_up", expert_launch(n, k, experts, inter, 16, GATE_UP_SHARED_BYTES))
             }
             ExpertForm::Staged => (
-                &self.k.moe_gate_up_staged,
+                &self.moe_gate_up_staged,
                 "moe_gate_up_staged",
                 expert_launch(n, k, experts, inter, 16, STAGED_SHARED_BYTES),
             ),
         };
         let (k, e, dl, di) = (k as i32, experts as i32, latent as i32, inter as i32);
-        let mut b = self.launcher(kernel);
-        b.arg(&z).arg(&w1.0).arg(&w1.1).arg(&w3.0).arg(&w3.1).arg(&grouping.0).arg(&grouping.1).arg(&a);
+        let mut b = gpu.launcher(kernel);
+        b.arg(&z).arg(&w1.0).arg(&w1.1).arg(&w3.0).arg(&w3.1).arg(&grouping.0).arg(&grouping.1).arg(&act);
         b.arg(&k).arg(&e).arg(&dl).arg(&di).arg(&beta).arg(&lbeta);
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err(name))
+        // SAFETY: the arguments match both gate/up forms; the buffers are the caller's (`GateUpArgs`).
+        unsafe { b.launch(cfg, name) }
     }
 
-    /// Down projection per active expert over its grouped pairs: `y` `[n k, latent]` (row `t * k + j`). `w2` is
-    /// (codes, scales) of `[experts, latent, inter]` in the tiled layout of [`crate::cuda::expert_layout`]. Both
-    /// forms give the same bits (the model takes [`ExpertForm::for_batch`]); [`ExpertForm::Staged`] needs `latent`
-    /// to be a multiple of 32.
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_down(
-        &self,
-        a: DPtr,
-        w2: (DPtr, DPtr),
-        grouping: (DPtr, DPtr),
-        y: DPtr,
-        n: usize,
-        k: usize,
-        experts: usize,
-        latent: usize,
-        inter: usize,
-        form: ExpertForm,
-    ) -> Result<()> {
+    /// Down projection per active expert over its grouped pairs (see [`DownArgs`]). Both forms give the same bits
+    /// (the model takes [`ExpertForm::for_batch`]); [`ExpertForm::Staged`] needs `latent` to be a multiple of 32.
+    pub fn moe_down(&self, gpu: &Gpu, p: &Pairs, a: &DownArgs, form: ExpertForm) -> Result<()> {
+        let Pairs { n, k, experts, grouping } = *p;
+        let DownArgs { a: act, w2, y, latent, inter } = *a;
         check_expert_width("expert", inter)?;
         let (e, dl, di) = (experts as i32, latent as i32, inter as i32);
         let (kernel, name, cfg) = match form {
             ExpertForm::Rows => {
                 let full = inter % (128 * DOWN_KB) == 0;
                 let name = if full { "moe_down_full" } else { "moe_down" };
-                (&self.k.moe_down[usize::from(full)], name, expert_launch(n, k, experts, latent, 16, 0))
+                (&self.moe_down[usize::from(full)], name, expert_launch(n, k, experts, latent, 16, 0))
             }
             ExpertForm::Staged => {
                 if latent % 32 != 0 {
@@ -198,54 +282,32 @@ impl Gpu {
                     )));
                 }
                 let cfg = expert_launch(n, k, experts, latent, 32, STAGED_SHARED_BYTES);
-                (&self.k.moe_down_staged, "moe_down_staged", cfg)
+                (&self.moe_down_staged, "moe_down_staged", cfg)
             }
         };
-        let mut b = self.launcher(kernel);
-        b.arg(&a).arg(&w2.0).arg(&w2.1).arg(&grouping.0).arg(&grouping.1).arg(&y).arg(&e).arg(&dl).arg(&di);
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err(name))
+        let mut b = gpu.launcher(kernel);
+        b.arg(&act).arg(&w2.0).arg(&w2.1).arg(&grouping.0).arg(&grouping.1).arg(&y).arg(&e).arg(&dl).arg(&di);
+        // SAFETY: the arguments match both down forms; the buffers are the caller's (`DownArgs`).
+        unsafe { b.launch(cfg, name) }
     }
 
-    /// The weighted combine of each token's `k` expert outputs `y` `[n k, latent]` in slot order, then the
-    /// routed RMSNorm with weight `norm_w`: `out` `[n, latent]`. Each token's row is spread as [`Gpu::row_split`]
-    /// says.
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_combine_norm(
-        &self,
-        y: DPtr,
-        wts: DPtr,
-        norm_w: DPtr,
-        out: DPtr,
-        n: usize,
-        k: usize,
-        latent: usize,
-        eps: f32,
-    ) -> Result<()> {
-        self.moe_combine_norm_as(self.row_split(latent), y, wts, norm_w, out, n, k, latent, eps)
+    /// The combine and routed norm of `a`. Each token's row is spread as [`RowSplit::for_width`] says.
+    pub fn moe_combine_norm(&self, gpu: &Gpu, a: &CombineArgs) -> Result<()> {
+        let split = RowSplit::for_width(self.moe_combine_norm_cluster.is_some(), a.latent);
+        self.moe_combine_norm_as(gpu, split, a)
     }
 
-    /// [`Gpu::moe_combine_norm`] spread as `split` says (for the equivalence checks of both forms; the two sum
-    /// the norm's squares in different fixed orders and differ by rounding).
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_combine_norm_as(
-        &self,
-        split: RowSplit,
-        y: DPtr,
-        wts: DPtr,
-        norm_w: DPtr,
-        out: DPtr,
-        n: usize,
-        k: usize,
-        latent: usize,
-        eps: f32,
-    ) -> Result<()> {
+    /// [`MoeKernels::moe_combine_norm`] spread as `split` says (for the equivalence checks of both forms; the two
+    /// sum the norm's squares in different fixed orders and differ by rounding).
+    pub fn moe_combine_norm_as(&self, gpu: &Gpu, split: RowSplit, a: &CombineArgs) -> Result<()> {
+        let CombineArgs { y, wts, norm_w, out, n, k, latent, eps } = *a;
         let (kernel, cfg) = match split {
             RowSplit::Cluster => (
-                self.k.moe_combine_norm_cluster.as_ref().ok_or_else(no_clusters)?,
+                self.moe_combine_norm_cluster.as_ref().ok_or_else(no_clusters)?,
                 row_cluster_launch(n, latent.div_ceil(ROW_CLUSTER as usize)),
             ),
             RowSplit::OneBlock => (
-                &self.k.moe_combine_norm,
+                &self.moe_combine_norm,
                 LaunchConfig {
                     grid_dim: (n as u32, 1, 1),
                     block_dim: (512, 1, 1),
@@ -257,9 +319,10 @@ impl Gpu {
             return Err(KernelError::InvalidInput(format!("a routed norm over {latent} values is not supported")));
         }
         let (k, dl) = (k as i32, latent as i32);
-        let mut b = self.launcher(kernel);
+        let mut b = gpu.launcher(kernel);
         b.arg(&y).arg(&wts).arg(&norm_w).arg(&out).arg(&k).arg(&dl).arg(&eps);
-        unsafe { b.launch(cfg) }.map(|_| self.count_launch()).map_err(launch_err("moe_combine_norm"))
+        // SAFETY: the arguments match both combine forms; the buffers are the caller's (`CombineArgs`).
+        unsafe { b.launch(cfg, "moe_combine_norm") }
     }
 }
 
@@ -310,7 +373,7 @@ fn router_tiles_tokens(n: usize, experts: usize, d: usize) -> bool {
 /// past 2 each the two-launch router spreads the dot products wider).
 const FUSED_ROUTER_EXPERTS: usize = 128;
 
-/// Ints of the grouping buffer [`Gpu::moe_group`] writes for `experts` experts: the active count, the
+/// Ints of the grouping buffer [`MoeKernels::moe_group`] writes for `experts` experts: the active count, the
 /// active experts `[experts]`, and the start of each active expert's pairs `[experts + 1]`.
 pub fn moe_group_len(experts: usize) -> usize {
     2 * experts + 2
@@ -342,23 +405,6 @@ const GATE_UP_SHARED_BYTES: u32 = EXPERT_WARPS * EXPERT_STAGES * ring_step_bytes
 const STAGED_COLUMNS: u32 = 32;
 const STAGED_SHARED_BYTES: u32 =
     EXPERT_WARPS * EXPERT_STAGES * ring_step_bytes(STAGED_KB) + EXPERT_STAGES * STAGED_COLUMNS * STAGED_KB * 256;
-
-/// Raises the dynamic shared memory limit of the ring kernels to their rings' (and stages') size.
-pub(crate) fn allow_expert_shared_memory(k: &Kernels) -> Result<()> {
-    for (kernel, name, bytes) in [
-        (&k.moe_gate_up, "moe_gate_up", GATE_UP_SHARED_BYTES),
-        (&k.moe_gate_up_staged, "moe_gate_up_staged", STAGED_SHARED_BYTES),
-        (&k.moe_down_staged, "moe_down_staged", STAGED_SHARED_BYTES),
-    ] {
-        kernel
-            .set_attribute(
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                bytes as i32,
-            )
-            .map_err(|e| device_err(&format!("allowing {name} its shared memory"), e))?;
-    }
-    Ok(())
-}
 
 /// K blocks of 128 inputs per step of moe_down (`DOWN_KB` in `kernels/cuda/moe.cu`): expert widths that are
 /// multiples of `128 * DOWN_KB` inputs (K3's 3,072) fill every step and take `moe_down_full`, the form without masks.

@@ -15,27 +15,31 @@
 //! 3. Verify + rollback on the device: a window verified and cut back to `m` tokens leaves exactly the
 //!    device state that running the `m` tokens leaves, and it agrees with the CPU reference's state.
 //!
-//! 4. The batch × window matrix (`cuda::matrix`): batches 1..64 × windows 1..8, fresh and reused
+//! 4. The batch × window matrix (`harness::matrix`): batches 1..64 × windows 1..8, fresh and reused
 //!    state, exact on the device (batch invariance, reuse, rollback) and close to the CPU.
 //!
 //! Invariant: `run` never panics on a machine without a GPU; it returns the `Device` error.
 
-use cudarc::driver::CudaSlice;
 use half::bf16;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 
 use crate::config::ModelConfig;
 use crate::cpu::forward::{CpuModel, RoutingTrace, WindowRow};
 use crate::cpu::kda::{kda_window, KdaInputs};
 use crate::cpu::mla::mla_window;
-use crate::cpu::moe::{latent_moe, Routing};
+use crate::cpu::moe::latent_moe;
 use crate::cpu::ops::situ_rows;
 use crate::cpu::weights::{FfnWeights, MixerWeights};
-use crate::cuda::forward::{DeviceModel, DeviceRow, DeviceState};
-use crate::cuda::matrix::{run_case, MatrixCase};
-use crate::cuda::ops::{Gemm, Gpu};
+use crate::cuda::forward::DeviceModel;
+use crate::cuda::gpu::{Gemm, Gpu};
+use crate::cuda::ops::Ops;
+use crate::cuda::rows::{AttnResNormArgs, AttnResRead, RmsNormArgs, SituArgs};
+use crate::cuda::state::{DeviceRow, DeviceState};
 use crate::cuda::weights::{DevFfn, DevMixer, DevWeights};
 use crate::error::{KernelError, Result};
+use crate::harness::compare::{argmax, compare, down, random_bf16, rel_l2, up, OpCheck};
+use crate::harness::matrix::{run_case, MatrixCase};
+use crate::routing::Routing;
 use crate::runner::TokenId;
 use crate::state::SeqState;
 use crate::synth::SyntheticWeights;
@@ -49,7 +53,7 @@ pub struct ValidationOptions {
     pub weights_seed: u64,
     /// Teacher-forced positions.
     pub positions: usize,
-    /// Batch sizes of the batch × window matrix (`cuda::matrix`).
+    /// Batch sizes of the batch × window matrix (`harness::matrix`).
     pub batches: Vec<usize>,
     /// Windows 1..=max_window of the matrix.
     pub max_window: usize,
@@ -66,17 +70,6 @@ impl Default for ValidationOptions {
             max_window: 8,
         }
     }
-}
-
-/// One op comparison.
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct OpCheck {
-    pub op: String,
-    /// `|gpu - cpu|_2 / |cpu|_2`
-    pub rel_l2: f64,
-    pub max_abs: f64,
-    pub tolerance: f64,
-    pub pass: bool,
 }
 
 /// The teacher-forced whole-model comparison under one GEMM.
@@ -129,32 +122,6 @@ pub struct ValidationReport {
     pub pass: bool,
 }
 
-pub(crate) fn compare(op: &str, gpu: &[f32], cpu: &[f32], tolerance: f64) -> OpCheck {
-    let (mut num, mut den, mut max_abs) = (0.0f64, 0.0f64, 0.0f64);
-    for (g, c) in gpu.iter().zip(cpu) {
-        let d = (*g as f64 - *c as f64).abs();
-        num += d * d;
-        den += (*c as f64) * (*c as f64);
-        max_abs = max_abs.max(d);
-    }
-    let finite = gpu.iter().all(|x| x.is_finite()) && gpu.len() == cpu.len();
-    let rel_l2 = if den > 0.0 { (num / den).sqrt() } else { num.sqrt() };
-    OpCheck { op: op.into(), rel_l2, max_abs, tolerance, pass: finite && rel_l2 <= tolerance }
-}
-
-/// Random values rounded to bf16, `[n]`.
-pub(crate) fn random_bf16(rng: &mut rand_chacha::ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n).map(|_| bf16::from_f32(rng.gen_range(-scale..scale)).to_f32()).collect()
-}
-
-pub(crate) fn up(gpu: &Gpu, x: &[f32]) -> Result<CudaSlice<bf16>> {
-    gpu.upload(&x.iter().map(|v| bf16::from_f32(*v)).collect::<Vec<_>>())
-}
-
-pub(crate) fn down(gpu: &Gpu, x: &CudaSlice<bf16>, n: usize) -> Result<Vec<f32>> {
-    Ok(gpu.download(x, n)?.into_iter().map(f32::from).collect())
-}
-
 /// Runs the whole matrix on device `opts.ordinal`.
 pub fn run(opts: &ValidationOptions) -> Result<ValidationReport> {
     let cfg = ModelConfig::preset(&opts.preset)?;
@@ -165,7 +132,7 @@ pub fn run(opts: &ValidationOptions) -> Result<ValidationReport> {
     let nvrtc_version = crate::cuda::compile::nvrtc_version()?;
     let weights = DevWeights::load(&gpu, &cfg, &src)?;
     let weights_bytes = weights.bytes;
-    let dev = DeviceModel::new(cfg.clone(), weights);
+    let dev = DeviceModel::new(cfg.clone(), weights, Ops::load(&gpu)?);
     let cpu: CpuModel<f32> = CpuModel::load(cfg.clone(), &src)?;
     eprintln!("validate: {} loaded on the device and the CPU in {:.1} s", opts.preset, t0.elapsed().as_secs_f64());
 
@@ -244,14 +211,18 @@ fn op_checks(gpu: &mut Gpu, dev: &DeviceModel, cpu: &CpuModel<f32>) -> Result<Ve
 
     // RMSNorm.
     let y = gpu.zeros::<bf16>(n * d)?;
-    gpu.rms_norm(gpu.ptr(&xd), d, gpu.ptr(&dl1.input_norm.w), gpu.ptr(&y), d, n, d, dl1.input_norm.eps)?;
+    let rows = &dev.ops.rows;
+    let eps = cfg.rms_norm_eps;
+    let norm = RmsNormArgs::packed(gpu.ptr(&xd), gpu.ptr(&dl1.input_norm.w), gpu.ptr(&y), n, d, dl1.input_norm.eps);
+    rows.rms_norm(gpu, &norm)?;
     out.push(compare("rms_norm", &down(gpu, &y, n * d)?, &l1.input_norm.forward(&x), TOL_ONE_ROUNDING));
 
     // AttnRes read over 3 sources.
     let srcs: Vec<Vec<f32>> = (0..3).map(|_| random_bf16(&mut rng, n * d, 1.5)).collect();
     let flat: Vec<f32> = srcs.iter().flatten().copied().collect();
     let sd = up(gpu, &flat)?;
-    gpu.attn_res_read(gpu.ptr(&sd), n * d, 3, gpu.ptr(&dl1.mlp_res), gpu.ptr(&y), n, d, cfg.rms_norm_eps)?;
+    let read = AttnResRead { sources: gpu.ptr(&sd), slot: n * d, nsrc: 3, q: gpu.ptr(&dl1.mlp_res), n, d, eps };
+    rows.attn_res_read(gpu, &read, gpu.ptr(&y))?;
     let refs: Vec<&[f32]> = srcs.iter().map(|s| s.as_slice()).collect();
     out.push(compare("attn_res_read", &down(gpu, &y, n * d)?, &l1.mlp_res.read(&refs), TOL_ONE_ROUNDING));
 
@@ -264,13 +235,15 @@ fn op_checks(gpu: &mut Gpu, dev: &DeviceModel, cpu: &CpuModel<f32>) -> Result<Ve
     let live: Vec<f32> = srcs[2].iter().zip(&addend).map(|(a, b)| bf16::from_f32(a + b).to_f32()).collect();
     let want_read = l1.mlp_res.read(&[&srcs[0], &srcs[1], &live]);
     let want = l1.post_norm.forward(&want_read);
-    for split in gpu.row_splits() {
+    for split in rows.row_splits() {
         let sd = up(gpu, &flat)?;
         let read = gpu.zeros::<bf16>(n * d)?; // [n, d]
         let norm = (gpu.ptr(&dl1.post_norm.w), dl1.post_norm.eps);
         let (s, q, a) = (gpu.ptr(&sd), gpu.ptr(&dl1.mlp_res), gpu.ptr(&ad));
         let (y_at, read_at) = (gpu.ptr(&y), gpu.ptr(&read));
-        gpu.attn_res_norm_as(split, s, n * d, 3, q, a, norm, y_at, read_at, n, d, cfg.rms_norm_eps)?;
+        let reading = AttnResRead { sources: s, slot: n * d, nsrc: 3, q, n, d, eps };
+        let fused = AttnResNormArgs { read: reading, addend: a, norm, out: y_at, read_out: read_at };
+        rows.attn_res_norm_as(gpu, split, &fused)?;
         let form = format!("attn_res_norm ({split:?})");
         out.push(compare(&format!("{form}: add + read + norm"), &down(gpu, &y, n * d)?, &want, TOL_ONE_ROUNDING));
         out.push(compare(&format!("{form}: its read output"), &down(gpu, &read, n * d)?, &want_read, TOL_ONE_ROUNDING));
@@ -280,7 +253,8 @@ fn op_checks(gpu: &mut Gpu, dev: &DeviceModel, cpu: &CpuModel<f32>) -> Result<Ve
     let g = random_bf16(&mut rng, n * d, 8.0);
     let u = random_bf16(&mut rng, n * d, 40.0);
     let (gd, ud) = (up(gpu, &g)?, up(gpu, &u)?);
-    gpu.situ(gpu.ptr(&gd), gpu.ptr(&ud), gpu.ptr(&y), n * d, cfg.situ_beta, cfg.situ_linear_beta)?;
+    let (beta, lbeta) = (cfg.situ_beta, cfg.situ_linear_beta);
+    rows.situ(gpu, &SituArgs { g: gpu.ptr(&gd), u: gpu.ptr(&ud), out: gpu.ptr(&y), len: n * d, beta, lbeta })?;
     out.push(compare(
         "situ",
         &down(gpu, &y, n * d)?,
@@ -294,7 +268,7 @@ fn op_checks(gpu: &mut Gpu, dev: &DeviceModel, cpu: &CpuModel<f32>) -> Result<Ve
     for gemm in [Gemm::BatchInvariant, Gemm::Cublas] {
         gpu.gemm = gemm;
         let yl = gpu.zeros::<bf16>(n * lm.out_dim)?;
-        gpu.linear(gpu.ptr(&lm.w), lm.out_dim, lm.in_dim, gpu.ptr(&xd), n, gpu.ptr(&yl))?;
+        dev.ops.gemm.linear(gpu, &lm.args(gpu, gpu.ptr(&xd), n, gpu.ptr(&yl)))?;
         out.push(compare(
             &format!("linear lm_head ({gemm:?})"),
             &down(gpu, &yl, n * lm.out_dim)?,
@@ -468,18 +442,6 @@ pub(crate) fn cpu_mla(
 
 fn prompt(len: usize, salt: u64) -> Vec<TokenId> {
     (0..len as u64).map(|i| ((i * 7919 + salt * 104_729 + 13) % 100_000) as TokenId).collect()
-}
-
-/// Relative L2 error of `a` against the reference `b`.
-pub(crate) fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
-    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
-    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    (num / den.max(1e-30)).sqrt()
-}
-
-/// The greedy token of a logits row (the first of equal maxima).
-pub(crate) fn argmax(row: &[f32]) -> usize {
-    (0..row.len()).fold(0, |best, i| if row[i] > row[best] { i } else { best })
 }
 
 fn teacher_forced(gpu: &Gpu, dev: &DeviceModel, cpu: &CpuModel<f32>, positions: usize) -> Result<WholeModel> {

@@ -1,0 +1,250 @@
+//! The per-step row table the batched KDA and MLA kernels read ([`StepTables`]), uploaded once per step into a
+//! device buffer the model keeps ([`StepBuffer`]).
+//!
+//! Invariants:
+//! - One table per step: per (KDA layer, row) the state, conv-window and snapshot addresses and the row's
+//!   token range and form; per (MLA layer, row) the cache address, length before the window, token range and
+//!   split span; per token its row; then the step's token ids and the positions whose logits are wanted
+//!   (u32). It is built on the host after every MLA cache of the step has been grown, and uploaded once
+//!   into the [`StepBuffer`], so that a captured step (`cuda::graph`) reads its inputs through fixed addresses
+//!   and nothing else is copied from the host during a step.
+//! - The MLA split count of a step (the grid of `mla_split` and `mla_split_heads`) is rounded up to a power
+//!   of two: splits past a token's last are empty and merge as exact zeros, so results do not change, and
+//!   steps whose longest context grows share a captured graph until the count doubles.
+//! - A row's KDA form and MLA split span depend only on that row (its window length, snapshots and
+//!   cache length), never on the batch, so every row's result is independent of the other rows.
+//! - Windows that keep snapshots (verify windows) always run the recurrent form; the chunked form takes
+//!   windows of at least `DeviceModel::kda_chunked_min` (`cuda::forward`) tokens.
+//! - Layouts match the `#define`s at the top of `kda.cu` (`KDA_ENTRY`) and `mla.cu` (`MLA_ENTRY`).
+
+use std::sync::Mutex;
+
+use cudarc::driver::CudaSlice;
+use half::bf16;
+
+use crate::config::ModelConfig;
+use crate::cuda::gpu::Gpu;
+use crate::cuda::launch::DPtr;
+use crate::cuda::state::{reserve, DeviceRow, KdaUndo};
+use crate::error::{KernelError, Result};
+
+/// i64 fields per (KDA layer, row) entry: S, 3 conv windows, snapshots, history, offset, t, from, form. Even, so
+/// that every entry of the table (a fresh allocation) is 16-byte aligned: `kda_step` reads it in 16-byte loads.
+pub const KDA_ENTRY: usize = 10;
+const _: () = assert!(KDA_ENTRY % 2 == 0);
+/// i64 fields per (MLA layer, row) entry: cache, first, offset, t, split span.
+pub const MLA_ENTRY: usize = 5;
+/// Positions per tile of the MLA split kernel (`TILE` in `mla.cu`).
+const MLA_TILE: usize = 64;
+/// The smallest split span of a decode / verify row, and the most splits one token gets.
+const MLA_MIN_SPAN: usize = 256;
+pub(crate) const MLA_MAX_SPLITS: usize = 64;
+/// Rows of at most this many tokens are split over their cache (decode and verify windows); longer
+/// windows have enough tokens to fill the GPU with one split each.
+const MLA_SPLIT_MAX_WINDOW: usize = 16;
+
+/// The device buffer the step tables are uploaded into, kept for the model's life.
+#[derive(Default)]
+pub struct StepBuffer {
+    buf: Mutex<Option<CudaSlice<i64>>>,
+}
+
+impl StepBuffer {
+    /// Uploads `bytes` into the buffer (grown by doubling) and returns its device address. The copy is
+    /// synchronous after the stream drains, so no kernel of an earlier step still reads the old contents.
+    fn upload(&self, gpu: &Gpu, bytes: &[u8]) -> Result<DPtr> {
+        let mut guard = self.buf.lock().map_err(|_| KernelError::Device("the step table lock is poisoned".into()))?;
+        let words = bytes.len().div_ceil(8);
+        let fits = guard.as_ref().is_some_and(|b| b.len() >= words);
+        if !fits {
+            let old = guard.as_ref().map_or(0, |b| b.len());
+            *guard = Some(gpu.zeros::<i64>(words.max(2 * old).max(256))?);
+        }
+        let buf = guard.as_ref().ok_or_else(|| KernelError::Device("no step table buffer".into()))?;
+        let ptr = gpu.ptr(buf);
+        gpu.upload_bytes_at(ptr, bytes)?;
+        Ok(ptr)
+    }
+}
+
+/// A step's tables on the device and what the rows keep for rollback.
+pub struct StepTables {
+    /// The table's device address (what a captured step reads it through).
+    base: DPtr,
+    /// `[kda layers, rows, KDA_ENTRY]`, `[mla layers, rows, MLA_ENTRY]`, `[n]` token rows (i64).
+    pub(crate) kda: DPtr,
+    pub(crate) mla: DPtr,
+    pub(crate) tok_row: DPtr,
+    /// `[n]` token ids and `[wanted]` step positions whose logits are produced (u32).
+    token_ids: DPtr,
+    wanted: DPtr,
+    wanted_len: usize,
+    pub(crate) rows: usize,
+    /// Tokens of the step and of its longest row.
+    pub(crate) n: usize,
+    pub(crate) max_t: usize,
+    /// Splits of the most split token (the grid of `mla_split`).
+    pub(crate) mla_splits: usize,
+    pub(crate) any_chunked: bool,
+    pub(crate) any_recurrent: bool,
+    /// Per row: the snapshots and conv histories of every KDA layer (rows that asked for snapshots).
+    pub(crate) undo: Vec<Option<KdaUndo>>,
+}
+
+/// The split span of an MLA row whose window has `t` tokens after `first` cached ones.
+fn mla_span(first: usize, t: usize) -> usize {
+    let visible = first + t;
+    if t > MLA_SPLIT_MAX_WINDOW {
+        return visible;
+    }
+    visible.div_ceil(MLA_MAX_SPLITS).div_ceil(MLA_TILE).max(1).saturating_mul(MLA_TILE).max(MLA_MIN_SPAN)
+}
+
+impl StepTables {
+    /// Grows every MLA cache of the rows to hold their windows, allocates the rows' snapshot buffers, and
+    /// uploads the table with the step's token ids and `wanted` logits positions. `offsets[r]..offsets[r + 1]`
+    /// are row `r`'s tokens; windows of at least `chunked_min` tokens without snapshots take the chunked KDA
+    /// form.
+    pub fn build(
+        gpu: &Gpu,
+        cfg: &ModelConfig,
+        buffer: &StepBuffer,
+        rows: &mut [DeviceRow<'_>],
+        offsets: &[usize],
+        wanted: &[u32],
+        chunked_min: usize,
+    ) -> Result<Self> {
+        let k = &cfg.kda;
+        let (p, kw, state_len) = (k.proj_dim(), k.conv_kernel, k.num_heads * k.head_dim * k.head_dim);
+        let (kda_layers, mla_layers) = (cfg.kda_layers().len(), cfg.mla_layers().len());
+        let nrows = rows.len();
+        let n = offsets[nrows];
+        let ld = cfg.mla.latent_dim();
+        let mut undo = Vec::with_capacity(nrows);
+        let mut forms = Vec::with_capacity(nrows);
+        for row in rows.iter_mut() {
+            let t = row.tokens.len();
+            let first = row.state.len;
+            for cache in row.state.mla.iter_mut() {
+                reserve(gpu, cache, first + t, ld)?;
+            }
+            // Written in full by the KDA kernel (every snapshot from..t and every history row; kda.cu).
+            undo.push(match row.snapshots_from {
+                Some(from) => Some(KdaUndo {
+                    snaps: gpu.uninit::<f32>(kda_layers * (t - from) * state_len)?,
+                    hist: gpu.uninit::<bf16>(kda_layers * 3 * (kw - 1 + t) * p)?,
+                }),
+                None => None,
+            });
+            forms.push(i64::from(row.snapshots_from.is_none() && t >= chunked_min));
+        }
+        let mut table = Vec::with_capacity((kda_layers * KDA_ENTRY + mla_layers * MLA_ENTRY) * nrows + n);
+        for layer in 0..kda_layers {
+            for (ri, row) in rows.iter().enumerate() {
+                let st = &row.state.kda[layer];
+                let t = row.tokens.len();
+                let (snaps, hist, from) = match (&undo[ri], row.snapshots_from) {
+                    (Some(u), Some(from)) => (
+                        gpu.ptr(&u.snaps) + (layer * (t - from) * state_len * 4) as u64,
+                        gpu.ptr(&u.hist) + (layer * 3 * (kw - 1 + t) * p * 2) as u64,
+                        from,
+                    ),
+                    _ => (0, 0, 0),
+                };
+                table.extend([
+                    gpu.ptr(&st.s) as i64,
+                    gpu.ptr(&st.conv[0]) as i64,
+                    gpu.ptr(&st.conv[1]) as i64,
+                    gpu.ptr(&st.conv[2]) as i64,
+                    snaps as i64,
+                    hist as i64,
+                    offsets[ri] as i64,
+                    t as i64,
+                    from as i64,
+                    forms[ri],
+                ]);
+            }
+        }
+        let mut mla_splits = 1;
+        for layer in 0..mla_layers {
+            for (ri, row) in rows.iter().enumerate() {
+                let (first, t) = (row.state.len, row.tokens.len());
+                let span = mla_span(first, t);
+                mla_splits = mla_splits.max((first + t).div_ceil(span));
+                let cache = gpu.ptr(&row.state.mla[layer].cache);
+                table.extend([cache as i64, first as i64, offsets[ri] as i64, t as i64, span as i64]);
+            }
+        }
+        for ri in 0..nrows {
+            table.extend(std::iter::repeat_n(ri as i64, offsets[ri + 1] - offsets[ri]));
+        }
+        let mut bytes: Vec<u8> = table.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let token_ids_at = bytes.len() as u64;
+        bytes.extend(rows.iter().flat_map(|r| r.tokens.iter().flat_map(|t| t.to_le_bytes())));
+        let wanted_at = bytes.len() as u64;
+        bytes.extend(wanted.iter().flat_map(|p| p.to_le_bytes()));
+        let base = buffer.upload(gpu, &bytes)?;
+        let kda_bytes = (kda_layers * nrows * KDA_ENTRY * 8) as u64;
+        let mla_bytes = (mla_layers * nrows * MLA_ENTRY * 8) as u64;
+        Ok(StepTables {
+            base,
+            kda: base,
+            mla: base + kda_bytes,
+            tok_row: base + kda_bytes + mla_bytes,
+            token_ids: base + token_ids_at,
+            wanted: base + wanted_at,
+            wanted_len: wanted.len(),
+            rows: nrows,
+            n,
+            max_t: rows.iter().map(|r| r.tokens.len()).max().unwrap_or(0),
+            mla_splits: mla_splits.next_power_of_two().min(MLA_MAX_SPLITS),
+            any_chunked: forms.contains(&1),
+            any_recurrent: forms.contains(&0),
+            undo,
+        })
+    }
+
+    /// Tokens of the step.
+    pub fn tokens(&self) -> usize {
+        self.n
+    }
+
+    /// The device address of the table (part of a captured step's shape).
+    pub fn base(&self) -> DPtr {
+        self.base
+    }
+
+    /// `[tokens]` u32: the step's token ids, rows in order.
+    pub fn token_ids(&self) -> DPtr {
+        self.token_ids
+    }
+
+    /// `[wanted]` u32: the step positions whose logits are produced, and how many there are.
+    pub fn wanted(&self) -> (DPtr, usize) {
+        (self.wanted, self.wanted_len)
+    }
+
+    /// Splits of the most split token of the step (the `splits` dimension of the MLA partials).
+    pub fn mla_splits(&self) -> usize {
+        self.mla_splits
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decode_rows_split_long_caches_and_windows_do_not() {
+        assert_eq!(mla_span(0, 1), MLA_MIN_SPAN);
+        assert_eq!(mla_span(100, 8), MLA_MIN_SPAN);
+        // 4,096 cached tokens: 16 splits of 256.
+        assert_eq!(4097usize.div_ceil(mla_span(4096, 1)), 17);
+        // Very long caches keep at most MLA_MAX_SPLITS splits, in whole tiles.
+        let span = mla_span(1_000_000, 1);
+        assert!(1_000_001usize.div_ceil(span) <= MLA_MAX_SPLITS);
+        assert_eq!(span % MLA_TILE, 0);
+        // A prefill chunk attends in one split per token.
+        assert_eq!(mla_span(10, 100), 110);
+    }
+}
