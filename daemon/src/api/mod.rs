@@ -26,7 +26,6 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use metrics_exporter_prometheus::PrometheusHandle;
-use sparkd_kernels::TokenId;
 use sparkd_tokenizer::{ChatTemplate, Tokenizer};
 use tokio::sync::watch;
 

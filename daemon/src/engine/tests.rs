@@ -429,7 +429,7 @@ fn the_kept_responses_budget_removes_the_least_recently_used_with_its_history() 
 #[test]
 fn a_config_the_cli_would_have_rejected_is_an_internal_fault() {
     let runner = NullRunner::new(ModelConfig::preset("k3-tiny").unwrap());
-    let err = spawn(Box::new(runner), EngineConfig { max_num_seqs: 0, ..config() }).unwrap_err();
+    let err = spawn(Box::new(runner), None, EngineConfig { max_num_seqs: 0, ..config() }).unwrap_err();
     assert!(matches!(err, EngineError::Internal(ref m) if m.contains("max_num_seqs")), "{err}");
     assert_eq!(err.kind(), "internal");
 }
