@@ -425,94 +425,177 @@ async fn run_lane<C: Connection>(
     conv: Conversation,
     prev: Option<String>,
 ) {
-    play_tree(&shared, &conn, lane, first.session, first.play, first.start_turn, conv, prev).await;
+    let first_play =
+        Play { shared: shared.clone(), conn: conn.clone(), lane, session: first.session, play: first.play };
+    first_play.tree(first.start_turn, conv, prev).await;
     while !shared.stopped() {
         let play = shared.next_play.fetch_add(1, Ordering::SeqCst);
         let session = (play % shared.sessions.len() as u64) as usize;
         let conv = new_conversation(&shared, session, play);
-        play_tree(&shared, &conn, lane, session, play, 0, conv, None).await;
+        Play { shared: shared.clone(), conn: conn.clone(), lane, session, play }.tree(0, conv, None).await;
     }
 }
 
-/// Plays one session tree from main turn `start_turn`.
-#[allow(clippy::too_many_arguments)]
-async fn play_tree<C: Connection>(
-    shared: &Arc<Shared>,
-    conn: &Arc<C>,
+/// One play of one session tree on one lane: what all its turns (the main chain's and the subagents') share.
+struct Play<C> {
+    shared: Arc<Shared>,
+    conn: Arc<C>,
     lane: usize,
     session: usize,
     play: u64,
-    start_turn: usize,
-    mut conv: Conversation,
-    mut prev: Option<String>,
-) {
-    let s = &shared.sessions[session];
-    let mut stop = shared.stop_tx.subscribe();
-    let mut handles: Vec<Option<JoinHandle<()>>> = s.branches.iter().map(|_| None).collect();
-    let mut prev_end = Instant::now();
-    for k in start_turn..s.main.turns.len() {
-        // The delay runs from the end of the previous turn, concurrently with the subagents.
-        let ready_at =
-            prev_end + if k > start_turn { shared.scaled_delay(s.main.turns[k].delay_s) } else { Duration::ZERO };
-        for b in s.joins_before(k) {
-            if let Some(h) = handles[b].take() {
-                // A failed child counts as done for the join (AIPerf's default).
-                let _ = h.await;
+}
+
+impl<C> Clone for Play<C> {
+    fn clone(&self) -> Self {
+        Play { shared: self.shared.clone(), conn: self.conn.clone(), ..*self }
+    }
+}
+
+impl<C: Connection> Play<C> {
+    /// Plays the session tree from main turn `start_turn`.
+    async fn tree(&self, start_turn: usize, mut conv: Conversation, mut prev: Option<String>) {
+        let shared = &self.shared;
+        let s = &shared.sessions[self.session];
+        let mut stop = shared.stop_tx.subscribe();
+        let mut handles: Vec<Option<JoinHandle<()>>> = s.branches.iter().map(|_| None).collect();
+        let mut prev_end = Instant::now();
+        for k in start_turn..s.main.turns.len() {
+            // The delay runs from the end of the previous turn, concurrently with the subagents.
+            let ready_at =
+                prev_end + if k > start_turn { shared.scaled_delay(s.main.turns[k].delay_s) } else { Duration::ZERO };
+            for b in s.joins_before(k) {
+                if let Some(h) = handles[b].take() {
+                    // A failed child counts as done for the join (AIPerf's default).
+                    let _ = h.await;
+                }
             }
-        }
-        if !shared.gate.sleep(ready_at.saturating_duration_since(Instant::now()), &mut stop).await {
-            break;
-        }
-        match run_turn(shared, conn, lane, session, &s.main, 0, k, play, &mut conv, &mut prev).await {
-            TurnEnd::Stopped | TurnEnd::ChainEnded => break,
-            TurnEnd::Done => prev_end = Instant::now(),
-        }
-        for (bi, branch) in s.branches.iter().enumerate().filter(|(_, b)| b.after_turn == k) {
-            let mut children = Vec::new();
-            for ci in 0..branch.children.len() {
-                let (shared, conn) = (shared.clone(), conn.clone());
-                children.push(tokio::spawn(async move {
-                    run_child(&shared, &conn, lane, session, bi, ci, play).await;
+            if !shared.gate.sleep(ready_at.saturating_duration_since(Instant::now()), &mut stop).await {
+                break;
+            }
+            match self.turn(&s.main, 0, k, &mut conv, &mut prev).await {
+                TurnEnd::Stopped | TurnEnd::ChainEnded => break,
+                TurnEnd::Done => prev_end = Instant::now(),
+            }
+            for (bi, branch) in s.branches.iter().enumerate().filter(|(_, b)| b.after_turn == k) {
+                let mut children = Vec::new();
+                for ci in 0..branch.children.len() {
+                    let play = self.clone();
+                    children.push(tokio::spawn(async move {
+                        play.child(bi, ci).await;
+                    }));
+                }
+                handles[bi] = Some(tokio::spawn(async move {
+                    for c in children {
+                        let _ = c.await;
+                    }
                 }));
             }
-            handles[bi] = Some(tokio::spawn(async move {
-                for c in children {
-                    let _ = c.await;
-                }
-            }));
+        }
+        // Background branches (and any left after a stop) still hold the lane until they drain.
+        for h in handles.into_iter().flatten() {
+            let _ = h.await;
         }
     }
-    // Background branches (and any left after a stop) still hold the lane until they drain.
-    for h in handles.into_iter().flatten() {
-        let _ = h.await;
-    }
-}
 
-async fn run_child<C: Connection>(
-    shared: &Arc<Shared>,
-    conn: &Arc<C>,
-    lane: usize,
-    session: usize,
-    branch: usize,
-    child: usize,
-    play: u64,
-) {
-    let s = &shared.sessions[session];
-    let sub = &s.branches[branch].children[child];
-    let mut stop = shared.stop_tx.subscribe();
-    if !shared.gate.sleep(shared.scaled_delay(sub.spawn_delay_s), &mut stop).await {
-        return;
-    }
-    let mut conv = new_conversation(shared, session, play);
-    let mut prev = None;
-    for k in 0..sub.chain.turns.len() {
-        if k > 0 && !shared.gate.sleep(shared.scaled_delay(sub.chain.turns[k].delay_s), &mut stop).await {
+    /// Plays subagent `child` of branch `branch`.
+    async fn child(&self, branch: usize, child: usize) {
+        let shared = &self.shared;
+        let s = &shared.sessions[self.session];
+        let sub = &s.branches[branch].children[child];
+        let mut stop = shared.stop_tx.subscribe();
+        if !shared.gate.sleep(shared.scaled_delay(sub.spawn_delay_s), &mut stop).await {
             return;
         }
-        match run_turn(shared, conn, lane, session, &sub.chain, 1, k, play, &mut conv, &mut prev).await {
-            TurnEnd::Stopped | TurnEnd::ChainEnded => return,
-            TurnEnd::Done => {}
+        let mut conv = new_conversation(shared, self.session, self.play);
+        let mut prev = None;
+        for k in 0..sub.chain.turns.len() {
+            if k > 0 && !shared.gate.sleep(shared.scaled_delay(sub.chain.turns[k].delay_s), &mut stop).await {
+                return;
+            }
+            match self.turn(&sub.chain, 1, k, &mut conv, &mut prev).await {
+                TurnEnd::Stopped | TurnEnd::ChainEnded => return,
+                TurnEnd::Done => {}
+            }
         }
+    }
+
+    /// Sends turn `k` of `chain` (at subagent depth `depth`) and records it.
+    async fn turn(
+        &self,
+        chain: &Chain,
+        depth: u8,
+        k: usize,
+        conv: &mut Conversation,
+        prev: &mut Option<String>,
+    ) -> TurnEnd {
+        let shared = &self.shared;
+        if !shared.try_start() {
+            return TurnEnd::Stopped;
+        }
+        let s = &shared.sessions[self.session];
+        let input = conv.plan(&shared.synth, s.scope, s.block_size, chain, k);
+        let (planned_in, planned_out, continues) = (input.context_tokens, input.max_output_tokens, input.continues);
+        shared.gate.request_started();
+        shared.inflight.fetch_add(1, Ordering::SeqCst);
+        let start = Instant::now();
+        let result = match turn_request(shared, chain, self.play, input, prev.clone(), None) {
+            Ok(request) => self.conn.send(request).await,
+            Err(e) => Err(e),
+        };
+        let end = Instant::now();
+        shared.inflight.fetch_sub(1, Ordering::SeqCst);
+        if shared.gate.request_ended() {
+            // Idle only if no lane starts a ready request right away: look again a moment later.
+            let s = shared.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(IDLE_SETTLE).await;
+                s.gate.rebalance_now();
+            });
+        }
+        let mut record = RequestRecord {
+            session: s.id.clone(),
+            chain: chain.id.clone(),
+            turn: k,
+            depth,
+            lane: self.lane,
+            continues,
+            start_s: shared.since_start(start),
+            end_s: shared.since_start(end),
+            ttft_s: None,
+            itl_s: None,
+            e2e_s: None,
+            planned_input_tokens: planned_in,
+            planned_output_tokens: planned_out,
+            prompt_tokens: None,
+            output_tokens: 0,
+            cached_tokens: None,
+            content_chunks: 0,
+            spec: None,
+            error: None,
+            error_message: None,
+        };
+        let end_state = match result {
+            Ok(outcome) => {
+                fill_timing(&mut record, &outcome, start, end);
+                conv.complete(&shared.synth, s.scope, chain, k, outcome.completion_tokens as usize);
+                *prev = outcome.response_id;
+                TurnEnd::Done
+            }
+            Err(e) => {
+                let overflow = e.is_context_overflow();
+                record.error = Some(if overflow { "context_overflow".into() } else { e.kind().into() });
+                record.error_message = Some(e.to_string());
+                conv.reset();
+                *prev = None;
+                if overflow {
+                    TurnEnd::ChainEnded
+                } else {
+                    TurnEnd::Done
+                }
+            }
+        };
+        shared.push(record);
+        end_state
     }
 }
 
@@ -520,89 +603,6 @@ enum TurnEnd {
     Done,
     Stopped,
     ChainEnded,
-}
-
-/// Sends turn `k` of `chain` and records it.
-#[allow(clippy::too_many_arguments)]
-async fn run_turn<C: Connection>(
-    shared: &Arc<Shared>,
-    conn: &Arc<C>,
-    lane: usize,
-    session: usize,
-    chain: &Chain,
-    depth: u8,
-    k: usize,
-    play: u64,
-    conv: &mut Conversation,
-    prev: &mut Option<String>,
-) -> TurnEnd {
-    if !shared.try_start() {
-        return TurnEnd::Stopped;
-    }
-    let s = &shared.sessions[session];
-    let input = conv.plan(&shared.synth, s.scope, s.block_size, chain, k);
-    let (planned_in, planned_out, continues) = (input.context_tokens, input.max_output_tokens, input.continues);
-    shared.gate.request_started();
-    shared.inflight.fetch_add(1, Ordering::SeqCst);
-    let start = Instant::now();
-    let result = match turn_request(shared, chain, play, input, prev.clone(), None) {
-        Ok(request) => conn.send(request).await,
-        Err(e) => Err(e),
-    };
-    let end = Instant::now();
-    shared.inflight.fetch_sub(1, Ordering::SeqCst);
-    if shared.gate.request_ended() {
-        // Idle only if no lane starts a ready request right away: look again a moment later.
-        let s = shared.clone();
-        tokio::spawn(async move {
-            tokio::time::sleep(IDLE_SETTLE).await;
-            s.gate.rebalance_now();
-        });
-    }
-    let mut record = RequestRecord {
-        session: s.id.clone(),
-        chain: chain.id.clone(),
-        turn: k,
-        depth,
-        lane,
-        continues,
-        start_s: shared.since_start(start),
-        end_s: shared.since_start(end),
-        ttft_s: None,
-        itl_s: None,
-        e2e_s: None,
-        planned_input_tokens: planned_in,
-        planned_output_tokens: planned_out,
-        prompt_tokens: None,
-        output_tokens: 0,
-        cached_tokens: None,
-        content_chunks: 0,
-        spec: None,
-        error: None,
-        error_message: None,
-    };
-    let end_state = match result {
-        Ok(outcome) => {
-            fill_timing(&mut record, &outcome, start, end);
-            conv.complete(&shared.synth, s.scope, chain, k, outcome.completion_tokens as usize);
-            *prev = outcome.response_id;
-            TurnEnd::Done
-        }
-        Err(e) => {
-            let overflow = e.is_context_overflow();
-            record.error = Some(if overflow { "context_overflow".into() } else { e.kind().into() });
-            record.error_message = Some(e.to_string());
-            conv.reset();
-            *prev = None;
-            if overflow {
-                TurnEnd::ChainEnded
-            } else {
-                TurnEnd::Done
-            }
-        }
-    };
-    shared.push(record);
-    end_state
 }
 
 fn fill_timing(record: &mut RequestRecord, o: &TurnOutcome, start: Instant, end: Instant) {
