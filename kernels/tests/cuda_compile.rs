@@ -1,6 +1,6 @@
 //! CI check that every CUDA kernel compiles with NVRTC for Ampere (sm_80: the Hopper-only kernels trap there and
 //! the host never launches them), Hopper (sm_90a) and Blackwell (sm_100a), on a machine with no GPU and no CUDA
-//! toolkit.
+//! toolkit, and that no kernel name is defined by two sources (the module store looks kernels up by name).
 //!
 //! NVRTC and `cuda_bf16.h` come from the PyPI wheels `nvidia-cuda-nvrtc==13.0.*` and
 //! `nvidia-cuda-runtime==13.0.*` (scripts/test.sh installs them). They are found through
@@ -66,6 +66,34 @@ fn with_nvrtc(name: &str, check: impl FnOnce(&PathBuf)) -> Option<()> {
     Some(())
 }
 
+/// The kernel entry points a CUBIN defines: the names of its ELF symbols that are global functions marked as CUDA
+/// entries (`STO_CUDA_ENTRY` in `st_other`).
+fn entry_points(cubin: &[u8]) -> Vec<String> {
+    let u16_at = |at: usize| u16::from_le_bytes(cubin[at..at + 2].try_into().unwrap()) as usize;
+    let u32_at = |at: usize| u32::from_le_bytes(cubin[at..at + 4].try_into().unwrap()) as usize;
+    let u64_at = |at: usize| u64::from_le_bytes(cubin[at..at + 8].try_into().unwrap()) as usize;
+    let (shoff, shentsize, shnum) = (u64_at(0x28), u16_at(0x3a), u16_at(0x3c));
+    let section = |i: usize| shoff + i * shentsize;
+    let mut names = Vec::new();
+    for i in 0..shnum {
+        let sh = section(i);
+        if u32_at(sh + 4) != 2 {
+            continue; // not SHT_SYMTAB
+        }
+        let (offset, size, strtab) = (u64_at(sh + 24), u64_at(sh + 32), section(u32_at(sh + 40)));
+        let strings = u64_at(strtab + 24);
+        for sym in (offset..offset + size).step_by(24) {
+            let (info, other) = (cubin[sym + 4], cubin[sym + 5]);
+            if info >> 4 == 1 && info & 0xf == 2 && other & 0x10 != 0 {
+                let name = &cubin[strings + u32_at(sym)..];
+                let end = name.iter().position(|&c| c == 0).unwrap_or(name.len());
+                names.push(String::from_utf8_lossy(&name[..end]).into_owned());
+            }
+        }
+    }
+    names
+}
+
 #[test]
 fn every_kernel_compiles_for_sm80_sm90a_and_sm100a() {
     with_nvrtc("every_kernel_compiles_for_sm80_sm90a_and_sm100a", |root| {
@@ -74,14 +102,28 @@ fn every_kernel_compiles_for_sm80_sm90a_and_sm100a() {
         let mut failures = Vec::new();
         for arch in ["sm_80", "sm_90a", "sm_100a"] {
             let compiler = Compiler { arch: arch.to_string(), include_dir: root.join("include"), cache_dir: None };
+            // Which source defines each kernel: the module store looks kernels up by name alone.
+            let mut defined_in = std::collections::HashMap::new();
             for src in SOURCES {
                 match compiler.compile(src) {
                     Ok(cubin) => {
                         assert!(cubin.starts_with(b"\x7fELF"), "{} for {arch} is not an ELF cubin", src.name);
                         eprintln!("{arch} {}: {} bytes of CUBIN", src.name, cubin.len());
+                        let entries = entry_points(&cubin);
+                        assert!(!entries.is_empty(), "{} for {arch}: no kernel entry points found", src.name);
+                        for name in entries {
+                            if let Some(other) = defined_in.insert(name.clone(), src.name) {
+                                failures.push(format!("{arch}: kernel {name} is defined by {other} and {}", src.name));
+                            }
+                        }
                     }
                     Err(e) => failures.push(e.to_string()),
                 }
+            }
+            for kernel in
+                ["rms_norm", "skinny_gemm_t1", "moe_router_logits", "kda_step_128", "sample_rows", "argmax_step"]
+            {
+                assert!(defined_in.contains_key(kernel), "{arch}: no source defines {kernel}");
             }
         }
         assert!(failures.is_empty(), "{}", failures.join("\n\n"));

@@ -40,7 +40,7 @@ fn dependent_launch_wanted() -> bool {
     std::env::var("SPARKD_PDL").map(|v| !matches!(v.trim(), "off" | "0" | "false")).unwrap_or(true)
 }
 
-/// Which GEMM the linear layers use.
+/// Which GEMM the linear layers use (`cuda::gemm` implements both).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub enum Gemm {
     /// cuBLAS `GemmEx`: fastest, but its algorithm (and so the fp32 summation order) depends on the

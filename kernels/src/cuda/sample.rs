@@ -16,7 +16,7 @@
 //! - Input checks (parameters, draft ids, mask size, `top_n`) happen on the host before any launch; a
 //!   row whose logits hold NaN or +inf, or are all masked, is a [`KernelError::InvalidInput`].
 //!
-//! - The row descriptor the host writes ([`RowDesc`]) and the one `sample.cu` reads (`D_*` word indices) have
+//! - The row descriptor the host writes (`RowDesc`) and the one `sample.cu` reads (`D_*` word indices) have
 //!   one layout; a unit test pins every field's offset, the descriptor's size and the shared constants to the
 //!   kernel source's `#define`s.
 //!
@@ -194,6 +194,38 @@ fn check_job(job: &RowJob<'_>, vocab: usize) -> Result<()> {
     Ok(())
 }
 
+/// The error a row's status words report, if any.
+fn check_status(row: usize, st: &[u32]) -> Result<()> {
+    match st[2] {
+        0 => Ok(()),
+        ERR_BAD_LOGIT => {
+            Err(KernelError::InvalidInput(format!("logits row {row}: the logit of token {} is NaN or +inf", st[3])))
+        }
+        _ => Err(KernelError::InvalidInput(format!("logits row {row}: every logit is -inf (all masked)"))),
+    }
+}
+
+fn check_rows_params(rows: usize, params: &[SamplingParams]) -> Result<()> {
+    if params.len() != rows {
+        return Err(KernelError::InvalidInput(format!("{} sampling parameters for {rows} logits rows", params.len())));
+    }
+    Ok(())
+}
+
+/// One request's verify window on the device.
+#[derive(Clone, Copy, Debug)]
+pub struct VerifyRow<'a> {
+    /// bf16 `[drafts.len() + 1, vocab]`: row i gives the token at `first_position + i`.
+    pub logits: DPtr,
+    pub drafts: &'a [TokenId],
+    pub params: &'a SamplingParams,
+    /// Absolute position of the first draft token (the number of tokens before it).
+    pub first_position: u64,
+    /// f32 `[drafts.len(), vocab]` processed probabilities the drafts were sampled from (as
+    /// [`SampleKernels::probs_from_logits`] writes them); `None` for model-free drafts (one-hot `q`).
+    pub q: Option<DPtr>,
+}
+
 /// One launch of the row kernel: `rows` descriptors at `desc` (`[rows, DESC_WORDS]` u64), the token mask words
 /// (`NULL`: none) over `vocab` ids, `status` `[rows, STATUS_WORDS]` u32 and `top` `[rows, MAX_TOP_N, 2]` u32 out
 /// (`NULL` when no row asks for log-probabilities).
@@ -312,27 +344,7 @@ impl SampleKernels {
             })
             .collect()
     }
-}
 
-/// The error a row's status words report, if any.
-fn check_status(row: usize, st: &[u32]) -> Result<()> {
-    match st[2] {
-        0 => Ok(()),
-        ERR_BAD_LOGIT => {
-            Err(KernelError::InvalidInput(format!("logits row {row}: the logit of token {} is NaN or +inf", st[3])))
-        }
-        _ => Err(KernelError::InvalidInput(format!("logits row {row}: every logit is -inf (all masked)"))),
-    }
-}
-
-fn check_rows_params(rows: usize, params: &[SamplingParams]) -> Result<()> {
-    if params.len() != rows {
-        return Err(KernelError::InvalidInput(format!("{} sampling parameters for {rows} logits rows", params.len())));
-    }
-    Ok(())
-}
-
-impl SampleKernels {
     /// Writes the processed distribution (`Distribution::from_logits` with `params[r]`, after `mask`) of
     /// each of the bf16 logits rows of `l` `[rows, vocab]` into `out`, f32 `[rows, vocab]`.
     /// Greedy parameters give the one-hot distribution on the argmax.
@@ -400,23 +412,7 @@ impl SampleKernels {
             .collect();
         Ok(self.run_jobs(gpu, vocab, &jobs, mask)?.into_iter().map(|r| r.token).collect())
     }
-}
 
-/// One request's verify window on the device.
-#[derive(Clone, Copy, Debug)]
-pub struct VerifyRow<'a> {
-    /// bf16 `[drafts.len() + 1, vocab]`: row i gives the token at `first_position + i`.
-    pub logits: DPtr,
-    pub drafts: &'a [TokenId],
-    pub params: &'a SamplingParams,
-    /// Absolute position of the first draft token (the number of tokens before it).
-    pub first_position: u64,
-    /// f32 `[drafts.len(), vocab]` processed probabilities the drafts were sampled from (as
-    /// [`SampleKernels::probs_from_logits`] writes them); `None` for model-free drafts (one-hot `q`).
-    pub q: Option<DPtr>,
-}
-
-impl SampleKernels {
     /// `acceptance::verify` on the device for every window, in one launch: returns one verdict per row
     /// (accepted drafts, then the correction or bonus token; log-probabilities when asked).
     pub fn verify_rows(
@@ -481,6 +477,23 @@ impl SampleKernels {
                 assemble(row.drafts, row.params.logprobs.is_some(), &results[first..], synthetic)
             })
             .collect())
+    }
+
+    /// `sampling::hash3` computed on the device for each `(seed, position, stream)`, to check the port.
+    pub fn hash3_on_device(&self, gpu: &Gpu, inputs: &[(u64, u64, u64)]) -> Result<Vec<u64>> {
+        let seeds: Vec<u64> = inputs.iter().map(|x| x.0).collect();
+        let positions: Vec<u64> = inputs.iter().map(|x| x.1).collect();
+        let streams: Vec<u64> = inputs.iter().map(|x| x.2).collect();
+        let (s, p, st) = (gpu.upload(&seeds)?, gpu.upload(&positions)?, gpu.upload(&streams)?);
+        let out = gpu.zeros::<u64>(inputs.len())?;
+        if !inputs.is_empty() {
+            let (s, p, st, o, n) = (gpu.ptr(&s), gpu.ptr(&p), gpu.ptr(&st), gpu.ptr(&out), inputs.len() as i32);
+            let mut b = gpu.launcher(&self.rng_hash3);
+            b.arg(&s).arg(&p).arg(&st).arg(&o).arg(&n);
+            // SAFETY: the arguments match rng_hash3; every buffer holds `inputs.len()` u64.
+            unsafe { b.launch(grid_1d(inputs.len(), 256), "rng_hash3") }?;
+        }
+        gpu.download(&out, inputs.len())
     }
 }
 
@@ -611,25 +624,6 @@ impl DrawPlan {
         }
         let status = gpu.download(&self.status, self.rows * STATUS_WORDS)?;
         status.chunks(STATUS_WORDS).enumerate().try_for_each(|(r, st)| check_status(r, st))
-    }
-}
-
-impl SampleKernels {
-    /// `sampling::hash3` computed on the device for each `(seed, position, stream)`, to check the port.
-    pub fn hash3_on_device(&self, gpu: &Gpu, inputs: &[(u64, u64, u64)]) -> Result<Vec<u64>> {
-        let seeds: Vec<u64> = inputs.iter().map(|x| x.0).collect();
-        let positions: Vec<u64> = inputs.iter().map(|x| x.1).collect();
-        let streams: Vec<u64> = inputs.iter().map(|x| x.2).collect();
-        let (s, p, st) = (gpu.upload(&seeds)?, gpu.upload(&positions)?, gpu.upload(&streams)?);
-        let out = gpu.zeros::<u64>(inputs.len())?;
-        if !inputs.is_empty() {
-            let (s, p, st, o, n) = (gpu.ptr(&s), gpu.ptr(&p), gpu.ptr(&st), gpu.ptr(&out), inputs.len() as i32);
-            let mut b = gpu.launcher(&self.rng_hash3);
-            b.arg(&s).arg(&p).arg(&st).arg(&o).arg(&n);
-            // SAFETY: the arguments match rng_hash3; every buffer holds `inputs.len()` u64.
-            unsafe { b.launch(grid_1d(inputs.len(), 256), "rng_hash3") }?;
-        }
-        gpu.download(&out, inputs.len())
     }
 }
 

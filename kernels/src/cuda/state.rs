@@ -6,7 +6,7 @@
 //! - The same layout as the CPU reference's `state::SeqState`: KDA states `[H, dk, dk]` fp32, conv windows
 //!   `[kernel - 1, P]` bf16 oldest first, MLA latents `[len, latent_dim]` bf16; [`DeviceState::export`] and
 //!   [`DeviceState::import`] convert between the two exactly (bf16 values widen to f32 and back unchanged).
-//! - An MLA cache holds `capacity >= len` entries, grown by doubling ([`reserve`]) with its contents kept; the
+//! - An MLA cache holds `capacity >= len` entries, grown by doubling (`reserve`) with its contents kept; the
 //!   entries past `len` are scratch, overwritten by later appends.
 //! - [`DeviceUndo::commit`] restores the KDA states and conv windows saved after the kept token and moves the
 //!   length back; the MLA entries past it are simply overwritten later.
