@@ -147,7 +147,7 @@ pub enum MetricKind {
 
 /// One exported metric: its name, kind, the label values it is pre-registered with, and its help text.
 #[derive(Clone, Copy, Debug)]
-pub struct MetricSpec {
+pub struct MetricDef {
     pub name: &'static str,
     pub kind: MetricKind,
     /// `(label, values)` to register at zero; empty for unlabelled metrics (besides the global labels).
@@ -157,8 +157,8 @@ pub struct MetricSpec {
 
 const NO_LABELS: (&str, &[&str]) = ("", &[]);
 
-const fn spec(name: &'static str, kind: MetricKind, help: &'static str) -> MetricSpec {
-    MetricSpec { name, kind, labels: NO_LABELS, help }
+const fn def(name: &'static str, kind: MetricKind, help: &'static str) -> MetricDef {
+    MetricDef { name, kind, labels: NO_LABELS, help }
 }
 
 const fn labelled(
@@ -166,89 +166,89 @@ const fn labelled(
     kind: MetricKind,
     labels: (&'static str, &'static [&'static str]),
     help: &'static str,
-) -> MetricSpec {
-    MetricSpec { name, kind, labels, help }
+) -> MetricDef {
+    MetricDef { name, kind, labels, help }
 }
 
 use MetricKind::{Counter, Gauge, Histogram};
 
 /// Every metric sparkd exports, with its help text.
-pub const ALL_METRICS: &[MetricSpec] = &[
-    spec(TIME_TO_FIRST_TOKEN_SECONDS, Histogram, "Histogram of time to first token in seconds."),
-    spec(
+pub const ALL_METRICS: &[MetricDef] = &[
+    def(TIME_TO_FIRST_TOKEN_SECONDS, Histogram, "Histogram of time to first token in seconds."),
+    def(
         INTER_TOKEN_LATENCY_SECONDS,
         Histogram,
         "Histogram of inter-token latency in seconds, one sample per committed token (a step that commits k tokens records k samples of step/k).",
     ),
-    spec(
+    def(
         REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS,
         Histogram,
         "Histogram of time_per_output_token_seconds per request: (e2e - ttft) / (output_tokens - 1).",
     ),
-    spec(E2E_REQUEST_LATENCY_SECONDS, Histogram, "Histogram of e2e request latency in seconds."),
-    spec(REQUEST_QUEUE_TIME_SECONDS, Histogram, "Histogram of time spent waiting before first scheduled, in seconds."),
-    spec(REQUEST_PREFILL_TIME_SECONDS, Histogram, "Histogram of time spent in prefill, in seconds."),
-    spec(REQUEST_DECODE_TIME_SECONDS, Histogram, "Histogram of time spent in decode, in seconds."),
-    spec(REQUEST_INFERENCE_TIME_SECONDS, Histogram, "Histogram of time spent scheduled (prefill + decode), in seconds."),
-    spec(REQUEST_PROMPT_TOKENS, Histogram, "Number of prefill tokens per finished request."),
-    spec(REQUEST_GENERATION_TOKENS, Histogram, "Number of generation tokens per finished request."),
-    spec(PROMPT_TOKENS_TOTAL, Counter, "Number of prefill tokens computed (prefix-cache hits excluded)."),
-    spec(GENERATION_TOKENS_TOTAL, Counter, "Number of generation tokens processed."),
-    spec(PREFIX_CACHE_QUERIES_TOTAL, Counter, "Prefix cache queries, in terms of number of queried tokens."),
-    spec(PREFIX_CACHE_HITS_TOTAL, Counter, "Prefix cache hits, in terms of number of cached tokens."),
+    def(E2E_REQUEST_LATENCY_SECONDS, Histogram, "Histogram of e2e request latency in seconds."),
+    def(REQUEST_QUEUE_TIME_SECONDS, Histogram, "Histogram of time spent waiting before first scheduled, in seconds."),
+    def(REQUEST_PREFILL_TIME_SECONDS, Histogram, "Histogram of time spent in prefill, in seconds."),
+    def(REQUEST_DECODE_TIME_SECONDS, Histogram, "Histogram of time spent in decode, in seconds."),
+    def(REQUEST_INFERENCE_TIME_SECONDS, Histogram, "Histogram of time spent scheduled (prefill + decode), in seconds."),
+    def(REQUEST_PROMPT_TOKENS, Histogram, "Number of prefill tokens per finished request."),
+    def(REQUEST_GENERATION_TOKENS, Histogram, "Number of generation tokens per finished request."),
+    def(PROMPT_TOKENS_TOTAL, Counter, "Number of prefill tokens computed (prefix-cache hits excluded)."),
+    def(GENERATION_TOKENS_TOTAL, Counter, "Number of generation tokens processed."),
+    def(PREFIX_CACHE_QUERIES_TOTAL, Counter, "Prefix cache queries, in terms of number of queried tokens."),
+    def(PREFIX_CACHE_HITS_TOTAL, Counter, "Prefix cache hits, in terms of number of cached tokens."),
     labelled(
         REQUEST_SUCCESS_TOTAL,
         Counter,
         ("finished_reason", &["stop", "length", "abort"]),
         "Count of successfully processed requests, by finish reason.",
     ),
-    spec(NUM_REQUESTS_RUNNING, Gauge, "Number of requests in model execution batches."),
-    spec(NUM_REQUESTS_WAITING, Gauge, "Number of requests waiting to be processed."),
-    spec(KV_CACHE_USAGE_PERC, Gauge, "Fraction of the device state budget in use (1 = full)."),
-    spec(SPEC_DECODE_NUM_DRAFTS_TOTAL, Counter, "Number of verify steps that carried draft tokens."),
-    spec(SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL, Counter, "Number of draft tokens proposed."),
-    spec(SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL, Counter, "Number of draft tokens accepted (bonus token excluded)."),
+    def(NUM_REQUESTS_RUNNING, Gauge, "Number of requests in model execution batches."),
+    def(NUM_REQUESTS_WAITING, Gauge, "Number of requests waiting to be processed."),
+    def(KV_CACHE_USAGE_PERC, Gauge, "Fraction of the device state budget in use (1 = full)."),
+    def(SPEC_DECODE_NUM_DRAFTS_TOTAL, Counter, "Number of verify steps that carried draft tokens."),
+    def(SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL, Counter, "Number of draft tokens proposed."),
+    def(SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL, Counter, "Number of draft tokens accepted (bonus token excluded)."),
     labelled(
         SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_TOTAL,
         Counter,
         ("position", &[]),
         "Verify rounds in which the draft token at this position was accepted.",
     ),
-    spec(SPEC_DECODE_MEAN_ACCEPTANCE_LENGTH, Gauge, "Mean acceptance length since start-up (bonus token included)."),
-    spec(
+    def(SPEC_DECODE_MEAN_ACCEPTANCE_LENGTH, Gauge, "Mean acceptance length since start-up (bonus token included)."),
+    def(
         SPEC_DECODE_NUM_SYNTHETIC_DRAFTS_TOTAL,
         Counter,
         "Verify rounds whose acceptance was forced (synthetic acceptance length; the text is not the model's).",
     ),
-    spec(SPEC_DECODE_FORCED_ACCEPTANCE_LENGTH, Gauge, "Forced mean acceptance length, 0 when acceptance is not forced."),
-    spec(
+    def(SPEC_DECODE_FORCED_ACCEPTANCE_LENGTH, Gauge, "Forced mean acceptance length, 0 when acceptance is not forced."),
+    def(
         INTERACTIVITY_P90_TOKENS_PER_SECOND,
         Gauge,
         "P90 interactivity: 1 / P90 of per-request mean inter-token latency over the recent finished requests (InferenceX).",
     ),
-    spec(STEP_INTERVAL_SECONDS, Histogram, "Seconds per engine step that emitted tokens, one sample per step per request."),
-    spec(SESSIONS_KEPT_TOTAL, Counter, "Responses kept for continuation."),
+    def(STEP_INTERVAL_SECONDS, Histogram, "Seconds per engine step that emitted tokens, one sample per step per request."),
+    def(SESSIONS_KEPT_TOTAL, Counter, "Responses kept for continuation."),
     labelled(
         SESSIONS_EVICTED_TOTAL,
         Counter,
         ("tier", &["host", "dropped", "removed"]),
         "Kept states evicted: moved to host memory, or dropped (rebuilt by prefill if continued); or kept responses removed entirely (the kept-responses byte budget).",
     ),
-    spec(SESSIONS_DELETED_TOTAL, Counter, "Kept responses deleted by a client."),
+    def(SESSIONS_DELETED_TOTAL, Counter, "Kept responses deleted by a client."),
     labelled(
         SESSIONS_RESTORED_TOTAL,
         Counter,
         ("tier", &["device", "host", "prefill"]),
         "Continuations of kept responses, by where the state came from.",
     ),
-    spec(SESSIONS_KEPT, Gauge, "Kept responses currently held."),
-    spec(
+    def(SESSIONS_KEPT, Gauge, "Kept responses currently held."),
+    def(
         SESSIONS_BYTES,
         Gauge,
         "Bytes kept responses hold: states in every tier, token histories and stored response objects.",
     ),
     labelled(STATE_MEMORY_BYTES, Gauge, ("tier", &["device", "host"]), "Bytes of per-sequence model state held."),
-    spec(PREFIX_CACHE_BYTES, Gauge, "Bytes held by prefix-cache state snapshots."),
+    def(PREFIX_CACHE_BYTES, Gauge, "Bytes held by prefix-cache state snapshots."),
     labelled(
         ERRORS_TOTAL,
         Counter,
@@ -256,8 +256,8 @@ pub const ALL_METRICS: &[MetricSpec] = &[
         "Failed requests, by error kind.",
     ),
     labelled(HTTP_REQUESTS_TOTAL, Counter, ("endpoint", &[]), "HTTP requests answered, by endpoint and status."),
-    spec(WEBSOCKETS_OPEN, Gauge, "Open WebSocket connections."),
-    spec(CLIENT_DISCONNECTS_TOTAL, Counter, "Requests whose client went away before they finished."),
+    def(WEBSOCKETS_OPEN, Gauge, "Open WebSocket connections."),
+    def(CLIENT_DISCONNECTS_TOTAL, Counter, "Requests whose client went away before they finished."),
 ];
 
 /// The buckets of one histogram.

@@ -20,7 +20,7 @@ use std::time::Duration;
 use sparkd_tests::Server;
 use sparkd_workloads::replay::ReplayOptions;
 use sparkd_workloads::report::RunReport;
-use sparkd_workloads::run::{prepare, run_once, RunSpec, TransportKind};
+use sparkd_workloads::run::{prepare, run_once, RunTarget, TransportKind};
 use sparkd_workloads::synth::HistoryMode;
 
 /// Small traces: a short main-agent session and two with subagents (parallel streams on one lane).
@@ -44,7 +44,7 @@ fn weka_dir(test: &str) -> Option<PathBuf> {
 
 async fn replay_against_null_daemon(transport: TransportKind, dir: PathBuf) -> RunReport {
     let server = Server::start(&["--device", "null"]).await.expect("server starts");
-    let spec = RunSpec {
+    let target = RunTarget {
         url: server.base.clone(),
         transport,
         traces: TRACES.iter().map(|t| dir.join(t)).collect(),
@@ -66,8 +66,8 @@ async fn replay_against_null_daemon(transport: TransportKind, dir: PathBuf) -> R
         gpus: 1,
         tokenizer_dir: None,
     };
-    let prepared = prepare(&spec).expect("traces load and the token pool is vetted");
-    let report = run_once(&spec, &prepared, CONCURRENCY).await.expect("replay runs");
+    let prepared = prepare(&target).expect("traces load and the token pool is vetted");
+    let report = run_once(&target, &prepared, CONCURRENCY).await.expect("replay runs");
     drop(server);
     report
 }

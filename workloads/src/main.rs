@@ -14,7 +14,7 @@ use sparkd_workloads::metrics::summary_table;
 use sparkd_workloads::pareto::svg;
 use sparkd_workloads::replay::ReplayOptions;
 use sparkd_workloads::report::{compare, read_runs, write_json};
-use sparkd_workloads::run::{prepare, run_once, sweep, RunSpec, TransportKind};
+use sparkd_workloads::run::{prepare, run_once, sweep, RunTarget, TransportKind};
 use sparkd_workloads::synth::HistoryMode;
 use sparkd_workloads::{ReplayError, Result};
 
@@ -106,7 +106,7 @@ fn seconds(option: &str, v: f64) -> Result<Duration> {
         .map_err(|_| ReplayError::Option { option: option.into(), reason: format!("{v} is not a duration") })
 }
 
-fn spec(args: &RunArgs) -> Result<RunSpec> {
+fn run_target(args: &RunArgs) -> Result<RunTarget> {
     let start_ratio = match (args.no_warmup, args.start_ratio.as_slice()) {
         (true, _) => None,
         (false, [lo, hi]) => Some((*lo, *hi)),
@@ -134,7 +134,7 @@ fn spec(args: &RunArgs) -> Result<RunSpec> {
         progress_every: (!args.quiet).then_some(Duration::from_secs(2)),
     };
     options.validate()?;
-    Ok(RunSpec {
+    Ok(RunTarget {
         url: args.url.clone(),
         transport: match args.transport {
             TransportArg::Chat => TransportKind::Chat,
@@ -149,24 +149,24 @@ fn spec(args: &RunArgs) -> Result<RunSpec> {
 }
 
 async fn run(args: RunArgs) -> Result<()> {
-    let spec = spec(&args)?;
-    let prepared = prepare(&spec)?;
+    let target = run_target(&args)?;
+    let prepared = prepare(&target)?;
     eprintln!(
         "{} sessions, {} requests; transport {}, token scale {}, time scale {}",
         prepared.sessions.len(),
         prepared.sessions.iter().map(|s| s.request_count()).sum::<usize>(),
-        spec.transport.name(),
-        spec.token_scale,
-        spec.options.time_scale
+        target.transport.name(),
+        target.token_scale,
+        target.options.time_scale
     );
     if args.sweep.is_empty() {
-        let report = run_once(&spec, &prepared, args.concurrency).await?;
+        let report = run_once(&target, &prepared, args.concurrency).await?;
         println!("{}", summary_table(&report.summary));
         if let Some(out) = &args.out {
             write_json(out, &report)?;
         }
     } else {
-        let report = sweep(&spec, &prepared, &args.sweep).await?;
+        let report = sweep(&target, &prepared, &args.sweep).await?;
         println!("{:>12}{:>22}{:>20}{:>16}", "concurrency", "P90 interactivity", "total tok/s/GPU", "on frontier");
         for p in &report.points {
             let on = report.frontier.iter().any(|f| f.concurrency == p.concurrency);
@@ -174,7 +174,7 @@ async fn run(args: RunArgs) -> Result<()> {
         }
         if let Some(out) = &args.out {
             write_json(out, &report)?;
-            let title = format!("sparkd-replay sweep ({})", spec.transport.name());
+            let title = format!("sparkd-replay sweep ({})", target.transport.name());
             std::fs::write(out.with_extension("svg"), svg(&report.points, &title))
                 .map_err(|e| ReplayError::Report { path: out.with_extension("svg"), reason: e.to_string() })?;
         }

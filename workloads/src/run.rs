@@ -45,7 +45,7 @@ impl TransportKind {
 
 /// Everything a run needs besides the concurrency.
 #[derive(Clone, Debug)]
-pub struct RunSpec {
+pub struct RunTarget {
     pub url: String,
     pub transport: TransportKind,
     pub traces: Vec<PathBuf>,
@@ -63,30 +63,30 @@ pub struct Prepared {
 }
 
 /// Reads the traces and vets the token pool.
-pub fn prepare(spec: &RunSpec) -> Result<Prepared> {
-    let files = read_all(&spec.traces)?;
+pub fn prepare(target: &RunTarget) -> Result<Prepared> {
+    let files = read_all(&target.traces)?;
     let sessions: Vec<Session> = sessions(&files).into_iter().filter(|s| !s.main.turns.is_empty()).collect();
     if sessions.is_empty() {
         return Err(ReplayError::option("--traces", "the traces hold no main-agent requests"));
     }
-    let tokenizer = crate::codec::daemon_tokenizer(spec.tokenizer_dir.as_deref())?;
+    let tokenizer = crate::codec::daemon_tokenizer(target.tokenizer_dir.as_deref())?;
     let pool = TokenPool::build(&tokenizer)?;
-    let synth = Synth::new(pool, spec.token_scale)?;
+    let synth = Synth::new(pool, target.token_scale)?;
     Ok(Prepared { sessions: Arc::new(sessions), synth: Arc::new(synth) })
 }
 
 /// Runs once at `concurrency`.
-pub async fn run_once(spec: &RunSpec, prepared: &Prepared, concurrency: usize) -> Result<RunReport> {
-    let mut options = spec.options.clone();
+pub async fn run_once(target: &RunTarget, prepared: &Prepared, concurrency: usize) -> Result<RunReport> {
+    let mut options = target.options.clone();
     options.concurrency = concurrency;
-    options.history = spec.transport.history();
-    let outcome: RunOutcome = match spec.transport {
+    options.history = target.transport.history();
+    let outcome: RunOutcome = match target.transport {
         TransportKind::Chat => {
-            let t = Arc::new(ChatTransport::new(&spec.url)?);
+            let t = Arc::new(ChatTransport::new(&target.url)?);
             replay(t, prepared.synth.clone(), prepared.sessions.clone(), options.clone()).await?
         }
         TransportKind::Ws => {
-            let t = Arc::new(WsTransport::new(&spec.url)?);
+            let t = Arc::new(WsTransport::new(&target.url)?);
             replay(t, prepared.synth.clone(), prepared.sessions.clone(), options.clone()).await?
         }
     };
@@ -94,23 +94,23 @@ pub async fn run_once(spec: &RunSpec, prepared: &Prepared, concurrency: usize) -
     Ok(RunReport {
         tool: tool_name(),
         config: RunConfig {
-            url: spec.url.clone(),
-            transport: spec.transport.name().into(),
+            url: target.url.clone(),
+            transport: target.transport.name().into(),
             model: options.model.clone(),
             concurrency,
             duration_s: secs(options.duration),
             max_requests: options.max_requests,
             time_scale: options.time_scale,
-            token_scale: spec.token_scale,
+            token_scale: target.token_scale,
             system_idle_cap_s: secs(options.system_idle_cap),
             tree_idle_cap_s: secs(options.tree_idle_cap),
             start_ratio: options.start_ratio,
             seed: options.seed,
-            gpus: spec.gpus,
-            traces: spec.traces.iter().map(|p| p.display().to_string()).collect(),
+            gpus: target.gpus,
+            traces: target.traces.iter().map(|p| p.display().to_string()).collect(),
             sessions: prepared.sessions.len(),
         },
-        summary: summarize(&outcome.records, spec.gpus),
+        summary: summarize(&outcome.records, target.gpus),
         warmup_requests: outcome.warmup_requests,
         plays: outcome.plays,
         wall_s: outcome.wall_s,
@@ -120,10 +120,10 @@ pub async fn run_once(spec: &RunSpec, prepared: &Prepared, concurrency: usize) -
 }
 
 /// Runs each concurrency in turn and computes the frontier.
-pub async fn sweep(spec: &RunSpec, prepared: &Prepared, concurrencies: &[usize]) -> Result<SweepReport> {
+pub async fn sweep(target: &RunTarget, prepared: &Prepared, concurrencies: &[usize]) -> Result<SweepReport> {
     let mut runs = Vec::new();
     for &c in concurrencies {
-        let report = run_once(spec, prepared, c).await?;
+        let report = run_once(target, prepared, c).await?;
         eprintln!("concurrency {c}:\n{}", crate::metrics::summary_table(&report.summary));
         runs.push(report);
     }
