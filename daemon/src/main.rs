@@ -1,4 +1,4 @@
-//! The `sparkd` command line: `serve`, `synth`, `tokenizer`.
+//! The `sparkd` command line: `serve` (composed by `sparkd::startup`), `synth`, `tokenizer`.
 //!
 //! Invariants: bad arguments or unloadable inputs end in one clear error line on stderr and a non-zero exit
 //! (clap's usage errors exit 2, everything else 1), never a panic. `sparkd serve` with no arguments serves the
