@@ -26,7 +26,7 @@ use hyper::{Request, Response, StatusCode};
 use serde_json::{json, Value};
 
 use super::error::ApiError;
-use super::generate::{Generation, GenerationSpec, Outcome, Progress};
+use super::generate::{Generation, GenerationOrder, Outcome, Progress};
 use super::http::{bytes_response, json_response, read_json, sse_response, Body};
 use super::openai::{self, ValidResponsesRequest};
 use super::sse::{Disconnected, SseWriter};
@@ -75,7 +75,7 @@ pub async fn start(
         max_output_tokens: req.params.max_tokens,
         store: req.store,
     };
-    let spec = GenerationSpec {
+    let order = GenerationOrder {
         prompt,
         continue_from: req.previous_response_id.clone().map(ResponseId),
         keep_as: req.store.then(|| ResponseId(header.id.clone())),
@@ -83,7 +83,7 @@ pub async fn start(
         max_tokens,
         arrival,
     };
-    let generation = Generation::start(state, spec).await?;
+    let generation = Generation::start(state, order).await?;
     Ok((generation, header))
 }
 
