@@ -10,9 +10,9 @@
 //! - A kept response may carry a record: the API's rendering of it (what
 //!   `GET /v1/responses/{id}` returns), opaque bytes here, attached once the response has ended.
 //! - Budget: every byte a kept response holds (its state in whichever tier, its history, its
-//!   record, its id, its summary in the view) counts in [`SessionStore::held_bytes`]; beyond [`StoreBudgets::total_bytes`]
-//!   the lowest-ranked responses are removed entirely (state, history and record), so continuing
-//!   one is continuing an unknown id.
+//!   record, its id, its summary in the view) counts in [`SessionStore::held_bytes`]; beyond
+//!   [`StoreBudgets::total_bytes`] the lowest-ranked responses are removed entirely (state, history
+//!   and record), so continuing one is continuing an unknown id.
 //! - Kept states are idle: a continuation gets a fork (`Runner::fork_state`) or an import of the
 //!   host copy, never the kept state itself, so two requests continuing one response at once each
 //!   get their own state and nothing is recomputed. Running states are not in this store, so they
@@ -24,11 +24,12 @@
 //! - Complexity: ranks are indexed in ordered sets (all entries, device tier, host tier), so keep,
 //!   continue, remove and each eviction are O(log n) in the number of kept responses; nothing scans
 //!   the store.
-//! - The API reads kept responses through a [`KeptView`] (a concurrent map of [`KeptSummary`]s), never
-//!   by asking the engine thread. The view is written only by the engine thread, inside this store,
-//!   in the same call that changes the store (keep, record, remove: by delete or by the budget), so
-//!   after every store call it holds exactly the store's entries. Tier moves and rank changes do
-//!   not change a summary and leave the view alone. Each summary's bytes count in the budget.
+//! - The API reads kept responses through a [`KeptView`] (a concurrent map of [`KeptSummary`]s),
+//!   never by asking the engine thread. The view is written only by the engine thread, inside this
+//!   store, in the same call that changes the store (keep, record, remove: by delete or by the
+//!   budget), so after every store call it holds exactly the store's entries. Tier moves and rank
+//!   changes do not change a summary and leave the view alone. Each summary's bytes count in the
+//!   budget.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
@@ -104,10 +105,12 @@ impl KeptView {
         self.entries.len()
     }
 
+    /// No response is kept.
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }
 
+    /// Inserts or replaces the summary of `id` (kept, or its record attached).
     fn publish(&self, id: ResponseId, kept: &Kept) {
         let summary = KeptSummary {
             last_token: kept.history.last().copied(),
@@ -117,6 +120,7 @@ impl KeptView {
         self.entries.insert(id, summary);
     }
 
+    /// Removes `id` (deleted, or removed by the budget).
     fn withdraw(&self, id: &ResponseId) {
         self.entries.remove(id);
     }
