@@ -1,6 +1,6 @@
 //! Black-box tests of the Responses API against `sparkd serve --device null`: WebSocket mode (multi-turn with
 //! `previous_response_id`, forks on one socket, cancel, errors), `POST /v1/responses` over SSE, `GET` and `DELETE
-//! /v1/responses/{id}`, and the kept-responses byte budget.
+//! /v1/responses/{id}`, the kept-responses byte budget, and continuations sent the moment their response ends.
 
 use std::time::Duration;
 
@@ -301,4 +301,29 @@ async fn a_tiny_kept_responses_budget_evicts_the_least_recently_used_response_en
         .unwrap();
     assert_eq!(status, 200, "the newest is continued: {body}");
     assert!(body["usage"]["input_tokens_details"]["cached_tokens"].as_u64().unwrap() > 1000);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_continuation_sent_as_its_response_ends_is_accepted_while_the_engine_is_busy() {
+    // The response object is attached to the kept response by a command queued as the response ends; a busy
+    // engine takes it a step later, so the next turn often reads the response before its object is there.
+    let s = null_server().await;
+    let mut busy = s.websocket().await.unwrap();
+    busy.send(&json!({"type": "response.create", "stream_id": "bg", "input": "go", "max_output_tokens": 100_000,
+                      "ignore_eos": true, "store": false}))
+        .await
+        .unwrap();
+    let mut ws = s.websocket().await.unwrap();
+    let first = turn(&mut ws, json!({"type": "response.create", "input": "turn 0", "max_output_tokens": 2})).await;
+    let mut prev = terminal(&first, None)["response"]["id"].as_str().unwrap().to_string();
+    for i in 1..30 {
+        let events = turn(
+            &mut ws,
+            json!({"type": "response.create", "previous_response_id": prev, "input": format!("turn {i}"),
+                   "max_output_tokens": 2, "ignore_eos": true}),
+        )
+        .await;
+        assert!(events.iter().all(|e| e["type"] != "error"), "turn {i}: {events:#?}");
+        prev = terminal(&events, None)["response"]["id"].as_str().unwrap().to_string();
+    }
 }

@@ -31,7 +31,7 @@ pub const EVENT_CHANNEL: usize = 64;
 
 /// What to generate.
 #[derive(Clone, Debug)]
-pub struct GenerationSpec {
+pub struct GenerationOrder {
     pub prompt: Vec<TokenId>,
     pub continue_from: Option<ResponseId>,
     pub keep_as: Option<ResponseId>,
@@ -178,22 +178,22 @@ pub struct Generation {
 
 impl Generation {
     /// Submits the request to the engine.
-    pub async fn start(state: &Arc<AppState>, spec: GenerationSpec) -> Result<Generation, ApiError> {
+    pub async fn start(state: &Arc<AppState>, order: GenerationOrder) -> Result<Generation, ApiError> {
         let id = state.next_request_id();
         let (tx, rx) = mpsc::channel(EVENT_CHANNEL);
         let mut stop_token_ids = state.tokenizer().eos_ids().to_vec();
-        stop_token_ids.extend_from_slice(&spec.params.stop_token_ids);
+        stop_token_ids.extend_from_slice(&order.params.stop_token_ids);
         let request = GenerateRequest {
             id,
-            prompt: spec.prompt,
-            continue_from: spec.continue_from,
-            keep_as: spec.keep_as,
-            sampling: spec.params.sampling.clone(),
-            max_tokens: spec.max_tokens,
-            ignore_eos: spec.params.ignore_eos,
+            prompt: order.prompt,
+            continue_from: order.continue_from,
+            keep_as: order.keep_as,
+            sampling: order.params.sampling.clone(),
+            max_tokens: order.max_tokens,
+            ignore_eos: order.params.ignore_eos,
             stop_token_ids,
-            arrival: spec.arrival,
-            num_spec_tokens: spec.params.num_spec_tokens,
+            arrival: order.arrival,
+            num_spec_tokens: order.params.num_spec_tokens,
         };
         state.engine.submit(request, tx).await?;
         Ok(Generation {
@@ -201,8 +201,8 @@ impl Generation {
             id,
             events: rx,
             decoder: IncrementalDecoder::new(state.tokenizer().clone()),
-            stop: StopStrings::new(spec.params.stop),
-            arrival: spec.arrival,
+            stop: StopStrings::new(order.params.stop),
+            arrival: order.arrival,
             started: None,
             first_token_at: None,
             last_token_at: None,

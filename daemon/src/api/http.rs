@@ -25,7 +25,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use super::error::ApiError;
-use super::generate::{Generation, GenerationSpec, Progress};
+use super::generate::{Generation, GenerationOrder, Progress};
 use super::openai::{self, Prompt, StreamOptions, ValidRequest};
 use super::sse::{SseBody, SseWriter};
 use super::wire::{self, Chunk, ChunkChoice, ChunkHeader, ChunkKind, UsageJson};
@@ -198,7 +198,7 @@ async fn chat_or_completion(
         (Prompt::Tokens(ids), true) => Some(state.tokenizer().decode_lossy(ids)?),
         _ => None,
     };
-    let spec = GenerationSpec {
+    let order = GenerationOrder {
         prompt,
         continue_from: None,
         keep_as: None,
@@ -206,7 +206,7 @@ async fn chat_or_completion(
         max_tokens,
         arrival,
     };
-    let generation = Generation::start(state, spec).await?;
+    let generation = Generation::start(state, order).await?;
     let id = new_id(if kind == ChunkKind::Chat { "chatcmpl-" } else { "cmpl-" });
     if valid.stream.stream {
         let (writer, body) = SseWriter::new();

@@ -9,7 +9,8 @@
 //! Invariants:
 //! - The API layer never touches the model: it talks to the engine thread only through [`EngineHandle`]
 //!   (bounded channels). It keeps no record of kept responses: the engine's session store owns them, and the
-//!   API asks it for what a continuation or `GET /v1/responses/{id}` needs.
+//!   API reads what a continuation or `GET /v1/responses/{id}` needs from the store's view (which only the
+//!   engine thread writes), without waiting on the engine thread.
 //! - A request whose client goes away is cancelled in the engine (its [`generate::Generation`] is dropped).
 
 pub mod error;

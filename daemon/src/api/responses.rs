@@ -6,9 +6,13 @@
 //!   [`ChatTemplate::render_continuation`](sparkd_tokenizer::ChatTemplate::render_continuation)) with
 //!   `continue_from`; the engine restores (or forks) the kept state, so only the suffix is prefilled.
 //! - With `store` (the default), the engine keeps the final state under the response's id, and once the response
-//!   ends the API attaches the final response object to it (before the client sees the end), which is what `GET`
-//!   returns. The engine's store is the only record: a response is visible (to `GET` and as a
+//!   ends the API attaches the final response object to it (queued before the client sees the end), which is what
+//!   `GET` returns. The engine's store is the only record: a response is visible (to `GET` and as a
 //!   `previous_response_id`) from then until it is deleted or evicted by the kept-responses budget.
+//! - Reading a kept response (a continuation, `GET`) reads the store's view and does not wait on the engine
+//!   thread, except when the response is kept but its object not attached yet: then the attachment may still be
+//!   queued (a client can ask again before the engine takes it), so the read waits until the engine has taken
+//!   every command sent before it, and reads again. `DELETE` goes through the engine (it changes the store).
 //! - An unknown, evicted or deleted `previous_response_id` is a 400 naming the field; `GET` or `DELETE` of one is
 //!   a 404. `store: false` responses are never kept.
 //! - Event order of one stream: `response.created`, `response.output_item.added`,
@@ -26,12 +30,13 @@ use hyper::{Request, Response, StatusCode};
 use serde_json::{json, Value};
 
 use super::error::ApiError;
-use super::generate::{Generation, GenerationSpec, Outcome, Progress};
+use super::generate::{Generation, GenerationOrder, Outcome, Progress};
 use super::http::{bytes_response, json_response, read_json, sse_response, Body};
 use super::openai::{self, ValidResponsesRequest};
 use super::sse::{Disconnected, SseWriter};
 use super::wire::{self, ResponseHeader};
 use super::{new_id, unix_now, AppState};
+use crate::engine::sessions::KeptSummary;
 use crate::engine::types::ResponseId;
 
 /// Where a stream's events go: an SSE body or a WebSocket (which tags them with the `stream_id`).
@@ -55,13 +60,8 @@ pub async fn start(
 ) -> Result<(Generation, ResponseHeader), ApiError> {
     let (prompt, kept_len) = match &req.previous_response_id {
         Some(prev) => {
-            let kept = state
-                .engine
-                .lookup_response(ResponseId(prev.clone()))
-                .await?
-                .filter(|k| k.record.is_some())
-                .ok_or_else(|| ApiError::UnknownResponse(prev.clone()))?;
-            (state.template.render_continuation(&[kept.last_token], &req.input)?, kept.len)
+            let kept = recorded(state, prev).await?.ok_or_else(|| ApiError::UnknownResponse(prev.clone()))?;
+            (state.template.render_continuation(kept.last_token.as_slice(), &req.input)?, kept.len)
         }
         None => (state.template.render(&req.input)?, 0),
     };
@@ -75,7 +75,7 @@ pub async fn start(
         max_output_tokens: req.params.max_tokens,
         store: req.store,
     };
-    let spec = GenerationSpec {
+    let order = GenerationOrder {
         prompt,
         continue_from: req.previous_response_id.clone().map(ResponseId),
         keep_as: req.store.then(|| ResponseId(header.id.clone())),
@@ -83,8 +83,22 @@ pub async fn start(
         max_tokens,
         arrival,
     };
-    let generation = Generation::start(state, spec).await?;
+    let generation = Generation::start(state, order).await?;
     Ok((generation, header))
+}
+
+/// A kept response whose object is attached (what can be retrieved and continued), from the engine's view.
+/// One kept without its object yet waits for the engine to take the commands queued before this read (the
+/// attachment, when its response has ended) and is read again; `None` when it is not kept or has no object.
+async fn recorded(state: &AppState, id: &str) -> Result<Option<KeptSummary>, ApiError> {
+    let id = ResponseId(id.to_owned());
+    match state.engine.kept_response(&id)? {
+        Some(kept) if kept.record.is_none() => {
+            state.engine.barrier().await?;
+            Ok(state.engine.kept_response(&id)?.filter(|k| k.record.is_some()))
+        }
+        kept => Ok(kept),
+    }
 }
 
 /// The final response object as JSON bytes; with `store`, also attached to the kept response (so it can be
@@ -102,8 +116,8 @@ async fn finish(state: &AppState, header: &ResponseHeader, text: &str, outcome: 
 
 /// `GET /v1/responses/{id}`: the stored response object.
 pub async fn retrieve(state: &AppState, id: &str) -> Result<Response<Body>, ApiError> {
-    let kept = state.engine.lookup_response(ResponseId(id.to_owned())).await?;
-    let record = kept.and_then(|k| k.record).ok_or_else(|| ApiError::ResponseNotFound(id.to_owned()))?;
+    let record =
+        recorded(state, id).await?.and_then(|k| k.record).ok_or_else(|| ApiError::ResponseNotFound(id.to_owned()))?;
     Ok(bytes_response(StatusCode::OK, "application/json", record))
 }
 

@@ -18,7 +18,8 @@
 //!   engine goes on with the rest. A broken invariant of the engine's own fails the requests it
 //!   touches with `EngineError::Internal` (a server fault, never blamed on the request).
 //! - Kept responses live only in the session store, within its byte budgets (enforced after every
-//!   step and after every command that adds to what it holds).
+//!   step and after every command that adds to what it holds). The API reads them through the
+//!   store's view, which only this thread writes, so no read of a kept response waits on a step.
 //! - Every request that got a state began on the speculator and ends on it exactly once (finish,
 //!   cancel, client gone, failure), so per-request proposer memory never leaks.
 //! - Prefix-cache snapshots are taken where they pay: at the last block boundary of each prompt
@@ -100,11 +101,12 @@ pub fn spawn_with_policy(
     let speculator = speculation.map(Speculator::new);
     let (tx, rx) = mpsc::channel(config.command_queue);
     let engine = EngineCore::new(runner, config, policy, speculator, rx);
+    let kept = engine.sessions.view();
     let thread = std::thread::Builder::new()
         .name("sparkd-engine".into())
         .spawn(move || engine.run())
         .map_err(|e| EngineError::Internal(format!("spawning the engine thread: {e}")))?;
-    Ok(Engine { handle: EngineHandle::new(tx), thread })
+    Ok(Engine { handle: EngineHandle::new(tx, kept), thread })
 }
 
 /// A request the engine knows about, from `Generate` to its terminal event.
@@ -256,8 +258,9 @@ impl EngineCore {
                 // The asker may have left; then nobody needs the answer.
                 let _ = reply.send(dropped);
             }
-            EngineCommand::LookupResponse { id, reply } => {
-                let _ = reply.send(self.sessions.response(&id));
+            EngineCommand::Barrier { reply } => {
+                // The asker may have left; then nobody is waiting.
+                let _ = reply.send(());
             }
             EngineCommand::RecordResponse { id, record } => {
                 if self.sessions.set_record(&id, record) {

@@ -10,9 +10,9 @@
 //! - A kept response may carry a record: the API's rendering of it (what
 //!   `GET /v1/responses/{id}` returns), opaque bytes here, attached once the response has ended.
 //! - Budget: every byte a kept response holds (its state in whichever tier, its history, its
-//!   record, its id) counts in [`SessionStore::held_bytes`]; beyond [`StoreBudgets::total_bytes`]
-//!   the lowest-ranked responses are removed entirely (state, history and record), so continuing
-//!   one is continuing an unknown id.
+//!   record, its id, its summary in the view) counts in [`SessionStore::held_bytes`]; beyond
+//!   [`StoreBudgets::total_bytes`] the lowest-ranked responses are removed entirely (state, history
+//!   and record), so continuing one is continuing an unknown id.
 //! - Kept states are idle: a continuation gets a fork (`Runner::fork_state`) or an import of the
 //!   host copy, never the kept state itself, so two requests continuing one response at once each
 //!   get their own state and nothing is recomputed. Running states are not in this store, so they
@@ -24,14 +24,22 @@
 //! - Complexity: ranks are indexed in ordered sets (all entries, device tier, host tier), so keep,
 //!   continue, remove and each eviction are O(log n) in the number of kept responses; nothing scans
 //!   the store.
+//! - The API reads kept responses through a [`KeptView`] (a concurrent map of [`KeptSummary`]s),
+//!   never by asking the engine thread. The view is written only by the engine thread, inside this
+//!   store, in the same call that changes the store (keep, record, remove: by delete or by the
+//!   budget), so after every store call it holds exactly the store's entries. Tier moves and rank
+//!   changes do not change a summary and leave the view alone. Each summary's bytes count in the
+//!   budget.
 
 use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
 
 use bytes::Bytes;
+use dashmap::DashMap;
 use sparkd_kernels::state::SeqState;
 use sparkd_kernels::{Result, Runner, StateId, TokenId};
 
-use super::types::{KeptResponse, ResponseId};
+use super::types::ResponseId;
 
 /// Ranks kept responses for eviction.
 pub trait EvictionPolicy: Send + std::fmt::Debug {
@@ -55,6 +63,68 @@ impl EvictionPolicy for LruPolicy {
 
 /// A place in an eviction order (lowest first).
 type Slot = (u64, ResponseId);
+
+/// What the API reads of one kept response: enough to render and check a continuation, and what
+/// `GET /v1/responses/{id}` returns.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeptSummary {
+    /// The last token of its history (decides whether a continuation starts with `<|im_end|>`);
+    /// `None` only for an empty history, which the engine never keeps.
+    pub last_token: Option<TokenId>,
+    /// Tokens in its history (prompt + output), for the context-length check.
+    pub len: usize,
+    /// The API's rendering of it, once attached (`EngineCommand::RecordResponse`); it shares the
+    /// store's buffer.
+    pub record: Option<Bytes>,
+}
+
+/// Bytes the view spends on one entry besides its id's copy (the record is shared with the store).
+const SUMMARY_BYTES: usize = std::mem::size_of::<KeptSummary>();
+
+/// The kept responses as the API reads them, without waiting on the engine thread. Cheap to clone.
+///
+/// Invariant: written only by the engine thread, in the same [`SessionStore`] call that changes the
+/// store (its writers are private to this module), so it holds exactly the store's entries.
+#[derive(Clone, Debug)]
+pub struct KeptView {
+    entries: Arc<DashMap<ResponseId, KeptSummary>>,
+}
+
+impl KeptView {
+    fn new() -> Self {
+        KeptView { entries: Arc::new(DashMap::new()) }
+    }
+
+    /// The summary of a kept response; `None` when it is not kept (never, or removed).
+    pub fn get(&self, id: &ResponseId) -> Option<KeptSummary> {
+        self.entries.get(id).map(|summary| summary.value().clone())
+    }
+
+    /// How many responses are kept.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// No response is kept.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Inserts or replaces the summary of `id` (kept, or its record attached).
+    fn publish(&self, id: ResponseId, kept: &Kept) {
+        let summary = KeptSummary {
+            last_token: kept.history.last().copied(),
+            len: kept.history.len(),
+            record: kept.record.clone(),
+        };
+        self.entries.insert(id, summary);
+    }
+
+    /// Removes `id` (deleted, or removed by the budget).
+    fn withdraw(&self, id: &ResponseId) {
+        self.entries.remove(id);
+    }
+}
 
 /// Where a kept response's state lives.
 #[derive(Debug)]
@@ -82,12 +152,13 @@ struct Kept {
 }
 
 impl Kept {
-    /// Every byte this entry holds, its id's included.
+    /// Every byte this entry holds, its id's and its summary in the view included.
     fn held_bytes(&self, id: &ResponseId) -> usize {
         self.tier.state_bytes()
             + self.history.len() * std::mem::size_of::<TokenId>()
             + self.record.as_ref().map_or(0, Bytes::len)
-            + id.0.len()
+            + 2 * id.0.len()
+            + SUMMARY_BYTES
     }
 }
 
@@ -146,6 +217,8 @@ pub struct SessionStore {
     host_bytes: usize,
     held_bytes: usize,
     budgets: StoreBudgets,
+    /// What the API reads; written in the same calls that change `entries`.
+    view: KeptView,
 }
 
 impl SessionStore {
@@ -160,7 +233,13 @@ impl SessionStore {
             host_bytes: 0,
             held_bytes: 0,
             budgets,
+            view: KeptView::new(),
         }
+    }
+
+    /// The API's read-only view of this store.
+    pub fn view(&self) -> KeptView {
+        self.view.clone()
     }
 
     pub fn len(&self) -> usize {
@@ -181,8 +260,8 @@ impl SessionStore {
         self.host_bytes
     }
 
-    /// Every byte kept responses hold (states in every tier, histories, records, ids): what the
-    /// total budget bounds.
+    /// Every byte kept responses hold (states in every tier, histories, records, ids, their
+    /// summaries in the view): what the total budget bounds.
     pub fn held_bytes(&self) -> usize {
         self.held_bytes
     }
@@ -190,12 +269,6 @@ impl SessionStore {
     /// The token history of a kept response.
     pub fn history(&self, id: &ResponseId) -> Option<&[TokenId]> {
         self.entries.get(id).map(|k| k.history.as_slice())
-    }
-
-    /// What the API may read of a kept response (its history's last token and length, its record).
-    pub fn response(&self, id: &ResponseId) -> Option<KeptResponse> {
-        let kept = self.entries.get(id)?;
-        Some(KeptResponse { last_token: *kept.history.last()?, len: kept.history.len(), record: kept.record.clone() })
     }
 
     /// The tier name of a kept response ("device", "host", "dropped"), for tests and logs.
@@ -223,7 +296,9 @@ impl SessionStore {
             None => Tier::Dropped,
         };
         let rank = self.policy.rank(&id);
-        self.attach(id, Kept { history, tier, record: None, rank });
+        let kept = Kept { history, tier, record: None, rank };
+        self.view.publish(id.clone(), &kept);
+        self.attach(id, kept);
         Ok(())
     }
 
@@ -232,6 +307,7 @@ impl SessionStore {
     pub fn set_record(&mut self, id: &ResponseId, record: Bytes) -> bool {
         let Some(mut kept) = self.detach(id) else { return false };
         kept.record = Some(record);
+        self.view.publish(id.clone(), &kept);
         self.attach(id.clone(), kept);
         true
     }
@@ -258,6 +334,7 @@ impl SessionStore {
     /// kept. The entry is gone even when freeing its state fails.
     pub fn remove(&mut self, runner: &mut dyn Runner, id: &ResponseId) -> Result<bool> {
         let Some(kept) = self.detach(id) else { return Ok(false) };
+        self.view.withdraw(id);
         if let Tier::Device { state, .. } = kept.tier {
             runner.free_state(state)?;
         }
@@ -385,8 +462,9 @@ mod tests {
         }
     }
 
-    /// What a one-letter id kept with a 10-token device state holds: state 10 * 4, history 11 * 4, id 1.
-    const HELD_10: usize = 40 + 44 + 1;
+    /// What a one-letter id kept with a 10-token device state holds: state 10 * 4, history 11 * 4,
+    /// the id twice (store and view) and the view's summary.
+    const HELD_10: usize = 40 + 44 + 2 + SUMMARY_BYTES;
 
     #[test]
     fn the_total_budget_removes_the_least_recently_kept_or_continued_first() {
@@ -423,13 +501,13 @@ mod tests {
         // To host: the host copy is one 64-token MLA block of width 1 (256 bytes).
         assert_eq!(store.enforce(&mut r, 0, 0).unwrap(), Evictions { to_host: 1, ..Evictions::default() });
         assert_eq!((store.device_bytes(), store.host_bytes()), (0, 256));
-        assert_eq!(store.held_bytes(), 256 + 44 + 1 + 60);
-        let kept = store.response(&rid("a")).unwrap();
-        assert_eq!((kept.last_token, kept.len, kept.record.as_deref()), (7, 11, Some(&[b'y'; 60][..])));
+        assert_eq!(store.held_bytes(), 256 + 44 + 2 + SUMMARY_BYTES + 60);
+        let kept = store.view().get(&rid("a")).unwrap();
+        assert_eq!((kept.last_token, kept.len, kept.record.as_deref()), (Some(7), 11, Some(&[b'y'; 60][..])));
         assert!(store.remove(&mut r, &rid("a")).unwrap());
         assert!(!store.remove(&mut r, &rid("a")).unwrap(), "deleting twice finds nothing");
         assert_eq!((store.held_bytes(), store.host_bytes(), store.len()), (0, 0, 0));
-        assert_eq!(store.response(&rid("a")), None);
+        assert_eq!(store.view().get(&rid("a")), None);
     }
 
     #[test]
@@ -439,7 +517,7 @@ mod tests {
         keep(&mut store, &mut r, "old", 10);
         assert_eq!(store.enforce(&mut r, 0, 0).unwrap().dropped, 1);
         assert_eq!(store.tier(&rid("old")), Some("dropped"));
-        assert_eq!(store.held_bytes(), 44 + 3, "a dropped response still holds its history");
+        assert_eq!(store.held_bytes(), 44 + 2 * 3 + SUMMARY_BYTES, "a dropped response still holds its history");
         store.budgets.total_bytes = 0;
         assert_eq!(store.enforce(&mut r, 0, 1 << 20).unwrap().removed, 1);
         assert_eq!((store.history(&rid("old")), store.tier(&rid("old")), store.held_bytes()), (None, None, 0));
@@ -448,6 +526,60 @@ mod tests {
         assert_eq!(store.enforce(&mut r, 0, 1 << 20).unwrap().removed, 1);
         assert!(store.is_empty());
         assert_eq!(r.num_states(), 0);
+    }
+
+    /// The view's summary of `id` as the store's entry says it should be.
+    fn summary_of(store: &SessionStore, id: &str) -> Option<KeptSummary> {
+        let kept = store.entries.get(&rid(id))?;
+        Some(KeptSummary {
+            last_token: kept.history.last().copied(),
+            len: kept.history.len(),
+            record: kept.record.clone(),
+        })
+    }
+
+    /// The view holds exactly the store's entries, each summarized as the store holds it.
+    fn assert_mirrors(store: &SessionStore, ids: &[&str]) {
+        let view = store.view();
+        assert_eq!(view.len(), store.len(), "the view has exactly the store's entries");
+        for id in ids {
+            assert_eq!(view.get(&rid(id)), summary_of(store, id), "{id}");
+        }
+    }
+
+    #[test]
+    fn the_view_mirrors_the_store_through_keep_record_tier_moves_eviction_and_delete() {
+        let mut r = runner();
+        let ids = ["a", "b", "c", "nope"];
+        let mut store = store(300, 1 << 20);
+        let view = store.view();
+        keep(&mut store, &mut r, "a", 10);
+        keep(&mut store, &mut r, "b", 10);
+        assert_mirrors(&store, &ids);
+        assert_eq!(view.get(&rid("a")), Some(KeptSummary { last_token: Some(7), len: 11, record: None }));
+        assert!(store.set_record(&rid("a"), Bytes::from_static(b"{\"id\":\"a\"}")));
+        assert!(!store.set_record(&rid("nope"), Bytes::from_static(b"{}")));
+        assert_mirrors(&store, &ids);
+        assert_eq!(view.get(&rid("a")).unwrap().record.as_deref(), Some(&b"{\"id\":\"a\"}"[..]));
+        // Tier moves (to host, dropped) and continuing change no summary.
+        touch(&mut store, &mut r, "a");
+        assert_eq!(store.enforce(&mut r, 0, 0).unwrap(), Evictions { to_host: 2, dropped: 1, removed: 0 });
+        assert_mirrors(&store, &ids);
+        assert!(view.get(&rid("a")).is_some() && view.get(&rid("b")).is_some(), "moved and dropped stay visible");
+        // A replaced entry shows its new history and has no record yet.
+        keep(&mut store, &mut r, "a", 4);
+        assert_eq!(view.get(&rid("a")), Some(KeptSummary { last_token: Some(7), len: 5, record: None }));
+        assert_mirrors(&store, &ids);
+        // The total budget removes the least recently used ("b") from both.
+        keep(&mut store, &mut r, "c", 10);
+        store.budgets.total_bytes = store.held_bytes() - 1;
+        assert_eq!(store.enforce(&mut r, 0, 1 << 20).unwrap().removed, 1);
+        assert_eq!(view.get(&rid("b")), None);
+        assert_mirrors(&store, &ids);
+        assert!(store.remove(&mut r, &rid("a")).unwrap());
+        assert_eq!(view.get(&rid("a")), None, "a deleted response leaves the view");
+        assert_mirrors(&store, &ids);
+        assert_eq!(view.len(), 1);
     }
 
     #[test]

@@ -11,6 +11,7 @@ use sparkd_kernels::{ModelConfig, Result as KResult, Runner, StateId, TokenId};
 use tokio::sync::mpsc;
 
 use super::core::{spawn, Engine};
+use super::sessions::KeptSummary;
 use super::types::*;
 
 /// What the wrapped runner saw.
@@ -104,10 +105,12 @@ impl Harness {
         self.seen.lock().unwrap().live_states
     }
 
-    fn lookup(&self, id: &str) -> Option<KeptResponse> {
+    /// What the API reads of a kept response, once the engine has taken every command sent so far.
+    fn lookup(&self, id: &str) -> Option<KeptSummary> {
         let (reply, answer) = tokio::sync::oneshot::channel();
-        self.handle.blocking_send(EngineCommand::LookupResponse { id: ResponseId(id.into()), reply }).unwrap();
-        answer.blocking_recv().unwrap()
+        self.handle.blocking_send(EngineCommand::Barrier { reply }).unwrap();
+        answer.blocking_recv().unwrap();
+        self.handle.kept_response(&ResponseId(id.into())).unwrap()
     }
 
     fn drop_response(&self, id: &str) -> bool {
@@ -378,14 +381,14 @@ fn invalid_requests_fail_with_a_clear_error() {
 }
 
 #[test]
-fn the_engine_alone_keeps_responses_and_answers_lookups_records_and_deletes() {
+fn the_engine_alone_keeps_responses_and_its_view_shows_them_with_records_until_deleted() {
     let h = Harness::new(config());
     let p = prompt(7, 20);
     let mut turn1 = request(1, p.clone(), 4);
     turn1.keep_as = Some(ResponseId("resp_k".into()));
     let out = collect(h.submit(turn1)).tokens;
     let kept = h.lookup("resp_k").expect("kept once finished");
-    assert_eq!((kept.last_token, kept.len, kept.record), (*out.last().unwrap(), 24, None));
+    assert_eq!((kept.last_token, kept.len, kept.record), (out.last().copied(), 24, None));
     h.record("resp_k", b"{\"id\":\"resp_k\"}");
     h.record("resp_gone", b"{}");
     assert_eq!(h.lookup("resp_k").unwrap().record.as_deref(), Some(&b"{\"id\":\"resp_k\"}"[..]));
@@ -403,8 +406,9 @@ fn the_engine_alone_keeps_responses_and_answers_lookups_records_and_deletes() {
 
 #[test]
 fn the_kept_responses_budget_removes_the_least_recently_used_with_its_history() {
-    // One kept 30-token response holds 29 * 4 state + 30 * 4 history + 6 id bytes = 242 bytes: two fit.
-    let h = Harness::new(EngineConfig { kept_responses_bytes: 500, prefix_cache_bytes: 0, ..config() });
+    // One kept 30-token response holds 29 * 4 state + 30 * 4 history + 6 id bytes twice (store and
+    // view) + the view's 48-byte summary = 296 bytes: two fit, three do not.
+    let h = Harness::new(EngineConfig { kept_responses_bytes: 700, prefix_cache_bytes: 0, ..config() });
     for (i, id) in ["resp_a", "resp_b", "resp_c"].into_iter().enumerate() {
         let mut r = request(i as u64 + 1, prompt(i as u32, 26), 4);
         r.keep_as = Some(ResponseId(id.into()));

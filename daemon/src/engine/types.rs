@@ -13,9 +13,10 @@
 //! - A kept response `R` holds the state after its prompt and all its output tokens. Continuing `R`
 //!   (`continue_from`) prefills only the new prompt tokens; two requests continuing `R` each get
 //!   their own fork of `R`'s state, and `R` itself stays kept until dropped or evicted.
-//! - The engine's session store is the only owner of kept responses: the API reads one
-//!   (`LookupResponse`), attaches its rendering (`RecordResponse`) and deletes one (`DropResponse`)
-//!   through the same bounded command channel, so a command sees every command sent before it.
+//! - The engine's session store is the only owner of kept responses. The API reads them through the
+//!   store's [`KeptView`] without waiting on the engine thread; it attaches a rendering
+//!   (`RecordResponse`) and deletes one (`DropResponse`) through the bounded command channel, where
+//!   a command sees every command sent before it (`Barrier` waits for exactly that).
 
 use std::time::{Duration, Instant};
 
@@ -23,6 +24,8 @@ use bytes::Bytes;
 use sparkd_kernels::runner::{SamplingParams, TokenLogprob};
 use sparkd_kernels::{KernelError, TokenId};
 use tokio::sync::{mpsc, oneshot};
+
+use super::sessions::{KeptSummary, KeptView};
 
 /// Unique id of one generation request (assigned by the API layer).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -80,24 +83,14 @@ pub enum EngineCommand {
     /// Forget a kept response (state, history and record) and free its state; `reply` says whether
     /// it was kept.
     DropResponse { id: ResponseId, reply: oneshot::Sender<bool> },
-    /// What the API may read of a kept response; `None` when it is not kept.
-    LookupResponse { id: ResponseId, reply: oneshot::Sender<Option<KeptResponse>> },
+    /// Answered once every command sent before it has been handled (so the [`KeptView`] shows
+    /// what they did).
+    Barrier { reply: oneshot::Sender<()> },
     /// Attach the API's rendering of a kept response (what `GET /v1/responses/{id}` returns); its
     /// bytes count against the kept-responses budget. Ignored when `id` is no longer kept.
     RecordResponse { id: ResponseId, record: Bytes },
     /// Cancel every request and stop the engine thread (what `Engine::shutdown` sends).
     Shutdown,
-}
-
-/// What the API may read of a kept response.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct KeptResponse {
-    /// The last token of its history (decides whether a continuation starts with `<|im_end|>`).
-    pub last_token: TokenId,
-    /// Tokens in its history (prompt + output), for the context-length check.
-    pub len: usize,
-    /// The API's rendering of it, once attached (`RecordResponse`).
-    pub record: Option<Bytes>,
 }
 
 /// Why a request finished.
@@ -260,11 +253,22 @@ impl From<KernelError> for EngineError {
 #[derive(Clone, Debug)]
 pub struct EngineHandle {
     commands: mpsc::Sender<EngineCommand>,
+    kept: KeptView,
 }
 
 impl EngineHandle {
-    pub(crate) fn new(commands: mpsc::Sender<EngineCommand>) -> Self {
-        EngineHandle { commands }
+    pub(crate) fn new(commands: mpsc::Sender<EngineCommand>, kept: KeptView) -> Self {
+        EngineHandle { commands, kept }
+    }
+
+    /// A kept response as the engine's store holds it now, read without waiting on the engine
+    /// thread; `None` when it is not kept. Commands still queued (a `RecordResponse`, a
+    /// `DropResponse`) show once the engine has taken them ([`EngineHandle::barrier`]).
+    pub fn kept_response(&self, id: &ResponseId) -> Result<Option<KeptSummary>, EngineError> {
+        if self.commands.is_closed() {
+            return Err(EngineError::Stopped);
+        }
+        Ok(self.kept.get(id))
     }
 
     /// Queues a request; its events arrive on `events`. Waits while the command queue is full.
@@ -284,10 +288,10 @@ impl EngineHandle {
         answer.await.map_err(|_| EngineError::Stopped)
     }
 
-    /// What the API may read of a kept response; `None` when it is not kept.
-    pub async fn lookup_response(&self, id: ResponseId) -> Result<Option<KeptResponse>, EngineError> {
+    /// Returns once the engine has handled every command sent before this call.
+    pub async fn barrier(&self) -> Result<(), EngineError> {
         let (reply, answer) = oneshot::channel();
-        self.send(EngineCommand::LookupResponse { id, reply }).await?;
+        self.send(EngineCommand::Barrier { reply }).await?;
         answer.await.map_err(|_| EngineError::Stopped)
     }
 
