@@ -27,7 +27,7 @@ use serde_json::Value;
 use crate::config::ModelConfig;
 use crate::error::{KernelError, Result};
 use crate::schema::{model_tensors, TEXT_PREFIX};
-use crate::tensor::{DType, HostTensor, TensorSpec, WeightSource};
+use crate::tensor::{DType, ExpectedTensor, HostTensor, WeightSource};
 
 /// The config file of a checkpoint folder.
 pub const CONFIG_FILE: &str = "config.json";
@@ -170,7 +170,7 @@ impl Checkpoint {
 }
 
 impl WeightSource for Checkpoint {
-    fn tensor(&self, spec: &TensorSpec) -> Result<HostTensor> {
+    fn tensor(&self, spec: &ExpectedTensor) -> Result<HostTensor> {
         let entry = self
             .entries
             .get(strip_prefix(&spec.name))
@@ -184,7 +184,7 @@ impl WeightSource for Checkpoint {
 /// The name without the `language_model.` prefix.
 /// The host dtype of a stored tensor, checked against what `spec` expects (dtype and shape); a dtype sparkd
 /// never stores (anything but BF16, F32, U8) is a mismatch naming the tensor.
-pub(crate) fn checked_dtype(spec: &TensorSpec, stored: Dtype, shape: &[usize]) -> Result<DType> {
+pub(crate) fn checked_dtype(spec: &ExpectedTensor, stored: Dtype, shape: &[usize]) -> Result<DType> {
     let dtype = match stored {
         Dtype::BF16 => DType::Bf16,
         Dtype::F32 => DType::F32,

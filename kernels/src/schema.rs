@@ -8,7 +8,7 @@
 //! Source: shared/reference/k3-architecture.md §7. Shapes are `[out, in]`.
 
 use crate::config::{ExpertFormat, Ffn, Mixer, ModelConfig};
-use crate::tensor::{DType, ShapeRule, TensorSpec};
+use crate::tensor::{DType, ExpectedTensor, ShapeRule};
 
 /// The prefix of the text model inside the multimodal K3 checkpoint.
 pub const TEXT_PREFIX: &str = "language_model.";
@@ -25,7 +25,7 @@ pub fn expert_name(layer: usize, expert: usize, proj: &str) -> String {
 
 /// The specs of one routed expert projection `[out, in]`: `.weight_packed` + `.weight_scale`
 /// for MXFP4, or a single `.weight` for BF16 experts.
-pub fn expert_specs(cfg: &ModelConfig, layer: usize, expert: usize, proj: &str) -> Vec<TensorSpec> {
+pub fn expert_specs(cfg: &ModelConfig, layer: usize, expert: usize, proj: &str) -> Vec<ExpectedTensor> {
     let (out, inp) = match proj {
         "w2" => (cfg.moe.latent_dim, cfg.moe.expert_dim),
         _ => (cfg.moe.expert_dim, cfg.moe.latent_dim),
@@ -33,21 +33,22 @@ pub fn expert_specs(cfg: &ModelConfig, layer: usize, expert: usize, proj: &str) 
     let base = expert_name(layer, expert, proj);
     match cfg.moe.expert_format {
         ExpertFormat::Mxfp4 { group_size } => vec![
-            TensorSpec::exact(format!("{base}.weight_packed"), &[out, inp / 2], DType::U8),
-            TensorSpec::exact(format!("{base}.weight_scale"), &[out, inp / group_size], DType::U8),
+            ExpectedTensor::exact(format!("{base}.weight_packed"), &[out, inp / 2], DType::U8),
+            ExpectedTensor::exact(format!("{base}.weight_scale"), &[out, inp / group_size], DType::U8),
         ],
-        ExpertFormat::Bf16 => vec![TensorSpec::exact(format!("{base}.weight"), &[out, inp], DType::Bf16)],
+        ExpertFormat::Bf16 => vec![ExpectedTensor::exact(format!("{base}.weight"), &[out, inp], DType::Bf16)],
     }
 }
 
 /// Every tensor of the K3 text model, in checkpoint order (embedding, layers, head).
-pub fn model_tensors(cfg: &ModelConfig) -> Vec<TensorSpec> {
+pub fn model_tensors(cfg: &ModelConfig) -> Vec<ExpectedTensor> {
     let d = cfg.hidden_size;
     let bf = DType::Bf16;
     let f32_ = DType::F32;
-    let mut v = vec![TensorSpec::exact("model.embed_tokens.weight", &[cfg.vocab_size, d], bf)];
+    let mut v = vec![ExpectedTensor::exact("model.embed_tokens.weight", &[cfg.vocab_size, d], bf)];
     for (l, kind) in cfg.layers.iter().enumerate() {
-        let t = |suffix: &str, shape: &[usize], dtype: DType| TensorSpec::exact(layer_name(l, suffix), shape, dtype);
+        let t =
+            |suffix: &str, shape: &[usize], dtype: DType| ExpectedTensor::exact(layer_name(l, suffix), shape, dtype);
         v.push(t("input_layernorm.weight", &[d], bf));
         v.push(t("post_attention_layernorm.weight", &[d], bf));
         v.push(t("self_attention_res_norm.weight", &[d], bf));
@@ -68,7 +69,7 @@ pub fn model_tensors(cfg: &ModelConfig) -> Vec<TensorSpec> {
                 for name in ["q_conv1d", "k_conv1d", "v_conv1d"] {
                     v.push(t(&format!("self_attn.{name}.weight"), &[p, 1, k.conv_kernel], f32_));
                 }
-                v.push(TensorSpec {
+                v.push(ExpectedTensor {
                     name: layer_name(l, "self_attn.A_log"),
                     shape: ShapeRule::VectorAtLeast(k.num_heads),
                     dtype: f32_,
@@ -120,10 +121,10 @@ pub fn model_tensors(cfg: &ModelConfig) -> Vec<TensorSpec> {
             }
         }
     }
-    v.push(TensorSpec::exact("model.output_attn_res_norm.weight", &[d], bf));
-    v.push(TensorSpec::exact("model.output_attn_res_proj.weight", &[1, d], bf));
-    v.push(TensorSpec::exact("model.norm.weight", &[d], bf));
-    v.push(TensorSpec::exact("lm_head.weight", &[cfg.vocab_size, d], bf));
+    v.push(ExpectedTensor::exact("model.output_attn_res_norm.weight", &[d], bf));
+    v.push(ExpectedTensor::exact("model.output_attn_res_proj.weight", &[1, d], bf));
+    v.push(ExpectedTensor::exact("model.norm.weight", &[d], bf));
+    v.push(ExpectedTensor::exact("lm_head.weight", &[cfg.vocab_size, d], bf));
     v
 }
 

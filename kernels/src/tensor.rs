@@ -80,15 +80,15 @@ impl std::fmt::Display for ShapeRule {
 
 /// A tensor the model expects: its name (without any `language_model.` prefix), shape and dtype.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TensorSpec {
+pub struct ExpectedTensor {
     pub name: String,
     pub shape: ShapeRule,
     pub dtype: DType,
 }
 
-impl TensorSpec {
+impl ExpectedTensor {
     pub fn exact(name: impl Into<String>, shape: &[usize], dtype: DType) -> Self {
-        TensorSpec { name: name.into(), shape: ShapeRule::Exact(shape.to_vec()), dtype }
+        ExpectedTensor { name: name.into(), shape: ShapeRule::Exact(shape.to_vec()), dtype }
     }
 
     /// The number of bytes a writer stores for this tensor.
@@ -167,7 +167,7 @@ impl HostTensor {
 /// Anything that can hand out the model's tensors: a checkpoint on disk or a synthetic generator.
 pub trait WeightSource {
     /// The tensor named by `spec`, checked against the spec's shape and dtype.
-    fn tensor(&self, spec: &TensorSpec) -> Result<HostTensor>;
+    fn tensor(&self, spec: &ExpectedTensor) -> Result<HostTensor>;
 }
 
 /// bf16 bytes (little-endian) of f32 values, rounding to nearest even.

@@ -13,7 +13,7 @@ use crate::error::{KernelError, Result};
 use crate::float::Real;
 use crate::mxfp4;
 use crate::schema::{expert_specs, layer_name, model_tensors};
-use crate::tensor::{HostTensor, TensorSpec, WeightSource};
+use crate::tensor::{ExpectedTensor, HostTensor, WeightSource};
 
 /// One KDA layer.
 pub struct KdaWeights<F> {
@@ -111,7 +111,7 @@ pub struct ModelWeights<F> {
 
 /// Fetches tensors by name through the schema, so every read is checked.
 struct Loader<'a> {
-    specs: HashMap<String, TensorSpec>,
+    specs: HashMap<String, ExpectedTensor>,
     src: &'a dyn WeightSource,
 }
 

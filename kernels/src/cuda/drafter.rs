@@ -48,7 +48,7 @@ use crate::dspark::schema::{
 use crate::dspark::DrafterState;
 use crate::error::{KernelError, Result};
 use crate::runner::{SamplingParams, TokenId};
-use crate::tensor::{DType, TensorSpec, WeightSource};
+use crate::tensor::{DType, ExpectedTensor, WeightSource};
 
 /// The kernels of `kernels/cuda/drafter.cu`.
 struct DrafterKernels {
@@ -207,7 +207,7 @@ pub struct DeviceDrafter {
 /// Uploads the drafter's tensors from a source, each checked against `dspark::schema`.
 struct Loader<'a> {
     gpu: &'a Gpu,
-    specs: Vec<TensorSpec>,
+    specs: Vec<ExpectedTensor>,
     src: &'a dyn WeightSource,
     bytes: usize,
 }

@@ -25,7 +25,7 @@ use crate::cuda::launch::DPtr;
 use crate::cuda::rows::RmsNormArgs;
 use crate::error::{KernelError, Result};
 use crate::schema::{expert_specs, layer_name, model_tensors};
-use crate::tensor::{DType, HostTensor, TensorSpec, WeightSource};
+use crate::tensor::{DType, ExpectedTensor, HostTensor, WeightSource};
 
 /// A bf16 matrix `[out, in]` on the device.
 pub struct DevLinear {
@@ -187,7 +187,7 @@ pub struct DevWeights {
 
 struct Uploader<'a> {
     gpu: &'a Gpu,
-    specs: HashMap<String, TensorSpec>,
+    specs: HashMap<String, ExpectedTensor>,
     src: &'a dyn WeightSource,
     bytes: usize,
     /// Seconds spent fetching (or generating) tensors, and uploading them.
@@ -201,7 +201,7 @@ impl Uploader<'_> {
         self.fetch(&spec)
     }
 
-    fn fetch(&mut self, spec: &TensorSpec) -> Result<HostTensor> {
+    fn fetch(&mut self, spec: &ExpectedTensor) -> Result<HostTensor> {
         let t0 = Instant::now();
         let t = self.src.tensor(spec);
         self.fetch_seconds += t0.elapsed().as_secs_f64();

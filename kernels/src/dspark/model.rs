@@ -35,7 +35,7 @@ use crate::float::Real;
 use crate::runner::{SamplingParams, TokenId, TokenMask};
 use crate::sampling::{argmax, hash3, Distribution};
 use crate::state::MlaCache;
-use crate::tensor::{TensorSpec, WeightSource};
+use crate::tensor::{ExpectedTensor, WeightSource};
 
 /// The counter-RNG stream of draft samples ("DSPARK" in ASCII), distinct from `sampling::RngStream`'s.
 pub const DRAFT_STREAM: u64 = 0x4453_5041_524B;
@@ -96,7 +96,7 @@ impl<F: Real> DrafterModel<F> {
     /// Loads and checks every drafter tensor from `src`; `cfg` must fit `target`.
     pub fn load(cfg: DrafterConfig, target: &ModelConfig, src: &dyn WeightSource) -> Result<Self> {
         cfg.check_against(target)?;
-        let specs: Vec<TensorSpec> = drafter_tensors(&cfg);
+        let specs: Vec<ExpectedTensor> = drafter_tensors(&cfg);
         let values = |name: &str| -> Result<Vec<F>> {
             let spec = specs
                 .iter()

@@ -44,7 +44,7 @@ use crate::checkpoint::{checked_dtype, CONFIG_FILE, SINGLE_FILE};
 use crate::config::ModelConfig;
 use crate::dspark::config::DrafterConfig;
 use crate::error::{KernelError, Result};
-use crate::tensor::{DType, HostTensor, TensorSpec, WeightSource};
+use crate::tensor::{DType, ExpectedTensor, HostTensor, WeightSource};
 
 /// The drafter folder's conventional name inside a target checkpoint folder.
 pub const DRAFTER_DIR: &str = "drafter";
@@ -62,14 +62,16 @@ pub fn draft_layer_name(layer: usize, suffix: &str) -> String {
 }
 
 /// Every tensor of the drafter, in checkpoint order.
-pub fn drafter_tensors(cfg: &DrafterConfig) -> Vec<TensorSpec> {
+pub fn drafter_tensors(cfg: &DrafterConfig) -> Vec<ExpectedTensor> {
     let d = cfg.hidden_size;
     let m = cfg.mla();
     let bf = DType::Bf16;
-    let mut v =
-        vec![TensorSpec::exact(CONTEXT_PROJ, &[d, cfg.num_taps() * d], bf), TensorSpec::exact(CONTEXT_NORM, &[d], bf)];
+    let mut v = vec![
+        ExpectedTensor::exact(CONTEXT_PROJ, &[d, cfg.num_taps() * d], bf),
+        ExpectedTensor::exact(CONTEXT_NORM, &[d], bf),
+    ];
     for i in 0..cfg.num_draft_layers {
-        let t = |suffix: &str, shape: &[usize]| TensorSpec::exact(draft_layer_name(i, suffix), shape, bf);
+        let t = |suffix: &str, shape: &[usize]| ExpectedTensor::exact(draft_layer_name(i, suffix), shape, bf);
         v.push(t("input_layernorm.weight", &[d]));
         v.push(t("self_attn.q_a_proj.weight", &[m.q_lora_rank, d]));
         v.push(t("self_attn.q_a_layernorm.weight", &[m.q_lora_rank]));
@@ -83,11 +85,11 @@ pub fn drafter_tensors(cfg: &DrafterConfig) -> Vec<TensorSpec> {
         v.push(t("mlp.up_proj.weight", &[cfg.intermediate_size, d]));
         v.push(t("mlp.down_proj.weight", &[d, cfg.intermediate_size]));
     }
-    v.push(TensorSpec::exact(FINAL_NORM, &[d], bf));
-    v.push(TensorSpec::exact(MARKOV_W1, &[cfg.vocab_size, cfg.markov_rank], bf));
-    v.push(TensorSpec::exact(MARKOV_W2, &[cfg.vocab_size, cfg.markov_rank], bf));
-    v.push(TensorSpec::exact(CONFIDENCE_WEIGHT, &[1, d + cfg.markov_rank], bf));
-    v.push(TensorSpec::exact(CONFIDENCE_BIAS, &[1], DType::F32));
+    v.push(ExpectedTensor::exact(FINAL_NORM, &[d], bf));
+    v.push(ExpectedTensor::exact(MARKOV_W1, &[cfg.vocab_size, cfg.markov_rank], bf));
+    v.push(ExpectedTensor::exact(MARKOV_W2, &[cfg.vocab_size, cfg.markov_rank], bf));
+    v.push(ExpectedTensor::exact(CONFIDENCE_WEIGHT, &[1, d + cfg.markov_rank], bf));
+    v.push(ExpectedTensor::exact(CONFIDENCE_BIAS, &[1], DType::F32));
     v
 }
 
@@ -155,7 +157,7 @@ impl DrafterCheckpoint {
 }
 
 impl WeightSource for DrafterCheckpoint {
-    fn tensor(&self, spec: &TensorSpec) -> Result<HostTensor> {
+    fn tensor(&self, spec: &ExpectedTensor) -> Result<HostTensor> {
         let entry =
             self.entries.get(&spec.name).ok_or_else(|| KernelError::MissingTensor { name: spec.name.clone() })?;
         let dtype = checked_dtype(spec, entry.dtype, &entry.shape)?;

@@ -28,7 +28,7 @@ use crate::checkpoint::{CONFIG_FILE, SINGLE_FILE};
 use crate::dspark::config::DrafterConfig;
 use crate::dspark::schema::{drafter_tensors, CONFIDENCE_BIAS, MARKOV_W1};
 use crate::error::{KernelError, Result};
-use crate::tensor::{DType, HostTensor, TensorSpec, WeightSource};
+use crate::tensor::{DType, ExpectedTensor, HostTensor, WeightSource};
 
 const NORM_JITTER_STD: f64 = 0.05;
 const CONFIDENCE_BIAS_STD: f64 = 0.5;
@@ -38,7 +38,7 @@ const CONFIDENCE_BIAS_STD: f64 = 0.5;
 pub struct SyntheticDrafterWeights {
     cfg: DrafterConfig,
     seed: u64,
-    specs: Vec<TensorSpec>,
+    specs: Vec<ExpectedTensor>,
 }
 
 impl SyntheticDrafterWeights {
@@ -52,7 +52,7 @@ impl SyntheticDrafterWeights {
     }
 
     /// The f32 values of a drafter tensor, before storage rounding.
-    fn values(&self, spec: &TensorSpec) -> Vec<f32> {
+    fn values(&self, spec: &ExpectedTensor) -> Vec<f32> {
         let shape = spec.shape.canonical();
         let numel: usize = shape.iter().product();
         let fan_in = shape.last().copied().unwrap_or(1).max(1) as f64;
@@ -78,7 +78,7 @@ impl SyntheticDrafterWeights {
     }
 
     /// The stored bytes of a drafter tensor.
-    fn bytes(&self, spec: &TensorSpec) -> Vec<u8> {
+    fn bytes(&self, spec: &ExpectedTensor) -> Vec<u8> {
         let values = self.values(spec);
         match spec.dtype {
             DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
@@ -88,7 +88,7 @@ impl SyntheticDrafterWeights {
 }
 
 impl WeightSource for SyntheticDrafterWeights {
-    fn tensor(&self, spec: &TensorSpec) -> Result<HostTensor> {
+    fn tensor(&self, spec: &ExpectedTensor) -> Result<HostTensor> {
         let own = self
             .specs
             .iter()
@@ -133,7 +133,7 @@ pub fn write_drafter_checkpoint(cfg: &DrafterConfig, seed: u64, dir: &Path) -> R
     let config_path = dir.join(CONFIG_FILE);
     std::fs::write(&config_path, cfg.to_json()? + "\n").map_err(|e| file_err(&config_path, e))?;
 
-    let mut order: Vec<&TensorSpec> = synth.specs.iter().collect();
+    let mut order: Vec<&ExpectedTensor> = synth.specs.iter().collect();
     order.sort_by_key(|s| std::cmp::Reverse(s.dtype.size()));
     let mut header = Map::new();
     header.insert("__metadata__".into(), json!({ "format": "pt" }));
