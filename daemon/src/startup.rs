@@ -120,12 +120,8 @@ pub fn cpu_runner(
     model_dir: Option<&Path>,
     preset: &str,
 ) -> Result<Box<dyn Runner>> {
-    let mut runner = CpuRunner::new(cfg.clone(), weights)?;
-    attach_drafter(&mut runner, spec, model_dir, preset)?;
-    if let Some(schedule) = &spec.synthetic {
-        runner.set_acceptance(AcceptanceMode::Synthetic(schedule.clone()));
-    }
-    Ok(Box::new(runner))
+    let runner = CpuRunner::new(cfg.clone(), weights)?;
+    prepare(runner, CpuRunner::set_acceptance, spec, model_dir, preset)
 }
 
 /// [`cpu_runner`] on the CUDA backend (device 0): the same drafter, uploaded to the device.
@@ -136,10 +132,22 @@ pub fn cuda_runner(
     model_dir: Option<&Path>,
     preset: &str,
 ) -> Result<Box<dyn Runner>> {
-    let mut runner = CudaRunner::new(0, cfg.clone(), weights)?;
+    let runner = CudaRunner::new(0, cfg.clone(), weights)?;
+    prepare(runner, CudaRunner::set_acceptance, spec, model_dir, preset)
+}
+
+/// `runner` prepared for `spec`: the drafter it needs attached, the forced acceptance (if any) set with
+/// `set_acceptance`.
+fn prepare<R: Runner + 'static>(
+    mut runner: R,
+    set_acceptance: fn(&mut R, AcceptanceMode),
+    spec: &SpeculationConfig,
+    model_dir: Option<&Path>,
+    preset: &str,
+) -> Result<Box<dyn Runner>> {
     attach_drafter(&mut runner, spec, model_dir, preset)?;
     if let Some(schedule) = &spec.synthetic {
-        runner.set_acceptance(AcceptanceMode::Synthetic(schedule.clone()));
+        set_acceptance(&mut runner, AcceptanceMode::Synthetic(schedule.clone()));
     }
     Ok(Box::new(runner))
 }
