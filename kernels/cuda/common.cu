@@ -282,7 +282,7 @@ extern "C" __global__ void attn_res_norm(__nv_bfloat16 *sources, long slot, int 
 // attn_res_norm with its sums in another fixed order: the two differ by rounding, and a token's result never
 // depends on the batch.
 
-#define RES_CLUSTER 8  // blocks per token (the portable cluster size); ops.rs's ROW_CLUSTER (its test checks)
+#define RES_CLUSTER 8  // blocks per token (the portable cluster size); rows.rs's ROW_CLUSTER (its test checks)
 #define RES_CHUNKS 2     // 8-column chunks per thread: windows up to 2048 columns (d <= 12288 over 8 blocks)
 #define RES_SUM_BATCH 8  // sources whose per-source sums meet in one pass of butterflies
 

@@ -240,7 +240,7 @@ __device__ __forceinline__ void mma_rows_pass(const u8 *const rows[NM], const u8
 // starts with a __syncwarp (which also orders the refill of the slot read in the step before). (The multistage
 // cp.async pipeline follows the idea of CUTLASS's multistage mainloop; here each warp owns its ring, so no block
 // barrier is needed, except for the token inputs that the staged pass below shares across the block.)
-#define EXPERT_STAGES 3  // Gpu's EXPERT_STAGES (moe_ops.rs): steps per warp in the ring
+#define EXPERT_STAGES 3  // EXPERT_STAGES in moe.rs: steps per warp in the ring
 
 // A ring step of NM matrices and KB blocks: codes [NM][2 rows][KB][32 lanes][16 B], then scales [NM][KB][64 B] (the
 // chunks' scale bytes as stored, rows g + 8 r at (g + 8 r) * 4 + t).
@@ -249,7 +249,7 @@ struct RingStep {
     static constexpr int CODES = NM * 2 * KB * 512;
     static constexpr int BYTES = CODES + NM * KB * TILE_SCALE_BYTES;
 };
-// Shared memory per warp (moe_ops.rs derives the same from GATE_UP_KB, TILE_SCALE_BYTES and EXPERT_STAGES).
+// Shared memory per warp (moe.rs derives the same from GATE_UP_KB, TILE_SCALE_BYTES and EXPERT_STAGES).
 #define RING_WARP_BYTES (EXPERT_STAGES * RingStep<2, GATE_UP_KB>::BYTES)
 
 // ---- Token inputs staged in shared memory --------------------------------------------------------------------
@@ -259,7 +259,7 @@ struct RingStep {
 // copies a step's inputs of the chunk's columns once per block into a slot of shared memory by cp.async, in the same
 // commit group as the step's weights, EXPERT_STAGES - 1 steps ahead; the block's warps then read them back with one
 // barrier per step. The MMAs see the same operands in the same order: the same bits. (ExpertForm::for_batch in
-// moe_ops.rs says which batches take it.)
+// moe.rs says which batches take it.)
 // A slot is [STAGED_COLUMNS][KB * 128 inputs] bf16: column c's row of 16-byte units, unit q (inputs 8 q .. 8 q + 7)
 // stored at unit q ^ (q / 8 % 2 * 2) ^ (c % 2), so that the 8 lanes of a quarter-warp (columns g, g + 1; groups t
 // 0-3, the same word) read 8 different bank groups.
@@ -489,7 +489,7 @@ __device__ __forceinline__ void gate_up_mma_chunk(u8 *ring, u8 *stage, const u8 
         else CALL(1, STAGED_KB, false);                       \
         p += count;                                           \
     }
-// Shared memory per warp of a staged kernel's rings, and the block's stage after them (moe_ops.rs derives the same).
+// Shared memory per warp of a staged kernel's rings, and the block's stage after them (moe.rs derives the same).
 #define STAGED_RING_WARP_BYTES (EXPERT_STAGES * RingStep<2, STAGED_KB>::BYTES)
 #define STAGED_SHARED_BYTES (MMA_WARPS * STAGED_RING_WARP_BYTES + EXPERT_STAGES * stage_slot_bytes(STAGED_KB))
 

@@ -25,7 +25,7 @@ __device__ __forceinline__ uint4 ld_stream16(const void *p) {
     return v;
 }
 // Programmatic dependent launch (Hopper and later; the host launches every kernel with programmatic stream
-// serialisation, see ops.rs). A kernel may start while the kernel before it on the stream is still running, so
+// serialisation, see launch.rs). A kernel may start while the kernel before it on the stream is still running, so
 // every kernel calls grid_dependency_wait() before it writes anything, and before it reads anything but weights and
 // data that it says no kernel of the step writes before it (kda_step: the step table, uploaded before the step,
 // and its own rows' states): the wait returns once the kernel before has finished and its memory is visible (so,
