@@ -213,6 +213,17 @@ impl<F: Real> SeqState<F> {
     }
 }
 
+/// Checks that keeping the first `m` tokens of a verify window of `window_len` tokens is possible with state
+/// snapshots taken from token `from` on (both backends' undo records).
+pub(crate) fn check_commit(m: usize, from: usize, window_len: usize) -> crate::error::Result<()> {
+    if m < from || m > window_len {
+        return Err(crate::error::KernelError::InvalidInput(format!(
+            "cannot commit {m} tokens of a window of {window_len} with snapshots from {from}"
+        )));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

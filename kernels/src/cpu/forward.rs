@@ -53,12 +53,7 @@ pub struct WindowUndo<F> {
 impl<F: Real> WindowUndo<F> {
     /// Keeps the first `m` tokens of the window in `state` and drops the rest.
     pub fn commit(self, state: &mut SeqState<F>, m: usize) -> Result<()> {
-        if m < self.from || m > self.window_len {
-            return Err(KernelError::InvalidInput(format!(
-                "cannot commit {m} tokens of a window of {} with snapshots from {}",
-                self.window_len, self.from
-            )));
-        }
+        crate::state::check_commit(m, self.from, self.window_len)?;
         if m == self.window_len {
             return Ok(());
         }

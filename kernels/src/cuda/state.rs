@@ -16,7 +16,7 @@ use half::bf16;
 
 use crate::config::ModelConfig;
 use crate::cuda::gpu::Gpu;
-use crate::error::{KernelError, Result};
+use crate::error::Result;
 use crate::runner::TokenId;
 use crate::state::{KdaState, MlaCache, SeqState};
 
@@ -174,12 +174,7 @@ pub struct KdaUndo {
 impl DeviceUndo {
     /// Keeps the first `m` tokens of the window in `state`.
     pub fn commit(self, gpu: &Gpu, cfg: &ModelConfig, state: &mut DeviceState, m: usize) -> Result<()> {
-        if m < self.from || m > self.window_len {
-            return Err(KernelError::InvalidInput(format!(
-                "cannot commit {m} tokens of a window of {} with snapshots from {}",
-                self.window_len, self.from
-            )));
-        }
+        crate::state::check_commit(m, self.from, self.window_len)?;
         if m == self.window_len {
             return Ok(());
         }
