@@ -62,6 +62,13 @@ pub struct BenchArgs {
     /// CUDA: skip the forced AL = 6, ℓ = 7 measurement at batch 1.
     #[arg(long)]
     pub no_forced: bool,
+    /// CUDA: batch sizes at which the DSpark draft is timed beside the step (the preset's synthetic drafter, or
+    /// `MODEL/drafter`), comma-separated; the forced measurement is then also run drafting with the model.
+    #[arg(long, value_delimiter = ',', default_value = "1,16")]
+    pub draft_batch: Vec<usize>,
+    /// CUDA: attach no drafter (no draft costs, no forced rounds that draft).
+    #[arg(long)]
+    pub no_draft: bool,
     #[arg(long, value_enum, default_value_t = GemmArg::BatchInvariant)]
     pub gemm: GemmArg,
     /// CUDA: run every step eagerly instead of replaying repeated step shapes from CUDA graphs.
@@ -131,6 +138,9 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
     if args.batch.is_empty() || args.batch.contains(&0) || args.steps == 0 {
         bail!("--batch and --steps: every value must be at least 1");
     }
+    if args.draft_batch.contains(&0) {
+        bail!("--draft-batch: every value must be at least 1");
+    }
     if args.synthetic_al.is_some() && args.draft_len == 0 {
         bail!("--synthetic-al needs --draft-len of at least 1");
     }
@@ -152,6 +162,7 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
                 synthetic_al: args.synthetic_al,
                 verify_lens: (1..=args.max_verify).collect(),
                 forced: (!args.no_forced).then_some((7, 6.0)),
+                draft_batches: if args.no_draft { Vec::new() } else { args.draft_batch.clone() },
                 model: args.model.clone(),
                 ..CudaBenchOptions::for_preset(&args.config)
             };

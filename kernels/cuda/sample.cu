@@ -1,6 +1,7 @@
 // sparkd: sampling, log-probabilities and the speculative acceptance rules on the device, one block of
 // 1024 threads per logits row [vocab]: bf16 rows (`sample_rows`, the target's logits) or f32 rows
-// (`sample_rows_f32`, the DSpark drafter's Markov logits, never rounded to bf16).
+// (`sample_rows_f32`, the DSpark drafter's Markov logits, never rounded to bf16); temperature-only f32 draws
+// also as wide draws, several blocks per row (`draw_partials_f32`, `draw_pick_f32`, at the end of the file).
 //
 // The same function as the CPU reference (kernels/src/sampling.rs, acceptance.rs), row by row:
 // - the token mask first (a disallowed id reads as -inf), then temperature -> top-k -> top-p
@@ -753,4 +754,198 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_rows_f32(const u64 *desc, const u32 *mask, int vocab, u32 *status, u32 *top) {
     kernel_entry();
     sample_row<F32Logits>(desc, mask, vocab, status, top);
+}
+
+// ---- wide draws: a temperature-only f32 row split over blocks (the drafter's sampled Markov rows) ----
+// A row whose only processing is the temperature (top-k off, top-p 1; the drafter's masked ids are already
+// -inf) has p = softmax(l / T), and its inverse CDF over ascending ids needs only the mass of each chunk of
+// WIDE_CHUNK ids before it. So one row takes ceil(vocab / WIDE_CHUNK) blocks instead of one:
+// - draw_partials_f32: per chunk, the largest logit, sum exp((l - chunk max) / T) in f64 (fixed tree) and the
+//   lowest bad id (NaN or +inf), read coalesced;
+// - draw_pick_f32: thread 0 of every block recombines its row's partials in chunk order (the same arithmetic in
+//   every block, so all agree on the total and on the chunk holding the crossing of u), every block writes p for
+//   its ids (the draft's q), and the chosen chunk scans its ids in order (each thread a contiguous run,
+//   exclusive prefix over threads) for the lowest id whose cumulative mass exceeds u, then writes the token and
+//   the row's status. When rounding leaves u above the total, the last id with mass is taken (as the CPU does).
+// Sums run in another order than the one-block kernel's (chunk partials, then chunk order), a last-bit
+// difference inside the sampling tolerance; the RNG, the stream and the decision rule are the same.
+#define WIDE_PER_THREAD 8
+#define WIDE_CHUNK (SAMPLE_THREADS * WIDE_PER_THREAD)
+
+struct WidePartial {
+    float max_logit; // -inf: every id of the chunk is -inf
+    u32 bad;         // the lowest id whose logit is NaN or +inf, NO_ID: none
+    double sum;      // sum exp((l - max_logit) / T) over the chunk
+};
+
+__device__ float block_max_f32(float v, Shared &s) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __syncthreads();
+    if (lane == 0) s.best_v[warp] = v;
+    __syncthreads();
+    float t = s.best_v[lane];
+    for (int o = 16; o > 0; o >>= 1) t = fmaxf(t, __shfl_xor_sync(FULL_MASK, t, o));
+    return t;
+}
+
+__device__ u32 block_min_u32(u32 v, Shared &s) {
+    for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(FULL_MASK, v, o));
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __syncthreads();
+    if (lane == 0) s.scratch_u[warp] = v;
+    __syncthreads();
+    u32 t = s.scratch_u[lane];
+    for (int o = 16; o > 0; o >>= 1) t = min(t, __shfl_xor_sync(FULL_MASK, t, o));
+    return t;
+}
+
+// grid = (chunks, rows), block = SAMPLE_THREADS; partials [rows, chunks].
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    draw_partials_f32(const u64 *desc, int vocab, WidePartial *partials) {
+    kernel_entry();
+    __shared__ Shared s;
+    const u64 *d = desc + (long)blockIdx.y * DESC_WORDS;
+    const float *l = (const float *)d[D_LOGITS];
+    double inv_t = 1.0 / (double)__uint_as_float((u32)d[D_TEMP_TOPP]);
+    const float neg_inf = -__int_as_float(0x7f800000);
+    int base = blockIdx.x * WIDE_CHUNK;
+    float v[WIDE_PER_THREAD];
+    float m = neg_inf;
+    u32 bad = NO_ID;
+#pragma unroll
+    for (int j = 0; j < WIDE_PER_THREAD; j++) {
+        int i = base + threadIdx.x + j * SAMPLE_THREADS;
+        v[j] = i < vocab ? l[i] : neg_inf;
+        if (isnan(v[j]) || v[j] == -neg_inf) {
+            bad = min(bad, (u32)i);
+            v[j] = neg_inf;
+        }
+        m = fmaxf(m, v[j]);
+    }
+    m = block_max_f32(m, s);
+    bad = block_min_u32(bad, s);
+    double local = 0.0;
+    if (m > neg_inf) {
+#pragma unroll
+        for (int j = 0; j < WIDE_PER_THREAD; j++)
+            if (v[j] > neg_inf) local += exp(((double)v[j] - (double)m) * inv_t);
+    }
+    double sum = block_sum_f64(local, s);
+    if (threadIdx.x == 0) {
+        WidePartial p = {m, bad, sum};
+        partials[(long)blockIdx.y * gridDim.x + blockIdx.x] = p;
+    }
+}
+
+// grid = (chunks, rows), block = SAMPLE_THREADS; partials [rows, chunks] from draw_partials_f32; status
+// [rows, STATUS_WORDS].
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    draw_pick_f32(const u64 *desc, int vocab, const WidePartial *partials, u32 *status) {
+    kernel_entry();
+    __shared__ Shared s;
+    const u64 *d = desc + (long)blockIdx.y * DESC_WORDS;
+    const float *l = (const float *)d[D_LOGITS];
+    float *q = (float *)d[D_PROBS_OUT];
+    u32 *token_out = (u32 *)d[D_TOKEN_OUT];
+    double inv_t = 1.0 / (double)__uint_as_float((u32)d[D_TEMP_TOPP]);
+    const float neg_inf = -__int_as_float(0x7f800000);
+    int chunks = gridDim.x, c = blockIdx.x;
+    const WidePartial *p = partials + (long)blockIdx.y * chunks;
+    u32 *st = status + (long)blockIdx.y * STATUS_WORDS;
+    double u = uniform01(d[D_SEED], d[D_POSITION], d[D_STREAM]);
+    if (threadIdx.x == 0) {
+        float mx = neg_inf;
+        u32 bad = NO_ID;
+        for (int k = 0; k < chunks; k++) {
+            mx = fmaxf(mx, p[k].max_logit);
+            bad = min(bad, p[k].bad);
+        }
+        double total = 0.0;
+        if (mx > neg_inf)
+            for (int k = 0; k < chunks; k++)
+                if (p[k].sum > 0.0) total += p[k].sum * exp(((double)p[k].max_logit - (double)mx) * inv_t);
+        double inv = total > 0.0 ? 1.0 / total : 0.0;
+        int chosen = -1, last = -1;
+        double acc = 0.0, before = 0.0, before_last = 0.0;
+        for (int k = 0; k < chunks; k++) {
+            if (!(p[k].sum > 0.0)) continue;
+            double mass = p[k].sum * exp(((double)p[k].max_logit - (double)mx) * inv_t) * inv;
+            last = k;
+            before_last = acc;
+            if (chosen < 0 && acc + mass > u) {
+                chosen = k;
+                before = acc;
+            }
+            acc += mass;
+        }
+        s.sel_b = chosen < 0 ? 1u : 0u; // the fallback: u is above the total, take the last id with mass
+        s.sel_a = (u32)(chosen < 0 ? last : chosen);
+        s.above = chosen < 0 ? before_last : before;
+        s.draft_p = inv;
+        s.best_v[0] = mx;
+        s.bad_id = bad;
+        s.hit = NO_ID;
+        s.last_plus1 = 0;
+    }
+    __syncthreads();
+    float mx = s.best_v[0];
+    u32 bad = s.bad_id, fallback = s.sel_b;
+    int chosen = (int)s.sel_a;
+    double inv = s.draft_p, before = s.above;
+    if (bad != NO_ID || !(mx > neg_inf) || !(inv > 0.0)) {
+        if (c == 0 && threadIdx.x == 0) {
+            st[0] = NO_ID;
+            st[1] = 0;
+            st[2] = bad != NO_ID ? ERR_BAD_LOGIT : ERR_ALL_MASKED;
+            st[3] = bad;
+        }
+        return;
+    }
+    int base = c * WIDE_CHUNK;
+    if (q) {
+#pragma unroll
+        for (int j = 0; j < WIDE_PER_THREAD; j++) {
+            int i = base + threadIdx.x + j * SAMPLE_THREADS;
+            if (i < vocab) {
+                float x = l[i];
+                q[i] = x > neg_inf ? (float)(exp(((double)x - (double)mx) * inv_t) * inv) : 0.0f;
+            }
+        }
+    }
+    if (c != chosen) return;
+    int begin = base + threadIdx.x * WIDE_PER_THREAD, end = min(begin + WIDE_PER_THREAD, vocab);
+    double f[WIDE_PER_THREAD];
+    double local = 0.0;
+#pragma unroll
+    for (int j = 0; j < WIDE_PER_THREAD; j++) {
+        int i = begin + j;
+        float x = i < end ? l[i] : neg_inf;
+        f[j] = x > neg_inf ? exp(((double)x - (double)mx) * inv_t) * inv : 0.0;
+        local += f[j];
+    }
+    double acc = before + block_exclusive_f64(local, s);
+    u32 last = NO_ID;
+    for (int j = 0; j < WIDE_PER_THREAD; j++) {
+        if (f[j] > 0.0) {
+            acc += f[j];
+            last = (u32)(begin + j);
+            if (!fallback && acc > u) {
+                atomicMin(&s.hit, (u32)(begin + j));
+                break;
+            }
+        }
+    }
+    if (last != NO_ID) atomicMax(&s.last_plus1, last + 1);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32 token = s.hit != NO_ID ? s.hit : s.last_plus1 - 1;
+        st[0] = token;
+        st[1] = 0;
+        st[2] = 0;
+        st[3] = 0;
+        st[4] = 0;
+        st[5] = 0;
+        if (token_out) *token_out = token;
+    }
 }

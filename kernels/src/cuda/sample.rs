@@ -25,7 +25,10 @@
 //! with any RNG stream, e.g. `dspark::model::DRAFT_STREAM`), [`SampleKernels::verify_rows`] (the acceptance rule
 //! over verify windows, with one-hot or device `q`), and [`DrawPlan`] (f32 logits rows sampled with their tokens
 //! and `q` written to device memory, launch after launch without a host round trip: the drafter's Markov loop).
-//! f32 rows are never rounded to bf16: the kernel keys their full 32-bit values.
+//! f32 rows are never rounded to bf16: the kernel keys their full 32-bit values. A draw whose only processing is
+//! the temperature runs wide (`ceil(vocab / 8192)` blocks per row, chunk partials then the pick), so a sampled
+//! draft position costs about what its argmax costs instead of one block walking the whole vocabulary
+//! (decisions.md D67).
 
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 
@@ -238,6 +241,16 @@ struct RowsLaunch {
     top: DPtr,
 }
 
+/// One launch of wide draws (`SampleKernels::launch_wide`).
+struct WideLaunch {
+    desc: DPtr,
+    vocab: usize,
+    rows: usize,
+    /// `[rows, ceil(vocab / WIDE_CHUNK)]` chunk partials.
+    partials: DPtr,
+    status: DPtr,
+}
+
 /// A batch of logits rows `[rows, vocab]` (bf16) and each row's sampling parameters.
 #[derive(Clone, Copy, Debug)]
 pub struct LogitsRows<'a> {
@@ -251,6 +264,8 @@ pub struct LogitsRows<'a> {
 pub struct SampleKernels {
     sample_rows: CudaFunction,
     sample_rows_f32: CudaFunction,
+    draw_partials_f32: CudaFunction,
+    draw_pick_f32: CudaFunction,
     rng_hash3: CudaFunction,
 }
 
@@ -260,6 +275,8 @@ impl SampleKernels {
         Ok(SampleKernels {
             sample_rows: gpu.function("sample_rows")?,
             sample_rows_f32: gpu.function("sample_rows_f32")?,
+            draw_partials_f32: gpu.function("draw_partials_f32")?,
+            draw_pick_f32: gpu.function("draw_pick_f32")?,
             rng_hash3: gpu.function("rng_hash3")?,
         })
     }
@@ -277,6 +294,22 @@ impl SampleKernels {
         b.arg(&l.desc).arg(&l.mask).arg(&v).arg(&l.status).arg(&l.top);
         // SAFETY: the arguments match sample_rows(_f32); the descriptors name live rows (checked jobs).
         unsafe { b.launch(cfg, name) }
+    }
+
+    /// The wide draws of `w`: per row `ceil(vocab / WIDE_CHUNK)` blocks of chunk partials, then as many that
+    /// write `q` and the token (see sample.cu).
+    fn launch_wide(&self, gpu: &Gpu, w: &WideLaunch) -> Result<()> {
+        let chunks = w.vocab.div_ceil(WIDE_CHUNK) as u32;
+        let cfg = LaunchConfig { grid_dim: (chunks, w.rows as u32, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        let v = w.vocab as i32;
+        let mut b = gpu.launcher(&self.draw_partials_f32);
+        b.arg(&w.desc).arg(&v).arg(&w.partials);
+        // SAFETY: the arguments match draw_partials_f32; partials hold [rows, chunks] entries (DrawPlan::new).
+        unsafe { b.launch(cfg, "draw_partials_f32") }?;
+        let mut b = gpu.launcher(&self.draw_pick_f32);
+        b.arg(&w.desc).arg(&v).arg(&w.partials).arg(&w.status);
+        // SAFETY: the arguments match draw_pick_f32; as above, and status holds [rows, STATUS_WORDS].
+        unsafe { b.launch(cfg, "draw_pick_f32") }
     }
 
     /// Runs the kernel over `jobs` (one launch) and brings back each row's result.
@@ -555,39 +588,46 @@ pub struct DeviceDraw<'a> {
     pub position: u64,
 }
 
-/// Groups of [`DeviceDraw`]s checked and uploaded at once, then launched group by group with no host
-/// round trip (a group may read tokens an earlier group wrote); the rows' errors (NaN or +inf logits,
-/// every id `-inf`) are read once, by [`DrawPlan::finish`].
-pub struct DrawPlan {
+/// Ids per block of a wide draw (`WIDE_CHUNK` in sample.cu).
+const WIDE_CHUNK: usize = 8192;
+/// Bytes of one chunk's partial (`WidePartial` in sample.cu: f32 max, u32 bad id, f64 sum).
+const WIDE_PARTIAL_BYTES: usize = 16;
+
+/// Whether a draw's only processing is the temperature (top-k off, top-p 1): then it runs as a wide draw,
+/// `ceil(vocab / WIDE_CHUNK)` blocks per row (`draw_partials_f32`, `draw_pick_f32`) instead of one.
+fn is_wide(params: &SamplingParams, vocab: usize) -> bool {
+    !params.is_greedy() && (params.top_k == 0 || params.top_k >= vocab) && params.top_p >= 1.0
+}
+
+/// One kind of launch of a [`DrawPlan`]: rows' descriptors and status words, and each group's span of rows.
+struct DrawRows {
     desc: CudaSlice<u64>,        // [rows, DESC_WORDS]
     status: CudaSlice<u32>,      // [rows, STATUS_WORDS]
     groups: Vec<(usize, usize)>, // (first row, rows) per group
-    vocab: usize,
     rows: usize,
 }
 
-impl DrawPlan {
-    /// Checks and uploads `groups` of draws over rows of `vocab` f32 logits, sampled with RNG `stream`.
-    pub fn new(gpu: &Gpu, vocab: usize, groups: &[Vec<DeviceDraw<'_>>], stream: u64) -> Result<Self> {
-        if vocab == 0 || vocab > i32::MAX as usize {
-            return Err(KernelError::InvalidInput(format!("a vocabulary of {vocab} ids cannot be sampled")));
-        }
-        let params: Vec<Vec<SamplingParams>> = groups
-            .iter()
-            .map(|g| g.iter().map(|d| SamplingParams { logprobs: None, ..d.params.clone() }).collect())
-            .collect();
+impl DrawRows {
+    /// The rows of `groups` that `take` selects, checked and uploaded.
+    fn new(
+        gpu: &Gpu,
+        vocab: usize,
+        groups: &[Vec<DeviceDraw<'_>>],
+        stream: u64,
+        take: impl Fn(&DeviceDraw<'_>) -> bool,
+    ) -> Result<Self> {
         let mut words = Vec::new();
         let mut spans = Vec::with_capacity(groups.len());
         let mut rows = 0;
-        for (group, params) in groups.iter().zip(&params) {
-            spans.push((rows, group.len()));
-            rows += group.len();
-            for (draw, p) in group.iter().zip(params) {
+        for group in groups {
+            let first = rows;
+            for draw in group.iter().filter(|d| take(d)) {
+                let params = SamplingParams { logprobs: None, ..draw.params.clone() };
                 let job = RowJob {
                     logits: draw.logits,
                     q: NULL,
                     probs_out: draw.probs_out,
-                    params: p,
+                    params: &params,
                     position: draw.position,
                     stream,
                     draft: None,
@@ -596,34 +636,83 @@ impl DrawPlan {
                 };
                 check_job(&job, vocab)?;
                 job.encode(&mut words);
+                rows += 1;
             }
+            spans.push((first, rows - first));
         }
         let desc = gpu.upload(&words)?;
         let status = gpu.zeros::<u32>(rows * STATUS_WORDS)?;
-        Ok(DrawPlan { desc, status, groups: spans, vocab, rows })
+        Ok(DrawRows { desc, status, groups: spans, rows })
     }
 
-    /// Launches group `group` (nothing for an empty one) with `kernels`.
-    pub fn launch(&self, gpu: &Gpu, kernels: &SampleKernels, group: usize) -> Result<()> {
-        let Some(&(first, rows)) = self.groups.get(group) else {
-            return Err(KernelError::InvalidInput(format!("draw group {group} of {}", self.groups.len())));
-        };
-        if rows == 0 {
-            return Ok(());
-        }
-        let desc = gpu.ptr(&self.desc) + (first * DESC_WORDS * 8) as u64;
-        let status = gpu.ptr(&self.status) + (first * STATUS_WORDS * 4) as u64;
-        let launch = RowsLaunch { desc, mask: NULL, vocab: self.vocab, rows, status, top: NULL };
-        kernels.launch_rows(gpu, LogitsDtype::F32, &launch)
+    /// Group `group`'s (descriptors, status, rows), `None` for an empty one.
+    fn group(&self, gpu: &Gpu, group: usize) -> Option<(DPtr, DPtr, usize)> {
+        let &(first, rows) = self.groups.get(group)?;
+        (rows > 0).then(|| {
+            let desc = gpu.ptr(&self.desc) + (first * DESC_WORDS * 8) as u64;
+            let status = gpu.ptr(&self.status) + (first * STATUS_WORDS * 4) as u64;
+            (desc, status, rows)
+        })
     }
 
-    /// The first error any launched row reported.
-    pub fn finish(&self, gpu: &Gpu) -> Result<()> {
+    /// The first error any row reported.
+    fn finish(&self, gpu: &Gpu) -> Result<()> {
         if self.rows == 0 {
             return Ok(());
         }
         let status = gpu.download(&self.status, self.rows * STATUS_WORDS)?;
         status.chunks(STATUS_WORDS).enumerate().try_for_each(|(r, st)| check_status(r, st))
+    }
+}
+
+/// Groups of [`DeviceDraw`]s checked and uploaded at once, then launched group by group with no host
+/// round trip (a group may read tokens an earlier group wrote); the rows' errors (NaN or +inf logits,
+/// every id `-inf`) are read once, by [`DrawPlan::finish`]. Temperature-only rows run as wide draws
+/// (several blocks per row, see sample.cu), the others one block per row; both follow
+/// `Distribution::from_logits` and the inverse CDF at the same uniform.
+pub struct DrawPlan {
+    general: DrawRows,
+    wide: DrawRows,
+    /// `[largest wide group, chunks]` partials, reused group after group (one stream orders them).
+    partials: CudaSlice<u8>,
+    vocab: usize,
+}
+
+impl DrawPlan {
+    /// Checks and uploads `groups` of draws over rows of `vocab` f32 logits, sampled with RNG `stream`.
+    pub fn new(gpu: &Gpu, vocab: usize, groups: &[Vec<DeviceDraw<'_>>], stream: u64) -> Result<Self> {
+        if vocab == 0 || vocab > i32::MAX as usize {
+            return Err(KernelError::InvalidInput(format!("a vocabulary of {vocab} ids cannot be sampled")));
+        }
+        let general = DrawRows::new(gpu, vocab, groups, stream, |d| !is_wide(d.params, vocab))?;
+        let wide = DrawRows::new(gpu, vocab, groups, stream, |d| is_wide(d.params, vocab))?;
+        let widest = wide.groups.iter().map(|g| g.1).max().unwrap_or(0);
+        let partials = gpu.zeros::<u8>(widest * vocab.div_ceil(WIDE_CHUNK) * WIDE_PARTIAL_BYTES)?;
+        Ok(DrawPlan { general, wide, partials, vocab })
+    }
+
+    /// Launches group `group` (nothing for an empty one) with `kernels`.
+    pub fn launch(&self, gpu: &Gpu, kernels: &SampleKernels, group: usize) -> Result<()> {
+        if group >= self.general.groups.len() {
+            return Err(KernelError::InvalidInput(format!("draw group {group} of {}", self.general.groups.len())));
+        }
+        if let Some((desc, status, rows)) = self.general.group(gpu, group) {
+            let launch = RowsLaunch { desc, mask: NULL, vocab: self.vocab, rows, status, top: NULL };
+            kernels.launch_rows(gpu, LogitsDtype::F32, &launch)?;
+        }
+        if let Some((desc, status, rows)) = self.wide.group(gpu, group) {
+            kernels.launch_wide(
+                gpu,
+                &WideLaunch { desc, vocab: self.vocab, rows, partials: gpu.ptr(&self.partials), status },
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The first error any launched row reported.
+    pub fn finish(&self, gpu: &Gpu) -> Result<()> {
+        self.general.finish(gpu)?;
+        self.wide.finish(gpu)
     }
 }
 

@@ -28,9 +28,12 @@ use crate::cuda::forward::{SPAN_DENSE, SPAN_HEAD, SPAN_KDA, SPAN_MLA, SPAN_MOE};
 use crate::cuda::gpu::{Gemm, Gpu, Span};
 use crate::cuda::runner::{CudaRunner, LoadStats};
 use crate::cuda::weights::{DevFfn, DevLinear, DevMixer, DevMlp, DevNorm, DevWeights};
+use crate::dspark::config::DrafterConfig;
+use crate::dspark::DrafterSource;
 use crate::error::{KernelError, Result};
+use crate::harness::draft_bench::{self, DraftCost, ForcedRound};
 use crate::routing::Routing;
-use crate::runner::{RowInput, Runner, SampleRequest, SamplingParams, StateId, TokenId};
+use crate::runner::{RowInput, RowOutput, Runner, SampleRequest, SamplingParams, StateId, TokenId};
 use crate::synth::SyntheticWeights;
 use crate::tensor::WeightSource;
 
@@ -63,8 +66,11 @@ pub struct CudaBenchOptions {
     pub synthetic_al: Option<f64>,
     /// Verify windows `ℓ` timed at batch 1 (plus `ℓ = 0`), under the lossless greedy rule.
     pub verify_lens: Vec<usize>,
-    /// Forced acceptance at batch 1: `(ℓ, acceptance length)`.
+    /// Forced acceptance at batch 1: `(ℓ, acceptance length)`; with a drafter, also as rounds that draft.
     pub forced: Option<(usize, f64)>,
+    /// Batch sizes at which the DSpark draft is timed beside the step (empty: no drafter is attached). The
+    /// drafter is the checkpoint's `drafter/` folder with `model`, else the preset's synthetic drafter.
+    pub draft_batches: Vec<usize>,
 }
 
 impl CudaBenchOptions {
@@ -86,6 +92,7 @@ impl CudaBenchOptions {
             synthetic_al: None,
             verify_lens: (1..=8).collect(),
             forced: Some((7, 6.0)),
+            draft_batches: vec![1, 16],
         }
     }
 }
@@ -205,6 +212,11 @@ pub struct CudaBenchReport {
     pub decode: Vec<BatchResult>,
     pub verify: Vec<VerifyCost>,
     pub forced: Option<ForcedResult>,
+    /// The draft's cost beside the step (see `harness::draft_bench`).
+    pub draft: Vec<DraftCost>,
+    /// The forced acceptance of `forced` as rounds that draft with the model: the speculative figure with
+    /// the draft's cost in it.
+    pub forced_with_draft: Option<ForcedRound>,
 }
 
 /// Runs everything `opts` asks for on one device.
@@ -274,6 +286,15 @@ pub fn run(opts: &CudaBenchOptions) -> Result<CudaBenchReport> {
         }
         None => None,
     };
+    // Last: an attached drafter makes every later target step commit its taps.
+    let (mut draft, mut forced_with_draft) = (Vec::new(), None);
+    if !opts.draft_batches.is_empty() {
+        runner.attach_drafter(drafter_source(opts, runner.config())?)?;
+        draft = draft_bench::draft_costs(&mut runner, &opts.draft_batches, opts.prompt_len, opts.steps)?;
+        if let Some((l, al)) = opts.forced {
+            forced_with_draft = Some(draft_bench::forced_round(&mut runner, l, al, opts.prompt_len, opts.steps)?);
+        }
+    }
     Ok(CudaBenchReport {
         options: opts.clone(),
         device: runner.gpu().info.clone(),
@@ -283,7 +304,18 @@ pub fn run(opts: &CudaBenchOptions) -> Result<CudaBenchReport> {
         decode,
         verify,
         forced,
+        draft,
+        forced_with_draft,
     })
+}
+
+/// The drafter the bench attaches: `model/drafter` when benchmarking a checkpoint, else the preset's synthetic
+/// drafter (seeded like the target).
+fn drafter_source(opts: &CudaBenchOptions, target: &ModelConfig) -> Result<DrafterSource> {
+    match &opts.model {
+        Some(dir) => DrafterSource::checkpoint(&dir.join("drafter"), target),
+        None => Ok(DrafterSource::synthetic(DrafterConfig::preset(&opts.preset)?, opts.weights_seed)),
+    }
 }
 
 /// Device-to-device copy bandwidth over two 2 GiB buffers (bytes read plus written per second),
@@ -305,7 +337,7 @@ pub fn copy_bandwidth(gpu: &Gpu) -> Result<f64> {
     Ok(2.0 * bytes as f64 / (median(&mut times) * 1e-3))
 }
 
-fn median(v: &mut [f64]) -> f64 {
+pub(super) fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     match v.len() {
         0 => f64::NAN,
@@ -320,13 +352,13 @@ fn prompt(len: usize, row: usize) -> Vec<TokenId> {
 }
 
 /// Sequences prefilled with their prompts, and each one's last token.
-struct Batch {
-    states: Vec<StateId>,
-    last: Vec<TokenId>,
+pub(super) struct Batch {
+    pub(super) states: Vec<StateId>,
+    pub(super) last: Vec<TokenId>,
 }
 
 impl Batch {
-    fn new(runner: &mut CudaRunner, batch: usize, prompt_len: usize) -> Result<Self> {
+    pub(super) fn new(runner: &mut CudaRunner, batch: usize, prompt_len: usize) -> Result<Self> {
         let states = (0..batch).map(|_| runner.alloc_state()).collect::<Result<Vec<_>>>()?;
         let prompts: Vec<Vec<TokenId>> = (0..batch).map(|r| prompt(prompt_len, r)).collect();
         let prefill: Vec<RowInput> = states
@@ -359,21 +391,44 @@ impl Batch {
         trace: Option<&mut Vec<Vec<Routing<f32>>>>,
     ) -> Result<usize> {
         let out = runner.step_with_trace(&self.rows(draft_len), trace)?;
+        Ok(self.advance(&out))
+    }
+
+    /// One step verifying `drafts[r]` after row r's last token (every row drafted); returns the tokens
+    /// generated over all rows.
+    pub(super) fn step_drafted(&mut self, runner: &mut CudaRunner, drafts: &[Vec<TokenId>]) -> Result<usize> {
+        let rows: Vec<RowInput> = self
+            .states
+            .iter()
+            .zip(&self.last)
+            .zip(drafts)
+            .map(|((s, t), d)| {
+                let sample = SampleRequest { params: SamplingParams::greedy(), draft_len: d.len() };
+                let tokens = std::iter::once(*t).chain(d.iter().copied()).collect();
+                RowInput { state: *s, tokens, sample: Some(sample) }
+            })
+            .collect();
+        let out = runner.step(&rows)?;
+        Ok(self.advance(&out))
+    }
+
+    /// Moves every row's last token to its newest output; returns the tokens generated over all rows.
+    fn advance(&mut self, out: &[RowOutput]) -> usize {
         let mut generated = 0;
-        for (l, o) in self.last.iter_mut().zip(&out) {
+        for (l, o) in self.last.iter_mut().zip(out) {
             generated += o.tokens.len();
             *l = *o.tokens.last().unwrap_or(l);
         }
-        Ok(generated)
+        generated
     }
 
-    fn free(self, runner: &mut CudaRunner) -> Result<()> {
+    pub(super) fn free(self, runner: &mut CudaRunner) -> Result<()> {
         self.states.into_iter().try_for_each(|s| runner.free_state(s))
     }
 }
 
-struct Timed {
-    median_ms: f64,
+pub(super) struct Timed {
+    pub(super) median_ms: f64,
     mean_ms: f64,
     tokens_per_second: f64,
     tokens_per_row_step: f64,
@@ -397,7 +452,7 @@ fn median_with_off(
     Ok(off?.median_ms)
 }
 
-fn time_steps(runner: &mut CudaRunner, b: &mut Batch, steps: usize, draft_len: usize) -> Result<Timed> {
+pub(super) fn time_steps(runner: &mut CudaRunner, b: &mut Batch, steps: usize, draft_len: usize) -> Result<Timed> {
     for _ in 0..2 {
         b.step(runner, draft_len, None)?;
     }
@@ -708,6 +763,34 @@ impl CudaBenchReport {
             s += &format!(
                 "forced AL {} at ℓ = {}, batch 1: measured AL {:.2}, step {:.3} ms, {:.1} tokens/s\n",
                 f.acceptance_length, f.draft_len, f.measured_acceptance_length, f.step_ms_median, f.tokens_per_second
+            );
+        }
+        if !self.draft.is_empty() {
+            s += "DSpark draft (drafter attached): batch  γ  step ms  greedy ms  ×step  sampled ms  ×step\n";
+            for d in &self.draft {
+                s += &format!(
+                    "  {:>5}  {}  {:>7.3}  {:>9.3}  {:>5.2}  {:>10.3}  {:>5.2}\n",
+                    d.batch,
+                    d.block_size,
+                    d.step_ms_median,
+                    d.greedy_ms_median,
+                    d.greedy_relative_to_step,
+                    d.sampled_ms_median,
+                    d.sampled_relative_to_step
+                );
+            }
+        }
+        if let Some(f) = &self.forced_with_draft {
+            s += &format!(
+                "forced AL {} at ℓ = {}, batch 1, drafting with the model: measured AL {:.2}, draft {:.3} + step {:.3} = \
+                 round {:.3} ms, {:.1} tokens/s (draft included)\n",
+                f.acceptance_length,
+                f.draft_len,
+                f.measured_acceptance_length,
+                f.draft_ms_median,
+                f.step_ms_median,
+                f.round_ms_median,
+                f.tokens_per_second
             );
         }
         s

@@ -17,5 +17,6 @@ pub mod attn_check;
 pub mod compare;
 pub mod cuda_bench;
 pub mod decode;
+pub mod draft_bench;
 pub mod matrix;
 pub mod validate;
