@@ -50,6 +50,15 @@ use crate::error::{KernelError, Result};
 use crate::runner::{SamplingParams, TokenId};
 use crate::tensor::{DType, ExpectedTensor, WeightSource};
 
+/// Profile span labels ([`Gpu::mark`]): the context append, the block's backbone (embedding, projections, MLP),
+/// its attention over the contexts, the final norm and lm_head, the Markov loop with its draws, and the end.
+pub const SPAN_CONTEXT: &str = "draft.context";
+pub const SPAN_BACKBONE: &str = "draft.backbone";
+pub const SPAN_ATTEND: &str = "draft.attend";
+pub const SPAN_LM_HEAD: &str = "draft.lm_head";
+pub const SPAN_MARKOV: &str = "draft.markov";
+pub const SPAN_END: &str = "draft.end";
+
 /// The kernels of `kernels/cuda/drafter.cu`.
 struct DrafterKernels {
     concat_taps: CudaFunction,
@@ -380,6 +389,7 @@ impl DeviceDrafter {
         if wanted.iter().any(|t| *t as usize >= tokens) || taps.len() < m * tokens * d {
             return Err(KernelError::InvalidInput(format!("drafter taps of {tokens} tokens do not cover the commits")));
         }
+        gpu.mark(SPAN_CONTEXT)?;
         let idx = gpu.upload(&wanted)?;
         let concat = gpu.zeros::<bf16>(n * m * d)?; // [n, m·d]
         let cfg = LaunchConfig { grid_dim: (n as u32, m as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
@@ -411,7 +421,7 @@ impl DeviceDrafter {
         for (context, _, count) in rows.iter_mut() {
             context.entries += *count;
         }
-        Ok(())
+        gpu.mark(SPAN_END)
     }
 
     /// One batched block forward and Markov loop for every row (greedy rows by device argmax, sampled
@@ -461,6 +471,7 @@ impl DeviceDrafter {
                 positions.push(row.context.len() + k);
             }
         }
+        gpu.mark(SPAN_BACKBONE)?;
         let tokens = gpu.upload(&block_tokens)?;
         let positions = gpu.upload(&to_i32(positions.into_iter())?)?;
         let x = gpu.zeros::<bf16>(n * d)?; // [n, d] residual stream
@@ -482,6 +493,7 @@ impl DeviceDrafter {
             };
             self.rope(gpu, &rope)?;
             let block = self.latents(gpu, ops, layer, gpu.ptr(&h), gpu.ptr(&positions), n)?; // [n, ld]
+            gpu.mark(SPAN_ATTEND)?;
             let o = gpu.zeros::<bf16>(n * heads * mla.v_head_dim)?; // [n, H·v]
             for (row, s) in rows.iter_mut().zip(&first) {
                 let (t, entries) = (row.num_drafts, row.context.entries);
@@ -514,6 +526,7 @@ impl DeviceDrafter {
                 // SAFETY: the arguments match mla_attend_block; the cache holds `visible` entries (reserved above).
                 unsafe { b.launch(launch, "mla_attend_block") }?;
             }
+            gpu.mark(SPAN_BACKBONE)?;
             let attn = linear(gpu, ops, &layer.o_proj, gpu.ptr(&o), n)?;
             ops.rows.add(gpu, gpu.ptr(&x), gpu.ptr(&attn), n * d)?;
             let hn = norm(gpu, ops, &layer.post_norm, gpu.ptr(&x), n, d)?;
@@ -526,11 +539,13 @@ impl DeviceDrafter {
             let f = linear(gpu, ops, &layer.mlp_down, gpu.ptr(&a), n)?;
             ops.rows.add(gpu, gpu.ptr(&x), gpu.ptr(&f), n * d)?;
         }
+        gpu.mark(SPAN_LM_HEAD)?;
         let hidden = norm(gpu, ops, &self.norm, gpu.ptr(&x), n, d)?; // [n, d]
         let lm = &target.weights.lm_head;
         let base_logits = linear(gpu, ops, lm, gpu.ptr(&hidden), n)?; // U: [n, V]
 
         // The Markov loop: one step per block position for every row at once.
+        gpu.mark(SPAN_MARKOV)?;
         let mut host_tokens = vec![0u32; rows.len() * stride]; // [R, stride]: anchor, then drafts
         for (i, row) in rows.iter().enumerate() {
             host_tokens[i * stride] = row.anchor;
@@ -606,6 +621,7 @@ impl DeviceDrafter {
             unsafe { b.launch(argmax_cfg, "argmax_step") }?;
             plan.launch(gpu, &ops.sample, k)?;
         }
+        gpu.mark(SPAN_END)?;
         plan.finish(gpu)?;
         let all_tokens = gpu.download(&draft_tokens, rows.len() * stride)?;
         let all_conf = gpu.download(&conf, n)?;

@@ -579,7 +579,7 @@ fn span_kind(label: &str) -> &str {
 
 /// Sums the spans per label (a kind's read + norm under the kind's own label, its ops under `kind.op`), in
 /// step order.
-fn by_op(spans: &[Span]) -> Vec<OpCost> {
+pub(super) fn by_op(spans: &[Span]) -> Vec<OpCost> {
     let mut out: Vec<OpCost> = Vec::new();
     for s in spans {
         match out.iter_mut().find(|o| o.op == s.label) {
@@ -766,18 +766,22 @@ impl CudaBenchReport {
             );
         }
         if !self.draft.is_empty() {
-            s += "DSpark draft (drafter attached): batch  γ  step ms  greedy ms  ×step  sampled ms  ×step\n";
+            s += "DSpark draft (drafter attached): batch  γ  step ms  greedy ms  ×step  sampled ms  ×step  context ms in \
+                  the step\n";
             for d in &self.draft {
                 s += &format!(
-                    "  {:>5}  {}  {:>7.3}  {:>9.3}  {:>5.2}  {:>10.3}  {:>5.2}\n",
+                    "  {:>5}  {}  {:>7.3}  {:>9.3}  {:>5.2}  {:>10.3}  {:>5.2}  {:>6.3}\n",
                     d.batch,
                     d.block_size,
                     d.step_ms_median,
                     d.greedy_ms_median,
                     d.greedy_relative_to_step,
                     d.sampled_ms_median,
-                    d.sampled_relative_to_step
+                    d.sampled_relative_to_step,
+                    d.step_context_ms
                 );
+                let ops: Vec<String> = d.greedy_by_op.iter().map(|o| format!("{} {:.3}", o.op, o.ms)).collect();
+                s += &format!("         greedy draft by span (ms): {}\n", ops.join(", "));
             }
         }
         if let Some(f) = &self.forced_with_draft {

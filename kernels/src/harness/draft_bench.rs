@@ -14,9 +14,10 @@
 use std::time::Instant;
 
 use crate::acceptance::{AcceptanceMode, SyntheticSchedule};
+use crate::cuda::drafter::SPAN_CONTEXT;
 use crate::cuda::runner::CudaRunner;
 use crate::error::{KernelError, Result};
-use crate::harness::cuda_bench::{median, time_steps, Batch};
+use crate::harness::cuda_bench::{by_op, median, time_steps, Batch, OpCost};
 use crate::runner::{DraftRequest, Runner, SamplingParams};
 
 /// The draft's cost at one batch size.
@@ -32,6 +33,10 @@ pub struct DraftCost {
     /// The draft's cost over the step's.
     pub greedy_relative_to_step: f64,
     pub sampled_relative_to_step: f64,
+    /// One profiled greedy draft, span by span (`cuda::drafter::SPAN_*`, device events).
+    pub greedy_by_op: Vec<OpCost>,
+    /// The drafter's share of one profiled target step: the context append from the step's taps.
+    pub step_context_ms: f64,
 }
 
 /// A forced-acceptance speculative round at batch 1 that drafts with the model: draft, then verify.
@@ -96,6 +101,14 @@ pub fn draft_costs(
             let step = time_steps(runner, &mut b, steps, 0)?.median_ms;
             let greedy = time_drafts(runner, &b, gamma, &SamplingParams::greedy(), steps)?;
             let sampled = time_drafts(runner, &b, gamma, &sampled(), steps)?;
+            runner.gpu().start_profile();
+            let drafted = draft_once(runner, &b, gamma, &SamplingParams::greedy());
+            let greedy_spans = runner.gpu().finish_profile()?;
+            drafted?;
+            runner.gpu().start_profile();
+            let stepped = b.step_drafted(runner, &vec![Vec::new(); b.states.len()]);
+            let step_spans = runner.gpu().finish_profile()?;
+            stepped?;
             Ok(DraftCost {
                 batch,
                 block_size: gamma,
@@ -104,6 +117,8 @@ pub fn draft_costs(
                 sampled_ms_median: sampled,
                 greedy_relative_to_step: greedy / step,
                 sampled_relative_to_step: sampled / step,
+                greedy_by_op: by_op(&greedy_spans),
+                step_context_ms: step_spans.iter().filter(|s| s.label == SPAN_CONTEXT).map(|s| s.ms).sum(),
             })
         })();
         b.free(runner)?;
