@@ -8,7 +8,8 @@
 #   pareto.svg    P90 interactivity (tok/s/user) against total throughput (tok/s/GPU), one curve per config
 #   raw.tar.gz    raw/: <config>_c<N>.json (the replay's run reports), <config>_c<N>_metrics.txt (/metrics after
 #                 the point; <config>_c0_metrics.txt before the first), <config>_serve.log, prefill.json, plan.txt;
-#                 `tar xzf raw.tar.gz && python3 kernels/bench/serve_matrix.py report --raw raw --out .` rebuilds
+#                 `tar xzf raw.tar.gz && python3 kernels/bench/serve_matrix.py report --raw raw --configs "off al3 al6
+#                 dspark" --concurrency "1 4 16 64" --out .` rebuilds
 #                 matrix.md and pareto.svg anywhere
 # Staging BIN on the CPU host (git-ignored .bin/; about 20 MB with one test binary):
 #   SPARKD_NVRTC_WHEELS=/work/nvrtc-wheels bash kernels/bench/stage.sh .bin/m cuda_runner
