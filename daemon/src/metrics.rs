@@ -8,7 +8,8 @@
 //! - Counters carry the `_total` suffix in their name, so the text exposition says
 //!   `# TYPE vllm:prompt_tokens_total counter` exactly as Python `prometheus_client` does (agentx.md §5.3).
 //! - Every series carries the global labels `model_name` and `engine` (vLLM's label set); the only other labels
-//!   are low-cardinality enums (`finished_reason`, `kind`, `tier`, `endpoint`, `status`, and the draft `position`,
+//!   are low-cardinality enums (`finished_reason`, `kind`, `tier`, `endpoint`, `status`, the engine `phase`, the
+//!   admission `how`, and the draft `position`,
 //!   at most `--num-spec-tokens` values). Never a request,
 //!   response or session id.
 //! - Every histogram has explicit buckets (without them the exporter would render summaries).
@@ -18,7 +19,8 @@
 //! - the engine thread: TTFT, per-token ITL (a step committing k tokens records k samples of interval/k), the
 //!   per-step interval, queue/prefill/decode/inference time, prompt tokens computed, generation tokens,
 //!   prefix-cache queries/hits, running/waiting, KV/state usage, sessions, speculation counters, client
-//!   disconnects (a failed send on a request's event channel), and the errors it raises itself;
+//!   disconnects (a failed send on a request's event channel), its own phase times and per-request admission
+//!   times, and the errors it raises itself;
 //! - the API layer: end-to-end latency, per-request TPOT, `request_success`, request prompt/generation length,
 //!   P90 interactivity, the errors it raises (validation, context length, engine gone), HTTP requests by
 //!   endpoint and status, open WebSockets.
@@ -115,6 +117,16 @@ pub const HTTP_REQUESTS_TOTAL: &str = "sparkd:http_requests_total";
 pub const WEBSOCKETS_OPEN: &str = "sparkd:websockets_open";
 /// Counter: requests whose client went away before they finished.
 pub const CLIENT_DISCONNECTS_TOTAL: &str = "sparkd:client_disconnects_total";
+/// Histogram with label `phase` ([`ENGINE_PHASES`]): seconds the engine thread spent in one phase of one turn
+/// of its loop; the phases of a turn add up to the turn (`crate::engine::phases`).
+pub const ENGINE_PHASE_SECONDS: &str = "sparkd:engine_phase_seconds";
+/// Histogram with label `how` (`continued`, `prefix`, `fresh`): seconds to give one admitted request its state
+/// (a kept response's checkout, a prefix-cache import, or a fresh allocation) and begin its speculation.
+pub const REQUEST_ADMIT_SECONDS: &str = "sparkd:request_admit_seconds";
+
+/// The `phase` label values of [`ENGINE_PHASE_SECONDS`], in loop order.
+pub const ENGINE_PHASES: &[&str] =
+    &["idle", "commands", "admit", "draft", "schedule", "step", "apply", "emit", "memory"];
 
 /// vLLM's TTFT buckets (agentx.md §5.1).
 pub const TTFT_BUCKETS: &[f64] = &[
@@ -130,6 +142,11 @@ pub const ITL_BUCKETS: &[f64] = &[
 pub const REQUEST_LATENCY_BUCKETS: &[f64] = &[
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
     1920.0, 7680.0,
+];
+/// Engine phase buckets: 10 µs to 1 s, fine enough to tell a 50 µs host phase from a 4 ms device step.
+pub const PHASE_BUCKETS: &[f64] = &[
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25,
+    0.5, 1.0,
 ];
 /// 1-2-5 buckets for token counts, up to 1M tokens (vLLM builds them up to max_model_len).
 pub const TOKEN_COUNT_BUCKETS: &[f64] = &[
@@ -258,6 +275,23 @@ pub const ALL_METRICS: &[MetricDef] = &[
     labelled(HTTP_REQUESTS_TOTAL, Counter, ("endpoint", &[]), "HTTP requests answered, by endpoint and status."),
     def(WEBSOCKETS_OPEN, Gauge, "Open WebSocket connections."),
     def(CLIENT_DISCONNECTS_TOTAL, Counter, "Requests whose client went away before they finished."),
+    labelled(
+        ENGINE_PHASE_SECONDS,
+        Histogram,
+        ("phase", ENGINE_PHASES),
+        "Seconds the engine thread spent in one phase of one loop turn: idle (blocked with no work), commands (handling \
+         queued commands), admit (giving admitted requests a state), draft (drafting and the verify budget; speculation \
+         on only), schedule (planning the step), step (runner.step: the device forward and the verify of the drafts, \
+         fused in one step by both backends), apply (scheduler update, speculation statistics, snapshots, finished \
+         requests), emit (building and sending events, retrying backlogs), memory (kept-response budgets and gauges).",
+    ),
+    labelled(
+        REQUEST_ADMIT_SECONDS,
+        Histogram,
+        ("how", &["continued", "prefix", "fresh"]),
+        "Seconds to give one admitted request its state and begin its speculation: continued (a kept response's \
+         state), prefix (a prefix-cache import), fresh (a new state).",
+    ),
 ];
 
 /// The buckets of one histogram.
@@ -266,6 +300,7 @@ pub fn buckets_for(name: &str) -> &'static [f64] {
         TIME_TO_FIRST_TOKEN_SECONDS => TTFT_BUCKETS,
         INTER_TOKEN_LATENCY_SECONDS | REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS | STEP_INTERVAL_SECONDS => ITL_BUCKETS,
         REQUEST_PROMPT_TOKENS | REQUEST_GENERATION_TOKENS => TOKEN_COUNT_BUCKETS,
+        ENGINE_PHASE_SECONDS | REQUEST_ADMIT_SECONDS => PHASE_BUCKETS,
         _ => REQUEST_LATENCY_BUCKETS,
     }
 }

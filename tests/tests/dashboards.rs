@@ -45,6 +45,7 @@ fn grafana_dashboard_parses_and_queries_only_exported_metrics() {
         "sparkd:errors_total",
         "sparkd:state_memory_bytes",
         "vllm:prefix_cache_hits_total",
+        "sparkd:engine_phase_seconds",
     ] {
         assert!(queried.iter().any(|q| q == needed), "dashboard lacks {needed}");
     }

@@ -5,7 +5,7 @@
 //! give each a state (fork of a kept response, prefix-cache import, or a fresh one) → with
 //! speculation on, draft for every decode row and attach the drafts to verify ([`Speculator`]) →
 //! plan a step → `runner.step` → apply the outputs → snapshots, finishes, events → memory budget →
-//! metrics.
+//! metrics. Each phase of a turn is timed into `sparkd:engine_phase_seconds` ([`PhaseClock`]).
 //!
 //! Invariants:
 //! - Only this thread touches the runner and `StateId`s; no lock is held anywhere around the model.
@@ -36,6 +36,7 @@ use sparkd_kernels::state::{SeqState, MLA_BLOCK_TOKENS};
 use sparkd_kernels::{Runner, StateId};
 use tokio::sync::mpsc::{self, error::TryRecvError, error::TrySendError};
 
+use super::phases::{Phase, PhaseClock};
 use super::prefix_cache::PrefixCache;
 use super::scheduler::{FinishedSeq, Scheduler, SchedulerLimits, StepOutcome, StepPlan};
 use super::sessions::{EvictionPolicy, LruPolicy, SessionStore, StoreBudgets};
@@ -143,6 +144,8 @@ struct EngineCore {
     live: HashMap<RequestId, Live>,
     /// Drafts and their statistics; `None` with speculation off.
     speculator: Option<Speculator>,
+    /// Times the phases of each loop turn.
+    phases: PhaseClock,
 }
 
 impl EngineCore {
@@ -173,6 +176,7 @@ impl EngineCore {
             stopping: false,
             live: HashMap::new(),
             speculator,
+            phases: PhaseClock::new(),
         }
     }
 
@@ -184,6 +188,7 @@ impl EngineCore {
                 break;
             }
             self.flush_events();
+            self.phases.lap(Phase::Emit);
             if !self.scheduler.has_work() {
                 if !self.commands_open && self.live.is_empty() {
                     break;
@@ -193,16 +198,23 @@ impl EngineCore {
                 if self.live.values().any(|l| !l.backlog.is_empty()) {
                     std::thread::sleep(BACKLOG_RETRY);
                 }
+                self.phases.lap(Phase::Idle);
                 continue;
             }
             self.admit();
-            self.attach_drafts();
+            self.phases.lap(Phase::Admit);
+            if self.speculator.is_some() {
+                self.attach_drafts();
+                self.phases.lap(Phase::Draft);
+            }
             let plan = self.scheduler.schedule(Instant::now());
+            self.phases.lap(Phase::Schedule);
             if !plan.is_empty() {
                 self.step(&plan);
             }
             self.enforce_memory();
             self.record_gauges();
+            self.phases.lap(Phase::Memory);
         }
     }
 
@@ -227,7 +239,9 @@ impl EngineCore {
     fn take_commands(&mut self) {
         let idle = !self.scheduler.has_work() && self.live.values().all(|l| l.backlog.is_empty());
         if idle && self.commands_open {
-            match self.commands.blocking_recv() {
+            let command = self.commands.blocking_recv();
+            self.phases.lap(Phase::Idle);
+            match command {
                 Some(cmd) => self.handle(cmd),
                 None => self.commands_open = false,
             }
@@ -239,6 +253,7 @@ impl EngineCore {
                 Err(TryRecvError::Disconnected) => self.commands_open = false,
             }
         }
+        self.phases.lap(Phase::Commands);
     }
 
     fn handle(&mut self, command: EngineCommand) {
@@ -347,15 +362,18 @@ impl EngineCore {
     }
 
     fn give_state(&mut self, id: RequestId) -> Result<(), EngineError> {
+        let started = Instant::now();
         let tokens = self.scheduler.tokens(id).map(<[_]>::to_vec).unwrap_or_default();
         let prompt_len = self.scheduler.prompt_len(id).unwrap_or(tokens.len());
         let continue_from = self.live.get(&id).and_then(|l| l.continue_from.clone());
         let mut restored: Option<(StateId, usize)> = None;
+        let mut how = "fresh";
         if let Some(from) = &continue_from {
             let (state, tier) = self.sessions.checkout(self.runner.as_mut(), from)?;
             counter!(names::SESSIONS_RESTORED_TOTAL, "tier" => tier.as_str()).increment(1);
             if let Some(state) = state {
                 restored = Some((state, self.runner.state_len(state)?));
+                how = "continued";
             }
         }
         if restored.is_none() && self.prefix.is_enabled() {
@@ -365,6 +383,7 @@ impl EngineCore {
             if let Some((len, snapshot)) = self.prefix.lookup(&tokens, max_len) {
                 counter!(names::PREFIX_CACHE_HITS_TOTAL).increment(len as u64);
                 restored = Some((self.runner.import_state(snapshot)?, len));
+                how = "prefix";
             }
         }
         let (state, computed) = match restored {
@@ -388,6 +407,7 @@ impl EngineCore {
             Vec::new()
         };
         counter!(names::PROMPT_TOKENS_TOTAL).increment(tokens.len().saturating_sub(computed) as u64);
+        histogram!(names::REQUEST_ADMIT_SECONDS, "how" => how).record(started.elapsed().as_secs_f64());
         self.scheduler.restore(id, computed, stops).map_err(|e| EngineError::Internal(e.to_string()))
     }
 
@@ -441,7 +461,9 @@ impl EngineCore {
             }
             rows.push(RowInput { state, tokens: row.tokens.clone(), sample: row.sample.clone() });
         }
-        let outputs = match self.runner.step(&rows) {
+        let outputs = self.runner.step(&rows);
+        self.phases.lap(Phase::Step);
+        let outputs = match outputs {
             Ok(outputs) => outputs,
             Err(e) => {
                 let err = EngineError::from(e);
@@ -466,9 +488,11 @@ impl EngineCore {
         for finished in outcome.finished {
             self.release(finished);
         }
+        self.phases.lap(Phase::Apply);
         for (id, event) in outcome.events {
             self.emit(id, event);
         }
+        self.phases.lap(Phase::Emit);
     }
 
     /// Exports the state at a block boundary: into the prefix cache now (a planned prompt boundary)

@@ -9,6 +9,7 @@
 //! the model.
 
 pub mod core;
+mod phases;
 pub mod prefix_cache;
 pub mod scheduler;
 pub mod sessions;
