@@ -159,6 +159,7 @@ impl EngineCore {
         };
         let mut scheduler = Scheduler::new(limits, MLA_BLOCK_TOKENS);
         scheduler.set_forced_acceptance(speculator.as_ref().is_some_and(Speculator::is_synthetic));
+        scheduler.set_step_time_limit(config.step_time.clone());
         EngineCore {
             runner,
             scheduler,
