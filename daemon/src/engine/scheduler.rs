@@ -137,7 +137,8 @@ impl FinishedSeq {
     }
 }
 
-/// A row that ended exactly on a multiple of the snapshot block after a step.
+/// A row that ended exactly on a multiple of the snapshot block after a step: on a planned prefill stop,
+/// or after a decoding (sampling) row; a prompt chunk that ends on a multiple by chance is not one.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BoundaryHit {
     pub id: RequestId,
@@ -154,7 +155,7 @@ pub struct StepOutcome {
     pub events: Vec<(RequestId, EngineEvent)>,
     /// Sequences that finished in this step.
     pub finished: Vec<FinishedSeq>,
-    /// Rows whose state now ends on a snapshot block boundary.
+    /// Rows whose state now ends on a snapshot block boundary (see [`BoundaryHit`]).
     pub boundaries: Vec<BoundaryHit>,
     /// Tokens emitted by this step, per row that sampled: `(request, count)` (for ITL samples).
     pub emitted: Vec<(RequestId, usize)>,
@@ -431,7 +432,10 @@ impl Scheduler {
             while seq.chunk_stops.first().is_some_and(|&s| s <= seq.computed) {
                 seq.chunk_stops.remove(0);
             }
-            if seq.computed % block == 0 && seq.computed > row.start {
+            // A prompt chunk that ends on a block by chance is not reported: the planned stop at the
+            // prompt's last block boundary covers more, and each report costs the engine a state export.
+            let decoded = row.sample.is_some();
+            if seq.computed % block == 0 && seq.computed > row.start && (planned || decoded) {
                 let tokens = seq.tokens[..seq.computed].to_vec();
                 outcome.boundaries.push(BoundaryHit { id: seq.id, tokens, planned });
             }
@@ -690,6 +694,23 @@ mod tests {
     }
 
     #[test]
+    fn prompt_chunks_that_end_on_a_block_by_chance_are_not_reported() {
+        // Budget 16 from position 0: the chunks end on 16 and 32 (blocks of 8), neither a planned stop,
+        // so neither is reported; only rows that sample report the boundaries they end on.
+        let mut s = scheduler(16, 4);
+        start(&mut s, &[request(1, 40, 30)]);
+        let now = Instant::now();
+        let mut hits = Vec::new();
+        while s.has_work() {
+            let plan = s.schedule(now);
+            let out = s.apply(&plan, &outputs(&plan, 7, false)).unwrap();
+            hits.extend(out.boundaries.iter().map(|h| (h.tokens.len(), h.planned)));
+        }
+        // 40 is the end of the prompt, reached by the row that samples the first token.
+        assert_eq!(hits, vec![(40, false), (48, false), (56, false), (64, false)]);
+    }
+
+    #[test]
     fn drafts_are_verified_counted_and_capped_by_max_tokens() {
         let mut s = scheduler(100, 4);
         start(&mut s, &[request(1, 2, 4)]);
@@ -808,7 +829,7 @@ mod tests {
             planned_hits.extend(out.boundaries.iter().filter(|h| h.id.0 == 2).map(|h| (h.tokens.len(), h.planned)));
         }
         assert_eq!(chunks, vec![(2, 20, false), (2, 20, false), (2, 8, false), (2, 12, true)]);
-        assert_eq!(planned_hits, vec![(40, false), (48, true)]);
+        assert_eq!(planned_hits, vec![(48, true)], "the chunk that ended on 40 by chance is not reported");
     }
 
     /// xorshift64*: a deterministic stream for the random-mix test.
