@@ -29,6 +29,7 @@ struct Seen {
     live_states: usize,
     forks: usize,
     imports: usize,
+    exports: usize,
     fail_next_step: bool,
 }
 
@@ -66,6 +67,7 @@ impl Runner for Probe {
         self.inner.state_bytes(id)
     }
     fn export_state(&self, id: StateId) -> KResult<SeqState> {
+        self.seen.lock().unwrap().exports += 1;
         self.inner.export_state(id)
     }
     fn import_state(&mut self, state: SeqState) -> KResult<StateId> {
@@ -361,6 +363,35 @@ fn chat_resend_restores_the_cached_prefix_and_prefills_only_the_suffix() {
     assert_eq!(c.started, Some((170, 128)));
     assert_eq!(h.tokens_computed() - before, 170 - 128 + 2);
     assert_eq!(h.seen.lock().unwrap().imports, 1);
+}
+
+#[test]
+fn a_kept_chain_s_later_turns_take_no_prefix_snapshots() {
+    let h = Harness::new(config());
+    let exports = || h.seen.lock().unwrap().exports;
+    let mut history = prompt(8, 100);
+    let mut turn1 = request(1, history.clone(), 40);
+    turn1.keep_as = Some(ResponseId("resp_c1".into()));
+    history.extend(collect(h.submit(turn1)).tokens);
+    h.settle();
+    let first = exports();
+    assert_eq!(first, 2, "the chain's first turn: its prompt's boundary 64, and 128 passed while decoding");
+    // Turn 2 passes the boundaries 192 (prompt) and 256 (decoding), and is kept: no snapshot.
+    let new_tokens = prompt(9, 100);
+    history.extend(&new_tokens);
+    let mut turn2 = request(2, new_tokens, 40);
+    (turn2.continue_from, turn2.keep_as) = (Some(ResponseId("resp_c1".into())), Some(ResponseId("resp_c2".into())));
+    let c = collect(h.submit(turn2));
+    assert_eq!(c.tokens, NullRunner::greedy_continuation(&history, 40));
+    assert_eq!(c.started, Some((history.len(), history.len() - 101)), "restored from the kept state");
+    h.settle();
+    assert_eq!(exports(), first);
+    // A continuation that is not kept still leaves its snapshots for a resend of the conversation.
+    let mut turn3 = request(3, prompt(10, 100), 40);
+    turn3.continue_from = Some(ResponseId("resp_c2".into()));
+    collect(h.submit(turn3));
+    h.settle();
+    assert_eq!(exports(), first + 2);
 }
 
 #[test]
