@@ -72,7 +72,7 @@ pub fn compose(args: &ServeArgs) -> Result<Served> {
 
 /// The step-cost measurement doubles the step's tokens until a step takes this long (or the step token
 /// budget is reached): past it a step is compute-bound and the profile's linear extrapolation holds.
-pub const STEP_COST_CAP: Duration = Duration::from_millis(50);
+pub const STEP_COST_CAP: Duration = Duration::from_millis(20);
 
 /// The step-time limit `target` asks for (`None` when `off`), over step costs measured on `runner` up to
 /// `max_batch_tokens`; a prompt beside decode rows advances by at least one MLA block per step.
