@@ -14,6 +14,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use self::speculation::SpecArgs;
+use crate::engine::step_time::{StepTarget, DEFAULT_STEP_TARGET_FACTOR};
 use crate::engine::types::{
     EngineConfig, DEFAULT_COMMAND_QUEUE, DEFAULT_HOST_BUDGET_BYTES, DEFAULT_KEPT_RESPONSES_BYTES,
     DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFIX_CACHE_BYTES, DEFAULT_STATE_BUDGET_BYTES,
@@ -65,6 +66,40 @@ impl Device {
     }
 }
 
+/// `--decode-step-target`: how long a step that carries decode rows may take.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum DecodeStepTarget {
+    /// Not held: prefill chunks take what `--max-num-batched-tokens` leaves beside the decode rows.
+    Off,
+    /// Held to this target over the step costs measured on the runner at start-up.
+    On(StepTarget),
+}
+
+impl std::str::FromStr for DecodeStepTarget {
+    type Err = String;
+
+    /// `off`, `auto` (the default factor), `F x` (a factor of at least 1) or `MS` / `MS ms` (positive).
+    fn from_str(text: &str) -> Result<Self, String> {
+        let t = text.trim();
+        match t {
+            "off" => return Ok(DecodeStepTarget::Off),
+            "auto" => return Ok(DecodeStepTarget::On(StepTarget::Factor(DEFAULT_STEP_TARGET_FACTOR))),
+            _ => {}
+        }
+        let number = |n: &str| n.trim().parse::<f64>().ok().filter(|v| v.is_finite());
+        if let Some(factor) = t.strip_suffix('x') {
+            return match number(factor) {
+                Some(f) if f >= 1.0 => Ok(DecodeStepTarget::On(StepTarget::Factor(f))),
+                _ => Err(format!("`{text}`: a factor must be a number of at least 1, like 1.5x")),
+            };
+        }
+        match number(t.strip_suffix("ms").unwrap_or(t)) {
+            Some(ms) if ms > 0.0 => Ok(DecodeStepTarget::On(StepTarget::Seconds(ms / 1e3))),
+            _ => Err(format!("`{text}` is not auto, off, a positive time in ms (9 or 9ms) or a factor (1.5x)")),
+        }
+    }
+}
+
 /// `sparkd serve` options.
 #[derive(Clone, Debug, clap::Args)]
 pub struct ServeArgs {
@@ -95,6 +130,12 @@ pub struct ServeArgs {
     /// Most tokens computed per engine step (prefill chunks + decode rows + drafts).
     #[arg(long, default_value_t = DEFAULT_MAX_NUM_BATCHED_TOKENS)]
     pub max_num_batched_tokens: usize,
+    /// How long a step that carries decode rows may take, so that decoding does not stall behind long
+    /// prompts: `auto` (1.5x the time of the step's decode tokens alone), a factor (`2x`), a time in
+    /// milliseconds (`9` or `9ms`), or `off` (prefill takes what --max-num-batched-tokens leaves). Step
+    /// costs are measured on the runner at start-up; a prompt still advances by at least 64 tokens per step.
+    #[arg(long, default_value = "auto", value_name = "auto|off|MS|Fx")]
+    pub decode_step_target: DecodeStepTarget,
     /// Device bytes for sequence states (live and kept).
     #[arg(long, default_value_t = DEFAULT_STATE_BUDGET_BYTES)]
     pub state_budget_bytes: usize,
@@ -174,7 +215,8 @@ impl ServeArgs {
         }
     }
 
-    /// The engine's limits and budgets.
+    /// The engine's limits and budgets (the step-time limit, over step costs measured on the runner, is
+    /// `startup::compose`'s).
     pub fn engine_config(&self) -> EngineConfig {
         EngineConfig {
             max_num_batched_tokens: self.max_num_batched_tokens,
@@ -184,6 +226,7 @@ impl ServeArgs {
             host_budget_bytes: self.host_offload_bytes,
             kept_responses_bytes: self.kept_responses_bytes,
             prefix_cache_bytes: self.prefix_cache_bytes,
+            step_time: None,
         }
     }
 }
@@ -224,6 +267,21 @@ mod tests {
         let err = parse(&["--model", "/definitely/not/here"]).validate().unwrap_err();
         assert_eq!(err.flag, "model");
         assert!(Cli::try_parse_from(["sparkd", "--device", "tpu"]).is_err());
+    }
+
+    #[test]
+    fn decode_step_targets_parse_and_bad_ones_are_rejected() {
+        let target = |text: &str| parse(&["--decode-step-target", text]).decode_step_target;
+        assert_eq!(parse(&[]).decode_step_target, DecodeStepTarget::On(StepTarget::Factor(DEFAULT_STEP_TARGET_FACTOR)));
+        assert_eq!(target("off"), DecodeStepTarget::Off);
+        assert_eq!(target("2x"), DecodeStepTarget::On(StepTarget::Factor(2.0)));
+        assert_eq!(target("9"), DecodeStepTarget::On(StepTarget::Seconds(0.009)));
+        assert_eq!(target("12.5ms"), DecodeStepTarget::On(StepTarget::Seconds(0.0125)));
+        for bad in ["0.5x", "0", "-3ms", "fast", "NaNx", "inf"] {
+            let flag = format!("--decode-step-target={bad}");
+            let err = Cli::try_parse_from(["sparkd", flag.as_str()]).err().expect(bad);
+            assert!(err.to_string().contains("decode-step-target"), "{err}");
+        }
     }
 
     #[test]

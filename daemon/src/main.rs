@@ -145,8 +145,9 @@ fn serve(args: ServeArgs) -> Result<()> {
         "model ready ({} layers, hidden {})", cfg.num_layers(), cfg.hidden_size
     );
     let metrics = sparkd::metrics::install(&model_name).context("installing the Prometheus recorder")?;
-    let engine = sparkd::engine::spawn(served.runner, served.speculation, args.engine_config())
-        .context("starting the engine thread")?;
+    let config = sparkd::engine::EngineConfig { step_time: served.step_time, ..args.engine_config() };
+    let engine =
+        sparkd::engine::spawn(served.runner, served.speculation, config).context("starting the engine thread")?;
     let template = served.template;
 
     let engine_handle = engine.handle();

@@ -7,6 +7,9 @@
 //! - Composition happens once, before the engine starts; the engine is handed trait objects only
 //!   (`Box<dyn Runner>`, a [`Speculation`] holding a `Box<dyn Proposer>`), so no backend or drafter loader
 //!   type reaches `crate::engine`.
+//! - The step costs behind `--decode-step-target` are measured once per serve (unless it is `off`), on
+//!   fresh states that are freed, and stop at the first size whose step takes [`STEP_COST_CAP`], so a
+//!   slow runner (the CPU reference) starts quickly.
 //! - A setting the runner cannot honour (a drafter or forced acceptance on the null runner, a method that
 //!   needs a drafter on a runner without one, a missing `MODEL/drafter` folder) is an error naming the flag
 //!   before anything serves.
@@ -32,7 +35,8 @@ use sparkd_spec::{BudgetPolicy, HybridProposer, HybridRule, ModelDrafts, Product
 use sparkd_tokenizer::{ChatTemplate, Tokenizer};
 
 use crate::config::speculation::{describe, SpecBudget, SpecMethod, SpecSettingError, SpeculationConfig};
-use crate::config::{Device, ServeArgs};
+use crate::config::{DecodeStepTarget, Device, ServeArgs};
+use crate::engine::step_time::StepTimeLimit;
 use crate::engine::Speculation;
 
 /// Seed of the built-in synthetic model.
@@ -49,6 +53,8 @@ pub struct Served {
     pub template: ChatTemplate,
     /// `None` with speculation off.
     pub speculation: Option<Speculation>,
+    /// `None` with `--decode-step-target off`.
+    pub step_time: Option<StepTimeLimit>,
 }
 
 /// Builds what `args` ask to serve (the arguments were validated).
@@ -60,7 +66,79 @@ pub fn compose(args: &ServeArgs) -> Result<Served> {
     restrict_to_tokenizer(runner.as_mut(), &tokenizer, &model);
     tracing::info!("{}", describe(&spec));
     let speculation = speculation(&spec, runner.as_mut(), args.max_num_batched_tokens)?;
-    Ok(Served { runner, model, template, speculation })
+    let step_time = step_time_limit(args.decode_step_target, runner.as_mut(), args.max_num_batched_tokens)?;
+    Ok(Served { runner, model, template, speculation, step_time })
+}
+
+/// The step-cost measurement doubles the step's tokens until a step takes this long (or the step token
+/// budget is reached): past it a step is compute-bound and the profile's linear extrapolation holds.
+pub const STEP_COST_CAP: Duration = Duration::from_millis(20);
+
+/// The step-time limit `target` asks for (`None` when `off`), over step costs measured on `runner` up to
+/// `max_batch_tokens`; a prompt beside decode rows advances by at least one MLA block per step.
+pub fn step_time_limit(
+    target: DecodeStepTarget,
+    runner: &mut dyn Runner,
+    max_batch_tokens: usize,
+) -> Result<Option<StepTimeLimit>> {
+    let DecodeStepTarget::On(target) = target else { return Ok(None) };
+    let costs = measure_step_costs(runner, max_batch_tokens).context("measuring step costs (--decode-step-target)")?;
+    let limit = StepTimeLimit::new(costs, target, sparkd_kernels::state::MLA_BLOCK_TOKENS);
+    let room = |d: usize| max_batch_tokens.saturating_sub(d);
+    let points: Vec<String> =
+        limit.costs().points().iter().map(|p| format!("{}:{:.2}", p.batch_tokens, 1e3 / p.steps_per_second)).collect();
+    tracing::info!(
+        "decode step target {target}: step costs (tokens:ms) {}; beside 1/16/64 decode tokens a step prefills \
+         {}/{}/{} tokens",
+        points.join(" "),
+        limit.prefill_allowance(1, room(1)),
+        limit.prefill_allowance(16, room(16)),
+        limit.prefill_allowance(64, room(64)),
+    );
+    Ok(Some(limit))
+}
+
+/// Measures the step cost `t(B)` on `runner` at B = 1, 2, 4, ... up to `max_batch_tokens` (and at it),
+/// stopping after the first size past B = 1 whose step takes [`STEP_COST_CAP`] or more (two points at
+/// least, so the profile has a slope to extrapolate). A step of B tokens is one row on a fresh state:
+/// B − 1 prompt tokens and one sampled token (a decode step at B = 1, a prefill chunk riding along above
+/// it). Every state it makes is freed.
+pub fn measure_step_costs(runner: &mut dyn Runner, max_batch_tokens: usize) -> Result<SpsProfile, KernelError> {
+    let max = max_batch_tokens.max(1);
+    let mut points = Vec::new();
+    let mut b = 1;
+    loop {
+        let size = b.min(max);
+        let t = time_chunk_step(runner, size)?;
+        points.push(sparkd_spec::sps::SpsPoint { batch_tokens: size, steps_per_second: 1.0 / t.as_secs_f64() });
+        if size == max || (t >= STEP_COST_CAP && points.len() >= 2) {
+            break;
+        }
+        b *= 2;
+    }
+    SpsProfile::from_points(points).map_err(|e| KernelError::InvalidInput(e.to_string()))
+}
+
+/// The faster of two timed steps of one `tokens`-token row that samples once, each on a fresh state (after
+/// one warm-up step).
+fn time_chunk_step(runner: &mut dyn Runner, tokens: usize) -> Result<Duration, KernelError> {
+    let vocab = runner.config().vocab_size;
+    let ids: Vec<TokenId> = (0..tokens).map(|i| ((1000 + 37 * i) % vocab) as TokenId).collect();
+    let mut best = Duration::MAX;
+    for rep in 0..3 {
+        let state = runner.alloc_state()?;
+        let sample = Some(SampleRequest { params: SamplingParams::greedy(), draft_len: 0 });
+        let row = RowInput { state, tokens: ids.clone(), sample };
+        let start = Instant::now();
+        let stepped = runner.step(std::slice::from_ref(&row));
+        let elapsed = start.elapsed();
+        runner.free_state(state)?;
+        stepped?;
+        if rep > 0 {
+            best = best.min(elapsed);
+        }
+    }
+    Ok(best.max(Duration::from_nanos(1)))
 }
 
 /// The tokenizer of a checkpoint folder (its `tiktoken.model`), else the built-in one.
@@ -281,6 +359,21 @@ fn time_step(runner: &mut dyn Runner, states: &[StateId], batch_tokens: usize) -
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::step_time::StepTarget;
+    use sparkd_kernels::state::MLA_BLOCK_TOKENS;
+
+    #[test]
+    fn step_costs_double_up_to_the_budget_and_free_their_states() {
+        let mut r = NullRunner::new(ModelConfig::preset("k3-tiny").unwrap());
+        let p = measure_step_costs(&mut r, 100).unwrap();
+        let sizes: Vec<usize> = p.points().iter().map(|p| p.batch_tokens).collect();
+        assert_eq!(sizes, vec![1, 2, 4, 8, 16, 32, 64, 100]);
+        assert_eq!(r.num_states(), 0);
+        assert!(step_time_limit(DecodeStepTarget::Off, &mut r, 100).unwrap().is_none());
+        let limit = step_time_limit(DecodeStepTarget::On(StepTarget::Factor(1.5)), &mut r, 100).unwrap().unwrap();
+        assert_eq!(limit.min_prefill_chunk(), MLA_BLOCK_TOKENS);
+        assert_eq!(r.num_states(), 0);
+    }
 
     #[test]
     fn sps_is_measured_on_the_runner_and_frees_its_states() {

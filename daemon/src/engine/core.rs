@@ -24,7 +24,9 @@
 //!   cancel, client gone, failure), so per-request proposer memory never leaks.
 //! - Prefix-cache snapshots are taken where they pay: at the last block boundary of each prompt
 //!   (prefill chunks are planned to end exactly there) and at the last block boundary passed while
-//!   decoding, stored when the request finishes.
+//!   decoding, stored when the request finishes; never for a later turn of a kept chain (a request
+//!   that continues a kept response and is kept itself): its prefix is its chain's own and its kept
+//!   state carries the chain on, while each snapshot is a whole-state export on the engine thread.
 
 use std::collections::{HashMap, VecDeque};
 use std::thread::JoinHandle;
@@ -131,6 +133,13 @@ struct Live {
     num_spec_tokens: Option<usize>,
 }
 
+impl Live {
+    /// A later turn of a kept chain: it continues a kept response and will be kept itself.
+    fn continues_kept_chain(&self) -> bool {
+        self.continue_from.is_some() && self.keep_as.is_some()
+    }
+}
+
 struct EngineCore {
     runner: Box<dyn Runner>,
     config: EngineConfig,
@@ -162,6 +171,7 @@ impl EngineCore {
         };
         let mut scheduler = Scheduler::new(limits, MLA_BLOCK_TOKENS);
         scheduler.set_forced_acceptance(speculator.as_ref().is_some_and(Speculator::is_synthetic));
+        scheduler.set_step_time_limit(config.step_time.clone());
         EngineCore {
             runner,
             scheduler,
@@ -366,6 +376,7 @@ impl EngineCore {
         let tokens = self.scheduler.tokens(id).map(<[_]>::to_vec).unwrap_or_default();
         let prompt_len = self.scheduler.prompt_len(id).unwrap_or(tokens.len());
         let continue_from = self.live.get(&id).and_then(|l| l.continue_from.clone());
+        let snapshots = self.prefix.is_enabled() && !self.live.get(&id).is_some_and(Live::continues_kept_chain);
         let mut restored: Option<(StateId, usize)> = None;
         let mut how = "fresh";
         if let Some(from) = &continue_from {
@@ -400,8 +411,7 @@ impl EngineCore {
         }
         let block = self.prefix.block_tokens();
         let prompt_end = prompt_len / block * block;
-        let stops = if self.prefix.is_enabled() && prompt_end > computed && !self.prefix.contains(&tokens[..prompt_end])
-        {
+        let stops = if snapshots && prompt_end > computed && !self.prefix.contains(&tokens[..prompt_end]) {
             vec![prompt_end]
         } else {
             Vec::new()
@@ -502,7 +512,7 @@ impl EngineCore {
             return;
         }
         let Some(live) = self.live.get_mut(&id) else { return };
-        let Some(state) = live.state else { return };
+        let Some(state) = live.state.filter(|_| !live.continues_kept_chain()) else { return };
         match self.runner.export_state(state) {
             Ok(snapshot) if planned => {
                 self.prefix.insert(&tokens, snapshot);

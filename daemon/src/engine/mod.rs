@@ -14,6 +14,7 @@ pub mod prefix_cache;
 pub mod scheduler;
 pub mod sessions;
 pub mod speculator;
+pub mod step_time;
 pub mod types;
 
 #[cfg(test)]

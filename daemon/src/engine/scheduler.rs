@@ -23,6 +23,10 @@
 //!   engine wants a prefix-cache snapshot: a KDA state cannot be rewound, so the snapshot must be
 //!   taken exactly when passing the boundary).
 //! - Drafts are capped so that accepted drafts plus the bonus token never exceed `max_tokens`.
+//! - With a step-time limit ([`StepTimeLimit`]), a step that has decode rows adds at most the limit's
+//!   prefill allowance for those rows' tokens (the predicted step time stays within the target, and
+//!   the oldest prompt still advances by at least the limit's minimum chunk); a step without decode
+//!   rows gives prefill the whole `max_num_batched_tokens`. Decode rows are never cut by the limit.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -30,6 +34,7 @@ use std::time::{Duration, Instant};
 use sparkd_kernels::runner::{RowOutput, SampleRequest, SamplingParams, TokenLogprob};
 use sparkd_kernels::TokenId;
 
+use super::step_time::StepTimeLimit;
 use super::types::{EngineEvent, FinishReason, GenerateRequest, RequestId, Usage};
 
 /// Limits the scheduler plans under.
@@ -132,7 +137,8 @@ impl FinishedSeq {
     }
 }
 
-/// A row that ended exactly on a multiple of the snapshot block after a step.
+/// A row that ended exactly on a multiple of the snapshot block after a step: on a planned prefill stop,
+/// or after a decoding (sampling) row; a prompt chunk that ends on a multiple by chance is not one.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BoundaryHit {
     pub id: RequestId,
@@ -149,7 +155,7 @@ pub struct StepOutcome {
     pub events: Vec<(RequestId, EngineEvent)>,
     /// Sequences that finished in this step.
     pub finished: Vec<FinishedSeq>,
-    /// Rows whose state now ends on a snapshot block boundary.
+    /// Rows whose state now ends on a snapshot block boundary (see [`BoundaryHit`]).
     pub boundaries: Vec<BoundaryHit>,
     /// Tokens emitted by this step, per row that sampled: `(request, count)` (for ITL samples).
     pub emitted: Vec<(RequestId, usize)>,
@@ -178,6 +184,8 @@ pub struct Scheduler {
     running: Vec<Sequence>,
     /// Drafts are accepted by a forced schedule (usage is flagged).
     forced_acceptance: bool,
+    /// Limits the prefill of steps that have decode rows; `None`: prefill takes what the budget leaves.
+    step_time: Option<StepTimeLimit>,
 }
 
 /// A running sequence that decodes at the next step, as a proposer sees it.
@@ -199,7 +207,13 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             forced_acceptance: false,
+            step_time: None,
         }
+    }
+
+    /// Holds steps that have decode rows to `limit` (`None`: no limit).
+    pub fn set_step_time_limit(&mut self, limit: Option<StepTimeLimit>) {
+        self.step_time = limit;
     }
 
     /// Declares that the runner forces draft acceptance (`Usage::forced_acceptance`).
@@ -342,6 +356,10 @@ impl Scheduler {
             let sample = Some(SampleRequest { params: seq.sampling.clone(), draft_len });
             rows.push((index, PlannedRow { id: seq.id, start: seq.computed, tokens, sample }));
         }
+        // With decode rows planned, prefill gets what the step-time limit allows of the budget left.
+        if let (Some(limit), false) = (&self.step_time, rows.is_empty()) {
+            budget = limit.prefill_allowance(self.limits.max_num_batched_tokens - budget, budget);
+        }
         // Pass 2: prompt chunks, FCFS, with what is left of the budget.
         for (index, seq) in self.running.iter().enumerate() {
             if rows.len() == max_rows || budget == 0 {
@@ -414,7 +432,10 @@ impl Scheduler {
             while seq.chunk_stops.first().is_some_and(|&s| s <= seq.computed) {
                 seq.chunk_stops.remove(0);
             }
-            if seq.computed % block == 0 && seq.computed > row.start {
+            // A prompt chunk that ends on a block by chance is not reported: the planned stop at the
+            // prompt's last block boundary covers more, and each report costs the engine a state export.
+            let decoded = row.sample.is_some();
+            if seq.computed % block == 0 && seq.computed > row.start && (planned || decoded) {
                 let tokens = seq.tokens[..seq.computed].to_vec();
                 outcome.boundaries.push(BoundaryHit { id: seq.id, tokens, planned });
             }
@@ -479,6 +500,7 @@ impl Scheduler {
 
 #[cfg(test)]
 mod tests {
+    use super::super::step_time::StepTarget;
     use super::*;
 
     const BLOCK: usize = 8;
@@ -672,6 +694,23 @@ mod tests {
     }
 
     #[test]
+    fn prompt_chunks_that_end_on_a_block_by_chance_are_not_reported() {
+        // Budget 16 from position 0: the chunks end on 16 and 32 (blocks of 8), neither a planned stop,
+        // so neither is reported; only rows that sample report the boundaries they end on.
+        let mut s = scheduler(16, 4);
+        start(&mut s, &[request(1, 40, 30)]);
+        let now = Instant::now();
+        let mut hits = Vec::new();
+        while s.has_work() {
+            let plan = s.schedule(now);
+            let out = s.apply(&plan, &outputs(&plan, 7, false)).unwrap();
+            hits.extend(out.boundaries.iter().map(|h| (h.tokens.len(), h.planned)));
+        }
+        // 40 is the end of the prompt, reached by the row that samples the first token.
+        assert_eq!(hits, vec![(40, false), (48, false), (56, false), (64, false)]);
+    }
+
+    #[test]
     fn drafts_are_verified_counted_and_capped_by_max_tokens() {
         let mut s = scheduler(100, 4);
         start(&mut s, &[request(1, 2, 4)]);
@@ -704,6 +743,152 @@ mod tests {
         let f = &out.finished[0];
         assert_eq!((f.reason, f.tokens[2..].to_vec()), (FinishReason::Stop, vec![7, 2]));
         assert!(!f.state_matches_history(), "the state committed the draft after the stop token");
+    }
+
+    /// `t(B) = 4 ms + B × 0.05 ms`.
+    fn linear_costs() -> sparkd_spec::SpsProfile {
+        let point = |b: usize| sparkd_spec::sps::SpsPoint {
+            batch_tokens: b,
+            steps_per_second: 1.0 / (0.004 + b as f64 * 5e-5),
+        };
+        sparkd_spec::SpsProfile::from_points(vec![point(1), point(4096)]).unwrap()
+    }
+
+    fn limited(budget: usize, target: StepTarget) -> Scheduler {
+        let mut s = scheduler(budget, 8);
+        s.set_step_time_limit(Some(StepTimeLimit::new(linear_costs(), target, BLOCK)));
+        s
+    }
+
+    /// Request 1 (a 3-token prompt) has produced its first token; request 2 (`prompt` tokens) waits.
+    fn decoding_beside_a_prompt(s: &mut Scheduler, prompt: usize) {
+        start(s, &[request(1, 3, 500)]);
+        let plan = s.schedule(Instant::now());
+        s.apply(&plan, &outputs(&plan, 7, false)).unwrap();
+        start(s, &[request(2, prompt, 4)]);
+    }
+
+    #[test]
+    fn decode_rows_hold_the_prefill_chunk_to_the_step_target() {
+        let mut s = limited(256, StepTarget::Factor(2.2));
+        decoding_beside_a_prompt(&mut s, 200);
+        // t(1) = 4.05 ms, T = 8.91 ms: B* = 98 tokens, 97 of them prefill.
+        let plan = s.schedule(Instant::now());
+        assert_eq!(row_lens(&plan), vec![(1, 1, true), (2, 97, false)]);
+        let limit = s.step_time.clone().unwrap();
+        assert!(limit.predicted_seconds(plan.num_tokens()) <= limit.target_seconds(1));
+        assert!(limit.predicted_seconds(plan.num_tokens() + 1) > limit.target_seconds(1));
+        // An absolute target replaces the derived one: 6.02 ms fits B = 40.
+        let mut s = limited(256, StepTarget::Seconds(0.00602));
+        decoding_beside_a_prompt(&mut s, 200);
+        assert_eq!(row_lens(&s.schedule(Instant::now())), vec![(1, 1, true), (2, 39, false)]);
+        // Without a limit the prompt takes what the budget leaves.
+        let mut s = scheduler(256, 8);
+        decoding_beside_a_prompt(&mut s, 200);
+        assert_eq!(row_lens(&s.schedule(Instant::now())), vec![(1, 1, true), (2, 200, true)]);
+    }
+
+    #[test]
+    fn without_decode_rows_prefill_gets_the_whole_budget() {
+        let mut s = limited(256, StepTarget::Seconds(0.0));
+        start(&mut s, &[request(1, 3, 5), request(2, 300, 5)]);
+        let plan = s.schedule(Instant::now());
+        assert_eq!(row_lens(&plan), vec![(1, 3, true), (2, 253, false)]);
+    }
+
+    #[test]
+    fn the_minimum_chunk_keeps_a_prompt_advancing_under_any_target() {
+        let mut s = limited(256, StepTarget::Seconds(0.0));
+        decoding_beside_a_prompt(&mut s, 50);
+        let mut chunks = Vec::new();
+        while chunks.last() != Some(&(2, 2, true)) {
+            let plan = s.schedule(Instant::now());
+            assert_eq!(row_lens(&plan)[0], (1, 1, true), "the decode row runs every step");
+            chunks.push(row_lens(&plan)[1]);
+            s.apply(&plan, &outputs(&plan, 7, false)).unwrap();
+        }
+        assert_eq!(chunks, [vec![(2, BLOCK, false); 6], vec![(2, 2, true)]].concat());
+    }
+
+    #[test]
+    fn limited_chunks_still_end_on_the_planned_block_boundary() {
+        // T = 5.07 ms fits B = 21: 20 prefill tokens beside one decode token.
+        let mut s = limited(256, StepTarget::Seconds(0.00507));
+        start(&mut s, &[request(1, 3, 500)]);
+        let plan = s.schedule(Instant::now());
+        s.apply(&plan, &outputs(&plan, 7, false)).unwrap();
+        s.add(&request(2, 60, 4), &[]).unwrap();
+        s.admit();
+        s.restore(RequestId(2), 0, vec![48]).unwrap();
+        let mut chunks: Vec<(u64, usize, bool)> = Vec::new();
+        let mut planned_hits = Vec::new();
+        while chunks.last().is_none_or(|&(_, _, sampled)| !sampled) {
+            let plan = s.schedule(Instant::now());
+            chunks.push(row_lens(&plan)[1]);
+            let out = s.apply(&plan, &outputs(&plan, 7, false)).unwrap();
+            planned_hits.extend(out.boundaries.iter().filter(|h| h.id.0 == 2).map(|h| (h.tokens.len(), h.planned)));
+        }
+        assert_eq!(chunks, vec![(2, 20, false), (2, 20, false), (2, 8, false), (2, 12, true)]);
+        assert_eq!(planned_hits, vec![(48, true)], "the chunk that ended on 40 by chance is not reported");
+    }
+
+    /// xorshift64*: a deterministic stream for the random-mix test.
+    struct Rng(u64);
+
+    impl Rng {
+        fn below(&mut self, n: usize) -> usize {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 33) as usize % n.max(1)
+        }
+    }
+
+    #[test]
+    fn random_mixes_stay_within_the_target_unless_only_the_minimum_chunk_ran() {
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        for case in 0..200 {
+            let budget = 16 + rng.below(500);
+            let target = match rng.below(3) {
+                0 => StepTarget::Factor(1.0 + rng.below(30) as f64 / 10.0),
+                1 => StepTarget::Seconds(rng.below(20) as f64 * 1e-3),
+                _ => StepTarget::Factor(1.5),
+            };
+            let mut s = limited(budget, target);
+            let limit = s.step_time.clone().unwrap();
+            let requests: Vec<GenerateRequest> =
+                (0..1 + rng.below(12)).map(|i| request(i as u64, 1 + rng.below(400), 1 + rng.below(30))).collect();
+            for r in &requests {
+                s.add(r, &[]).unwrap();
+            }
+            let mut steps = 0;
+            while s.has_work() {
+                steps += 1;
+                assert!(steps < 10_000, "case {case}: the mix does not finish");
+                for id in s.admit() {
+                    s.restore(id, 0, Vec::new()).unwrap();
+                }
+                let slots: Vec<RequestId> = s.decode_slots().iter().map(|d| d.id).collect();
+                for id in slots {
+                    let drafts = (0..rng.below(9)).map(|t| 500 + t as TokenId).collect();
+                    s.set_drafts(id, drafts).unwrap();
+                }
+                let decoding: Vec<RequestId> = s.running.iter().filter(|q| q.output_len() > 0).map(|q| q.id).collect();
+                let prefilling = s.running.len() - decoding.len();
+                let plan = s.schedule(Instant::now());
+                let decode: usize = plan.rows.iter().filter(|r| decoding.contains(&r.id)).map(|r| r.tokens.len()).sum();
+                let prefill = plan.num_tokens() - decode;
+                assert!(plan.num_tokens() <= budget, "case {case}");
+                if decode > 0 && prefill > BLOCK {
+                    let (t, target) = (limit.predicted_seconds(plan.num_tokens()), limit.target_seconds(decode));
+                    assert!(t <= target, "case {case}: predicted {t} over the target {target}");
+                }
+                if prefilling > 0 && decode < budget && plan.rows.len() < 8 {
+                    assert!(prefill > 0, "case {case}: a waiting prompt did not advance");
+                }
+                s.apply(&plan, &outputs(&plan, 7, rng.below(2) == 0)).unwrap();
+            }
+        }
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! Engine-level tests: the real engine thread driving a `NullRunner` (wrapped to count what it is
-//! asked to compute and how many states are alive).
+//! asked to compute and how many states are alive), and the CPU k3-tiny where the model's own numbers
+//! must not change.
 
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -7,12 +8,18 @@ use std::time::Instant;
 use sparkd_kernels::null_runner::NullRunner;
 use sparkd_kernels::runner::{RowInput, RowOutput, SamplingParams};
 use sparkd_kernels::state::SeqState;
+use sparkd_kernels::synth::SyntheticWeights;
 use sparkd_kernels::{ModelConfig, Result as KResult, Runner, StateId, TokenId};
+use sparkd_spec::sps::SpsPoint;
+use sparkd_spec::SpsProfile;
 use tokio::sync::mpsc;
 
 use super::core::{spawn, Engine};
 use super::sessions::KeptSummary;
+use super::step_time::{StepTarget, StepTimeLimit};
 use super::types::*;
+use crate::config::speculation::{SpecMethod, SpeculationConfig};
+use crate::startup;
 
 /// What the wrapped runner saw.
 #[derive(Debug, Default)]
@@ -22,6 +29,7 @@ struct Seen {
     live_states: usize,
     forks: usize,
     imports: usize,
+    exports: usize,
     fail_next_step: bool,
 }
 
@@ -59,6 +67,7 @@ impl Runner for Probe {
         self.inner.state_bytes(id)
     }
     fn export_state(&self, id: StateId) -> KResult<SeqState> {
+        self.seen.lock().unwrap().exports += 1;
         self.inner.export_state(id)
     }
     fn import_state(&mut self, state: SeqState) -> KResult<StateId> {
@@ -357,6 +366,35 @@ fn chat_resend_restores_the_cached_prefix_and_prefills_only_the_suffix() {
 }
 
 #[test]
+fn a_kept_chain_s_later_turns_take_no_prefix_snapshots() {
+    let h = Harness::new(config());
+    let exports = || h.seen.lock().unwrap().exports;
+    let mut history = prompt(8, 100);
+    let mut turn1 = request(1, history.clone(), 40);
+    turn1.keep_as = Some(ResponseId("resp_c1".into()));
+    history.extend(collect(h.submit(turn1)).tokens);
+    h.settle();
+    let first = exports();
+    assert_eq!(first, 2, "the chain's first turn: its prompt's boundary 64, and 128 passed while decoding");
+    // Turn 2 passes the boundaries 192 (prompt) and 256 (decoding), and is kept: no snapshot.
+    let new_tokens = prompt(9, 100);
+    history.extend(&new_tokens);
+    let mut turn2 = request(2, new_tokens, 40);
+    (turn2.continue_from, turn2.keep_as) = (Some(ResponseId("resp_c1".into())), Some(ResponseId("resp_c2".into())));
+    let c = collect(h.submit(turn2));
+    assert_eq!(c.tokens, NullRunner::greedy_continuation(&history, 40));
+    assert_eq!(c.started, Some((history.len(), history.len() - 101)), "restored from the kept state");
+    h.settle();
+    assert_eq!(exports(), first);
+    // A continuation that is not kept still leaves its snapshots for a resend of the conversation.
+    let mut turn3 = request(3, prompt(10, 100), 40);
+    turn3.continue_from = Some(ResponseId("resp_c2".into()));
+    collect(h.submit(turn3));
+    h.settle();
+    assert_eq!(exports(), first + 2);
+}
+
+#[test]
 fn a_runner_failure_fails_that_step_and_the_engine_goes_on() {
     let h = Harness::new(config());
     h.seen.lock().unwrap().fail_next_step = true;
@@ -436,4 +474,78 @@ fn a_config_the_cli_would_have_rejected_is_an_internal_fault() {
     let err = spawn(Box::new(runner), None, EngineConfig { max_num_seqs: 0, ..config() }).unwrap_err();
     assert!(matches!(err, EngineError::Internal(ref m) if m.contains("max_num_seqs")), "{err}");
     assert_eq!(err.kind(), "internal");
+}
+
+/// `t(B) = 1 ms + B × 0.1 ms`.
+fn linear_costs() -> SpsProfile {
+    let point = |b: usize| SpsPoint { batch_tokens: b, steps_per_second: 1.0 / (0.001 + b as f64 * 1e-4) };
+    SpsProfile::from_points(vec![point(1), point(64)]).unwrap()
+}
+
+#[test]
+fn a_step_time_limit_chunks_prefill_beside_decode_rows_and_keeps_the_tokens() {
+    // Beside one decode token (1.1 ms, target 1.65 ms) 5 prompt tokens fit, so the minimum chunk of 8 runs.
+    let limit = StepTimeLimit::new(linear_costs(), StepTarget::Factor(1.5), 8);
+    let (short, long) = (prompt(1, 3), prompt(2, 200));
+    let run = |step_time: Option<StepTimeLimit>| {
+        let h = Harness::new(EngineConfig { step_time, ..config() });
+        // The decoding request outlives the long prompt's prefill by far, whenever the prompt arrives.
+        let decoding = h.submit(request(1, short.clone(), 1000));
+        let prefilling = h.submit(request(2, long.clone(), 5));
+        let tokens = (collect(decoding).tokens, collect(prefilling).tokens);
+        let big_steps = h.seen.lock().unwrap().step_tokens.iter().filter(|&&n| n > 9).count();
+        (tokens, big_steps)
+    };
+    let (limited, limited_big) = run(Some(limit));
+    let (free, free_big) = run(None);
+    assert_eq!(limited.0, NullRunner::greedy_continuation(&short, 1000));
+    assert_eq!(limited.1, NullRunner::greedy_continuation(&long, 5));
+    assert_eq!(limited, free, "the limit changes how prompts are chunked, never the tokens");
+    assert!(limited_big <= 1, "only a step without decode rows exceeds 1 + 8 tokens ({limited_big})");
+    assert!(free_big >= 3, "without a limit the prompt takes 63-token chunks ({free_big})");
+}
+
+/// Greedy tokens of `requests` (prompt, max_tokens) run concurrently on the CPU k3-tiny with `spec` and
+/// `step_time`, under a budget of 16 tokens (every window at most 16 tokens, where a window's forward
+/// equals token-by-token decoding bit for bit).
+fn cpu_greedy(
+    requests: &[(Vec<TokenId>, usize)],
+    spec: &SpeculationConfig,
+    step_time: Option<StepTimeLimit>,
+) -> Vec<Vec<TokenId>> {
+    let model = ModelConfig::preset("k3-tiny").unwrap();
+    let mut runner = startup::cpu_runner(&model, &SyntheticWeights::new(model.clone(), 5), spec, None, "k3-tiny")
+        .expect("cpu runner");
+    let speculation = startup::speculation(spec, runner.as_mut(), 16).expect("speculation composes");
+    let config = EngineConfig { max_num_batched_tokens: 16, max_num_seqs: 4, step_time, ..EngineConfig::default() };
+    let engine = spawn(runner, speculation, config).unwrap();
+    let handle = engine.handle();
+    let receivers: Vec<_> = requests
+        .iter()
+        .enumerate()
+        .map(|(i, (p, n))| {
+            let (tx, rx) = mpsc::channel(4);
+            let request = GenerateRequest { ignore_eos: true, ..request(i as u64, p.clone(), *n) };
+            handle.blocking_send(EngineCommand::Generate { request, events: tx }).unwrap();
+            rx
+        })
+        .collect();
+    let tokens = receivers.into_iter().map(|rx| collect(rx).tokens).collect();
+    engine.shutdown();
+    tokens
+}
+
+#[test]
+fn cpu_greedy_output_is_unchanged_by_the_step_time_limit_and_dspark() {
+    // Request 0 decodes while 1 and 2 prefill in 4-token chunks (the target is the decode rows' own time);
+    // the reference is spec off without a limit (16-token chunks).
+    let limit = StepTimeLimit::new(linear_costs(), StepTarget::Factor(1.0), 4);
+    let cpu_prompt = |len: u32, salt: u32| (0..len).map(|i| (i * 7919 + salt * 104_729 + 13) % 100_000).collect();
+    let requests: Vec<(Vec<TokenId>, usize)> =
+        vec![(cpu_prompt(5, 0), 12), (cpu_prompt(21, 1), 4), (cpu_prompt(13, 2), 4)];
+    let off = SpeculationConfig::default();
+    let reference = cpu_greedy(&requests, &off, None);
+    assert!(reference.iter().zip(&requests).all(|(t, (_, n))| t.len() == *n));
+    let dspark = SpeculationConfig { method: SpecMethod::Dspark, num_spec_tokens: 7, ..SpeculationConfig::default() };
+    assert_eq!(cpu_greedy(&requests, &dspark, Some(limit)), reference, "dspark, ℓ = 7");
 }

@@ -26,6 +26,7 @@ use sparkd_kernels::{KernelError, TokenId};
 use tokio::sync::{mpsc, oneshot};
 
 use super::sessions::{KeptSummary, KeptView};
+use super::step_time::StepTimeLimit;
 
 /// Unique id of one generation request (assigned by the API layer).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -226,6 +227,9 @@ pub struct EngineConfig {
     pub kept_responses_bytes: usize,
     /// Host bytes for prefix-cache snapshots (0 disables the prefix cache).
     pub prefix_cache_bytes: usize,
+    /// Holds steps that have decode rows to a predicted step time (`--decode-step-target`); `None`:
+    /// prefill chunks take what `max_num_batched_tokens` leaves.
+    pub step_time: Option<StepTimeLimit>,
 }
 
 impl Default for EngineConfig {
@@ -238,6 +242,7 @@ impl Default for EngineConfig {
             host_budget_bytes: DEFAULT_HOST_BUDGET_BYTES,
             kept_responses_bytes: DEFAULT_KEPT_RESPONSES_BYTES,
             prefix_cache_bytes: DEFAULT_PREFIX_CACHE_BYTES,
+            step_time: None,
         }
     }
 }
