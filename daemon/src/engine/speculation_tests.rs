@@ -318,14 +318,20 @@ fn cpu_greedy_output_is_unchanged_by_dspark_hybrid_and_suffix() {
     let off = SpeculationConfig::default();
     let reference: Vec<Vec<TokenId>> =
         Harness::new(cpu_runner(&off), off, 16).run(&requests).into_iter().map(|o| o.tokens).collect();
-    for (method, len) in [(SpecMethod::Dspark, 8), (SpecMethod::Hybrid, 3)] {
-        let cfg = spec(method, len);
+    let runs = [
+        (SpecMethod::Dspark, 8, SpecBudget::Static),
+        (SpecMethod::Hybrid, 3, SpecBudget::Static),
+        (SpecMethod::Dspark, 7, SpecBudget::Production),
+        (SpecMethod::Hybrid, 7, SpecBudget::Production),
+    ];
+    for (method, len, budget) in runs {
+        let cfg = SpeculationConfig { budget, ..spec(method, len) };
         let outcomes = Harness::new(cpu_runner(&cfg), cfg, 16).run(&requests);
         for (o, want) in outcomes.iter().zip(&reference) {
-            assert!(o.failed.is_none(), "{method:?}: {:?}", o.failed);
-            assert_eq!(&o.tokens, want, "{method:?} ℓ={len}");
+            assert!(o.failed.is_none(), "{method:?} {budget:?}: {:?}", o.failed);
+            assert_eq!(&o.tokens, want, "{method:?} ℓ={len} {budget:?}");
         }
-        if method == SpecMethod::Dspark {
+        if (method, budget) == (SpecMethod::Dspark, SpecBudget::Static) {
             assert!(outcomes.iter().all(|o| !o.rounds.is_empty()), "DSpark drafts every decode step");
         }
     }
