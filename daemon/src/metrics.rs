@@ -87,6 +87,13 @@ pub const SPEC_DECODE_MEAN_ACCEPTANCE_LENGTH: &str = "sparkd:spec_decode_mean_ac
 pub const SPEC_DECODE_NUM_SYNTHETIC_DRAFTS_TOTAL: &str = "sparkd:spec_decode_num_synthetic_drafts_total";
 /// Gauge: the forced mean acceptance length (`--spec-synthetic-al`), 0 when acceptance is not forced.
 pub const SPEC_DECODE_FORCED_ACCEPTANCE_LENGTH: &str = "sparkd:spec_decode_forced_acceptance_length";
+/// Counter: decode steps whose model-drafting round the drafting gate skipped (drafts could not pay).
+pub const SPEC_DECODE_GATED_STEPS_TOTAL: &str = "sparkd:spec_decode_gated_steps_total";
+/// Counter: model-drafting rounds made as probes while the gate was skipping (to see acceptance come back).
+pub const SPEC_DECODE_PROBES_TOTAL: &str = "sparkd:spec_decode_probes_total";
+/// Gauge: the acceptance length the drafting gate expects of a model draft, `1 + Σ_j ē_j` over the calibrated
+/// survivals of a typical draft (0 until the gate has judged a step).
+pub const SPEC_DECODE_CALIBRATED_ACCEPTANCE_LENGTH: &str = "sparkd:spec_decode_calibrated_acceptance_length";
 /// Gauge: 1 / P90 of per-request mean ITL over the recent window ([`InteractivityWindow`]), tokens/s/user.
 pub const INTERACTIVITY_P90_TOKENS_PER_SECOND: &str = "sparkd:interactivity_p90_tokens_per_second";
 /// Histogram: seconds per engine step that emitted tokens (one sample per step per request).
@@ -238,6 +245,17 @@ pub const ALL_METRICS: &[MetricDef] = &[
         "Verify rounds whose acceptance was forced (synthetic acceptance length; the text is not the model's).",
     ),
     def(SPEC_DECODE_FORCED_ACCEPTANCE_LENGTH, Gauge, "Forced mean acceptance length, 0 when acceptance is not forced."),
+    def(
+        SPEC_DECODE_GATED_STEPS_TOTAL,
+        Counter,
+        "Decode steps whose model-drafting round was skipped because drafting was not expected to pay.",
+    ),
+    def(SPEC_DECODE_PROBES_TOTAL, Counter, "Model-drafting rounds made as probes while drafting was being skipped."),
+    def(
+        SPEC_DECODE_CALIBRATED_ACCEPTANCE_LENGTH,
+        Gauge,
+        "Acceptance length the drafting gate expects of a model draft (calibrated survivals), 0 before its first judgement.",
+    ),
     def(
         INTERACTIVITY_P90_TOKENS_PER_SECOND,
         Gauge,

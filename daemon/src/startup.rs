@@ -13,7 +13,8 @@
 //! - A setting the runner cannot honour (a drafter or forced acceptance on the null runner, a method that
 //!   needs a drafter on a runner without one, a missing `MODEL/drafter` folder) is an error naming the flag
 //!   before anything serves.
-//! - The SPS(B) measurement steps only states it allocates, and frees every one of them.
+//! - The SPS(B) and draft-cost measurements step and draft only states they allocate, and free every one of
+//!   them.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -25,13 +26,16 @@ use sparkd_kernels::cpu::CpuRunner;
 use sparkd_kernels::cuda::CudaRunner;
 use sparkd_kernels::dspark::{DrafterConfig, DrafterSource, DRAFTER_DIR};
 use sparkd_kernels::null_runner::NullRunner;
-use sparkd_kernels::runner::{RowInput, SampleRequest, SamplingParams, TokenMask};
+use sparkd_kernels::runner::{DraftRequest, RowInput, SampleRequest, SamplingParams, TokenMask};
 use sparkd_kernels::synth::SyntheticWeights;
 use sparkd_kernels::tensor::WeightSource;
 use sparkd_kernels::{KernelError, ModelConfig, Runner, StateId, TokenId};
 use sparkd_spec::ngram::{NgramConfig, NgramProposer};
 use sparkd_spec::suffix::{SuffixConfig, SuffixProposer};
-use sparkd_spec::{BudgetPolicy, HybridProposer, HybridRule, ModelDrafts, ProductionBudget, Proposer, SpsProfile};
+use sparkd_spec::{
+    BudgetPolicy, DraftGate, DraftPoint, HybridProposer, HybridRule, ModelDrafts, ProductionBudget, Proposer,
+    SpsProfile,
+};
 use sparkd_tokenizer::{ChatTemplate, Tokenizer};
 
 use crate::config::speculation::{describe, SpecBudget, SpecMethod, SpecSettingError, SpeculationConfig};
@@ -45,6 +49,10 @@ pub const BUILTIN_SEED: u64 = 0;
 pub const BUILTIN_DRAFTER_SEED: u64 = 0;
 /// Batch sizes (tokens) at which SPS(B) is measured at start-up, capped by the step token budget.
 pub const SPS_BATCH_SIZES: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
+/// Row counts at which the drafter's cost per round is measured at start-up, capped by the step token budget.
+pub const DRAFT_ROW_COUNTS: [usize; 3] = [1, 8, 32];
+/// Context tokens each draft-cost measurement state is given before it is drafted for.
+const DRAFT_CONTEXT_TOKENS: usize = 8;
 
 /// What `sparkd serve` serves: everything the engine and the API are started with.
 pub struct Served {
@@ -276,7 +284,9 @@ fn restrict_to_tokenizer(runner: &mut dyn Runner, tokenizer: &Tokenizer, cfg: &M
 
 /// The proposer and verify budget of `spec` on `runner` (`None` with speculation off): the method's
 /// proposer (DSpark and the hybrid draft with the runner's drafter, which must be attached), and the budget,
-/// over SPS(B) measured on `runner` up to `max_batch_tokens` when a load-aware budget has no loaded profile.
+/// over SPS(B) measured on `runner` up to `max_batch_tokens` when a load-aware budget has no loaded profile,
+/// with the drafter's cost measured too when the method drafts with the model and the profile has no draft
+/// table. A model-drafting method with a load-aware budget and real acceptance also gets the drafting gate.
 pub fn speculation(
     spec: &SpeculationConfig,
     runner: &mut dyn Runner,
@@ -288,6 +298,8 @@ pub fn speculation(
     let drafter_block =
         || block.ok_or_else(|| bad(format!("{} needs a runner with a DSpark drafter", spec.method.as_str())));
     let suffix = || SuffixProposer::new(SuffixConfig::default()).map_err(|e| bad(e.to_string()));
+    // Draft tokens per model-drafted row (DSpark: ℓ; the hybrid: ℓ within γ); 0 without model drafts.
+    let mut draft_len = 0;
     let proposer: Box<dyn Proposer> = match spec.method {
         SpecMethod::Off => return Ok(None),
         SpecMethod::Suffix => Box::new(suffix()?),
@@ -295,30 +307,48 @@ pub fn speculation(
         // DSpark drafts its request's ℓ; the hybrid's model drafts are DSpark blocks of γ.
         SpecMethod::Dspark => {
             drafter_block()?;
+            draft_len = spec.num_spec_tokens;
             Box::new(ModelDrafts::new("dspark"))
         }
         SpecMethod::Hybrid => {
-            let model = ModelDrafts::new("dspark").with_max_block(drafter_block()?);
+            let block = drafter_block()?;
+            draft_len = spec.num_spec_tokens.min(block);
+            let model = ModelDrafts::new("dspark").with_max_block(block);
             Box::new(HybridProposer::new(suffix()?, Box::new(model), HybridRule::ModelExpected))
         }
     };
     let mut profile = || -> Result<SpsProfile> {
-        match &spec.sps_profile {
-            Some(p) => Ok(p.clone()),
+        let p = match &spec.sps_profile {
+            Some(p) => p.clone(),
             None => {
                 let p = measure_sps(runner, max_batch_tokens).context("measuring SPS(B) for the verify budget")?;
                 tracing::info!(profile = %p.to_json(), "measured SPS(B) for the verify budget");
-                Ok(p)
+                p
             }
+        };
+        if draft_len == 0 || !p.draft_points().is_empty() {
+            return Ok(p);
         }
+        let draft = measure_draft_cost(runner, max_batch_tokens, draft_len)
+            .context("measuring the drafter's cost for the verify budget")?;
+        tracing::info!(draft = ?draft, "measured the drafter's cost per round for the verify budget");
+        Ok(p.with_draft_cost(draft)?)
     };
     let budget = match spec.budget {
         SpecBudget::Static if spec.threshold > 0.0 => BudgetPolicy::StaticThreshold(spec.threshold),
         SpecBudget::Static => BudgetPolicy::Full,
         SpecBudget::Dspark => BudgetPolicy::Dspark(profile()?),
-        SpecBudget::Production => BudgetPolicy::Production(ProductionBudget::new(profile()?, 0.0)),
+        SpecBudget::Production => BudgetPolicy::Production(ProductionBudget::new(profile()?)),
     };
-    Ok(Some(Speculation { proposer, budget, num_spec_tokens: spec.num_spec_tokens, synthetic: spec.synthetic.clone() }))
+    let gated = draft_len > 0 && spec.synthetic.is_none();
+    let gate = budget.profile().filter(|_| gated).cloned().map(DraftGate::new);
+    Ok(Some(Speculation {
+        proposer,
+        budget,
+        num_spec_tokens: spec.num_spec_tokens,
+        synthetic: spec.synthetic.clone(),
+        gate,
+    }))
 }
 
 /// Measures SPS(B) on `runner` at the sizes of [`SPS_BATCH_SIZES`] up to `max_batch_tokens`: each
@@ -356,6 +386,63 @@ fn time_step(runner: &mut dyn Runner, states: &[StateId], batch_tokens: usize) -
     Ok(best.max(Duration::from_nanos(1)))
 }
 
+/// Measures the drafter's cost per round on `runner` at the row counts of [`DRAFT_ROW_COUNTS`] up to
+/// `max_rows`: each count is one greedy draft of `draft_len` tokens per row over fresh states given a short
+/// context (a warm-up, then the faster of two timed rounds). Every state it makes is freed.
+pub fn measure_draft_cost(
+    runner: &mut dyn Runner,
+    max_rows: usize,
+    draft_len: usize,
+) -> Result<Vec<DraftPoint>, KernelError> {
+    let counts: Vec<usize> = DRAFT_ROW_COUNTS.iter().copied().filter(|&r| r <= max_rows.max(1)).collect();
+    let rows = counts.last().copied().unwrap_or(1);
+    let states = (0..rows).map(|_| runner.alloc_state()).collect::<Result<Vec<StateId>, _>>()?;
+    let result = give_context(runner, &states, max_rows).and_then(|()| {
+        SpsProfile::measure_draft(&counts, |n| time_draft(runner, &states[..n], draft_len))
+            .map_err(|e| KernelError::InvalidInput(e.to_string()))
+    });
+    for s in states {
+        runner.free_state(s)?;
+    }
+    result
+}
+
+/// Prefills [`DRAFT_CONTEXT_TOKENS`] tokens into every state, in steps of at most `max_batch_tokens` tokens.
+fn give_context(runner: &mut dyn Runner, states: &[StateId], max_batch_tokens: usize) -> Result<(), KernelError> {
+    let per_step = (max_batch_tokens / DRAFT_CONTEXT_TOKENS).max(1);
+    for chunk in states.chunks(per_step) {
+        let rows: Vec<RowInput> = chunk
+            .iter()
+            .enumerate()
+            .map(|(r, &state)| {
+                let tokens = (0..DRAFT_CONTEXT_TOKENS).map(|i| (1000 + 37 * r + i) as TokenId).collect();
+                RowInput { state, tokens, sample: None }
+            })
+            .collect();
+        runner.step(&rows)?;
+    }
+    Ok(())
+}
+
+/// The best of two timed drafter rounds of `draft_len` tokens for every state of `states` (after one warm-up).
+fn time_draft(runner: &mut dyn Runner, states: &[StateId], draft_len: usize) -> Result<Duration, KernelError> {
+    let requests: Vec<DraftRequest> = states
+        .iter()
+        .map(|&state| DraftRequest { state, anchor: 1000, num_drafts: draft_len, params: SamplingParams::greedy() })
+        .collect();
+    let mut best = Duration::MAX;
+    for rep in 0..3 {
+        let mut drafter =
+            runner.model_drafter().ok_or_else(|| KernelError::InvalidInput("the runner has no drafter".into()))?;
+        let start = Instant::now();
+        drafter.draft(&requests)?;
+        if rep > 0 {
+            best = best.min(start.elapsed());
+        }
+    }
+    Ok(best)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -382,5 +469,21 @@ mod tests {
         let sizes: Vec<usize> = p.points().iter().map(|p| p.batch_tokens).collect();
         assert_eq!(sizes, vec![1, 2, 4, 8, 16]);
         assert_eq!(r.num_states(), 0);
+    }
+
+    #[test]
+    fn the_drafters_cost_is_measured_per_row_count_and_frees_its_states() {
+        let cfg = ModelConfig::preset("k3-tiny").unwrap();
+        let spec = SpeculationConfig { method: SpecMethod::Dspark, num_spec_tokens: 4, ..SpeculationConfig::default() };
+        let mut runner = cpu_runner(&cfg, &SyntheticWeights::new(cfg.clone(), 1), &spec, None, "k3-tiny").unwrap();
+        let table = measure_draft_cost(runner.as_mut(), 16, 4).unwrap();
+        let rows: Vec<usize> = table.iter().map(|p| p.rows).collect();
+        assert_eq!(rows, vec![1, 8]);
+        assert!(table.iter().all(|p| p.seconds > 0.0), "{table:?}");
+        let after = runner.alloc_state().unwrap();
+        assert!((1..after.0).all(|id| runner.state_len(StateId(id)).is_err()), "every measurement state is freed");
+        let mut null = NullRunner::new(cfg);
+        assert!(measure_draft_cost(&mut null, 16, 4).is_err(), "no drafter, no draft cost");
+        assert_eq!(null.num_states(), 0);
     }
 }

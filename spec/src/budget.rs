@@ -6,8 +6,9 @@
 //!   estimate `Θ = τ·SPS(B)` strictly improves, and stop at the first candidate that does not.
 //! - [`ProductionBudget`]: DSpark §5.2 as vLLM implements it (`adaptive_verification.py`): the
 //!   capacity K is the global argmax over k of `E(k) / C(k)` with no early stop, computed from the
-//!   survivals of two steps earlier; the K slots go to the current step's top-K candidates with the
-//!   (request, position) index tie-break.
+//!   survivals of two steps earlier, where `C(k)` includes the model drafter's measured cost for the
+//!   step's model-drafted rows ([`SpsProfile::draft_seconds`]); the K slots go to the current step's
+//!   top-K candidates with the (request, position) index tie-break.
 //! - [`threshold_schedule`]: keep the positions whose survival is at least a static threshold.
 //!
 //! Invariants (the property tests below check them):
@@ -15,10 +16,12 @@
 //!   `c_{r,1..j}` and on other requests, never on `c_{r,>j}` (which depends on the token at j) and
 //!   never on token values. That is what keeps verification lossless (DSpark Appendix A).
 //! - Every request gets a prefix of its draft, of length at most its [`BudgetRow::cap`].
+//! - The same holds over calibrated drafts (`crate::calibration`), whose survivals depend only on
+//!   `c_{r,≤j}` and on earlier rounds: the property tests run every policy over them too.
 
 use std::collections::VecDeque;
 
-use crate::draft::Draft;
+use crate::draft::{Draft, DraftSource};
 use crate::sps::SpsProfile;
 
 /// One request's input to a budget decision.
@@ -105,48 +108,55 @@ pub fn allocate_top_k(rows: &[BudgetRow<'_>], capacity: usize) -> Vec<usize> {
     lengths
 }
 
+/// The best verify capacity over candidate survivals `sorted` (descending) for `requests` rows that
+/// each feed one token: `(K, E(K) / C(K))` with K = argmax_k E(k) / C(k) (smallest k on ties),
+/// E(k) = requests + Σ top-k survivals and C(k) = draft_seconds + step_seconds(requests + k).
+pub fn best_capacity(sorted: &[f64], requests: usize, draft_seconds: f64, sps: &SpsProfile) -> (usize, f64) {
+    let rate = |k: usize, expected: f64| expected / (draft_seconds + sps.step_seconds(requests + k));
+    let mut expected = requests as f64;
+    let (mut best_k, mut best) = (0, rate(0, expected));
+    for (i, a) in sorted.iter().enumerate() {
+        expected += a;
+        let r = rate(i + 1, expected);
+        if r > best {
+            best = r;
+            best_k = i + 1;
+        }
+    }
+    (best_k, best)
+}
+
 /// The production budget: stale capacity, current top-K allocation.
 #[derive(Clone, Debug)]
 pub struct ProductionBudget {
+    /// SPS(B) and the drafter's cost per round (shifts the argmax of E/C toward larger k).
     sps: SpsProfile,
-    /// Drafter seconds per step (constant in k; it shifts the argmax of E/C).
-    draft_seconds: f64,
     /// Capped survivals of the last two steps, oldest first.
     history: VecDeque<Vec<Vec<f64>>>,
 }
 
 impl ProductionBudget {
-    pub fn new(sps: SpsProfile, draft_seconds: f64) -> Self {
-        ProductionBudget { sps, draft_seconds: draft_seconds.max(0.0), history: VecDeque::new() }
+    pub fn new(sps: SpsProfile) -> Self {
+        ProductionBudget { sps, history: VecDeque::new() }
     }
 
-    /// K = argmax_k E(k) / C(k) over the survivals `snapshot` (smallest k on ties), with
-    /// E(k) = requests + Σ top-k survivals and C(k) = draft_seconds + step_seconds(requests + k).
-    pub fn capacity(&self, snapshot: &[Vec<f64>], requests: usize) -> usize {
+    /// K = argmax_k E(k) / C(k) over the survivals `snapshot` ([`best_capacity`]), with the drafter's
+    /// cost for `model_rows` drafted rows.
+    pub fn capacity(&self, snapshot: &[Vec<f64>], requests: usize, model_rows: usize) -> usize {
         let mut all: Vec<f64> = snapshot.iter().flatten().copied().filter(|&a| a > 0.0).collect();
         all.sort_by(|x, y| y.total_cmp(x));
-        let rate = |k: usize, expected: f64| expected / (self.draft_seconds + self.sps.step_seconds(requests + k));
-        let mut expected = requests as f64;
-        let (mut best_k, mut best) = (0, rate(0, expected));
-        for (i, a) in all.iter().enumerate() {
-            expected += a;
-            let r = rate(i + 1, expected);
-            if r > best {
-                best = r;
-                best_k = i + 1;
-            }
-        }
-        best_k
+        best_capacity(&all, requests, self.sps.draft_seconds(model_rows), &self.sps).0
     }
 
     /// Verify lengths for this step. The capacity uses the survivals recorded two calls earlier (at
-    /// start-up, the oldest available, or this step's when there is none); the allocation uses this
-    /// step's.
+    /// start-up, the oldest available, or this step's when there is none) and this step's count of
+    /// model drafts; the allocation uses this step's survivals.
     pub fn plan(&mut self, rows: &[BudgetRow<'_>]) -> Vec<usize> {
         let (survivals, caps) = survivals_and_caps(rows);
         let capped: Vec<Vec<f64>> = survivals.iter().zip(&caps).map(|(a, &cap)| a[..cap].to_vec()).collect();
+        let model_rows = rows.iter().filter(|r| r.draft.source() == DraftSource::Model && !r.draft.is_empty()).count();
         let snapshot = self.history.front().unwrap_or(&capped);
-        let capacity = self.capacity(snapshot, rows.len());
+        let capacity = self.capacity(snapshot, rows.len(), model_rows);
         self.history.push_back(capped);
         while self.history.len() > 2 {
             self.history.pop_front();
@@ -166,6 +176,20 @@ pub enum BudgetPolicy {
 }
 
 impl BudgetPolicy {
+    /// Whether the policy weighs survivals against SPS(B) (and so runs over calibrated survivals).
+    pub fn is_load_aware(&self) -> bool {
+        matches!(self, BudgetPolicy::Dspark(_) | BudgetPolicy::Production(_))
+    }
+
+    /// The SPS(B) profile of a load-aware policy.
+    pub fn profile(&self) -> Option<&SpsProfile> {
+        match self {
+            BudgetPolicy::Dspark(sps) => Some(sps),
+            BudgetPolicy::Production(p) => Some(&p.sps),
+            BudgetPolicy::Full | BudgetPolicy::StaticThreshold(_) => None,
+        }
+    }
+
     pub fn plan(&mut self, rows: &[BudgetRow<'_>]) -> Vec<usize> {
         match self {
             BudgetPolicy::Full => rows.iter().map(|r| r.cap.min(r.draft.len())).collect(),
@@ -179,7 +203,8 @@ impl BudgetPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sps::SpsPoint;
+    use crate::calibration::Calibration;
+    use crate::sps::{DraftPoint, SpsPoint};
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
@@ -205,6 +230,23 @@ mod tests {
 
     fn random_drafts(rng: &mut ChaCha8Rng, n: usize, gamma: usize) -> Vec<Draft> {
         (0..n).map(|_| draft(&(0..gamma).map(|_| rng.gen_range(0.0..1.0)).collect::<Vec<_>>())).collect()
+    }
+
+    /// A calibration learned from `rounds` random verified drafts with random outcomes.
+    fn random_calibration(rng: &mut ChaCha8Rng, rounds: usize) -> Calibration {
+        let mut cal = Calibration::default();
+        for _ in 0..rounds {
+            let len = rng.gen_range(1..8);
+            let survival = random_drafts(rng, 1, len)[0].survival();
+            cal.observe(&survival, rng.gen_range(0..=len));
+            cal.next_round();
+        }
+        cal
+    }
+
+    /// The drafts as the engine hands them to a load-aware budget: calibrated.
+    fn calibrated(cal: &Calibration, drafts: &[Draft]) -> Vec<Draft> {
+        drafts.iter().map(|d| cal.apply(d)).collect()
     }
 
     #[test]
@@ -270,6 +312,10 @@ mod tests {
             assert_eq!(dspark_schedule(&rows(&a, 7), &sps), dspark_schedule(&rows(&b, 7), &sps));
             assert_eq!(allocate_top_k(&rows(&a, 7), 9), allocate_top_k(&rows(&b, 7), 9));
             assert_eq!(threshold_schedule(&rows(&a, 7), 0.3), threshold_schedule(&rows(&b, 7), 0.3));
+            let cal = random_calibration(&mut rng, 20);
+            let (ca, cb) = (calibrated(&cal, &a), calibrated(&cal, &b));
+            assert_eq!(dspark_schedule(&rows(&ca, 7), &sps), dspark_schedule(&rows(&cb, 7), &sps), "calibrated");
+            assert_eq!(allocate_top_k(&rows(&ca, 7), 9), allocate_top_k(&rows(&cb, 7), 9), "calibrated");
         }
     }
 
@@ -299,6 +345,22 @@ mod tests {
             let k = rng.gen_range(0..20);
             assert_eq!(admitted(&allocate_top_k(&r1, k)), admitted(&allocate_top_k(&r2, k)), "top-K");
             assert_eq!(admitted(&threshold_schedule(&r1, 0.2)), admitted(&threshold_schedule(&r2, 0.2)), "threshold");
+            // Calibrated survivals (learned from earlier rounds only) under Algorithm 1 and the
+            // production budget past its first two steps.
+            let cal = random_calibration(&mut rng, trial % 40);
+            let (c1, c2) = (calibrated(&cal, &drafts), calibrated(&cal, &other));
+            let (r1, r2) = (rows(&c1, 7), rows(&c2, 7));
+            assert_eq!(
+                admitted(&dspark_schedule(&r1, &sps)),
+                admitted(&dspark_schedule(&r2, &sps)),
+                "calibrated Alg. 1"
+            );
+            let mut production = ProductionBudget::new(sps.clone());
+            for _ in 0..2 {
+                production.plan(&rows(&calibrated(&cal, &random_drafts(&mut rng, drafts.len(), 7)), 7));
+            }
+            let mut twin = production.clone();
+            assert_eq!(admitted(&production.plan(&r1)), admitted(&twin.plan(&r2)), "calibrated production");
         }
     }
 
@@ -306,7 +368,8 @@ mod tests {
     fn budgets_respect_caps_and_admit_prefixes() {
         let mut rng = ChaCha8Rng::seed_from_u64(13);
         let sps = roofline();
-        let mut production = ProductionBudget::new(sps.clone(), 0.001);
+        let draft_cost = vec![DraftPoint { rows: 1, seconds: 0.001 }];
+        let mut production = ProductionBudget::new(sps.clone().with_draft_cost(draft_cost).unwrap());
         for _ in 0..200 {
             let drafts = random_drafts(&mut rng, 5, 7);
             let caps: Vec<usize> = (0..5).map(|_| request_cap(7, rng.gen_range(0..9), rng.gen_range(0..9))).collect();
@@ -331,10 +394,10 @@ mod tests {
         let sps = profile(&[(1, 100.0), (2, 50.0), (16, 10.0)]);
         let confident = [draft(&[0.99; 7]), draft(&[0.99; 7])];
         let hopeless = [draft(&[0.01; 7]), draft(&[0.01; 7])];
-        let mut p = ProductionBudget::new(sps, 0.0);
-        let full = p.capacity(&[vec![0.99; 7], vec![0.99; 7]], 2);
+        let mut p = ProductionBudget::new(sps);
+        let full = p.capacity(&[vec![0.99; 7], vec![0.99; 7]], 2, 2);
         assert!(full > 0);
-        assert_eq!(p.capacity(&[vec![0.01; 7], vec![0.01; 7]], 2), 0);
+        assert_eq!(p.capacity(&[vec![0.01; 7], vec![0.01; 7]], 2, 2), 0);
         // Steps 1 and 2 are confident, step 3 is hopeless but its budget comes from step 1.
         p.plan(&rows(&confident, 7));
         p.plan(&rows(&confident, 7));
@@ -343,6 +406,25 @@ mod tests {
         // Steps 4 (stale: step 2, confident) and 5 (stale: step 3, hopeless).
         p.plan(&rows(&hopeless, 7));
         assert_eq!(p.plan(&rows(&confident, 7)), vec![0, 0]);
+    }
+
+    #[test]
+    fn the_drafters_cost_counts_for_model_drafts_only_and_favours_longer_verification() {
+        // Verify cost grows linearly (1 ms + 0.2 ms per token); survivals 0.5, 0.25, 0.125, ...: free, K <= 2;
+        // after a 10 ms draft, K = 4 (K = 1 and 2 tie without one).
+        let sps = profile(&[(1, 1000.0), (101, 1.0 / 0.021)]);
+        let with_cost = |s: f64| sps.clone().with_draft_cost(vec![DraftPoint { rows: 1, seconds: s }]).unwrap();
+        let snapshot = [draft(&[0.5; 7]).survival()];
+        let free = ProductionBudget::new(with_cost(0.0)).capacity(&snapshot, 1, 1);
+        let costly = ProductionBudget::new(with_cost(0.01)).capacity(&snapshot, 1, 1);
+        assert!(free < costly, "a paid-for draft is worth verifying further: {free} vs {costly}");
+        assert_eq!(ProductionBudget::new(with_cost(0.01)).capacity(&snapshot, 1, 0), free, "no model rows, no cost");
+        let mut p = ProductionBudget::new(with_cost(0.01));
+        assert!(free <= 2 && costly == 4, "{free} {costly}");
+        let model = [draft(&[0.5; 7]).with_source(DraftSource::Model)];
+        let suffix = [draft(&[0.5; 7])];
+        assert_eq!(p.plan(&rows(&model, 7)), vec![costly]);
+        assert_eq!(p.clone().plan(&rows(&suffix, 7)), vec![free]);
     }
 
     #[test]

@@ -108,6 +108,21 @@ impl Draft {
         self.survival().iter().sum()
     }
 
+    /// The same tokens and source with prefix survivals `survival` (one per token, in [0, 1] and
+    /// non-increasing; clamped where they are not): the conditional confidences become their ratios.
+    pub(crate) fn with_survival(&self, survival: &[f64]) -> Draft {
+        let mut previous = 1.0f64;
+        let confidences = survival
+            .iter()
+            .map(|&a| {
+                let c = if previous > 0.0 { (a / previous).clamp(0.0, 1.0) } else { 0.0 };
+                previous = a.clamp(0.0, previous);
+                c
+            })
+            .collect();
+        Draft { tokens: self.tokens.clone(), confidences, source: self.source }
+    }
+
     /// Keeps the first `len` tokens.
     pub fn truncate(&mut self, len: usize) {
         self.tokens.truncate(len);

@@ -11,6 +11,10 @@
 //!   runner and hands the same schedule to the engine, so the engine flags exactly the rounds the runner forced.
 //! - The per-request override (`speculation.num_tokens`) can only lower ℓ: it is capped by
 //!   `num_spec_tokens`, the server's maximum.
+//! - Without `--spec-budget` the budget follows the method: `production` for the model-drafting methods
+//!   (`dspark`, `hybrid`: DSpark §5.2, so drafts that will not pay are not verified and drafter rounds that
+//!   cannot pay are skipped), `static` for the model-free ones and whenever `--spec-synthetic-al` or
+//!   `--spec-threshold` asks for a fixed rule.
 
 use std::path::PathBuf;
 
@@ -93,9 +97,10 @@ pub struct SpecArgs {
     /// are still made and emitted, but accepted by a fixed schedule; output is flagged synthetic.
     #[arg(long, value_name = "AL")]
     pub spec_synthetic_al: Option<f64>,
-    /// Verify budget policy.
-    #[arg(long, value_enum, default_value_t = SpecBudget::Static)]
-    pub spec_budget: SpecBudget,
+    /// Verify budget policy (default: production for dspark and hybrid, static for suffix and ngram and
+    /// with --spec-synthetic-al or --spec-threshold).
+    #[arg(long, value_enum)]
+    pub spec_budget: Option<SpecBudget>,
     /// Survival-probability threshold of `--spec-budget static`, in [0, 1].
     #[arg(long, default_value_t = 0.0)]
     pub spec_threshold: f64,
@@ -119,13 +124,23 @@ pub struct SpeculationConfig {
 }
 
 impl SpecArgs {
+    /// `--spec-budget`, or the method's default when it is not given.
+    fn budget(&self) -> SpecBudget {
+        match self.spec_budget {
+            Some(budget) => budget,
+            None if self.spec_synthetic_al.is_some() || self.spec_threshold > 0.0 => SpecBudget::Static,
+            None if self.method.needs_drafter() => SpecBudget::Production,
+            None => SpecBudget::Static,
+        }
+    }
+
     /// Validates the flags (and reads `--sps-profile`).
     pub fn to_config(&self) -> Result<SpeculationConfig, SpecSettingError> {
         if self.method == SpecMethod::Off {
             let stray = [
                 ("num-spec-tokens", self.num_spec_tokens.is_some()),
                 ("spec-synthetic-al", self.spec_synthetic_al.is_some()),
-                ("spec-budget", self.spec_budget != SpecBudget::Static),
+                ("spec-budget", self.spec_budget.is_some()),
                 ("spec-threshold", self.spec_threshold != 0.0),
                 ("sps-profile", self.sps_profile.is_some()),
             ];
@@ -145,13 +160,14 @@ impl SpecArgs {
         if !(0.0..=1.0).contains(&self.spec_threshold) {
             return Err(bad("spec-threshold", format!("{} is not in [0, 1]", self.spec_threshold)));
         }
-        if self.spec_threshold > 0.0 && self.spec_budget != SpecBudget::Static {
+        let budget = self.budget();
+        if self.spec_threshold > 0.0 && budget != SpecBudget::Static {
             return Err(bad("spec-threshold", "only applies to --spec-budget static"));
         }
         let synthetic = match self.spec_synthetic_al {
             None => None,
             Some(al) => {
-                if self.spec_budget != SpecBudget::Static || self.spec_threshold > 0.0 {
+                if budget != SpecBudget::Static || self.spec_threshold > 0.0 {
                     return Err(bad(
                         "spec-synthetic-al",
                         "a forced acceptance length verifies every draft; it cannot be combined with a budget or a threshold",
@@ -165,7 +181,7 @@ impl SpecArgs {
         };
         let sps_profile = match &self.sps_profile {
             None => None,
-            Some(_) if self.spec_budget == SpecBudget::Static => {
+            Some(_) if budget == SpecBudget::Static => {
                 return Err(bad("sps-profile", "only used by --spec-budget dspark|production"));
             }
             Some(path) => Some(SpsProfile::load(path).map_err(|e| bad("sps-profile", e.to_string()))?),
@@ -173,7 +189,7 @@ impl SpecArgs {
         Ok(SpeculationConfig {
             method: self.method,
             num_spec_tokens,
-            budget: self.spec_budget,
+            budget,
             threshold: self.spec_threshold,
             synthetic,
             sps_profile,
@@ -240,6 +256,21 @@ mod tests {
         assert_eq!(parse(&["--spec", "suffix"]).unwrap().num_spec_tokens, 24);
         assert_eq!(parse(&["--spec", "ngram", "--num-spec-tokens", "3"]).unwrap().num_spec_tokens, 3);
         assert_eq!(parse(&["--spec", "suffix", "--num-spec-tokens", "5"]).unwrap().num_spec_tokens, 5);
+    }
+
+    #[test]
+    fn the_default_budget_follows_the_method() {
+        let budget = |args: &[&str]| parse(args).unwrap().budget;
+        assert_eq!(budget(&["--spec", "dspark"]), SpecBudget::Production);
+        assert_eq!(budget(&["--spec", "hybrid"]), SpecBudget::Production);
+        assert_eq!(budget(&["--spec", "suffix"]), SpecBudget::Static);
+        assert_eq!(budget(&["--spec", "ngram"]), SpecBudget::Static);
+        assert_eq!(budget(&["--spec", "dspark", "--spec-budget", "static"]), SpecBudget::Static);
+        assert_eq!(budget(&["--spec", "dspark", "--spec-synthetic-al", "3"]), SpecBudget::Static);
+        assert_eq!(budget(&["--spec", "dspark", "--spec-threshold", "0.2"]), SpecBudget::Static);
+        assert_eq!(budget(&["--spec", "suffix", "--spec-budget", "dspark"]), SpecBudget::Dspark);
+        assert!(parse(&["--spec", "dspark"]).unwrap().needs_measured_profile());
+        assert_eq!(parse(&["--spec-budget", "static"]).unwrap_err().flag, "spec-budget");
     }
 
     #[test]

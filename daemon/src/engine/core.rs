@@ -525,9 +525,9 @@ impl EngineCore {
     /// Records per-step metrics: speculation counters, TTFT for first tokens, k ITL samples for k tokens.
     fn record_step(&mut self, plan: &StepPlan, outcome: &StepOutcome, done: Instant) {
         if let Some(speculator) = &mut self.speculator {
-            for (_, event) in &outcome.events {
+            for (id, event) in &outcome.events {
                 if let EngineEvent::Tokens { drafted, accepted, .. } = event {
-                    speculator.record(*drafted, *accepted);
+                    speculator.record(*id, *drafted, *accepted);
                 }
             }
         }

@@ -1,19 +1,24 @@
 //! Speculative decoding through the real engine thread: greedy output with speculation equals
 //! output without it (every method, ℓ = 1..8, batches of 1..16 mixed-length prompts, every budget),
 //! an oracle draft is accepted at rate 1, a forced acceptance length is met and flagged, the
-//! per-request override caps drafts. The wide sweep runs on the NullRunner (its greedy tokens are a
+//! per-request override caps drafts, a drafter whose drafts do not pay stops being called (and one
+//! whose drafts are all accepted never does, however low its stated confidence). The wide sweep runs on the NullRunner (its greedy tokens are a
 //! known function of the history); DSpark, the hybrid and the forced AL run on the CPU k3-tiny with
 //! its synthetic drafter, with every window at most 16 tokens (where a window's forward equals
 //! token-by-token decoding bit for bit, so spec-off and spec-on runs are comparable exactly).
 
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use sparkd_kernels::null_runner::NullRunner;
-use sparkd_kernels::runner::SamplingParams;
+use sparkd_kernels::runner::{DraftProposal, DraftRequest, Drafter, RowInput, RowOutput, SamplingParams, TokenMask};
+use sparkd_kernels::state::SeqState;
 use sparkd_kernels::synth::SyntheticWeights;
-use sparkd_kernels::{ModelConfig, Runner, TokenId};
+use sparkd_kernels::{ModelConfig, Runner, StateId, TokenId};
 use sparkd_spec::sps::SpsPoint;
-use sparkd_spec::{ForcedAcceptance, SpsProfile};
+use sparkd_spec::{DraftPoint, ForcedAcceptance, SpsProfile};
 use tokio::sync::mpsc;
 
 use super::core::{spawn, Engine};
@@ -313,14 +318,20 @@ fn cpu_greedy_output_is_unchanged_by_dspark_hybrid_and_suffix() {
     let off = SpeculationConfig::default();
     let reference: Vec<Vec<TokenId>> =
         Harness::new(cpu_runner(&off), off, 16).run(&requests).into_iter().map(|o| o.tokens).collect();
-    for (method, len) in [(SpecMethod::Dspark, 8), (SpecMethod::Hybrid, 3)] {
-        let cfg = spec(method, len);
+    let runs = [
+        (SpecMethod::Dspark, 8, SpecBudget::Static),
+        (SpecMethod::Hybrid, 3, SpecBudget::Static),
+        (SpecMethod::Dspark, 7, SpecBudget::Production),
+        (SpecMethod::Hybrid, 7, SpecBudget::Production),
+    ];
+    for (method, len, budget) in runs {
+        let cfg = SpeculationConfig { budget, ..spec(method, len) };
         let outcomes = Harness::new(cpu_runner(&cfg), cfg, 16).run(&requests);
         for (o, want) in outcomes.iter().zip(&reference) {
-            assert!(o.failed.is_none(), "{method:?}: {:?}", o.failed);
-            assert_eq!(&o.tokens, want, "{method:?} ℓ={len}");
+            assert!(o.failed.is_none(), "{method:?} {budget:?}: {:?}", o.failed);
+            assert_eq!(&o.tokens, want, "{method:?} ℓ={len} {budget:?}");
         }
-        if method == SpecMethod::Dspark {
+        if (method, budget) == (SpecMethod::Dspark, SpecBudget::Static) {
             assert!(outcomes.iter().all(|o| !o.rounds.is_empty()), "DSpark drafts every decode step");
         }
     }
@@ -358,4 +369,215 @@ fn a_forced_acceptance_length_is_met_and_flagged() {
             assert!(o.usage.expect("finished").forced_acceptance, "flagged synthetic");
         }
     }
+}
+
+/// A runner that counts its steps and its drafter's rounds and, in oracle mode, lends a drafter of its own
+/// that drafts the null runner's greedy continuation at a low stated confidence (an under-confident head).
+struct Counting {
+    inner: Box<dyn Runner>,
+    counts: Arc<Counts>,
+    /// Oracle mode: each state's committed tokens.
+    oracle: Option<HashMap<StateId, Vec<TokenId>>>,
+}
+
+#[derive(Default)]
+struct Counts {
+    steps: AtomicUsize,
+    drafts: AtomicUsize,
+}
+
+impl Counts {
+    fn get(&self) -> (usize, usize) {
+        (self.steps.load(Ordering::SeqCst), self.drafts.load(Ordering::SeqCst))
+    }
+}
+
+/// The stated confidence of every oracle draft token.
+const ORACLE_CONFIDENCE: f32 = 0.3;
+
+impl Counting {
+    fn wrap(inner: Box<dyn Runner>) -> (Box<dyn Runner>, Arc<Counts>) {
+        let counts = Arc::new(Counts::default());
+        (Box::new(Counting { inner, counts: counts.clone(), oracle: None }), counts)
+    }
+
+    fn oracle() -> (Box<dyn Runner>, Arc<Counts>) {
+        let counts = Arc::new(Counts::default());
+        let runner = Counting { inner: null_runner(), counts: counts.clone(), oracle: Some(HashMap::new()) };
+        (Box::new(runner), counts)
+    }
+}
+
+impl Runner for Counting {
+    fn config(&self) -> &ModelConfig {
+        self.inner.config()
+    }
+
+    fn device_name(&self) -> String {
+        self.inner.device_name()
+    }
+
+    fn alloc_state(&mut self) -> sparkd_kernels::Result<StateId> {
+        let id = self.inner.alloc_state()?;
+        if let Some(o) = &mut self.oracle {
+            o.insert(id, Vec::new());
+        }
+        Ok(id)
+    }
+
+    fn fork_state(&mut self, src: StateId) -> sparkd_kernels::Result<StateId> {
+        let id = self.inner.fork_state(src)?;
+        if let Some(o) = &mut self.oracle {
+            let history = o.get(&src).cloned().unwrap_or_default();
+            o.insert(id, history);
+        }
+        Ok(id)
+    }
+
+    fn free_state(&mut self, id: StateId) -> sparkd_kernels::Result<()> {
+        if let Some(o) = &mut self.oracle {
+            o.remove(&id);
+        }
+        self.inner.free_state(id)
+    }
+
+    fn state_len(&self, id: StateId) -> sparkd_kernels::Result<usize> {
+        self.inner.state_len(id)
+    }
+
+    fn state_bytes(&self, id: StateId) -> sparkd_kernels::Result<usize> {
+        self.inner.state_bytes(id)
+    }
+
+    fn export_state(&self, id: StateId) -> sparkd_kernels::Result<SeqState> {
+        self.inner.export_state(id)
+    }
+
+    /// An imported state's history is unknown to the oracle: its drafts are then wrong (and still lossless).
+    fn import_state(&mut self, state: SeqState) -> sparkd_kernels::Result<StateId> {
+        let id = self.inner.import_state(state)?;
+        if let Some(o) = &mut self.oracle {
+            o.insert(id, Vec::new());
+        }
+        Ok(id)
+    }
+
+    fn step(&mut self, rows: &[RowInput]) -> sparkd_kernels::Result<Vec<RowOutput>> {
+        self.counts.steps.fetch_add(1, Ordering::SeqCst);
+        let outputs = self.inner.step(rows)?;
+        if let Some(o) = &mut self.oracle {
+            for (row, out) in rows.iter().zip(&outputs) {
+                let kept = row.tokens.len() - row.sample.as_ref().map_or(0, |s| s.draft_len - out.num_accepted);
+                o.entry(row.state).or_default().extend_from_slice(&row.tokens[..kept]);
+            }
+        }
+        Ok(outputs)
+    }
+
+    fn set_token_mask(&mut self, mask: TokenMask) -> sparkd_kernels::Result<()> {
+        self.inner.set_token_mask(mask)
+    }
+
+    fn model_drafter(&mut self) -> Option<Box<dyn Drafter + '_>> {
+        let calls = &self.counts.drafts;
+        match &self.oracle {
+            Some(histories) => Some(Box::new(OracleDrafter { histories, calls })),
+            None => Some(Box::new(CountingDrafter { inner: self.inner.model_drafter()?, calls })),
+        }
+    }
+}
+
+struct CountingDrafter<'a> {
+    inner: Box<dyn Drafter + 'a>,
+    calls: &'a AtomicUsize,
+}
+
+impl Drafter for CountingDrafter<'_> {
+    fn block_size(&self) -> usize {
+        self.inner.block_size()
+    }
+
+    fn draft(&mut self, rows: &[DraftRequest]) -> sparkd_kernels::Result<Vec<DraftProposal>> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.inner.draft(rows)
+    }
+
+    fn select_proposal(&mut self, state: StateId) -> sparkd_kernels::Result<()> {
+        self.inner.select_proposal(state)
+    }
+}
+
+/// Drafts exactly what the null runner's greedy decoding emits next, at [`ORACLE_CONFIDENCE`] per token.
+struct OracleDrafter<'a> {
+    histories: &'a HashMap<StateId, Vec<TokenId>>,
+    calls: &'a AtomicUsize,
+}
+
+impl Drafter for OracleDrafter<'_> {
+    fn block_size(&self) -> usize {
+        8
+    }
+
+    fn draft(&mut self, rows: &[DraftRequest]) -> sparkd_kernels::Result<Vec<DraftProposal>> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        let draft = |r: &DraftRequest| {
+            let mut history = self.histories.get(&r.state).cloned().unwrap_or_default();
+            history.push(r.anchor);
+            let tokens = NullRunner::greedy_continuation(&history, r.num_drafts);
+            DraftProposal { tokens, confidences: vec![ORACLE_CONFIDENCE; r.num_drafts] }
+        };
+        Ok(rows.iter().map(draft).collect())
+    }
+
+    /// The null runner verifies every draft one-hot: there is no `q` to select.
+    fn select_proposal(&mut self, _state: StateId) -> sparkd_kernels::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn a_drafter_whose_drafts_do_not_pay_is_skipped_and_output_is_unchanged() {
+    // The synthetic k3-tiny drafter has random weights; the production budget (the default with dspark) over
+    // the SPS(B) and draft cost measured at start-up learns that its drafts do not pay and stops drafting,
+    // probing now and then. The drafter contexts stay right across the skipped rounds: every probe drafts.
+    let cfg = SpeculationConfig { budget: SpecBudget::Production, ..spec(SpecMethod::Dspark, 7) };
+    let requests = [vec![(cpu_prompt(9, 4), 40, None)], vec![(cpu_prompt(11, 5), 100, None)]];
+    let off = SpeculationConfig::default();
+    let mut reference = Harness::new(cpu_runner(&off), off, 16);
+    let (runner, counts) = Counting::wrap(cpu_runner(&cfg));
+    let mut h = Harness::new(runner, cfg, 16);
+    let warm_up = h.run(&requests[0]).remove(0);
+    assert_eq!(warm_up.tokens, reference.run(&requests[0]).remove(0).tokens);
+    let (steps_before, drafts_before) = counts.get();
+    let measured = h.run(&requests[1]).remove(0);
+    let (steps, drafts) = counts.get();
+    assert!(measured.failed.is_none(), "{:?}", measured.failed);
+    assert_eq!(measured.tokens, reference.run(&requests[1]).remove(0).tokens, "greedy output unchanged");
+    let (steps, drafts) = (steps - steps_before, drafts - drafts_before);
+    assert!(steps >= 80, "{steps} steps for 100 tokens");
+    assert!(drafts >= 1, "a probe drafts after skipped rounds");
+    assert!(drafts * 10 <= steps, "the drafter ran at {drafts} of {steps} steps");
+    assert!(measured.accepted() * 4 <= measured.drafted().max(4), "{:?}", measured.rounds);
+}
+
+#[test]
+fn oracle_drafts_are_never_gated_even_when_their_head_understates_them() {
+    // The oracle's head says 0.3 per token (survival 0.3, 0.09, ...), and a draft costs half a step: at face
+    // value drafting does not pay. Calibration learns that every verified draft is accepted.
+    let profile = profile().with_draft_cost(vec![DraftPoint { rows: 1, seconds: 0.005 }]).expect("draft table");
+    let cfg = SpeculationConfig { sps_profile: Some(profile), ..spec(SpecMethod::Dspark, 7) };
+    let cfg = SpeculationConfig { budget: SpecBudget::Production, ..cfg };
+    let (runner, counts) = Counting::oracle();
+    let mut h = Harness::new(runner, cfg, 64);
+    let (first, second) = (prompt(21, 12), prompt(22, 12));
+    let warm_up = h.run(&[(first.clone(), 40, None)]).remove(0);
+    assert_eq!(warm_up.tokens, NullRunner::greedy_continuation(&first, 40));
+    let (steps_before, drafts_before) = counts.get();
+    let o = h.run(&[(second.clone(), 120, None)]).remove(0);
+    let (steps, drafts) = counts.get();
+    assert_eq!(o.tokens, NullRunner::greedy_continuation(&second, 120));
+    assert_eq!(o.accepted(), o.drafted(), "every oracle draft is accepted");
+    assert!(o.acceptance_length() > 5.0, "AL {} from {:?}", o.acceptance_length(), o.rounds);
+    // Every decode step drafted (the prompt's prefill step is the one step without a draft).
+    assert_eq!(drafts - drafts_before, steps - steps_before - 1, "no step was gated");
 }

@@ -4,21 +4,31 @@
 //! Follows dspark.md §4.2 (vLLM's proposer/speculator split) and §7 (the daemon's wiring). What it drafts
 //! with is composed at start-up and handed over as a [`Speculation`]: one `sparkd_spec::Proposer` (suffix,
 //! n-gram, DSpark's `ModelDrafts` or the `HybridProposer` of the two) and one verify budget.
-//! 1. Draft: the proposer prepares the round for every row at once (model drafts come from the runner's
+//! 1. Gate: with model drafts and a load-aware budget, the drafting gate (`sparkd_spec::gate`) decides from
+//!    earlier rounds whether a drafter round can pay at this step's row count; when it cannot, the drafter is
+//!    not called (model-free drafts of the hybrid are still made), except for a probe now and then.
+//! 2. Draft: the proposer prepares the round for every row at once (model drafts come from the runner's
 //!    `Drafter` in one batch), then proposes per row from the row's committed context (prompt, tool
 //!    outputs, output).
-//! 2. Budget: every row's cap is `request_cap` (ℓ of the request, and accepted drafts plus the bonus
-//!    must fit in `max_tokens`); the policy (`BudgetPolicy`) trims each draft to a prefix.
-//! 3. Select: a model draft that will be verified is selected on the runner's drafter, so it is verified
+//! 3. Budget: every row's cap is `request_cap` (ℓ of the request, and accepted drafts plus the bonus
+//!    must fit in `max_tokens`); a load-aware policy sees each draft with its survivals calibrated by what
+//!    earlier rounds of its source showed (`sparkd_spec::calibration`), and trims each draft to a prefix; a
+//!    probe verifies at least the first token of each model draft, so the calibration sees it.
+//! 4. Select: a model draft that will be verified is selected on the runner's drafter, so it is verified
 //!    against its own `q` (lossless speculative sampling); every other draft is verified one-hot.
+//! 5. Record: each verified draft's outcome joins its source's calibration; the calibration's sums decay
+//!    once per round, when the next round is proposed.
 //!
 //! Invariants:
 //! - Drafts depend only on committed tokens and the drafter's own state; budgets are
-//!   non-anticipating (`sparkd_spec::budget`), so greedy output is token-identical to decoding
-//!   without speculation and sampled output keeps the target's distribution.
-//! - Under forced acceptance every round verifies its whole cap: model-free drafts that stop short
-//!   are padded with the row's last token (as the kernels' decode benchmark does), so every round is
-//!   a full `ℓ` window and the forced schedule yields the asked mean length.
+//!   non-anticipating (`sparkd_spec::budget`), and the gate, the probes and the calibration depend only on
+//!   earlier rounds, so greedy output is token-identical to decoding without speculation and sampled
+//!   output keeps the target's distribution.
+//! - A skipped drafter round leaves the drafter's contexts right: the runners append the taps of every
+//!   committed token at every step, drafted or not.
+//! - Under forced acceptance every round verifies its whole cap and is never gated: model-free drafts that
+//!   stop short are padded with the row's last token (as the kernels' decode benchmark does), so every round
+//!   is a full `ℓ` window and the forced schedule yields the asked mean length.
 //! - Per-request memory lives under `SeqKey(request id)` and is released by [`Speculator::end`]
 //!   exactly once per request that began.
 
@@ -29,7 +39,8 @@ use sparkd_kernels::runner::SamplingParams;
 use sparkd_kernels::{KernelError, Runner, StateId, TokenId};
 use sparkd_spec::budget::request_cap;
 use sparkd_spec::{
-    BudgetPolicy, BudgetRow, DraftSource, Proposer, RoundRow, SeqKey, SpecCounters, SpecError, SyntheticSchedule,
+    BudgetPolicy, BudgetRow, Calibrations, Draft, DraftGate, DraftSource, GateDecision, GateInput, Proposer, RoundRow,
+    SeqKey, SpecCounters, SpecError, SyntheticSchedule,
 };
 
 use super::types::RequestId;
@@ -43,6 +54,8 @@ pub struct Speculation {
     pub num_spec_tokens: usize,
     /// The forced-acceptance schedule the runner was set to, if any: every round is then flagged synthetic.
     pub synthetic: Option<SyntheticSchedule>,
+    /// The drafting gate of model drafts (with a load-aware budget and real acceptance), if any.
+    pub gate: Option<DraftGate>,
 }
 
 /// One decode row that may carry drafts at the next step.
@@ -67,12 +80,17 @@ pub struct Speculator {
     /// ℓ of each request that began (the per-request override applied).
     lengths: HashMap<RequestId, usize>,
     totals: SpecCounters,
+    gate: Option<DraftGate>,
+    calibrations: Calibrations,
+    /// Per request, the draft its last proposed round verifies: its source and the raw survivals of the
+    /// verified positions (replaced by the next round; matched to the outcome by its length).
+    verifying: HashMap<RequestId, (DraftSource, Vec<f64>)>,
 }
 
 impl Speculator {
     /// The speculator of `speculation`; zeroes the per-position counters and sets the forced-acceptance gauge.
     pub fn new(speculation: Speculation) -> Self {
-        let Speculation { proposer, budget, num_spec_tokens, synthetic } = speculation;
+        let Speculation { proposer, budget, num_spec_tokens, synthetic, gate } = speculation;
         for position in 0..num_spec_tokens {
             counter!(names::SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_TOTAL, "position" => position.to_string())
                 .increment(0);
@@ -86,6 +104,9 @@ impl Speculator {
             synthetic: synthetic.is_some(),
             lengths: HashMap::new(),
             totals: SpecCounters::default(),
+            gate: gate.filter(|_| synthetic.is_none()),
+            calibrations: Calibrations::default(),
+            verifying: HashMap::new(),
         }
     }
 
@@ -108,6 +129,7 @@ impl Speculator {
         if self.lengths.remove(&id).is_none() {
             return;
         }
+        self.verifying.remove(&id);
         self.proposer.end(SeqKey(id.0), tokens, false);
     }
 
@@ -132,18 +154,32 @@ impl Speculator {
                 }
             })
             .collect();
+        self.calibrations.next_round();
+        let decision = self.gate_decision(&rows);
         let mut drafter = runner.model_drafter();
-        self.proposer.prepare_round(drafter.as_deref_mut(), &rows).map_err(kernel_error)?;
-        let drafts: Vec<_> = rows.iter().map(|r| self.proposer.propose(r.seq, r.context, r.cap)).collect();
-        let verified: Vec<usize> = if self.is_synthetic() {
-            rows.iter().map(|r| r.cap).collect()
+        if decision == GateDecision::Skip {
+            counter!(names::SPEC_DECODE_GATED_STEPS_TOTAL).increment(1);
+            self.proposer.prepare_round(None, &[]).map_err(kernel_error)?;
         } else {
-            let budget_rows: Vec<BudgetRow<'_>> =
-                drafts.iter().zip(&rows).map(|(draft, r)| BudgetRow { draft, cap: r.cap }).collect();
-            self.budget.plan(&budget_rows)
-        };
+            self.proposer.prepare_round(drafter.as_deref_mut(), &rows).map_err(kernel_error)?;
+        }
+        if decision == GateDecision::Probe {
+            counter!(names::SPEC_DECODE_PROBES_TOTAL).increment(1);
+        }
+        let drafts: Vec<Draft> = rows.iter().map(|r| self.proposer.propose(r.seq, r.context, r.cap)).collect();
+        if let Some(gate) = &mut self.gate {
+            let model = drafts.iter().filter(|d| d.source() == DraftSource::Model && !d.is_empty());
+            model.for_each(|d| gate.record_draft(&d.survival()));
+        }
+        let verified = self.plan(&rows, &drafts, decision == GateDecision::Probe);
         let mut out = Vec::with_capacity(slots.len());
-        for ((row, draft), &len) in rows.iter().zip(drafts).zip(&verified) {
+        for (((slot, row), draft), &len) in slots.iter().zip(&rows).zip(drafts).zip(&verified) {
+            if len > 0 && !self.is_synthetic() {
+                let survival = draft.survival()[..len].to_vec();
+                self.verifying.insert(slot.id, (draft.source(), survival));
+            } else {
+                self.verifying.remove(&slot.id);
+            }
             let mut tokens = draft.tokens().to_vec();
             if draft.source() == DraftSource::Model {
                 tokens.truncate(len);
@@ -161,11 +197,57 @@ impl Speculator {
         Ok(out)
     }
 
-    /// Records one verify round of `drafted` draft tokens of which `accepted` were accepted (rounds
-    /// without drafts are not drafts, vLLM's definition).
-    pub fn record(&mut self, drafted: usize, accepted: usize) {
+    /// What the gate says of this round (always [`GateDecision::Draft`] without a gate), and the gauge of
+    /// the calibrated acceptance length it judges by.
+    fn gate_decision(&mut self, rows: &[RoundRow<'_>]) -> GateDecision {
+        let Some(gate) = &mut self.gate else { return GateDecision::Draft };
+        let caps: Vec<usize> = rows.iter().map(|r| r.cap).filter(|&cap| cap > 0).collect();
+        let calibration = &self.calibrations.model;
+        let expected: f64 = gate.expected_survival(calibration).iter().take(self.num_spec_tokens).sum();
+        gauge!(names::SPEC_DECODE_CALIBRATED_ACCEPTANCE_LENGTH).set(1.0 + expected);
+        gate.decide(&GateInput { rows: rows.len(), caps: &caps, calibration })
+    }
+
+    /// Verify lengths per row: every cap under forced acceptance, else the budget's over the drafts
+    /// (calibrated for a load-aware budget); a probe verifies at least one token of each model draft. A
+    /// round without any draft (a skipped drafter round) does not reach the budget, so the production
+    /// budget's stale capacity comes from the last rounds that drafted.
+    fn plan(&mut self, rows: &[RoundRow<'_>], drafts: &[Draft], probe: bool) -> Vec<usize> {
+        if self.is_synthetic() {
+            return rows.iter().map(|r| r.cap).collect();
+        }
+        if drafts.iter().all(Draft::is_empty) {
+            return vec![0; rows.len()];
+        }
+        let calibrated: Vec<Draft> = if self.budget.is_load_aware() {
+            drafts.iter().map(|d| self.calibrations.of(d.source()).apply(d)).collect()
+        } else {
+            drafts.to_vec()
+        };
+        let budget_rows: Vec<BudgetRow<'_>> =
+            calibrated.iter().zip(rows).map(|(draft, r)| BudgetRow { draft, cap: r.cap }).collect();
+        let mut verified = self.budget.plan(&budget_rows);
+        if probe {
+            for (len, draft) in verified.iter_mut().zip(drafts) {
+                if draft.source() == DraftSource::Model && !draft.is_empty() {
+                    *len = (*len).max(1);
+                }
+            }
+        }
+        verified
+    }
+
+    /// Records one verify round of request `id`: `drafted` draft tokens of which `accepted` were accepted
+    /// (rounds without drafts are not drafts, vLLM's definition); the outcome joins the calibration of the
+    /// draft's source.
+    pub fn record(&mut self, id: RequestId, drafted: usize, accepted: usize) {
         if drafted == 0 || self.totals.record(drafted, accepted, self.is_synthetic()).is_err() {
             return;
+        }
+        if let Some((source, survival)) = self.verifying.remove(&id) {
+            if survival.len() == drafted {
+                self.calibrations.of_mut(source).observe(&survival, accepted);
+            }
         }
         counter!(names::SPEC_DECODE_NUM_DRAFTS_TOTAL).increment(1);
         counter!(names::SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL).increment(drafted as u64);
