@@ -42,104 +42,176 @@ extern "C" __global__ void rope_rows(__nv_bfloat16 *x, long stride, int offset, 
     p[i + half] = __float2bfloat16_rn(__double2float_rn(a * s + b * c));
 }
 
-// Non-causal MLA of one row's block: each of the t block queries sees every one of the `visible`
-// cache entries (the row's context, then its t block entries, already in the cache).
-// grid = (t, H); blockDim a multiple of 32. Dynamic shared memory: 2 * r floats.
-// q: [t, H * (nope + rope)] (rope part rotated); cache: [visible, r + rope];
-// kv_b: [H * (nope + v), r]; scores: [t, H, visible] fp32 scratch; out: [t, H * v].
-extern "C" __global__ void mla_attend_block(const __nv_bfloat16 *q, const __nv_bfloat16 *cache,
-                                            const __nv_bfloat16 *kv_b, float *scores, __nv_bfloat16 *out,
-                                            int visible, int H, int nope, int rope, int vdim, int r, float scale) {
+// Non-causal MLA of every row's block in one launch: each of a row's t block queries sees every one of the row's
+// `visible` cache entries (its context, then its t block entries, already in the cache).
+// grid = (largest t, H / hg, R), block = ATTEND_THREADS (8 warps); one block serves hg heads of one query, so each
+// cache entry is read once for hg heads. Dynamic shared memory: (2 * hg * r + hg) floats.
+// q: [N, H * (nope + rope)] (rope part rotated); rows: [R, ATTEND_ROW_WORDS] u64: the row's cache [visible, r + rope]
+// (bf16), visible | t << 32, the row's first block query in q / out, the offset of its scores in `scores` (floats);
+// kv_b: [H * (nope + v), r]; scores: per row [t, H, visible] fp32 scratch; out: [N, H * v].
+// Every value is computed with the expressions, in the order, of a one-head block of 128 threads (the softmax's
+// strided partial sums and their four-warp tree included), so the result does not depend on hg.
+#define ATTEND_THREADS 256
+#define ATTEND_MAX_HG 8
+#define ATTEND_ROW_WORDS 4
+extern "C" __global__ void __launch_bounds__(ATTEND_THREADS)
+    mla_attend_rows(const __nv_bfloat16 *q, const unsigned long long *rows, const __nv_bfloat16 *kv_b, float *scores,
+                    __nv_bfloat16 *out, int H, int hg, int nope, int rope, int vdim, int r, float scale) {
     kernel_entry();
     extern __shared__ float sm[];
-    float *q_lat = sm, *o_lat = sm + r;
-    int ti = blockIdx.x, h = blockIdx.y;
+    __shared__ float part_max[2][4], part_sum[2][4];
+    const unsigned long long *row = rows + (long)blockIdx.z * ATTEND_ROW_WORDS;
+    int visible = (int)(row[1] & 0xffffffffull), t = (int)(row[1] >> 32);
+    int ti = blockIdx.x;
+    if (ti >= t) return;
+    const __nv_bfloat16 *cache = (const __nv_bfloat16 *)row[0];
+    long tok = (long)row[2] + ti;
+    float *sc_row = scores + (long)row[3] + (long)ti * H * visible; // [H, visible] of this query
+    int h0 = blockIdx.y * hg;
     int qh = nope + rope, ld_ = r + rope, per_head = nope + vdim;
-    const __nv_bfloat16 *qrow = q + ((long)ti * H + h) * qh;
-    // q_lat = bf(W_UK^T q_nope).
-    for (int c = threadIdx.x; c < r; c += blockDim.x) {
+    float *q_lat = sm, *o_lat = sm + hg * r, *total = sm + 2 * hg * r;
+    const __nv_bfloat16 *qtok = q + tok * H * qh;
+    // q_lat[h] = bf(W_UK^T q_nope[h]).
+    for (int idx = threadIdx.x; idx < hg * r; idx += blockDim.x) {
+        int hl = idx / r, c = idx % r, h = h0 + hl;
+        const __nv_bfloat16 *qrow = qtok + (long)h * qh;
         float acc = 0.0f;
         for (int i = 0; i < nope; i++) acc += ld(qrow, i) * ld(kv_b, (long)(h * per_head + i) * r + c);
-        q_lat[c] = bf_round(acc);
+        q_lat[idx] = bf_round(acc);
     }
     __syncthreads();
-    float *sc = scores + ((long)ti * H + h) * visible;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     for (int pos = warp; pos < visible; pos += warps) {
         const __nv_bfloat16 *e = cache + (long)pos * ld_;
-        float a = 0.0f, b = 0.0f;
-        for (int c = lane; c < r; c += 32) a += q_lat[c] * ld(e, c);
-        for (int c = lane; c < rope; c += 32) b += ld(qrow, nope + c) * ld(e, r + c);
-        for (int o = 16; o > 0; o >>= 1) {
-            a += __shfl_xor_sync(0xffffffffu, a, o);
-            b += __shfl_xor_sync(0xffffffffu, b, o);
+        for (int hl = 0; hl < hg; hl++) {
+            const float *ql = q_lat + hl * r;
+            const __nv_bfloat16 *qrow = qtok + (long)(h0 + hl) * qh;
+            float a = 0.0f, b = 0.0f;
+            for (int c = lane; c < r; c += 32) a += ql[c] * ld(e, c);
+            for (int c = lane; c < rope; c += 32) b += ld(qrow, nope + c) * ld(e, r + c);
+            for (int o = 16; o > 0; o >>= 1) {
+                a += __shfl_xor_sync(0xffffffffu, a, o);
+                b += __shfl_xor_sync(0xffffffffu, b, o);
+            }
+            if (lane == 0) sc_row[(long)(h0 + hl) * visible + pos] = scale * (a + b);
         }
-        if (lane == 0) sc[pos] = scale * (a + b);
     }
     __syncthreads();
-    float m = -INF_F;
-    for (int pos = threadIdx.x; pos < visible; pos += blockDim.x) m = fmaxf(m, sc[pos]);
-    m = block_max(m);
-    float total = 0.0f;
-    for (int pos = threadIdx.x; pos < visible; pos += blockDim.x) {
-        float e = expf(sc[pos] - m);
-        sc[pos] = e;
-        total += e;
+    // Softmax per head, two heads at a time: threads 0..127 and 128..255 each act as one 128-thread block.
+    int g = threadIdx.x >> 7, vt = threadIdx.x & 127, gw = (threadIdx.x >> 5) & 3;
+    for (int hb = 0; hb < hg; hb += 2) {
+        int hl = hb + g;
+        float *sc = sc_row + (long)(h0 + hl) * visible;
+        float m = -INF_F;
+        if (hl < hg)
+            for (int pos = vt; pos < visible; pos += 128) m = fmaxf(m, sc[pos]);
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        if (lane == 0) part_max[g][gw] = m;
+        __syncthreads();
+        m = fmaxf(fmaxf(part_max[g][0], part_max[g][1]), fmaxf(part_max[g][2], part_max[g][3]));
+        float sum = 0.0f;
+        if (hl < hg)
+            for (int pos = vt; pos < visible; pos += 128) {
+                float x = expf(sc[pos] - m);
+                sc[pos] = x;
+                sum += x;
+            }
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        if (lane == 0) part_sum[g][gw] = sum;
+        __syncthreads();
+        if (vt == 0 && hl < hg) total[hl] = (part_sum[g][0] + part_sum[g][2]) + (part_sum[g][1] + part_sum[g][3]);
+        __syncthreads();
     }
-    total = block_sum(total);
-    __syncthreads();
-    // o_lat = bf(sum_pos p_pos c_pos), ascending positions per channel.
+    // o_lat[h] = bf(sum_pos p_pos c_pos), ascending positions per channel, every head from one read of the entry.
     for (int c = threadIdx.x; c < r; c += blockDim.x) {
-        float acc = 0.0f;
-        for (int pos = 0; pos < visible; pos++) acc += (sc[pos] / total) * ld(cache, (long)pos * ld_ + c);
-        o_lat[c] = bf_round(acc);
+        float acc[ATTEND_MAX_HG];
+#pragma unroll
+        for (int hl = 0; hl < ATTEND_MAX_HG; hl++) acc[hl] = 0.0f;
+        for (int pos = 0; pos < visible; pos++) {
+            float v = ld(cache, (long)pos * ld_ + c);
+#pragma unroll
+            for (int hl = 0; hl < ATTEND_MAX_HG; hl++)
+                if (hl < hg) acc[hl] += (sc_row[(long)(h0 + hl) * visible + pos] / total[hl]) * v;
+        }
+#pragma unroll
+        for (int hl = 0; hl < ATTEND_MAX_HG; hl++)
+            if (hl < hg) o_lat[hl * r + c] = bf_round(acc[hl]);
     }
     __syncthreads();
-    // o = bf(W_UV o_lat).
-    __nv_bfloat16 *orow = out + ((long)ti * H + h) * vdim;
-    for (int jw = warp; jw < vdim; jw += warps) {
+    // o[h] = bf(W_UV o_lat[h]).
+    for (int j = warp; j < hg * vdim; j += warps) {
+        int hl = j / vdim, jw = j % vdim, h = h0 + hl;
         const __nv_bfloat16 *wrow = kv_b + (long)(h * per_head + nope + jw) * r;
+        const float *ol = o_lat + hl * r;
         float acc = 0.0f;
-        for (int c = lane; c < r; c += 32) acc += ld(wrow, c) * o_lat[c];
+        for (int c = lane; c < r; c += 32) acc += ld(wrow, c) * ol[c];
         for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        if (lane == 0) orow[jw] = __float2bfloat16_rn(acc);
+        if (lane == 0) out[(tok * H + h) * vdim + jw] = __float2bfloat16_rn(acc);
     }
 }
 
-// Markov step k of every row (dspark.md §1.2, §2.1), one warp per vocabulary entry:
+// Markov step k of every row (dspark.md §1.2, §2.1):
 //   e = W1[x_{k-1}] (x_0 = the anchor), logits[t, v] = U[t, v] + bf(W2[v] . e) (fp32), or -inf where
 //   the token mask (bit v % 32 of word v / 32 set: allowed; null: all allowed) forbids v,
-//   conf[t] = sigmoid(w[:d] . h_t + w[d:] . e + b) (computed by block x = 0),
+//   conf[t] = sigmoid(w[:d] . h_t + w[d:] . e + b) (computed by the blocks with x = 0),
 // with t = base[row] + k the row's block position k. Rows with count[row] <= k are skipped.
-// U: [N, V] bf16; hidden: [N, d]; w1, w2: [V, r]; cw: [d + r]; tokens: [R, stride] (column 0 = the
-// anchor, column k + 1 = draft k); logits: [N, V] fp32; conf: [N]. grid = (ceil(V / warps), R).
+// One warp per vocabulary entry, MARKOV_PER_WARP entries per warp, for up to MARKOV_ROWS rows: each W2 row is read
+// once (into registers) for all of them, and the rows' e vectors once per block (shared memory). The dot products
+// run in the lane order of one warp per (row, entry), so a logit does not depend on how rows are grouped.
+// U: [N, V] bf16; hidden: [N, d]; w1, w2: [V, r] (r <= MARKOV_MAX_R); cw: [d + r]; tokens: [R, stride] (column 0 =
+// the anchor, column k + 1 = draft k); logits: [N, V] fp32; conf: [N].
+// grid = (ceil(V / (warps * MARKOV_PER_WARP)), ceil(R / MARKOV_ROWS)); dynamic shared memory: MARKOV_ROWS * r bf16.
+#define MARKOV_ROWS 64
+#define MARKOV_MAX_R 256
+#define MARKOV_PER_WARP 16
 extern "C" __global__ void markov_step(int k, const __nv_bfloat16 *U, const __nv_bfloat16 *hidden,
                                        const __nv_bfloat16 *w1, const __nv_bfloat16 *w2, const __nv_bfloat16 *cw,
                                        float cb, const int *base, const int *count, const u32 *tokens, int stride,
-                                       const u32 *mask, float *logits, float *conf, int V, int r, int d) {
+                                       const u32 *mask, float *logits, float *conf, int V, int r, int d, int R) {
     kernel_entry();
-    int row = blockIdx.y;
-    if (k >= count[row]) return;
-    long t = base[row] + k;
-    const __nv_bfloat16 *e = w1 + (long)tokens[(long)row * stride + k] * r;
+    extern __shared__ __nv_bfloat16 es[]; // [rows of the group, r]
+    int r0 = blockIdx.y * MARKOV_ROWS, nr = min(MARKOV_ROWS, R - r0);
+    for (int idx = threadIdx.x; idx < nr * r; idx += blockDim.x) {
+        int row = r0 + idx / r;
+        es[idx] = k < count[row] ? w1[(long)tokens[(long)row * stride + k] * r + idx % r] : __float2bfloat16_rn(0.0f);
+    }
+    __syncthreads();
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    int v = blockIdx.x * warps + warp;
-    if (v < V) {
+    int v0 = (blockIdx.x * warps + warp) * MARKOV_PER_WARP;
+    for (int u = 0; u < MARKOV_PER_WARP; u++) {
+        int v = v0 + u;
+        if (v >= V) break;
         const __nv_bfloat16 *wr = w2 + (long)v * r;
-        float acc = 0.0f;
-        for (int c = lane; c < r; c += 32) acc += ld(wr, c) * ld(e, c);
-        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        float w[MARKOV_MAX_R / 32];
+#pragma unroll
+        for (int j = 0; j < MARKOV_MAX_R / 32; j++) w[j] = lane + 32 * j < r ? ld(wr, lane + 32 * j) : 0.0f;
         bool allowed = mask == 0 || ((mask[v >> 5] >> (v & 31)) & 1u);
-        if (lane == 0) logits[t * V + v] = allowed ? ld(U, t * V + v) + bf_round(acc) : -INF_F;
+        for (int i = 0; i < nr; i++) {
+            int row = r0 + i;
+            if (k >= count[row]) continue;
+            long t = base[row] + k;
+            const __nv_bfloat16 *e = es + i * r;
+            float acc = 0.0f;
+#pragma unroll
+            for (int j = 0; j < MARKOV_MAX_R / 32; j++)
+                if (lane + 32 * j < r) acc += w[j] * ld(e, lane + 32 * j);
+            for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+            if (lane == 0) logits[t * V + v] = allowed ? ld(U, t * V + v) + bf_round(acc) : -INF_F;
+        }
     }
     if (blockIdx.x == 0) {
-        const __nv_bfloat16 *h = hidden + t * d;
-        float a = 0.0f, b = 0.0f;
-        for (int c = threadIdx.x; c < d; c += blockDim.x) a += ld(cw, c) * ld(h, c);
-        for (int c = threadIdx.x; c < r; c += blockDim.x) b += ld(cw, d + c) * ld(e, c);
-        a = block_sum(a);
-        b = block_sum(b);
-        if (threadIdx.x == 0) conf[t] = 1.0f / (1.0f + expf(-(a + b + cb)));
+        for (int i = 0; i < nr; i++) {
+            int row = r0 + i;
+            if (k >= count[row]) continue;
+            long t = base[row] + k;
+            const __nv_bfloat16 *h = hidden + t * d, *e = es + i * r;
+            float a = 0.0f, b = 0.0f;
+            for (int c = threadIdx.x; c < d; c += blockDim.x) a += ld(cw, c) * ld(h, c);
+            for (int c = threadIdx.x; c < r; c += blockDim.x) b += ld(cw, d + c) * ld(e, c);
+            a = block_sum(a);
+            b = block_sum(b);
+            if (threadIdx.x == 0) conf[t] = 1.0f / (1.0f + expf(-(a + b + cb)));
+        }
     }
 }
 

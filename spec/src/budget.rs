@@ -149,14 +149,19 @@ impl ProductionBudget {
     }
 
     /// Verify lengths for this step. The capacity uses the survivals recorded two calls earlier (at
-    /// start-up, the oldest available, or this step's when there is none) and this step's count of
+    /// start-up, the oldest available; at the very first call, no limit) and this step's count of
     /// model drafts; the allocation uses this step's survivals.
     pub fn plan(&mut self, rows: &[BudgetRow<'_>]) -> Vec<usize> {
         let (survivals, caps) = survivals_and_caps(rows);
         let capped: Vec<Vec<f64>> = survivals.iter().zip(&caps).map(|(a, &cap)| a[..cap].to_vec()).collect();
         let model_rows = rows.iter().filter(|r| r.draft.source() == DraftSource::Model && !r.draft.is_empty()).count();
-        let snapshot = self.history.front().unwrap_or(&capped);
-        let capacity = self.capacity(snapshot, rows.len(), model_rows);
+        let capacity = match self.history.front() {
+            Some(snapshot) => self.capacity(snapshot, rows.len(), model_rows),
+            // The first step has no earlier survivals; a capacity from its own would let later positions'
+            // confidences decide whether an earlier one is verified (DSpark Appendix A), so it verifies every
+            // candidate.
+            None => usize::MAX,
+        };
         self.history.push_back(capped);
         while self.history.len() > 2 {
             self.history.pop_front();
@@ -389,6 +394,17 @@ mod tests {
     }
 
     #[test]
+    fn the_first_production_step_does_not_size_its_capacity_from_its_own_survivals() {
+        // Hopeless drafts never pay here, yet the first step has no earlier survivals: it verifies every candidate,
+        // so no position's admission depends on the confidences after it.
+        let sps = profile(&[(1, 100.0), (2, 50.0), (16, 10.0)]);
+        let hopeless = [draft(&[0.01; 7]), draft(&[0.01, 0.0])];
+        let mut p = ProductionBudget::new(sps);
+        assert_eq!(p.plan(&rows(&hopeless, 5)), vec![5, 1]);
+        assert_eq!(p.plan(&rows(&hopeless, 5)), vec![0, 0], "step 2 sizes its capacity from step 1: hopeless");
+    }
+
+    #[test]
     fn production_capacity_uses_survivals_from_two_steps_earlier() {
         // Every verified token costs a lot here, so drafts of survival 0.01 never pay.
         let sps = profile(&[(1, 100.0), (2, 50.0), (16, 10.0)]);
@@ -423,6 +439,7 @@ mod tests {
         assert!(free <= 2 && costly == 4, "{free} {costly}");
         let model = [draft(&[0.5; 7]).with_source(DraftSource::Model)];
         let suffix = [draft(&[0.5; 7])];
+        assert_eq!(p.plan(&rows(&model, 7)), vec![7], "the first step verifies every candidate");
         assert_eq!(p.plan(&rows(&model, 7)), vec![costly]);
         assert_eq!(p.clone().plan(&rows(&suffix, 7)), vec![free]);
     }

@@ -59,11 +59,25 @@ pub const SPAN_LM_HEAD: &str = "draft.lm_head";
 pub const SPAN_MARKOV: &str = "draft.markov";
 pub const SPAN_END: &str = "draft.end";
 
+/// Threads of an `mla_attend_rows` block (`ATTEND_THREADS` in drafter.cu).
+const ATTEND_THREADS: u32 = 256;
+/// Most heads one `mla_attend_rows` block serves (`ATTEND_MAX_HG`).
+const ATTEND_MAX_HG: usize = 8;
+/// u64 words of an `mla_attend_rows` row descriptor (`ATTEND_ROW_WORDS`).
+const ATTEND_ROW_WORDS: usize = 4;
+/// Rows one `markov_step` block serves, the largest Markov rank it takes, and vocabulary entries per warp
+/// (`MARKOV_ROWS`, `MARKOV_MAX_R`, `MARKOV_PER_WARP`).
+const MARKOV_ROWS: usize = 64;
+const MARKOV_MAX_R: usize = 256;
+const MARKOV_PER_WARP: usize = 16;
+/// Threads of a `markov_step` block.
+const MARKOV_THREADS: usize = 256;
+
 /// The kernels of `kernels/cuda/drafter.cu`.
 struct DrafterKernels {
     concat_taps: CudaFunction,
     rope_rows: CudaFunction,
-    mla_attend_block: CudaFunction,
+    mla_attend_rows: CudaFunction,
     markov_step: CudaFunction,
     argmax_step: CudaFunction,
 }
@@ -75,7 +89,7 @@ impl DrafterKernels {
         Ok(DrafterKernels {
             concat_taps: f("concat_taps")?,
             rope_rows: f("rope_rows")?,
-            mla_attend_block: f("mla_attend_block")?,
+            mla_attend_rows: f("mla_attend_rows")?,
             markov_step: f("markov_step")?,
             argmax_step: f("argmax_step")?,
         })
@@ -274,6 +288,20 @@ impl DeviceDrafter {
     /// Uploads and checks every drafter tensor from `src` (the target's embedding and lm_head are read
     /// in place from the target's weights); `cfg` must have been checked against the target.
     pub fn load(gpu: &Gpu, cfg: DrafterConfig, src: &dyn WeightSource) -> Result<Self> {
+        if cfg.markov_rank > MARKOV_MAX_R {
+            return Err(KernelError::InvalidInput(format!(
+                "a Markov rank of {} exceeds the device drafter's {MARKOV_MAX_R}",
+                cfg.markov_rank
+            )));
+        }
+        // mla_attend_rows keeps 2 · ATTEND_MAX_HG latent rows of f32 in the 48 KiB of default shared memory.
+        let attend_smem = (2 * ATTEND_MAX_HG * cfg.kv_lora_rank + ATTEND_MAX_HG) * 4;
+        if attend_smem > 48 << 10 {
+            return Err(KernelError::InvalidInput(format!(
+                "a drafter kv_lora_rank of {} needs {attend_smem} bytes of shared memory per attention block (48 KiB)",
+                cfg.kv_lora_rank
+            )));
+        }
         let kernels = DrafterKernels::load(gpu)?;
         let mut up = Loader { gpu, specs: drafter_tensors(&cfg), src, bytes: 0 };
         let eps = cfg.rms_norm_eps;
@@ -478,6 +506,8 @@ impl DeviceDrafter {
         let ops = &target.ops;
         ops.rows.embed(gpu, gpu.ptr(&target.weights.embed), gpu.ptr(&tokens), gpu.ptr(&x), n, d)?;
         let scale = 1.0f32 / (qh as f32).sqrt();
+        // Heads per attention block: the most (up to ATTEND_MAX_HG) that divide the heads evenly.
+        let head_group = (1..=ATTEND_MAX_HG).rev().find(|g| heads % g == 0).unwrap_or(1);
         for (li, layer) in self.layers.iter().enumerate() {
             let h = norm(gpu, ops, &layer.input_norm, gpu.ptr(&x), n, d)?;
             let qa = linear(gpu, ops, &layer.q_a_proj, gpu.ptr(&h), n)?;
@@ -495,6 +525,9 @@ impl DeviceDrafter {
             let block = self.latents(gpu, ops, layer, gpu.ptr(&h), gpu.ptr(&positions), n)?; // [n, ld]
             gpu.mark(SPAN_ATTEND)?;
             let o = gpu.zeros::<bf16>(n * heads * mla.v_head_dim)?; // [n, H·v]
+                                                                    // [R, ATTEND_ROW_WORDS]: cache, visible | t << 32, first block query, scores offset.
+            let mut descs = Vec::with_capacity(rows.len() * ATTEND_ROW_WORDS);
+            let mut score_floats = 0usize;
             for (row, s) in rows.iter_mut().zip(&first) {
                 let (t, entries) = (row.num_drafts, row.context.entries);
                 let cache = &mut row.context.layers[li];
@@ -505,27 +538,35 @@ impl DeviceDrafter {
                     t * ld,
                 )?;
                 let visible = entries + t;
-                let scores = gpu.zeros::<f32>(t * heads * visible)?; // [t, H, visible]
-                let launch = LaunchConfig {
-                    grid_dim: (t as u32, heads as u32, 1),
-                    block_dim: (128, 1, 1),
-                    shared_mem_bytes: (2 * mla.kv_lora_rank * 4) as u32,
-                };
-                let ints =
-                    [visible, heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim, mla.kv_lora_rank]
-                        .map(|v| v as i32);
-                let q_ptr = gpu.ptr(&q) + (s * heads * qh * 2) as u64;
-                let (cache_ptr, kv_b, sc) = (gpu.ptr(&cache.cache), gpu.ptr(&layer.kv_b_proj.w), gpu.ptr(&scores));
-                let o_ptr = gpu.ptr(&o) + (s * heads * mla.v_head_dim * 2) as u64;
-                let mut b = gpu.launcher(&self.kernels.mla_attend_block);
-                b.arg(&q_ptr).arg(&cache_ptr).arg(&kv_b).arg(&sc).arg(&o_ptr);
-                for i in &ints {
-                    b.arg(i);
-                }
-                b.arg(&scale);
-                // SAFETY: the arguments match mla_attend_block; the cache holds `visible` entries (reserved above).
-                unsafe { b.launch(launch, "mla_attend_block") }?;
+                descs.extend([
+                    gpu.ptr(&cache.cache),
+                    visible as u64 | (t as u64) << 32,
+                    *s as u64,
+                    score_floats as u64,
+                ]);
+                score_floats += t * heads * visible;
             }
+            let descs = gpu.upload(&descs)?;
+            let scores = gpu.uninit::<f32>(score_floats)?; // every row's [t, H, visible], written before it is read
+            let launch = LaunchConfig {
+                grid_dim: ((stride - 1) as u32, (heads / head_group) as u32, rows.len() as u32),
+                block_dim: (ATTEND_THREADS, 1, 1),
+                shared_mem_bytes: ((2 * head_group * mla.kv_lora_rank + head_group) * 4) as u32,
+            };
+            let ints =
+                [heads, head_group, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim, mla.kv_lora_rank]
+                    .map(|v| v as i32);
+            let (q_ptr, desc_ptr, kv_b) = (gpu.ptr(&q), gpu.ptr(&descs), gpu.ptr(&layer.kv_b_proj.w));
+            let (sc, o_ptr) = (gpu.ptr(&scores), gpu.ptr(&o));
+            let mut b = gpu.launcher(&self.kernels.mla_attend_rows);
+            b.arg(&q_ptr).arg(&desc_ptr).arg(&kv_b).arg(&sc).arg(&o_ptr);
+            for i in &ints {
+                b.arg(i);
+            }
+            b.arg(&scale);
+            // SAFETY: the arguments match mla_attend_rows; every row's cache holds `visible` entries (reserved and
+            // written above) and `scores` holds every row's [t, H, visible].
+            unsafe { b.launch(launch, "mla_attend_rows") }?;
             gpu.mark(SPAN_BACKBONE)?;
             let attn = linear(gpu, ops, &layer.o_proj, gpu.ptr(&o), n)?;
             ops.rows.add(gpu, gpu.ptr(&x), gpu.ptr(&attn), n * d)?;
@@ -579,10 +620,15 @@ impl DeviceDrafter {
         let (stride_, v_, r_, d_) = (stride as i32, vocab as i32, r as i32, d as i32);
         let cb = self.confidence_b;
         let step_cfg = LaunchConfig {
-            grid_dim: (vocab.div_ceil(8) as u32, rows.len() as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
+            grid_dim: (
+                vocab.div_ceil(MARKOV_THREADS / 32 * MARKOV_PER_WARP) as u32,
+                rows.len().div_ceil(MARKOV_ROWS) as u32,
+                1,
+            ),
+            block_dim: (MARKOV_THREADS as u32, 1, 1),
+            shared_mem_bytes: (MARKOV_ROWS.min(rows.len()) * r * 2) as u32,
         };
+        let rows_ = rows.len() as i32;
         let argmax_cfg =
             LaunchConfig { grid_dim: (rows.len() as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
         // Group k: the sampled rows' draws of draft k, after the argmax of step k (which they overwrite).
@@ -612,7 +658,7 @@ impl DeviceDrafter {
             b.arg(&k_).arg(&u_ptr).arg(&h_ptr).arg(&w1).arg(&w2).arg(&cw).arg(&cb);
             b.arg(&base_ptr).arg(&count_ptr).arg(&tok_ptr).arg(&stride_).arg(&mask_ptr).arg(&logits_ptr);
             b.arg(&conf_ptr);
-            b.arg(&v_).arg(&r_).arg(&d_);
+            b.arg(&v_).arg(&r_).arg(&d_).arg(&rows_);
             // SAFETY: the arguments match markov_step; every buffer covers the block's rows and vocabulary.
             unsafe { b.launch(step_cfg, "markov_step") }?;
             let mut b = gpu.launcher(&self.kernels.argmax_step);
