@@ -73,6 +73,17 @@ const MARKOV_PER_WARP: usize = 16;
 /// Threads of a `markov_step` block.
 const MARKOV_THREADS: usize = 256;
 
+/// Blocks below which `mla_attend_rows` gives each block fewer heads (about four per SM of an H200).
+const ATTEND_MIN_BLOCKS: usize = 512;
+
+/// Heads per `mla_attend_rows` block for `heads` heads of `queries` block queries: the most (up to
+/// `ATTEND_MAX_HG`, dividing `heads`) that still leave `ATTEND_MIN_BLOCKS` blocks, else one. Every block walks its
+/// row's whole context, so few blocks leave the device idle: at γ = 7, 32 heads and a 2,048-token context, one row
+/// took 5.9 ms with 8 heads per block (28 blocks) against 2.9 ms for one head per block (decisions.md D68).
+fn attend_head_group(heads: usize, queries: usize) -> usize {
+    (1..=ATTEND_MAX_HG).rev().find(|&g| heads % g == 0 && queries * heads / g >= ATTEND_MIN_BLOCKS).unwrap_or(1)
+}
+
 /// The kernels of `kernels/cuda/drafter.cu`.
 struct DrafterKernels {
     concat_taps: CudaFunction,
@@ -506,8 +517,7 @@ impl DeviceDrafter {
         let ops = &target.ops;
         ops.rows.embed(gpu, gpu.ptr(&target.weights.embed), gpu.ptr(&tokens), gpu.ptr(&x), n, d)?;
         let scale = 1.0f32 / (qh as f32).sqrt();
-        // Heads per attention block: the most (up to ATTEND_MAX_HG) that divide the heads evenly.
-        let head_group = (1..=ATTEND_MAX_HG).rev().find(|g| heads % g == 0).unwrap_or(1);
+        let head_group = attend_head_group(heads, (stride - 1) * rows.len());
         for (li, layer) in self.layers.iter().enumerate() {
             let h = norm(gpu, ops, &layer.input_norm, gpu.ptr(&x), n, d)?;
             let qa = linear(gpu, ops, &layer.q_a_proj, gpu.ptr(&h), n)?;
@@ -678,5 +688,22 @@ impl DeviceDrafter {
             .collect();
         let confidences = rows.iter().zip(&first).map(|(row, s)| all_conf[*s..s + row.num_drafts].to_vec()).collect();
         Ok(BlockDrafts { tokens, confidences, q, first })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attention_blocks_share_heads_only_when_enough_blocks_remain() {
+        // γ = 7, 32 heads: one row keeps a head per block (224 blocks); 16 rows share 4 (896 blocks).
+        assert_eq!(attend_head_group(32, 7), 1);
+        assert_eq!(attend_head_group(32, 7 * 4), 1);
+        assert_eq!(attend_head_group(32, 7 * 16), 4);
+        assert_eq!(attend_head_group(32, 7 * 64), 8);
+        // A group always divides the heads.
+        assert_eq!(attend_head_group(6, 7 * 64), 3);
+        assert_eq!(attend_head_group(2, 1000), 2);
     }
 }
