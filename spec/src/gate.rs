@@ -11,7 +11,9 @@
 //! plain   = R / step_seconds(R)
 //! ```
 //!
-//! where `ē_j` is the calibrated survival of a typical draft: the decayed mean of the raw survivals the
+//! where `draft_seconds(n)` is the start-up table scaled by what drafter rounds have really cost since
+//! ([`DraftGate::record_draft_cost`]: the draft's attention walks each row's context, so agent contexts of
+//! thousands of tokens cost more than the short ones measured at start-up), and `ē_j` is the calibrated survival of a typical draft: the decayed mean of the raw survivals the
 //! drafter gave at position j ([`DraftGate::record_draft`]) through the calibration's factors
 //! (`crate::calibration`). It drafts when `drafted > plain`. Otherwise the step decodes plainly with no
 //! drafter call, and every `interval` such steps a probe drafts anyway (the engine verifies at least one
@@ -35,6 +37,8 @@ pub const MIN_PROBE_INTERVAL: u32 = 4;
 pub const MAX_PROBE_INTERVAL: u32 = 256;
 /// Decay of the mean raw survivals, per recorded draft.
 const SURVIVAL_DECAY: f64 = 0.95;
+/// Decay of the observed-over-predicted draft cost, per timed drafter round.
+const COST_DECAY: f64 = 0.9;
 
 /// What the next step does with the model drafter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -65,6 +69,9 @@ pub struct DraftGate {
     /// Decayed sums of raw survivals per position, and their decayed counts.
     survival_sum: Vec<f64>,
     survival_weight: Vec<f64>,
+    /// Decayed sums of observed over predicted drafter-round seconds, and their decayed count.
+    cost_ratio_sum: f64,
+    cost_ratio_weight: f64,
     /// Steps skipped since the last probe.
     skipped: u32,
     interval: u32,
@@ -77,6 +84,8 @@ impl DraftGate {
             sps,
             survival_sum: Vec::new(),
             survival_weight: Vec::new(),
+            cost_ratio_sum: 0.0,
+            cost_ratio_weight: 0.0,
             skipped: 0,
             interval: MIN_PROBE_INTERVAL,
         }
@@ -92,6 +101,24 @@ impl DraftGate {
             self.survival_sum[j] = SURVIVAL_DECAY * self.survival_sum[j] + a.clamp(0.0, 1.0);
             self.survival_weight[j] = SURVIVAL_DECAY * self.survival_weight[j] + 1.0;
         }
+    }
+
+    /// Records the wall time of one drafter round over `rows` rows; later decisions scale the start-up cost
+    /// table by the decayed mean of observed over predicted. Rounds the table prices at nothing are ignored.
+    pub fn record_draft_cost(&mut self, rows: usize, seconds: f64) {
+        let predicted = self.sps.draft_seconds(rows);
+        if !(predicted > 0.0 && seconds.is_finite() && seconds > 0.0) {
+            return;
+        }
+        self.cost_ratio_sum = COST_DECAY * self.cost_ratio_sum + seconds / predicted;
+        self.cost_ratio_weight = COST_DECAY * self.cost_ratio_weight + 1.0;
+    }
+
+    /// The predicted seconds of a drafter round over `rows` rows: the start-up table scaled by what rounds
+    /// have cost (the table as it is before any round was timed).
+    pub fn draft_seconds(&self, rows: usize) -> f64 {
+        let ratio = if self.cost_ratio_weight > 0.0 { self.cost_ratio_sum / self.cost_ratio_weight } else { 1.0 };
+        self.sps.draft_seconds(rows) * ratio
     }
 
     /// `ē_j`: the calibrated survivals of a typical draft, over the positions drafted so far (empty
@@ -113,7 +140,7 @@ impl DraftGate {
         let mut candidates: Vec<f64> =
             input.caps.iter().flat_map(|&cap| expected.iter().take(cap).copied()).filter(|&a| a > 0.0).collect();
         candidates.sort_by(|x, y| y.total_cmp(x));
-        let draft_seconds = self.sps.draft_seconds(input.caps.len());
+        let draft_seconds = self.draft_seconds(input.caps.len());
         let (_, drafted) = best_capacity(&candidates, input.rows, draft_seconds, &self.sps);
         drafted > input.rows as f64 / self.sps.step_seconds(input.rows)
     }
@@ -171,6 +198,24 @@ mod tests {
         let mut gate = DraftGate::new(h200());
         (0..drafts).for_each(|_| gate.record_draft(survival));
         gate
+    }
+
+    #[test]
+    fn drafter_rounds_that_cost_more_than_measured_at_start_up_stop_paying() {
+        // Drafts that pay at the start-up price of 1.4 ms stop paying when rounds really take 14 ms (a long
+        // context), and pay again once rounds are cheap.
+        let cal = Calibration::default();
+        let mut gate = gate_with(&[0.6, 0.35, 0.2, 0.1, 0.05, 0.02, 0.01], 10);
+        assert!(gate.pays(&input(1, &[7], &cal)));
+        assert!((gate.draft_seconds(1) - 0.0014).abs() < 1e-12);
+        (0..20).for_each(|_| gate.record_draft_cost(1, 0.014));
+        assert!((gate.draft_seconds(1) - 0.014).abs() < 1e-9, "{}", gate.draft_seconds(1));
+        assert!(!gate.pays(&input(1, &[7], &cal)));
+        (0..40).for_each(|_| gate.record_draft_cost(1, 0.0014));
+        assert!(gate.pays(&input(1, &[7], &cal)));
+        gate.record_draft_cost(1, f64::NAN);
+        gate.record_draft_cost(1, 0.0);
+        assert!(gate.draft_seconds(1).is_finite());
     }
 
     #[test]

@@ -33,6 +33,7 @@
 //!   exactly once per request that began.
 
 use std::collections::HashMap;
+use std::time::Instant;
 
 use metrics::{counter, gauge};
 use sparkd_kernels::runner::SamplingParams;
@@ -161,7 +162,13 @@ impl Speculator {
             counter!(names::SPEC_DECODE_GATED_STEPS_TOTAL).increment(1);
             self.proposer.prepare_round(None, &[]).map_err(kernel_error)?;
         } else {
+            let started = Instant::now();
             self.proposer.prepare_round(drafter.as_deref_mut(), &rows).map_err(kernel_error)?;
+            // The round ends with the drafts on the host, so its wall time is the drafter's cost at this load.
+            if let Some(gate) = &mut self.gate {
+                let drafting = rows.iter().filter(|r| r.cap > 0).count();
+                gate.record_draft_cost(drafting, started.elapsed().as_secs_f64());
+            }
         }
         if decision == GateDecision::Probe {
             counter!(names::SPEC_DECODE_PROBES_TOTAL).increment(1);
