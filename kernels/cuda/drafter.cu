@@ -54,6 +54,7 @@ extern "C" __global__ void rope_rows(__nv_bfloat16 *x, long stride, int offset, 
 #define ATTEND_THREADS 256
 #define ATTEND_MAX_HG 8
 #define ATTEND_ROW_WORDS 4
+#define ATTEND_UNROLL 8 // positions whose loads are issued together (scores per warp, values per channel)
 extern "C" __global__ void __launch_bounds__(ATTEND_THREADS)
     mla_attend_rows(const __nv_bfloat16 *q, const unsigned long long *rows, const __nv_bfloat16 *kv_b, float *scores,
                     __nv_bfloat16 *out, int H, int hg, int nope, int rope, int vdim, int r, float scale) {
@@ -81,19 +82,32 @@ extern "C" __global__ void __launch_bounds__(ATTEND_THREADS)
     }
     __syncthreads();
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    for (int pos = warp; pos < visible; pos += warps) {
-        const __nv_bfloat16 *e = cache + (long)pos * ld_;
+    // ATTEND_UNROLL positions per warp at a time, their products before any store, so the entries' loads overlap.
+    for (int p0 = warp; p0 < visible; p0 += warps * ATTEND_UNROLL) {
         for (int hl = 0; hl < hg; hl++) {
             const float *ql = q_lat + hl * r;
             const __nv_bfloat16 *qrow = qtok + (long)(h0 + hl) * qh;
-            float a = 0.0f, b = 0.0f;
-            for (int c = lane; c < r; c += 32) a += ql[c] * ld(e, c);
-            for (int c = lane; c < rope; c += 32) b += ld(qrow, nope + c) * ld(e, r + c);
-            for (int o = 16; o > 0; o >>= 1) {
-                a += __shfl_xor_sync(0xffffffffu, a, o);
-                b += __shfl_xor_sync(0xffffffffu, b, o);
+            float a[ATTEND_UNROLL], b[ATTEND_UNROLL];
+#pragma unroll
+            for (int u = 0; u < ATTEND_UNROLL; u++) {
+                int pos = p0 + u * warps;
+                a[u] = 0.0f;
+                b[u] = 0.0f;
+                if (pos < visible) {
+                    const __nv_bfloat16 *e = cache + (long)pos * ld_;
+                    for (int c = lane; c < r; c += 32) a[u] += ql[c] * ld(e, c);
+                    for (int c = lane; c < rope; c += 32) b[u] += ld(qrow, nope + c) * ld(e, r + c);
+                }
             }
-            if (lane == 0) sc_row[(long)(h0 + hl) * visible + pos] = scale * (a + b);
+#pragma unroll
+            for (int u = 0; u < ATTEND_UNROLL; u++) {
+                for (int o = 16; o > 0; o >>= 1) {
+                    a[u] += __shfl_xor_sync(0xffffffffu, a[u], o);
+                    b[u] += __shfl_xor_sync(0xffffffffu, b[u], o);
+                }
+                int pos = p0 + u * warps;
+                if (lane == 0 && pos < visible) sc_row[(long)(h0 + hl) * visible + pos] = scale * (a[u] + b[u]);
+            }
         }
     }
     __syncthreads();
@@ -127,7 +141,19 @@ extern "C" __global__ void __launch_bounds__(ATTEND_THREADS)
         float acc[ATTEND_MAX_HG];
 #pragma unroll
         for (int hl = 0; hl < ATTEND_MAX_HG; hl++) acc[hl] = 0.0f;
-        for (int pos = 0; pos < visible; pos++) {
+        // ATTEND_UNROLL entries loaded ahead of their products, added in ascending order all the same.
+        int pos = 0;
+        for (; pos + ATTEND_UNROLL <= visible; pos += ATTEND_UNROLL) {
+            float v[ATTEND_UNROLL];
+#pragma unroll
+            for (int u = 0; u < ATTEND_UNROLL; u++) v[u] = ld(cache, (long)(pos + u) * ld_ + c);
+#pragma unroll
+            for (int u = 0; u < ATTEND_UNROLL; u++)
+#pragma unroll
+                for (int hl = 0; hl < ATTEND_MAX_HG; hl++)
+                    if (hl < hg) acc[hl] += (sc_row[(long)(h0 + hl) * visible + pos + u] / total[hl]) * v[u];
+        }
+        for (; pos < visible; pos++) {
             float v = ld(cache, (long)pos * ld_ + c);
 #pragma unroll
             for (int hl = 0; hl < ATTEND_MAX_HG; hl++)
