@@ -132,8 +132,7 @@ pub fn measure_step_costs(runner: &mut dyn Runner, max_batch_tokens: usize) -> R
 fn time_chunk_step(runner: &mut dyn Runner, tokens: usize) -> Result<Duration, KernelError> {
     let vocab = runner.config().vocab_size;
     let ids: Vec<TokenId> = (0..tokens).map(|i| ((1000 + 37 * i) % vocab) as TokenId).collect();
-    let mut best = Duration::MAX;
-    for rep in 0..3 {
+    best_after_warmup(|| {
         let state = runner.alloc_state()?;
         let sample = Some(SampleRequest { params: SamplingParams::greedy(), draft_len: 0 });
         let row = RowInput { state, tokens: ids.clone(), sample };
@@ -141,12 +140,8 @@ fn time_chunk_step(runner: &mut dyn Runner, tokens: usize) -> Result<Duration, K
         let stepped = runner.step(std::slice::from_ref(&row));
         let elapsed = start.elapsed();
         runner.free_state(state)?;
-        stepped?;
-        if rep > 0 {
-            best = best.min(elapsed);
-        }
-    }
-    Ok(best.max(Duration::from_nanos(1)))
+        stepped.map(|_| elapsed)
+    })
 }
 
 /// The tokenizer of a checkpoint folder (its `tiktoken.model`), else the built-in one.
@@ -367,37 +362,41 @@ pub fn measure_sps(runner: &mut dyn Runner, max_batch_tokens: usize) -> Result<S
 /// The best of two timed steps of `batch_tokens` tokens spread over `states` (after one warm-up).
 fn time_step(runner: &mut dyn Runner, states: &[StateId], batch_tokens: usize) -> Result<Duration, KernelError> {
     let rows_n = batch_tokens.min(states.len());
-    let mut best = Duration::MAX;
-    for rep in 0..3 {
-        let rows: Vec<RowInput> = (0..rows_n)
-            .map(|r| {
-                let len = batch_tokens / rows_n + usize::from(r < batch_tokens % rows_n);
-                let tokens: Vec<TokenId> = (0..len).map(|i| (1000 + 37 * r + i) as TokenId).collect();
-                let sample = SampleRequest { params: SamplingParams::greedy(), draft_len: len - 1 };
-                RowInput { state: states[r], tokens, sample: Some(sample) }
-            })
-            .collect();
+    let rows: Vec<RowInput> = (0..rows_n)
+        .map(|r| {
+            let len = batch_tokens / rows_n + usize::from(r < batch_tokens % rows_n);
+            let tokens: Vec<TokenId> = (0..len).map(|i| (1000 + 37 * r + i) as TokenId).collect();
+            let sample = SampleRequest { params: SamplingParams::greedy(), draft_len: len - 1 };
+            RowInput { state: states[r], tokens, sample: Some(sample) }
+        })
+        .collect();
+    best_after_warmup(|| {
         let start = Instant::now();
         runner.step(&rows)?;
-        if rep > 0 {
-            best = best.min(start.elapsed());
-        }
-    }
-    Ok(best.max(Duration::from_nanos(1)))
+        Ok(start.elapsed())
+    })
+}
+
+/// The faster of two timed runs of `once` (each returning its own measured time) after one warm-up run, at
+/// least 1 ns: how every start-up measurement times its step or drafter round.
+fn best_after_warmup(mut once: impl FnMut() -> Result<Duration, KernelError>) -> Result<Duration, KernelError> {
+    once()?;
+    let first = once()?;
+    Ok(first.min(once()?).max(Duration::from_nanos(1)))
 }
 
 /// Measures the drafter's cost per round on `runner` at the row counts of [`DRAFT_ROW_COUNTS`] up to
-/// `max_rows`: each count is one greedy draft of `draft_len` tokens per row over fresh states given a short
+/// `max_batch_tokens` (each row feeds at least one token): each count is one greedy draft of `draft_len` tokens per row over fresh states given a short
 /// context (a warm-up, then the faster of two timed rounds). Every state it makes is freed.
 pub fn measure_draft_cost(
     runner: &mut dyn Runner,
-    max_rows: usize,
+    max_batch_tokens: usize,
     draft_len: usize,
 ) -> Result<Vec<DraftPoint>, KernelError> {
-    let counts: Vec<usize> = DRAFT_ROW_COUNTS.iter().copied().filter(|&r| r <= max_rows.max(1)).collect();
+    let counts: Vec<usize> = DRAFT_ROW_COUNTS.iter().copied().filter(|&r| r <= max_batch_tokens.max(1)).collect();
     let rows = counts.last().copied().unwrap_or(1);
     let states = (0..rows).map(|_| runner.alloc_state()).collect::<Result<Vec<StateId>, _>>()?;
-    let result = give_context(runner, &states, max_rows).and_then(|()| {
+    let result = give_context(runner, &states, max_batch_tokens).and_then(|()| {
         SpsProfile::measure_draft(&counts, |n| time_draft(runner, &states[..n], draft_len))
             .map_err(|e| KernelError::InvalidInput(e.to_string()))
     });
@@ -430,17 +429,13 @@ fn time_draft(runner: &mut dyn Runner, states: &[StateId], draft_len: usize) -> 
         .iter()
         .map(|&state| DraftRequest { state, anchor: 1000, num_drafts: draft_len, params: SamplingParams::greedy() })
         .collect();
-    let mut best = Duration::MAX;
-    for rep in 0..3 {
+    best_after_warmup(|| {
         let mut drafter =
             runner.model_drafter().ok_or_else(|| KernelError::InvalidInput("the runner has no drafter".into()))?;
         let start = Instant::now();
         drafter.draft(&requests)?;
-        if rep > 0 {
-            best = best.min(start.elapsed());
-        }
-    }
-    Ok(best)
+        Ok(start.elapsed())
+    })
 }
 
 #[cfg(test)]

@@ -778,17 +778,6 @@ struct WidePartial {
     double sum;      // sum exp((l - max_logit) / T) over the chunk
 };
 
-__device__ float block_max_f32(float v, Shared &s) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    __syncthreads();
-    if (lane == 0) s.best_v[warp] = v;
-    __syncthreads();
-    float t = s.best_v[lane];
-    for (int o = 16; o > 0; o >>= 1) t = fmaxf(t, __shfl_xor_sync(FULL_MASK, t, o));
-    return t;
-}
-
 __device__ u32 block_min_u32(u32 v, Shared &s) {
     for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(FULL_MASK, v, o));
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -823,7 +812,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         }
         m = fmaxf(m, v[j]);
     }
-    m = block_max_f32(m, s);
+    m = block_max(m); // prelude.cuh
     bad = block_min_u32(bad, s);
     double local = 0.0;
     if (m > neg_inf) {

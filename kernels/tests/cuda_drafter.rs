@@ -6,12 +6,11 @@
 //! token mask, and the errors of the drafter API. On a machine without a CUDA driver every test says plainly that it skipped.
 //!
 //! `cuda_draft_cost` is a measurement (`-- --ignored --nocapture`; `SPARKD_DRAFT_BENCH_MINI=1` adds
-//! k3-mini): the time of one batched draft call at γ = 7 for batch 1 and 8.
+//! k3-mini): the time of one batched draft call at γ = 7 for batch 1 and 8 (`harness::draft_bench`).
 
 mod drafting;
 
 use std::sync::{Mutex, MutexGuard, OnceLock};
-use std::time::Instant;
 
 use sparkd_kernels::cpu::{CpuModel, Probe, WindowRow};
 use sparkd_kernels::cuda::device::driver_present;
@@ -19,7 +18,8 @@ use sparkd_kernels::cuda::drafter::{BlockRow, DrafterContext};
 use sparkd_kernels::cuda::CudaRunner;
 use sparkd_kernels::dspark::model::draft_uniform;
 use sparkd_kernels::dspark::{DrafterConfig, DrafterModel, DrafterSource, DrafterState, SyntheticDrafterWeights};
-use sparkd_kernels::runner::{DraftRequest, SamplingParams, TokenMask};
+use sparkd_kernels::harness::draft_bench;
+use sparkd_kernels::runner::{SamplingParams, TokenMask};
 use sparkd_kernels::sampling::Distribution;
 use sparkd_kernels::state::SeqState;
 use sparkd_kernels::synth::SyntheticWeights;
@@ -430,32 +430,6 @@ fn cuda_drafter_api_errors_change_nothing() {
     r.free_state(s).unwrap();
 }
 
-/// One draft call at γ = 7 for `batch` rows over 64-token contexts: median ms over 20 calls.
-fn time_drafts(r: &mut CudaRunner, batch: usize, params: &SamplingParams) -> f64 {
-    let gamma = r.model_drafter().unwrap().block_size();
-    let states: Vec<StateId> = (0..batch)
-        .map(|i| {
-            let s = r.alloc_state().unwrap();
-            prefill(r, s, &prompt(64, 50 + i as u32));
-            s
-        })
-        .collect();
-    let reqs: Vec<DraftRequest> = states.iter().map(|s| draft_req(*s, 5, gamma, params)).collect();
-    r.model_drafter().unwrap().draft(&reqs).unwrap();
-    let mut ms: Vec<f64> = (0..20)
-        .map(|_| {
-            let t0 = Instant::now();
-            r.model_drafter().unwrap().draft(&reqs).unwrap();
-            t0.elapsed().as_secs_f64() * 1e3
-        })
-        .collect();
-    ms.sort_by(|a, b| a.total_cmp(b));
-    for s in states {
-        r.free_state(s).unwrap();
-    }
-    ms[ms.len() / 2]
-}
-
 #[test]
 #[ignore = "a measurement; run explicitly"]
 fn cuda_draft_cost() {
@@ -466,33 +440,17 @@ fn cuda_draft_cost() {
     if std::env::var_os("SPARKD_DRAFT_BENCH_MINI").is_some() {
         presets.push("k3-mini");
     }
-    let greedy = SamplingParams::greedy();
-    let sampled = SamplingParams { temperature: 1.0, top_p: 1.0, top_k: 0, seed: 1, logprobs: None };
     for preset in presets {
         let cfg = ModelConfig::preset(preset).unwrap();
         let mut r = CudaRunner::new(0, cfg.clone(), &SyntheticWeights::new(cfg, TARGET_SEED)).unwrap();
         let dcfg = DrafterConfig::preset(preset).unwrap();
         r.attach_drafter(DrafterSource::synthetic(dcfg, DRAFTER_SEED)).unwrap();
-        let s = r.alloc_state().unwrap();
-        prefill(&mut r, s, &prompt(64, 1));
-        let decode_ms = {
-            let mut ms: Vec<f64> = (0..10)
-                .map(|i| {
-                    let t0 = Instant::now();
-                    r.step(&[row(s, vec![i], &greedy, 0)]).unwrap();
-                    t0.elapsed().as_secs_f64() * 1e3
-                })
-                .collect();
-            ms.sort_by(|a, b| a.total_cmp(b));
-            ms[5]
-        };
-        r.free_state(s).unwrap();
-        for batch in [1usize, 8] {
-            let g = time_drafts(&mut r, batch, &greedy);
-            let t = time_drafts(&mut r, batch, &sampled);
+        // The bench's measurement (`sparkd bench --draft-batch`): 64-token contexts, median of 20 calls.
+        for d in draft_bench::draft_costs(&mut r, &[1, 8], 64, 20).unwrap() {
             eprintln!(
-                "DRAFT_COST {preset} batch {batch} gamma 7: greedy {g:.3} ms, sampled T=1 {t:.3} ms per call \
-                 (one target decode step at batch 1: {decode_ms:.3} ms)"
+                "DRAFT_COST {preset} batch {} gamma {}: greedy {:.3} ms, sampled T=1 {:.3} ms per call \
+                 (one target decode step at that batch: {:.3} ms)",
+                d.batch, d.block_size, d.greedy_ms_median, d.sampled_ms_median, d.step_ms_median
             );
         }
     }

@@ -183,7 +183,7 @@ pub enum BudgetPolicy {
 impl BudgetPolicy {
     /// Whether the policy weighs survivals against SPS(B) (and so runs over calibrated survivals).
     pub fn is_load_aware(&self) -> bool {
-        matches!(self, BudgetPolicy::Dspark(_) | BudgetPolicy::Production(_))
+        self.profile().is_some()
     }
 
     /// The SPS(B) profile of a load-aware policy.

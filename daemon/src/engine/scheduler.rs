@@ -500,8 +500,10 @@ impl Scheduler {
 
 #[cfg(test)]
 mod tests {
-    use super::super::step_time::StepTarget;
+    use super::super::step_time::{linear_costs, StepTarget};
     use super::*;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
 
     const BLOCK: usize = 8;
 
@@ -745,18 +747,10 @@ mod tests {
         assert!(!f.state_matches_history(), "the state committed the draft after the stop token");
     }
 
-    /// `t(B) = 4 ms + B × 0.05 ms`.
-    fn linear_costs() -> sparkd_spec::SpsProfile {
-        let point = |b: usize| sparkd_spec::sps::SpsPoint {
-            batch_tokens: b,
-            steps_per_second: 1.0 / (0.004 + b as f64 * 5e-5),
-        };
-        sparkd_spec::SpsProfile::from_points(vec![point(1), point(4096)]).unwrap()
-    }
-
+    /// A scheduler of `budget` tokens held to `target` over `t(B) = 4 ms + B × 0.05 ms`.
     fn limited(budget: usize, target: StepTarget) -> Scheduler {
         let mut s = scheduler(budget, 8);
-        s.set_step_time_limit(Some(StepTimeLimit::new(linear_costs(), target, BLOCK)));
+        s.set_step_time_limit(Some(StepTimeLimit::new(linear_costs(0.004, 5e-5, 4096), target, BLOCK)));
         s
     }
 
@@ -832,32 +826,21 @@ mod tests {
         assert_eq!(planned_hits, vec![(48, true)], "the chunk that ended on 40 by chance is not reported");
     }
 
-    /// xorshift64*: a deterministic stream for the random-mix test.
-    struct Rng(u64);
-
-    impl Rng {
-        fn below(&mut self, n: usize) -> usize {
-            self.0 ^= self.0 >> 12;
-            self.0 ^= self.0 << 25;
-            self.0 ^= self.0 >> 27;
-            (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 33) as usize % n.max(1)
-        }
-    }
-
     #[test]
     fn random_mixes_stay_within_the_target_unless_only_the_minimum_chunk_ran() {
-        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let mut rng = ChaCha8Rng::seed_from_u64(0x9e37_79b9_7f4a_7c15);
         for case in 0..200 {
-            let budget = 16 + rng.below(500);
-            let target = match rng.below(3) {
-                0 => StepTarget::Factor(1.0 + rng.below(30) as f64 / 10.0),
-                1 => StepTarget::Seconds(rng.below(20) as f64 * 1e-3),
+            let budget = 16 + rng.gen_range(0..500usize);
+            let target = match rng.gen_range(0..3usize) {
+                0 => StepTarget::Factor(1.0 + rng.gen_range(0..30usize) as f64 / 10.0),
+                1 => StepTarget::Seconds(rng.gen_range(0..20usize) as f64 * 1e-3),
                 _ => StepTarget::Factor(1.5),
             };
             let mut s = limited(budget, target);
             let limit = s.step_time.clone().unwrap();
-            let requests: Vec<GenerateRequest> =
-                (0..1 + rng.below(12)).map(|i| request(i as u64, 1 + rng.below(400), 1 + rng.below(30))).collect();
+            let requests: Vec<GenerateRequest> = (0..1 + rng.gen_range(0..12usize))
+                .map(|i| request(i as u64, 1 + rng.gen_range(0..400usize), 1 + rng.gen_range(0..30usize)))
+                .collect();
             for r in &requests {
                 s.add(r, &[]).unwrap();
             }
@@ -870,7 +853,7 @@ mod tests {
                 }
                 let slots: Vec<RequestId> = s.decode_slots().iter().map(|d| d.id).collect();
                 for id in slots {
-                    let drafts = (0..rng.below(9)).map(|t| 500 + t as TokenId).collect();
+                    let drafts = (0..rng.gen_range(0..9usize)).map(|t| 500 + t as TokenId).collect();
                     s.set_drafts(id, drafts).unwrap();
                 }
                 let decoding: Vec<RequestId> = s.running.iter().filter(|q| q.output_len() > 0).map(|q| q.id).collect();
@@ -886,7 +869,7 @@ mod tests {
                 if prefilling > 0 && decode < budget && plan.rows.len() < 8 {
                     assert!(prefill > 0, "case {case}: a waiting prompt did not advance");
                 }
-                s.apply(&plan, &outputs(&plan, 7, rng.below(2) == 0)).unwrap();
+                s.apply(&plan, &outputs(&plan, 7, rng.gen_bool(0.5))).unwrap();
             }
         }
     }

@@ -25,8 +25,9 @@ use sparkd_spec::SpsProfile;
 /// The default relative target: a step carrying decode rows may take 1.5× the predicted time of its
 /// decode rows alone. The replay goal is decode ITL P90 ≤ 2× the bench step; the other 0.5× is left
 /// for what the profile does not see (per-step host work, attention over long contexts, the error of
-/// a profile measured on fresh states). On a GPU a decode step is bound by reading the weights, so
-/// half a step of extra time still carries a prefill chunk of hundreds of tokens and TTFT stays low.
+/// a profile measured on fresh states). On k3-mini on an H200 half a step (about 2 ms) fits fewer than
+/// 64 prompt tokens (t(64) = 8.97 ms against t(1) = 4.29 ms at start-up, BENCHMARKS.md, issue 31), so
+/// the minimum chunk decides there: a step beside decode rows prefills one 64-token block.
 pub const DEFAULT_STEP_TARGET_FACTOR: f64 = 1.5;
 
 /// How long a step carrying decode rows may take.
@@ -106,15 +107,23 @@ impl StepTimeLimit {
     }
 }
 
+/// A test cost profile `t(B) = base + B × per_token` (seconds), measured at B = 1 and B = `up_to`.
+#[cfg(test)]
+pub(crate) fn linear_costs(base: f64, per_token: f64, up_to: usize) -> SpsProfile {
+    let point = |b: usize| sparkd_spec::sps::SpsPoint {
+        batch_tokens: b,
+        steps_per_second: 1.0 / (base + b as f64 * per_token),
+    };
+    SpsProfile::from_points(vec![point(1), point(up_to)]).expect("a valid linear profile")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use sparkd_spec::sps::SpsPoint;
 
     /// `t(B) = 4 ms + B × 0.05 ms` (a GPU-like profile: flat-ish at small B).
     fn linear() -> SpsProfile {
-        let point = |b: usize| SpsPoint { batch_tokens: b, steps_per_second: 1.0 / (0.004 + b as f64 * 5e-5) };
-        SpsProfile::from_points(vec![point(1), point(2048)]).unwrap()
+        linear_costs(0.004, 5e-5, 2048)
     }
 
     #[test]

@@ -10,13 +10,11 @@ use sparkd_kernels::runner::{RowInput, RowOutput, SamplingParams};
 use sparkd_kernels::state::SeqState;
 use sparkd_kernels::synth::SyntheticWeights;
 use sparkd_kernels::{ModelConfig, Result as KResult, Runner, StateId, TokenId};
-use sparkd_spec::sps::SpsPoint;
-use sparkd_spec::SpsProfile;
 use tokio::sync::mpsc;
 
 use super::core::{spawn, Engine};
 use super::sessions::KeptSummary;
-use super::step_time::{StepTarget, StepTimeLimit};
+use super::step_time::{linear_costs, StepTarget, StepTimeLimit};
 use super::types::*;
 use crate::config::speculation::{SpecMethod, SpeculationConfig};
 use crate::startup;
@@ -476,16 +474,11 @@ fn a_config_the_cli_would_have_rejected_is_an_internal_fault() {
     assert_eq!(err.kind(), "internal");
 }
 
-/// `t(B) = 1 ms + B × 0.1 ms`.
-fn linear_costs() -> SpsProfile {
-    let point = |b: usize| SpsPoint { batch_tokens: b, steps_per_second: 1.0 / (0.001 + b as f64 * 1e-4) };
-    SpsProfile::from_points(vec![point(1), point(64)]).unwrap()
-}
-
 #[test]
 fn a_step_time_limit_chunks_prefill_beside_decode_rows_and_keeps_the_tokens() {
     // Beside one decode token (1.1 ms, target 1.65 ms) 5 prompt tokens fit, so the minimum chunk of 8 runs.
-    let limit = StepTimeLimit::new(linear_costs(), StepTarget::Factor(1.5), 8);
+    // t(B) = 1 ms + B × 0.1 ms.
+    let limit = StepTimeLimit::new(linear_costs(0.001, 1e-4, 64), StepTarget::Factor(1.5), 8);
     let (short, long) = (prompt(1, 3), prompt(2, 200));
     let run = |step_time: Option<StepTimeLimit>| {
         let h = Harness::new(EngineConfig { step_time, ..config() });
@@ -539,7 +532,7 @@ fn cpu_greedy(
 fn cpu_greedy_output_is_unchanged_by_the_step_time_limit_and_dspark() {
     // Request 0 decodes while 1 and 2 prefill in 4-token chunks (the target is the decode rows' own time);
     // the reference is spec off without a limit (16-token chunks).
-    let limit = StepTimeLimit::new(linear_costs(), StepTarget::Factor(1.0), 4);
+    let limit = StepTimeLimit::new(linear_costs(0.001, 1e-4, 64), StepTarget::Factor(1.0), 4);
     let cpu_prompt = |len: u32, salt: u32| (0..len).map(|i| (i * 7919 + salt * 104_729 + 13) % 100_000).collect();
     let requests: Vec<(Vec<TokenId>, usize)> =
         vec![(cpu_prompt(5, 0), 12), (cpu_prompt(21, 1), 4), (cpu_prompt(13, 2), 4)];

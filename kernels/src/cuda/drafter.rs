@@ -534,8 +534,7 @@ impl DeviceDrafter {
             self.rope(gpu, &rope)?;
             let block = self.latents(gpu, ops, layer, gpu.ptr(&h), gpu.ptr(&positions), n)?; // [n, ld]
             gpu.mark(SPAN_ATTEND)?;
-            let o = gpu.zeros::<bf16>(n * heads * mla.v_head_dim)?; // [n, H·v]
-                                                                    // [R, ATTEND_ROW_WORDS]: cache, visible | t << 32, first block query, scores offset.
+            // Per row, ATTEND_ROW_WORDS words: cache, visible | t << 32, first block query, scores offset.
             let mut descs = Vec::with_capacity(rows.len() * ATTEND_ROW_WORDS);
             let mut score_floats = 0usize;
             for (row, s) in rows.iter_mut().zip(&first) {
@@ -558,6 +557,7 @@ impl DeviceDrafter {
             }
             let descs = gpu.upload(&descs)?;
             let scores = gpu.uninit::<f32>(score_floats)?; // every row's [t, H, visible], written before it is read
+            let o = gpu.zeros::<bf16>(n * heads * mla.v_head_dim)?; // [n, H·v]
             let launch = LaunchConfig {
                 grid_dim: ((stride - 1) as u32, (heads / head_group) as u32, rows.len() as u32),
                 block_dim: (ATTEND_THREADS, 1, 1),
