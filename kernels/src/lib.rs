@@ -15,6 +15,7 @@ pub mod dspark;
 pub mod error;
 pub mod float;
 pub mod harness;
+pub mod launches;
 pub mod mxfp4;
 pub mod null_runner;
 pub mod routing;

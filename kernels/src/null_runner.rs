@@ -20,6 +20,7 @@ use std::ops::Range;
 
 use crate::config::ModelConfig;
 use crate::error::{KernelError, Result};
+use crate::launches::{FedRow, SyncLaunches};
 use crate::runner::{RowInput, RowOutput, Runner, SamplingParams, StateId, TokenId, TokenLogprob};
 use crate::state::{MlaCache, SeqState};
 
@@ -72,11 +73,19 @@ pub struct NullRunner {
     bytes_per_token: usize,
     states: HashMap<StateId, NullState>,
     next_id: u64,
+    /// Steps launched and not yet collected.
+    launches: SyncLaunches,
 }
 
 impl NullRunner {
     pub fn new(config: ModelConfig) -> Self {
-        NullRunner { config, bytes_per_token: NULL_BYTES_PER_TOKEN, states: HashMap::new(), next_id: 1 }
+        NullRunner {
+            config,
+            bytes_per_token: NULL_BYTES_PER_TOKEN,
+            states: HashMap::new(),
+            next_id: 1,
+            launches: SyncLaunches::default(),
+        }
     }
 
     /// Reports `bytes` per committed token from `state_bytes` (to exercise memory budgets).
@@ -161,11 +170,13 @@ impl Runner for NullRunner {
     }
 
     fn fork_state(&mut self, src: StateId) -> Result<StateId> {
+        self.launches.check_settled(src, "forked")?;
         let copy = self.get(src)?.clone();
         Ok(self.insert(copy))
     }
 
     fn free_state(&mut self, id: StateId) -> Result<()> {
+        self.launches.check_settled(id, "freed")?;
         self.states.remove(&id).map(|_| ()).ok_or(KernelError::UnknownState(id.0))
     }
 
@@ -178,6 +189,7 @@ impl Runner for NullRunner {
     }
 
     fn export_state(&self, id: StateId) -> Result<SeqState> {
+        self.launches.check_settled(id, "exported")?;
         let state = self.get(id)?;
         let mut history = MlaCache::new(1);
         for &t in &state.tokens {
@@ -216,6 +228,36 @@ impl Runner for NullRunner {
     }
 
     fn step(&mut self, rows: &[RowInput]) -> Result<Vec<RowOutput>> {
+        self.launches.check_idle()?;
+        self.step_now(rows)
+    }
+
+    fn launches_ahead(&self) -> bool {
+        true
+    }
+
+    fn launch(&mut self, rows: &[RowInput]) -> Result<()> {
+        let mut launches = std::mem::take(&mut self.launches);
+        let result = launches.launch(rows, |rows| self.step_now(rows));
+        self.launches = launches;
+        result
+    }
+
+    fn launch_fed(&mut self, rows: &[FedRow]) -> Result<()> {
+        let mut launches = std::mem::take(&mut self.launches);
+        let result = launches.launch_fed(rows, |rows| self.step_now(rows));
+        self.launches = launches;
+        result
+    }
+
+    fn collect(&mut self) -> Result<Vec<RowOutput>> {
+        self.launches.collect()
+    }
+}
+
+impl NullRunner {
+    /// The synchronous step: the body of `step` and of every launch.
+    fn step_now(&mut self, rows: &[RowInput]) -> Result<Vec<RowOutput>> {
         for (i, row) in rows.iter().enumerate() {
             self.check_row(row)?;
             if rows[..i].iter().any(|r| r.state == row.state) {

@@ -12,6 +12,10 @@
 //!   a seeded request gives the same tokens whatever else is batched with it.
 //! - Full logits never leave the runner; only sampled tokens and requested log-probabilities do.
 //!
+//! - Steps may also be launched ahead of their outputs ([`Runner::launch`], [`Runner::launch_fed`],
+//!   [`Runner::collect`]: asynchronous scheduling); a runner that does says so in
+//!   [`Runner::launches_ahead`], and keeps the invariants of [`crate::launches`].
+//!
 //! A model drafter (DSpark) is a capability beside the contract, not part of it: [`Runner::attach_drafter`]
 //! takes a [`DrafterSource`] on every backend (those that cannot host one say so), and
 //! [`Runner::model_drafter`] lends the attached one as a [`Drafter`], which reads the target's weights and
@@ -20,6 +24,7 @@
 use crate::config::ModelConfig;
 use crate::dspark::DrafterSource;
 use crate::error::{KernelError, Result};
+use crate::launches::FedRow;
 use crate::state::SeqState;
 
 /// A token id in the model's vocabulary.
@@ -276,8 +281,32 @@ pub trait Runner: Send {
     /// Installs a host copy as a new state.
     fn import_state(&mut self, state: SeqState) -> Result<StateId>;
 
-    /// Runs one step over the rows; returns one output per row, in order.
+    /// Runs one step over the rows; returns one output per row, in order. No launched step may be
+    /// waiting to be collected.
     fn step(&mut self, rows: &[RowInput]) -> Result<Vec<RowOutput>>;
+
+    /// Whether the runner launches steps ahead ([`Runner::launch`], [`Runner::launch_fed`],
+    /// [`Runner::collect`]; the invariants are in [`crate::launches`]).
+    fn launches_ahead(&self) -> bool {
+        false
+    }
+
+    /// Starts a step over `rows` (what [`Runner::step`] computes) and returns without waiting for its
+    /// outputs; [`Runner::collect`] returns them. None of its states may be in a step not yet collected.
+    fn launch(&mut self, _rows: &[RowInput]) -> Result<()> {
+        Err(KernelError::InvalidInput(format!("the {} runner does not launch steps ahead", self.device_name())))
+    }
+
+    /// Starts the next step of exactly the rows of the step launched last, each fed the one token that
+    /// step emits for it, before the host has seen that token.
+    fn launch_fed(&mut self, _rows: &[FedRow]) -> Result<()> {
+        Err(KernelError::InvalidInput(format!("the {} runner does not launch steps ahead", self.device_name())))
+    }
+
+    /// The outputs of the oldest launched step not yet collected (one per row, in order), waiting for them.
+    fn collect(&mut self) -> Result<Vec<RowOutput>> {
+        Err(KernelError::InvalidInput(format!("the {} runner does not launch steps ahead", self.device_name())))
+    }
 
     /// Restricts the tokens the runner emits from now on (see [`TokenMask`]).
     fn set_token_mask(&mut self, _mask: TokenMask) -> Result<()> {

@@ -82,6 +82,20 @@ fn cuda_bad_input_is_rejected_without_side_effects() {
 }
 
 #[test]
+fn cuda_fed_steps_equal_steps() {
+    if let Some(mut r) = runner() {
+        contract_fed_steps_equal_steps(&mut *r);
+    }
+}
+
+#[test]
+fn cuda_launches_are_checked() {
+    if let Some(mut r) = runner() {
+        contract_launches_are_checked(&mut *r);
+    }
+}
+
+#[test]
 fn cuda_matches_the_cpu_reference() {
     if !driver_present() {
         eprintln!("SKIPPED: no CUDA driver on this machine; the CUDA backend was NOT validated");

@@ -97,3 +97,13 @@ fn cpu_token_mask_keeps_masked_ids_out_of_every_emitted_token() {
     r.free_state(state).unwrap();
     r.free_state(unmasked_state).unwrap();
 }
+
+#[test]
+fn cpu_fed_steps_equal_steps() {
+    contract_fed_steps_equal_steps(&mut *runner());
+}
+
+#[test]
+fn cpu_launches_are_checked() {
+    contract_launches_are_checked(&mut *runner());
+}

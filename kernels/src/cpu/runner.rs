@@ -18,6 +18,7 @@ use crate::config::ModelConfig;
 use crate::cpu::forward::{CpuModel, Probe, WindowRow};
 use crate::dspark::{DrafterModel, DrafterSlot, DrafterSource};
 use crate::error::{KernelError, Result};
+use crate::launches::{FedRow, SyncLaunches};
 use crate::runner::{DraftProposal, DraftRequest, Drafter, RowInput, RowOutput, Runner, StateId, TokenMask};
 use crate::state::SeqState;
 use crate::tensor::WeightSource;
@@ -32,6 +33,8 @@ pub struct CpuRunner {
     drafter: Option<DrafterSlot>,
     /// Tokens the runner may not emit.
     token_mask: Option<TokenMask>,
+    /// Steps launched and not yet collected.
+    launches: SyncLaunches,
 }
 
 impl CpuRunner {
@@ -44,6 +47,7 @@ impl CpuRunner {
             acceptance: AcceptanceMode::Standard,
             drafter: None,
             token_mask: None,
+            launches: SyncLaunches::default(),
         })
     }
 
@@ -106,6 +110,7 @@ impl Runner for CpuRunner {
     }
 
     fn fork_state(&mut self, src: StateId) -> Result<StateId> {
+        self.launches.check_settled(src, "forked")?;
         let copy = self.state(src)?.clone();
         let id = self.insert(copy);
         if let Some(d) = &mut self.drafter {
@@ -115,6 +120,7 @@ impl Runner for CpuRunner {
     }
 
     fn free_state(&mut self, id: StateId) -> Result<()> {
+        self.launches.check_settled(id, "freed")?;
         if let Some(d) = &mut self.drafter {
             d.remove_state(id);
         }
@@ -131,6 +137,7 @@ impl Runner for CpuRunner {
     }
 
     fn export_state(&self, id: StateId) -> Result<SeqState> {
+        self.launches.check_settled(id, "exported")?;
         Ok(self.state(id)?.clone())
     }
 
@@ -147,6 +154,51 @@ impl Runner for CpuRunner {
     }
 
     fn step(&mut self, rows: &[RowInput]) -> Result<Vec<RowOutput>> {
+        self.launches.check_idle()?;
+        self.step_now(rows)
+    }
+
+    fn launches_ahead(&self) -> bool {
+        true
+    }
+
+    fn launch(&mut self, rows: &[RowInput]) -> Result<()> {
+        let mut launches = std::mem::take(&mut self.launches);
+        let result = launches.launch(rows, |rows| self.step_now(rows));
+        self.launches = launches;
+        result
+    }
+
+    fn launch_fed(&mut self, rows: &[FedRow]) -> Result<()> {
+        let mut launches = std::mem::take(&mut self.launches);
+        let result = launches.launch_fed(rows, |rows| self.step_now(rows));
+        self.launches = launches;
+        result
+    }
+
+    fn collect(&mut self) -> Result<Vec<RowOutput>> {
+        self.launches.collect()
+    }
+
+    fn attach_drafter(&mut self, source: DrafterSource) -> Result<()> {
+        let model = DrafterModel::load(source.config, &self.model.cfg, source.weights.as_ref())?;
+        let mut slot = DrafterSlot::new(model);
+        for (id, state) in &self.states {
+            slot.add_state(*id, state.len);
+        }
+        self.drafter = Some(slot);
+        Ok(())
+    }
+
+    fn model_drafter(&mut self) -> Option<Box<dyn Drafter + '_>> {
+        let slot = self.drafter.as_mut()?;
+        Some(Box::new(CpuDrafter { slot, target: &self.model, states: &self.states, mask: self.token_mask.as_ref() }))
+    }
+}
+
+impl CpuRunner {
+    /// The synchronous step: the body of `step` and of every launch.
+    fn step_now(&mut self, rows: &[RowInput]) -> Result<Vec<RowOutput>> {
         self.validate(rows)?;
         // Present and distinct: checked by `validate`.
         let mut states: Vec<SeqState<f32>> = rows.iter().filter_map(|r| self.states.remove(&r.state)).collect();
@@ -216,21 +268,6 @@ impl Runner for CpuRunner {
             self.states.insert(row.state, state);
         }
         result
-    }
-
-    fn attach_drafter(&mut self, source: DrafterSource) -> Result<()> {
-        let model = DrafterModel::load(source.config, &self.model.cfg, source.weights.as_ref())?;
-        let mut slot = DrafterSlot::new(model);
-        for (id, state) in &self.states {
-            slot.add_state(*id, state.len);
-        }
-        self.drafter = Some(slot);
-        Ok(())
-    }
-
-    fn model_drafter(&mut self) -> Option<Box<dyn Drafter + '_>> {
-        let slot = self.drafter.as_mut()?;
-        Some(Box::new(CpuDrafter { slot, target: &self.model, states: &self.states, mask: self.token_mask.as_ref() }))
     }
 }
 

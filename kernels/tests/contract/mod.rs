@@ -3,6 +3,7 @@
 //! Windows stay at or under 16 tokens, where prefill uses the same recurrent KDA form as decode, so
 //! greedy outputs must match exactly.
 
+use sparkd_kernels::launches::FedRow;
 use sparkd_kernels::runner::{RowInput, RowOutput, SampleRequest, SamplingParams};
 use sparkd_kernels::{Runner, StateId, TokenId};
 
@@ -162,4 +163,85 @@ pub fn contract_bad_input_is_rejected_without_side_effects(r: &mut dyn Runner) {
     assert!(r.fork_state(StateId(u64::MAX)).is_err());
     r.free_state(a).unwrap();
     assert!(r.free_state(a).is_err());
+}
+
+/// Decodes `n` tokens after each row's `last` with steps launched ahead: every step after the first is fed
+/// on the device, launched before the previous step's outputs are collected (asynchronous scheduling).
+pub fn decode_fed(r: &mut dyn Runner, rows: &[(StateId, TokenId, SamplingParams)], n: usize) -> Vec<Vec<TokenId>> {
+    let first: Vec<RowInput> = rows.iter().map(|(s, last, p)| sample_row(*s, vec![*last], p, 0)).collect();
+    r.launch(&first).unwrap();
+    let fed: Vec<FedRow> =
+        rows.iter().map(|(state, _, params)| FedRow { state: *state, params: params.clone() }).collect();
+    let mut out = vec![Vec::new(); rows.len()];
+    for step in 0..n {
+        if step + 1 < n {
+            r.launch_fed(&fed).unwrap();
+        }
+        for (tokens, o) in out.iter_mut().zip(r.collect().unwrap()) {
+            assert_eq!((o.tokens.len(), o.num_accepted), (1, 0));
+            tokens.push(o.tokens[0]);
+        }
+    }
+    out
+}
+
+pub fn contract_fed_steps_equal_steps(r: &mut dyn Runner) {
+    assert!(r.launches_ahead());
+    let p = prompt(9, 8);
+    let greedy = SamplingParams::greedy();
+    let sampled = SamplingParams { temperature: 1.0, top_p: 0.9, top_k: 0, seed: 77, logprobs: None };
+    let base = r.alloc_state().unwrap();
+    prefill(r, base, &p[..8]);
+    let (a, b, c, d) = (
+        r.fork_state(base).unwrap(),
+        r.fork_state(base).unwrap(),
+        r.fork_state(base).unwrap(),
+        r.fork_state(base).unwrap(),
+    );
+    let want_greedy = decode(r, a, p[8], 7, &greedy);
+    let want_sampled = decode(r, b, p[8], 7, &sampled);
+    let got = decode_fed(r, &[(c, p[8], greedy.clone()), (d, p[8], sampled.clone())], 7);
+    assert_eq!(got, vec![want_greedy, want_sampled]);
+    assert_eq!(r.state_len(c).unwrap(), 8 + 7);
+    assert_eq!(r.export_state(c).unwrap(), r.export_state(a).unwrap(), "a fed state equals a stepped one");
+    for s in [base, a, b, c, d] {
+        r.free_state(s).unwrap();
+    }
+}
+
+pub fn contract_launches_are_checked(r: &mut dyn Runner) {
+    let p = prompt(5, 9);
+    let greedy = SamplingParams::greedy();
+    let fed = |s: StateId| [FedRow { state: s, params: SamplingParams::greedy() }];
+    let a = r.alloc_state().unwrap();
+    let b = r.alloc_state().unwrap();
+    prefill(r, a, &p[..4]);
+    prefill(r, b, &p[..4]);
+    assert!(r.collect().is_err(), "nothing to collect");
+    assert!(r.launch_fed(&fed(a)).is_err(), "nothing in flight to feed");
+    // A prefill row emits nothing, so nothing can be fed from it.
+    r.launch(&[RowInput { state: a, tokens: vec![p[4]], sample: None }]).unwrap();
+    assert!(r.launch_fed(&fed(a)).is_err(), "a prefill row feeds nothing");
+    assert_eq!(r.collect().unwrap(), vec![RowOutput::default()]);
+
+    r.launch(&[sample_row(b, vec![p[4]], &greedy, 0)]).unwrap();
+    assert!(r.launch_fed(&fed(a)).is_err(), "fed rows must be the rows in flight");
+    assert!(r.step(&[sample_row(a, vec![1], &greedy, 0)]).is_err(), "step waits for nothing in flight");
+    assert!(r.launch(&[sample_row(b, vec![1], &greedy, 0)]).is_err(), "b is in flight: only a fed step may step it");
+    for refused in [r.free_state(b).err(), r.fork_state(b).err(), r.export_state(b).err()] {
+        assert!(refused.as_ref().is_some_and(|e| e.to_string().contains("not yet collected")), "{refused:?}");
+    }
+    r.launch_fed(&fed(b)).unwrap();
+    assert!(r.launch_fed(&fed(b)).is_err(), "two steps already in flight");
+    assert!(r.launch(&[sample_row(a, vec![1], &greedy, 0)]).is_err(), "two steps already in flight");
+    let first = r.collect().unwrap().remove(0);
+    let second = r.collect().unwrap().remove(0);
+    assert!(r.collect().is_err());
+    assert_eq!(r.state_len(b).unwrap(), 4 + 2, "b holds its prompt, its first token and the fed one");
+    let c = r.alloc_state().unwrap();
+    prefill(r, c, &p[..4]);
+    assert_eq!(decode(r, c, p[4], 2, &greedy), vec![first.tokens[0], second.tokens[0]]);
+    for s in [a, b, c] {
+        r.free_state(s).unwrap();
+    }
 }
