@@ -106,6 +106,17 @@ impl<F: Real> MlaCache<F> {
         MlaCache { latent_dim, len: 0, blocks: Vec::new() }
     }
 
+    /// A cache of `len` entries from whole blocks (`[MLA_BLOCK_TOKENS, latent_dim]` each, the last one padded),
+    /// as a device export builds it; `None` when the blocks do not hold exactly `len` entries.
+    pub fn from_blocks(latent_dim: usize, len: usize, blocks: Vec<Vec<F>>) -> Option<Self> {
+        let whole = blocks.iter().all(|b| b.len() == MLA_BLOCK_TOKENS * latent_dim);
+        (whole && blocks.len() == len.div_ceil(MLA_BLOCK_TOKENS)).then(|| MlaCache {
+            latent_dim,
+            len,
+            blocks: blocks.into_iter().map(Arc::new).collect(),
+        })
+    }
+
     /// Appends one entry, copying a shared tail block first.
     pub fn push(&mut self, entry: &[F]) {
         debug_assert_eq!(entry.len(), self.latent_dim);

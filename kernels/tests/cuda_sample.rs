@@ -521,6 +521,7 @@ fn verify_matches_acceptance_verify() {
                     params: &params[w],
                     first_position: first_positions[w],
                     q: with_q.then(|| g.ptr(&q_buf) + (w * (l + 1) * VOCAB * 4) as u64),
+                    token_out: None,
                 })
                 .collect();
             let verdicts = k.verify_rows(g, VOCAB, &verify, masked.then_some(&dmask), &mode).unwrap();
@@ -741,6 +742,7 @@ fn sampling_step_time() {
                 params: &p,
                 first_position: 10,
                 q: None,
+                token_out: None,
             })
             .collect();
         let run = || k.verify_rows(g, VOCAB, &rows, None, &AcceptanceMode::Standard).unwrap();

@@ -36,7 +36,7 @@ use crate::cuda::moe::{moe_group_len, CombineArgs, DownArgs, ExpertForm, GateUpA
 use crate::cuda::ops::Ops;
 use crate::cuda::rows::{AttnResNormArgs, AttnResRead, GatherArgs, SituArgs};
 use crate::cuda::state::{DeviceRow, DeviceUndo};
-use crate::cuda::step::{StepBuffer, StepTables};
+use crate::cuda::step::{StepBuffer, StepTables, TableSpec};
 use crate::cuda::weights::{
     DevFfn, DevKda, DevLinear, DevMerged, DevMixer, DevMla, DevMlp, DevMoe, DevNorm, DevWeights,
 };
@@ -62,6 +62,19 @@ pub struct DeviceOutput {
     /// `[taps, tokens, d]` bf16: the hidden states of the tapped layers (see [`DeviceModel::forward_tapped`])
     /// at every token, tokens in row order; `None` when no layer was tapped.
     pub taps: Option<CudaSlice<bf16>>,
+}
+
+/// What a forward does besides computing logits.
+#[derive(Default)]
+pub struct StepOptions<'a> {
+    /// Receives, per MoE layer, every token's routing (tokens in row order), as `cpu::RoutingTrace` does.
+    pub trace: Option<&'a mut Vec<Vec<Routing<f32>>>>,
+    /// Layers whose hidden state is kept at every token (ascending, never the last layer), as
+    /// `cpu::Probe::tap_layers` defines it: the pre-attention AttnRes read of layer `l + 1`, before its input
+    /// norm (the DSpark drafter's context features).
+    pub tap_layers: &'a [usize],
+    /// A fed step: its token ids (u32, one per row) come from this device address (`cuda::step::TableSpec`).
+    pub fed_tokens: Option<DPtr>,
 }
 
 /// How many steps ran from CUDA graphs (see `cuda::graph`).
@@ -114,7 +127,8 @@ impl DeviceModel {
     /// Grows the rows' MLA caches for their windows, allocates their snapshot buffers and uploads the
     /// step's row table (see `cuda::step`), for running single ops of a step (the op checks).
     pub fn step_tables(&self, gpu: &Gpu, rows: &mut [DeviceRow<'_>], offsets: &[usize]) -> Result<StepTables> {
-        StepTables::build(gpu, &self.cfg, &self.tables, rows, offsets, &[], self.kda_chunked_min)
+        let spec = TableSpec { offsets, wanted: &[], chunked_min: self.kda_chunked_min, fed_tokens: None };
+        StepTables::build(gpu, &self.cfg, &self.tables, rows, &spec)
     }
 
     fn linear(&self, gpu: &Gpu, w: &DevLinear, x: DPtr, n: usize) -> Result<CudaSlice<bf16>> {
@@ -162,20 +176,13 @@ impl DeviceModel {
         rows: &mut [DeviceRow<'_>],
         trace: Option<&mut Vec<Vec<Routing<f32>>>>,
     ) -> Result<DeviceOutput> {
-        self.forward_tapped(gpu, rows, trace, &[])
+        self.forward_tapped(gpu, rows, StepOptions { trace, tap_layers: &[], fed_tokens: None })
     }
 
-    /// [`Self::forward`], also keeping the hidden state of every layer in `tap_layers` (ascending, never
-    /// the last layer) at every token, as `cpu::Probe::tap_layers` defines it: the pre-attention
-    /// AttnRes read of layer `l + 1`, before its input norm (the DSpark drafter's context features).
+    /// [`Self::forward`] with [`StepOptions`]: taps for the drafter, and a fed step's token ids.
     /// With graphs on, a step whose shape repeats is replayed from a CUDA graph (`cuda::graph`).
-    pub fn forward_tapped(
-        &self,
-        gpu: &Gpu,
-        rows: &mut [DeviceRow<'_>],
-        trace: Option<&mut Vec<Vec<Routing<f32>>>>,
-        tap_layers: &[usize],
-    ) -> Result<DeviceOutput> {
+    pub fn forward_tapped(&self, gpu: &Gpu, rows: &mut [DeviceRow<'_>], opts: StepOptions<'_>) -> Result<DeviceOutput> {
+        let StepOptions { trace, tap_layers, fed_tokens } = opts;
         let cfg = &self.cfg;
         let d = cfg.hidden_size;
         if let Some(bad) = tap_layers.iter().find(|l| **l + 1 >= cfg.num_layers()) {
@@ -194,7 +201,8 @@ impl DeviceModel {
             .enumerate()
             .flat_map(|(ri, r)| ((offsets[ri] + r.logits_from) as u32)..(offsets[ri + 1] as u32))
             .collect();
-        let mut tables = StepTables::build(gpu, cfg, &self.tables, rows, &offsets, &wanted, self.kda_chunked_min)?;
+        let spec = TableSpec { offsets: &offsets, wanted: &wanted, chunked_min: self.kda_chunked_min, fed_tokens };
+        let mut tables = StepTables::build(gpu, cfg, &self.tables, rows, &spec)?;
         let graphable = self.graphs_enabled
             && trace.is_none()
             && n > 0

@@ -31,6 +31,7 @@ use cudarc::driver::{
 
 use crate::cuda::device::{device_err, info, DeviceInfo};
 use crate::cuda::launch::{DPtr, KernelLaunch};
+use crate::cuda::staging::{Download, Staging};
 use crate::cuda::store::ModuleStore;
 use crate::error::{KernelError, Result};
 
@@ -100,6 +101,8 @@ pub struct Gpu {
     dependent_launch: bool,
     counters: Counters,
     profile: Mutex<Option<Vec<Mark>>>,
+    /// Page-locked buffers for the copies that do not wait ([`Gpu::upload_async_at`], [`Gpu::download_async`]).
+    staging: Arc<Staging>,
 }
 
 /// Keeps memory freed to the device's default pool (the stream-ordered allocator every `CudaSlice` uses) in
@@ -166,6 +169,7 @@ impl Gpu {
             dependent_launch: hopper && dependent_launch_wanted(),
             counters: Counters::default(),
             profile: Mutex::new(None),
+            staging: Arc::new(Staging::new()),
         })
     }
 
@@ -381,6 +385,42 @@ impl Gpu {
         unsafe { cudarc::driver::result::memcpy_htod_async(dst, bytes, self.stream.cu_stream()) }
             .map_err(|e| device_err("host to device copy", e))?;
         self.synchronize()
+    }
+
+    /// Copies `bytes` to device address `dst` (which must have room for them) in stream order on the main
+    /// lane, without waiting: the bytes go through a page-locked buffer (`cuda::staging`).
+    pub fn upload_async_at(&self, dst: DPtr, bytes: &[u8]) -> Result<()> {
+        self.staging.upload(&self.ctx, &self.stream, dst, bytes)
+    }
+
+    /// Starts copying `n` elements from device address `src` to the host in stream order on the main lane;
+    /// [`Download::wait`] waits for this copy alone and returns them.
+    pub fn download_async<T: Copy + Default>(&self, src: DPtr, n: usize) -> Result<Download<T>> {
+        self.staging.download(&self.ctx, &self.stream, src, n)
+    }
+
+    /// Copies `n` elements to device address `dst` in chunks of `chunk` elements, each written by `fill(offset,
+    /// elements)` into page-locked memory while the device copies the one before (`cuda::staging`; a state import).
+    pub fn upload_chunked<T: Copy>(
+        &self,
+        dst: DPtr,
+        n: usize,
+        chunk: usize,
+        fill: impl FnMut(usize, &mut [T]),
+    ) -> Result<()> {
+        self.staging.upload_chunked(&self.ctx, &self.stream, dst, n, chunk, fill)
+    }
+
+    /// Copies `n` elements from device address `src` to the host in chunks of `chunk` elements, handing each to
+    /// `take(offset, elements)` while the device copies the next (`cuda::staging`; a state export).
+    pub fn download_chunked<T: Copy>(
+        &self,
+        src: DPtr,
+        n: usize,
+        chunk: usize,
+        take: impl FnMut(usize, &[T]),
+    ) -> Result<()> {
+        self.staging.download_chunked(&self.ctx, &self.stream, src, n, chunk, take)
     }
 
     pub fn download<T: DeviceRepr + Default + Clone>(&self, s: &CudaSlice<T>, n: usize) -> Result<Vec<T>> {

@@ -5,7 +5,7 @@
 //! layer; none imports a module below it, so there is no import cycle):
 //! 1. Leaves: `device` (probing, opening), `compile` (NVRTC, the CUBIN cache), `expert_layout` (host tiling).
 //! 2. `launch` (the one launch helper, [`launch::DPtr`]), `store` (every source compiled once, lookup by kernel
-//!    name), then `gpu` ([`gpu::Gpu`]: context, lanes, memory, counters, profile; it knows no op).
+//!    name), `staging` (page-locked buffers for copies that do not wait), then `gpu` ([`gpu::Gpu`]: context, lanes, memory, counters, profile; it knows no op).
 //! 3. The op families, each owning its kernels (`XKernels::load(&gpu)`) and taking argument structs: `rows`
 //!    (common row kernels, norms, AttnRes), `gemm_tc` then `gemm` (wgmma, skinny mma.sync, cuBLAS), `moe` (router,
 //!    grouping, experts, combine), `sample` (sampling, acceptance).
@@ -29,7 +29,9 @@
 //!   shared expert, which run on a side lane forked from and joined back to it through events (`gpu`; the
 //!   main lane waits for the projection alone before the routed experts); repeated step shapes replay as
 //!   CUDA graphs (`graph`). Host copies happen only for the step table (token ids included), routing
-//!   traces asked for by validation, and the per-row results of `sample` (tokens, log-probabilities).
+//!   traces asked for by validation, and the per-row results of `sample` (tokens, log-probabilities); in a
+//!   step, the table and the sampling descriptors go up and the results come back through page-locked
+//!   memory without the host waiting for the stream (`staging`).
 
 pub mod attn;
 pub mod compile;
@@ -48,6 +50,7 @@ pub mod ops;
 pub mod rows;
 pub mod runner;
 pub mod sample;
+pub mod staging;
 pub mod state;
 pub mod step;
 pub mod store;

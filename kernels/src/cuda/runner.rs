@@ -10,26 +10,38 @@
 //!   `acceptance::verify` stays the CPU reference the device rule is tested against.
 //! - Commit and rollback happen on the device: the KDA states and conv windows saved after the last
 //!   accepted token are copied back, and the MLA length moves back.
+//! - A step is launched (`launch_rows`: forward, acceptance, the verdicts' copy back started) and then
+//!   landed (`land`: wait for that copy alone, roll back, grow the drafter contexts). `step` does both and
+//!   waits for the stream; `launch`, `launch_fed` and `collect` keep up to two steps in flight
+//!   (`crate::launches`), and a fed step's token ids come from the step before it on the device (each row's
+//!   emitted token is also written to that step's `emitted` buffer), so the host never sees them first.
 //! - With a DSpark drafter attached (`Runner::attach_drafter`), the forward taps the layers the
 //!   drafter reads and each row's drafter context grows by the taps of exactly the tokens the step
 //!   commits (`cuda::drafter_slot`); a selected sampled proposal is verified with its device `q`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
+
+use cudarc::driver::{CudaEvent, CudaSlice};
+use half::bf16;
 
 use crate::acceptance::AcceptanceMode;
 use crate::config::ModelConfig;
+use crate::cuda::device::device_err;
 use crate::cuda::drafter::DeviceDrafter;
 use crate::cuda::drafter_slot::DeviceDrafterSlot;
-use crate::cuda::forward::DeviceModel;
+use crate::cuda::forward::{DeviceModel, StepOptions};
 use crate::cuda::gpu::{Gemm, Gpu};
 use crate::cuda::ops::Ops;
-use crate::cuda::sample::{DeviceTokenMask, VerifyRow};
-use crate::cuda::state::{DeviceRow, DeviceState};
+use crate::cuda::sample::{DeviceTokenMask, PendingVerify, VerifyRow};
+use crate::cuda::state::{DeviceRow, DeviceState, DeviceUndo};
 use crate::cuda::weights::DevWeights;
 use crate::dspark::DrafterSource;
 use crate::error::{KernelError, Result};
+use crate::launches::{check_fed, in_flight_error, too_many_in_flight, FedRow, LaunchedRow, MAX_IN_FLIGHT};
 use crate::routing::Routing;
-use crate::runner::{DraftProposal, DraftRequest, Drafter, RowInput, RowOutput, Runner, StateId, TokenMask};
+use crate::runner::{
+    DraftProposal, DraftRequest, Drafter, RowInput, RowOutput, Runner, SampleRequest, StateId, TokenMask,
+};
 use crate::state::SeqState;
 use crate::tensor::WeightSource;
 
@@ -58,6 +70,8 @@ pub struct CudaRunner {
     token_mask: Option<DeviceTokenMask>,
     /// The attached DSpark drafter, if any.
     drafter: Option<DeviceDrafterSlot>,
+    /// Steps launched and not yet collected, oldest first (`crate::launches`).
+    in_flight: VecDeque<InFlight>,
 }
 
 impl CudaRunner {
@@ -86,6 +100,7 @@ impl CudaRunner {
             acceptance: AcceptanceMode::Standard,
             token_mask: None,
             drafter: None,
+            in_flight: VecDeque::new(),
         })
     }
 
@@ -139,14 +154,17 @@ impl CudaRunner {
         rows: &[RowInput],
         trace: Option<&mut Vec<Vec<Routing<f32>>>>,
     ) -> Result<Vec<RowOutput>> {
-        self.validate(rows)?;
-        // Present and distinct: checked by `validate`.
-        let mut states: Vec<DeviceState> = rows.iter().filter_map(|r| self.states.remove(&r.state)).collect();
-        let result = self.run(rows, &mut states, trace);
-        for (row, state) in rows.iter().zip(states) {
-            self.states.insert(row.state, state);
+        if !self.in_flight.is_empty() {
+            return Err(KernelError::InvalidInput(format!(
+                "{} launched steps are not yet collected; `step` waits for none",
+                self.in_flight.len()
+            )));
         }
-        result
+        self.validate(rows)?;
+        let flight = self.launch_rows(rows, StepOptions { trace, ..StepOptions::default() })?;
+        let outputs = self.land(flight);
+        self.gpu.synchronize()?;
+        outputs
     }
 
     fn insert(&mut self, state: DeviceState) -> Result<StateId> {
@@ -173,32 +191,41 @@ impl CudaRunner {
         Ok(())
     }
 
-    /// Runs the forward and the acceptance rule over states taken out of the map.
-    fn run(
-        &mut self,
-        rows: &[RowInput],
-        states: &mut [DeviceState],
-        trace: Option<&mut Vec<Vec<Routing<f32>>>>,
-    ) -> Result<Vec<RowOutput>> {
-        let cfg = &self.model.cfg;
-        let gpu = &self.gpu;
-        let mut windows: Vec<DeviceRow> = states
-            .iter_mut()
-            .zip(rows)
-            .map(|(state, row)| {
-                let t = row.tokens.len();
-                let (logits_from, snapshots_from) = match &row.sample {
-                    Some(s) => (t - s.draft_len - 1, (s.draft_len > 0).then_some(t - s.draft_len)),
-                    None => (t, None),
-                };
-                DeviceRow { state, tokens: &row.tokens, logits_from, snapshots_from }
-            })
-            .collect();
-        let start_lens: Vec<usize> = windows.iter().map(|w| w.state.len).collect();
+    /// Fails when `state` is in a launched step not yet collected.
+    fn check_settled(&self, state: StateId, what: &str) -> Result<()> {
+        match self.in_flight.iter().any(|f| f.launched.iter().any(|r| r.state == state)) {
+            true => Err(in_flight_error(state, what)),
+            false => Ok(()),
+        }
+    }
+
+    /// Launches the forward and the acceptance rule of validated `rows` (their states are taken out of the map
+    /// for the forward and always put back) and starts bringing the verdicts back, without waiting.
+    fn launch_rows(&mut self, rows: &[RowInput], opts: StepOptions<'_>) -> Result<InFlight> {
         let tap_layers = self.drafter.as_ref().map(|d| d.tap_layers().to_vec()).unwrap_or_default();
-        let out = self.model.forward_tapped(gpu, &mut windows, trace, &tap_layers)?;
-        drop(windows);
-        let vocab = cfg.vocab_size;
+        // Present and distinct: checked by `validate`.
+        let mut states: Vec<DeviceState> = rows.iter().filter_map(|r| self.states.remove(&r.state)).collect();
+        let start_lens: Vec<usize> = states.iter().map(|s| s.len).collect();
+        let forward = {
+            let mut windows: Vec<DeviceRow> = states
+                .iter_mut()
+                .zip(rows)
+                .map(|(state, row)| {
+                    let t = row.tokens.len();
+                    let (logits_from, snapshots_from) = match &row.sample {
+                        Some(s) => (t - s.draft_len - 1, (s.draft_len > 0).then_some(t - s.draft_len)),
+                        None => (t, None),
+                    };
+                    DeviceRow { state, tokens: &row.tokens, logits_from, snapshots_from }
+                })
+                .collect();
+            self.model.forward_tapped(&self.gpu, &mut windows, StepOptions { tap_layers: &tap_layers, ..opts })
+        };
+        for (row, state) in rows.iter().zip(states) {
+            self.states.insert(row.state, state);
+        }
+        let out = forward?;
+        let (gpu, vocab) = (&self.gpu, self.model.cfg.vocab_size);
         let logits = gpu.ptr(&out.logits);
         // Every stepped state's pending proposal is dropped; a selected sampled one lends its `q`.
         let mut draft_q = Vec::with_capacity(rows.len());
@@ -206,12 +233,15 @@ impl CudaRunner {
             let q = self.drafter.as_mut().and_then(|d| d.take_selected(row.state));
             draft_q.push(q.filter(|_| row.sample.is_some()));
         }
+        let emitted = gpu.uninit::<u32>(rows.len())?; // [rows]: written for every row that emits one token
+        let emitted_at = gpu.ptr(&emitted);
         let windows: Vec<VerifyRow> = rows
             .iter()
+            .enumerate()
             .zip(&out.rows)
             .zip(&start_lens)
             .zip(&draft_q)
-            .filter_map(|(((row, &(first, _)), start), q)| {
+            .filter_map(|((((i, row), &(first, _)), start), q)| {
                 let sample = row.sample.as_ref()?;
                 let t = row.tokens.len();
                 Some(VerifyRow {
@@ -220,44 +250,114 @@ impl CudaRunner {
                     params: &sample.params,
                     first_position: (start + t - sample.draft_len) as u64,
                     q: q.as_ref().map(|q| gpu.ptr(q)),
+                    token_out: Some(emitted_at + (i * 4) as u64),
                 })
             })
             .collect();
-        let sample = &self.model.ops.sample;
-        let mut verdicts =
-            sample.verify_rows(gpu, vocab, &windows, self.token_mask.as_ref(), &self.acceptance)?.into_iter();
-        let mut results = Vec::with_capacity(rows.len());
-        // (state, first token of the row in the step, tokens committed): the drafter contexts' growth.
-        let mut commits = Vec::with_capacity(rows.len());
+        let verify = self.model.ops.sample.launch_verify_rows(
+            gpu,
+            vocab,
+            &windows,
+            self.token_mask.as_ref(),
+            &self.acceptance,
+        )?;
+        let done = gpu.stream.record_event(None).map_err(|e| device_err("recording a step's end", e))?;
         let mut row_start = 0usize;
-        for ((row, undo), state) in rows.iter().zip(out.undo).zip(states.iter_mut()) {
-            let first_token = row_start;
-            row_start += row.tokens.len();
-            let Some(sample) = &row.sample else {
-                commits.push((row.state, first_token, row.tokens.len()));
+        let landing = rows
+            .iter()
+            .map(|row| {
+                let first_token = row_start;
+                row_start += row.tokens.len();
+                LandingRow {
+                    state: row.state,
+                    first_token,
+                    tokens: row.tokens.len(),
+                    draft_len: row.sample.as_ref().map(|s| s.draft_len),
+                }
+            })
+            .collect();
+        Ok(InFlight {
+            launched: rows.iter().map(LaunchedRow::of).collect(),
+            rows: landing,
+            tokens: row_start,
+            verify,
+            done,
+            undo: out.undo,
+            taps: out.taps,
+            emitted,
+            _logits: out.logits,
+            _draft_q: draft_q,
+        })
+    }
+
+    /// Waits for a launched step's verdicts and lands it: rolls back each verify window to its accepted
+    /// drafts, grows the drafter contexts by the committed tokens, and returns the rows' outputs.
+    fn land(&mut self, flight: InFlight) -> Result<Vec<RowOutput>> {
+        let verdicts = flight.verify.wait()?;
+        // A step without sampled rows has no verdicts to wait for: it lands once its work is done.
+        flight.done.synchronize().map_err(|e| device_err("waiting for a step", e))?;
+        let mut verdicts = verdicts.into_iter();
+        let (gpu, cfg) = (&self.gpu, &self.model.cfg);
+        let mut results = Vec::with_capacity(flight.rows.len());
+        // (state, first token of the row in the step, tokens committed): the drafter contexts' growth.
+        let mut commits = Vec::with_capacity(flight.rows.len());
+        for (row, undo) in flight.rows.iter().zip(flight.undo) {
+            let Some(draft_len) = row.draft_len else {
+                commits.push((row.state, row.first_token, row.tokens));
                 results.push(RowOutput::default());
                 continue;
             };
             let verdict = verdicts
                 .next()
                 .ok_or_else(|| KernelError::Device("the device verify returned fewer verdicts than rows".into()))?;
-            let t = row.tokens.len();
             if let Some(undo) = undo {
-                undo.commit(gpu, cfg, state, t - sample.draft_len + verdict.num_accepted)?;
+                let state = self.states.get_mut(&row.state).ok_or(KernelError::UnknownState(row.state.0))?;
+                undo.commit(gpu, cfg, state, row.tokens - draft_len + verdict.num_accepted)?;
             }
-            commits.push((row.state, first_token, t - sample.draft_len + verdict.num_accepted));
+            commits.push((row.state, row.first_token, row.tokens - draft_len + verdict.num_accepted));
             results.push(RowOutput {
                 tokens: verdict.tokens,
                 num_accepted: verdict.num_accepted,
                 logprobs: verdict.logprobs,
             });
         }
-        if let (Some(d), Some(taps)) = (&mut self.drafter, &out.taps) {
-            d.commit(gpu, &self.model, taps, row_start, &commits)?;
+        if let (Some(d), Some(taps)) = (&mut self.drafter, &flight.taps) {
+            d.commit(gpu, &self.model, taps, flight.tokens, &commits)?;
         }
-        gpu.synchronize()?;
         Ok(results)
     }
+}
+
+/// A step launched on the device whose outputs the host has not collected (see `crate::launches`).
+struct InFlight {
+    /// Its rows as a fed step after it checks them.
+    launched: Vec<LaunchedRow>,
+    /// What landing each row needs.
+    rows: Vec<LandingRow>,
+    /// Tokens of the step, all rows.
+    tokens: usize,
+    verify: PendingVerify,
+    /// Recorded after the step's last work (the verdicts' copy): landing waits for it, not for later steps.
+    done: CudaEvent,
+    /// Per row: the states saved inside a verify window, for the rollback to the accepted drafts.
+    undo: Vec<Option<DeviceUndo>>,
+    /// `[taps, tokens, d]` bf16: the drafter's features of the step.
+    taps: Option<CudaSlice<bf16>>,
+    /// `[rows]` u32: the token each row that emits exactly one emits (what a fed step after this one reads).
+    emitted: CudaSlice<u32>,
+    /// What the device still reads until the step lands: the logits and the selected proposals' `q`.
+    _logits: CudaSlice<bf16>,
+    _draft_q: Vec<Option<CudaSlice<f32>>>,
+}
+
+/// One row of an [`InFlight`] step.
+struct LandingRow {
+    state: StateId,
+    /// The row's first token among the step's.
+    first_token: usize,
+    tokens: usize,
+    /// `None`: a prefill chunk that emits nothing.
+    draft_len: Option<usize>,
 }
 
 impl Runner for CudaRunner {
@@ -275,6 +375,7 @@ impl Runner for CudaRunner {
     }
 
     fn fork_state(&mut self, src: StateId) -> Result<StateId> {
+        self.check_settled(src, "forked")?;
         let copy = self.state(src)?.duplicate(&self.gpu, &self.model.cfg)?;
         let id = self.insert(copy)?;
         if let Some(d) = &mut self.drafter {
@@ -284,6 +385,7 @@ impl Runner for CudaRunner {
     }
 
     fn free_state(&mut self, id: StateId) -> Result<()> {
+        self.check_settled(id, "freed")?;
         if let Some(d) = &mut self.drafter {
             d.remove_state(id);
         }
@@ -300,6 +402,7 @@ impl Runner for CudaRunner {
     }
 
     fn export_state(&self, id: StateId) -> Result<SeqState> {
+        self.check_settled(id, "exported")?;
         self.state(id)?.export(&self.gpu, &self.model.cfg)
     }
 
@@ -311,6 +414,53 @@ impl Runner for CudaRunner {
 
     fn step(&mut self, rows: &[RowInput]) -> Result<Vec<RowOutput>> {
         self.step_with_trace(rows, None)
+    }
+
+    fn launches_ahead(&self) -> bool {
+        true
+    }
+
+    fn launch(&mut self, rows: &[RowInput]) -> Result<()> {
+        if self.in_flight.len() >= MAX_IN_FLIGHT {
+            return Err(too_many_in_flight());
+        }
+        for row in rows {
+            self.check_settled(row.state, "stepped by a launch that does not feed it")?;
+        }
+        self.validate(rows)?;
+        let flight = self.launch_rows(rows, StepOptions::default())?;
+        self.in_flight.push_back(flight);
+        Ok(())
+    }
+
+    fn launch_fed(&mut self, rows: &[FedRow]) -> Result<()> {
+        let last = self.in_flight.back();
+        check_fed(last.map(|f| f.launched.as_slice()), rows)?;
+        if self.in_flight.len() >= MAX_IN_FLIGHT {
+            return Err(too_many_in_flight());
+        }
+        let fed = last.map(|f| self.gpu.ptr(&f.emitted));
+        // Placeholder ids: the step table's token ids are copied over from `fed` on the device.
+        let inputs: Vec<RowInput> = rows
+            .iter()
+            .map(|r| RowInput {
+                state: r.state,
+                tokens: vec![0],
+                sample: Some(SampleRequest { params: r.params.clone(), draft_len: 0 }),
+            })
+            .collect();
+        self.validate(&inputs)?;
+        let flight = self.launch_rows(&inputs, StepOptions { fed_tokens: fed, ..StepOptions::default() })?;
+        self.in_flight.push_back(flight);
+        Ok(())
+    }
+
+    fn collect(&mut self) -> Result<Vec<RowOutput>> {
+        let flight = self
+            .in_flight
+            .pop_front()
+            .ok_or_else(|| KernelError::InvalidInput("collect: no step is in flight".into()))?;
+        self.land(flight)
     }
 
     fn set_token_mask(&mut self, mask: TokenMask) -> Result<()> {

@@ -35,6 +35,7 @@ use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 use crate::acceptance::{AcceptanceMode, Verdict};
 use crate::cuda::gpu::Gpu;
 use crate::cuda::launch::{grid_1d, DPtr, NULL};
+use crate::cuda::staging::Download;
 use crate::error::{KernelError, Result};
 use crate::runner::{SamplingParams, TokenId, TokenLogprob, TokenMask};
 use crate::sampling::{check_params, RngStream};
@@ -180,6 +181,51 @@ struct RowResult {
     top: Vec<(TokenId, f32)>,
 }
 
+/// The row kernel's results on their way back (`SampleKernels::launch_jobs`). The device buffers the launch
+/// reads and writes are kept until the results are read.
+struct PendingJobs {
+    /// Per job: how many top log-probabilities it asked for.
+    top_n: Vec<usize>,
+    /// `None` for no jobs.
+    results: Option<JobCopies>,
+}
+
+/// The copies of a launch's results on their way back, and the device buffers the launch reads and writes.
+struct JobCopies {
+    status: Download<u32>,
+    top: Option<Download<u32>>,
+    _buffers: (CudaSlice<u64>, CudaSlice<u32>, CudaSlice<u32>),
+}
+
+impl PendingJobs {
+    /// Waits for the results (this launch's copies only) and decodes each row's.
+    fn wait(self) -> Result<Vec<RowResult>> {
+        let Some(JobCopies { status, top, .. }) = self.results else { return Ok(Vec::new()) };
+        let status = status.wait()?;
+        let top = match top {
+            Some(top) => top.wait()?,
+            None => Vec::new(),
+        };
+        self.top_n
+            .iter()
+            .enumerate()
+            .map(|(r, &n)| {
+                let st = &status[r * STATUS_WORDS..(r + 1) * STATUS_WORDS];
+                check_status(r, st)?;
+                let at = |i: usize| r * MAX_TOP_N * 2 + 2 * i;
+                let top = (0..n).map(|i| (top[at(i)], f32::from_bits(top[at(i) + 1]))).collect();
+                Ok(RowResult {
+                    token: st[0],
+                    accepted: st[1] != 0,
+                    logprob_token: f32::from_bits(st[4]),
+                    logprob_draft: f32::from_bits(st[5]),
+                    top,
+                })
+            })
+            .collect()
+    }
+}
+
 fn check_job(job: &RowJob<'_>, vocab: usize) -> Result<()> {
     check_params(job.params)?;
     if let Some(n) = job.params.logprobs {
@@ -227,6 +273,36 @@ pub struct VerifyRow<'a> {
     /// f32 `[drafts.len(), vocab]` processed probabilities the drafts were sampled from (as
     /// [`SampleKernels::probs_from_logits`] writes them); `None` for model-free drafts (one-hot `q`).
     pub q: Option<DPtr>,
+    /// u32 the emitted token is also written to on the device (a window without drafts only: it emits one
+    /// token, which a fed step reads; `crate::launches`).
+    pub token_out: Option<DPtr>,
+}
+
+/// A verify launched on the device whose verdicts the host has not read yet ([`SampleKernels::launch_verify_rows`]).
+pub struct PendingVerify {
+    windows: Vec<PendingWindow>,
+    jobs: PendingJobs,
+}
+
+/// What assembling one window's verdict needs: its drafts, whether it asked for log-probabilities, its first
+/// job and, under forced acceptance, the jobs launched and the accepted count.
+struct PendingWindow {
+    drafts: Vec<TokenId>,
+    want_logprobs: bool,
+    first: usize,
+    synthetic: Option<(usize, usize)>,
+}
+
+impl PendingVerify {
+    /// Waits for this verify's results (not for later work on the stream) and returns one verdict per window.
+    pub fn wait(self) -> Result<Vec<Verdict>> {
+        let results = self.jobs.wait()?;
+        Ok(self
+            .windows
+            .iter()
+            .map(|w| assemble(&w.drafts, w.want_logprobs, &results[w.first..], w.synthetic))
+            .collect())
+    }
 }
 
 /// One launch of the row kernel: `rows` descriptors at `desc` (`[rows, DESC_WORDS]` u64), the token mask words
@@ -320,6 +396,18 @@ impl SampleKernels {
         jobs: &[RowJob<'_>],
         mask: Option<&DeviceTokenMask>,
     ) -> Result<Vec<RowResult>> {
+        self.launch_jobs(gpu, vocab, jobs, mask)?.wait()
+    }
+
+    /// Launches the kernel over `jobs` (one launch) and starts bringing back each row's result, without
+    /// waiting: the descriptors go up and the results come back through page-locked memory (`cuda::staging`).
+    fn launch_jobs(
+        &self,
+        gpu: &Gpu,
+        vocab: usize,
+        jobs: &[RowJob<'_>],
+        mask: Option<&DeviceTokenMask>,
+    ) -> Result<PendingJobs> {
         if vocab == 0 || vocab > i32::MAX as usize {
             return Err(KernelError::InvalidInput(format!("a vocabulary of {vocab} ids cannot be sampled")));
         }
@@ -334,15 +422,17 @@ impl SampleKernels {
         for job in jobs {
             check_job(job, vocab)?;
         }
+        let top_n: Vec<usize> = jobs.iter().map(|j| j.params.logprobs.unwrap_or(0).min(vocab)).collect();
         if jobs.is_empty() {
-            return Ok(Vec::new());
+            return Ok(PendingJobs { top_n, results: None });
         }
         let rows = jobs.len();
         let mut words = Vec::with_capacity(rows * DESC_WORDS);
         for job in jobs {
             job.encode(&mut words);
         }
-        let desc = gpu.upload(&words)?;
+        let desc = gpu.uninit::<u64>(words.len())?; // [rows, DESC_WORDS], written in full by the copy
+        gpu.upload_async_at(gpu.ptr(&desc), bytemuck::cast_slice(&words))?;
         let status = gpu.zeros::<u32>(rows * STATUS_WORDS)?; // [rows, STATUS_WORDS]
         let want_top = jobs.iter().any(|j| j.params.logprobs.is_some_and(|n| n > 0));
         let top_len = if want_top { rows * MAX_TOP_N * 2 } else { 1 };
@@ -357,25 +447,10 @@ impl SampleKernels {
             top: gpu.ptr(&top),
         };
         self.launch_rows(gpu, LogitsDtype::Bf16, &launch)?;
-        let status = gpu.download(&status, rows * STATUS_WORDS)?;
-        let top = if want_top { gpu.download(&top, top_len)? } else { Vec::new() };
-        jobs.iter()
-            .enumerate()
-            .map(|(r, job)| {
-                let st = &status[r * STATUS_WORDS..(r + 1) * STATUS_WORDS];
-                check_status(r, st)?;
-                let n = job.params.logprobs.unwrap_or(0).min(vocab);
-                let at = |i: usize| r * MAX_TOP_N * 2 + 2 * i;
-                let top = (0..n).map(|i| (top[at(i)], f32::from_bits(top[at(i) + 1]))).collect();
-                Ok(RowResult {
-                    token: st[0],
-                    accepted: st[1] != 0,
-                    logprob_token: f32::from_bits(st[4]),
-                    logprob_draft: f32::from_bits(st[5]),
-                    top,
-                })
-            })
-            .collect()
+        let status_back = gpu.download_async::<u32>(gpu.ptr(&status), rows * STATUS_WORDS)?;
+        let top_back = if want_top { Some(gpu.download_async::<u32>(gpu.ptr(&top), top_len)?) } else { None };
+        let copies = JobCopies { status: status_back, top: top_back, _buffers: (desc, status, top) };
+        Ok(PendingJobs { top_n, results: Some(copies) })
     }
 
     /// Writes the processed distribution (`Distribution::from_logits` with `params[r]`, after `mask`) of
@@ -456,6 +531,18 @@ impl SampleKernels {
         mask: Option<&DeviceTokenMask>,
         mode: &AcceptanceMode,
     ) -> Result<Vec<Verdict>> {
+        self.launch_verify_rows(gpu, vocab, rows, mask, mode)?.wait()
+    }
+
+    /// [`Self::verify_rows`] launched without waiting: [`PendingVerify::wait`] returns the verdicts.
+    pub fn launch_verify_rows(
+        &self,
+        gpu: &Gpu,
+        vocab: usize,
+        rows: &[VerifyRow<'_>],
+        mask: Option<&DeviceTokenMask>,
+        mode: &AcceptanceMode,
+    ) -> Result<PendingVerify> {
         let token = RngStream::Token as u64;
         let mut jobs = Vec::new();
         // Per window: (first job, accepted count decided on the host for forced acceptance).
@@ -476,7 +563,7 @@ impl SampleKernels {
                             stream: token,
                             draft: row.drafts.get(i).copied(),
                             mode: if i < l { MODE_VERIFY } else { MODE_SAMPLE },
-                            token_out: NULL,
+                            token_out: row.token_out.filter(|_| l == 0).unwrap_or(NULL),
                         });
                     }
                     spans.push((first, None));
@@ -495,21 +582,25 @@ impl SampleKernels {
                             stream: token,
                             draft: row.drafts.get(i).copied(),
                             mode: MODE_SAMPLE,
-                            token_out: NULL,
+                            token_out: row.token_out.filter(|_| l == 0).unwrap_or(NULL),
                         });
                     }
                     spans.push((first, Some((from, accepted))));
                 }
             }
         }
-        let results = self.run_jobs(gpu, vocab, &jobs, mask)?;
-        Ok(rows
+        let jobs = self.launch_jobs(gpu, vocab, &jobs, mask)?;
+        let windows = rows
             .iter()
             .zip(spans)
-            .map(|(row, (first, synthetic))| {
-                assemble(row.drafts, row.params.logprobs.is_some(), &results[first..], synthetic)
+            .map(|(row, (first, synthetic))| PendingWindow {
+                drafts: row.drafts.to_vec(),
+                want_logprobs: row.params.logprobs.is_some(),
+                first,
+                synthetic,
             })
-            .collect())
+            .collect();
+        Ok(PendingVerify { windows, jobs })
     }
 
     /// `sampling::hash3` computed on the device for each `(seed, position, stream)`, to check the port.

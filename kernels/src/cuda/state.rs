@@ -16,9 +16,12 @@ use half::bf16;
 
 use crate::config::ModelConfig;
 use crate::cuda::gpu::Gpu;
-use crate::error::Result;
+use crate::error::{KernelError, Result};
 use crate::runner::TokenId;
-use crate::state::{KdaState, MlaCache, SeqState};
+use crate::state::{KdaState, MlaCache, SeqState, MLA_BLOCK_TOKENS};
+
+/// Elements per chunk of an export's streamed copies: 8 MB of f32 (`cuda::staging::CHUNK_BYTES`), 4 MB of bf16.
+const EXPORT_CHUNK: usize = 2 << 20;
 
 /// One KDA layer's state on the device.
 pub struct DeviceKda {
@@ -86,24 +89,36 @@ impl DeviceState {
 
     /// A host copy in the CPU reference's layout (f32 values; conv windows and latents are bf16 values).
     pub fn export(&self, gpu: &Gpu, cfg: &ModelConfig) -> Result<SeqState<f32>> {
-        let widen = |v: Vec<bf16>| v.into_iter().map(f32::from).collect::<Vec<f32>>();
-        let mut kda = Vec::new();
+        let widened = |b: &CudaSlice<bf16>| -> Result<Vec<f32>> {
+            let mut out = Vec::with_capacity(b.len());
+            gpu.download_chunked::<bf16>(gpu.ptr(b), b.len(), EXPORT_CHUNK, |_, x| {
+                out.extend(x.iter().map(|v| v.to_f32()))
+            })?;
+            Ok(out)
+        };
+        let mut kda = Vec::with_capacity(self.kda.len());
         for k in &self.kda {
-            let conv = [
-                widen(gpu.download(&k.conv[0], k.conv[0].len())?),
-                widen(gpu.download(&k.conv[1], k.conv[1].len())?),
-                widen(gpu.download(&k.conv[2], k.conv[2].len())?),
-            ];
-            kda.push(KdaState { s: gpu.download(&k.s, k.s.len())?, conv });
+            let mut s = Vec::with_capacity(k.s.len());
+            gpu.download_chunked::<f32>(gpu.ptr(&k.s), k.s.len(), EXPORT_CHUNK, |_, x| s.extend_from_slice(x))?;
+            kda.push(KdaState { s, conv: [widened(&k.conv[0])?, widened(&k.conv[1])?, widened(&k.conv[2])?] });
         }
         let ld = cfg.mla.latent_dim();
-        let mut mla = Vec::new();
+        let block = MLA_BLOCK_TOKENS * ld;
+        let mut mla = Vec::with_capacity(self.mla.len());
         for m in &self.mla {
-            let values = widen(gpu.download(&m.cache, self.len * ld)?);
-            let mut cache = MlaCache::new(ld);
-            for e in values.chunks_exact(ld) {
-                cache.push(e);
-            }
+            // Whole blocks per chunk, each widened straight into its host block (the last one zero-padded).
+            let mut blocks: Vec<Vec<f32>> = Vec::with_capacity(self.len.div_ceil(MLA_BLOCK_TOKENS));
+            let chunk = (EXPORT_CHUNK / block).max(1) * block;
+            gpu.download_chunked::<bf16>(gpu.ptr(&m.cache), self.len * ld, chunk, |_, x| {
+                for part in x.chunks(block) {
+                    let mut b = Vec::with_capacity(block);
+                    b.extend(part.iter().map(|v| v.to_f32()));
+                    b.resize(block, 0.0);
+                    blocks.push(b);
+                }
+            })?;
+            let cache = MlaCache::from_blocks(ld, self.len, blocks)
+                .ok_or_else(|| KernelError::Device("an exported MLA cache does not hold its length".into()))?;
             mla.push(cache);
         }
         Ok(SeqState { len: self.len, kda, mla })
@@ -111,28 +126,33 @@ impl DeviceState {
 
     /// Uploads a host state (checked against the model's layers by the caller).
     pub fn import(gpu: &Gpu, cfg: &ModelConfig, host: &SeqState<f32>) -> Result<Self> {
-        let narrow = |v: &[f32]| v.iter().map(|x| bf16::from_f32(*x)).collect::<Vec<bf16>>();
-        let mut kda = Vec::new();
+        let narrowed = |v: &[f32]| -> Result<CudaSlice<bf16>> {
+            let dev = gpu.uninit::<bf16>(v.len())?; // written in full by the copies
+            gpu.upload_chunked::<bf16>(gpu.ptr(&dev), v.len(), EXPORT_CHUNK, |off, out| {
+                out.iter_mut().zip(&v[off..]).for_each(|(o, x)| *o = bf16::from_f32(*x))
+            })?;
+            Ok(dev)
+        };
+        let mut kda = Vec::with_capacity(host.kda.len());
         for k in &host.kda {
-            kda.push(DeviceKda {
-                s: gpu.upload(&k.s)?,
-                conv: [
-                    gpu.upload(&narrow(&k.conv[0]))?,
-                    gpu.upload(&narrow(&k.conv[1]))?,
-                    gpu.upload(&narrow(&k.conv[2]))?,
-                ],
-            });
+            let s = gpu.uninit::<f32>(k.s.len())?; // written in full by the copies
+            gpu.upload_chunked::<f32>(gpu.ptr(&s), k.s.len(), EXPORT_CHUNK, |off, out| {
+                out.copy_from_slice(&k.s[off..off + out.len()])
+            })?;
+            kda.push(DeviceKda { s, conv: [narrowed(&k.conv[0])?, narrowed(&k.conv[1])?, narrowed(&k.conv[2])?] });
         }
         let ld = cfg.mla.latent_dim();
-        let mut mla = Vec::new();
+        let mut mla = Vec::with_capacity(host.mla.len());
         for m in &host.mla {
-            let flat: Vec<f32> = (0..m.len()).flat_map(|t| m.entry(t).iter().copied()).collect();
             let mut dev = DeviceMla { cache: gpu.zeros(0)?, capacity: 0 };
             reserve(gpu, &mut dev, m.len(), ld)?;
-            if !flat.is_empty() {
-                let up = gpu.upload(&narrow(&flat))?;
-                gpu.copy::<bf16>(gpu.ptr(&dev.cache), gpu.ptr(&up), flat.len())?;
-            }
+            // Whole entries per chunk, each narrowed straight from its host block.
+            let chunk = (EXPORT_CHUNK / ld).max(1) * ld;
+            gpu.upload_chunked::<bf16>(gpu.ptr(&dev.cache), m.len() * ld, chunk, |off, out| {
+                for (i, row) in out.chunks_mut(ld).enumerate() {
+                    row.iter_mut().zip(m.entry(off / ld + i)).for_each(|(o, x)| *o = bf16::from_f32(*x));
+                }
+            })?;
             mla.push(dev);
         }
         Ok(DeviceState { len: host.len, kda, mla })

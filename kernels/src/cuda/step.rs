@@ -6,8 +6,10 @@
 //!   token range and form; per (MLA layer, row) the cache address, length before the window, token range and
 //!   split span; per token its row; then the step's token ids and the positions whose logits are wanted
 //!   (u32). It is built on the host after every MLA cache of the step has been grown, and uploaded once
-//!   into the [`StepBuffer`], so that a captured step (`cuda::graph`) reads its inputs through fixed addresses
-//!   and nothing else is copied from the host during a step.
+//!   into the [`StepBuffer`] through page-locked memory without the host waiting (stream order keeps an
+//!   earlier step's kernels reading the old contents), so that a captured step (`cuda::graph`) reads its
+//!   inputs through fixed addresses and nothing else is copied from the host during a step. A fed step's
+//!   token ids are then copied in on the device from the step before it ([`TableSpec::fed_tokens`]).
 //! - The MLA split count of a step (the grid of `mla_split` and `mla_split_heads`) is rounded up to a power
 //!   of two: splits past a token's last are empty and merge as exact zeros, so results do not change, and
 //!   steps whose longest context grows share a captured graph until the count doubles.
@@ -51,7 +53,8 @@ pub struct StepBuffer {
 
 impl StepBuffer {
     /// Uploads `bytes` into the buffer (grown by doubling) and returns its device address. The copy is
-    /// synchronous after the stream drains, so no kernel of an earlier step still reads the old contents.
+    /// stream-ordered and does not make the host wait: it lands after every kernel issued before it (an
+    /// earlier step still reading the old contents) and before every kernel issued after it.
     fn upload(&self, gpu: &Gpu, bytes: &[u8]) -> Result<DPtr> {
         let mut guard = self.buf.lock().map_err(|_| KernelError::Device("the step table lock is poisoned".into()))?;
         let words = bytes.len().div_ceil(8);
@@ -62,9 +65,23 @@ impl StepBuffer {
         }
         let buf = guard.as_ref().ok_or_else(|| KernelError::Device("no step table buffer".into()))?;
         let ptr = gpu.ptr(buf);
-        gpu.upload_bytes_at(ptr, bytes)?;
+        gpu.upload_async_at(ptr, bytes)?;
         Ok(ptr)
     }
+}
+
+/// What a step's table is built from besides its rows.
+#[derive(Clone, Copy)]
+pub struct TableSpec<'a> {
+    /// `offsets[r]..offsets[r + 1]` are row `r`'s tokens among the step's.
+    pub offsets: &'a [usize],
+    /// Step positions whose logits are produced.
+    pub wanted: &'a [u32],
+    /// Windows of at least this many tokens without snapshots take the chunked KDA form.
+    pub chunked_min: usize,
+    /// A fed step (`crate::launches`): its token ids (u32, one per row) are copied from this device address
+    /// after the upload, in place of the rows' placeholder tokens.
+    pub fed_tokens: Option<DPtr>,
 }
 
 /// A step's tables on the device and what the rows keep for rollback.
@@ -102,18 +119,15 @@ fn mla_span(first: usize, t: usize) -> usize {
 
 impl StepTables {
     /// Grows every MLA cache of the rows to hold their windows, allocates the rows' snapshot buffers, and
-    /// uploads the table with the step's token ids and `wanted` logits positions. `offsets[r]..offsets[r + 1]`
-    /// are row `r`'s tokens; windows of at least `chunked_min` tokens without snapshots take the chunked KDA
-    /// form.
+    /// uploads the table with the step's token ids and `wanted` logits positions (see [`TableSpec`]).
     pub fn build(
         gpu: &Gpu,
         cfg: &ModelConfig,
         buffer: &StepBuffer,
         rows: &mut [DeviceRow<'_>],
-        offsets: &[usize],
-        wanted: &[u32],
-        chunked_min: usize,
+        spec: &TableSpec<'_>,
     ) -> Result<Self> {
+        let TableSpec { offsets, wanted, chunked_min, fed_tokens } = *spec;
         let k = &cfg.kda;
         let (p, kw, state_len) = (k.proj_dim(), k.conv_kernel, k.num_heads * k.head_dim * k.head_dim);
         let (kda_layers, mla_layers) = (cfg.kda_layers().len(), cfg.mla_layers().len());
@@ -184,6 +198,15 @@ impl StepTables {
         let wanted_at = bytes.len() as u64;
         bytes.extend(wanted.iter().flat_map(|p| p.to_le_bytes()));
         let base = buffer.upload(gpu, &bytes)?;
+        if let Some(fed) = fed_tokens {
+            if n != nrows {
+                return Err(KernelError::InvalidInput(format!(
+                    "a fed step has one token per row, not {n} for {nrows} rows"
+                )));
+            }
+            // Stream-ordered after the upload: the fed ids replace the placeholders before any kernel reads them.
+            gpu.copy::<u32>(base + token_ids_at, fed, n)?;
+        }
         let kda_bytes = (kda_layers * nrows * KDA_ENTRY * 8) as u64;
         let mla_bytes = (mla_layers * nrows * MLA_ENTRY * 8) as u64;
         Ok(StepTables {

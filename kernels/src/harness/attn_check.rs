@@ -19,7 +19,7 @@ use crate::cuda::attn::{AttnKernels, KdaArgs, MlaAppendArgs, MlaAttentionArgs};
 use crate::cuda::forward::DeviceModel;
 use crate::cuda::gpu::Gpu;
 use crate::cuda::state::{DeviceRow, DeviceState};
-use crate::cuda::step::{StepBuffer, StepTables};
+use crate::cuda::step::{StepBuffer, StepTables, TableSpec};
 use crate::cuda::weights::DevMixer;
 use crate::error::{KernelError, Result};
 use crate::harness::compare::{compare, down, random_bf16, up, OpCheck};
@@ -134,7 +134,13 @@ impl KdaCase {
         host.kda[0] = self.start.clone();
         let mut state = DeviceState::import(gpu, cfg, &host)?;
         let mut rows = [DeviceRow { state: &mut state, tokens: &tokens, logits_from: window, snapshots_from }];
-        let tables = StepTables::build(gpu, cfg, &buffer, &mut rows, &[0, window], &[], chunked_min)?;
+        let tables = StepTables::build(
+            gpu,
+            cfg,
+            &buffer,
+            &mut rows,
+            &TableSpec { offsets: &[0, window], wanted: &[], chunked_min, fed_tokens: None },
+        )?;
         let o = gpu.zeros::<bf16>(window * p)?;
         let args = KdaArgs {
             qkv: [gpu.ptr(&self.dev_in[0]), gpu.ptr(&self.dev_in[1]), gpu.ptr(&self.dev_in[2])],
@@ -395,7 +401,13 @@ pub fn mla_batch(gpu: &Gpu, preset: &str, batch: usize, seed: u64) -> Result<Mla
             .zip(&tokens)
             .map(|(state, t)| DeviceRow { state, tokens: t, logits_from: t.len(), snapshots_from: None })
             .collect();
-        let tables = StepTables::build(gpu, &cfg, &buffer, &mut rows, &sub_off, &[], usize::MAX)?;
+        let tables = StepTables::build(
+            gpu,
+            &cfg,
+            &buffer,
+            &mut rows,
+            &TableSpec { offsets: &sub_off, wanted: &[], chunked_min: usize::MAX, fed_tokens: None },
+        )?;
         gpu.synchronize()?;
         if profile {
             gpu.start_profile();
