@@ -136,6 +136,11 @@ pub struct ServeArgs {
     /// costs are measured on the runner at start-up; a prompt still advances by at least 64 tokens per step.
     #[arg(long, default_value = "auto", value_name = "auto|off|MS|Fx")]
     pub decode_step_target: DecodeStepTarget,
+    /// Launch the next decode step before the outputs of the step in flight come back, so that the host
+    /// work of one step overlaps the device work of the next (a steady decode with speculation off, on a
+    /// runner that can; the CPU backend computes each step as it is launched).
+    #[arg(long, default_value = "on", value_name = "on|off", value_parser = on_off, action = clap::ArgAction::Set)]
+    pub async_scheduling: bool,
     /// Device bytes for sequence states (live and kept).
     #[arg(long, default_value_t = DEFAULT_STATE_BUDGET_BYTES)]
     pub state_budget_bytes: usize,
@@ -227,7 +232,17 @@ impl ServeArgs {
             kept_responses_bytes: self.kept_responses_bytes,
             prefix_cache_bytes: self.prefix_cache_bytes,
             step_time: None,
+            async_scheduling: self.async_scheduling,
         }
+    }
+}
+
+/// Parses `on` or `off`.
+fn on_off(text: &str) -> Result<bool, String> {
+    match text {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        other => Err(format!("`{other}` is neither `on` nor `off`")),
     }
 }
 
@@ -267,6 +282,14 @@ mod tests {
         let err = parse(&["--model", "/definitely/not/here"]).validate().unwrap_err();
         assert_eq!(err.flag, "model");
         assert!(Cli::try_parse_from(["sparkd", "--device", "tpu"]).is_err());
+    }
+
+    #[test]
+    fn async_scheduling_is_on_unless_turned_off() {
+        assert!(parse(&[]).async_scheduling);
+        assert!(!parse(&["--async-scheduling", "off"]).async_scheduling);
+        assert!(!parse(&["--async-scheduling=off"]).engine_config().async_scheduling);
+        assert!(Cli::try_parse_from(["sparkd", "--async-scheduling", "maybe"]).is_err());
     }
 
     #[test]

@@ -18,6 +18,7 @@
 # then, in one device call (carry .bin/m): BIN=.bin/m bash kernels/bench/serve_matrix_h200.sh
 # Server configs (CONFIGS, in this order by default):
 #   off      no speculation
+#   sync     no speculation, each step waiting for the one before (--async-scheduling off; only when asked)
 #   al3      --spec dspark --spec-synthetic-al 3 (forced mean acceptance length 3)
 #   al6      --spec dspark --spec-synthetic-al 6
 #   dspark   --spec dspark with its default budget (the drafter's own drafts)
@@ -83,13 +84,14 @@ ls "$TRACES"/*.json >/dev/null 2>&1 || die "no traces: $TRACES holds no .json tr
 config_args() { # the `sparkd serve` flags of one server config
   case "$1" in
     off) echo "" ;;
+    sync) echo "--async-scheduling off" ;;
     al3) echo "--spec dspark --spec-synthetic-al 3" ;;
     al6) echo "--spec dspark --spec-synthetic-al 6" ;;
     dspark) echo "--spec dspark" ;;
     *) return 1 ;;
   esac
 }
-for c in $CONFIGS; do config_args "$c" >/dev/null || die "unknown config $c (off, al3, al6, dspark)"; done
+for c in $CONFIGS; do config_args "$c" >/dev/null || die "unknown config $c (off, sync, al3, al6, dspark)"; done
 for v in DURATION GRACE START_S START_LIMIT BUDGET_S PREFILL_TOKENS PREFILL_RUNS; do
   [[ ${!v} =~ ^[0-9]+$ ]] || die "$v must be whole seconds or a count, found ${!v}"
 done

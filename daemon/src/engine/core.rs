@@ -7,9 +7,18 @@
 //! plan a step → `runner.step` → apply the outputs → snapshots, finishes, events → memory budget →
 //! metrics. Each phase of a turn is timed into `sparkd:engine_phase_seconds` ([`PhaseClock`]).
 //!
+//! Asynchronous scheduling (`EngineConfig::async_scheduling`, speculation off, a runner that launches ahead):
+//! the step is launched, and while the decode is steady the next one is launched fed on the device
+//! (`Scheduler::schedule_ahead`) before the one in flight is collected; applying, events, commands, backlogs
+//! and the memory budget then run on the host while the device computes the next step. The `step` phase is
+//! then only the time the host waits for the device.
+//!
 //! Invariants:
 //! - Only this thread touches the runner and `StateId`s; no lock is held anywhere around the model.
-//! - Every state handed out is freed exactly once: on finish (unless kept), on cancel, on failure.
+//! - Every state handed out is freed exactly once: on finish (unless kept), on cancel, on failure. A state
+//!   in a step launched and not yet collected is never freed, kept, forked or exported: a request that
+//!   leaves meanwhile (a stop token, a cancel, a failure) has its state settled once that step is collected,
+//!   and a finished one is then kept holding its whole history (the fed step fed its last token).
 //! - Events go out over each request's bounded channel with `try_send`; when the channel is full they
 //!   wait in a per-request backlog (order preserved) and the engine keeps stepping the others. A
 //!   closed channel (client gone) cancels the request and frees its state; a request that asked to
@@ -33,14 +42,15 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use metrics::{counter, gauge, histogram};
-use sparkd_kernels::runner::RowInput;
+use sparkd_kernels::launches::FedRow;
+use sparkd_kernels::runner::{RowInput, RowOutput};
 use sparkd_kernels::state::{SeqState, MLA_BLOCK_TOKENS};
-use sparkd_kernels::{Runner, StateId};
+use sparkd_kernels::{KernelError, Runner, StateId};
 use tokio::sync::mpsc::{self, error::TryRecvError, error::TrySendError};
 
 use super::phases::{Phase, PhaseClock};
 use super::prefix_cache::PrefixCache;
-use super::scheduler::{FinishedSeq, Scheduler, SchedulerLimits, StepOutcome, StepPlan};
+use super::scheduler::{AheadPlan, FinishedSeq, Scheduler, SchedulerLimits, StepOutcome, StepPlan};
 use super::sessions::{EvictionPolicy, LruPolicy, SessionStore, StoreBudgets};
 use super::speculator::{DraftSlot, Speculation, Speculator};
 use super::types::{
@@ -140,6 +150,31 @@ impl Live {
     }
 }
 
+/// What happens to a request's state once no step in flight holds it.
+#[derive(Debug)]
+enum Settle {
+    /// A request that left the scheduler: its state is kept as `keep_as`'s response, or freed.
+    Release { finished: FinishedSeq, keep_as: Option<ResponseId>, state: Option<StateId> },
+    /// A failed request's state is freed.
+    Free { id: RequestId, state: StateId },
+}
+
+impl Settle {
+    fn state(&self) -> Option<StateId> {
+        match self {
+            Settle::Release { state, .. } => *state,
+            Settle::Free { state, .. } => Some(*state),
+        }
+    }
+}
+
+/// Keeps the outputs of the rows of `plan` from `outputs`, the runner's outputs for `launched` (a superset of
+/// the plan's requests, in the same order: requests that left while their step was in flight are dropped).
+fn keep_planned(plan: &StepPlan, launched: &[RequestId], outputs: Vec<RowOutput>) -> Vec<RowOutput> {
+    let mut planned = plan.rows.iter().map(|r| r.id).peekable();
+    launched.iter().zip(outputs).filter_map(|(id, out)| planned.next_if_eq(id).map(|_| out)).collect()
+}
+
 struct EngineCore {
     runner: Box<dyn Runner>,
     config: EngineConfig,
@@ -155,6 +190,10 @@ struct EngineCore {
     speculator: Option<Speculator>,
     /// Times the phases of each loop turn.
     phases: PhaseClock,
+    /// The states of each step launched and not yet collected, oldest first.
+    flying: VecDeque<Vec<StateId>>,
+    /// States of requests that left while a step in flight held them (see [`EngineCore::settle_deferred`]).
+    deferred: Vec<Settle>,
 }
 
 impl EngineCore {
@@ -187,6 +226,8 @@ impl EngineCore {
             live: HashMap::new(),
             speculator,
             phases: PhaseClock::new(),
+            flying: VecDeque::new(),
+            deferred: Vec::new(),
         }
     }
 
@@ -220,7 +261,7 @@ impl EngineCore {
             let plan = self.scheduler.schedule(Instant::now());
             self.phases.lap(Phase::Schedule);
             if !plan.is_empty() {
-                self.step(&plan);
+                self.step(plan);
             }
             self.enforce_memory();
             self.record_gauges();
@@ -248,7 +289,12 @@ impl EngineCore {
     /// Drains the command queue; blocks for the next command only when there is nothing to do.
     fn take_commands(&mut self) {
         let idle = !self.scheduler.has_work() && self.live.values().all(|l| l.backlog.is_empty());
-        if idle && self.commands_open {
+        self.take_commands_waiting(idle);
+    }
+
+    /// Drains the command queue, first waiting for a command when `wait` is set.
+    fn take_commands_waiting(&mut self, wait: bool) {
+        if wait && self.commands_open {
             let command = self.commands.blocking_recv();
             self.phases.lap(Phase::Idle);
             match command {
@@ -383,8 +429,15 @@ impl EngineCore {
             let (state, tier) = self.sessions.checkout(self.runner.as_mut(), from)?;
             counter!(names::SESSIONS_RESTORED_TOTAL, "tier" => tier.as_str()).increment(1);
             if let Some(state) = state {
-                restored = Some((state, self.runner.state_len(state)?));
-                how = "continued";
+                match self.runner.state_len(state)? {
+                    // A kept state holding the whole history (`FinishedSeq::state_matches_history`) leaves
+                    // nothing to feed when the continuation adds no token: it is rebuilt instead.
+                    len if len >= tokens.len() => self.runner.free_state(state)?,
+                    len => {
+                        restored = Some((state, len));
+                        how = "continued";
+                    }
+                }
             }
         }
         if restored.is_none() && self.prefix.is_enabled() {
@@ -457,27 +510,132 @@ impl EngineCore {
         }
     }
 
-    fn step(&mut self, plan: &StepPlan) {
+    /// Runs `plan`: as one step, or pipelined ([`Self::step_ahead`]) when the config, the runner and
+    /// speculation allow it.
+    fn step(&mut self, plan: StepPlan) {
+        let Some(rows) = self.row_inputs(&plan) else { return };
+        if self.config.async_scheduling && self.speculator.is_none() && self.runner.launches_ahead() {
+            return self.step_ahead(plan, &rows);
+        }
+        let outputs = self.runner.step(&rows);
+        self.phases.lap(Phase::Step);
+        self.land(&plan, outputs);
+    }
+
+    /// The runner's rows of `plan`, marking first scheduling; `None` (the row failed) when a row has no state.
+    fn row_inputs(&mut self, plan: &StepPlan) -> Option<Vec<RowInput>> {
         let now = Instant::now();
         let mut rows = Vec::with_capacity(plan.rows.len());
         for row in &plan.rows {
             let live = self.live.get_mut(&row.id);
             let Some(state) = live.as_ref().and_then(|l| l.state) else {
                 self.fail(row.id, EngineError::Internal(format!("{} was planned without a state", row.id)));
-                return;
+                return None;
             };
             if let Some(live) = live {
                 live.first_scheduled.get_or_insert(now);
             }
             rows.push(RowInput { state, tokens: row.tokens.clone(), sample: row.sample.clone() });
         }
-        let outputs = self.runner.step(&rows);
-        self.phases.lap(Phase::Step);
+        Some(rows)
+    }
+
+    /// Asynchronous scheduling (follows vLLM v1's): launches `plan`, then, while the scheduler can plan the
+    /// next step without its outputs ([`Scheduler::schedule_ahead`]), launches that step fed on the device
+    /// before collecting the one in flight, and does the host work of the collected step (apply, events,
+    /// commands, backlogs, memory) while the fed step runs. A request that leaves while its next step is in
+    /// flight has that step's output dropped and its state settled once the step is collected
+    /// ([`Self::settle_deferred`]).
+    fn step_ahead(&mut self, plan: StepPlan, rows: &[RowInput]) {
+        if let Err(e) = self.runner.launch(rows) {
+            self.phases.lap(Phase::Step);
+            return self.land(&plan, Err(e));
+        }
+        self.flying.push_back(rows.iter().map(|r| r.state).collect());
+        let mut current = plan;
+        // The requests the runner returns outputs for when `current` is collected, in order.
+        let mut current_ids: Vec<RequestId> = current.rows.iter().map(|r| r.id).collect();
+        loop {
+            let ahead = self.launch_ahead(&current);
+            let outputs = self.runner.collect();
+            self.flying.pop_front();
+            self.phases.lap(Phase::Step);
+            self.settle_deferred();
+            let outputs = outputs.map(|outs| keep_planned(&current, &current_ids, outs));
+            self.land(&current, outputs);
+            let Some(ahead) = ahead else { break };
+            // Host work while the fed step runs on the device.
+            self.take_commands_waiting(false);
+            self.flush_events();
+            self.phases.lap(Phase::Emit);
+            self.enforce_memory();
+            self.record_gauges();
+            self.phases.lap(Phase::Memory);
+            current_ids = ahead.rows.iter().map(|r| r.id).collect();
+            current = match self.scheduler.resolve_ahead(&ahead) {
+                Ok(next) => next,
+                Err(e) => {
+                    let err = EngineError::Internal(format!("a step launched ahead: {e}"));
+                    current_ids.iter().for_each(|&id| self.fail(id, err.clone()));
+                    StepPlan::default()
+                }
+            };
+            self.phases.lap(Phase::Schedule);
+        }
+    }
+
+    /// Launches the step after `current` fed on the device, when the scheduler can plan it now and nothing
+    /// stops the engine; returns its plan. A launch the runner refuses is logged and not retried this turn.
+    fn launch_ahead(&mut self, current: &StepPlan) -> Option<AheadPlan> {
+        if self.stopping {
+            return None;
+        }
+        let ahead = self.scheduler.schedule_ahead(current)?;
+        let fed: Option<Vec<FedRow>> = ahead
+            .rows
+            .iter()
+            .map(|r| Some(FedRow { state: self.live.get(&r.id)?.state?, params: r.params.clone() }))
+            .collect();
+        let fed = fed?;
+        match self.runner.launch_fed(&fed) {
+            Ok(()) => {
+                self.flying.push_back(fed.iter().map(|r| r.state).collect());
+                Some(ahead)
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, rows = fed.len(), "launching a step ahead failed; stepping without");
+                None
+            }
+        }
+    }
+
+    /// Whether `state` is in a step launched and not yet collected.
+    fn is_flying(&self, state: StateId) -> bool {
+        self.flying.iter().any(|step| step.contains(&state))
+    }
+
+    /// Settles the states of requests that left while their next step was in flight, once no step in flight
+    /// holds them: each fed step appended one token, so a finished request's state now holds its whole history.
+    fn settle_deferred(&mut self) {
+        let (ready, waiting): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.deferred).into_iter().partition(|d| !d.state().is_some_and(|s| self.is_flying(s)));
+        self.deferred = waiting;
+        for mut settle in ready {
+            if let Settle::Release { finished, .. } = &mut settle {
+                finished.computed += 1;
+            }
+            self.settle(settle);
+        }
+    }
+
+    /// Applies a step's outputs to the scheduler and hands out what follows: metrics, snapshots, releases and
+    /// events. A runner error fails every row of the step.
+    fn land(&mut self, plan: &StepPlan, outputs: Result<Vec<RowOutput>, KernelError>) {
         let outputs = match outputs {
             Ok(outputs) => outputs,
             Err(e) => {
                 let err = EngineError::from(e);
-                tracing::error!(error = %err, rows = rows.len(), "runner step failed");
+                tracing::error!(error = %err, rows = plan.rows.len(), "runner step failed");
                 plan.rows.iter().for_each(|row| self.fail(row.id, err.clone()));
                 return;
             }
@@ -511,8 +669,15 @@ impl EngineCore {
         if !self.prefix.is_enabled() || (planned && self.prefix.contains(&tokens)) {
             return;
         }
+        let Some(state) = self.live.get(&id).and_then(|l| l.state.filter(|_| !l.continues_kept_chain())) else {
+            return;
+        };
+        if self.is_flying(state) {
+            // `schedule_ahead` plans nothing ahead of a boundary; a state in flight has moved past it.
+            tracing::error!(request = %id, "a block-boundary snapshot of a state in flight was skipped");
+            return;
+        }
         let Some(live) = self.live.get_mut(&id) else { return };
-        let Some(state) = live.state.filter(|_| !live.continues_kept_chain()) else { return };
         match self.runner.export_state(state) {
             Ok(snapshot) if planned => {
                 self.prefix.insert(&tokens, snapshot);
@@ -634,9 +799,7 @@ impl EngineCore {
             live.keep_as = None;
             live.pending_snapshot = None;
             if let Some(state) = live.state.take() {
-                if let Err(e) = self.runner.free_state(state) {
-                    tracing::warn!(request = %id, error = %e, "freeing a failed request's state failed");
-                }
+                self.settle_or_defer(Settle::Free { id, state });
             }
         }
         self.emit(id, EngineEvent::Failed(error));
@@ -661,23 +824,37 @@ impl EngineCore {
         if let (Some(first), Some(last)) = (live.first_token, live.last_token) {
             histogram!(names::REQUEST_DECODE_TIME_SECONDS).record(last.saturating_duration_since(first).as_secs_f64());
         }
+        self.settle_or_defer(Settle::Release { finished, keep_as, state });
+    }
+
+    /// Settles now, or once no step in flight holds the state.
+    fn settle_or_defer(&mut self, settle: Settle) {
+        match settle.state().is_some_and(|s| self.is_flying(s)) {
+            true => self.deferred.push(settle),
+            false => self.settle(settle),
+        }
+    }
+
+    /// Keeps a released state as its response when asked (unless it ran past the kept history: drafts
+    /// accepted beyond a stop token), else frees it.
+    fn settle(&mut self, settle: Settle) {
         let runner = self.runner.as_mut();
-        let result = match (keep_as, state) {
-            (Some(id), state) => {
-                // A state that ran past the kept history (drafts accepted beyond a stop token) is not kept.
+        let (id, result) = match settle {
+            Settle::Release { finished, keep_as: Some(response), state } => {
                 let state = match state {
                     Some(s) if finished.state_matches_history() => Some(s),
                     Some(s) => runner.free_state(s).map(|_| None).unwrap_or(None),
                     None => None,
                 };
                 counter!(names::SESSIONS_KEPT_TOTAL).increment(1);
-                self.sessions.keep(runner, id, finished.tokens, state)
+                (finished.id, self.sessions.keep(runner, response, finished.tokens, state))
             }
-            (None, Some(s)) => runner.free_state(s),
-            (None, None) => Ok(()),
+            Settle::Release { finished, keep_as: None, state: Some(s) } => (finished.id, runner.free_state(s)),
+            Settle::Release { keep_as: None, state: None, .. } => return,
+            Settle::Free { id, state } => (id, runner.free_state(state)),
         };
         if let Err(e) = result {
-            tracing::warn!(request = %finished.id, error = %e, "releasing a finished request's state failed");
+            tracing::warn!(request = %id, error = %e, "releasing a request's state failed");
         }
     }
 

@@ -23,6 +23,9 @@
 //!   engine wants a prefix-cache snapshot: a KDA state cannot be rewound, so the snapshot must be
 //!   taken exactly when passing the boundary).
 //! - Drafts are capped so that accepted drafts plus the bonus token never exceed `max_tokens`.
+//! - A step planned ahead ([`Scheduler::schedule_ahead`]) repeats the steady decode of the step in flight and
+//!   never lets a sequence pass `max_tokens`; only a stop token (or a cancel) can end a sequence whose next
+//!   step is already in flight.
 //! - With a step-time limit ([`StepTimeLimit`]), a step that has decode rows adds at most the limit's
 //!   prefill allowance for those rows' tokens (the predicted step time stays within the target, and
 //!   the oldest prompt still advances by at least the limit's minimum chunk); a step without decode
@@ -124,17 +127,36 @@ pub struct FinishedSeq {
     pub reason: FinishReason,
     /// Prompt plus output (truncated at a stop token or `max_tokens`).
     pub tokens: Vec<TokenId>,
-    /// Tokens committed to the state. Equal to `tokens.len() - 1` unless accepted drafts ran past a
-    /// stop token (then the state holds tokens the history does not, and must not be kept).
+    /// Tokens committed to the state. Equal to `tokens.len() - 1`, or `tokens.len()` once a step launched
+    /// ahead has fed the last token, unless accepted drafts ran past a stop token (then the state holds
+    /// tokens the history does not, and must not be kept).
     pub computed: usize,
     pub usage: Usage,
 }
 
 impl FinishedSeq {
-    /// Whether the state holds exactly the history minus its last (unfed) token.
+    /// Whether the state holds exactly a prefix of the history that a continuation can build on: the
+    /// history minus its last (unfed) token, or the whole history (a step launched ahead fed that last
+    /// token before the sequence was seen to finish).
     pub fn state_matches_history(&self) -> bool {
-        self.computed + 1 == self.tokens.len()
+        self.computed + 1 == self.tokens.len() || self.computed == self.tokens.len()
     }
+}
+
+/// A step planned before the outputs of the step in flight are known (asynchronous scheduling): exactly
+/// that step's rows, each a decode row fed the one token the step in flight emits for it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AheadPlan {
+    pub rows: Vec<AheadRow>,
+}
+
+/// One row of an [`AheadPlan`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct AheadRow {
+    pub id: RequestId,
+    /// The position of the fed token: the row's `start` in the step in flight, plus one.
+    pub start: usize,
+    pub params: SamplingParams,
 }
 
 /// A row that ended exactly on a multiple of the snapshot block after a step: on a planned prefill stop,
@@ -172,6 +194,8 @@ pub enum ScheduleError {
     RestoreTooLong { id: RequestId, computed: usize, len: usize },
     #[error("step results have {got} rows, the plan has {want}")]
     RowCount { got: usize, want: usize },
+    #[error("request {id}: a step launched ahead feeds position {start}, but {computed} tokens are committed")]
+    AheadMismatch { id: RequestId, start: usize, computed: usize },
 }
 
 /// The scheduler's state: a FCFS waiting queue and the running sequences in admission order.
@@ -385,6 +409,47 @@ impl Scheduler {
         StepPlan { rows: rows.into_iter().map(|(_, row)| row).collect() }
     }
 
+    /// Plans the step after `in_flight` before its outputs are known (follows vLLM v1's asynchronous
+    /// scheduling), or `None` when that step must wait for them. It is planned only for a steady decode:
+    /// nothing waits for admission, `in_flight` holds every running sequence as a one-token sampling row
+    /// without drafts, each may emit at least two more tokens (so the step in flight cannot finish it by
+    /// length), has no drafts attached, and does not reach a snapshot block boundary in the step in flight
+    /// (its state must be exported exactly there). A sequence may still finish in the step in flight (a stop
+    /// token), or leave; the engine then drops the fed row's output ([`Scheduler::resolve_ahead`]).
+    pub fn schedule_ahead(&self, in_flight: &StepPlan) -> Option<AheadPlan> {
+        if !self.waiting.is_empty() || in_flight.is_empty() || in_flight.rows.len() != self.running.len() {
+            return None;
+        }
+        let mut rows = Vec::with_capacity(in_flight.rows.len());
+        for (row, seq) in in_flight.rows.iter().zip(&self.running) {
+            let decodes = row.tokens.len() == 1 && row.sample.as_ref().is_some_and(|s| s.draft_len == 0);
+            let steady = row.id == seq.id && seq.computed == row.start && seq.tokens.len() == row.start + 1;
+            let room = seq.output_len() + 2 <= seq.max_tokens;
+            if !decodes || !steady || !room || !seq.drafts.is_empty() || (row.start + 1) % self.block_tokens == 0 {
+                return None;
+            }
+            rows.push(AheadRow { id: seq.id, start: row.start + 1, params: seq.sampling.clone() });
+        }
+        Some(AheadPlan { rows })
+    }
+
+    /// The plan of a step launched ahead, once the outputs of the step before it are applied: a row per
+    /// sequence of `ahead` that is still running, fed its one unfed token. Rows of sequences that left are
+    /// left out (their outputs are dropped). A running sequence that is not exactly one token past the
+    /// row's start is an error (the engine applied something the plan did not foresee).
+    pub fn resolve_ahead(&self, ahead: &AheadPlan) -> Result<StepPlan, ScheduleError> {
+        let mut rows = Vec::with_capacity(ahead.rows.len());
+        for row in &ahead.rows {
+            let Some(seq) = self.running.iter().find(|s| s.id == row.id) else { continue };
+            if seq.computed != row.start || seq.tokens.len() != row.start + 1 {
+                return Err(ScheduleError::AheadMismatch { id: row.id, start: row.start, computed: seq.computed });
+            }
+            let sample = Some(SampleRequest { params: row.params.clone(), draft_len: 0 });
+            rows.push(PlannedRow { id: row.id, start: row.start, tokens: vec![seq.tokens[row.start]], sample });
+        }
+        Ok(StepPlan { rows })
+    }
+
     /// Applies a step's outputs (one per planned row, in order): advances `computed`, appends emitted
     /// tokens, finishes sequences, and returns the events to send.
     pub fn apply(&mut self, plan: &StepPlan, outputs: &[RowOutput]) -> Result<StepOutcome, ScheduleError> {
@@ -499,387 +564,5 @@ impl Scheduler {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::super::step_time::{linear_costs, StepTarget};
-    use super::*;
-    use rand::{Rng, SeedableRng};
-    use rand_chacha::ChaCha8Rng;
-
-    const BLOCK: usize = 8;
-
-    fn request(id: u64, prompt_len: usize, max_tokens: usize) -> GenerateRequest {
-        GenerateRequest {
-            id: RequestId(id),
-            prompt: (0..prompt_len as TokenId).map(|t| 100 + t).collect(),
-            continue_from: None,
-            keep_as: None,
-            sampling: SamplingParams::greedy(),
-            max_tokens,
-            ignore_eos: false,
-            stop_token_ids: vec![2],
-            arrival: Instant::now(),
-            num_spec_tokens: None,
-        }
-    }
-
-    fn scheduler(budget: usize, seqs: usize) -> Scheduler {
-        Scheduler::new(SchedulerLimits { max_num_batched_tokens: budget, max_num_seqs: seqs }, BLOCK)
-    }
-
-    /// Adds and admits requests with nothing restored.
-    fn start(s: &mut Scheduler, requests: &[GenerateRequest]) {
-        for r in requests {
-            s.add(r, &[]).unwrap();
-        }
-        for id in s.admit() {
-            s.restore(id, 0, Vec::new()).unwrap();
-        }
-    }
-
-    /// A fake runner: every sampling row emits `token` (plus its drafts, all accepted if `accept_all`).
-    fn outputs(plan: &StepPlan, token: TokenId, accept_all: bool) -> Vec<RowOutput> {
-        plan.rows
-            .iter()
-            .map(|row| match &row.sample {
-                None => RowOutput::default(),
-                Some(s) => {
-                    let accepted = if accept_all { s.draft_len } else { 0 };
-                    let mut tokens = row.tokens[row.tokens.len() - s.draft_len..][..accepted].to_vec();
-                    tokens.push(token);
-                    RowOutput { tokens, num_accepted: accepted, logprobs: Vec::new() }
-                }
-            })
-            .collect()
-    }
-
-    fn row_lens(plan: &StepPlan) -> Vec<(u64, usize, bool)> {
-        plan.rows.iter().map(|r| (r.id.0, r.tokens.len(), r.sample.is_some())).collect()
-    }
-
-    #[test]
-    fn prefill_is_chunked_under_the_token_budget_in_fcfs_order() {
-        let mut s = scheduler(10, 8);
-        start(&mut s, &[request(1, 14, 4), request(2, 5, 4)]);
-        let now = Instant::now();
-        let plan = s.schedule(now);
-        assert_eq!(row_lens(&plan), vec![(1, 10, false)], "the first request takes the whole budget");
-        s.apply(&plan, &outputs(&plan, 7, false)).unwrap();
-        let plan = s.schedule(now);
-        assert_eq!(row_lens(&plan), vec![(1, 4, true), (2, 5, true)]);
-        assert_eq!(plan.rows[0].start, 10);
-        assert!(plan.num_tokens() <= 10);
-    }
-
-    #[test]
-    fn decode_rows_come_before_prefill_and_mix_in_one_step() {
-        let mut s = scheduler(6, 8);
-        let now = Instant::now();
-        start(&mut s, &[request(1, 3, 10)]);
-        let plan = s.schedule(now);
-        s.apply(&plan, &outputs(&plan, 7, false)).unwrap();
-        start(&mut s, &[request(2, 20, 10)]);
-        let plan = s.schedule(now);
-        // Request 1 decodes one token; request 2 gets the remaining 5 tokens of budget.
-        assert_eq!(row_lens(&plan), vec![(1, 1, true), (2, 5, false)]);
-        assert_eq!(plan.rows[0].tokens, vec![7]);
-    }
-
-    #[test]
-    fn admission_is_fcfs_and_bounded_by_max_num_seqs() {
-        let mut s = scheduler(100, 2);
-        for id in 1..=3 {
-            s.add(&request(id, 2, 1), &[]).unwrap();
-        }
-        assert_eq!(s.admit(), vec![RequestId(1), RequestId(2)]);
-        assert_eq!((s.num_running(), s.num_waiting()), (2, 1));
-        for id in [1, 2] {
-            s.restore(RequestId(id), 0, Vec::new()).unwrap();
-        }
-        let plan = s.schedule(Instant::now());
-        let out = s.apply(&plan, &outputs(&plan, 7, false)).unwrap();
-        assert_eq!(out.finished.len(), 2, "max_tokens 1: both finish after one step");
-        assert_eq!(s.admit(), vec![RequestId(3)]);
-    }
-
-    #[test]
-    fn finishes_on_max_tokens_and_on_stop_ids_unless_ignore_eos() {
-        let mut s = scheduler(100, 8);
-        let mut ignoring = request(3, 2, 2);
-        ignoring.ignore_eos = true;
-        start(&mut s, &[request(1, 2, 3), request(2, 2, 3), ignoring]);
-        let now = Instant::now();
-        let mut finished = Vec::new();
-        for step in 0..3 {
-            let plan = s.schedule(now);
-            // Request 2 is given the stop id 2 at its second token; the others get 7s.
-            let mut outs = outputs(&plan, 7, false);
-            for (row, out) in plan.rows.iter().zip(outs.iter_mut()) {
-                if step == 1 && row.id.0 != 1 {
-                    out.tokens = vec![2];
-                }
-            }
-            finished.extend(s.apply(&plan, &outs).unwrap().finished);
-        }
-        let by_id = |id: u64| finished.iter().find(|f| f.id.0 == id).unwrap();
-        assert_eq!((by_id(1).reason, by_id(1).usage.completion_tokens), (FinishReason::Length, 3));
-        assert_eq!((by_id(2).reason, by_id(2).tokens.last().copied()), (FinishReason::Stop, Some(2)));
-        assert_eq!(by_id(2).usage.completion_tokens, 2);
-        assert_eq!((by_id(3).reason, by_id(3).usage.completion_tokens), (FinishReason::Length, 2));
-        assert!(finished.iter().all(FinishedSeq::state_matches_history));
-        assert!(!s.has_work());
-    }
-
-    #[test]
-    fn events_come_in_order_started_tokens_finished() {
-        let mut s = scheduler(100, 8);
-        let mut r = request(1, 4, 2);
-        r.arrival = Instant::now();
-        start(&mut s, &[r.clone()]);
-        let later = r.arrival + Duration::from_millis(5);
-        let mut kinds = Vec::new();
-        while s.has_work() {
-            let plan = s.schedule(later);
-            for (_, e) in s.apply(&plan, &outputs(&plan, 7, false)).unwrap().events {
-                kinds.push(match e {
-                    EngineEvent::Started { queue_time, prompt_tokens, .. } => {
-                        assert_eq!((queue_time, prompt_tokens), (Duration::from_millis(5), 4));
-                        "started"
-                    }
-                    EngineEvent::Tokens { .. } => "tokens",
-                    EngineEvent::Finished { .. } => "finished",
-                    EngineEvent::Failed(_) => "failed",
-                });
-            }
-        }
-        assert_eq!(kinds, vec!["started", "tokens", "tokens", "finished"]);
-    }
-
-    #[test]
-    fn cancel_removes_waiting_and_running_sequences() {
-        let mut s = scheduler(100, 1);
-        start(&mut s, &[request(1, 3, 5), request(2, 3, 5)]);
-        let plan = s.schedule(Instant::now());
-        s.apply(&plan, &outputs(&plan, 7, false)).unwrap();
-        let running = s.remove(RequestId(1), FinishReason::Cancelled).unwrap();
-        assert_eq!((running.usage.completion_tokens, running.computed), (1, 3));
-        let waiting = s.remove(RequestId(2), FinishReason::Cancelled).unwrap();
-        assert_eq!((waiting.usage.completion_tokens, waiting.computed), (0, 0));
-        assert!(s.remove(RequestId(2), FinishReason::Cancelled).is_none());
-        assert!(!s.has_work());
-        assert!(s.schedule(Instant::now()).is_empty());
-    }
-
-    #[test]
-    fn restored_prefix_is_not_recomputed_and_chunks_stop_at_boundaries() {
-        let mut s = scheduler(100, 4);
-        s.add(&request(1, 30, 3), &[]).unwrap();
-        s.admit();
-        assert!(matches!(s.restore(RequestId(1), 30, Vec::new()), Err(ScheduleError::RestoreTooLong { .. })));
-        s.restore(RequestId(1), 8, vec![24, 16]).unwrap();
-        let now = Instant::now();
-        let mut spans = Vec::new();
-        let mut hits = Vec::new();
-        while s.has_work() {
-            let plan = s.schedule(now);
-            spans.push((plan.rows[0].start, plan.rows[0].tokens.len()));
-            let out = s.apply(&plan, &outputs(&plan, 7, false)).unwrap();
-            hits.extend(out.boundaries.iter().map(|h| (h.tokens.len(), h.planned)));
-            for (_, e) in out.events {
-                if let EngineEvent::Finished { usage, .. } = e {
-                    assert_eq!((usage.cached_tokens, usage.prompt_tokens), (8, 30));
-                }
-            }
-        }
-        assert_eq!(spans, vec![(8, 8), (16, 8), (24, 6), (30, 1), (31, 1)]);
-        // Passing 32 while decoding is reported too, as unplanned.
-        assert_eq!(hits, vec![(16, true), (24, true), (32, false)]);
-    }
-
-    #[test]
-    fn prompt_chunks_that_end_on_a_block_by_chance_are_not_reported() {
-        // Budget 16 from position 0: the chunks end on 16 and 32 (blocks of 8), neither a planned stop,
-        // so neither is reported; only rows that sample report the boundaries they end on.
-        let mut s = scheduler(16, 4);
-        start(&mut s, &[request(1, 40, 30)]);
-        let now = Instant::now();
-        let mut hits = Vec::new();
-        while s.has_work() {
-            let plan = s.schedule(now);
-            let out = s.apply(&plan, &outputs(&plan, 7, false)).unwrap();
-            hits.extend(out.boundaries.iter().map(|h| (h.tokens.len(), h.planned)));
-        }
-        // 40 is the end of the prompt, reached by the row that samples the first token.
-        assert_eq!(hits, vec![(40, false), (48, false), (56, false), (64, false)]);
-    }
-
-    #[test]
-    fn drafts_are_verified_counted_and_capped_by_max_tokens() {
-        let mut s = scheduler(100, 4);
-        start(&mut s, &[request(1, 2, 4)]);
-        let now = Instant::now();
-        let plan = s.schedule(now);
-        s.apply(&plan, &outputs(&plan, 7, false)).unwrap();
-        s.set_drafts(RequestId(1), vec![8, 9, 10, 11, 12]).unwrap();
-        let plan = s.schedule(now);
-        // One output so far, max 4: at most 2 drafts (2 accepted + 1 bonus = 3 more).
-        assert_eq!(plan.rows[0].tokens, vec![7, 8, 9]);
-        assert_eq!(plan.rows[0].sample.as_ref().map(|x| x.draft_len), Some(2));
-        let out = s.apply(&plan, &outputs(&plan, 13, true)).unwrap();
-        let f = &out.finished[0];
-        assert_eq!(f.tokens[2..], [7, 8, 9, 13]);
-        assert_eq!((f.reason, f.usage.draft_tokens, f.usage.accepted_draft_tokens), (FinishReason::Length, 2, 2));
-        assert!(f.state_matches_history());
-    }
-
-    #[test]
-    fn drafts_shrink_to_the_budget_and_a_stop_inside_accepted_drafts_is_flagged() {
-        let mut s = scheduler(3, 4);
-        start(&mut s, &[request(1, 2, 50)]);
-        let now = Instant::now();
-        let plan = s.schedule(now);
-        s.apply(&plan, &outputs(&plan, 7, false)).unwrap();
-        s.set_drafts(RequestId(1), vec![2, 9, 10]).unwrap();
-        let plan = s.schedule(now);
-        assert_eq!(plan.num_tokens(), 3, "1 token + 2 drafts fill the budget");
-        let out = s.apply(&plan, &outputs(&plan, 13, true)).unwrap();
-        let f = &out.finished[0];
-        assert_eq!((f.reason, f.tokens[2..].to_vec()), (FinishReason::Stop, vec![7, 2]));
-        assert!(!f.state_matches_history(), "the state committed the draft after the stop token");
-    }
-
-    /// A scheduler of `budget` tokens held to `target` over `t(B) = 4 ms + B × 0.05 ms`.
-    fn limited(budget: usize, target: StepTarget) -> Scheduler {
-        let mut s = scheduler(budget, 8);
-        s.set_step_time_limit(Some(StepTimeLimit::new(linear_costs(0.004, 5e-5, 4096), target, BLOCK)));
-        s
-    }
-
-    /// Request 1 (a 3-token prompt) has produced its first token; request 2 (`prompt` tokens) waits.
-    fn decoding_beside_a_prompt(s: &mut Scheduler, prompt: usize) {
-        start(s, &[request(1, 3, 500)]);
-        let plan = s.schedule(Instant::now());
-        s.apply(&plan, &outputs(&plan, 7, false)).unwrap();
-        start(s, &[request(2, prompt, 4)]);
-    }
-
-    #[test]
-    fn decode_rows_hold_the_prefill_chunk_to_the_step_target() {
-        let mut s = limited(256, StepTarget::Factor(2.2));
-        decoding_beside_a_prompt(&mut s, 200);
-        // t(1) = 4.05 ms, T = 8.91 ms: B* = 98 tokens, 97 of them prefill.
-        let plan = s.schedule(Instant::now());
-        assert_eq!(row_lens(&plan), vec![(1, 1, true), (2, 97, false)]);
-        let limit = s.step_time.clone().unwrap();
-        assert!(limit.predicted_seconds(plan.num_tokens()) <= limit.target_seconds(1));
-        assert!(limit.predicted_seconds(plan.num_tokens() + 1) > limit.target_seconds(1));
-        // An absolute target replaces the derived one: 6.02 ms fits B = 40.
-        let mut s = limited(256, StepTarget::Seconds(0.00602));
-        decoding_beside_a_prompt(&mut s, 200);
-        assert_eq!(row_lens(&s.schedule(Instant::now())), vec![(1, 1, true), (2, 39, false)]);
-        // Without a limit the prompt takes what the budget leaves.
-        let mut s = scheduler(256, 8);
-        decoding_beside_a_prompt(&mut s, 200);
-        assert_eq!(row_lens(&s.schedule(Instant::now())), vec![(1, 1, true), (2, 200, true)]);
-    }
-
-    #[test]
-    fn without_decode_rows_prefill_gets_the_whole_budget() {
-        let mut s = limited(256, StepTarget::Seconds(0.0));
-        start(&mut s, &[request(1, 3, 5), request(2, 300, 5)]);
-        let plan = s.schedule(Instant::now());
-        assert_eq!(row_lens(&plan), vec![(1, 3, true), (2, 253, false)]);
-    }
-
-    #[test]
-    fn the_minimum_chunk_keeps_a_prompt_advancing_under_any_target() {
-        let mut s = limited(256, StepTarget::Seconds(0.0));
-        decoding_beside_a_prompt(&mut s, 50);
-        let mut chunks = Vec::new();
-        while chunks.last() != Some(&(2, 2, true)) {
-            let plan = s.schedule(Instant::now());
-            assert_eq!(row_lens(&plan)[0], (1, 1, true), "the decode row runs every step");
-            chunks.push(row_lens(&plan)[1]);
-            s.apply(&plan, &outputs(&plan, 7, false)).unwrap();
-        }
-        assert_eq!(chunks, [vec![(2, BLOCK, false); 6], vec![(2, 2, true)]].concat());
-    }
-
-    #[test]
-    fn limited_chunks_still_end_on_the_planned_block_boundary() {
-        // T = 5.07 ms fits B = 21: 20 prefill tokens beside one decode token.
-        let mut s = limited(256, StepTarget::Seconds(0.00507));
-        start(&mut s, &[request(1, 3, 500)]);
-        let plan = s.schedule(Instant::now());
-        s.apply(&plan, &outputs(&plan, 7, false)).unwrap();
-        s.add(&request(2, 60, 4), &[]).unwrap();
-        s.admit();
-        s.restore(RequestId(2), 0, vec![48]).unwrap();
-        let mut chunks: Vec<(u64, usize, bool)> = Vec::new();
-        let mut planned_hits = Vec::new();
-        while chunks.last().is_none_or(|&(_, _, sampled)| !sampled) {
-            let plan = s.schedule(Instant::now());
-            chunks.push(row_lens(&plan)[1]);
-            let out = s.apply(&plan, &outputs(&plan, 7, false)).unwrap();
-            planned_hits.extend(out.boundaries.iter().filter(|h| h.id.0 == 2).map(|h| (h.tokens.len(), h.planned)));
-        }
-        assert_eq!(chunks, vec![(2, 20, false), (2, 20, false), (2, 8, false), (2, 12, true)]);
-        assert_eq!(planned_hits, vec![(48, true)], "the chunk that ended on 40 by chance is not reported");
-    }
-
-    #[test]
-    fn random_mixes_stay_within_the_target_unless_only_the_minimum_chunk_ran() {
-        let mut rng = ChaCha8Rng::seed_from_u64(0x9e37_79b9_7f4a_7c15);
-        for case in 0..200 {
-            let budget = 16 + rng.gen_range(0..500usize);
-            let target = match rng.gen_range(0..3usize) {
-                0 => StepTarget::Factor(1.0 + rng.gen_range(0..30usize) as f64 / 10.0),
-                1 => StepTarget::Seconds(rng.gen_range(0..20usize) as f64 * 1e-3),
-                _ => StepTarget::Factor(1.5),
-            };
-            let mut s = limited(budget, target);
-            let limit = s.step_time.clone().unwrap();
-            let requests: Vec<GenerateRequest> = (0..1 + rng.gen_range(0..12usize))
-                .map(|i| request(i as u64, 1 + rng.gen_range(0..400usize), 1 + rng.gen_range(0..30usize)))
-                .collect();
-            for r in &requests {
-                s.add(r, &[]).unwrap();
-            }
-            let mut steps = 0;
-            while s.has_work() {
-                steps += 1;
-                assert!(steps < 10_000, "case {case}: the mix does not finish");
-                for id in s.admit() {
-                    s.restore(id, 0, Vec::new()).unwrap();
-                }
-                let slots: Vec<RequestId> = s.decode_slots().iter().map(|d| d.id).collect();
-                for id in slots {
-                    let drafts = (0..rng.gen_range(0..9usize)).map(|t| 500 + t as TokenId).collect();
-                    s.set_drafts(id, drafts).unwrap();
-                }
-                let decoding: Vec<RequestId> = s.running.iter().filter(|q| q.output_len() > 0).map(|q| q.id).collect();
-                let prefilling = s.running.len() - decoding.len();
-                let plan = s.schedule(Instant::now());
-                let decode: usize = plan.rows.iter().filter(|r| decoding.contains(&r.id)).map(|r| r.tokens.len()).sum();
-                let prefill = plan.num_tokens() - decode;
-                assert!(plan.num_tokens() <= budget, "case {case}");
-                if decode > 0 && prefill > BLOCK {
-                    let (t, target) = (limit.predicted_seconds(plan.num_tokens()), limit.target_seconds(decode));
-                    assert!(t <= target, "case {case}: predicted {t} over the target {target}");
-                }
-                if prefilling > 0 && decode < budget && plan.rows.len() < 8 {
-                    assert!(prefill > 0, "case {case}: a waiting prompt did not advance");
-                }
-                s.apply(&plan, &outputs(&plan, 7, rng.gen_bool(0.5))).unwrap();
-            }
-        }
-    }
-
-    #[test]
-    fn bad_step_results_are_errors() {
-        let mut s = scheduler(10, 4);
-        start(&mut s, &[request(1, 2, 2)]);
-        let plan = s.schedule(Instant::now());
-        assert_eq!(s.apply(&plan, &[]).unwrap_err(), ScheduleError::RowCount { got: 0, want: 1 });
-        assert!(s.add(&request(1, 2, 2), &[]).is_err(), "duplicate id");
-    }
-}
+#[path = "scheduler_tests.rs"]
+mod tests;

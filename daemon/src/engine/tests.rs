@@ -5,6 +5,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use sparkd_kernels::launches::FedRow;
 use sparkd_kernels::null_runner::NullRunner;
 use sparkd_kernels::runner::{RowInput, RowOutput, SamplingParams};
 use sparkd_kernels::state::SeqState;
@@ -28,6 +29,8 @@ struct Seen {
     forks: usize,
     imports: usize,
     exports: usize,
+    /// Steps launched fed on the device (asynchronous scheduling).
+    fed_steps: usize,
     fail_next_step: bool,
 }
 
@@ -81,6 +84,29 @@ impl Runner for Probe {
         }
         seen.step_tokens.push(rows.iter().map(|r| r.tokens.len()).sum());
         self.inner.step(rows)
+    }
+    fn launches_ahead(&self) -> bool {
+        self.inner.launches_ahead()
+    }
+    fn launch(&mut self, rows: &[RowInput]) -> KResult<()> {
+        self.inner.launch(rows)?;
+        self.seen.lock().unwrap().step_tokens.push(rows.iter().map(|r| r.tokens.len()).sum());
+        Ok(())
+    }
+    fn launch_fed(&mut self, rows: &[FedRow]) -> KResult<()> {
+        self.inner.launch_fed(rows)?;
+        let mut seen = self.seen.lock().unwrap();
+        seen.step_tokens.push(rows.len());
+        seen.fed_steps += 1;
+        Ok(())
+    }
+    /// An injected failure fails the step collected next (its outputs are lost, as a device fault loses them).
+    fn collect(&mut self) -> KResult<Vec<RowOutput>> {
+        let outputs = self.inner.collect()?;
+        match std::mem::take(&mut self.seen.lock().unwrap().fail_next_step) {
+            true => Err(sparkd_kernels::KernelError::Device("injected failure".into())),
+            false => Ok(outputs),
+        }
     }
 }
 
@@ -322,6 +348,58 @@ fn keep_then_continue(config: EngineConfig) -> (Vec<TokenId>, usize, Seen) {
     let computed = h.tokens_computed() - before;
     let seen = std::mem::take(&mut *h.seen.lock().unwrap());
     (tokens, computed, seen)
+}
+
+/// A kept turn that ends on a stop token, a continuation of it, and a request cancelled while decoding, under
+/// `async_scheduling`: the tokens, what the continuation computed, and what the runner saw.
+fn stop_continue_and_cancel(async_scheduling: bool) -> (Vec<Vec<TokenId>>, usize, Seen) {
+    let h = Harness::new(EngineConfig { async_scheduling, prefix_cache_bytes: 0, ..config() });
+    let p = prompt(7, 20);
+    let greedy = NullRunner::greedy_continuation(&p, 12);
+    let stop_at = (4..12).find(|&k| !greedy[..k].contains(&greedy[k])).expect("a fresh token to stop on");
+    let mut turn1 = request(1, p, 12);
+    turn1.stop_token_ids = vec![greedy[stop_at]];
+    turn1.keep_as = Some(ResponseId("resp_s".into()));
+    let first = collect(h.submit(turn1));
+    assert_eq!(first.finish.map(|f| f.0), Some(FinishReason::Stop));
+    h.settle();
+    let before = h.tokens_computed();
+    let mut turn2 = request(2, vec![41, 42], 6);
+    turn2.continue_from = Some(ResponseId("resp_s".into()));
+    let second = collect(h.submit(turn2));
+    let computed = h.tokens_computed() - before;
+    // A continuation that adds no token (generate on from the kept history alone).
+    let mut turn2b = request(4, Vec::new(), 4);
+    turn2b.continue_from = Some(ResponseId("resp_s".into()));
+    let more = collect(h.submit(turn2b));
+    assert!(more.failed.is_none(), "{:?}", more.failed);
+    let mut rx = h.submit(request(3, prompt(8, 9), 1000));
+    let mut cancelled = Vec::new();
+    while cancelled.len() < 5 {
+        if let Some(EngineEvent::Tokens { tokens, .. }) = rx.blocking_recv() {
+            cancelled.extend(tokens);
+        }
+    }
+    h.handle.blocking_send(EngineCommand::Cancel(RequestId(3))).unwrap();
+    let rest = collect(rx);
+    assert_eq!(rest.finish.map(|f| f.0), Some(FinishReason::Cancelled));
+    h.settle();
+    let seen = std::mem::take(&mut *h.seen.lock().unwrap());
+    (vec![first.tokens, second.tokens, more.tokens, cancelled], computed, seen)
+}
+
+#[test]
+fn async_scheduling_keeps_the_tokens_and_kept_states_of_stepping_one_at_a_time() {
+    let (ahead, ahead_computed, ahead_seen) = stop_continue_and_cancel(true);
+    let (plain, plain_computed, plain_seen) = stop_continue_and_cancel(false);
+    assert!(ahead_seen.fed_steps > 10, "steady decodes ran ahead: {} fed steps", ahead_seen.fed_steps);
+    assert_eq!(plain_seen.fed_steps, 0);
+    assert_eq!(ahead, plain, "the same tokens, stop, continuation and cancel alike");
+    // The stop token was fed by the step launched ahead, so the kept state holds the whole history and
+    // the continuation feeds only its 2 new tokens, not the stop token as well.
+    assert_eq!(ahead_computed + 1, plain_computed);
+    assert_eq!((ahead_seen.forks, plain_seen.forks), (2, 2), "each continuation forked the kept state");
+    assert_eq!(ahead_seen.live_states, plain_seen.live_states, "only the kept state is left");
 }
 
 #[test]

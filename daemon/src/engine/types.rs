@@ -230,6 +230,9 @@ pub struct EngineConfig {
     /// Holds steps that have decode rows to a predicted step time (`--decode-step-target`); `None`:
     /// prefill chunks take what `max_num_batched_tokens` leaves.
     pub step_time: Option<StepTimeLimit>,
+    /// Launches the next decode step before the outputs of the one in flight are collected, when the
+    /// runner can and speculation is off (`--async-scheduling`; see `engine::core`).
+    pub async_scheduling: bool,
 }
 
 impl Default for EngineConfig {
@@ -243,6 +246,7 @@ impl Default for EngineConfig {
             kept_responses_bytes: DEFAULT_KEPT_RESPONSES_BYTES,
             prefix_cache_bytes: DEFAULT_PREFIX_CACHE_BYTES,
             step_time: None,
+            async_scheduling: true,
         }
     }
 }
