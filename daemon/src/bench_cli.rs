@@ -50,6 +50,9 @@ pub struct BenchArgs {
     /// Tokens prefilled before decoding.
     #[arg(long, default_value_t = 128)]
     pub prompt_len: usize,
+    /// CUDA: the decode sweep samples at this temperature (0: greedy), as served requests do by default (1).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
     /// Draft tokens verified per step in the batch sweep.
     #[arg(long, default_value_t = 0)]
     pub draft_len: usize,
@@ -158,6 +161,7 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
                 batches: args.batch.clone(),
                 steps: args.steps,
                 prompt_len: args.prompt_len,
+                temperature: args.temperature,
                 draft_len: args.draft_len,
                 synthetic_al: args.synthetic_al,
                 verify_lens: (1..=args.max_verify).collect(),

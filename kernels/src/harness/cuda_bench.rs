@@ -32,6 +32,7 @@ use crate::dspark::config::DrafterConfig;
 use crate::dspark::DrafterSource;
 use crate::error::{KernelError, Result};
 use crate::harness::draft_bench::{self, DraftCost, ForcedRound};
+use crate::launches::FedRow;
 use crate::routing::Routing;
 use crate::runner::{RowInput, RowOutput, Runner, SampleRequest, SamplingParams, StateId, TokenId};
 use crate::synth::SyntheticWeights;
@@ -60,6 +61,8 @@ pub struct CudaBenchOptions {
     pub steps: usize,
     /// Tokens prefilled into every sequence before decoding.
     pub prompt_len: usize,
+    /// Temperature of the decode sweep's rows (0: greedy; above 0 a seeded sample, as served requests draw).
+    pub temperature: f32,
     /// Draft tokens per row in the decode sweep (0: plain decoding).
     pub draft_len: usize,
     /// Forced acceptance length for the decode sweep (needs `draft_len > 0`); None: the lossless rule.
@@ -88,6 +91,7 @@ impl CudaBenchOptions {
             batches: vec![1, 2, 4, 8, 16, 32, 64],
             steps: 16,
             prompt_len: 128,
+            temperature: 0.0,
             draft_len: 0,
             synthetic_al: None,
             verify_lens: (1..=8).collect(),
@@ -152,6 +156,9 @@ pub struct BatchResult {
     pub eager_step_ms_median: Option<f64>,
     /// The same steps with programmatic dependent launch off (only with `compare_serialized`).
     pub serialized_step_ms_median: Option<f64>,
+    /// Plain decoding only: the same steps launched ahead as the daemon serves them (`crate::launches`: each
+    /// step launched fed on the device before the previous one is collected), the interval between collects.
+    pub ahead_step_ms_median: Option<f64>,
     pub tokens_per_second: f64,
     /// Generated tokens per row per step (1 for plain decoding).
     pub tokens_per_step_per_row: f64,
@@ -223,6 +230,9 @@ pub struct CudaBenchReport {
 pub fn run(opts: &CudaBenchOptions) -> Result<CudaBenchReport> {
     if opts.steps == 0 || opts.batches.contains(&0) {
         return Err(KernelError::InvalidInput("benchmark steps and batch sizes must be at least 1".into()));
+    }
+    if !(opts.temperature.is_finite() && opts.temperature >= 0.0) {
+        return Err(KernelError::InvalidInput(format!("temperature {} is not a number at least 0", opts.temperature)));
     }
     if opts.synthetic_al.is_some() && opts.draft_len == 0 {
         return Err(KernelError::InvalidInput("a synthetic acceptance length needs --draft-len of at least 1".into()));
@@ -351,31 +361,46 @@ fn prompt(len: usize, row: usize) -> Vec<TokenId> {
     (0..len.max(1)).map(|i| ((i * 7919 + row * 104_729 + 13) % 100_000) as TokenId).collect()
 }
 
-/// Sequences prefilled with their prompts, and each one's last token.
+/// Tokens of all rows in one prefill step of [`Batch::new`] (prompts longer than that are chunked, as served).
+const PREFILL_STEP_TOKENS: usize = 8192;
+
+/// Sequences prefilled with their prompts, each one's last token, and the decode rows' sampling.
 pub(super) struct Batch {
     pub(super) states: Vec<StateId>,
     pub(super) last: Vec<TokenId>,
+    params: SamplingParams,
 }
 
 impl Batch {
+    /// `batch` greedy sequences prefilled with `prompt_len` tokens, in chunks of [`PREFILL_STEP_TOKENS`] per step.
     pub(super) fn new(runner: &mut CudaRunner, batch: usize, prompt_len: usize) -> Result<Self> {
         let states = (0..batch).map(|_| runner.alloc_state()).collect::<Result<Vec<_>>>()?;
         let prompts: Vec<Vec<TokenId>> = (0..batch).map(|r| prompt(prompt_len, r)).collect();
-        let prefill: Vec<RowInput> = states
-            .iter()
-            .zip(&prompts)
-            .filter(|(_, p)| p.len() > 1)
-            .map(|(s, p)| RowInput { state: *s, tokens: p[..p.len() - 1].to_vec(), sample: None })
-            .collect();
-        if !prefill.is_empty() {
-            runner.step(&prefill)?;
+        let fed = prompt_len.max(1) - 1;
+        let chunk = (PREFILL_STEP_TOKENS / batch.max(1)).max(64);
+        for from in (0..fed).step_by(chunk) {
+            let to = (from + chunk).min(fed);
+            let rows: Vec<RowInput> = states
+                .iter()
+                .zip(&prompts)
+                .map(|(s, p)| RowInput { state: *s, tokens: p[from..to].to_vec(), sample: None })
+                .collect();
+            runner.step(&rows)?;
         }
         let last = prompts.iter().map(|p| p[p.len() - 1]).collect();
-        Ok(Batch { states, last })
+        Ok(Batch { states, last, params: SamplingParams::greedy() })
+    }
+
+    /// Decode rows sampled at `temperature` (seeded per row), or greedy at 0.
+    pub(super) fn sampled(mut self, temperature: f32) -> Self {
+        if temperature > 0.0 {
+            self.params = SamplingParams { temperature, top_p: 1.0, top_k: 0, seed: 17, logprobs: None };
+        }
+        self
     }
 
     fn rows(&self, draft_len: usize) -> Vec<RowInput> {
-        let sample = SampleRequest { params: SamplingParams::greedy(), draft_len };
+        let sample = SampleRequest { params: self.params.clone(), draft_len };
         self.states
             .iter()
             .zip(&self.last)
@@ -475,8 +500,29 @@ pub(super) fn time_steps(runner: &mut CudaRunner, b: &mut Batch, steps: usize, d
     })
 }
 
+/// The median interval between collects of `steps` plain decode steps launched ahead (`crate::launches`), after
+/// two warm-up steps: the step time with the host's work per step hidden behind the device's, as served.
+fn time_steps_ahead(runner: &mut CudaRunner, b: &mut Batch, steps: usize) -> Result<f64> {
+    let fed: Vec<FedRow> = b.states.iter().map(|&state| FedRow { state, params: b.params.clone() }).collect();
+    runner.launch(&b.rows(0))?;
+    let mut times = Vec::with_capacity(steps);
+    let mut t0 = Instant::now();
+    for i in 0..steps + 2 {
+        if i + 1 < steps + 2 {
+            runner.launch_fed(&fed)?;
+        }
+        let out = runner.collect()?;
+        b.advance(&out);
+        if i >= 2 {
+            times.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+        t0 = Instant::now();
+    }
+    Ok(median(&mut times))
+}
+
 fn timed_steps(runner: &mut CudaRunner, opts: &CudaBenchOptions, batch: usize, draft_len: usize) -> Result<Timed> {
-    let mut b = Batch::new(runner, batch, opts.prompt_len)?;
+    let mut b = Batch::new(runner, batch, opts.prompt_len)?.sampled(opts.temperature);
     let t = time_steps(runner, &mut b, opts.steps, draft_len);
     b.free(runner)?;
     t
@@ -489,7 +535,7 @@ fn measure_batch(
     draft_len: usize,
     copy_bytes_per_second: f64,
 ) -> Result<BatchResult> {
-    let mut b = Batch::new(runner, batch, opts.prompt_len)?;
+    let mut b = Batch::new(runner, batch, opts.prompt_len)?.sampled(opts.temperature);
     let result = measure_prefilled(runner, opts, &mut b, draft_len, copy_bytes_per_second);
     b.free(runner)?;
     result
@@ -510,6 +556,10 @@ fn measure_prefilled(
         Some(median_with_off(runner, b, opts.steps, draft_len, true, CudaRunner::set_graphs)?)
     } else {
         None
+    };
+    let ahead_step_ms_median = match draft_len {
+        0 => Some(time_steps_ahead(runner, b, opts.steps)?),
+        _ => None,
     };
     let serialized_step_ms_median = if opts.compare_serialized {
         let dependent = runner.gpu().dependent_launch();
@@ -535,6 +585,7 @@ fn measure_prefilled(
         step_ms_mean: timed.mean_ms,
         eager_step_ms_median,
         serialized_step_ms_median,
+        ahead_step_ms_median,
         tokens_per_second: timed.tokens_per_second,
         tokens_per_step_per_row: timed.tokens_per_row_step,
         profiled_device_ms: spans.iter().map(|s| s.ms).sum(),
@@ -701,14 +752,15 @@ impl CudaBenchReport {
         let o = &self.options;
         s += &format!(
             "sparkd bench: {} on {} ({:?} GEMM, CUDA graphs {}, dependent launch {}), prompt {} tokens, {} timed \
-             steps\n",
+             steps, {}\n",
             o.model.as_ref().map_or_else(|| o.preset.clone(), |dir| dir.display().to_string()),
             self.device.name,
             o.gemm,
             if o.graphs { "on" } else { "off" },
             if self.dependent_launch { "on" } else { "off" },
             o.prompt_len,
-            o.steps
+            o.steps,
+            if o.temperature > 0.0 { format!("sampled at temperature {}", o.temperature) } else { "greedy".into() }
         );
         s += &format!(
             "load: {:.1} GB of weights in {:.1} s ({:.2} GB/s; host fetch/generation {:.1} s, upload {:.1} s); kernels ready \
@@ -722,7 +774,8 @@ impl CudaBenchReport {
             self.copy_bytes_per_second / 1e9
         );
         s +=
-            "batch  step ms  eager ms  serial ms  tok/s     floor ms  floor%  launches/step  graph nodes  | per layer: kind ms (launches)\n";
+            "batch  step ms  ahead ms  eager ms  serial ms  tok/s     floor ms  floor%  launches/step  graph nodes  | per layer: kind ms \
+             (launches)\n";
         for r in &self.decode {
             let types: Vec<String> = r
                 .by_type
@@ -730,9 +783,10 @@ impl CudaBenchReport {
                 .map(|t| format!("{} {:.3} ({:.0})", t.kind, t.ms_per_layer, t.launches_per_layer))
                 .collect();
             s += &format!(
-                "{:>5}  {:>7.3}  {:>8}  {:>9}  {:>8.1}  {:>8.3}  {:>5.1}%  {:>13}  {:>11}  | {}\n",
+                "{:>5}  {:>7.3}  {:>8}  {:>8}  {:>9}  {:>8.1}  {:>8.3}  {:>5.1}%  {:>13}  {:>11}  | {}\n",
                 r.batch,
                 r.step_ms_median,
+                r.ahead_step_ms_median.map_or("-".to_string(), |ms| format!("{ms:.3}")),
                 r.eager_step_ms_median.map_or("-".to_string(), |ms| format!("{ms:.3}")),
                 r.serialized_step_ms_median.map_or("-".to_string(), |ms| format!("{ms:.3}")),
                 r.tokens_per_second,
