@@ -42,35 +42,46 @@ extern "C" __global__ void rope_rows(__nv_bfloat16 *x, long stride, int offset, 
     p[i + half] = __float2bfloat16_rn(__double2float_rn(a * s + b * c));
 }
 
-// Non-causal MLA of every row's block in one launch: each of a row's t block queries sees every one of the row's
-// `visible` cache entries (its context, then its t block entries, already in the cache).
-// grid = (largest t, H / hg, R), block = ATTEND_THREADS (8 warps); one block serves hg heads of one query, so each
-// cache entry is read once for hg heads. Dynamic shared memory: (2 * hg * r + hg) floats.
+// Non-causal MLA of every row's block in two launches: each of a row's t block queries sees every one of the row's
+// `visible` cache entries (its context, then its t block entries, already in the cache). The positions are split
+// into spans of ATTEND_SPAN (flash decoding): mla_attend_rows computes, per span, the scores, their max, the sum of
+// their exps and the latent sum weighted by those exps; mla_attend_merge combines a query's spans in ascending order
+// and projects through W_UV. A row's spans depend only on its own `visible`, so no value depends on the rest of the
+// batch, and within a block every value keeps the expressions and order of a one-head block (the softmax's strided
+// sums and their four-warp tree included), so none depends on hg either.
 // q: [N, H * (nope + rope)] (rope part rotated); rows: [R, ATTEND_ROW_WORDS] u64: the row's cache [visible, r + rope]
-// (bf16), visible | t << 32, the row's first block query in q / out, the offset of its scores in `scores` (floats);
-// kv_b: [H * (nope + v), r]; scores: per row [t, H, visible] fp32 scratch; out: [N, H * v].
-// Every value is computed with the expressions, in the order, of a one-head block of 128 threads (the softmax's
-// strided partial sums and their four-warp tree included), so the result does not depend on hg.
+// (bf16), visible | t << 32, the row's first block query in q / out, the offset of its scores in `scores` (floats),
+// the offset of its partials (in (query, span, head) entries, query-major then span then head); kv_b:
+// [H * (nope + v), r]; scores: per row [t, H, visible] fp32 scratch; part_ml: per entry the span's max score and sum
+// of exps; part_o: per entry [r], the span's sum of exp(score - max) * latent; out: [N, H * v].
 #define ATTEND_THREADS 256
 #define ATTEND_MAX_HG 8
-#define ATTEND_ROW_WORDS 4
-#define ATTEND_UNROLL 8 // positions whose loads are issued together (scores per warp, values per channel)
+#define ATTEND_ROW_WORDS 5
+#define ATTEND_SPAN 512   // positions per span
+#define ATTEND_UNROLL 8   // positions whose loads are issued together (scores per warp, values per channel)
+// grid = (largest t * the most spans of a row, H / hg, R), block = ATTEND_THREADS (8 warps); one block serves hg
+// heads of one query over one span, so each cache entry of the span is read once for hg heads. Dynamic shared
+// memory: hg * r floats.
 extern "C" __global__ void __launch_bounds__(ATTEND_THREADS)
     mla_attend_rows(const __nv_bfloat16 *q, const unsigned long long *rows, const __nv_bfloat16 *kv_b, float *scores,
-                    __nv_bfloat16 *out, int H, int hg, int nope, int rope, int vdim, int r, float scale) {
+                    float *part_ml, float *part_o, int H, int hg, int nope, int rope, int vdim, int r, int max_spans,
+                    float scale) {
     kernel_entry();
     extern __shared__ float sm[];
     __shared__ float part_max[2][4], part_sum[2][4];
     const unsigned long long *row = rows + (long)blockIdx.z * ATTEND_ROW_WORDS;
     int visible = (int)(row[1] & 0xffffffffull), t = (int)(row[1] >> 32);
-    int ti = blockIdx.x;
-    if (ti >= t) return;
+    int ti = blockIdx.x / max_spans, si = blockIdx.x % max_spans;
+    int spans = (visible + ATTEND_SPAN - 1) / ATTEND_SPAN;
+    if (ti >= t || si >= spans) return;
+    int lo = si * ATTEND_SPAN, hi = min(visible, lo + ATTEND_SPAN);
     const __nv_bfloat16 *cache = (const __nv_bfloat16 *)row[0];
     long tok = (long)row[2] + ti;
     float *sc_row = scores + (long)row[3] + (long)ti * H * visible; // [H, visible] of this query
+    long part = (long)row[4] + ((long)ti * spans + si) * H;           // the entry of head 0 of this (query, span)
     int h0 = blockIdx.y * hg;
     int qh = nope + rope, ld_ = r + rope, per_head = nope + vdim;
-    float *q_lat = sm, *o_lat = sm + hg * r, *total = sm + 2 * hg * r;
+    float *q_lat = sm;
     const __nv_bfloat16 *qtok = q + tok * H * qh;
     // q_lat[h] = bf(W_UK^T q_nope[h]).
     for (int idx = threadIdx.x; idx < hg * r; idx += blockDim.x) {
@@ -83,7 +94,7 @@ extern "C" __global__ void __launch_bounds__(ATTEND_THREADS)
     __syncthreads();
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     // ATTEND_UNROLL positions per warp at a time, their products before any store, so the entries' loads overlap.
-    for (int p0 = warp; p0 < visible; p0 += warps * ATTEND_UNROLL) {
+    for (int p0 = lo + warp; p0 < hi; p0 += warps * ATTEND_UNROLL) {
         for (int hl = 0; hl < hg; hl++) {
             const float *ql = q_lat + hl * r;
             const __nv_bfloat16 *qrow = qtok + (long)(h0 + hl) * qh;
@@ -93,7 +104,7 @@ extern "C" __global__ void __launch_bounds__(ATTEND_THREADS)
                 int pos = p0 + u * warps;
                 a[u] = 0.0f;
                 b[u] = 0.0f;
-                if (pos < visible) {
+                if (pos < hi) {
                     const __nv_bfloat16 *e = cache + (long)pos * ld_;
                     for (int c = lane; c < r; c += 32) a[u] += ql[c] * ld(e, c);
                     for (int c = lane; c < rope; c += 32) b[u] += ld(qrow, nope + c) * ld(e, r + c);
@@ -106,26 +117,27 @@ extern "C" __global__ void __launch_bounds__(ATTEND_THREADS)
                     b[u] += __shfl_xor_sync(0xffffffffu, b[u], o);
                 }
                 int pos = p0 + u * warps;
-                if (lane == 0 && pos < visible) sc_row[(long)(h0 + hl) * visible + pos] = scale * (a[u] + b[u]);
+                if (lane == 0 && pos < hi) sc_row[(long)(h0 + hl) * visible + pos] = scale * (a[u] + b[u]);
             }
         }
     }
     __syncthreads();
-    // Softmax per head, two heads at a time: threads 0..127 and 128..255 each act as one 128-thread block.
+    // The span's softmax partials per head, two heads at a time: threads 0..127 and 128..255 each act as one
+    // 128-thread block. The scores become exp(score - max).
     int g = threadIdx.x >> 7, vt = threadIdx.x & 127, gw = (threadIdx.x >> 5) & 3;
     for (int hb = 0; hb < hg; hb += 2) {
         int hl = hb + g;
         float *sc = sc_row + (long)(h0 + hl) * visible;
         float m = -INF_F;
         if (hl < hg)
-            for (int pos = vt; pos < visible; pos += 128) m = fmaxf(m, sc[pos]);
+            for (int pos = lo + vt; pos < hi; pos += 128) m = fmaxf(m, sc[pos]);
         for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
         if (lane == 0) part_max[g][gw] = m;
         __syncthreads();
         m = fmaxf(fmaxf(part_max[g][0], part_max[g][1]), fmaxf(part_max[g][2], part_max[g][3]));
         float sum = 0.0f;
         if (hl < hg)
-            for (int pos = vt; pos < visible; pos += 128) {
+            for (int pos = lo + vt; pos < hi; pos += 128) {
                 float x = expf(sc[pos] - m);
                 sc[pos] = x;
                 sum += x;
@@ -133,17 +145,21 @@ extern "C" __global__ void __launch_bounds__(ATTEND_THREADS)
         for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
         if (lane == 0) part_sum[g][gw] = sum;
         __syncthreads();
-        if (vt == 0 && hl < hg) total[hl] = (part_sum[g][0] + part_sum[g][2]) + (part_sum[g][1] + part_sum[g][3]);
+        if (vt == 0 && hl < hg) {
+            part_ml[(part + h0 + hl) * 2] = m;
+            part_ml[(part + h0 + hl) * 2 + 1] = (part_sum[g][0] + part_sum[g][2]) + (part_sum[g][1] + part_sum[g][3]);
+        }
         __syncthreads();
     }
-    // o_lat[h] = bf(sum_pos p_pos c_pos), ascending positions per channel, every head from one read of the entry.
+    // part_o[h] = sum_pos exp(score - max) c_pos, ascending positions per channel, every head from one read of the
+    // entry.
     for (int c = threadIdx.x; c < r; c += blockDim.x) {
         float acc[ATTEND_MAX_HG];
 #pragma unroll
         for (int hl = 0; hl < ATTEND_MAX_HG; hl++) acc[hl] = 0.0f;
         // ATTEND_UNROLL entries loaded ahead of their products, added in ascending order all the same.
-        int pos = 0;
-        for (; pos + ATTEND_UNROLL <= visible; pos += ATTEND_UNROLL) {
+        int pos = lo;
+        for (; pos + ATTEND_UNROLL <= hi; pos += ATTEND_UNROLL) {
             float v[ATTEND_UNROLL];
 #pragma unroll
             for (int u = 0; u < ATTEND_UNROLL; u++) v[u] = ld(cache, (long)(pos + u) * ld_ + c);
@@ -151,19 +167,52 @@ extern "C" __global__ void __launch_bounds__(ATTEND_THREADS)
             for (int u = 0; u < ATTEND_UNROLL; u++)
 #pragma unroll
                 for (int hl = 0; hl < ATTEND_MAX_HG; hl++)
-                    if (hl < hg) acc[hl] += (sc_row[(long)(h0 + hl) * visible + pos + u] / total[hl]) * v[u];
+                    if (hl < hg) acc[hl] += sc_row[(long)(h0 + hl) * visible + pos + u] * v[u];
         }
-        for (; pos < visible; pos++) {
+        for (; pos < hi; pos++) {
             float v = ld(cache, (long)pos * ld_ + c);
 #pragma unroll
             for (int hl = 0; hl < ATTEND_MAX_HG; hl++)
-                if (hl < hg) acc[hl] += (sc_row[(long)(h0 + hl) * visible + pos] / total[hl]) * v;
+                if (hl < hg) acc[hl] += sc_row[(long)(h0 + hl) * visible + pos] * v;
         }
 #pragma unroll
         for (int hl = 0; hl < ATTEND_MAX_HG; hl++)
-            if (hl < hg) o_lat[hl * r + c] = bf_round(acc[hl]);
+            if (hl < hg) part_o[(part + h0 + hl) * r + c] = acc[hl];
+    }
+}
+
+// A query's spans combined, in ascending order: o_lat[h] = bf(sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s) with M
+// the largest span max, then o[h] = bf(W_UV o_lat[h]). grid = (largest t, H / hg, R), block = ATTEND_THREADS; dynamic
+// shared memory: hg * r floats. Arguments as mla_attend_rows.
+extern "C" __global__ void __launch_bounds__(ATTEND_THREADS)
+    mla_attend_merge(const unsigned long long *rows, const __nv_bfloat16 *kv_b, const float *part_ml,
+                     const float *part_o, __nv_bfloat16 *out, int H, int hg, int nope, int vdim, int r) {
+    kernel_entry();
+    extern __shared__ float sm[];
+    const unsigned long long *row = rows + (long)blockIdx.z * ATTEND_ROW_WORDS;
+    int visible = (int)(row[1] & 0xffffffffull), t = (int)(row[1] >> 32);
+    int ti = blockIdx.x;
+    if (ti >= t) return;
+    int spans = (visible + ATTEND_SPAN - 1) / ATTEND_SPAN;
+    long tok = (long)row[2] + ti;
+    long part = (long)row[4] + (long)ti * spans * H; // the entry of (this query, span 0, head 0)
+    int h0 = blockIdx.y * hg, per_head = nope + vdim;
+    float *o_lat = sm;
+    for (int idx = threadIdx.x; idx < hg * r; idx += blockDim.x) {
+        int hl = idx / r, c = idx % r, h = h0 + hl;
+        float top = -INF_F;
+        for (int s = 0; s < spans; s++) top = fmaxf(top, part_ml[(part + (long)s * H + h) * 2]);
+        float total = 0.0f, acc = 0.0f;
+        for (int s = 0; s < spans; s++) {
+            long e = part + (long)s * H + h;
+            float w = expf(part_ml[e * 2] - top);
+            total += w * part_ml[e * 2 + 1];
+            acc += w * part_o[e * r + c];
+        }
+        o_lat[idx] = bf_round(acc / total);
     }
     __syncthreads();
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     // o[h] = bf(W_UV o_lat[h]).
     for (int j = warp; j < hg * vdim; j += warps) {
         int hl = j / vdim, jw = j % vdim, h = h0 + hl;

@@ -64,7 +64,9 @@ const ATTEND_THREADS: u32 = 256;
 /// Most heads one `mla_attend_rows` block serves (`ATTEND_MAX_HG`).
 const ATTEND_MAX_HG: usize = 8;
 /// u64 words of an `mla_attend_rows` row descriptor (`ATTEND_ROW_WORDS`).
-const ATTEND_ROW_WORDS: usize = 4;
+const ATTEND_ROW_WORDS: usize = 5;
+/// Context positions per span of `mla_attend_rows` (`ATTEND_SPAN`): a row's spans depend on its own context only.
+const ATTEND_SPAN: usize = 512;
 /// Rows one `markov_step` block serves, the largest Markov rank it takes, and vocabulary entries per warp
 /// (`MARKOV_ROWS`, `MARKOV_MAX_R`, `MARKOV_PER_WARP`).
 const MARKOV_ROWS: usize = 64;
@@ -76,10 +78,10 @@ const MARKOV_THREADS: usize = 256;
 /// Blocks below which `mla_attend_rows` gives each block fewer heads (about four per SM of an H200).
 const ATTEND_MIN_BLOCKS: usize = 512;
 
-/// Heads per `mla_attend_rows` block for `heads` heads of `queries` block queries: the most (up to
-/// `ATTEND_MAX_HG`, dividing `heads`) that still leave `ATTEND_MIN_BLOCKS` blocks, else one. Every block walks its
-/// row's whole context, so few blocks leave the device idle: at γ = 7, 32 heads and a 2,048-token context, one row
-/// took 5.9 ms with 8 heads per block (28 blocks) against 2.9 ms for one head per block (decisions.md D68).
+/// Heads per `mla_attend_rows` block for `heads` heads of `queries` (block query, span) pairs: the most (up to
+/// `ATTEND_MAX_HG`, dividing `heads`) that still leave `ATTEND_MIN_BLOCKS` blocks, else one. Few blocks leave the
+/// device idle: at γ = 7, 32 heads and a 2,048-token context walked whole by each block, one row took 5.9 ms with 8
+/// heads per block (28 blocks) against 2.9 ms for one head per block (decisions.md D68).
 fn attend_head_group(heads: usize, queries: usize) -> usize {
     (1..=ATTEND_MAX_HG).rev().find(|&g| heads % g == 0 && queries * heads / g >= ATTEND_MIN_BLOCKS).unwrap_or(1)
 }
@@ -89,6 +91,7 @@ struct DrafterKernels {
     concat_taps: CudaFunction,
     rope_rows: CudaFunction,
     mla_attend_rows: CudaFunction,
+    mla_attend_merge: CudaFunction,
     markov_step: CudaFunction,
     argmax_step: CudaFunction,
 }
@@ -101,6 +104,7 @@ impl DrafterKernels {
             concat_taps: f("concat_taps")?,
             rope_rows: f("rope_rows")?,
             mla_attend_rows: f("mla_attend_rows")?,
+            mla_attend_merge: f("mla_attend_merge")?,
             markov_step: f("markov_step")?,
             argmax_step: f("argmax_step")?,
         })
@@ -305,8 +309,9 @@ impl DeviceDrafter {
                 cfg.markov_rank
             )));
         }
-        // mla_attend_rows keeps 2 · ATTEND_MAX_HG latent rows of f32 in the 48 KiB of default shared memory.
-        let attend_smem = (2 * ATTEND_MAX_HG * cfg.kv_lora_rank + ATTEND_MAX_HG) * 4;
+        // mla_attend_rows and mla_attend_merge keep ATTEND_MAX_HG latent rows of f32 in the 48 KiB of default shared
+        // memory.
+        let attend_smem = ATTEND_MAX_HG * cfg.kv_lora_rank * 4;
         if attend_smem > 48 << 10 {
             return Err(KernelError::InvalidInput(format!(
                 "a drafter kv_lora_rank of {} needs {attend_smem} bytes of shared memory per attention block (48 KiB)",
@@ -517,7 +522,10 @@ impl DeviceDrafter {
         let ops = &target.ops;
         ops.rows.embed(gpu, gpu.ptr(&target.weights.embed), gpu.ptr(&tokens), gpu.ptr(&x), n, d)?;
         let scale = 1.0f32 / (qh as f32).sqrt();
-        let head_group = attend_head_group(heads, (stride - 1) * rows.len());
+        // The attention's span count of the longest row (every row's context is the same in every layer).
+        let max_spans =
+            rows.iter().map(|r| (r.context.entries + r.num_drafts).div_ceil(ATTEND_SPAN)).max().unwrap_or(1).max(1);
+        let head_group = attend_head_group(heads, (stride - 1) * max_spans * rows.len());
         for (li, layer) in self.layers.iter().enumerate() {
             let h = norm(gpu, ops, &layer.input_norm, gpu.ptr(&x), n, d)?;
             let qa = linear(gpu, ops, &layer.q_a_proj, gpu.ptr(&h), n)?;
@@ -534,9 +542,10 @@ impl DeviceDrafter {
             self.rope(gpu, &rope)?;
             let block = self.latents(gpu, ops, layer, gpu.ptr(&h), gpu.ptr(&positions), n)?; // [n, ld]
             gpu.mark(SPAN_ATTEND)?;
-            // Per row, ATTEND_ROW_WORDS words: cache, visible | t << 32, first block query, scores offset.
+            // Per row, ATTEND_ROW_WORDS words: cache, visible | t << 32, first block query, scores offset, partials
+            // offset.
             let mut descs = Vec::with_capacity(rows.len() * ATTEND_ROW_WORDS);
-            let mut score_floats = 0usize;
+            let (mut score_floats, mut part_entries) = (0usize, 0usize);
             for (row, s) in rows.iter_mut().zip(&first) {
                 let (t, entries) = (row.num_drafts, row.context.entries);
                 let cache = &mut row.context.layers[li];
@@ -552,31 +561,46 @@ impl DeviceDrafter {
                     visible as u64 | (t as u64) << 32,
                     *s as u64,
                     score_floats as u64,
+                    part_entries as u64,
                 ]);
                 score_floats += t * heads * visible;
+                part_entries += t * visible.div_ceil(ATTEND_SPAN) * heads;
             }
             let descs = gpu.upload(&descs)?;
-            let scores = gpu.uninit::<f32>(score_floats)?; // every row's [t, H, visible], written before it is read
+            // Written before they are read: every row's [t, H, visible] scores, and per (query, span, head) of every
+            // row the span's (max, sum of exps) and its [r] weighted latent sum.
+            let scores = gpu.uninit::<f32>(score_floats)?;
+            let part_ml = gpu.uninit::<f32>(part_entries * 2)?;
+            let part_o = gpu.uninit::<f32>(part_entries * mla.kv_lora_rank)?;
             let o = gpu.zeros::<bf16>(n * heads * mla.v_head_dim)?; // [n, H·v]
-            let launch = LaunchConfig {
-                grid_dim: ((stride - 1) as u32, (heads / head_group) as u32, rows.len() as u32),
-                block_dim: (ATTEND_THREADS, 1, 1),
-                shared_mem_bytes: ((2 * head_group * mla.kv_lora_rank + head_group) * 4) as u32,
-            };
-            let ints =
-                [heads, head_group, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim, mla.kv_lora_rank]
-                    .map(|v| v as i32);
+            let groups = (heads / head_group) as u32;
+            let shared_mem_bytes = (head_group * mla.kv_lora_rank * 4) as u32;
+            let (nope, rope, vdim, r) =
+                [mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim, mla.kv_lora_rank].map(|v| v as i32).into();
+            let (h_, hg, spans) = (heads as i32, head_group as i32, max_spans as i32);
             let (q_ptr, desc_ptr, kv_b) = (gpu.ptr(&q), gpu.ptr(&descs), gpu.ptr(&layer.kv_b_proj.w));
-            let (sc, o_ptr) = (gpu.ptr(&scores), gpu.ptr(&o));
+            let (sc, ml, po, o_ptr) = (gpu.ptr(&scores), gpu.ptr(&part_ml), gpu.ptr(&part_o), gpu.ptr(&o));
             let mut b = gpu.launcher(&self.kernels.mla_attend_rows);
-            b.arg(&q_ptr).arg(&desc_ptr).arg(&kv_b).arg(&sc).arg(&o_ptr);
-            for i in &ints {
-                b.arg(i);
-            }
-            b.arg(&scale);
+            b.arg(&q_ptr).arg(&desc_ptr).arg(&kv_b).arg(&sc).arg(&ml).arg(&po);
+            b.arg(&h_).arg(&hg).arg(&nope).arg(&rope).arg(&vdim).arg(&r).arg(&spans).arg(&scale);
+            let launch = LaunchConfig {
+                grid_dim: (((stride - 1) * max_spans) as u32, groups, rows.len() as u32),
+                block_dim: (ATTEND_THREADS, 1, 1),
+                shared_mem_bytes,
+            };
             // SAFETY: the arguments match mla_attend_rows; every row's cache holds `visible` entries (reserved and
-            // written above) and `scores` holds every row's [t, H, visible].
+            // written above), `scores` holds every row's [t, H, visible] and the partials every row's entries.
             unsafe { b.launch(launch, "mla_attend_rows") }?;
+            let mut b = gpu.launcher(&self.kernels.mla_attend_merge);
+            b.arg(&desc_ptr).arg(&kv_b).arg(&ml).arg(&po).arg(&o_ptr);
+            b.arg(&h_).arg(&hg).arg(&nope).arg(&vdim).arg(&r);
+            let launch = LaunchConfig {
+                grid_dim: ((stride - 1) as u32, groups, rows.len() as u32),
+                block_dim: (ATTEND_THREADS, 1, 1),
+                shared_mem_bytes,
+            };
+            // SAFETY: the arguments match mla_attend_merge; the partials were written in full by mla_attend_rows.
+            unsafe { b.launch(launch, "mla_attend_merge") }?;
             gpu.mark(SPAN_BACKBONE)?;
             let attn = linear(gpu, ops, &layer.o_proj, gpu.ptr(&o), n)?;
             ops.rows.add(gpu, gpu.ptr(&x), gpu.ptr(&attn), n * d)?;
