@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The served replay matrix of issue 31 in one device call (under 600 s): for each server config, `sparkd serve` on a
+# The served replay matrix of issue 31, in parts of at most one device call (600 s) each: the whole matrix (4 configs x
+# 4 concurrencies, with each lane's warm-up) needs about 25 minutes, so a call names its part with CONFIGS and
+# CONCURRENCY and the plan refuses a part that does not fit BUDGET_S. For each server config, `sparkd serve` on a
 # free loopback port, a long-prompt prefill point (first config only), then `sparkd-replay run --transport ws` at
 # each concurrency with /metrics scraped after every point (the engine phase histograms), then the daemon stopped.
 # Writes under $OUT (the device tool brings back at most 8 files):
@@ -15,7 +17,8 @@
 #   SPARKD_NVRTC_WHEELS=/work/nvrtc-wheels bash kernels/bench/stage.sh .bin/m cuda_runner
 #   cargo build --release -p sparkd-workloads && cp target/release/sparkd-replay .bin/m/ && strip .bin/m/sparkd-replay
 #   tar czf .bin/m/workloads.tgz -C ../shared/workloads/weka-kv-cache-tester .   (the 40 Weka traces: 35 MB, 2 MB packed)
-# then, in one device call (carry .bin/m): BIN=.bin/m bash kernels/bench/serve_matrix_h200.sh
+# then, in one device call per part (carry .bin/m): BIN=.bin/m CONFIGS="off al3" CONCURRENCY="1 4 16" \
+#   bash kernels/bench/serve_matrix_h200.sh   (c=64 alone takes a call per config or two)
 # Server configs (CONFIGS, in this order by default):
 #   off      no speculation
 #   sync     no speculation, each step waiting for the one before (--async-scheduling off; only when asked)
@@ -35,10 +38,11 @@
 #   PREFILL_TOKENS 4096, PREFILL_RUNS 3 (timed long-prompt requests after one warm-up; 0 runs: no prefill point)
 #   START_S 60       planned daemon start (weights generated at start); START_LIMIT 180 (give up after)
 #   BUDGET_S 590     the call's time: the plan must fit, and a point that would end past it is skipped (logged)
-# The plan counts, per point, the replay's warm-up primers (every lane first prefills the context before its
-# sampled start turn: 1 s + 0.1 s per lane, a guess at H200 prefill speed), 1 s of trace loading, DURATION and
-# GRACE; per config START_S and 3 s to stop; 2 s per prefill request; 5 s for the report. The log prints the real
-# start and point times, to correct the plan with.
+# The plan counts, per point, the replay's warm-up primers (every lane first prefills its context before its sampled
+# start turn: 1 s + 2.8 s per lane; at token scale 0.1 a lane's context is about 12,000 tokens, and the c=16 points
+# of 2026-12-03 spent about 42 s in warm-up, so the old 0.1 s per lane let the point's own time limit kill the c=64
+# replay in its warm-up), 1 s of trace loading, DURATION and GRACE; per config START_S and 3 s to stop; 2 s per
+# prefill request; 5 s for the report. The log prints the real start and point times, to correct the plan with.
 # Dry run on the CPU: DEVICE=cpu MODEL=k3-tiny CONCURRENCY="1 2" DURATION=3 TOKEN_SCALE=0.02 START_S=10 \
 #   PREFILL_TOKENS=256 BIN=/tmp/bin OUT=/tmp/matrix bash kernels/bench/serve_matrix_h200.sh
 set -u
@@ -60,7 +64,7 @@ START_S=${START_S:-60}
 START_LIMIT=${START_LIMIT:-180}
 BUDGET_S=${BUDGET_S:-590}
 # Planning constants (seconds; see above).
-PRIMER_S=1 PRIMER_LANE_DS=1 PREP_S=1 STOP_S=3 PREFILL_REQ_S=2 REPORT_S=5
+PRIMER_S=1 PRIMER_LANE_DS=28 PREP_S=1 STOP_S=3 PREFILL_REQ_S=2 REPORT_S=5
 HERE=$(cd "$(dirname "$0")" && pwd)
 RAW="$OUT/raw"
 LOG="$OUT/log.txt"
