@@ -77,6 +77,30 @@ pub fn too_many_in_flight() -> KernelError {
     KernelError::InvalidInput(format!("{MAX_IN_FLIGHT} steps are already in flight; collect one first"))
 }
 
+/// A runner that computes each step when it is launched (CPU, null): its launched steps and its synchronous step,
+/// from which [`sync_launch`] and [`sync_launch_fed`] give it the launch contract.
+pub trait SyncStepper {
+    fn launches(&mut self) -> &mut SyncLaunches;
+    /// The step itself (what `Runner::step` runs once nothing is in flight).
+    fn step_now(&mut self, rows: &[RowInput]) -> Result<Vec<RowOutput>>;
+}
+
+/// `Runner::launch` of a [`SyncStepper`].
+pub fn sync_launch(runner: &mut impl SyncStepper, rows: &[RowInput]) -> Result<()> {
+    let mut launches = std::mem::take(runner.launches());
+    let result = launches.launch(rows, |rows| runner.step_now(rows));
+    *runner.launches() = launches;
+    result
+}
+
+/// `Runner::launch_fed` of a [`SyncStepper`].
+pub fn sync_launch_fed(runner: &mut impl SyncStepper, rows: &[FedRow]) -> Result<()> {
+    let mut launches = std::mem::take(runner.launches());
+    let result = launches.launch_fed(rows, |rows| runner.step_now(rows));
+    *runner.launches() = launches;
+    result
+}
+
 /// One step computed at launch, waiting to be collected.
 #[derive(Debug)]
 struct Done {

@@ -20,7 +20,7 @@ use std::ops::Range;
 
 use crate::config::ModelConfig;
 use crate::error::{KernelError, Result};
-use crate::launches::{FedRow, SyncLaunches};
+use crate::launches::{sync_launch, sync_launch_fed, FedRow, SyncLaunches, SyncStepper};
 use crate::runner::{RowInput, RowOutput, Runner, SamplingParams, StateId, TokenId, TokenLogprob};
 use crate::state::{MlaCache, SeqState};
 
@@ -237,17 +237,11 @@ impl Runner for NullRunner {
     }
 
     fn launch(&mut self, rows: &[RowInput]) -> Result<()> {
-        let mut launches = std::mem::take(&mut self.launches);
-        let result = launches.launch(rows, |rows| self.step_now(rows));
-        self.launches = launches;
-        result
+        sync_launch(self, rows)
     }
 
     fn launch_fed(&mut self, rows: &[FedRow]) -> Result<()> {
-        let mut launches = std::mem::take(&mut self.launches);
-        let result = launches.launch_fed(rows, |rows| self.step_now(rows));
-        self.launches = launches;
-        result
+        sync_launch_fed(self, rows)
     }
 
     fn collect(&mut self) -> Result<Vec<RowOutput>> {
@@ -255,8 +249,11 @@ impl Runner for NullRunner {
     }
 }
 
-impl NullRunner {
-    /// The synchronous step: the body of `step` and of every launch.
+impl SyncStepper for NullRunner {
+    fn launches(&mut self) -> &mut SyncLaunches {
+        &mut self.launches
+    }
+
     fn step_now(&mut self, rows: &[RowInput]) -> Result<Vec<RowOutput>> {
         for (i, row) in rows.iter().enumerate() {
             self.check_row(row)?;

@@ -83,6 +83,19 @@ pub struct RowInput {
     pub sample: Option<SampleRequest>,
 }
 
+impl RowInput {
+    /// Where the row's forward window wants logits from and keeps snapshots from (token indices in the row): a
+    /// sampling row's last `draft_len + 1` positions give logits and its drafts keep snapshots for the rollback;
+    /// a prefill chunk wants neither.
+    pub fn window_bounds(&self) -> (usize, Option<usize>) {
+        let t = self.tokens.len();
+        match &self.sample {
+            Some(s) => (t - s.draft_len - 1, (s.draft_len > 0).then_some(t - s.draft_len)),
+            None => (t, None),
+        }
+    }
+}
+
 /// A token's log-probability and the most likely alternatives at its position.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TokenLogprob {

@@ -19,6 +19,7 @@ use sparkd_kernels::cuda::CudaRunner;
 use sparkd_kernels::dspark::model::draft_uniform;
 use sparkd_kernels::dspark::{DrafterConfig, DrafterModel, DrafterSource, DrafterState, SyntheticDrafterWeights};
 use sparkd_kernels::harness::draft_bench;
+use sparkd_kernels::launches::FedRow;
 use sparkd_kernels::runner::{SamplingParams, TokenMask};
 use sparkd_kernels::sampling::Distribution;
 use sparkd_kernels::state::SeqState;
@@ -320,6 +321,40 @@ fn cuda_drafter_context_follows_commit_rollback_fork_and_import() {
         r.free_state(s).unwrap();
     }
     assert!(r.drafter().unwrap().context(a).is_err(), "a freed state has no context");
+}
+
+#[test]
+fn cuda_fed_steps_grow_the_drafter_context_as_steps_do() {
+    if skipped("fed steps with a drafter attached") {
+        return;
+    }
+    let mut r = runner();
+    let greedy = SamplingParams::greedy();
+    let layers = r.drafter().unwrap().model().config().num_draft_layers;
+    let p = prompt(10, 5);
+    let base = r.alloc_state().unwrap();
+    prefill(&mut *r, base, &p[..9]);
+    let (stepped, fed) = (r.fork_state(base).unwrap(), r.fork_state(base).unwrap());
+    let reference = decode(&mut *r, stepped, p[9], 6, &greedy);
+    // Steps launched ahead, each fed on the device the token of the step before (asynchronous scheduling).
+    r.launch(&[row(fed, vec![p[9]], &greedy, 0)]).unwrap();
+    let mut got = Vec::new();
+    for i in 0..6 {
+        if i < 5 {
+            r.launch_fed(&[FedRow { state: fed, params: greedy.clone() }]).unwrap();
+        }
+        got.extend(r.collect().unwrap().remove(0).tokens);
+    }
+    assert_eq!(got, reference);
+    assert_eq!(context(&r, fed).len(), r.state_len(fed).unwrap());
+    let diff = max_context_diff(&context(&r, fed), &context(&r, stepped), layers);
+    assert_eq!(diff, 0.0, "fed steps commit the same drafter context as steps");
+    let last = *reference.last().unwrap();
+    let from_fed = r.model_drafter().unwrap().draft(&[draft_req(fed, last, 7, &greedy)]).unwrap();
+    assert_eq!(from_fed, r.model_drafter().unwrap().draft(&[draft_req(stepped, last, 7, &greedy)]).unwrap());
+    for s in [base, stepped, fed] {
+        r.free_state(s).unwrap();
+    }
 }
 
 #[test]

@@ -165,6 +165,13 @@ pub trait Proposer: Send {
         Ok(())
     }
 
+    /// Whether `propose` may draft from the committed context alone, without a prepared round (model-free
+    /// drafts: suffix, n-gram, the hybrid's suffix side). A proposer that drafts only in its rounds says no, so a
+    /// round the gate skips is known to draft nothing before the step's tokens are (asynchronous scheduling).
+    fn drafts_from_context(&self) -> bool {
+        true
+    }
+
     /// Up to `max_len` draft tokens to follow `context` (prompt plus committed output).
     fn propose(&mut self, seq: SeqKey, context: &[TokenId], max_len: usize) -> Draft;
 

@@ -85,6 +85,11 @@ impl Proposer for ModelDrafts {
         Ok(())
     }
 
+    /// Model drafts come only from the round's drafter call.
+    fn drafts_from_context(&self) -> bool {
+        false
+    }
+
     fn propose(&mut self, seq: SeqKey, _context: &[TokenId], max_len: usize) -> Draft {
         let mut draft = self.pending.remove(&seq).unwrap_or_default();
         draft.truncate(max_len);

@@ -7,9 +7,10 @@
 //! plan a step → `runner.step` → apply the outputs → snapshots, finishes, events → memory budget →
 //! metrics. Each phase of a turn is timed into `sparkd:engine_phase_seconds` ([`PhaseClock`]).
 //!
-//! Asynchronous scheduling (`EngineConfig::async_scheduling`, speculation off, a runner that launches ahead):
-//! the step is launched, and while the decode is steady the next one is launched fed on the device
-//! (`Scheduler::schedule_ahead`) before the one in flight is collected; applying, events, commands, backlogs
+//! Asynchronous scheduling (`EngineConfig::async_scheduling`, a runner that launches ahead): the step is launched,
+//! and while the decode is steady the next one is launched fed on the device (`Scheduler::schedule_ahead`; with
+//! speculation on, only when its drafting round is taken now and skips: `Speculator::skip_ahead`) before the one
+//! in flight is collected; applying, events, commands, backlogs
 //! and the memory budget then run on the host while the device computes the next step. The `step` phase is
 //! then only the time the host waits for the device.
 //!
@@ -510,11 +511,11 @@ impl EngineCore {
         }
     }
 
-    /// Runs `plan`: as one step, or pipelined ([`Self::step_ahead`]) when the config, the runner and
-    /// speculation allow it.
+    /// Runs `plan`: as one step, or pipelined ([`Self::step_ahead`]) when the config and the runner allow it
+    /// (with speculation on, a step is launched ahead only when its drafting round is known to draft nothing).
     fn step(&mut self, plan: StepPlan) {
         let Some(rows) = self.row_inputs(&plan) else { return };
-        if self.config.async_scheduling && self.speculator.is_none() && self.runner.launches_ahead() {
+        if self.config.async_scheduling && self.runner.launches_ahead() {
             return self.step_ahead(plan, &rows);
         }
         let outputs = self.runner.step(&rows);
@@ -591,6 +592,12 @@ impl EngineCore {
             return None;
         }
         let ahead = self.scheduler.schedule_ahead(current)?;
+        if let Some(speculator) = &mut self.speculator {
+            let rows: Vec<(RequestId, usize)> = ahead.rows.iter().map(|r| (r.id, r.new_tokens_left)).collect();
+            if !speculator.skip_ahead(&rows) {
+                return None;
+            }
+        }
         let fed: Option<Vec<FedRow>> = ahead
             .rows
             .iter()

@@ -157,6 +157,8 @@ pub struct AheadRow {
     /// The position of the fed token: the row's `start` in the step in flight, plus one.
     pub start: usize,
     pub params: SamplingParams,
+    /// Output tokens the sequence may still produce at this step (at least one).
+    pub new_tokens_left: usize,
 }
 
 /// A row that ended exactly on a multiple of the snapshot block after a step: on a planned prefill stop,
@@ -428,7 +430,8 @@ impl Scheduler {
             if !decodes || !steady || !room || !seq.drafts.is_empty() || (row.start + 1) % self.block_tokens == 0 {
                 return None;
             }
-            rows.push(AheadRow { id: seq.id, start: row.start + 1, params: seq.sampling.clone() });
+            let new_tokens_left = seq.max_tokens - seq.output_len() - 1;
+            rows.push(AheadRow { id: seq.id, start: row.start + 1, params: seq.sampling.clone(), new_tokens_left });
         }
         Some(AheadPlan { rows })
     }

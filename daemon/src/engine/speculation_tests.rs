@@ -7,11 +7,12 @@
 //! its synthetic drafter, with every window at most 16 tokens (where a window's forward equals
 //! token-by-token decoding bit for bit, so spec-off and spec-on runs are comparable exactly).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
+use sparkd_kernels::launches::FedRow;
 use sparkd_kernels::null_runner::NullRunner;
 use sparkd_kernels::runner::{DraftProposal, DraftRequest, Drafter, RowInput, RowOutput, SamplingParams, TokenMask};
 use sparkd_kernels::state::SeqState;
@@ -378,12 +379,24 @@ struct Counting {
     counts: Arc<Counts>,
     /// Oracle mode: each state's committed tokens.
     oracle: Option<HashMap<StateId, Vec<TokenId>>>,
+    /// Steps launched and not yet collected: the given rows, or the states of a fed step.
+    launched: VecDeque<Launched>,
+    /// Each state's last emitted token (what a fed step commits).
+    emitted: HashMap<StateId, TokenId>,
+}
+
+/// A step [`Counting`] launched, as its collect needs it for the oracle's histories.
+enum Launched {
+    Given(Vec<RowInput>),
+    Fed(Vec<StateId>),
 }
 
 #[derive(Default)]
 struct Counts {
     steps: AtomicUsize,
     drafts: AtomicUsize,
+    /// Steps launched fed on the device (asynchronous scheduling).
+    fed: AtomicUsize,
 }
 
 impl Counts {
@@ -396,14 +409,55 @@ impl Counts {
 const ORACLE_CONFIDENCE: f32 = 0.3;
 
 impl Counting {
+    /// An oracle over a null runner; `wrap` and `oracle` fill in what differs.
+    fn empty() -> Self {
+        Counting {
+            inner: null_runner(),
+            counts: Arc::new(Counts::default()),
+            oracle: Some(HashMap::new()),
+            launched: VecDeque::new(),
+            emitted: HashMap::new(),
+        }
+    }
+
+    /// Extends the oracle's histories with what a collected step committed, and notes each row's last token.
+    fn committed(&mut self, launched: &Launched, outputs: &[RowOutput]) {
+        if let Some(o) = &mut self.oracle {
+            match launched {
+                Launched::Given(rows) => {
+                    for (row, out) in rows.iter().zip(outputs) {
+                        let kept = row.tokens.len() - row.sample.as_ref().map_or(0, |s| s.draft_len - out.num_accepted);
+                        o.entry(row.state).or_default().extend_from_slice(&row.tokens[..kept]);
+                    }
+                }
+                Launched::Fed(states) => {
+                    for state in states {
+                        let fed = self.emitted.get(state).copied();
+                        o.entry(*state).or_default().extend(fed);
+                    }
+                }
+            }
+        }
+        let states: Vec<StateId> = match launched {
+            Launched::Given(rows) => rows.iter().map(|r| r.state).collect(),
+            Launched::Fed(states) => states.clone(),
+        };
+        for (state, out) in states.into_iter().zip(outputs) {
+            if let Some(&last) = out.tokens.last() {
+                self.emitted.insert(state, last);
+            }
+        }
+    }
+
     fn wrap(inner: Box<dyn Runner>) -> (Box<dyn Runner>, Arc<Counts>) {
         let counts = Arc::new(Counts::default());
-        (Box::new(Counting { inner, counts: counts.clone(), oracle: None }), counts)
+        let runner = Counting { inner, counts: counts.clone(), oracle: None, ..Counting::empty() };
+        (Box::new(runner), counts)
     }
 
     fn oracle() -> (Box<dyn Runner>, Arc<Counts>) {
         let counts = Arc::new(Counts::default());
-        let runner = Counting { inner: null_runner(), counts: counts.clone(), oracle: Some(HashMap::new()) };
+        let runner = Counting { inner: null_runner(), counts: counts.clone(), ..Counting::empty() };
         (Box::new(runner), counts)
     }
 }
@@ -465,11 +519,33 @@ impl Runner for Counting {
     fn step(&mut self, rows: &[RowInput]) -> sparkd_kernels::Result<Vec<RowOutput>> {
         self.counts.steps.fetch_add(1, Ordering::SeqCst);
         let outputs = self.inner.step(rows)?;
-        if let Some(o) = &mut self.oracle {
-            for (row, out) in rows.iter().zip(&outputs) {
-                let kept = row.tokens.len() - row.sample.as_ref().map_or(0, |s| s.draft_len - out.num_accepted);
-                o.entry(row.state).or_default().extend_from_slice(&row.tokens[..kept]);
-            }
+        self.committed(&Launched::Given(rows.to_vec()), &outputs);
+        Ok(outputs)
+    }
+
+    fn launches_ahead(&self) -> bool {
+        self.inner.launches_ahead()
+    }
+
+    fn launch(&mut self, rows: &[RowInput]) -> sparkd_kernels::Result<()> {
+        self.inner.launch(rows)?;
+        self.counts.steps.fetch_add(1, Ordering::SeqCst);
+        self.launched.push_back(Launched::Given(rows.to_vec()));
+        Ok(())
+    }
+
+    fn launch_fed(&mut self, rows: &[FedRow]) -> sparkd_kernels::Result<()> {
+        self.inner.launch_fed(rows)?;
+        self.counts.steps.fetch_add(1, Ordering::SeqCst);
+        self.counts.fed.fetch_add(1, Ordering::SeqCst);
+        self.launched.push_back(Launched::Fed(rows.iter().map(|r| r.state).collect()));
+        Ok(())
+    }
+
+    fn collect(&mut self) -> sparkd_kernels::Result<Vec<RowOutput>> {
+        let outputs = self.inner.collect()?;
+        if let Some(launched) = self.launched.pop_front() {
+            self.committed(&launched, &outputs);
         }
         Ok(outputs)
     }
@@ -558,6 +634,9 @@ fn a_drafter_whose_drafts_do_not_pay_is_skipped_and_output_is_unchanged() {
     assert!(drafts >= 1, "a probe drafts after skipped rounds");
     assert!(drafts * 10 <= steps, "the drafter ran at {drafts} of {steps} steps");
     assert!(measured.accepted() * 4 <= measured.drafted().max(4), "{:?}", measured.rounds);
+    // Skipped rounds are known to draft nothing ahead of time, so their steps were launched ahead.
+    let fed = counts.fed.load(Ordering::SeqCst);
+    assert!(fed * 2 >= steps, "{fed} of {steps} steps launched ahead");
 }
 
 #[test]
@@ -578,6 +657,7 @@ fn oracle_drafts_are_never_gated_even_when_their_head_understates_them() {
     assert_eq!(o.tokens, NullRunner::greedy_continuation(&second, 120));
     assert_eq!(o.accepted(), o.drafted(), "every oracle draft is accepted");
     assert!(o.acceptance_length() > 5.0, "AL {} from {:?}", o.acceptance_length(), o.rounds);
-    // Every decode step drafted (the prompt's prefill step is the one step without a draft).
+    // Every decode step drafted (the prompt's prefill step is the one step without a draft), so none ran ahead.
     assert_eq!(drafts - drafts_before, steps - steps_before - 1, "no step was gated");
+    assert_eq!(counts.fed.load(Ordering::SeqCst), 0);
 }

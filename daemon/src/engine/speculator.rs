@@ -86,6 +86,9 @@ pub struct Speculator {
     /// Per request, the draft its last proposed round verifies: its source and the raw survivals of the
     /// verified positions (replaced by the next round; matched to the outcome by its length).
     verifying: HashMap<RequestId, (DraftSource, Vec<f64>)>,
+    /// A gate decision taken ahead of its round ([`Speculator::skip_ahead`]) that was not to skip: the next
+    /// round's own.
+    decided: Option<GateDecision>,
 }
 
 impl Speculator {
@@ -108,6 +111,7 @@ impl Speculator {
             gate: gate.filter(|_| synthetic.is_none()),
             calibrations: Calibrations::default(),
             verifying: HashMap::new(),
+            decided: None,
         }
     }
 
@@ -155,8 +159,14 @@ impl Speculator {
                 }
             })
             .collect();
-        self.calibrations.next_round();
-        let decision = self.gate_decision(&rows);
+        let decision = match self.decided.take() {
+            Some(decision) => decision,
+            None => {
+                self.calibrations.next_round();
+                let caps: Vec<usize> = rows.iter().map(|r| r.cap).collect();
+                self.gate_decision(&caps)
+            }
+        };
         let mut drafter = runner.model_drafter();
         if decision == GateDecision::Skip {
             counter!(names::SPEC_DECODE_GATED_STEPS_TOTAL).increment(1);
@@ -204,15 +214,51 @@ impl Speculator {
         Ok(out)
     }
 
-    /// What the gate says of this round (always [`GateDecision::Draft`] without a gate), and the gauge of
-    /// the calibrated acceptance length it judges by.
-    fn gate_decision(&mut self, rows: &[RoundRow<'_>]) -> GateDecision {
+    /// Takes now the drafting round of a step planned ahead of the outputs of the one in flight
+    /// (`Scheduler::schedule_ahead`; `rows` holds each row's request and the output tokens it may still produce at
+    /// that step) and returns whether it drafts nothing, so that the step can be launched fed on the device. It
+    /// does when acceptance is real, every draft comes from the drafter's round (a model-free proposer reads the
+    /// committed tokens the step in flight has not returned) and the gate skips the drafter at these rows; the
+    /// round is then taken as `propose` would take a skipped one. A decision to draft or probe is kept for the next
+    /// `propose`. Deciding a step early stays non-anticipating: the step in flight carries no drafts, so its
+    /// outcome would not have informed the gate.
+    pub fn skip_ahead(&mut self, rows: &[(RequestId, usize)]) -> bool {
+        if self.synthetic || self.gate.is_none() || self.proposer.drafts_from_context() || self.decided.is_some() {
+            return false;
+        }
+        let caps: Vec<usize> = rows
+            .iter()
+            .map(|(id, left)| request_cap(self.lengths.get(id).copied().unwrap_or(0), *left, usize::MAX))
+            .collect();
+        self.calibrations.next_round();
+        let decision = self.gate_decision(&caps);
+        if decision != GateDecision::Skip {
+            self.decided = Some(decision);
+            return false;
+        }
+        counter!(names::SPEC_DECODE_GATED_STEPS_TOTAL).increment(1);
+        if let Err(e) = self.proposer.prepare_round(None, &[]) {
+            // Nothing was drafted; the round is taken as skipped all the same, in the step's ordinary path.
+            tracing::warn!(error = %e, "clearing a skipped round ahead failed");
+            self.decided = Some(GateDecision::Skip);
+            return false;
+        }
+        for (id, _) in rows {
+            self.verifying.remove(id);
+        }
+        true
+    }
+
+    /// What the gate says of a round whose rows have `caps` (always [`GateDecision::Draft`] without a gate), and
+    /// the gauge of the calibrated acceptance length it judges by.
+    fn gate_decision(&mut self, caps: &[usize]) -> GateDecision {
         let Some(gate) = &mut self.gate else { return GateDecision::Draft };
-        let caps: Vec<usize> = rows.iter().map(|r| r.cap).filter(|&cap| cap > 0).collect();
+        let rows = caps.len();
+        let caps: Vec<usize> = caps.iter().copied().filter(|&cap| cap > 0).collect();
         let calibration = &self.calibrations.model;
         let expected: f64 = gate.expected_survival(calibration).iter().take(self.num_spec_tokens).sum();
         gauge!(names::SPEC_DECODE_CALIBRATED_ACCEPTANCE_LENGTH).set(1.0 + expected);
-        gate.decide(&GateInput { rows: rows.len(), caps: &caps, calibration })
+        gate.decide(&GateInput { rows, caps: &caps, calibration })
     }
 
     /// Verify lengths per row: every cap under forced acceptance, else the budget's over the drafts

@@ -18,7 +18,7 @@ use crate::config::ModelConfig;
 use crate::cpu::forward::{CpuModel, Probe, WindowRow};
 use crate::dspark::{DrafterModel, DrafterSlot, DrafterSource};
 use crate::error::{KernelError, Result};
-use crate::launches::{FedRow, SyncLaunches};
+use crate::launches::{sync_launch, sync_launch_fed, FedRow, SyncLaunches, SyncStepper};
 use crate::runner::{DraftProposal, DraftRequest, Drafter, RowInput, RowOutput, Runner, StateId, TokenMask};
 use crate::state::SeqState;
 use crate::tensor::WeightSource;
@@ -163,17 +163,11 @@ impl Runner for CpuRunner {
     }
 
     fn launch(&mut self, rows: &[RowInput]) -> Result<()> {
-        let mut launches = std::mem::take(&mut self.launches);
-        let result = launches.launch(rows, |rows| self.step_now(rows));
-        self.launches = launches;
-        result
+        sync_launch(self, rows)
     }
 
     fn launch_fed(&mut self, rows: &[FedRow]) -> Result<()> {
-        let mut launches = std::mem::take(&mut self.launches);
-        let result = launches.launch_fed(rows, |rows| self.step_now(rows));
-        self.launches = launches;
-        result
+        sync_launch_fed(self, rows)
     }
 
     fn collect(&mut self) -> Result<Vec<RowOutput>> {
@@ -196,8 +190,11 @@ impl Runner for CpuRunner {
     }
 }
 
-impl CpuRunner {
-    /// The synchronous step: the body of `step` and of every launch.
+impl SyncStepper for CpuRunner {
+    fn launches(&mut self) -> &mut SyncLaunches {
+        &mut self.launches
+    }
+
     fn step_now(&mut self, rows: &[RowInput]) -> Result<Vec<RowOutput>> {
         self.validate(rows)?;
         // Present and distinct: checked by `validate`.
@@ -207,11 +204,7 @@ impl CpuRunner {
             .iter_mut()
             .zip(rows)
             .map(|(state, row)| {
-                let t = row.tokens.len();
-                let (logits_from, snapshots_from) = match &row.sample {
-                    Some(s) => (t - s.draft_len - 1, (s.draft_len > 0).then_some(t - s.draft_len)),
-                    None => (t, None),
-                };
+                let (logits_from, snapshots_from) = row.window_bounds();
                 WindowRow { state, tokens: &row.tokens, logits_from, snapshots_from }
             })
             .collect();

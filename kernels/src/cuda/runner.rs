@@ -211,11 +211,7 @@ impl CudaRunner {
                 .iter_mut()
                 .zip(rows)
                 .map(|(state, row)| {
-                    let t = row.tokens.len();
-                    let (logits_from, snapshots_from) = match &row.sample {
-                        Some(s) => (t - s.draft_len - 1, (s.draft_len > 0).then_some(t - s.draft_len)),
-                        None => (t, None),
-                    };
+                    let (logits_from, snapshots_from) = row.window_bounds();
                     DeviceRow { state, tokens: &row.tokens, logits_from, snapshots_from }
                 })
                 .collect();
