@@ -576,8 +576,11 @@ impl EngineCore {
             current = match self.scheduler.resolve_ahead(&ahead) {
                 Ok(next) => next,
                 Err(e) => {
+                    // The fed step's requests still running fail (the others have had their terminal event).
                     let err = EngineError::Internal(format!("a step launched ahead: {e}"));
-                    current_ids.iter().for_each(|&id| self.fail(id, err.clone()));
+                    let running: Vec<RequestId> =
+                        current_ids.iter().copied().filter(|&id| self.scheduler.is_running(id)).collect();
+                    running.into_iter().for_each(|id| self.fail(id, err.clone()));
                     StepPlan::default()
                 }
             };
