@@ -627,6 +627,9 @@ impl EngineCore {
     /// Settles the states of requests that left while their next step was in flight, once no step in flight
     /// holds them: each fed step appended one token, so a finished request's state now holds its whole history.
     fn settle_deferred(&mut self) {
+        if self.deferred.is_empty() {
+            return;
+        }
         let (ready, waiting): (Vec<_>, Vec<_>) =
             std::mem::take(&mut self.deferred).into_iter().partition(|d| !d.state().is_some_and(|s| self.is_flying(s)));
         self.deferred = waiting;

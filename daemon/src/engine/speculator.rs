@@ -159,14 +159,8 @@ impl Speculator {
                 }
             })
             .collect();
-        let decision = match self.decided.take() {
-            Some(decision) => decision,
-            None => {
-                self.calibrations.next_round();
-                let caps: Vec<usize> = rows.iter().map(|r| r.cap).collect();
-                self.gate_decision(&caps)
-            }
-        };
+        let caps: Vec<usize> = rows.iter().map(|r| r.cap).collect();
+        let decision = self.round_decision(&caps);
         let mut drafter = runner.model_drafter();
         if decision == GateDecision::Skip {
             counter!(names::SPEC_DECODE_GATED_STEPS_TOTAL).increment(1);
@@ -230,8 +224,7 @@ impl Speculator {
             .iter()
             .map(|(id, left)| request_cap(self.lengths.get(id).copied().unwrap_or(0), *left, usize::MAX))
             .collect();
-        self.calibrations.next_round();
-        let decision = self.gate_decision(&caps);
+        let decision = self.round_decision(&caps);
         if decision != GateDecision::Skip {
             self.decided = Some(decision);
             return false;
@@ -247,6 +240,16 @@ impl Speculator {
             self.verifying.remove(id);
         }
         true
+    }
+
+    /// The decision of the round whose rows have `caps`: one taken ahead for it, else the calibration's sums
+    /// decay and the gate decides now.
+    fn round_decision(&mut self, caps: &[usize]) -> GateDecision {
+        if let Some(decision) = self.decided.take() {
+            return decision;
+        }
+        self.calibrations.next_round();
+        self.gate_decision(caps)
     }
 
     /// What the gate says of a round whose rows have `caps` (always [`GateDecision::Draft`] without a gate), and

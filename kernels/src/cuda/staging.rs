@@ -93,35 +93,33 @@ impl Staging {
             return Ok(());
         }
         let mut buffers = [self.take(ctx, chunk * size)?, self.take(ctx, chunk * size)?];
-        let mut result = Ok(());
-        for (i, from) in (0..n).step_by(chunk).enumerate() {
-            let buffer = &mut buffers[i % 2];
-            let count = (n - from).min(chunk);
-            // The buffer's previous copy (chunk i - 2) must be done before it is refilled.
-            result = buffer.done.synchronize().map_err(|e| device_err("waiting for a copy", e));
-            if result.is_err() {
-                break;
+        let mut upload = || -> Result<()> {
+            for (i, from) in (0..n).step_by(chunk).enumerate() {
+                let buffer = &mut buffers[i % 2];
+                let count = (n - from).min(chunk);
+                // The buffer's previous copy (chunk i - 2) must be done before it is refilled.
+                buffer.done.synchronize().map_err(|e| device_err("waiting for a copy", e))?;
+                let staged = buffer.mem.as_mut_slice().map_err(|e| device_err("reaching a staging buffer", e))?;
+                // SAFETY: page-locked buffers are page-aligned, so aligned for `T`, and hold `chunk * size` bytes;
+                // `T: Copy` is plain data, and `fill` writes every element before the copy reads them.
+                let elements = unsafe { std::slice::from_raw_parts_mut(staged.as_mut_ptr().cast::<T>(), count) };
+                fill(from, elements);
+                // SAFETY: `dst` has room for `n` elements of `T` (the caller's contract); the source is page-locked
+                // and is not refilled or handed out before `done`, recorded right after the copy, completes.
+                unsafe {
+                    cudarc::driver::result::memcpy_htod_async(
+                        dst + (from * size) as u64,
+                        &staged[..count * size],
+                        stream.cu_stream(),
+                    )
+                }
+                .map_err(|e| device_err("host to device copy", e))?;
+                buffer.done.record(stream).map_err(|e| device_err("recording a staging event", e))?;
             }
-            let staged = buffer.mem.as_mut_slice().map_err(|e| device_err("reaching a staging buffer", e))?;
-            // SAFETY: page-locked buffers are page-aligned, so aligned for `T`, and hold `chunk * size` bytes;
-            // `T: Copy` is plain data, and `fill` writes every element before the copy reads them.
-            let elements = unsafe { std::slice::from_raw_parts_mut(staged.as_mut_ptr().cast::<T>(), count) };
-            fill(from, elements);
-            // SAFETY: `dst` has room for `n` elements of `T` (the caller's contract); the source is page-locked and is
-            // not refilled or handed out before `done`, recorded right after the copy, completes.
-            result = unsafe {
-                cudarc::driver::result::memcpy_htod_async(
-                    dst + (from * size) as u64,
-                    &staged[..count * size],
-                    stream.cu_stream(),
-                )
-            }
-            .map_err(|e| device_err("host to device copy", e))
-            .and_then(|_| buffer.done.record(stream).map_err(|e| device_err("recording a staging event", e)));
-            if result.is_err() {
-                break;
-            }
-        }
+            Ok(())
+        };
+        let result = upload();
+        // Back to the pool on every path: a buffer is handed out again only once its last copy is done.
         for buffer in buffers {
             self.give(buffer);
         }
@@ -160,27 +158,28 @@ impl Staging {
             .map_err(|e| device_err("device to host copy", e))?;
             buffer.done.record(stream).map_err(|e| device_err("recording a staging event", e))
         };
-        let starts: Vec<usize> = (0..n).step_by(chunk).collect();
-        let mut result = Ok(());
-        for (i, &from) in starts.iter().enumerate() {
-            if i == 0 {
-                result = issue(&mut buffers[0], from);
+        let mut download = || -> Result<()> {
+            let starts: Vec<usize> = (0..n).step_by(chunk).collect();
+            if let Some(&first) = starts.first() {
+                issue(&mut buffers[0], first)?;
             }
-            if let (Ok(()), Some(&next)) = (&result, starts.get(i + 1)) {
-                result = issue(&mut buffers[(i + 1) % 2], next);
+            for (i, &from) in starts.iter().enumerate() {
+                // The next chunk's copy is issued before this one is read, so the two overlap.
+                if let Some(&next) = starts.get(i + 1) {
+                    issue(&mut buffers[(i + 1) % 2], next)?;
+                }
+                let buffer = &buffers[i % 2];
+                buffer.done.synchronize().map_err(|e| device_err("waiting for a copy", e))?;
+                let staged = buffer.mem.as_slice().map_err(|e| device_err("reaching a staging buffer", e))?;
+                let count = (n - from).min(chunk);
+                // SAFETY: page-locked buffers are page-aligned, so aligned for `T`; the first `count` elements were
+                // copied from the device as `T` (`T: Copy`, plain data).
+                take(from, unsafe { std::slice::from_raw_parts(staged.as_ptr().cast::<T>(), count) });
             }
-            let buffer = &buffers[i % 2];
-            result = result.and_then(|_| buffer.done.synchronize().map_err(|e| device_err("waiting for a copy", e)));
-            if result.is_err() {
-                break;
-            }
-            let staged = buffer.mem.as_slice().map_err(|e| device_err("reaching a staging buffer", e))?;
-            let count = (n - from).min(chunk);
-            // SAFETY: page-locked buffers are page-aligned, so aligned for `T`; the first `count` elements were
-            // copied from the device as `T` (`T: Copy`, plain data).
-            let elements = unsafe { std::slice::from_raw_parts(staged.as_ptr().cast::<T>(), count) };
-            take(from, elements);
-        }
+            Ok(())
+        };
+        let result = download();
+        // Back to the pool on every path: a buffer is handed out again only once its last copy is done.
         for buffer in buffers {
             self.give(buffer);
         }
@@ -194,14 +193,16 @@ impl Staging {
             return Ok(());
         }
         let mut buffer = self.take(ctx, bytes.len())?;
-        let staged = buffer.mem.as_mut_slice().map_err(|e| device_err("reaching a staging buffer", e))?;
-        staged[..bytes.len()].copy_from_slice(bytes);
-        // SAFETY: `dst` is a live device buffer with room for `bytes` (the caller's contract); the source is
-        // page-locked and is not handed out again before `done`, recorded right after the copy, completes.
-        let issued =
+        let mut issue = || -> Result<()> {
+            let staged = buffer.mem.as_mut_slice().map_err(|e| device_err("reaching a staging buffer", e))?;
+            staged[..bytes.len()].copy_from_slice(bytes);
+            // SAFETY: `dst` is a live device buffer with room for `bytes` (the caller's contract); the source is
+            // page-locked and is not handed out again before `done`, recorded right after the copy, completes.
             unsafe { cudarc::driver::result::memcpy_htod_async(dst, &staged[..bytes.len()], stream.cu_stream()) }
-                .map_err(|e| device_err("host to device copy", e))
-                .and_then(|_| buffer.done.record(stream).map_err(|e| device_err("recording a staging event", e)));
+                .map_err(|e| device_err("host to device copy", e))?;
+            buffer.done.record(stream).map_err(|e| device_err("recording a staging event", e))
+        };
+        let issued = issue();
         self.give(buffer);
         issued
     }
@@ -216,16 +217,24 @@ impl Staging {
         n: usize,
     ) -> Result<Download<T>> {
         let bytes = n * std::mem::size_of::<T>();
-        let mut buffer = self.take(ctx, bytes.max(1))?;
-        if bytes > 0 {
-            let staged = buffer.mem.as_mut_slice().map_err(|e| device_err("reaching a staging buffer", e))?;
-            // SAFETY: `src` holds `n` elements of `T` (the caller's contract); the target is page-locked and
-            // read only after `done`, recorded right after the copy, completes.
-            unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut staged[..bytes], src, stream.cu_stream()) }
-                .map_err(|e| device_err("device to host copy", e))?;
+        // Made first, so that a failed issue still hands the buffer back (`Download`'s drop).
+        let mut download = Download {
+            pool: Arc::clone(self),
+            buffer: Some(self.take(ctx, bytes.max(1))?),
+            n,
+            _t: std::marker::PhantomData,
+        };
+        if let Some(buffer) = download.buffer.as_mut() {
+            if bytes > 0 {
+                let staged = buffer.mem.as_mut_slice().map_err(|e| device_err("reaching a staging buffer", e))?;
+                // SAFETY: `src` holds `n` elements of `T` (the caller's contract); the target is page-locked and
+                // read only after `done`, recorded right after the copy, completes.
+                unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut staged[..bytes], src, stream.cu_stream()) }
+                    .map_err(|e| device_err("device to host copy", e))?;
+            }
+            buffer.done.record(stream).map_err(|e| device_err("recording a staging event", e))?;
         }
-        buffer.done.record(stream).map_err(|e| device_err("recording a staging event", e))?;
-        Ok(Download { pool: Arc::clone(self), buffer: Some(buffer), n, _t: std::marker::PhantomData })
+        Ok(download)
     }
 }
 
