@@ -137,9 +137,6 @@ impl SyncLaunches {
         let last = self.done.back();
         check_fed(last.map(|d| d.rows.as_slice()), rows)?;
         let previous = last.map(|d| d.outputs.as_slice()).unwrap_or_default();
-        if self.done.len() >= MAX_IN_FLIGHT {
-            return Err(too_many_in_flight());
-        }
         let inputs: Vec<RowInput> = rows
             .iter()
             .zip(previous)
