@@ -16,7 +16,7 @@ use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig};
 use crate::config::MlaConfig;
 use crate::cuda::gpu::Gpu;
 use crate::cuda::launch::{allow_shared_memory, DPtr};
-use crate::cuda::step::{StepTables, KDA_ENTRY, MLA_ENTRY, MLA_MAX_SPLITS};
+use crate::cuda::step::{MlaTable, StepTables, KDA_ENTRY, MLA_MAX_SPLITS};
 use crate::error::{KernelError, Result};
 
 /// The most splits `mla_out` merges: it stages each token's split statistics in shared memory
@@ -164,6 +164,31 @@ pub struct MlaAttentionArgs {
     pub out: DPtr,
 }
 
+/// Whether the MLA kernels take `m`'s widths (a clear error naming the width that does not fit): a kv_lora_rank
+/// that is a multiple of 8 and at most 512, a qk_nope_head_dim that is a whole number of `mla_absorb`'s k-steps and
+/// at most 128, and a qk_rope_head_dim in 16-byte pieces.
+pub fn check_mla_shape(m: &MlaConfig) -> Result<()> {
+    let (r, nope, rope) = (m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim);
+    if r > MLA_MAX_RANK || r % 8 != 0 {
+        return Err(KernelError::InvalidInput(format!(
+            "MLA kv_lora_rank {r} is not supported on CUDA (a multiple of 8, at most {MLA_MAX_RANK})"
+        )));
+    }
+    if nope > MLA_MAX_NOPE || nope % ABSORB_K != 0 {
+        return Err(KernelError::InvalidInput(format!(
+            "MLA qk_nope_head_dim {nope} is not supported on CUDA (a multiple of {ABSORB_K}, at most \
+             {MLA_MAX_NOPE})"
+        )));
+    }
+    if rope % 8 != 0 {
+        return Err(KernelError::InvalidInput(format!(
+            "MLA qk_rope_head_dim {rope} is not supported on CUDA (a multiple of 8: mla_absorb reads each head's \
+             query in 16-byte pieces)"
+        )));
+    }
+    Ok(())
+}
+
 impl AttnKernels {
     /// Conv, gates, norms, recurrence (or chunked form) and gated norm of KDA layer `layer` for every row of
     /// the step: one launch per form present (see `kda.cu`).
@@ -215,7 +240,7 @@ impl AttnKernels {
         if tables.rows == 0 {
             return Ok(());
         }
-        let table = tables.mla + (layer * tables.rows * MLA_ENTRY * 8) as u64;
+        let table = tables.mla_table(layer).entries;
         let cfg = LaunchConfig {
             grid_dim: (tables.max_t as u32, tables.rows as u32, 1),
             block_dim: (256, 1, 1),
@@ -230,38 +255,15 @@ impl AttnKernels {
         unsafe { b.launch(cfg, "mla_norm_append") }
     }
 
-    /// Absorbed MLA attention of every token of the step over its row's cache of layer `layer` (see
-    /// [`MlaAttentionArgs`]). Three launches: the absorbed queries, the split attention, the merge with `W_UV` and
-    /// the gate.
-    pub fn mla_attention(
-        &self,
-        gpu: &Gpu,
-        m: &MlaConfig,
-        tables: &StepTables,
-        layer: usize,
-        a: &MlaAttentionArgs,
-    ) -> Result<()> {
+    /// Absorbed MLA attention of every token of `table` over its window's cache (see [`MlaAttentionArgs`]): a
+    /// target step's layer (`StepTables::mla_table`) or the drafter's block (`MlaWindows`). Three launches: the
+    /// absorbed queries, the split attention, the merge with `W_UV` and the gate.
+    pub fn mla_attention(&self, gpu: &Gpu, m: &MlaConfig, table: &MlaTable, a: &MlaAttentionArgs) -> Result<()> {
         let MlaAttentionArgs { q, kv_b, gate, out } = *a;
         let (h, r, nope, rope, vdim) =
             (m.num_heads, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim);
-        if r > MLA_MAX_RANK || r % 8 != 0 {
-            return Err(KernelError::InvalidInput(format!(
-                "MLA kv_lora_rank {r} is not supported on CUDA (a multiple of 8, at most {MLA_MAX_RANK})"
-            )));
-        }
-        if nope > MLA_MAX_NOPE || nope % ABSORB_K != 0 {
-            return Err(KernelError::InvalidInput(format!(
-                "MLA qk_nope_head_dim {nope} is not supported on CUDA (a multiple of {ABSORB_K}, at most \
-                 {MLA_MAX_NOPE})"
-            )));
-        }
-        if rope % 8 != 0 {
-            return Err(KernelError::InvalidInput(format!(
-                "MLA qk_rope_head_dim {rope} is not supported on CUDA (a multiple of 8: mla_absorb reads each head's \
-                 query in 16-byte pieces)"
-            )));
-        }
-        let n = tables.n;
+        check_mla_shape(m)?;
+        let n = table.n;
         if n == 0 {
             return Ok(());
         }
@@ -269,7 +271,7 @@ impl AttnKernels {
         // columns), the partials by mla_split or mla_split_heads (every split of every token and head, empty
         // ones included).
         let q_lat = gpu.uninit::<f32>(n * h * r)?; // [n, H, r]
-        let splits = tables.mla_splits;
+        let splits = table.splits;
         let part_o = gpu.uninit::<f32>(n * h * splits * r)?; // [n, H, splits, r]
         let part_m = gpu.uninit::<f32>(n * h * splits)?; // [n, H, splits]
         let part_l = gpu.uninit::<f32>(n * h * splits)?; // [n, H, splits]
@@ -291,7 +293,6 @@ impl AttnKernels {
         // SAFETY: shapes as documented; q_lat holds [n, H, r]; r % 8 == 0 keeps the 16-byte weight loads aligned.
         unsafe { b.launch(cfg, "mla_absorb") }?;
 
-        let table = tables.mla + (layer * tables.rows * MLA_ENTRY * 8) as u64;
         let scale = 1.0f32 / (m.q_head_dim() as f32).sqrt();
         // Heads in groups of 16 per cache tile where the device and the shapes allow (the cache is read once per
         // group, not once per head), else one block per head.
@@ -313,7 +314,7 @@ impl AttnKernels {
         };
         let a = ints(&[h, nope, rope, r]);
         let mut b = gpu.launcher(split);
-        b.arg(&table).arg(&tables.tok_row).arg(&q).arg(&q_lat).arg(&part_o).arg(&part_m).arg(&part_l);
+        b.arg(&table.entries).arg(&table.tok_row).arg(&q).arg(&q_lat).arg(&part_o).arg(&part_m).arg(&part_l);
         for x in &a {
             b.arg(x);
         }

@@ -9,7 +9,8 @@
 //!   MLA layers whose queries see every context entry and every entry of their own block (non-causal),
 //!   a dense SiTU MLP, the final norm, and the target's lm_head giving `U` `[n, V]`;
 //! - Markov loop: `logits_k = U_k + bf(W2 · W1[x_{k−1}])` in fp32 (x_0 = the anchor), `x_k` its argmax
-//!   for greedy rows, `c_k = σ(wᵀ[h_k ; W1[x_{k−1}]] + b)`.
+//!   for greedy rows, `c_k = σ(wᵀ[h_k ; W1[x_{k−1}]] + b)`; per step one gather, one GEMM for every row and
+//!   one pick (docs/perf/decisions.md#d74).
 //!
 //! Invariants:
 //! - Activations are bf16 exactly where the CPU drafter rounds them, reductions fp32, so the device
@@ -24,13 +25,14 @@
 //!   `cuda::sample::verify_rows` reads). No logits row leaves the device: only the block's tokens,
 //!   confidences and the draws' status words come back, at the end.
 //! - All work runs on the runner's main stream (see `cuda::gpu`). The kernels of `drafter.cu` come from the
-//!   device's module store (compiled once with every other source); the shared ops (norms, GEMMs, sampling) are
-//!   the target model's op families (`DeviceModel::ops`).
+//!   device's module store (compiled once with every other source); the shared ops (norms, GEMMs, the block's MLA
+//!   attention, sampling) are the target model's op families (`DeviceModel::ops`).
 
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 use half::bf16;
 
 use crate::config::MLA_NORM_EPS;
+use crate::cuda::attn::{check_mla_shape, MlaAttentionArgs};
 use crate::cuda::forward::DeviceModel;
 use crate::cuda::gpu::Gpu;
 use crate::cuda::launch::{DPtr, NULL};
@@ -38,6 +40,7 @@ use crate::cuda::ops::Ops;
 use crate::cuda::rows::{RmsNormArgs, SituArgs};
 use crate::cuda::sample::{DeviceDraw, DeviceTokenMask, DrawPlan};
 use crate::cuda::state::{reserve, DeviceMla};
+use crate::cuda::step::MlaWindows;
 use crate::cuda::weights::{DevLinear, DevNorm};
 use crate::dspark::config::{DrafterConfig, MAX_BLOCK};
 use crate::dspark::model::DRAFT_STREAM;
@@ -59,41 +62,15 @@ pub const SPAN_LM_HEAD: &str = "draft.lm_head";
 pub const SPAN_MARKOV: &str = "draft.markov";
 pub const SPAN_END: &str = "draft.end";
 
-/// Threads of an `mla_attend_rows` block (`ATTEND_THREADS` in drafter.cu).
-const ATTEND_THREADS: u32 = 256;
-/// Most heads one `mla_attend_rows` block serves (`ATTEND_MAX_HG`).
-const ATTEND_MAX_HG: usize = 8;
-/// u64 words of an `mla_attend_rows` row descriptor (`ATTEND_ROW_WORDS`).
-const ATTEND_ROW_WORDS: usize = 5;
-/// Context positions per span of `mla_attend_rows` (`ATTEND_SPAN`): a row's spans depend on its own context only.
-const ATTEND_SPAN: usize = 512;
-/// Rows one `markov_step` block serves, the largest Markov rank it takes, and vocabulary entries per warp
-/// (`MARKOV_ROWS`, `MARKOV_MAX_R`, `MARKOV_PER_WARP`).
-const MARKOV_ROWS: usize = 64;
-const MARKOV_MAX_R: usize = 256;
-const MARKOV_PER_WARP: usize = 16;
-/// Threads of a `markov_step` block.
-const MARKOV_THREADS: usize = 256;
-
-/// Blocks below which `mla_attend_rows` gives each block fewer heads (about four per SM of an H200).
-const ATTEND_MIN_BLOCKS: usize = 512;
-
-/// Heads per `mla_attend_rows` block for `heads` heads of `queries` (block query, span) pairs: the most (up to
-/// `ATTEND_MAX_HG`, dividing `heads`) that still leave `ATTEND_MIN_BLOCKS` blocks, else one. Few blocks leave the
-/// device idle: at γ = 7, 32 heads and a 2,048-token context walked whole by each block, one row took 5.9 ms with 8
-/// heads per block (28 blocks) against 2.9 ms for one head per block (decisions.md D68).
-fn attend_head_group(heads: usize, queries: usize) -> usize {
-    (1..=ATTEND_MAX_HG).rev().find(|&g| heads % g == 0 && queries * heads / g >= ATTEND_MIN_BLOCKS).unwrap_or(1)
-}
+/// Threads of a `markov_pick` block and vocabulary entries per thread (`PICK_THREADS`, `PICK_PER_THREAD`).
+const PICK_THREADS: usize = 256;
+const PICK_PER_THREAD: usize = 8;
 
 /// The kernels of `kernels/cuda/drafter.cu`.
 struct DrafterKernels {
     concat_taps: CudaFunction,
     rope_rows: CudaFunction,
-    mla_attend_rows: CudaFunction,
-    mla_attend_merge: CudaFunction,
-    markov_step: CudaFunction,
-    argmax_step: CudaFunction,
+    markov_pick: CudaFunction,
 }
 
 impl DrafterKernels {
@@ -103,10 +80,7 @@ impl DrafterKernels {
         Ok(DrafterKernels {
             concat_taps: f("concat_taps")?,
             rope_rows: f("rope_rows")?,
-            mla_attend_rows: f("mla_attend_rows")?,
-            mla_attend_merge: f("mla_attend_merge")?,
-            markov_step: f("markov_step")?,
-            argmax_step: f("argmax_step")?,
+            markov_pick: f("markov_pick")?,
         })
     }
 }
@@ -233,8 +207,8 @@ pub struct DeviceDrafter {
     norm: DevNorm,
     /// `[V, r]`
     markov_w1: CudaSlice<bf16>,
-    /// `[V, r]`
-    markov_w2: CudaSlice<bf16>,
+    /// `[V, r]`: the Markov head's output projection, run as a linear layer.
+    markov_w2: DevLinear,
     /// `[d + r]`
     confidence_w: CudaSlice<bf16>,
     confidence_b: f32,
@@ -303,21 +277,7 @@ impl DeviceDrafter {
     /// Uploads and checks every drafter tensor from `src` (the target's embedding and lm_head are read
     /// in place from the target's weights); `cfg` must have been checked against the target.
     pub fn load(gpu: &Gpu, cfg: DrafterConfig, src: &dyn WeightSource) -> Result<Self> {
-        if cfg.markov_rank > MARKOV_MAX_R {
-            return Err(KernelError::InvalidInput(format!(
-                "a Markov rank of {} exceeds the device drafter's {MARKOV_MAX_R}",
-                cfg.markov_rank
-            )));
-        }
-        // mla_attend_rows and mla_attend_merge keep ATTEND_MAX_HG latent rows of f32 in the 48 KiB of default shared
-        // memory.
-        let attend_smem = ATTEND_MAX_HG * cfg.kv_lora_rank * 4;
-        if attend_smem > 48 << 10 {
-            return Err(KernelError::InvalidInput(format!(
-                "a drafter kv_lora_rank of {} needs {attend_smem} bytes of shared memory per attention block (48 KiB)",
-                cfg.kv_lora_rank
-            )));
-        }
+        check_mla_shape(&cfg.mla())?;
         let kernels = DrafterKernels::load(gpu)?;
         let mut up = Loader { gpu, specs: drafter_tensors(&cfg), src, bytes: 0 };
         let eps = cfg.rms_norm_eps;
@@ -352,7 +312,7 @@ impl DeviceDrafter {
             layers,
             norm: up.norm(FINAL_NORM, eps)?,
             markov_w1: up.bf16(MARKOV_W1)?.0,
-            markov_w2: up.bf16(MARKOV_W2)?.0,
+            markov_w2: up.linear(MARKOV_W2)?,
             confidence_w: up.bf16(CONFIDENCE_WEIGHT)?.0,
             confidence_b,
             bytes: up.bytes + 4,
@@ -521,11 +481,23 @@ impl DeviceDrafter {
         let x = gpu.zeros::<bf16>(n * d)?; // [n, d] residual stream
         let ops = &target.ops;
         ops.rows.embed(gpu, gpu.ptr(&target.weights.embed), gpu.ptr(&tokens), gpu.ptr(&x), n, d)?;
-        let scale = 1.0f32 / (qh as f32).sqrt();
-        // The attention's span count of the longest row (every row's context is the same in every layer).
-        let max_spans =
-            rows.iter().map(|r| (r.context.entries + r.num_drafts).div_ceil(ATTEND_SPAN)).max().unwrap_or(1).max(1);
-        let head_group = attend_head_group(heads, (stride - 1) * max_spans * rows.len());
+        // The block's attention windows (the target's MLA kernels): each block query is a window of one token
+        // after every other entry of its row, its context and then its whole block (appended below before the
+        // attention), so that the block is non-causal (dspark.md §1.1). Every cache is grown first, so that one
+        // table holds every layer's cache addresses.
+        let mut windows = MlaWindows::default();
+        let mut caches = vec![Vec::with_capacity(n); self.layers.len()];
+        for (row, s) in rows.iter_mut().zip(&first) {
+            let (t, entries) = (row.num_drafts, row.context.entries);
+            for k in 0..t {
+                windows.push(entries + t - 1, s + k, 1)?;
+            }
+            for (layer, cache) in caches.iter_mut().zip(row.context.layers.iter_mut()) {
+                reserve(gpu, cache, entries + t, ld)?;
+                layer.extend(std::iter::repeat_n(gpu.ptr(&cache.cache), t));
+            }
+        }
+        let (_windows_table, tables) = windows.upload(gpu, &caches)?;
         for (li, layer) in self.layers.iter().enumerate() {
             let h = norm(gpu, ops, &layer.input_norm, gpu.ptr(&x), n, d)?;
             let qa = linear(gpu, ops, &layer.q_a_proj, gpu.ptr(&h), n)?;
@@ -542,65 +514,18 @@ impl DeviceDrafter {
             self.rope(gpu, &rope)?;
             let block = self.latents(gpu, ops, layer, gpu.ptr(&h), gpu.ptr(&positions), n)?; // [n, ld]
             gpu.mark(SPAN_ATTEND)?;
-            // Per row, ATTEND_ROW_WORDS words: cache, visible | t << 32, first block query, scores offset, partials
-            // offset.
-            let mut descs = Vec::with_capacity(rows.len() * ATTEND_ROW_WORDS);
-            let (mut score_floats, mut part_entries) = (0usize, 0usize);
-            for (row, s) in rows.iter_mut().zip(&first) {
+            for (row, s) in rows.iter().zip(&first) {
                 let (t, entries) = (row.num_drafts, row.context.entries);
-                let cache = &mut row.context.layers[li];
-                reserve(gpu, cache, entries + t, ld)?;
                 gpu.copy::<bf16>(
-                    gpu.ptr(&cache.cache) + (entries * ld * 2) as u64,
+                    gpu.ptr(&row.context.layers[li].cache) + (entries * ld * 2) as u64,
                     gpu.ptr(&block) + (s * ld * 2) as u64,
                     t * ld,
                 )?;
-                let visible = entries + t;
-                descs.extend([
-                    gpu.ptr(&cache.cache),
-                    visible as u64 | (t as u64) << 32,
-                    *s as u64,
-                    score_floats as u64,
-                    part_entries as u64,
-                ]);
-                score_floats += t * heads * visible;
-                part_entries += t * visible.div_ceil(ATTEND_SPAN) * heads;
             }
-            let descs = gpu.upload(&descs)?;
-            // Written before they are read: every row's [t, H, visible] scores, and per (query, span, head) of every
-            // row the span's (max, sum of exps) and its [r] weighted latent sum.
-            let scores = gpu.uninit::<f32>(score_floats)?;
-            let part_ml = gpu.uninit::<f32>(part_entries * 2)?;
-            let part_o = gpu.uninit::<f32>(part_entries * mla.kv_lora_rank)?;
-            let o = gpu.zeros::<bf16>(n * heads * mla.v_head_dim)?; // [n, H·v]
-            let groups = (heads / head_group) as u32;
-            let shared_mem_bytes = (head_group * mla.kv_lora_rank * 4) as u32;
-            let (nope, rope, vdim, r) =
-                [mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim, mla.kv_lora_rank].map(|v| v as i32).into();
-            let (h_, hg, spans) = (heads as i32, head_group as i32, max_spans as i32);
-            let (q_ptr, desc_ptr, kv_b) = (gpu.ptr(&q), gpu.ptr(&descs), gpu.ptr(&layer.kv_b_proj.w));
-            let (sc, ml, po, o_ptr) = (gpu.ptr(&scores), gpu.ptr(&part_ml), gpu.ptr(&part_o), gpu.ptr(&o));
-            let mut b = gpu.launcher(&self.kernels.mla_attend_rows);
-            b.arg(&q_ptr).arg(&desc_ptr).arg(&kv_b).arg(&sc).arg(&ml).arg(&po);
-            b.arg(&h_).arg(&hg).arg(&nope).arg(&rope).arg(&vdim).arg(&r).arg(&spans).arg(&scale);
-            let launch = LaunchConfig {
-                grid_dim: (((stride - 1) * max_spans) as u32, groups, rows.len() as u32),
-                block_dim: (ATTEND_THREADS, 1, 1),
-                shared_mem_bytes,
-            };
-            // SAFETY: the arguments match mla_attend_rows; every row's cache holds `visible` entries (reserved and
-            // written above), `scores` holds every row's [t, H, visible] and the partials every row's entries.
-            unsafe { b.launch(launch, "mla_attend_rows") }?;
-            let mut b = gpu.launcher(&self.kernels.mla_attend_merge);
-            b.arg(&desc_ptr).arg(&kv_b).arg(&ml).arg(&po).arg(&o_ptr);
-            b.arg(&h_).arg(&hg).arg(&nope).arg(&vdim).arg(&r);
-            let launch = LaunchConfig {
-                grid_dim: ((stride - 1) as u32, groups, rows.len() as u32),
-                block_dim: (ATTEND_THREADS, 1, 1),
-                shared_mem_bytes,
-            };
-            // SAFETY: the arguments match mla_attend_merge; the partials were written in full by mla_attend_rows.
-            unsafe { b.launch(launch, "mla_attend_merge") }?;
+            let o = gpu.uninit::<bf16>(n * heads * mla.v_head_dim)?; // [n, H·v], written in full by mla_out
+            let attention =
+                MlaAttentionArgs { q: gpu.ptr(&q), kv_b: gpu.ptr(&layer.kv_b_proj.w), gate: None, out: gpu.ptr(&o) };
+            ops.attn.mla_attention(gpu, &mla, &tables[li], &attention)?;
             gpu.mark(SPAN_BACKBONE)?;
             let attn = linear(gpu, ops, &layer.o_proj, gpu.ptr(&o), n)?;
             ops.rows.add(gpu, gpu.ptr(&x), gpu.ptr(&attn), n * d)?;
@@ -621,9 +546,11 @@ impl DeviceDrafter {
 
         // The Markov loop: one step per block position for every row at once.
         gpu.mark(SPAN_MARKOV)?;
-        let mut host_tokens = vec![0u32; rows.len() * stride]; // [R, stride]: anchor, then drafts
+        let nrows = rows.len();
+        // [stride, R]: the anchors, then draft k of every row in row k + 1 (what step k + 1 gathers at once).
+        let mut host_tokens = vec![0u32; stride * nrows];
         for (i, row) in rows.iter().enumerate() {
-            host_tokens[i * stride] = row.anchor;
+            host_tokens[i] = row.anchor;
         }
         let draft_tokens = gpu.upload(&host_tokens)?;
         let base = gpu.upload(&to_i32(first.iter().copied())?)?;
@@ -632,6 +559,9 @@ impl DeviceDrafter {
         let sampled = rows.iter().any(|r| !r.params.is_greedy());
         let q = gpu.zeros::<f32>(if sampled { n * vocab } else { 0 })?; // [n, V] when any row samples
         let conf = gpu.zeros::<f32>(n)?;
+        // Per step and row, the argmax's packed best and its count of finished blocks (markov_pick).
+        let best = gpu.zeros::<u64>((stride - 1) * nrows)?;
+        let done = gpu.zeros::<u32>((stride - 1) * nrows)?;
         let mask_ptr = match mask {
             Some(m) if m.vocab() != vocab => {
                 return Err(KernelError::InvalidInput(format!(
@@ -642,29 +572,23 @@ impl DeviceDrafter {
             Some(m) => m.ptr(gpu),
             None => NULL,
         };
-        let (u_ptr, h_ptr, w1, w2, cw) = (
+        let e = gpu.uninit::<bf16>(nrows * r)?; // [R, r]: W1 of each row's previous token, gathered per step
+        let (u_ptr, h_ptr, e_ptr, w1, cw) = (
             gpu.ptr(&base_logits),
             gpu.ptr(&hidden),
+            gpu.ptr(&e),
             gpu.ptr(&self.markov_w1),
-            gpu.ptr(&self.markov_w2),
             gpu.ptr(&self.confidence_w),
         );
         let (base_ptr, count_ptr, tok_ptr, logits_ptr, conf_ptr) =
             (gpu.ptr(&base), gpu.ptr(&count), gpu.ptr(&draft_tokens), gpu.ptr(&logits), gpu.ptr(&conf));
-        let (stride_, v_, r_, d_) = (stride as i32, vocab as i32, r as i32, d as i32);
+        let (v_, r_, d_) = (vocab as i32, r as i32, d as i32);
         let cb = self.confidence_b;
-        let step_cfg = LaunchConfig {
-            grid_dim: (
-                vocab.div_ceil(MARKOV_THREADS / 32 * MARKOV_PER_WARP) as u32,
-                rows.len().div_ceil(MARKOV_ROWS) as u32,
-                1,
-            ),
-            block_dim: (MARKOV_THREADS as u32, 1, 1),
-            shared_mem_bytes: (MARKOV_ROWS.min(rows.len()) * r * 2) as u32,
+        let pick_cfg = LaunchConfig {
+            grid_dim: (vocab.div_ceil(PICK_THREADS * PICK_PER_THREAD) as u32, nrows as u32, 1),
+            block_dim: (PICK_THREADS as u32, 1, 1),
+            shared_mem_bytes: 0,
         };
-        let rows_ = rows.len() as i32;
-        let argmax_cfg =
-            LaunchConfig { grid_dim: (rows.len() as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
         // Group k: the sampled rows' draws of draft k, after the argmax of step k (which they overwrite).
         let q_ptr = gpu.ptr(&q);
         let draws: Vec<Vec<DeviceDraw<'_>>> = (0..stride - 1)
@@ -677,7 +601,7 @@ impl DeviceDrafter {
                         DeviceDraw {
                             logits: logits_ptr + at,
                             probs_out: q_ptr + at,
-                            token_out: tok_ptr + ((i * stride + k + 1) * 4) as u64,
+                            token_out: tok_ptr + (((k + 1) * nrows + i) * 4) as u64,
                             params: row.params,
                             position: (row.context.len() + 1 + k) as u64,
                         }
@@ -687,47 +611,30 @@ impl DeviceDrafter {
             .collect();
         let plan = DrawPlan::new(gpu, vocab, &draws, DRAFT_STREAM)?;
         for k in 0..stride - 1 {
-            let k_ = k as i32;
-            let mut b = gpu.launcher(&self.kernels.markov_step);
-            b.arg(&k_).arg(&u_ptr).arg(&h_ptr).arg(&w1).arg(&w2).arg(&cw).arg(&cb);
-            b.arg(&base_ptr).arg(&count_ptr).arg(&tok_ptr).arg(&stride_).arg(&mask_ptr).arg(&logits_ptr);
-            b.arg(&conf_ptr);
-            b.arg(&v_).arg(&r_).arg(&d_).arg(&rows_);
-            // SAFETY: the arguments match markov_step; every buffer covers the block's rows and vocabulary.
-            unsafe { b.launch(step_cfg, "markov_step") }?;
-            let mut b = gpu.launcher(&self.kernels.argmax_step);
-            b.arg(&k_).arg(&logits_ptr).arg(&base_ptr).arg(&count_ptr).arg(&tok_ptr).arg(&stride_).arg(&v_);
-            // SAFETY: the arguments match argmax_step; as above.
-            unsafe { b.launch(argmax_cfg, "argmax_step") }?;
+            ops.rows.embed(gpu, w1, tok_ptr + (k * nrows * 4) as u64, e_ptr, nrows, r)?;
+            let m = linear(gpu, ops, &self.markov_w2, e_ptr, nrows)?; // [R, V] bf(W2 e)
+            let (k_, m_ptr) = (k as i32, gpu.ptr(&m));
+            let (best_ptr, done_ptr) =
+                (gpu.ptr(&best) + (k * nrows * 8) as u64, gpu.ptr(&done) + (k * nrows * 4) as u64);
+            let mut b = gpu.launcher(&self.kernels.markov_pick);
+            b.arg(&k_).arg(&u_ptr).arg(&m_ptr).arg(&h_ptr).arg(&e_ptr).arg(&cw).arg(&cb);
+            b.arg(&base_ptr).arg(&count_ptr).arg(&tok_ptr).arg(&mask_ptr).arg(&logits_ptr).arg(&conf_ptr);
+            b.arg(&best_ptr).arg(&done_ptr).arg(&v_).arg(&r_).arg(&d_);
+            // SAFETY: the arguments match markov_pick; every buffer covers the block's rows and vocabulary, and
+            // step k's best and done words start at zero.
+            unsafe { b.launch(pick_cfg, "markov_pick") }?;
             plan.launch(gpu, &ops.sample, k)?;
         }
         gpu.mark(SPAN_END)?;
         plan.finish(gpu)?;
-        let all_tokens = gpu.download(&draft_tokens, rows.len() * stride)?;
+        let all_tokens = gpu.download(&draft_tokens, stride * nrows)?;
         let all_conf = gpu.download(&conf, n)?;
         let tokens = rows
             .iter()
             .enumerate()
-            .map(|(i, row)| all_tokens[i * stride + 1..=i * stride + row.num_drafts].to_vec())
+            .map(|(i, row)| (1..=row.num_drafts).map(|k| all_tokens[k * nrows + i]).collect())
             .collect();
         let confidences = rows.iter().zip(&first).map(|(row, s)| all_conf[*s..s + row.num_drafts].to_vec()).collect();
         Ok(BlockDrafts { tokens, confidences, q, first })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn attention_blocks_share_heads_only_when_enough_blocks_remain() {
-        // γ = 7, 32 heads: one row keeps a head per block (224 blocks); 16 rows share 4 (896 blocks).
-        assert_eq!(attend_head_group(32, 7), 1);
-        assert_eq!(attend_head_group(32, 7 * 4), 1);
-        assert_eq!(attend_head_group(32, 7 * 16), 4);
-        assert_eq!(attend_head_group(32, 7 * 64), 8);
-        // A group always divides the heads.
-        assert_eq!(attend_head_group(6, 7 * 64), 3);
-        assert_eq!(attend_head_group(2, 1000), 2);
     }
 }

@@ -572,7 +572,7 @@ impl DeviceModel {
         let kv_b = gpu.ptr(&w.kv_b_proj.w);
         gpu.mark("mla.attention")?;
         let attention = MlaAttentionArgs { q: gpu.ptr(&q), kv_b, gate: Some(gate), out: gpu.ptr(&gated) };
-        self.ops.attn.mla_attention(gpu, m, tables, layer, &attention)?;
+        self.ops.attn.mla_attention(gpu, m, &tables.mla_table(layer), &attention)?;
         gpu.mark("mla.o_proj")?;
         self.linear(gpu, &w.o_proj, gpu.ptr(&gated), n)
     }

@@ -117,6 +117,81 @@ fn mla_span(first: usize, t: usize) -> usize {
     visible.div_ceil(MLA_MAX_SPLITS).div_ceil(MLA_TILE).max(1).saturating_mul(MLA_TILE).max(MLA_MIN_SPAN)
 }
 
+/// The MLA split grid of a table whose most split window has `splits` splits: rounded up to a power of two (see
+/// the module invariants), at most [`MLA_MAX_SPLITS`].
+fn mla_grid_splits(splits: usize) -> usize {
+    splits.next_power_of_two().min(MLA_MAX_SPLITS)
+}
+
+/// One MLA layer's part of a table, as the MLA attention kernels read it: `[windows, MLA_ENTRY]` i64 entries,
+/// `[n]` i64 the window of each token, and the split grid.
+#[derive(Clone, Copy, Debug)]
+pub struct MlaTable {
+    pub(crate) entries: DPtr,
+    pub(crate) tok_row: DPtr,
+    pub(crate) n: usize,
+    pub(crate) splits: usize,
+}
+
+/// MLA windows laid out as a step table's MLA part (`[layers, windows, MLA_ENTRY]`, then `[n]` token windows),
+/// for attention outside a target step (the DSpark drafter's block). Window `w` holds `t` tokens at step offset
+/// `offset` after `first` cached entries; the same windows are used in every layer, each with its own caches.
+#[derive(Debug, Default)]
+pub struct MlaWindows {
+    /// Per window: (first, offset, t).
+    windows: Vec<(usize, usize, usize)>,
+    n: usize,
+}
+
+impl MlaWindows {
+    /// Adds a window of `t` tokens starting at step token `offset`, after `first` cached entries. Windows are
+    /// added in step-token order and cover the tokens without gaps.
+    pub fn push(&mut self, first: usize, offset: usize, t: usize) -> Result<()> {
+        if offset != self.n || t == 0 {
+            return Err(KernelError::InvalidInput(format!(
+                "an MLA window of {t} tokens at step token {offset} does not follow the {} tokens before it",
+                self.n
+            )));
+        }
+        self.windows.push((first, offset, t));
+        self.n += t;
+        Ok(())
+    }
+
+    /// Uploads the table with `caches[layer][window]` as each window's cache in each layer; the caches must hold
+    /// `first + t` entries. Returns the buffer (to keep alive while the kernels run) and each layer's view.
+    pub fn upload(&self, gpu: &Gpu, caches: &[Vec<DPtr>]) -> Result<(CudaSlice<i64>, Vec<MlaTable>)> {
+        let mut table = Vec::with_capacity((caches.len() * self.windows.len()) * MLA_ENTRY + self.n);
+        let mut splits = 1;
+        for layer in caches {
+            if layer.len() != self.windows.len() {
+                return Err(KernelError::InvalidInput(format!(
+                    "{} caches for {} MLA windows",
+                    layer.len(),
+                    self.windows.len()
+                )));
+            }
+            for (cache, &(first, offset, t)) in layer.iter().zip(&self.windows) {
+                let span = mla_span(first, t);
+                splits = splits.max((first + t).div_ceil(span));
+                table.extend([*cache as i64, first as i64, offset as i64, t as i64, span as i64]);
+            }
+        }
+        for (w, &(_, _, t)) in self.windows.iter().enumerate() {
+            table.extend(std::iter::repeat_n(w as i64, t));
+        }
+        let buf = gpu.upload(&table)?;
+        let base = gpu.ptr(&buf);
+        let layer_bytes = (self.windows.len() * MLA_ENTRY * 8) as u64;
+        let tok_row = base + caches.len() as u64 * layer_bytes;
+        let splits = mla_grid_splits(splits);
+        let views = (0..caches.len())
+            .map(|l| MlaTable { entries: base + l as u64 * layer_bytes, tok_row, n: self.n, splits })
+            .collect();
+        Ok((buf, views))
+    }
+}
+
 impl StepTables {
     /// Grows every MLA cache of the rows to hold their windows, allocates the rows' snapshot buffers, and
     /// uploads the table with the step's token ids and `wanted` logits positions (see [`TableSpec`]).
@@ -220,7 +295,7 @@ impl StepTables {
             rows: nrows,
             n,
             max_t: rows.iter().map(|r| r.tokens.len()).max().unwrap_or(0),
-            mla_splits: mla_splits.next_power_of_two().min(MLA_MAX_SPLITS),
+            mla_splits: mla_grid_splits(mla_splits),
             any_chunked: forms.contains(&1),
             any_recurrent: forms.contains(&0),
             undo,
@@ -251,11 +326,35 @@ impl StepTables {
     pub fn mla_splits(&self) -> usize {
         self.mla_splits
     }
+
+    /// MLA layer `layer`'s part of the table.
+    pub fn mla_table(&self, layer: usize) -> MlaTable {
+        MlaTable {
+            entries: self.mla + (layer * self.rows * MLA_ENTRY * 8) as u64,
+            tok_row: self.tok_row,
+            n: self.n,
+            splits: self.mla_splits,
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mla_windows_cover_the_tokens_in_order() {
+        let mut w = MlaWindows::default();
+        w.push(10, 0, 1).unwrap();
+        w.push(10, 1, 1).unwrap();
+        // A window that leaves a gap, repeats a token or holds none is refused, naming the tokens.
+        let gap = w.push(4, 3, 1).unwrap_err().to_string();
+        assert!(gap.contains("step token 3") && gap.contains("the 2 tokens"), "{gap}");
+        assert!(w.push(4, 1, 1).is_err());
+        assert!(w.push(4, 2, 0).is_err());
+        w.push(4, 2, 3).unwrap();
+        assert_eq!(w.n, 5);
+    }
 
     #[test]
     fn decode_rows_split_long_caches_and_windows_do_not() {

@@ -427,7 +427,7 @@ pub fn mla_batch(gpu: &Gpu, preset: &str, batch: usize, seed: u64) -> Result<Mla
             gate: Some(gpu.ptr(&gate_d)),
             out: gpu.ptr(&out),
         };
-        kernels.mla_attention(gpu, &m, &tables, 0, &attention)?;
+        kernels.mla_attention(gpu, &m, &tables.mla_table(0), &attention)?;
         gpu.mark("end")?;
         let span = if profile { gpu.finish_profile()?.first().map(|s| (s.ms, s.launches)) } else { None };
         let (ms, launches) = span.unwrap_or((0.0, 0));
