@@ -1,23 +1,31 @@
 //! K2/K3's chat template, rendered straight to token ids.
 //!
-//! Follows the `chat_template.jinja` of Kimi K2-Instruct(-0905) for text messages:
-//! - If the first message is not `system`, Kimi's default system turn comes first:
+//! Follows the `chat_template.jinja` of Kimi K2-Instruct(-0905) (the formats, with their sources, are in
+//! docs/agent-formats.md):
+//! - With tools, a `tool_declare` turn comes first: `<|im_system|>tool_declare<|im_middle|>{tools}<|im_end|>`,
+//!   `{tools}` the request's `tools` array as compact JSON.
+//! - If the first message is not `system`, Kimi's default system turn comes next:
 //!   `<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>`.
-//! - Each message is `MARKER{role_name}<|im_middle|>{content}<|im_end|>`, where `role_name` is the
+//! - Each message is `MARKER{role_name}<|im_middle|>{body}<|im_end|>`, where `role_name` is the
 //!   message's `name` when non-empty, else its role, and MARKER is `<|im_user|>` for `user`,
 //!   `<|im_assistant|>` for `assistant` and `<|im_system|>` for `system`, `developer` and `tool`. A tool
-//!   result's content is `## Return of {tool_call_id}\n{content}` ([`ChatMessage::tool_result`] builds it).
+//!   result's body is `## Return of {tool_call_id}\n{content}` ([`ChatMessage::tool_result`] builds it).
+//! - An assistant body is `<think>{reasoning}</think>` when the message has reasoning, then its content, then
+//!   its tool calls as one section: `<|tool_calls_section_begin|>`, per call `<|tool_call_begin|>{id}
+//!   <|tool_call_argument_begin|>{arguments}<|tool_call_end|>` (no spaces), `<|tool_calls_section_end|>`. The
+//!   reasoning is kept in every turn (Kimi's thinking templates drop it from turns before the last user
+//!   message): a reply is rendered back as the model produced it, so resending a history and continuing a kept
+//!   turn give the same tokens and the prefix cache still hits.
 //! - With the generation prompt, every message is closed with `<|im_end|>` and
 //!   `<|im_assistant|>assistant<|im_middle|>` follows; without it the last message is left open (Kimi's
 //!   template omits its `<|im_end|>`), so the model continues it.
 //!
-//! Left out: the `tool_declare` turn for `tools`, assistant `tool_calls` sections, and media parts (the API
-//! layer flattens content to text). Unknown roles are an error naming the role, where Kimi's template would
-//! render them as system turns.
+//! Left out: media parts (the API layer flattens content to text). Unknown roles are an error naming the role,
+//! where Kimi's template would render them as system turns.
 //!
 //! Invariants: markers are emitted as their special ids and content is encoded with
-//! [`Tokenizer::encode`], so special-token strings inside content stay plain text (no prompt injection of
-//! markers). For content without special-token strings this equals Hugging Face's
+//! [`Tokenizer::encode`], so special-token strings inside content, reasoning, tool ids and arguments stay plain
+//! text (no prompt injection of markers). For content without special-token strings this equals Hugging Face's
 //! `apply_chat_template(..., tokenize=True)` with [`ChatTemplate::JINJA`], which is what the export ships.
 //! A continuation ([`ChatTemplate::render_continuation`]) appended to a kept turn yields exactly the tokens
 //! of resending the whole history, as long as the kept assistant tokens are the canonical encoding of the
@@ -25,7 +33,10 @@
 
 use super::bpe::Tokenizer;
 use super::error::{Result, TokenizerError};
-use super::specials::{IM_ASSISTANT, IM_END, IM_MIDDLE, IM_SYSTEM, IM_USER};
+use super::specials::{
+    IM_ASSISTANT, IM_END, IM_MIDDLE, IM_SYSTEM, IM_USER, TOOL_CALLS_SECTION_BEGIN, TOOL_CALLS_SECTION_END,
+    TOOL_CALL_ARGUMENT_BEGIN, TOOL_CALL_BEGIN, TOOL_CALL_END,
+};
 
 /// The system prompt Kimi's template inserts when a conversation does not start with a system message.
 pub const KIMI_DEFAULT_SYSTEM_PROMPT: &str = "You are Kimi, an AI assistant created by Moonshot AI.";
@@ -66,6 +77,15 @@ impl ChatRole {
     }
 }
 
+/// One tool call of an assistant message: its id (`functions.{name}:{index}` in Kimi's own calls), the
+/// function's name and its arguments as the JSON text the model wrote.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ToolCall {
+    pub id: String,
+    pub name: String,
+    pub arguments: String,
+}
+
 /// One chat message with its text content already flattened to a single string.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ChatMessage {
@@ -73,19 +93,71 @@ pub struct ChatMessage {
     pub content: String,
     /// Replaces the role name in the rendered turn header, as Kimi's template does.
     pub name: Option<String>,
+    /// An assistant message's thinking, rendered as `<think>{reasoning}</think>` before its content.
+    pub reasoning: Option<String>,
+    /// An assistant message's tool calls, rendered after its content.
+    pub tool_calls: Vec<ToolCall>,
 }
 
 impl ChatMessage {
     /// A message with no name.
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        ChatMessage { role: role.into(), content: content.into(), name: None }
+        ChatMessage { role: role.into(), content: content.into(), ..ChatMessage::default() }
     }
 
     /// A tool result in Kimi's form: content `## Return of {call_id}\n{output}`.
     pub fn tool_result(call_id: &str, output: &str) -> Self {
         ChatMessage::new("tool", format!("## Return of {call_id}\n{output}"))
     }
+
+    /// The message under `name` (a tool result's turn header is the function's name).
+    pub fn with_name(mut self, name: Option<String>) -> Self {
+        self.name = name;
+        self
+    }
 }
+
+/// What to render: the messages, the request's tool declarations (its `tools` array as compact JSON; `None` or
+/// an empty array declares none) and whether the assistant's turn is opened after them.
+#[derive(Clone, Copy, Debug)]
+pub struct RenderSpec<'a> {
+    pub messages: &'a [ChatMessage],
+    pub tools: Option<&'a str>,
+    pub add_generation_prompt: bool,
+}
+
+/// The special ids of the tool-call markers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ToolMarkers {
+    pub section_begin: u32,
+    pub section_end: u32,
+    pub call_begin: u32,
+    pub argument_begin: u32,
+    pub call_end: u32,
+}
+
+impl ToolMarkers {
+    /// The markers' ids in `tokenizer`; errors naming the first one it lacks.
+    pub fn new(tokenizer: &Tokenizer) -> Result<Self> {
+        let id = |name: &str| tokenizer.token_id(name).ok_or_else(|| TokenizerError::MissingSpecialToken(name.into()));
+        Ok(ToolMarkers {
+            section_begin: id(TOOL_CALLS_SECTION_BEGIN)?,
+            section_end: id(TOOL_CALLS_SECTION_END)?,
+            call_begin: id(TOOL_CALL_BEGIN)?,
+            argument_begin: id(TOOL_CALL_ARGUMENT_BEGIN)?,
+            call_end: id(TOOL_CALL_END)?,
+        })
+    }
+
+    /// Whether `id` is one of the markers.
+    pub fn contains(&self, id: u32) -> bool {
+        [self.section_begin, self.section_end, self.call_begin, self.argument_begin, self.call_end].contains(&id)
+    }
+}
+
+/// The tag that opens a reply's thinking, and the one that closes it (plain text, not special tokens).
+pub const THINK_BEGIN: &str = "<think>";
+pub const THINK_END: &str = "</think>";
 
 /// The chat template bound to a tokenizer's marker ids. Cheap to clone.
 #[derive(Clone, Debug)]
@@ -96,12 +168,16 @@ pub struct ChatTemplate {
     im_assistant: u32,
     im_middle: u32,
     im_end: u32,
+    tools: ToolMarkers,
 }
 
 impl ChatTemplate {
     /// The Hugging Face (Jinja) form of exactly this template, shipped in the export's
     /// `tokenizer_config.json`. Whitespace between tags is trimmed, so only the quoted strings are output.
-    pub const JINJA: &'static str = r#"{%- for message in messages -%}
+    pub const JINJA: &'static str = r#"{%- if tools -%}
+{{- '<|im_system|>tool_declare<|im_middle|>' + (tools | tojson(separators=(',', ':'))) + '<|im_end|>' -}}
+{%- endif -%}
+{%- for message in messages -%}
 {%- if loop.first and message['role'] != 'system' -%}
 {{- '<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>' -}}
 {%- endif -%}
@@ -116,12 +192,22 @@ impl ChatTemplate {
 {%- if message['role'] == 'tool' and message.get('tool_call_id') -%}
 {{- '## Return of ' + message['tool_call_id'] + '\n' -}}
 {%- endif -%}
+{%- if message['role'] == 'assistant' and message.get('reasoning_content') -%}
+{{- '<think>' + message['reasoning_content'] + '</think>' -}}
+{%- endif -%}
 {%- if message['content'] is string -%}
 {{- message['content'] -}}
 {%- elif message['content'] is not none -%}
 {%- for part in message['content'] -%}
 {%- if part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}
 {%- endfor -%}
+{%- endif -%}
+{%- if message['role'] == 'assistant' and message.get('tool_calls') -%}
+{{- '<|tool_calls_section_begin|>' -}}
+{%- for call in message['tool_calls'] -%}
+{{- '<|tool_call_begin|>' + call['id'] + '<|tool_call_argument_begin|>' + call['function']['arguments'] + '<|tool_call_end|>' -}}
+{%- endfor -%}
+{{- '<|tool_calls_section_end|>' -}}
 {%- endif -%}
 {%- if not loop.last or add_generation_prompt -%}
 {{- '<|im_end|>' -}}
@@ -140,6 +226,7 @@ impl ChatTemplate {
             im_assistant: id(IM_ASSISTANT)?,
             im_middle: id(IM_MIDDLE)?,
             im_end: id(IM_END)?,
+            tools: ToolMarkers::new(&tokenizer)?,
             tokenizer,
         })
     }
@@ -151,20 +238,31 @@ impl ChatTemplate {
 
     /// Renders `messages` followed by the generation prompt.
     pub fn render(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
-        self.render_with(messages, true)
+        self.render_spec(&RenderSpec { messages, tools: None, add_generation_prompt: true })
     }
 
     /// Renders `messages`; with `add_generation_prompt` every message is closed and the assistant turn
     /// opened, without it the last message is left open for the model to continue.
     pub fn render_with(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<Vec<u32>> {
+        self.render_spec(&RenderSpec { messages, tools: None, add_generation_prompt })
+    }
+
+    /// Renders what `spec` says (see the module docs for the order of the turns).
+    pub fn render_spec(&self, spec: &RenderSpec<'_>) -> Result<Vec<u32>> {
+        let RenderSpec { messages, tools, add_generation_prompt } = *spec;
         let roles = parse_roles(messages)?;
         let mut out = Vec::new();
+        if let Some(tools) = tools.filter(|t| !t.trim().is_empty() && t.trim() != "[]") {
+            let declare = ChatMessage::new("system", tools).with_name(Some("tool_declare".into()));
+            self.push_turn(&mut out, ChatRole::System, &declare, true);
+        }
         for (index, (message, role)) in messages.iter().zip(&roles).enumerate() {
             if index == 0 && *role != ChatRole::System {
-                self.push_turn(&mut out, ChatRole::System, "system", KIMI_DEFAULT_SYSTEM_PROMPT, true);
+                let system = ChatMessage::new("system", KIMI_DEFAULT_SYSTEM_PROMPT);
+                self.push_turn(&mut out, ChatRole::System, &system, true);
             }
             let close = add_generation_prompt || index + 1 < messages.len();
-            self.push_turn(&mut out, *role, role_name(message, *role), &message.content, close);
+            self.push_turn(&mut out, *role, message, close);
         }
         if add_generation_prompt {
             out.extend(self.generation_prompt());
@@ -184,7 +282,7 @@ impl ChatTemplate {
             out.push(self.im_end);
         }
         for (message, role) in new_messages.iter().zip(&roles) {
-            self.push_turn(&mut out, *role, role_name(message, *role), &message.content, true);
+            self.push_turn(&mut out, *role, message, true);
         }
         out.extend(self.generation_prompt());
         Ok(out)
@@ -203,15 +301,38 @@ impl ChatTemplate {
         self.im_end
     }
 
-    fn push_turn(&self, out: &mut Vec<u32>, role: ChatRole, role_name: &str, content: &str, close: bool) {
+    /// The ids of the tool-call markers.
+    pub fn tool_markers(&self) -> ToolMarkers {
+        self.tools
+    }
+
+    fn push_turn(&self, out: &mut Vec<u32>, role: ChatRole, message: &ChatMessage, close: bool) {
         out.push(match role {
             ChatRole::User => self.im_user,
             ChatRole::Assistant => self.im_assistant,
             ChatRole::System | ChatRole::Developer | ChatRole::Tool => self.im_system,
         });
-        out.extend(self.tokenizer.encode(role_name));
+        out.extend(self.tokenizer.encode(role_name(message, role)));
         out.push(self.im_middle);
-        out.extend(self.tokenizer.encode(content));
+        let mut body = String::new();
+        if role == ChatRole::Assistant {
+            if let Some(reasoning) = message.reasoning.as_deref().filter(|r| !r.is_empty()) {
+                body = format!("{THINK_BEGIN}{reasoning}{THINK_END}");
+            }
+        }
+        body.push_str(&message.content);
+        out.extend(self.tokenizer.encode(&body));
+        if role == ChatRole::Assistant && !message.tool_calls.is_empty() {
+            out.push(self.tools.section_begin);
+            for call in &message.tool_calls {
+                out.push(self.tools.call_begin);
+                out.extend(self.tokenizer.encode(&call.id));
+                out.push(self.tools.argument_begin);
+                out.extend(self.tokenizer.encode(&call.arguments));
+                out.push(self.tools.call_end);
+            }
+            out.push(self.tools.section_end);
+        }
         if close {
             out.push(self.im_end);
         }

@@ -8,6 +8,7 @@
 //! - [`ChatTemplate`] (`chat`): K2/K3's role-marker chat format rendered straight to token ids, and the
 //!   Responses-API continuation of a kept turn, token-identical to resending the whole history.
 //! - [`IncrementalDecoder`] (`detok`): streaming ids to text that never splits a UTF-8 character.
+//! - [`ReplyParser`] (`reply`): a reply's ids split into reasoning, content and tool calls as they stream.
 //! - [`export_hf`] (`export`): the same tokenizer as a Hugging Face tokenizer folder, so client-side
 //!   tokenizers (AIPerf) count tokens exactly as the daemon does.
 //!
@@ -18,10 +19,15 @@ mod chat;
 mod detok;
 mod error;
 mod export;
+mod reply;
 pub mod specials;
 
 pub use bpe::{Tokenizer, VocabSource, CL100K_BASE_TOKENS, CL100K_PATTERN, KIMI_PATTERN};
-pub use chat::{ChatMessage, ChatRole, ChatTemplate, KIMI_DEFAULT_SYSTEM_PROMPT};
+pub use chat::{
+    ChatMessage, ChatRole, ChatTemplate, RenderSpec, ToolCall, ToolMarkers, KIMI_DEFAULT_SYSTEM_PROMPT, THINK_BEGIN,
+    THINK_END,
+};
 pub use detok::IncrementalDecoder;
 pub use error::{Result, TokenizerError};
 pub use export::export_hf;
+pub use reply::{call_name, ReplyEvent, ReplyParser};

@@ -26,6 +26,12 @@ pub const IM_USER: &str = "<|im_user|>";
 pub const IM_ASSISTANT: &str = "<|im_assistant|>";
 pub const IM_SYSTEM: &str = "<|im_system|>";
 pub const IM_MIDDLE: &str = "<|im_middle|>";
+/// The tool-call markers of an assistant turn (docs/agent-formats.md).
+pub const TOOL_CALLS_SECTION_BEGIN: &str = "<|tool_calls_section_begin|>";
+pub const TOOL_CALLS_SECTION_END: &str = "<|tool_calls_section_end|>";
+pub const TOOL_CALL_BEGIN: &str = "<|tool_call_begin|>";
+pub const TOOL_CALL_ARGUMENT_BEGIN: &str = "<|tool_call_argument_begin|>";
+pub const TOOL_CALL_END: &str = "<|tool_call_end|>";
 pub const UNK: &str = "[UNK]";
 pub const PAD: &str = "[PAD]";
 
@@ -40,11 +46,11 @@ pub const K3_NAMED_SPECIALS: [(u32, &str); 17] = [
     (7, "<|end_header_id|>"),
     (9, "[EOT]"),
     (10, IM_SYSTEM),
-    (11, "<|tool_calls_section_begin|>"),
-    (12, "<|tool_calls_section_end|>"),
-    (13, "<|tool_call_begin|>"),
-    (14, "<|tool_call_argument_begin|>"),
-    (15, "<|tool_call_end|>"),
+    (11, TOOL_CALLS_SECTION_BEGIN),
+    (12, TOOL_CALLS_SECTION_END),
+    (13, TOOL_CALL_BEGIN),
+    (14, TOOL_CALL_ARGUMENT_BEGIN),
+    (15, TOOL_CALL_END),
     (17, IM_MIDDLE),
     (254, UNK),
     (255, PAD),

@@ -1,14 +1,16 @@
-//! One request's life against the engine, shared by every endpoint: submit, turn engine events into text
-//! deltas (incremental detokenization, stop strings), and finish with usage, timings and the API's metrics.
+//! One request's life against the engine, shared by every endpoint: submit, turn engine events into deltas
+//! (incremental detokenization; for chat replies reasoning, content and tool calls, `reply`; stop strings), and
+//! finish with usage, timings and the API's metrics.
 //!
 //! Invariants:
 //! - A [`Generation`] that is dropped before its terminal event closes its event channel, so the engine cancels
 //!   the request and frees its state (a client that went away); it counts as finished with reason `abort`.
-//! - Stop strings are matched on the detokenized text. Text that could still be the start of a stop string is
+//! - Stop strings are matched on the detokenized text (a chat reply's content). Text that could still be the start of a stop string is
 //!   held back (at most the longest stop string minus one byte), so returned text never contains a stop
 //!   string and always ends before the first one; on a match the engine request is cancelled and the finish
 //!   reason is `stop`, with `completion_tokens` counting the tokens up to the one that completed the match.
 //! - Deltas carry the tokens and log-probabilities of the step even when their text is held back.
+//! - A reply that ends normally after a reported tool call finishes with reason `tool_calls`.
 //! - Timings (aesthetics.md §6 rule 7) are measured here, from the request's arrival at the API.
 
 use std::collections::BTreeMap;
@@ -17,11 +19,11 @@ use std::time::{Duration, Instant};
 
 use sparkd_kernels::runner::TokenLogprob;
 use sparkd_kernels::TokenId;
-use sparkd_tokenizer::IncrementalDecoder;
 use tokio::sync::mpsc;
 
 use super::error::ApiError;
 use super::openai::GenerationParams;
+use super::reply::{ReplyForm, ReplyText, ToolCallDelta};
 use super::AppState;
 use crate::engine::types::{EngineError, EngineEvent, FinishReason, GenerateRequest, RequestId, ResponseId, Usage};
 use crate::metrics as m;
@@ -39,13 +41,20 @@ pub struct GenerationOrder {
     /// The resolved output limit.
     pub max_tokens: usize,
     pub arrival: Instant,
+    /// How the reply is read: plain text, or a chat reply with reasoning and tool calls.
+    pub reply: ReplyForm,
 }
 
 /// Text and tokens of one engine step.
 #[derive(Clone, Debug, Default)]
 pub struct Delta {
-    /// Text that became final (may be empty while a stop string might be forming or a character is split).
+    /// Text that became final (may be empty while a stop string might be forming or a character is split); a
+    /// chat reply's content.
     pub text: String,
+    /// A chat reply's thinking that became final.
+    pub reasoning: String,
+    /// A chat reply's tool calls: headers as they complete, then argument fragments.
+    pub tool_calls: Vec<ToolCallDelta>,
     pub tokens: Vec<TokenId>,
     /// One per token when log-probabilities were asked for.
     pub logprobs: Vec<TokenLogprob>,
@@ -90,7 +99,7 @@ pub struct SpecDecodeStats {
 /// How a request ended.
 #[derive(Clone, Debug)]
 pub struct Outcome {
-    /// "stop", "length" or "abort".
+    /// "stop", "length", "abort" or "tool_calls".
     pub finish_reason: &'static str,
     pub usage: Usage,
     pub timings: Timings,
@@ -160,7 +169,7 @@ pub struct Generation {
     state: Arc<AppState>,
     id: RequestId,
     events: mpsc::Receiver<EngineEvent>,
-    decoder: IncrementalDecoder,
+    reply: ReplyText,
     stop: StopStrings,
     arrival: Instant,
     started: Option<(usize, usize, Duration)>,
@@ -195,12 +204,13 @@ impl Generation {
             arrival: order.arrival,
             num_spec_tokens: order.params.num_spec_tokens,
         };
+        let reply = ReplyText::new(state.tokenizer(), order.reply)?;
         state.engine.submit(request, tx).await?;
         Ok(Generation {
             state: state.clone(),
             id,
             events: rx,
-            decoder: IncrementalDecoder::new(state.tokenizer().clone()),
+            reply,
             stop: StopStrings::new(order.params.stop),
             arrival: order.arrival,
             started: None,
@@ -263,14 +273,16 @@ impl Generation {
                         self.spec_steps += 1;
                         *self.acceptance.entry(accepted.to_string()).or_insert(0) += 1;
                     }
-                    let text = self.decoder.push(&tokens);
-                    let text = self.stop.feed(&text);
+                    let pieces = self.reply.push(&tokens);
+                    let text = self.stop.feed(&pieces.content);
                     if self.stop.matched() {
                         self.stop_at_tokens = Some(self.completion_tokens);
                         self.cancel().await;
                     }
                     return Ok(Progress::Delta(Delta {
                         text,
+                        reasoning: pieces.reasoning,
+                        tool_calls: pieces.calls,
                         tokens,
                         logprobs,
                         completion_tokens: self.completion_tokens,
@@ -278,22 +290,25 @@ impl Generation {
                 }
                 EngineEvent::Finished { reason, usage } => {
                     let mut tail = String::new();
+                    let mut flushed = Default::default();
                     if !self.stop.matched() {
-                        let flushed = self.decoder.finish();
-                        tail = self.stop.feed(&flushed);
+                        flushed = self.reply.finish();
+                        tail = self.stop.feed(&std::mem::take(&mut flushed.content));
                         if !self.stop.matched() {
                             tail.push_str(&self.stop.finish());
                         }
                     }
                     let outcome = self.outcome(reason, usage);
                     self.record_metrics(&outcome);
-                    if tail.is_empty() {
+                    if tail.is_empty() && flushed.reasoning.is_empty() && flushed.calls.is_empty() {
                         self.done = true;
                         return Ok(Progress::Done(outcome));
                     }
                     self.finished = Some(outcome);
                     return Ok(Progress::Delta(Delta {
                         text: tail,
+                        reasoning: flushed.reasoning,
+                        tool_calls: flushed.calls,
                         tokens: Vec::new(),
                         logprobs: Vec::new(),
                         completion_tokens: self.completion_tokens,
@@ -316,6 +331,7 @@ impl Generation {
                 usage.completion_tokens = n;
                 "stop"
             }
+            (None, FinishReason::Stop) if self.reply.calls_ended() > 0 => "tool_calls",
             (None, r) => r.as_str(),
         };
         let end = self.last_token_at.unwrap_or_else(Instant::now);

@@ -21,14 +21,16 @@ use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::{json, Value};
 use sparkd_kernels::TokenId;
+use sparkd_tokenizer::RenderSpec;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use super::error::ApiError;
 use super::generate::{Generation, GenerationOrder, Progress};
 use super::openai::{self, Prompt, StreamOptions, ValidRequest};
+use super::reply::ReplyForm;
 use super::sse::{SseBody, SseWriter};
-use super::wire::{self, Chunk, ChunkChoice, ChunkHeader, ChunkKind, UsageJson};
+use super::wire::{self, Chunk, ChunkChoice, ChunkHeader, ChunkKind, FullReply, UsageJson};
 use super::{new_id, responses, unix_now, ws, AppState};
 use crate::metrics as m;
 
@@ -165,7 +167,11 @@ pub async fn read_json(state: &AppState, req: Request<Incoming>) -> Result<Value
 /// The prompt's token ids; token-id prompts are checked against the vocabulary.
 pub fn prompt_tokens(state: &AppState, prompt: &Prompt) -> Result<Vec<TokenId>, ApiError> {
     match prompt {
-        Prompt::Chat(messages) => Ok(state.template.render(messages)?),
+        Prompt::Chat { messages, tools } => Ok(state.template.render_spec(&RenderSpec {
+            messages,
+            tools: tools.as_deref(),
+            add_generation_prompt: true,
+        })?),
         Prompt::Text(text) => Ok(state.tokenizer().encode(text)),
         Prompt::Tokens(ids) => {
             let vocab = state.tokenizer().vocab_size();
@@ -198,6 +204,13 @@ async fn chat_or_completion(
         (Prompt::Tokens(ids), true) => Some(state.tokenizer().decode_lossy(ids)?),
         _ => None,
     };
+    let reply = match kind {
+        ChunkKind::Chat => ReplyForm::Chat {
+            calls: valid.tools.as_ref().is_some_and(|t| t.reports_calls()),
+            parallel: valid.tools.as_ref().is_none_or(|t| t.parallel),
+        },
+        ChunkKind::Completion => ReplyForm::Text,
+    };
     let order = GenerationOrder {
         prompt,
         continue_from: None,
@@ -205,6 +218,7 @@ async fn chat_or_completion(
         params: valid.params.clone(),
         max_tokens,
         arrival,
+        reply,
     };
     let generation = Generation::start(state, order).await?;
     let id = new_id(if kind == ChunkKind::Chat { "chatcmpl-" } else { "cmpl-" });
@@ -227,13 +241,13 @@ async fn collect_body(
     valid: &ValidRequest,
     echo: Option<String>,
 ) -> Result<Response<Body>, ApiError> {
-    let mut text = echo.unwrap_or_default();
-    let echo_len = text.len();
+    let mut reply = FullReply { text: echo.unwrap_or_default(), ..FullReply::default() };
+    let echo_len = reply.text.len();
     let mut logprobs = Vec::new();
     let outcome = loop {
         match generation.next().await? {
             Progress::Delta(d) => {
-                text.push_str(&d.text);
+                reply.push(&d.text, &d.reasoning, &d.tool_calls);
                 logprobs.extend(d.logprobs);
             }
             Progress::Done(o) => break o,
@@ -244,7 +258,7 @@ async fn collect_body(
         ChunkKind::Completion => wire::completion_logprobs(state.tokenizer(), &logprobs, echo_len),
     });
     let header = ChunkHeader { id, created: unix_now(), model: &state.model_name };
-    Ok(json_response(StatusCode::OK, &wire::full_body(kind, header, &text, lp, &outcome)))
+    Ok(json_response(StatusCode::OK, &wire::full_body(kind, header, &reply, lp, &outcome)))
 }
 
 /// Streams a generation as chat/completion chunks; returns when done or when the client leaves (dropping the
@@ -264,7 +278,14 @@ async fn stream_chunks(
     if kind == ChunkKind::Chat {
         let first = Chunk {
             header,
-            choice: Some(ChunkChoice { role: Some("assistant"), text: "", logprobs: None, finish_reason: None }),
+            choice: Some(ChunkChoice {
+                role: Some("assistant"),
+                text: "",
+                reasoning: "",
+                tool_calls: &[],
+                logprobs: None,
+                finish_reason: None,
+            }),
             usage: None,
             timings: None,
             spec: None,
@@ -285,7 +306,8 @@ async fn stream_chunks(
         };
         match progress {
             Progress::Delta(d) => {
-                if d.text.is_empty() && (!want_logprobs || d.logprobs.is_empty()) {
+                let nothing = d.text.is_empty() && d.reasoning.is_empty() && d.tool_calls.is_empty();
+                if nothing && (!want_logprobs || d.logprobs.is_empty()) {
                     continue;
                 }
                 let logprobs = want_logprobs.then(|| match kind {
@@ -295,7 +317,14 @@ async fn stream_chunks(
                 text_len += d.text.len();
                 let chunk = Chunk {
                     header,
-                    choice: Some(ChunkChoice { role: None, text: &d.text, logprobs, finish_reason: None }),
+                    choice: Some(ChunkChoice {
+                        role: None,
+                        text: &d.text,
+                        reasoning: &d.reasoning,
+                        tool_calls: &d.tool_calls,
+                        logprobs,
+                        finish_reason: None,
+                    }),
                     usage: continuous_usage.then(|| {
                         UsageJson::new(generation.prompt_tokens(), d.completion_tokens, generation.cached_tokens())
                     }),
@@ -312,6 +341,8 @@ async fn stream_chunks(
                     choice: Some(ChunkChoice {
                         role: None,
                         text: "",
+                        reasoning: "",
+                        tool_calls: &[],
                         logprobs: None,
                         finish_reason: Some(o.finish_reason),
                     }),

@@ -2,8 +2,9 @@
 //!
 //! Layout (aesthetics.md §6 rule 1): [`http`] (hyper server, routes, graceful shutdown), [`openai`] (request
 //! parsing and validation), [`wire`] (response JSON), [`sse`] (event-stream bodies), [`responses`] (the
-//! Responses API: create, retrieve, delete), [`ws`] (Responses WebSocket mode), [`generate`] (one request's life
-//! against the engine: detokenize, stop strings, usage and timings), [`error`] (the one error type and its HTTP
+//! Responses API: create, retrieve, delete), [`ws`] (Responses WebSocket mode), [`tools`] (the tool fields of a
+//! request), [`generate`] (one request's life against the engine: detokenize, split reasoning, content and tool
+//! calls, stop strings, usage and timings), [`error`] (the one error type and its HTTP
 //! mapping).
 //!
 //! Invariants:
@@ -16,9 +17,12 @@
 pub mod error;
 pub mod generate;
 pub mod http;
+pub mod items;
 pub mod openai;
+pub mod reply;
 pub mod responses;
 pub mod sse;
+pub mod tools;
 pub mod wire;
 pub mod ws;
 

@@ -14,6 +14,7 @@ use sparkd_kernels::TokenId;
 use sparkd_tokenizer::ChatMessage;
 
 use super::error::ApiError;
+use super::tools::{self, Tools};
 
 /// Output tokens when the request names no limit (also capped by the context left).
 pub const DEFAULT_MAX_TOKENS: usize = 4096;
@@ -56,8 +57,8 @@ pub struct StreamOptions {
 /// The prompt, before tokenization.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Prompt {
-    /// Chat messages, rendered with the chat template.
-    Chat(Vec<ChatMessage>),
+    /// Chat messages, rendered with the chat template after the tools' declaration (compact JSON), if any.
+    Chat { messages: Vec<ChatMessage>, tools: Option<String> },
     /// Raw text (`/v1/completions`), encoded without special tokens.
     Text(String),
     /// Token ids as given (`/v1/completions`).
@@ -68,6 +69,8 @@ pub enum Prompt {
 #[derive(Clone, Debug, PartialEq)]
 pub struct ValidRequest {
     pub prompt: Prompt,
+    /// Chat only: the declared tools (`None`: none declared).
+    pub tools: Option<Tools>,
     pub params: GenerationParams,
     pub stream: StreamOptions,
     /// `echo` (`/v1/completions` only): return the prompt text before the completion.
@@ -86,6 +89,8 @@ pub struct ValidResponsesRequest {
     pub stream: bool,
     /// WebSocket multiplexing tag, echoed on every server event of this stream.
     pub stream_id: Option<String>,
+    /// The declared tools (`None`: none declared).
+    pub tools: Option<Tools>,
 }
 
 /// Typed access to a JSON object's fields; every error names the field (prefixed with `path`).
@@ -163,7 +168,11 @@ pub fn parse_body(body: &[u8]) -> Result<Value, ApiError> {
 
 /// The sampling and stopping fields shared by every endpoint. `max_keys` are the accepted names of the output
 /// limit, in priority order; `legacy_logprobs` selects `/v1/completions`' integer `logprobs`.
-fn generation_params(f: &Fields, max_keys: &[&str], legacy_logprobs: bool) -> Result<GenerationParams, ApiError> {
+pub(super) fn generation_params(
+    f: &Fields,
+    max_keys: &[&str],
+    legacy_logprobs: bool,
+) -> Result<GenerationParams, ApiError> {
     if let Some(n) = f.usize_in("n", 0, usize::MAX)? {
         if n != 1 {
             return Err(ApiError::field("n", format!("`n` must be 1 (one choice per request), got {n}")));
@@ -279,7 +288,7 @@ fn stream_options(f: &Fields) -> Result<StreamOptions, ApiError> {
 }
 
 /// Flattens OpenAI message content (a string, or an array of text parts) to one string.
-fn content_text(v: Option<&Value>, name: &str, part_types: &[&str]) -> Result<String, ApiError> {
+pub(super) fn content_text(v: Option<&Value>, name: &str, part_types: &[&str]) -> Result<String, ApiError> {
     match v {
         None => Ok(String::new()),
         Some(Value::String(s)) => Ok(s.clone()),
@@ -336,14 +345,28 @@ pub fn chat_request(body: &Value) -> Result<ValidRequest, ApiError> {
             ));
         }
         let content = content_text(m.get("content"), &m.name("content"), &["text", "input_text", "output_text"])?;
+        let name = m.str("name")?.map(str::to_owned);
         let message = match (role, m.str("tool_call_id")?) {
-            ("tool", Some(call_id)) => ChatMessage::tool_result(call_id, &content),
-            _ => ChatMessage { role: role.to_string(), content, name: m.str("name")?.map(str::to_owned) },
+            ("tool", Some(call_id)) => {
+                let name = name.or_else(|| tools::tool_turn_name(call_id));
+                ChatMessage::tool_result(call_id, &content).with_name(name)
+            }
+            ("assistant", _) => ChatMessage {
+                role: role.to_string(),
+                content,
+                name,
+                reasoning: m.str("reasoning_content")?.or(m.str("reasoning")?).map(str::to_owned),
+                tool_calls: tools::message_calls(&m)?,
+            },
+            _ => ChatMessage::new(role, content).with_name(name),
         };
         chat.push(message);
     }
+    let tools = tools::parse(&f, false)?;
+    let declaration = tools.as_ref().and_then(|t| t.prompt_declaration().map(str::to_owned));
     Ok(ValidRequest {
-        prompt: Prompt::Chat(chat),
+        prompt: Prompt::Chat { messages: chat, tools: declaration },
+        tools,
         params: generation_params(&f, &["max_completion_tokens", "max_tokens"], false)?,
         stream: stream_options(&f)?,
         echo: false,
@@ -383,84 +406,7 @@ pub fn completion_request(body: &Value) -> Result<ValidRequest, ApiError> {
     if echo && stream.stream {
         return Err(ApiError::field("echo", "`echo` is not supported with `stream`"));
     }
-    Ok(ValidRequest { prompt, params: generation_params(&f, &["max_tokens"], true)?, stream, echo })
-}
-
-/// `POST /v1/responses` or a WebSocket `response.create` (whose fields may sit at the top level or under
-/// `response`).
-pub fn responses_request(body: &Value) -> Result<ValidResponsesRequest, ApiError> {
-    let top = Fields::new(body, "")?;
-    let f = match top.get("response") {
-        Some(inner) if inner.is_object() => Fields::new(inner, "response")?,
-        _ => Fields::new(body, "")?,
-    };
-    let mut input = Vec::new();
-    if let Some(instructions) = f.str("instructions")? {
-        input.push(ChatMessage::new("system", instructions));
-    }
-    match f.get("input") {
-        None => return Err(ApiError::field(f.name("input"), format!("`{}` is required", f.name("input")))),
-        Some(Value::String(s)) => input.push(ChatMessage::new("user", s.clone())),
-        Some(Value::Array(items)) => {
-            for (i, item) in items.iter().enumerate() {
-                input.push(input_item(item, &format!("{}[{i}]", f.name("input")))?);
-            }
-        }
-        Some(_) => {
-            return Err(ApiError::field(
-                f.name("input"),
-                format!("`{}` must be a string or an array of items", f.name("input")),
-            ))
-        }
-    }
-    if input.is_empty() {
-        return Err(ApiError::field(f.name("input"), format!("`{}` must not be empty", f.name("input"))));
-    }
-    let stream_id = match top.get("stream_id").or_else(|| f.get("stream_id")) {
-        None => None,
-        Some(Value::String(s)) => Some(s.clone()),
-        Some(Value::Number(n)) => Some(n.to_string()),
-        Some(_) => return Err(ApiError::field("stream_id", "`stream_id` must be a string or a number")),
-    };
-    Ok(ValidResponsesRequest {
-        input,
-        previous_response_id: f.str("previous_response_id")?.map(str::to_owned),
-        store: f.bool("store")?.unwrap_or(true),
-        params: generation_params(&f, &["max_output_tokens"], false)?,
-        stream: f.bool("stream")?.unwrap_or(false),
-        stream_id,
-    })
-}
-
-/// One Responses input item: a message (`type` "message" or absent) or a `function_call_output`.
-fn input_item(item: &Value, path: &str) -> Result<ChatMessage, ApiError> {
-    let f = Fields::new(item, path)?;
-    match f.str("type")?.unwrap_or("message") {
-        "message" => {
-            let role = f
-                .str("role")?
-                .ok_or_else(|| ApiError::field(f.name("role"), format!("`{}` is required", f.name("role"))))?;
-            if sparkd_tokenizer::ChatRole::parse(role).is_none() {
-                return Err(ApiError::field(f.name("role"), format!("`{}`: unknown role `{role}`", f.name("role"))));
-            }
-            let content = content_text(f.get("content"), &f.name("content"), &["input_text", "output_text", "text"])?;
-            Ok(ChatMessage::new(role, content))
-        }
-        "function_call_output" => {
-            let call_id = f
-                .str("call_id")?
-                .ok_or_else(|| ApiError::field(f.name("call_id"), format!("`{}` is required", f.name("call_id"))))?;
-            let output = match f.get("output") {
-                Some(Value::String(s)) => s.clone(),
-                other => content_text(other, &f.name("output"), &["input_text", "output_text", "text"])?,
-            };
-            Ok(ChatMessage::tool_result(call_id, &output))
-        }
-        other => Err(ApiError::field(
-            f.name("type"),
-            format!("`{}`: input item type `{other}` is not supported", f.name("type")),
-        )),
-    }
+    Ok(ValidRequest { prompt, tools: None, params: generation_params(&f, &["max_tokens"], true)?, stream, echo })
 }
 
 /// Resolves the output limit and checks prompt + output against the context length.
@@ -504,7 +450,7 @@ mod tests {
             "temperature": 0, "seed": -1, "stop": "\n\n", "logprobs": true, "top_logprobs": 3
         });
         let r = chat_request(&body).unwrap();
-        let Prompt::Chat(msgs) = &r.prompt else { panic!("not chat") };
+        let Prompt::Chat { messages: msgs, .. } = &r.prompt else { panic!("not chat") };
         assert_eq!(msgs.len(), 5);
         assert_eq!(msgs[1].content, "hello");
         assert_eq!(msgs[4], ChatMessage::tool_result("c1", "42"));
@@ -561,31 +507,6 @@ mod tests {
         assert_eq!(param_of(completion_request(&json!({"prompt": [1, -2]})).unwrap_err()), "prompt[1]");
         assert_eq!(param_of(completion_request(&json!({"prompt": ["a", "b"]})).unwrap_err()), "prompt");
         assert_eq!(param_of(completion_request(&json!({})).unwrap_err()), "prompt");
-    }
-
-    #[test]
-    fn responses_requests_take_items_tool_outputs_and_stream_ids() {
-        let r = responses_request(&json!({
-            "type": "response.create", "stream_id": 3,
-            "response": {"instructions": "sys", "previous_response_id": "resp_1", "max_output_tokens": 5, "store": false,
-                         "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "q"}]},
-                                   {"type": "function_call_output", "call_id": "c", "output": "o"}]}
-        }))
-        .unwrap();
-        assert_eq!(
-            r.input,
-            vec![ChatMessage::new("system", "sys"), ChatMessage::new("user", "q"), ChatMessage::tool_result("c", "o")]
-        );
-        assert_eq!(r.previous_response_id.as_deref(), Some("resp_1"));
-        assert_eq!(r.params.max_tokens, Some(5));
-        assert!(!r.store);
-        assert_eq!(r.stream_id.as_deref(), Some("3"));
-        let r = responses_request(&json!({"input": "hello"})).unwrap();
-        assert!(r.store);
-        assert_eq!(
-            param_of(responses_request(&json!({"input": [{"type": "reasoning"}]})).unwrap_err()),
-            "input[0].type"
-        );
     }
 
     #[test]

@@ -28,11 +28,14 @@ use bytes::Bytes;
 use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
 use serde_json::{json, Value};
+use sparkd_tokenizer::RenderSpec;
 
 use super::error::ApiError;
 use super::generate::{Generation, GenerationOrder, Outcome, Progress};
 use super::http::{bytes_response, json_response, read_json, sse_response, Body};
+use super::items::{self, OutputItems};
 use super::openai::{self, ValidResponsesRequest};
+use super::reply::ReplyForm;
 use super::sse::{Disconnected, SseWriter};
 use super::wire::{self, ResponseHeader};
 use super::{new_id, unix_now, AppState};
@@ -63,7 +66,11 @@ pub async fn start(
             let kept = recorded(state, prev).await?.ok_or_else(|| ApiError::UnknownResponse(prev.clone()))?;
             (state.template.render_continuation(kept.last_token.as_slice(), &req.input)?, kept.len)
         }
-        None => (state.template.render(&req.input)?, 0),
+        None => {
+            let tools = req.tools.as_ref().and_then(|t| t.prompt_declaration());
+            let spec = RenderSpec { messages: &req.input, tools, add_generation_prompt: true };
+            (state.template.render_spec(&spec)?, 0)
+        }
     };
     let max_tokens = openai::check_context(kept_len + prompt.len(), req.params.max_tokens, state.max_model_len)?;
     let header = ResponseHeader {
@@ -82,6 +89,10 @@ pub async fn start(
         params: req.params.clone(),
         max_tokens,
         arrival,
+        reply: ReplyForm::Chat {
+            calls: req.tools.as_ref().is_some_and(|t| t.reports_calls()),
+            parallel: req.tools.as_ref().is_none_or(|t| t.parallel),
+        },
     };
     let generation = Generation::start(state, order).await?;
     Ok((generation, header))
@@ -103,9 +114,9 @@ async fn recorded(state: &AppState, id: &str) -> Result<Option<KeptSummary>, Api
 
 /// The final response object as JSON bytes; with `store`, also attached to the kept response (so it can be
 /// retrieved and continued from now on).
-async fn finish(state: &AppState, header: &ResponseHeader, text: &str, outcome: &Outcome) -> (Value, Bytes) {
+async fn finish(state: &AppState, header: &ResponseHeader, output: &OutputItems, outcome: &Outcome) -> (Value, Bytes) {
     let (status, _) = wire::terminal_status(outcome);
-    let object = wire::response_object(header, status, Some(text), Some(outcome));
+    let object = wire::response_object(header, status, output.json(), Some(outcome));
     let bytes = Bytes::from(object.to_string());
     if header.store {
         // With the engine gone the next request reports it; this response is complete all the same.
@@ -151,25 +162,18 @@ pub async fn stream<S: EventSink>(
         event
     };
     sink.send(send(
-        json!({"type": "response.created", "response": wire::response_object(&header, "in_progress", None, None)}),
+        json!({"type": "response.created", "response": wire::response_object(&header, "in_progress", json!([]), None)}),
     ))
     .await?;
-    sink.send(send(json!({"type": "response.output_item.added", "output_index": 0,
-                           "item": wire::message_item(&header, "", "in_progress")})))
-        .await?;
-    sink.send(send(json!({"type": "response.content_part.added", "item_id": header.item_id, "output_index": 0,
-                           "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}})))
-        .await?;
-    let mut text = String::new();
+    let mut output = OutputItems::new(header.item_id.clone());
     let outcome = loop {
         match generation.next().await {
             Ok(Progress::Delta(d)) => {
-                if d.text.is_empty() && (!want_logprobs || d.logprobs.is_empty()) {
-                    continue;
+                let logprobs = (want_logprobs && !d.logprobs.is_empty())
+                    .then(|| wire::chat_logprobs(state.tokenizer(), &d.logprobs));
+                for event in output.push(&d.reasoning, &d.text, logprobs, &d.tool_calls) {
+                    sink.send(send(event)).await?;
                 }
-                let logprobs = want_logprobs.then(|| wire::chat_logprobs(state.tokenizer(), &d.logprobs));
-                text.push_str(&d.text);
-                sink.send(send(wire::text_delta_event(&header, &d.text, logprobs))).await?;
             }
             Ok(Progress::Done(o)) => break o,
             Err(e) => {
@@ -179,16 +183,10 @@ pub async fn stream<S: EventSink>(
             }
         }
     };
-    let (object, _) = finish(state, &header, &text, &outcome).await;
-    sink.send(send(json!({"type": "response.output_text.done", "item_id": header.item_id, "output_index": 0,
-                           "content_index": 0, "text": text})))
-        .await?;
-    sink.send(send(json!({"type": "response.content_part.done", "item_id": header.item_id, "output_index": 0,
-                           "content_index": 0, "part": {"type": "output_text", "text": text, "annotations": []}})))
-        .await?;
-    sink.send(send(json!({"type": "response.output_item.done", "output_index": 0,
-                           "item": wire::message_item(&header, &text, "completed")})))
-        .await?;
+    for event in output.finish() {
+        sink.send(send(event)).await?;
+    }
+    let (object, _) = finish(state, &header, &output, &outcome).await;
     let (_, event_type) = wire::terminal_status(&outcome);
     sink.send(send(json!({"type": event_type, "response": object}))).await
 }
@@ -196,7 +194,7 @@ pub async fn stream<S: EventSink>(
 /// `POST /v1/responses`.
 pub async fn http(state: &Arc<AppState>, req: Request<Incoming>, arrival: Instant) -> Result<Response<Body>, ApiError> {
     let body = read_json(state, req).await?;
-    let valid = openai::responses_request(&body)?;
+    let valid = items::responses_request(&body)?;
     let (mut generation, header) = start(state, &valid, arrival).await?;
     let want_logprobs = valid.params.logprobs.is_some();
     if valid.stream {
@@ -207,13 +205,16 @@ pub async fn http(state: &Arc<AppState>, req: Request<Incoming>, arrival: Instan
         });
         return Ok(sse_response(body));
     }
-    let mut text = String::new();
+    let mut output = OutputItems::new(header.item_id.clone());
     let outcome = loop {
         match generation.next().await? {
-            Progress::Delta(d) => text.push_str(&d.text),
+            Progress::Delta(d) => {
+                output.push(&d.reasoning, &d.text, None, &d.tool_calls);
+            }
             Progress::Done(o) => break o,
         }
     };
-    let (_, body) = finish(state, &header, &text, &outcome).await;
+    output.finish();
+    let (_, body) = finish(state, &header, &output, &outcome).await;
     Ok(bytes_response(StatusCode::OK, "application/json", body))
 }

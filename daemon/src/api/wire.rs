@@ -14,9 +14,10 @@ use serde::Serialize;
 use serde_json::{json, Map, Value};
 use sparkd_kernels::runner::TokenLogprob;
 use sparkd_kernels::TokenId;
-use sparkd_tokenizer::Tokenizer;
+use sparkd_tokenizer::{Tokenizer, ToolCall};
 
 use super::generate::{Outcome, SpecDecodeStats, Timings};
+use super::reply::ToolCallDelta;
 use crate::engine::types::Usage;
 
 /// `usage` of chat and completions.
@@ -140,6 +141,28 @@ struct ChatDelta<'a> {
     role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reasoning_content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_calls: Option<Vec<Value>>,
+}
+
+/// A streamed tool-call delta in OpenAI's form: the header (`id`, `type`, `function.name`, empty `arguments`)
+/// once, then `function.arguments` fragments, each with the call's `index`.
+fn tool_call_delta(c: &ToolCallDelta) -> Value {
+    match (&c.id, &c.name) {
+        (Some(id), Some(name)) => json!({"index": c.index, "id": id, "type": "function",
+                                         "function": {"name": name, "arguments": c.arguments}}),
+        _ => json!({"index": c.index, "function": {"arguments": c.arguments}}),
+    }
+}
+
+/// A finished reply's tool calls in OpenAI's `message.tool_calls` form.
+pub fn tool_calls_json(calls: &[ToolCall]) -> Value {
+    calls
+        .iter()
+        .map(|c| json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}))
+        .collect()
 }
 
 #[derive(Serialize)]
@@ -171,6 +194,9 @@ pub struct ChunkChoice<'a> {
     /// The chat role, on the first chunk only.
     pub role: Option<&'static str>,
     pub text: &'a str,
+    /// Chat only: thinking and tool-call deltas.
+    pub reasoning: &'a str,
+    pub tool_calls: &'a [ToolCallDelta],
     pub logprobs: Option<Value>,
     pub finish_reason: Option<&'a str>,
 }
@@ -187,6 +213,9 @@ pub fn write_chunk(out: &mut Vec<u8>, kind: ChunkKind, c: Chunk<'_>) -> serde_js
                     delta: ChatDelta {
                         role: ch.role,
                         content: Some(ch.text).filter(|t| !t.is_empty() || ch.role.is_some()),
+                        reasoning_content: Some(ch.reasoning).filter(|r| !r.is_empty()),
+                        tool_calls: (!ch.tool_calls.is_empty())
+                            .then(|| ch.tool_calls.iter().map(tool_call_delta).collect()),
                     },
                     logprobs: ch.logprobs,
                     finish_reason: ch.finish_reason,
@@ -231,23 +260,64 @@ pub fn write_chunk(out: &mut Vec<u8>, kind: ChunkKind, c: Chunk<'_>) -> serde_js
     }
 }
 
-/// A whole (non-streamed) chat or completion body.
+/// A whole reply: its text (a chat reply's content), and a chat reply's reasoning and tool calls.
+#[derive(Clone, Debug, Default)]
+pub struct FullReply {
+    pub text: String,
+    pub reasoning: String,
+    pub tool_calls: Vec<ToolCall>,
+}
+
+impl FullReply {
+    /// Adds a step's pieces (tool-call deltas assembled into calls).
+    pub fn push(&mut self, text: &str, reasoning: &str, calls: &[ToolCallDelta]) {
+        self.text.push_str(text);
+        self.reasoning.push_str(reasoning);
+        for c in calls {
+            match (&c.id, &c.name) {
+                (Some(id), Some(name)) => self.tool_calls.push(ToolCall {
+                    id: id.clone(),
+                    name: name.clone(),
+                    arguments: c.arguments.clone(),
+                }),
+                _ => {
+                    if let Some(last) = self.tool_calls.last_mut() {
+                        last.arguments.push_str(&c.arguments);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A whole (non-streamed) chat or completion body. A chat message's `content` is null when it only calls tools;
+/// `reasoning_content` and `tool_calls` appear when there are any.
 pub fn full_body(
     kind: ChunkKind,
     header: ChunkHeader<'_>,
-    text: &str,
+    reply: &FullReply,
     logprobs: Option<Value>,
     outcome: &Outcome,
 ) -> Value {
     let (object, choice) = match kind {
-        ChunkKind::Chat => (
-            "chat.completion",
-            json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                   "finish_reason": outcome.finish_reason}),
-        ),
+        ChunkKind::Chat => {
+            let content =
+                if reply.text.is_empty() && !reply.tool_calls.is_empty() { Value::Null } else { json!(reply.text) };
+            let mut message = json!({"role": "assistant", "content": content});
+            if !reply.reasoning.is_empty() {
+                message["reasoning_content"] = json!(reply.reasoning);
+            }
+            if !reply.tool_calls.is_empty() {
+                message["tool_calls"] = tool_calls_json(&reply.tool_calls);
+            }
+            (
+                "chat.completion",
+                json!({"index": 0, "message": message, "logprobs": logprobs, "finish_reason": outcome.finish_reason}),
+            )
+        }
         ChunkKind::Completion => (
             "text_completion",
-            json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": outcome.finish_reason}),
+            json!({"index": 0, "text": reply.text, "logprobs": logprobs, "finish_reason": outcome.finish_reason}),
         ),
     };
     let mut body = json!({
@@ -288,12 +358,9 @@ pub struct ResponseHeader {
     pub store: bool,
 }
 
-/// A Responses API `response` object. `status`: in_progress, completed, incomplete, failed.
-pub fn response_object(h: &ResponseHeader, status: &str, text: Option<&str>, outcome: Option<&Outcome>) -> Value {
-    let output = match text {
-        Some(t) => json!([message_item(h, t, if status == "in_progress" { "in_progress" } else { "completed" })]),
-        None => json!([]),
-    };
+/// A Responses API `response` object. `status`: in_progress, completed, incomplete, failed; `output`: its
+/// output items (`items::OutputItems::json`).
+pub fn response_object(h: &ResponseHeader, status: &str, output: Value, outcome: Option<&Outcome>) -> Value {
     let incomplete_details = match outcome.map(|o| o.finish_reason) {
         Some("length") => json!({"reason": "max_output_tokens"}),
         Some("abort") => json!({"reason": "cancelled"}),
@@ -314,26 +381,83 @@ pub fn response_object(h: &ResponseHeader, status: &str, text: Option<&str>, out
     r
 }
 
-/// The assistant message output item.
-pub fn message_item(h: &ResponseHeader, text: &str, status: &str) -> Value {
-    json!({"type": "message", "id": h.item_id, "status": status, "role": "assistant",
-           "content": [{"type": "output_text", "text": text, "annotations": []}]})
-}
-
-/// Status and terminal event type for an outcome: `completed`, or `incomplete` (length or cancel).
+/// Status and terminal event type for an outcome: `completed` (a stop or tool calls), or `incomplete` (length
+/// or cancel).
 pub fn terminal_status(outcome: &Outcome) -> (&'static str, &'static str) {
     match outcome.finish_reason {
-        "stop" => ("completed", "response.completed"),
+        "stop" | "tool_calls" => ("completed", "response.completed"),
         _ => ("incomplete", "response.incomplete"),
     }
 }
 
-/// `response.output_text.delta`.
-pub fn text_delta_event(h: &ResponseHeader, delta: &str, logprobs: Option<Value>) -> Value {
-    let mut e = json!({"type": "response.output_text.delta", "item_id": h.item_id, "output_index": 0,
-                       "content_index": 0, "delta": delta});
-    if let Some(lp) = logprobs {
-        e["logprobs"] = lp["content"].clone();
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn outcome(reason: &'static str) -> Outcome {
+        Outcome { finish_reason: reason, usage: Usage::default(), timings: Timings::default(), spec: None }
     }
-    e
+
+    const HEADER: ChunkHeader<'static> = ChunkHeader { id: "chatcmpl-1", created: 1, model: "m" };
+
+    #[test]
+    fn a_reply_that_calls_tools_has_null_content_its_reasoning_and_its_calls() {
+        let mut reply = FullReply::default();
+        let begin = |index, id: &str, name: &str, args: &str| ToolCallDelta {
+            index,
+            id: Some(id.into()),
+            name: Some(name.into()),
+            arguments: args.into(),
+        };
+        let more = |index, args: &str| ToolCallDelta { index, id: None, name: None, arguments: args.into() };
+        reply.push("", "think", &[begin(0, "functions.f:0", "f", "{\"a\"")]);
+        reply.push("", "", &[more(0, ":1}"), begin(1, "functions.g:1", "g", "{}")]);
+        let body = full_body(ChunkKind::Chat, HEADER, &reply, None, &outcome("tool_calls"));
+        let message = &body["choices"][0]["message"];
+        assert_eq!(message["content"], Value::Null);
+        assert_eq!(message["reasoning_content"], "think");
+        assert_eq!(
+            message["tool_calls"],
+            json!([{"id": "functions.f:0", "type": "function", "function": {"name": "f", "arguments": "{\"a\":1}"}},
+                   {"id": "functions.g:1", "type": "function", "function": {"name": "g", "arguments": "{}"}}])
+        );
+        assert_eq!(body["choices"][0]["finish_reason"], "tool_calls");
+        // A plain reply keeps its content and has neither field.
+        let plain = FullReply { text: "hi".into(), ..FullReply::default() };
+        let body = full_body(ChunkKind::Chat, HEADER, &plain, None, &outcome("stop"));
+        assert_eq!(body["choices"][0]["message"], json!({"role": "assistant", "content": "hi"}));
+    }
+
+    #[test]
+    fn streamed_tool_calls_send_the_header_once_then_argument_fragments() {
+        let calls = [
+            ToolCallDelta {
+                index: 0,
+                id: Some("functions.f:0".into()),
+                name: Some("f".into()),
+                arguments: String::new(),
+            },
+            ToolCallDelta { index: 0, id: None, name: None, arguments: "{\"a\":".into() },
+        ];
+        let choice = ChunkChoice {
+            role: None,
+            text: "",
+            reasoning: "hmm",
+            tool_calls: &calls,
+            logprobs: None,
+            finish_reason: None,
+        };
+        let mut out = Vec::new();
+        let chunk = Chunk { header: HEADER, choice: Some(choice), usage: None, timings: None, spec: None };
+        write_chunk(&mut out, ChunkKind::Chat, chunk).unwrap();
+        let v: Value = serde_json::from_slice(&out).unwrap();
+        let delta = &v["choices"][0]["delta"];
+        assert!(delta.get("content").is_none(), "{delta}");
+        assert_eq!(delta["reasoning_content"], "hmm");
+        assert_eq!(
+            delta["tool_calls"],
+            json!([{"index": 0, "id": "functions.f:0", "type": "function", "function": {"name": "f", "arguments": ""}},
+                   {"index": 0, "function": {"arguments": "{\"a\":"}}])
+        );
+    }
 }

@@ -30,10 +30,10 @@ use tokio_tungstenite::WebSocketStream;
 
 use super::error::ApiError;
 use super::http::Body;
-use super::openai;
 use super::responses::{self, EventSink};
 use super::sse::Disconnected;
 use super::AppState;
+use super::{items, openai};
 use crate::engine::types::RequestId;
 use crate::metrics as m;
 
@@ -170,7 +170,7 @@ async fn handle_event(
     };
     match value["type"].as_str() {
         Some("response.create") => {
-            let valid = match openai::responses_request(&value) {
+            let valid = match items::responses_request(&value) {
                 Ok(v) => v,
                 Err(e) => return send_error(out, stream_id.as_deref(), &e).await,
             };
