@@ -134,7 +134,7 @@ fn time_chunk_step(runner: &mut dyn Runner, tokens: usize) -> Result<Duration, K
     let ids: Vec<TokenId> = (0..tokens).map(|i| ((1000 + 37 * i) % vocab) as TokenId).collect();
     best_after_warmup(|| {
         let state = runner.alloc_state()?;
-        let sample = Some(SampleRequest { params: SamplingParams::greedy(), draft_len: 0 });
+        let sample = Some(SampleRequest::new(SamplingParams::greedy(), 0));
         let row = RowInput { state, tokens: ids.clone(), sample };
         let start = Instant::now();
         let stepped = runner.step(std::slice::from_ref(&row));
@@ -366,7 +366,7 @@ fn time_step(runner: &mut dyn Runner, states: &[StateId], batch_tokens: usize) -
         .map(|r| {
             let len = batch_tokens / rows_n + usize::from(r < batch_tokens % rows_n);
             let tokens: Vec<TokenId> = (0..len).map(|i| (1000 + 37 * r + i) as TokenId).collect();
-            let sample = SampleRequest { params: SamplingParams::greedy(), draft_len: len - 1 };
+            let sample = SampleRequest::new(SamplingParams::greedy(), len - 1);
             RowInput { state: states[r], tokens, sample: Some(sample) }
         })
         .collect();

@@ -143,7 +143,7 @@ impl SyncLaunches {
             .map(|(row, out)| RowInput {
                 state: row.state,
                 tokens: out.tokens.last().copied().into_iter().collect(),
-                sample: Some(SampleRequest { params: row.params.clone(), draft_len: 0 }),
+                sample: Some(SampleRequest::new(row.params.clone(), 0)),
             })
             .collect();
         self.push(&inputs, step)

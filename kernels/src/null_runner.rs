@@ -7,7 +7,8 @@
 //!   sampling is deterministic per seed. So a state restored by any route (fork, export/import,
 //!   re-prefill of the same tokens) continues with the same tokens.
 //! - The distribution is a point mass, so a draft is accepted exactly when it equals the token the
-//!   runner would emit at that position: an oracle draft is always fully accepted.
+//!   runner would emit at that position: an oracle draft is always fully accepted. A constrained row's masks
+//!   move the point to an allowed id (chosen by the same hash), so constrained output follows its grammar.
 //! - `state_bytes` is `len * bytes_per_token` (default [`NULL_BYTES_PER_TOKEN`]), growing like an
 //!   MLA cache.
 //! - Export carries the history in one MLA cache of latent width 1 (the token id as an `f32`, exact
@@ -21,7 +22,7 @@ use std::ops::Range;
 use crate::config::ModelConfig;
 use crate::error::{KernelError, Result};
 use crate::launches::{sync_launch, sync_launch_fed, FedRow, SyncLaunches, SyncStepper};
-use crate::runner::{RowInput, RowOutput, Runner, SamplingParams, StateId, TokenId, TokenLogprob};
+use crate::runner::{mask_allows, RowInput, RowOutput, Runner, SamplingParams, StateId, TokenId, TokenLogprob};
 use crate::state::{MlaCache, SeqState};
 
 /// The ids the NullRunner emits: ordinary BPE text ids, clear of every special token.
@@ -47,15 +48,31 @@ impl NullState {
         self.tokens.push(token);
     }
 
-    /// The token the "model" emits after the current history.
-    fn next_token(&self, params: &SamplingParams) -> TokenId {
+    /// The token the "model" emits after the current history; under a constraint's `mask`, that token if the
+    /// mask allows it, else the allowed id the same hash picks among all the allowed ones (still a point mass).
+    fn next_token(&self, params: &SamplingParams, mask: Option<&[u32]>) -> TokenId {
         let h = if params.is_greedy() {
             mix(self.hash)
         } else {
             mix(self.hash ^ mix(params.seed ^ (self.tokens.len() as u64).rotate_left(32)))
         };
         let span = u64::from(NULL_TOKEN_RANGE.end - NULL_TOKEN_RANGE.start);
-        NULL_TOKEN_RANGE.start + (h % span) as TokenId
+        let free = NULL_TOKEN_RANGE.start + (h % span) as TokenId;
+        let Some(mask) = mask.filter(|m| !mask_allows(m, free)) else { return free };
+        let allowed: u64 = mask.iter().map(|w| u64::from(w.count_ones())).sum();
+        let mut k = mix(h) % allowed.max(1);
+        for (w, bits) in mask.iter().enumerate() {
+            let n = u64::from(bits.count_ones());
+            if k < n {
+                let mut b = *bits;
+                for _ in 0..k {
+                    b &= b - 1;
+                }
+                return w as TokenId * 32 + b.trailing_zeros();
+            }
+            k -= n;
+        }
+        free
     }
 }
 
@@ -107,7 +124,7 @@ impl NullRunner {
         let params = SamplingParams::greedy();
         (0..n)
             .map(|_| {
-                let t = state.next_token(&params);
+                let t = state.next_token(&params, None);
                 state.push(t);
                 t
             })
@@ -144,7 +161,7 @@ impl NullRunner {
         if let Some(bad) = row.tokens.iter().find(|&&t| t as usize >= vocab) {
             return Err(KernelError::InvalidInput(format!("token id {bad} is outside the vocabulary of {vocab}")));
         }
-        Ok(())
+        row.sample.as_ref().map_or(Ok(()), |s| s.check_masks(vocab))
     }
 
     fn logprob(token: TokenId, k: usize) -> TokenLogprob {
@@ -272,8 +289,9 @@ impl SyncStepper for NullRunner {
             let fed = row.tokens.len() - sample.draft_len;
             row.tokens[..fed].iter().for_each(|&t| state.push(t));
             let mut emitted = Vec::with_capacity(sample.draft_len + 1);
-            for &draft in &row.tokens[fed..] {
-                let want = state.next_token(&sample.params);
+            let mask = |i: usize| sample.masks.get(i).map(|m| &m[..]);
+            for (i, &draft) in row.tokens[fed..].iter().enumerate() {
+                let want = state.next_token(&sample.params, mask(i));
                 if want != draft {
                     break;
                 }
@@ -281,7 +299,7 @@ impl SyncStepper for NullRunner {
                 emitted.push(draft);
             }
             let num_accepted = emitted.len();
-            emitted.push(state.next_token(&sample.params));
+            emitted.push(state.next_token(&sample.params, mask(num_accepted)));
             let logprobs = match sample.params.logprobs {
                 Some(k) => emitted.iter().map(|&t| Self::logprob(t, k)).collect(),
                 None => Vec::new(),
@@ -302,7 +320,7 @@ mod tests {
     }
 
     fn sample_row(state: StateId, tokens: Vec<TokenId>, draft_len: usize) -> RowInput {
-        RowInput { state, tokens, sample: Some(SampleRequest { params: SamplingParams::greedy(), draft_len }) }
+        RowInput { state, tokens, sample: Some(SampleRequest::new(SamplingParams::greedy(), draft_len)) }
     }
 
     #[test]
@@ -353,11 +371,7 @@ mod tests {
             let mut tokens = vec![42];
             let mut out = Vec::new();
             for _ in 0..8 {
-                let row = RowInput {
-                    state: s,
-                    tokens: tokens.clone(),
-                    sample: Some(SampleRequest { params: p.clone(), draft_len: 0 }),
-                };
+                let row = RowInput { state: s, tokens: tokens.clone(), sample: Some(SampleRequest::new(p.clone(), 0)) };
                 let t = r.step(&[row]).unwrap()[0].tokens[0];
                 out.push(t);
                 tokens = vec![t];

@@ -11,6 +11,9 @@
 //! - Randomness comes only from `SamplingParams::seed` and the position of the sampled token, so
 //!   a seeded request gives the same tokens whatever else is batched with it.
 //! - Full logits never leave the runner; only sampled tokens and requested log-probabilities do.
+//! - A constrained row's masks ([`SampleRequest::masks`]) forbid ids at each of its sampling positions as the
+//!   runner's [`TokenMask`] does (a forbidden draft is rejected, a forbidden id never sampled); a backend that
+//!   cannot apply them refuses the step with an error naming it.
 //!
 //! - Steps may also be launched ahead of their outputs ([`Runner::launch`], [`Runner::launch_fed`],
 //!   [`Runner::collect`]: asynchronous scheduling); a runner that does says so in
@@ -20,6 +23,8 @@
 //! takes a [`DrafterSource`] on every backend (those that cannot host one say so), and
 //! [`Runner::model_drafter`] lends the attached one as a [`Drafter`], which reads the target's weights and
 //! hidden-state taps in place.
+
+use std::sync::Arc;
 
 use crate::config::ModelConfig;
 use crate::dspark::DrafterSource;
@@ -71,6 +76,59 @@ pub struct SampleRequest {
     pub params: SamplingParams,
     /// The last `draft_len` tokens of the row are draft proposals to verify.
     pub draft_len: usize,
+    /// A constrained row's allowed ids at each position that samples (`draft_len + 1` masks: before the first
+    /// draft, after each), each `ceil(vocab / 32)` words with bit `id % 32` of word `id / 32` set for an allowed
+    /// id (a grammar's masks, `sparkd-grammar`). Masked ids get logit `-inf` before sampling and acceptance, as
+    /// with the runner's [`TokenMask`]. Empty: unconstrained.
+    pub masks: Vec<Arc<[u32]>>,
+}
+
+impl SampleRequest {
+    /// An unconstrained request.
+    pub fn new(params: SamplingParams, draft_len: usize) -> Self {
+        SampleRequest { params, draft_len, masks: Vec::new() }
+    }
+
+    /// Checks the masks against a vocabulary of `vocab` ids: none, or one per sampling position, each of the
+    /// right length and allowing at least one id.
+    pub fn check_masks(&self, vocab: usize) -> Result<()> {
+        if self.masks.is_empty() {
+            return Ok(());
+        }
+        if self.masks.len() != self.draft_len + 1 {
+            return Err(KernelError::InvalidInput(format!(
+                "{} token masks for a row sampling at {} positions",
+                self.masks.len(),
+                self.draft_len + 1
+            )));
+        }
+        let words = vocab.div_ceil(32);
+        for (i, m) in self.masks.iter().enumerate() {
+            if m.len() != words || m.iter().all(|w| *w == 0) {
+                return Err(KernelError::InvalidInput(format!(
+                    "token mask {i} has {} words and allows {} ids (a vocabulary of {vocab} needs {words} words and \
+                     at least one id)",
+                    m.len(),
+                    m.iter().map(|w| w.count_ones()).sum::<u32>()
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether `mask` (a [`SampleRequest::masks`] entry) allows `id`.
+pub fn mask_allows(mask: &[u32], id: TokenId) -> bool {
+    mask.get(id as usize / 32).is_some_and(|w| w >> (id % 32) & 1 == 1)
+}
+
+/// Sets the logits of the ids `mask` forbids to `-inf` (`logits` one position's `[vocab]`).
+pub fn apply_row_mask(mask: &[u32], logits: &mut [f32]) {
+    for (id, l) in logits.iter_mut().enumerate() {
+        if !mask_allows(mask, id as TokenId) {
+            *l = f32::NEG_INFINITY;
+        }
+    }
 }
 
 /// One sequence's work in a step.
@@ -209,6 +267,7 @@ pub fn check_rows(rows: &[RowInput], vocab: usize, known: impl Fn(StateId) -> bo
         }
         if let Some(s) = &row.sample {
             crate::sampling::check_params(&s.params)?;
+            s.check_masks(vocab)?;
             if s.draft_len >= row.tokens.len() {
                 return Err(KernelError::InvalidInput(format!(
                     "{} drafts need at least {} tokens, the row has {}",

@@ -157,7 +157,7 @@ fn scripted_steps(r: &mut CudaRunner) -> (Vec<RowOutput>, Vec<sparkd_kernels::st
     let row = |state, tokens: Vec<u32>, draft_len| RowInput {
         state,
         tokens,
-        sample: Some(SampleRequest { params: params.clone(), draft_len }),
+        sample: Some(SampleRequest::new(params.clone(), draft_len)),
     };
     let a = r.alloc_state().unwrap();
     let prompt: Vec<u32> = (0..12u32).map(|i| (i * 7919 + 31) % 100_000).collect();
@@ -242,4 +242,17 @@ fn cuda_dependent_launch_equals_serialized_launch_bit_for_bit() {
         "kernels that may start before their predecessor ends must give the serialised launch's tokens exactly"
     );
     assert_states_equal(&overlapped_states, &serialized_states);
+}
+
+#[test]
+fn cuda_refuses_constrained_rows_by_name() {
+    let Some(mut r) = runner() else { return };
+    let vocab = r.config().vocab_size;
+    let s = r.alloc_state().unwrap();
+    let mut sample = SampleRequest::new(SamplingParams::greedy(), 0);
+    sample.masks = vec![vec![u32::MAX; vocab.div_ceil(32)].into()];
+    let err = r.step(&[RowInput { state: s, tokens: vec![1], sample: Some(sample) }]).unwrap_err();
+    assert!(err.to_string().contains("not supported on CUDA yet"), "{err}");
+    assert_eq!(r.state_len(s).unwrap(), 0, "a refused step changes nothing");
+    r.free_state(s).unwrap();
 }

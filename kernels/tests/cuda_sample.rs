@@ -782,7 +782,7 @@ fn the_cuda_runner_never_emits_a_masked_id() {
                 .step(&[RowInput {
                     state: s,
                     tokens: vec![last, 10, 17],
-                    sample: Some(SampleRequest { params: params.clone(), draft_len: 2 }),
+                    sample: Some(SampleRequest::new(params.clone(), 2)),
                 }])
                 .unwrap();
             let o = &out[0];

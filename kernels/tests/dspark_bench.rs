@@ -40,11 +40,7 @@ fn drafter_cost_per_proposal_on_k3_tiny() {
     let t = Instant::now();
     let mut last = 5;
     for _ in 0..reps {
-        let row = RowInput {
-            state: fork,
-            tokens: vec![last],
-            sample: Some(SampleRequest { params: greedy.clone(), draft_len: 0 }),
-        };
+        let row = RowInput { state: fork, tokens: vec![last], sample: Some(SampleRequest::new(greedy.clone(), 0)) };
         last = r.step(&[row]).unwrap()[0].tokens[0];
     }
     println!("target, one greedy decode step: {:.2} ms", t.elapsed().as_secs_f64() / reps as f64 * 1e3);
@@ -58,7 +54,7 @@ fn drafter_cost_per_proposal_on_k3_tiny() {
         let row = RowInput {
             state: fork,
             tokens: std::iter::once(last).chain(proposal.tokens).collect(),
-            sample: Some(SampleRequest { params: greedy.clone(), draft_len: gamma }),
+            sample: Some(SampleRequest::new(greedy.clone(), gamma)),
         };
         let out = r.step(&[row]).unwrap().remove(0);
         accepted += out.num_accepted;

@@ -49,6 +49,11 @@ fn cpu_bad_input_is_rejected_without_side_effects() {
 }
 
 #[test]
+fn cpu_row_masks_hold_at_every_position() {
+    contract_row_masks_hold_at_every_position(&mut *runner());
+}
+
+#[test]
 fn cpu_token_mask_keeps_masked_ids_out_of_every_emitted_token() {
     use sparkd_kernels::runner::{RowInput, SampleRequest, SamplingParams, TokenMask};
     use sparkd_kernels::{Runner, TokenId};
@@ -68,11 +73,7 @@ fn cpu_token_mask_keeps_masked_ids_out_of_every_emitted_token() {
     prefill(r, state, &p[..7]);
     let sampled = SamplingParams { temperature: 1.0, top_p: 1.0, top_k: 0, seed: 5, logprobs: Some(2) };
     let out = r
-        .step(&[RowInput {
-            state,
-            tokens: vec![p[7]],
-            sample: Some(SampleRequest { params: greedy.clone(), draft_len: 0 }),
-        }])
+        .step(&[RowInput { state, tokens: vec![p[7]], sample: Some(SampleRequest::new(greedy.clone(), 0)) }])
         .unwrap()
         .remove(0);
     assert_ne!(out.tokens[0], banned);
@@ -84,7 +85,7 @@ fn cpu_token_mask_keeps_masked_ids_out_of_every_emitted_token() {
         .step(&[RowInput {
             state,
             tokens: vec![more[15], banned],
-            sample: Some(SampleRequest { params: greedy.clone(), draft_len: 1 }),
+            sample: Some(SampleRequest::new(greedy.clone(), 1)),
         }])
         .unwrap()
         .remove(0);
@@ -106,4 +107,10 @@ fn cpu_fed_steps_equal_steps() {
 #[test]
 fn cpu_launches_are_checked() {
     contract_launches_are_checked(&mut *runner());
+}
+
+#[test]
+fn null_row_masks_hold_at_every_position() {
+    let mut null = sparkd_kernels::null_runner::NullRunner::new(ModelConfig::preset("k3-tiny").unwrap());
+    contract_row_masks_hold_at_every_position(&mut null);
 }

@@ -379,7 +379,7 @@ impl Scheduler {
             let mut tokens = seq.tokens[seq.computed..].to_vec();
             tokens.extend_from_slice(&seq.drafts[..draft_len]);
             budget -= tokens.len();
-            let sample = Some(SampleRequest { params: seq.sampling.clone(), draft_len });
+            let sample = Some(SampleRequest::new(seq.sampling.clone(), draft_len));
             rows.push((index, PlannedRow { id: seq.id, start: seq.computed, tokens, sample }));
         }
         // With decode rows planned, prefill gets what the step-time limit allows of the budget left.
@@ -399,8 +399,7 @@ impl Scheduler {
             let chunk = unfed.min(to_stop).min(budget);
             budget -= chunk;
             let end = seq.computed + chunk;
-            let sample =
-                (end == seq.tokens.len()).then(|| SampleRequest { params: seq.sampling.clone(), draft_len: 0 });
+            let sample = (end == seq.tokens.len()).then(|| SampleRequest::new(seq.sampling.clone(), 0));
             let tokens = seq.tokens[seq.computed..end].to_vec();
             rows.push((index, PlannedRow { id: seq.id, start: seq.computed, tokens, sample }));
         }
@@ -447,7 +446,7 @@ impl Scheduler {
             if seq.computed != row.start || seq.tokens.len() != row.start + 1 {
                 return Err(ScheduleError::AheadMismatch { id: row.id, start: row.start, computed: seq.computed });
             }
-            let sample = Some(SampleRequest { params: row.params.clone(), draft_len: 0 });
+            let sample = Some(SampleRequest::new(row.params.clone(), 0));
             rows.push(PlannedRow { id: row.id, start: row.start, tokens: vec![seq.tokens[row.start]], sample });
         }
         Ok(StepPlan { rows })

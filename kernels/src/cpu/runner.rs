@@ -19,7 +19,9 @@ use crate::cpu::forward::{CpuModel, Probe, WindowRow};
 use crate::dspark::{DrafterModel, DrafterSlot, DrafterSource};
 use crate::error::{KernelError, Result};
 use crate::launches::{sync_launch, sync_launch_fed, FedRow, SyncLaunches, SyncStepper};
-use crate::runner::{DraftProposal, DraftRequest, Drafter, RowInput, RowOutput, Runner, StateId, TokenMask};
+use crate::runner::{
+    apply_row_mask, DraftProposal, DraftRequest, Drafter, RowInput, RowOutput, Runner, StateId, TokenMask,
+};
 use crate::state::SeqState;
 use crate::tensor::WeightSource;
 
@@ -222,6 +224,13 @@ impl SyncStepper for CpuRunner {
                 }
             }
             let vocab = self.model.cfg.vocab_size;
+            // A constrained row's masks, one per sampling position (its window's logits rows, in order).
+            for (row, out) in rows.iter().zip(outs.iter_mut()) {
+                let Some(sample) = &row.sample else { continue };
+                for (mask, position) in sample.masks.iter().zip(out.logits.chunks_mut(vocab)) {
+                    apply_row_mask(mask, position);
+                }
+            }
             let mut results = Vec::with_capacity(rows.len());
             for (((row, out), state), start) in rows.iter().zip(outs).zip(states.iter_mut()).zip(&start_lens) {
                 let t = row.tokens.len();

@@ -183,6 +183,13 @@ impl CudaRunner {
 
     fn validate(&self, rows: &[RowInput]) -> Result<()> {
         crate::runner::check_rows(rows, self.model.cfg.vocab_size, |id| self.state(id).is_ok())?;
+        if rows.iter().any(|r| r.sample.as_ref().is_some_and(|s| !s.masks.is_empty())) {
+            return Err(KernelError::InvalidInput(
+                "constrained rows (per-request token masks: response_format, grammars, required tool calls) are \
+                 not supported on CUDA yet; serve them on the CPU backend"
+                    .into(),
+            ));
+        }
         if let Some(d) = &self.drafter {
             for row in rows {
                 d.check_row(row, self.state(row.state)?.len)?;
@@ -442,7 +449,7 @@ impl Runner for CudaRunner {
             .map(|r| RowInput {
                 state: r.state,
                 tokens: vec![0],
-                sample: Some(SampleRequest { params: r.params.clone(), draft_len: 0 }),
+                sample: Some(SampleRequest::new(r.params.clone(), 0)),
             })
             .collect();
         self.validate(&inputs)?;

@@ -400,7 +400,7 @@ impl Batch {
     }
 
     fn rows(&self, draft_len: usize) -> Vec<RowInput> {
-        let sample = SampleRequest { params: self.params.clone(), draft_len };
+        let sample = SampleRequest::new(self.params.clone(), draft_len);
         self.states
             .iter()
             .zip(&self.last)
@@ -428,7 +428,7 @@ impl Batch {
             .zip(&self.last)
             .zip(drafts)
             .map(|((s, t), d)| {
-                let sample = SampleRequest { params: SamplingParams::greedy(), draft_len: d.len() };
+                let sample = SampleRequest::new(SamplingParams::greedy(), d.len());
                 let tokens = std::iter::once(*t).chain(d.iter().copied()).collect();
                 RowInput { state: *s, tokens, sample: Some(sample) }
             })

@@ -75,7 +75,7 @@ fn timed_decode(runner: &mut dyn Runner, bench: &DecodeBench, states: &[crate::S
         runner.step(&prefill)?;
     }
     let mut last: Vec<TokenId> = (0..states.len()).map(|row| *prompt(row).last().unwrap_or(&0)).collect();
-    let sample = SampleRequest { params: SamplingParams::greedy(), draft_len: bench.draft_len };
+    let sample = SampleRequest::new(SamplingParams::greedy(), bench.draft_len);
     let cpu_start = process_cpu_seconds();
     let start = Instant::now();
     let mut generated = 0usize;

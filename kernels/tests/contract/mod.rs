@@ -17,7 +17,7 @@ pub fn prefill(r: &mut dyn Runner, state: StateId, tokens: &[TokenId]) {
 }
 
 fn sample_row(state: StateId, tokens: Vec<TokenId>, params: &SamplingParams, draft_len: usize) -> RowInput {
-    RowInput { state, tokens, sample: Some(SampleRequest { params: params.clone(), draft_len }) }
+    RowInput { state, tokens, sample: Some(SampleRequest::new(params.clone(), draft_len)) }
 }
 
 /// Generates `n` tokens one step at a time after `last` (which is not yet in the state).
@@ -242,6 +242,41 @@ pub fn contract_launches_are_checked(r: &mut dyn Runner) {
     prefill(r, c, &p[..4]);
     assert_eq!(decode(r, c, p[4], 2, &greedy), vec![first.tokens[0], second.tokens[0]]);
     for s in [a, b, c] {
+        r.free_state(s).unwrap();
+    }
+}
+
+/// A constrained row's masks hold at every sampling position, greedy and sampled alike: with one id allowed per
+/// position the runner emits exactly those ids, a draft its mask forbids is rejected (the correction is the
+/// allowed id), and masks that do not fit the row are refused without touching the state.
+pub fn contract_row_masks_hold_at_every_position(r: &mut dyn Runner) {
+    let vocab = r.config().vocab_size;
+    let only = |id: TokenId| -> std::sync::Arc<[u32]> {
+        let mut m = vec![0u32; vocab.div_ceil(32)];
+        m[id as usize / 32] |= 1 << (id % 32);
+        m.into()
+    };
+    let p = prompt(8, 5);
+    let sampled = SamplingParams { temperature: 1.0, top_p: 1.0, top_k: 0, seed: 3, logprobs: None };
+    for params in [SamplingParams::greedy(), sampled] {
+        let s = r.alloc_state().unwrap();
+        prefill(r, s, &p[..7]);
+        let mut one = SampleRequest::new(params.clone(), 0);
+        one.masks = vec![only(42)];
+        let out = r.step(&[RowInput { state: s, tokens: vec![p[7]], sample: Some(one) }]).unwrap().remove(0);
+        assert_eq!(out.tokens, vec![42], "{params:?}");
+        let mut verify = SampleRequest::new(params.clone(), 2);
+        verify.masks = vec![only(7), only(8), only(11)];
+        let out = r.step(&[RowInput { state: s, tokens: vec![42, 7, 9], sample: Some(verify) }]).unwrap().remove(0);
+        assert_eq!((out.tokens.clone(), out.num_accepted), (vec![7, 8], 1), "{params:?}");
+        assert_eq!(r.state_len(s).unwrap(), 10);
+        let mut short = SampleRequest::new(params.clone(), 1);
+        short.masks = vec![only(1)];
+        assert!(r.step(&[RowInput { state: s, tokens: vec![8, 3], sample: Some(short) }]).is_err());
+        let mut empty = SampleRequest::new(params.clone(), 0);
+        empty.masks = vec![vec![0u32; vocab.div_ceil(32)].into()];
+        assert!(r.step(&[RowInput { state: s, tokens: vec![8], sample: Some(empty) }]).is_err());
+        assert_eq!(r.state_len(s).unwrap(), 10, "refused steps change nothing");
         r.free_state(s).unwrap();
     }
 }

@@ -19,7 +19,7 @@ pub fn prefill(r: &mut dyn Runner, state: StateId, tokens: &[TokenId]) {
 }
 
 pub fn row(state: StateId, tokens: Vec<TokenId>, params: &SamplingParams, draft_len: usize) -> RowInput {
-    RowInput { state, tokens, sample: Some(SampleRequest { params: params.clone(), draft_len }) }
+    RowInput { state, tokens, sample: Some(SampleRequest::new(params.clone(), draft_len)) }
 }
 
 pub fn draft_req(state: StateId, anchor: TokenId, num_drafts: usize, params: &SamplingParams) -> DraftRequest {
