@@ -23,7 +23,7 @@ fn main() {
     println!("grammar environment: {:.1} ms", t0.elapsed().as_secs_f64() * 1e3);
     let end = tok.eos_ids()[0];
     let person = json!({"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150}, "tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
         "maxItems": 4}}, "required": ["name", "age", "tags"], "additionalProperties": false});
     let tools = vec![
         ToolSpec {

@@ -357,6 +357,12 @@ pub trait Runner: Send {
     /// waiting to be collected.
     fn step(&mut self, rows: &[RowInput]) -> Result<Vec<RowOutput>>;
 
+    /// Whether the runner applies a constrained row's token masks ([`SampleRequest::masks`]); one that does not
+    /// refuses steps with such rows.
+    fn applies_row_masks(&self) -> bool {
+        false
+    }
+
     /// Whether the runner launches steps ahead ([`Runner::launch`], [`Runner::launch_fed`],
     /// [`Runner::collect`]; the invariants are in [`crate::launches`]).
     fn launches_ahead(&self) -> bool {

@@ -1,4 +1,5 @@
-//! The official `openai` Python package as a client: one streaming chat against `sparkd serve --device null`.
+//! The official `openai` Python package as a client against `sparkd serve --device null`: one streaming chat, and
+//! tool calls (whole, streamed, a two-turn loop over chat and over Responses).
 //! Skips (and says so) when python3 or the package is missing; `scripts/test.sh` installs it.
 
 use std::process::Command;
@@ -30,4 +31,28 @@ async fn openai_python_client_streams_a_chat() {
     );
     let summary: serde_json::Value = serde_json::from_slice(&out.stdout).expect("a JSON summary");
     assert!(summary["chunks"].as_u64().unwrap() >= 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_python_client_runs_a_tool_loop() {
+    if !python_has_openai() {
+        println!("SKIPPED openai_python_client_runs_a_tool_loop: python3 or its `openai` package is missing (scripts/test.sh installs it)");
+        return;
+    }
+    let s = Server::start(&["--device", "null", "--served-model-name", "kimi-null"]).await.expect("server starts");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/python/openai_tools.py");
+    let base = s.base.clone();
+    let out = tokio::task::spawn_blocking(move || Command::new("python3").args([script, &base, "kimi-null"]).output())
+        .await
+        .unwrap()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "openai client failed:\nstdout: {}\nstderr: {}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).expect("a JSON summary");
+    assert_eq!(summary["call"], "get_weather");
+    assert_eq!(summary["responses_call"], "get_weather");
 }

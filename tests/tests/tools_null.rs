@@ -1,8 +1,8 @@
 //! Black-box tests of the tool fields against `sparkd serve --device null`: tools are declared in the prompt
 //! (and not with `tool_choice: none`), a tool loop's history (assistant calls, tool results) is accepted over chat
-//! and Responses and renders the same through both, and bad tools are 400s naming the field. The null runner
-//! emits plain text ids, so the reply itself holds no calls: the reply parser and the wire shapes of calls are
-//! tested in `tokenizer/tests/agent_formats.rs` and the daemon's unit tests.
+//! and Responses and renders the same through both, `tool_choice: required` and a named function produce calls
+//! (the null runner follows a constraint's masks), streamed and whole alike, and bad tools are 400s naming the
+//! field.
 
 use serde_json::{json, Value};
 use sparkd_tests::Server;
@@ -79,7 +79,6 @@ async fn bad_tools_are_400s_naming_the_field() {
     let cases = [
         (json!({"tools": [{"type": "function", "function": {"name": "bad name"}}]}), "tools[0].function.name"),
         (json!({"tools": [weather_tool(), weather_tool()]}), "tools[1].function.name"),
-        (json!({"tools": [weather_tool()], "tool_choice": "required"}), "tool_choice"),
         (json!({"tool_choice": {"type": "function", "function": {"name": "x"}}}), "tool_choice"),
         (json!({"tools": "all"}), "tools"),
     ];
@@ -102,4 +101,73 @@ async fn bad_tools_are_400s_naming_the_field() {
     // The server still answers.
     let ok = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1});
     assert_eq!(s.post("/v1/chat/completions", &ok).await.unwrap().0, 200);
+}
+
+/// The calls of a streamed chat, assembled from `delta.tool_calls` as a client does.
+fn streamed_calls(events: &[sparkd_tests::SseEvent]) -> (Vec<Value>, String) {
+    let mut calls: Vec<Value> = Vec::new();
+    let mut finish = String::new();
+    for e in events {
+        let chunk = &e.data;
+        let choice = &chunk["choices"][0];
+        if let Some(f) = choice["finish_reason"].as_str() {
+            finish = f.to_string();
+        }
+        for d in choice["delta"]["tool_calls"].as_array().into_iter().flatten() {
+            let i = d["index"].as_u64().unwrap() as usize;
+            if d.get("id").is_some() {
+                assert_eq!(i, calls.len(), "calls begin in index order");
+                calls.push(json!({"id": d["id"], "name": d["function"]["name"], "arguments": ""}));
+            }
+            let args =
+                calls[i]["arguments"].as_str().unwrap().to_string() + d["function"]["arguments"].as_str().unwrap();
+            calls[i]["arguments"] = json!(args);
+        }
+    }
+    (calls, finish)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn required_and_named_tool_choices_produce_calls_streamed_and_whole() {
+    let s = null_server().await;
+    let alarm = json!({"type": "function", "function": {"name": "set_alarm", "parameters": {"type": "object",
+        "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23}}, "required": ["hour"],
+        "additionalProperties": false}}});
+    let bounded_weather = json!({"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"],
+        "additionalProperties": false}}});
+    for (choice, parallel) in
+        [(json!("required"), false), (json!({"type": "function", "function": {"name": "set_alarm"}}), true)]
+    {
+        let body = json!({"messages": [{"role": "user", "content": "wake me"}], "tools": [bounded_weather, alarm],
+                          "tool_choice": choice, "parallel_tool_calls": parallel, "max_tokens": 200,
+                          "temperature": 0});
+        let (status, reply) = s.post("/v1/chat/completions", &body).await.unwrap();
+        assert_eq!(status, 200, "{reply}");
+        let choice0 = &reply["choices"][0];
+        assert_eq!(choice0["finish_reason"], "tool_calls", "{reply}");
+        assert_eq!(choice0["message"]["content"], Value::Null, "{reply}");
+        let calls = choice0["message"]["tool_calls"].as_array().unwrap();
+        assert!(!calls.is_empty() && (parallel || calls.len() == 1), "{reply}");
+        for c in calls {
+            let args: Value = serde_json::from_str(c["function"]["arguments"].as_str().unwrap()).unwrap();
+            match c["function"]["name"].as_str().unwrap() {
+                "set_alarm" => assert!(args["hour"].as_i64().is_some_and(|h| (0..24).contains(&h)), "{args}"),
+                "get_weather" => assert!(!parallel && args["city"].is_string(), "{args}"),
+                other => panic!("undeclared {other}"),
+            }
+            assert!(c["id"].as_str().unwrap().starts_with("functions."), "{c}");
+        }
+        // The same request streamed gives the same calls.
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        let events = s.sse_all("/v1/chat/completions", &streamed).await.unwrap();
+        let (assembled, finish) = streamed_calls(&events);
+        assert_eq!(finish, "tool_calls");
+        let whole: Vec<Value> = calls
+            .iter()
+            .map(|c| json!({"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]}))
+            .collect();
+        assert_eq!(assembled, whole);
+    }
 }

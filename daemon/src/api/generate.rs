@@ -17,6 +17,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use sparkd_grammar::Constraint;
 use sparkd_kernels::runner::TokenLogprob;
 use sparkd_kernels::TokenId;
 use tokio::sync::mpsc;
@@ -43,6 +44,8 @@ pub struct GenerationOrder {
     pub arrival: Instant,
     /// How the reply is read: plain text, or a chat reply with reasoning and tool calls.
     pub reply: ReplyForm,
+    /// The compiled output constraint, if any.
+    pub constraint: Option<Box<Constraint>>,
 }
 
 /// Text and tokens of one engine step.
@@ -203,6 +206,7 @@ impl Generation {
             stop_token_ids,
             arrival: order.arrival,
             num_spec_tokens: order.params.num_spec_tokens,
+            constraint: order.constraint,
         };
         let reply = ReplyText::new(state.tokenizer(), order.reply)?;
         state.engine.submit(request, tx).await?;

@@ -25,6 +25,7 @@ use sparkd_tokenizer::RenderSpec;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use super::constraint;
 use super::error::ApiError;
 use super::generate::{Generation, GenerationOrder, Progress};
 use super::openai::{self, Prompt, StreamOptions, ValidRequest};
@@ -204,6 +205,10 @@ async fn chat_or_completion(
         (Prompt::Tokens(ids), true) => Some(state.tokenizer().decode_lossy(ids)?),
         _ => None,
     };
+    let constraint = match &valid.constraint {
+        Some((field, spec)) => Some(constraint::compile(state.grammar()?, field, spec)?),
+        None => None,
+    };
     let reply = match kind {
         ChunkKind::Chat => ReplyForm::Chat {
             calls: valid.tools.as_ref().is_some_and(|t| t.reports_calls()),
@@ -219,6 +224,7 @@ async fn chat_or_completion(
         max_tokens,
         arrival,
         reply,
+        constraint,
     };
     let generation = Generation::start(state, order).await?;
     let id = new_id(if kind == ChunkKind::Chat { "chatcmpl-" } else { "cmpl-" });

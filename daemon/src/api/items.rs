@@ -16,6 +16,7 @@
 use serde_json::{json, Value};
 use sparkd_tokenizer::{ChatMessage, ToolCall};
 
+use super::constraint;
 use super::error::ApiError;
 use super::new_id;
 use super::openai::{content_text, generation_params, Fields, ValidResponsesRequest};
@@ -54,6 +55,7 @@ pub fn responses_request(body: &Value) -> Result<ValidResponsesRequest, ApiError
     if input.is_empty() {
         return Err(ApiError::field(f.name("input"), format!("`{}` must not be empty", f.name("input"))));
     }
+    let tools = tools::parse(&f, true)?;
     let stream_id = match top.get("stream_id").or_else(|| f.get("stream_id")) {
         None => None,
         Some(Value::String(s)) => Some(s.clone()),
@@ -67,7 +69,8 @@ pub fn responses_request(body: &Value) -> Result<ValidResponsesRequest, ApiError
         params: generation_params(&f, &["max_output_tokens"], false)?,
         stream: f.bool("stream")?.unwrap_or(false),
         stream_id,
-        tools: tools::parse(&f, true)?,
+        constraint: constraint::parse(&f, tools.as_ref(), true)?,
+        tools,
     })
 }
 

@@ -14,6 +14,7 @@
 //!   engine thread writes), without waiting on the engine thread.
 //! - A request whose client goes away is cancelled in the engine (its [`generate::Generation`] is dropped).
 
+pub mod constraint;
 pub mod error;
 pub mod generate;
 pub mod http;
@@ -27,13 +28,15 @@ pub mod wire;
 pub mod ws;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use metrics_exporter_prometheus::PrometheusHandle;
+use sparkd_grammar::GrammarEnv;
 use sparkd_tokenizer::{ChatTemplate, Tokenizer};
 use tokio::sync::watch;
 
+use self::error::ApiError;
 use crate::engine::types::{EngineHandle, RequestId};
 use crate::metrics::{InteractivityWindow, INTERACTIVITY_P90_TOKENS_PER_SECOND};
 
@@ -56,6 +59,9 @@ pub struct AppState {
     pub started_unix: u64,
     interactivity: Mutex<InteractivityWindow>,
     next_request: AtomicU64,
+    /// The tokenizer as the constraint compiler sees it, built by the first constrained request (it walks the
+    /// vocabulary once, about 0.3 s).
+    grammar: OnceLock<Result<GrammarEnv, String>>,
 }
 
 impl AppState {
@@ -79,7 +85,16 @@ impl AppState {
             started_unix: unix_now(),
             interactivity: Mutex::new(InteractivityWindow::new(INTERACTIVITY_WINDOW_REQUESTS, INTERACTIVITY_WINDOW)),
             next_request: AtomicU64::new(1),
+            grammar: OnceLock::new(),
         }
+    }
+
+    /// The constraint compiler over the served tokenizer.
+    pub fn grammar(&self) -> Result<&GrammarEnv, ApiError> {
+        self.grammar
+            .get_or_init(|| GrammarEnv::new(self.tokenizer()).map_err(|e| e.to_string()))
+            .as_ref()
+            .map_err(|e| ApiError::Internal(format!("output constraints are unavailable: {e}")))
     }
 
     pub fn tokenizer(&self) -> &Tokenizer {

@@ -9,10 +9,12 @@
 //!   except the context length, which needs the prompt's tokens ([`check_context`]).
 
 use serde_json::{Map, Value};
+use sparkd_grammar::ConstraintSpec;
 use sparkd_kernels::runner::SamplingParams;
 use sparkd_kernels::TokenId;
 use sparkd_tokenizer::ChatMessage;
 
+use super::constraint;
 use super::error::ApiError;
 use super::tools::{self, Tools};
 
@@ -71,6 +73,8 @@ pub struct ValidRequest {
     pub prompt: Prompt,
     /// Chat only: the declared tools (`None`: none declared).
     pub tools: Option<Tools>,
+    /// Chat only: the output constraint and the field that asked for it.
+    pub constraint: Option<(String, ConstraintSpec)>,
     pub params: GenerationParams,
     pub stream: StreamOptions,
     /// `echo` (`/v1/completions` only): return the prompt text before the completion.
@@ -91,6 +95,8 @@ pub struct ValidResponsesRequest {
     pub stream_id: Option<String>,
     /// The declared tools (`None`: none declared).
     pub tools: Option<Tools>,
+    /// The output constraint and the field that asked for it.
+    pub constraint: Option<(String, ConstraintSpec)>,
 }
 
 /// Typed access to a JSON object's fields; every error names the field (prefixed with `path`).
@@ -364,9 +370,11 @@ pub fn chat_request(body: &Value) -> Result<ValidRequest, ApiError> {
     }
     let tools = tools::parse(&f, false)?;
     let declaration = tools.as_ref().and_then(|t| t.prompt_declaration().map(str::to_owned));
+    let constraint = constraint::parse(&f, tools.as_ref(), false)?;
     Ok(ValidRequest {
         prompt: Prompt::Chat { messages: chat, tools: declaration },
         tools,
+        constraint,
         params: generation_params(&f, &["max_completion_tokens", "max_tokens"], false)?,
         stream: stream_options(&f)?,
         echo: false,
@@ -406,7 +414,8 @@ pub fn completion_request(body: &Value) -> Result<ValidRequest, ApiError> {
     if echo && stream.stream {
         return Err(ApiError::field("echo", "`echo` is not supported with `stream`"));
     }
-    Ok(ValidRequest { prompt, tools: None, params: generation_params(&f, &["max_tokens"], true)?, stream, echo })
+    let params = generation_params(&f, &["max_tokens"], true)?;
+    Ok(ValidRequest { prompt, tools: None, constraint: None, params, stream, echo })
 }
 
 /// Resolves the output limit and checks prompt + output against the context length.

@@ -30,6 +30,7 @@ use hyper::{Request, Response, StatusCode};
 use serde_json::{json, Value};
 use sparkd_tokenizer::RenderSpec;
 
+use super::constraint;
 use super::error::ApiError;
 use super::generate::{Generation, GenerationOrder, Outcome, Progress};
 use super::http::{bytes_response, json_response, read_json, sse_response, Body};
@@ -82,6 +83,10 @@ pub async fn start(
         max_output_tokens: req.params.max_tokens,
         store: req.store,
     };
+    let constraint = match &req.constraint {
+        Some((field, spec)) => Some(constraint::compile(state.grammar()?, field, spec)?),
+        None => None,
+    };
     let order = GenerationOrder {
         prompt,
         continue_from: req.previous_response_id.clone().map(ResponseId),
@@ -93,6 +98,7 @@ pub async fn start(
             calls: req.tools.as_ref().is_some_and(|t| t.reports_calls()),
             parallel: req.tools.as_ref().is_none_or(|t| t.parallel),
         },
+        constraint,
     };
     let generation = Generation::start(state, order).await?;
     Ok((generation, header))

@@ -8,13 +8,14 @@
 //!   at most [`MAX_TOOLS`]. Every error names the field at fault.
 //! - The declaration rendered into the prompt is the request's `tools` array as compact JSON, its keys in the
 //!   client's order, as Kimi's template serialises it (docs/agent-formats.md).
-//! - `tool_choice: none` declares no tools and reports no calls; `auto` lets the model choose. `required` and
-//!   a named function need the arguments constrained to a schema, which the server does not do yet: they are
-//!   refused with a 400 that says so, rather than answered with calls that may not follow the schema.
+//! - `tool_choice: none` declares no tools and reports no calls; `auto` lets the model choose; `required` and a
+//!   named function constrain the reply to Kimi's tool-call section calling a declared function (the named one),
+//!   its arguments following the function's `parameters` schema ([`Tools::constraint`]).
 
 use std::collections::HashSet;
 
 use serde_json::Value;
+use sparkd_grammar::{ConstraintSpec, ToolSpec};
 use sparkd_tokenizer::{call_name, ToolCall};
 
 use super::error::ApiError;
@@ -28,10 +29,14 @@ pub const MAX_TOOL_NAME: usize = 64;
 pub const MAX_MESSAGE_TOOL_CALLS: usize = 128;
 
 /// How the model may use the tools.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ToolChoice {
     Auto,
     None,
+    /// At least one call, to any declared function.
+    Required,
+    /// Calls to this function only.
+    Named(String),
 }
 
 /// A request's validated tools.
@@ -40,6 +45,8 @@ pub struct Tools {
     /// The `tools` array as compact JSON (the prompt's declaration).
     pub declaration: String,
     pub names: Vec<String>,
+    /// Each function's name and parameters schema, for the constraint of `required` and named choices.
+    pub specs: Vec<ToolSpec>,
     pub choice: ToolChoice,
     /// `parallel_tool_calls` (default true): false keeps only a reply's first call.
     pub parallel: bool,
@@ -54,6 +61,17 @@ impl Tools {
     /// Whether the reply's calls are reported (not with `tool_choice: none`).
     pub fn reports_calls(&self) -> bool {
         self.choice != ToolChoice::None
+    }
+
+    /// The constraint `tool_choice` puts on the reply: a tool-call section calling any function (`required`) or
+    /// the named one; none for `auto` and `none`.
+    pub fn constraint(&self) -> Option<ConstraintSpec> {
+        let tools = match &self.choice {
+            ToolChoice::Auto | ToolChoice::None => return None,
+            ToolChoice::Required => self.specs.clone(),
+            ToolChoice::Named(name) => self.specs.iter().filter(|s| &s.name == name).cloned().collect(),
+        };
+        Some(ConstraintSpec::ToolCalls { tools, parallel: self.parallel })
     }
 }
 
@@ -98,6 +116,7 @@ pub fn parse(f: &Fields, flat: bool) -> Result<Option<Tools>, ApiError> {
         ));
     }
     let mut names = Vec::with_capacity(items.len());
+    let mut specs = Vec::with_capacity(items.len());
     let mut seen = HashSet::new();
     let mut declared = Vec::with_capacity(items.len());
     for (i, item) in items.iter().enumerate() {
@@ -148,13 +167,14 @@ pub fn parse(f: &Fields, flat: bool) -> Result<Option<Tools>, ApiError> {
             }
         }
         function.bool("strict")?;
+        specs.push(ToolSpec { name: name.to_string(), parameters: function.get("parameters").cloned() });
         names.push(name.to_string());
         declared.push(if flat { chat_form(item) } else { item.clone() });
     }
     let choice = tool_choice(f, choice_value, &names)?;
     let declaration = serde_json::to_string(&Value::Array(declared))
         .map_err(|e| ApiError::field(f.name("tools"), format!("`{}` cannot be serialised: {e}", f.name("tools"))))?;
-    Ok(Some(Tools { declaration, names, choice, parallel }))
+    Ok(Some(Tools { declaration, names, specs, choice, parallel }))
 }
 
 /// A Responses tool (`{"type": "function", "name", "description", "parameters", "strict"}`) in chat's form.
@@ -172,21 +192,12 @@ fn chat_form(item: &Value) -> Value {
 
 fn tool_choice(f: &Fields, value: Option<&Value>, names: &[String]) -> Result<ToolChoice, ApiError> {
     let field = f.name("tool_choice");
-    let unsupported = |what: &str| {
-        ApiError::field(
-            field.clone(),
-            format!(
-                "`{field}`: {what} needs the arguments constrained to the function's schema, which this server does \
-                 not do yet; use \"auto\""
-            ),
-        )
-    };
     match value {
         None => Ok(ToolChoice::Auto),
         Some(Value::String(s)) => match s.as_str() {
             "auto" => Ok(ToolChoice::Auto),
             "none" => Ok(ToolChoice::None),
-            "required" => Err(unsupported("\"required\"")),
+            "required" => Ok(ToolChoice::Required),
             other => Err(ApiError::field(
                 field.clone(),
                 format!("`{field}` = {other:?}: expected \"auto\", \"none\", \"required\" or a function"),
@@ -199,7 +210,7 @@ fn tool_choice(f: &Fields, value: Option<&Value>, names: &[String]) -> Result<To
                 None => c.str("name")?,
             };
             match name {
-                Some(n) if names.iter().any(|d| d == n) => Err(unsupported(&format!("the named function `{n}`"))),
+                Some(n) if names.iter().any(|d| d == n) => Ok(ToolChoice::Named(n.to_string())),
                 Some(n) => Err(ApiError::field(
                     field.clone(),
                     format!("`{field}` names `{n}`, which `tools` does not declare"),
@@ -278,7 +289,10 @@ mod tests {
             t.declaration,
             r#"[{"type":"function","function":{"name":"get_weather","description":"d","parameters":{"type":"object","properties":{"city":{"type":"string"}}}}}]"#
         );
-        assert_eq!((t.names.clone(), t.choice, t.parallel), (vec!["get_weather".to_string()], ToolChoice::Auto, true));
+        assert_eq!(
+            (t.names.clone(), t.choice.clone(), t.parallel),
+            (vec!["get_weather".to_string()], ToolChoice::Auto, true)
+        );
         assert_eq!(t.prompt_declaration(), Some(t.declaration.as_str()));
         let none = tools(json!({"tools": [weather()], "tool_choice": "none"})).unwrap().unwrap();
         assert!(none.prompt_declaration().is_none() && !none.reports_calls());
@@ -296,7 +310,6 @@ mod tests {
             (json!({"tools": [weather(), weather()]}), "declared twice"),
             (json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]}), "JSON Schema"),
             (json!({"tools": [weather()], "tool_choice": "sometimes"}), "\"sometimes\""),
-            (json!({"tools": [weather()], "tool_choice": "required"}), "constrained"),
             (
                 json!({"tools": [weather()], "tool_choice": {"type": "function", "function": {"name": "other"}}}),
                 "`other`",
@@ -307,6 +320,15 @@ mod tests {
             let err = message(tools(body.clone()).unwrap_err());
             assert!(err.contains(want), "{body}: {err}");
         }
+        let required = tools(json!({"tools": [weather()], "tool_choice": "required"})).unwrap().unwrap();
+        assert!(
+            matches!(required.constraint(), Some(ConstraintSpec::ToolCalls { ref tools, parallel: true }) if tools.len() == 1)
+        );
+        let named = tools(json!({"tools": [weather()], "parallel_tool_calls": false,
+                                  "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}));
+        let named = named.unwrap().unwrap();
+        assert_eq!(named.choice, ToolChoice::Named("get_weather".into()));
+        assert!(matches!(named.constraint(), Some(ConstraintSpec::ToolCalls { parallel: false, .. })));
         let many: Vec<Value> =
             (0..=MAX_TOOLS).map(|i| json!({"type": "function", "function": {"name": format!("f{i}")}})).collect();
         assert!(message(tools(json!({"tools": many})).unwrap_err()).contains("at most 128"));

@@ -49,6 +49,7 @@ use sparkd_kernels::state::{SeqState, MLA_BLOCK_TOKENS};
 use sparkd_kernels::{KernelError, Runner, StateId};
 use tokio::sync::mpsc::{self, error::TryRecvError, error::TrySendError};
 
+use super::constraints::Constraints;
 use super::phases::{Phase, PhaseClock};
 use super::prefix_cache::PrefixCache;
 use super::scheduler::{AheadPlan, FinishedSeq, Scheduler, SchedulerLimits, StepOutcome, StepPlan};
@@ -187,6 +188,8 @@ struct EngineCore {
     sessions: SessionStore,
     prefix: PrefixCache,
     live: HashMap<RequestId, Live>,
+    /// The matchers of constrained requests.
+    constraints: Constraints,
     /// Drafts and their statistics; `None` with speculation off.
     speculator: Option<Speculator>,
     /// Times the phases of each loop turn.
@@ -225,6 +228,7 @@ impl EngineCore {
             commands_open: true,
             stopping: false,
             live: HashMap::new(),
+            constraints: Constraints::default(),
             speculator,
             phases: PhaseClock::new(),
             flying: VecDeque::new(),
@@ -342,7 +346,7 @@ impl EngineCore {
         }
     }
 
-    fn accept(&mut self, request: GenerateRequest, events: mpsc::Sender<EngineEvent>) {
+    fn accept(&mut self, mut request: GenerateRequest, events: mpsc::Sender<EngineEvent>) {
         let reject = |events: &mpsc::Sender<EngineEvent>, e: EngineError| {
             counter!(names::ERRORS_TOTAL, "kind" => e.kind()).increment(1);
             // The client may already be gone; then there is nobody to tell.
@@ -363,6 +367,9 @@ impl EngineCore {
         }
         if let Err(e) = self.scheduler.add(&request, &history) {
             return reject(&events, EngineError::Internal(e.to_string()));
+        }
+        if let Some(constraint) = request.constraint.take() {
+            self.constraints.insert(request.id, *constraint);
         }
         self.live.insert(
             request.id,
@@ -395,6 +402,13 @@ impl EngineCore {
             return Err(EngineError::InvalidRequest(format!(
                 "token id {bad} is outside the vocabulary of {}",
                 cfg.vocab_size
+            )));
+        }
+        if request.constraint.is_some() && !self.runner.applies_row_masks() {
+            return Err(EngineError::InvalidRequest(format!(
+                "constrained output (response_format, grammars, required tool calls) is not supported on the {} \
+                 backend yet",
+                self.runner.device_name()
             )));
         }
         let total = history_len + request.prompt.len() + request.max_tokens;
@@ -497,7 +511,11 @@ impl EngineCore {
         drop(slots);
         match drafts {
             Ok(drafts) => {
-                for (id, draft) in ids.into_iter().zip(drafts) {
+                for (id, mut draft) in ids.into_iter().zip(drafts) {
+                    if let Err(e) = self.constraints.cut(id, &mut draft) {
+                        self.fail(id, e);
+                        continue;
+                    }
                     if let Err(e) = self.scheduler.set_drafts(id, draft) {
                         tracing::warn!(request = %id, error = %e, "attaching drafts failed");
                     }
@@ -536,7 +554,18 @@ impl EngineCore {
             if let Some(live) = live {
                 live.first_scheduled.get_or_insert(now);
             }
-            rows.push(RowInput { state, tokens: row.tokens.clone(), sample: row.sample.clone() });
+            let mut sample = row.sample.clone();
+            if let Some(sample) = sample.as_mut().filter(|_| self.constraints.contains(row.id)) {
+                let drafts = &row.tokens[row.tokens.len() - sample.draft_len..];
+                match self.constraints.masks(row.id, drafts) {
+                    Ok(masks) => sample.masks = masks,
+                    Err(e) => {
+                        self.fail(row.id, e);
+                        return None;
+                    }
+                }
+            }
+            rows.push(RowInput { state, tokens: row.tokens.clone(), sample });
         }
         Some(rows)
     }
@@ -591,7 +620,7 @@ impl EngineCore {
     /// Launches the step after `current` fed on the device, when the scheduler can plan it now and nothing
     /// stops the engine; returns its plan. A launch the runner refuses is logged and not retried this turn.
     fn launch_ahead(&mut self, current: &StepPlan) -> Option<AheadPlan> {
-        if self.stopping {
+        if self.stopping || !self.constraints.is_empty() {
             return None;
         }
         let ahead = self.scheduler.schedule_ahead(current)?;
@@ -662,6 +691,13 @@ impl EngineCore {
             }
         };
         self.record_step(plan, &outcome, Instant::now());
+        for (id, event) in &outcome.events {
+            if let EngineEvent::Tokens { tokens, .. } = event {
+                if let Err(e) = self.constraints.commit(*id, tokens) {
+                    self.fail(*id, e);
+                }
+            }
+        }
         for hit in outcome.boundaries {
             self.snapshot(hit.id, hit.tokens, hit.planned);
         }
@@ -803,6 +839,7 @@ impl EngineCore {
     /// Fails a request: frees its state (never kept) and sends `Failed`.
     fn fail(&mut self, id: RequestId, error: EngineError) {
         counter!(names::ERRORS_TOTAL, "kind" => error.kind()).increment(1);
+        self.constraints.remove(id);
         if let Some(finished) = self.scheduler.remove(id, FinishReason::Cancelled) {
             if let Some(speculator) = &mut self.speculator {
                 speculator.end(id, &finished.tokens);
@@ -820,6 +857,7 @@ impl EngineCore {
 
     /// A request left the scheduler: store its decode snapshot, keep or free its state, record its times.
     fn release(&mut self, finished: FinishedSeq) {
+        self.constraints.remove(finished.id);
         if let Some(speculator) = &mut self.speculator {
             speculator.end(finished.id, &finished.tokens);
         }

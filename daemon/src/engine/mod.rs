@@ -8,6 +8,7 @@
 //! running, nothing outside this module touches a `Runner` or a `StateId`; no lock is held around
 //! the model.
 
+mod constraints;
 pub mod core;
 mod phases;
 pub mod prefix_cache;

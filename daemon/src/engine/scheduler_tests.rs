@@ -19,6 +19,7 @@ fn request(id: u64, prompt_len: usize, max_tokens: usize) -> GenerateRequest {
         stop_token_ids: vec![2],
         arrival: Instant::now(),
         num_spec_tokens: None,
+        constraint: None,
     }
 }
 

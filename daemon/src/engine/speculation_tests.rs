@@ -120,6 +120,7 @@ impl Harness {
             stop_token_ids: Vec::new(),
             arrival: Instant::now(),
             num_spec_tokens: None,
+            constraint: None,
         }
     }
 

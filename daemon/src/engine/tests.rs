@@ -189,6 +189,7 @@ fn request(id: u64, prompt: Vec<TokenId>, max_tokens: usize) -> GenerateRequest 
         stop_token_ids: Vec::new(),
         arrival: Instant::now(),
         num_spec_tokens: None,
+        constraint: None,
     }
 }
 

@@ -72,6 +72,9 @@ pub struct GenerateRequest {
     /// Most draft tokens to verify per step for this request (the request's `speculation.num_tokens`);
     /// capped by the server's `--num-spec-tokens`; `None`: the server's value; `Some(0)`: no drafts.
     pub num_spec_tokens: Option<usize>,
+    /// The grammar the output must follow (`response_format`, a grammar, required tool calls), its matcher
+    /// fresh; `None`: unconstrained.
+    pub constraint: Option<Box<sparkd_grammar::Constraint>>,
 }
 
 /// A command to the engine thread.
