@@ -121,7 +121,7 @@ fn every_kernel_compiles_for_sm80_sm90a_and_sm100a() {
                 }
             }
             for kernel in
-                ["rms_norm", "skinny_gemm_t1", "moe_router_logits", "kda_step_128", "sample_rows", "argmax_step"]
+                ["rms_norm", "skinny_gemm_t1", "moe_router_logits", "kda_step_128", "sample_rows", "markov_pick"]
             {
                 assert!(defined_in.contains_key(kernel), "{arch}: no source defines {kernel}");
             }

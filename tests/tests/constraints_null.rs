@@ -1,9 +1,10 @@
 //! Constrained output against `sparkd serve --device null` (its point-mass model follows a constraint's masks):
 //! 100 seeded sampled requests under a JSON Schema all validate; `json_object`, a regex and a Lark grammar hold;
 //! invalid constraints are 400s naming the field; and greedy output under a schema and under a required tool
-//! call is the same with speculation off and on (suffix drafts, cut at the grammar's first forbidden token and
-//! verified under its masks), while forced acceptance (on the CPU model), which emits many tokens per step, still
-//! follows it.
+//! call is the same with speculation off and on (suffix drafts on the null model, DSpark drafts on the CPU model,
+//! cut at the grammar's first forbidden token and verified under its masks), while forced acceptance (on the CPU
+//! model), which emits many tokens per step, still follows it; and a grammar that writes a thinking block splits
+//! into `reasoning_content` and `content`.
 
 use serde_json::{json, Value};
 use sparkd_tests::Server;
@@ -112,6 +113,8 @@ async fn greedy_constrained_output_is_the_same_with_speculation_on() {
         vec!["--device", "null"],
         vec!["--device", "null", "--spec", "suffix", "--num-spec-tokens", "6"],
         vec!["--device", "cpu", "--spec", "suffix", "--num-spec-tokens", "6", "--spec-synthetic-al", "4"],
+        vec!["--device", "cpu"],
+        vec!["--device", "cpu", "--spec", "dspark", "--num-spec-tokens", "4"],
     ] {
         let s = Server::start(&args).await.expect("server starts");
         let mut out = Vec::new();
@@ -119,7 +122,7 @@ async fn greedy_constrained_output_is_the_same_with_speculation_on() {
             // Twice: the second request's suffix drafts come from the first's output, so most are accepted.
             content(&s, body).await;
             let (_, reply) = content(&s, body).await;
-            if args.contains(&"suffix") {
+            if args.contains(&"suffix") && args.contains(&"null") {
                 let accepted = &reply["metrics"]["speculative_decoding"]["num_accepted_draft_tokens"];
                 assert!(accepted.as_u64().is_some_and(|n| n > 0), "no draft was accepted: {reply}");
             }
@@ -129,6 +132,7 @@ async fn greedy_constrained_output_is_the_same_with_speculation_on() {
         s.terminate().unwrap();
     }
     assert_eq!(replies[0], replies[1], "suffix speculation changed constrained greedy output");
+    assert_eq!(replies[3], replies[4], "DSpark drafts changed constrained greedy output on the CPU model");
     // Forced acceptance (the CPU model; the null runner has none) emits drafts by a schedule, not the model's
     // choice: the output differs but follows the constraints.
     let forced = &replies[2];
@@ -136,4 +140,26 @@ async fn greedy_constrained_output_is_the_same_with_speculation_on() {
     let call = &forced[1]["tool_calls"][0]["function"];
     let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
     assert!(args["hour"].as_i64().is_some_and(|h| (0..24).contains(&h)) && args["label"].is_string(), "{args}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thinking_block_arrives_as_reasoning_content_apart_from_content() {
+    let s = Server::start(&["--device", "null"]).await.expect("server starts");
+    let grammar = r#"start: "<think>" /[a-z]{3,6}/ "</think>" /[A-Z][a-z]{2,5}/"#;
+    let body = chat(json!({"structured_outputs": {"grammar": grammar}, "temperature": 0}));
+    let (text, reply) = content(&s, &body).await;
+    let reasoning = reply["choices"][0]["message"]["reasoning_content"].as_str().unwrap_or_default().to_string();
+    assert!((3..=6).contains(&reasoning.len()) && reasoning.bytes().all(|b| b.is_ascii_lowercase()), "{reply}");
+    assert!(text.starts_with(|c: char| c.is_ascii_uppercase()) && !text.contains("think"), "{reply}");
+    // Streamed: the same split, as deltas.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let events = s.sse_all("/v1/chat/completions", &streamed).await.unwrap();
+    let (mut r, mut c) = (String::new(), String::new());
+    for e in &events {
+        let delta = &e.data["choices"][0]["delta"];
+        r += delta["reasoning_content"].as_str().unwrap_or_default();
+        c += delta["content"].as_str().unwrap_or_default();
+    }
+    assert_eq!((r, c), (reasoning, text));
 }
