@@ -4,8 +4,11 @@
 //!
 //! Invariants:
 //! - A request has at most one constraint; asking for two is a 400 naming the second field.
-//! - The constraint is compiled (by `sparkd-grammar`, with its limits) before the request reaches the engine, so
-//!   an invalid schema, regex or grammar is a 400 naming the field and what llguidance found wrong.
+//! - The constraint is compiled (by `sparkd-grammar`, with its limits, on the blocking pool) before the request
+//!   reaches the engine, so an invalid schema, regex or grammar is a 400 naming the field and what llguidance
+//!   found wrong.
+
+use std::sync::Arc;
 
 use serde_json::Value;
 use sparkd_grammar::{Constraint, ConstraintSpec, GrammarEnv};
@@ -13,6 +16,7 @@ use sparkd_grammar::{Constraint, ConstraintSpec, GrammarEnv};
 use super::error::ApiError;
 use super::openai::Fields;
 use super::tools::Tools;
+use super::AppState;
 
 /// The constraint fields of a request (`f`): chat's `response_format`, or Responses' `text.format` when
 /// `responses`; `structured_outputs`; and the tools' choice. `None`: unconstrained.
@@ -87,6 +91,20 @@ fn response_format(field: &str, value: &Value, responses: bool) -> Result<Option
 /// Compiles the constraint `field` asked for; an invalid one is a 400 naming the field.
 pub fn compile(env: &GrammarEnv, field: &str, spec: &ConstraintSpec) -> Result<Box<Constraint>, ApiError> {
     env.constraint(spec).map(Box::new).map_err(|e| ApiError::field(field.to_string(), format!("`{field}`: {e}")))
+}
+
+/// Compiles a request's constraint, if any, on the blocking pool: the first one also describes the tokenizer
+/// to llguidance (about half a second), and a large schema takes milliseconds, neither on an I/O thread.
+pub async fn compile_request(
+    state: &Arc<AppState>,
+    requested: &Option<(String, ConstraintSpec)>,
+) -> Result<Option<Box<Constraint>>, ApiError> {
+    let Some((field, spec)) = requested.clone() else { return Ok(None) };
+    let state = state.clone();
+    let compiled = tokio::task::spawn_blocking(move || compile(state.grammar()?, &field, &spec))
+        .await
+        .map_err(|e| ApiError::Internal(format!("compiling the output constraint: {e}")))?;
+    compiled.map(Some)
 }
 
 #[cfg(test)]

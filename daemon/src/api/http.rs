@@ -205,10 +205,7 @@ async fn chat_or_completion(
         (Prompt::Tokens(ids), true) => Some(state.tokenizer().decode_lossy(ids)?),
         _ => None,
     };
-    let constraint = match &valid.constraint {
-        Some((field, spec)) => Some(constraint::compile(state.grammar()?, field, spec)?),
-        None => None,
-    };
+    let constraint = constraint::compile_request(state, &valid.constraint).await?;
     let reply = match kind {
         ChunkKind::Chat => ReplyForm::Chat {
             calls: valid.tools.as_ref().is_some_and(|t| t.reports_calls()),

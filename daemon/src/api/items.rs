@@ -204,7 +204,8 @@ impl OutputItems {
         OutputItems { items: Vec::new(), message_id, open: false }
     }
 
-    /// The events of one step's pieces: reasoning, then text (with its log-probabilities), then call deltas.
+    /// The events of one step's pieces: reasoning, then text (with the step's log-probabilities, which only a text
+    /// delta carries), then call deltas.
     pub fn push(
         &mut self,
         reasoning: &str,
@@ -226,7 +227,7 @@ impl OutputItems {
                                    "content_index": 0, "delta": reasoning}));
             }
         }
-        if !text.is_empty() || logprobs.is_some() {
+        if !text.is_empty() {
             self.open_message(&mut events);
             let index = self.items.len() - 1;
             if let Some(Item::Message { id, text: all }) = self.items.last_mut() {

@@ -83,10 +83,7 @@ pub async fn start(
         max_output_tokens: req.params.max_tokens,
         store: req.store,
     };
-    let constraint = match &req.constraint {
-        Some((field, spec)) => Some(constraint::compile(state.grammar()?, field, spec)?),
-        None => None,
-    };
+    let constraint = constraint::compile_request(state, &req.constraint).await?;
     let order = GenerationOrder {
         prompt,
         continue_from: req.previous_response_id.clone().map(ResponseId),
