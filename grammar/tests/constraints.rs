@@ -44,32 +44,36 @@ fn walk(c: &mut Constraint, seed: u64, end: u32, limit: usize) -> (Vec<u32>, boo
     (out, false)
 }
 
-fn person_schema() -> Value {
+/// A ticket: a short title, a priority from an enum, a number of points, nested optional labels.
+fn ticket_schema() -> Value {
     json!({"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
-        "ok": {"type": "boolean"}},
-        "required": ["name", "age", "tags", "ok"], "additionalProperties": false})
+        "title": {"type": "string", "minLength": 1, "maxLength": 5},
+        "priority": {"enum": ["low", "high"]},
+        "points": {"type": "integer", "minimum": 1, "maximum": 13},
+        "labels": {"type": "object", "properties": {"team": {"type": "string", "maxLength": 3}},
+                   "additionalProperties": false}},
+        "required": ["title", "priority", "points"], "additionalProperties": false})
 }
 
-/// Checks `v` against `person_schema` by hand.
-fn is_person(v: &Value) -> bool {
+/// Checks `v` against `ticket_schema` by hand.
+fn is_ticket(v: &Value) -> bool {
     let Some(o) = v.as_object() else { return false };
-    o.len() == 4
-        && o["name"].as_str().is_some_and(|s| s.chars().count() <= 6)
-        && o["age"].as_i64().is_some_and(|a| (0..=120).contains(&a))
-        && o["tags"]
-            .as_array()
-            .is_some_and(|t| t.len() <= 3 && t.iter().all(|x| ["a", "b", "c"].contains(&x.as_str().unwrap_or(""))))
-        && o["ok"].is_boolean()
+    let labels_ok = o.get("labels").is_none_or(|l| {
+        l.as_object()
+            .is_some_and(|m| m.iter().all(|(k, v)| k == "team" && v.as_str().is_some_and(|t| t.chars().count() <= 3)))
+    });
+    o.keys().all(|k| ["title", "priority", "points", "labels"].contains(&k.as_str()))
+        && o["title"].as_str().is_some_and(|s| (1..=5).contains(&s.chars().count()))
+        && ["low", "high"].contains(&o["priority"].as_str().unwrap_or(""))
+        && o["points"].as_i64().is_some_and(|p| (1..=13).contains(&p))
+        && labels_ok
 }
 
 #[test]
 fn a_hundred_seeded_walks_under_a_json_schema_all_validate() {
     let (env, tok) = env();
     let end = tok.eos_ids()[0];
-    let spec = ConstraintSpec::JsonSchema(person_schema());
+    let spec = ConstraintSpec::JsonSchema(ticket_schema());
     let base = env.constraint(&spec).unwrap();
     for seed in 0..100 {
         let mut c = base.clone();
@@ -77,7 +81,7 @@ fn a_hundred_seeded_walks_under_a_json_schema_all_validate() {
         let text = tok.decode(&ids).unwrap();
         assert!(ended, "seed {seed}: no end after 400 tokens: {text}");
         let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("seed {seed}: {e}: {text}"));
-        assert!(is_person(&v), "seed {seed}: {text}");
+        assert!(is_ticket(&v), "seed {seed}: {text}");
     }
 }
 
