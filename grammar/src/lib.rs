@@ -157,41 +157,24 @@ impl std::fmt::Debug for Constraint {
 }
 
 impl Constraint {
-    /// The ids allowed next, as `ceil(vocab / 32)` words (bit `id % 32` of word `id / 32`); only the end of turn
-    /// once the grammar is complete.
+    /// The ids allowed next, as `ceil(vocab / 32)` words (bit `id % 32` of word `id / 32`); the end of turn (the
+    /// environment's end-of-sequence id) where the grammar may end, and only it once the grammar is complete.
     pub fn allowed(&mut self) -> Result<Vec<u32>> {
-        let words = self.vocab.div_ceil(32);
-        let mut out = vec![0u32; words];
-        if self.matcher.is_stopped() {
-            set_bit(&mut out, self.end_of_turn);
-            return Ok(out);
-        }
-        let mask = self.matcher.compute_mask().map_err(|e| GrammarError::Matcher(e.to_string()))?;
+        let mask = self.matcher.compute_mask_or_eos().map_err(|e| GrammarError::Matcher(e.to_string()))?;
+        let mut out = vec![0u32; self.vocab.div_ceil(32)];
         let bits = mask.as_slice();
-        let n = words.min(bits.len());
+        let n = out.len().min(bits.len());
         out[..n].copy_from_slice(&bits[..n]);
-        if let Some(last) = out.last_mut() {
-            let tail = self.vocab % 32;
-            if tail != 0 {
-                *last &= (1u32 << tail) - 1;
-            }
-        }
-        // llguidance allows its end-of-sequence id where the grammar may end; a reply ends with the end of turn.
-        if self.matcher.is_accepting().map_err(|e| GrammarError::Matcher(e.to_string()))? {
-            set_bit(&mut out, self.end_of_turn);
-        }
         Ok(out)
     }
 
     /// Advances past `tokens` (sampled or accepted). A token the grammar forbids is an error (the runner applied
-    /// another mask); the end of turn after a complete grammar is accepted.
+    /// another mask); the end of turn is accepted where the grammar may end, and again after it has.
     pub fn commit(&mut self, tokens: &[u32]) -> Result<()> {
         for &t in tokens {
-            if t == self.end_of_turn && (self.matcher.is_stopped() || self.is_accepting()?) {
-                self.committed += 1;
-                continue;
+            if !(t == self.end_of_turn && self.matcher.is_stopped()) {
+                self.matcher.consume_token(t).map_err(|e| GrammarError::Matcher(e.to_string()))?;
             }
-            self.matcher.consume_token(t).map_err(|e| GrammarError::Matcher(e.to_string()))?;
             self.committed += 1;
         }
         Ok(())
@@ -203,16 +186,7 @@ impl Constraint {
         if self.matcher.is_stopped() {
             return Ok(usize::from(draft.first() == Some(&self.end_of_turn)));
         }
-        let n = self.matcher.validate_tokens(draft).map_err(|e| GrammarError::Matcher(e.to_string()))?;
-        // The end of turn may follow a prefix that completes the grammar.
-        if n < draft.len() && draft[n] == self.end_of_turn {
-            let mut probe = self.matcher.deep_clone();
-            probe.consume_tokens(&draft[..n]).map_err(|e| GrammarError::Matcher(e.to_string()))?;
-            if probe.is_stopped() || probe.is_accepting().unwrap_or(false) {
-                return Ok(n + 1);
-            }
-        }
-        Ok(n)
+        self.matcher.validate_tokens(draft).map_err(|e| GrammarError::Matcher(e.to_string()))
     }
 
     /// Whether the grammar may end here.
@@ -243,10 +217,4 @@ pub(crate) fn fixed_whitespace(schema: &Value) -> Value {
         }
     }
     schema
-}
-
-fn set_bit(words: &mut [u32], id: u32) {
-    if let Some(w) = words.get_mut(id as usize / 32) {
-        *w |= 1 << (id % 32);
-    }
 }

@@ -207,10 +207,7 @@ async fn chat_or_completion(
     };
     let constraint = constraint::compile_request(state, &valid.constraint).await?;
     let reply = match kind {
-        ChunkKind::Chat => ReplyForm::Chat {
-            calls: valid.tools.as_ref().is_some_and(|t| t.reports_calls()),
-            parallel: valid.tools.as_ref().is_none_or(|t| t.parallel),
-        },
+        ChunkKind::Chat => ReplyForm::chat(valid.tools.as_ref()),
         ChunkKind::Completion => ReplyForm::Text,
     };
     let order = GenerationOrder {

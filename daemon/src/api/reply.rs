@@ -10,6 +10,7 @@
 use sparkd_tokenizer::{IncrementalDecoder, ReplyEvent, ReplyParser, Tokenizer};
 
 use super::error::ApiError;
+use super::tools::Tools;
 
 /// One step's part of a tool call: the header (id and name, arguments empty) when the call begins, then
 /// fragments of its arguments.
@@ -36,6 +37,14 @@ pub enum ReplyForm {
     Text,
     /// A chat reply: reasoning, content and, when `calls`, tool calls (only the first unless `parallel`).
     Chat { calls: bool, parallel: bool },
+}
+
+impl ReplyForm {
+    /// A chat reply under the request's tools: calls reported unless `tool_choice` is `none` (or no tools are
+    /// declared), all of them unless `parallel_tool_calls` is false.
+    pub fn chat(tools: Option<&Tools>) -> Self {
+        ReplyForm::Chat { calls: tools.is_some_and(Tools::reports_calls), parallel: tools.is_none_or(|t| t.parallel) }
+    }
 }
 
 /// Reads one reply, step by step.

@@ -91,10 +91,7 @@ pub async fn start(
         params: req.params.clone(),
         max_tokens,
         arrival,
-        reply: ReplyForm::Chat {
-            calls: req.tools.as_ref().is_some_and(|t| t.reports_calls()),
-            parallel: req.tools.as_ref().is_none_or(|t| t.parallel),
-        },
+        reply: ReplyForm::chat(req.tools.as_ref()),
         constraint,
     };
     let generation = Generation::start(state, order).await?;
