@@ -130,6 +130,9 @@ pub const ENGINE_PHASE_SECONDS: &str = "sparkd:engine_phase_seconds";
 /// Histogram with label `how` (`continued`, `prefix`, `fresh`): seconds to give one admitted request its state
 /// (a kept response's checkout, a prefix-cache import, or a fresh allocation) and begin its speculation.
 pub const REQUEST_ADMIT_SECONDS: &str = "sparkd:request_admit_seconds";
+/// Histogram: host seconds computing one step's grammar masks (constrained requests only), on a helper thread
+/// while the engine thread launches the step's forward and the device runs it (`engine::constraints`).
+pub const CONSTRAINT_MASK_SECONDS: &str = "sparkd:constraint_mask_seconds";
 
 /// The `phase` label values of [`ENGINE_PHASE_SECONDS`], in loop order.
 pub const ENGINE_PHASES: &[&str] =
@@ -310,6 +313,12 @@ pub const ALL_METRICS: &[MetricDef] = &[
         "Seconds to give one admitted request its state and begin its speculation: continued (a kept response's \
          state), prefix (a prefix-cache import), fresh (a new state).",
     ),
+    def(
+        CONSTRAINT_MASK_SECONDS,
+        Histogram,
+        "Host seconds computing one step's grammar masks (response_format, grammars, required tool calls), on a \
+         helper thread beside the launch of the step's forward: on a GPU they overlap the forward.",
+    ),
 ];
 
 /// The buckets of one histogram.
@@ -318,7 +327,7 @@ pub fn buckets_for(name: &str) -> &'static [f64] {
         TIME_TO_FIRST_TOKEN_SECONDS => TTFT_BUCKETS,
         INTER_TOKEN_LATENCY_SECONDS | REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS | STEP_INTERVAL_SECONDS => ITL_BUCKETS,
         REQUEST_PROMPT_TOKENS | REQUEST_GENERATION_TOKENS => TOKEN_COUNT_BUCKETS,
-        ENGINE_PHASE_SECONDS | REQUEST_ADMIT_SECONDS => PHASE_BUCKETS,
+        ENGINE_PHASE_SECONDS | REQUEST_ADMIT_SECONDS | CONSTRAINT_MASK_SECONDS => PHASE_BUCKETS,
         _ => REQUEST_LATENCY_BUCKETS,
     }
 }

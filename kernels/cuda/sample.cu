@@ -44,7 +44,7 @@ typedef unsigned short u16;
 #define FIXED_ONE 4611686018427387904.0 // 2^62: fixed-point unit of the top-p high-byte mass
 
 // Row descriptor: DESC_WORDS u64 per row (kernels/src/cuda/sample.rs writes them).
-#define DESC_WORDS 11
+#define DESC_WORDS 12
 #define D_LOGITS 0      // const bf16 * or const float * [vocab] (by kernel)
 #define D_Q 1           // const float * [vocab] processed draft probabilities, 0: one-hot on the draft
 #define D_PROBS_OUT 2   // float * [vocab] processed probabilities out, 0: none
@@ -56,6 +56,7 @@ typedef unsigned short u16;
 #define D_TOP_N 8       // 0: no log-probabilities, else top_n + 1
 #define D_MODE 9
 #define D_TOKEN_OUT 10  // u32 *: the row's token is also written here (0: not)
+#define D_ROW_MASK 11   // const u32 * [ceil(vocab / 32)]: the row's own mask (a grammar's), beside the launch's; 0: none
 
 #define MODE_SAMPLE 0 // token from p
 #define MODE_VERIFY 1 // accept test of the draft; on rejection the residual token
@@ -130,11 +131,13 @@ template <class L> __device__ __forceinline__ u32 bits_of_key(u32 key) {
 template <class L> struct RowView {
     const typename L::Elem *logits; // [vocab] bit patterns
     const u32 *mask;                // [ceil(vocab / 32)] bit set = allowed; null: every id allowed
+    const u32 *row_mask;            // the row's own mask, same layout, applied beside `mask`; null: none
     int vocab;
 };
 
 template <class L> __device__ __forceinline__ u32 bits_at(const RowView<L> &r, int i) {
     if (r.mask && !((r.mask[i >> 5] >> (i & 31)) & 1u)) return L::NEG_INF;
+    if (r.row_mask && !((r.row_mask[i >> 5] >> (i & 31)) & 1u)) return L::NEG_INF;
     return r.logits[i];
 }
 
@@ -540,7 +543,7 @@ template <class L> struct Residual {
 template <class L> __device__ void sample_row(const u64 *desc, const u32 *mask, int vocab, u32 *status, u32 *top) {
     __shared__ Shared s;
     const u64 *d = desc + (long)blockIdx.x * DESC_WORDS;
-    RowView<L> r = {(const typename L::Elem *)d[D_LOGITS], mask, vocab};
+    RowView<L> r = {(const typename L::Elem *)d[D_LOGITS], mask, (const u32 *)d[D_ROW_MASK], vocab};
     u32 *token_out = (u32 *)d[D_TOKEN_OUT];
     const float *q = (const float *)d[D_Q];
     float *probs_out = (float *)d[D_PROBS_OUT];

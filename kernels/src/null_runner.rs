@@ -249,10 +249,6 @@ impl Runner for NullRunner {
         self.step_now(rows)
     }
 
-    fn applies_row_masks(&self) -> bool {
-        true
-    }
-
     fn launches_ahead(&self) -> bool {
         true
     }

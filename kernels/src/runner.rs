@@ -12,8 +12,9 @@
 //!   a seeded request gives the same tokens whatever else is batched with it.
 //! - Full logits never leave the runner; only sampled tokens and requested log-probabilities do.
 //! - A constrained row's masks ([`SampleRequest::masks`]) forbid ids at each of its sampling positions as the
-//!   runner's [`TokenMask`] does (a forbidden draft is rejected, a forbidden id never sampled); a backend that
-//!   cannot apply them refuses the step with an error naming it.
+//!   runner's [`TokenMask`] does (a forbidden draft is rejected, a forbidden id never sampled). They may also
+//!   come from a [`MaskSource`] asked once the step's forward is launched ([`Runner::step_masked`],
+//!   [`Runner::launch_masked`]), so that the host computes them while the device runs the forward.
 //!
 //! - Steps may also be launched ahead of their outputs ([`Runner::launch`], [`Runner::launch_fed`],
 //!   [`Runner::collect`]: asynchronous scheduling); a runner that does says so in
@@ -92,29 +93,56 @@ impl SampleRequest {
     /// Checks the masks against a vocabulary of `vocab` ids: none, or one per sampling position, each of the
     /// right length and allowing at least one id.
     pub fn check_masks(&self, vocab: usize) -> Result<()> {
-        if self.masks.is_empty() {
-            return Ok(());
-        }
-        if self.masks.len() != self.draft_len + 1 {
+        check_row_masks(&self.masks, self.draft_len, vocab)
+    }
+}
+
+/// Checks a row's `masks` ([`SampleRequest::masks`]' form) for `draft_len` drafts over `vocab` ids: none, or one
+/// per sampling position, each of the right length and allowing at least one id.
+pub fn check_row_masks(masks: &[Arc<[u32]>], draft_len: usize, vocab: usize) -> Result<()> {
+    if masks.is_empty() {
+        return Ok(());
+    }
+    if masks.len() != draft_len + 1 {
+        return Err(KernelError::InvalidInput(format!(
+            "{} token masks for a row sampling at {} positions",
+            masks.len(),
+            draft_len + 1
+        )));
+    }
+    let words = vocab.div_ceil(32);
+    for (i, m) in masks.iter().enumerate() {
+        if m.len() != words || m.iter().all(|w| *w == 0) {
             return Err(KernelError::InvalidInput(format!(
-                "{} token masks for a row sampling at {} positions",
-                self.masks.len(),
-                self.draft_len + 1
+                "token mask {i} has {} words and allows {} ids (a vocabulary of {vocab} needs {words} words and \
+                 at least one id)",
+                m.len(),
+                m.iter().map(|w| w.count_ones()).sum::<u32>()
             )));
         }
-        let words = vocab.div_ceil(32);
-        for (i, m) in self.masks.iter().enumerate() {
-            if m.len() != words || m.iter().all(|w| *w == 0) {
-                return Err(KernelError::InvalidInput(format!(
-                    "token mask {i} has {} words and allows {} ids (a vocabulary of {vocab} needs {words} words and \
-                     at least one id)",
-                    m.len(),
-                    m.iter().map(|w| w.count_ones()).sum::<u32>()
-                )));
-            }
-        }
-        Ok(())
     }
+    Ok(())
+}
+
+/// Constrained rows' masks, asked for once a step's forward is launched, so that the host computes them while
+/// the device runs it (follows vLLM v1's `EngineCore.step`: `execute_model`, then `get_grammar_bitmask` while
+/// the forward runs, then `sample_tokens`).
+pub trait MaskSource {
+    /// The masks of the step's row `row` in [`SampleRequest::masks`]' form (`draft_len + 1` of them); empty for
+    /// an unconstrained row. Asked at most once per sampling row, in row order.
+    fn masks(&mut self, row: usize) -> Result<Vec<Arc<[u32]>>>;
+}
+
+/// `rows` with each sampling row's masks taken from `source` (the form every runner that gains nothing from
+/// asking later uses).
+pub fn with_masks(rows: &[RowInput], source: &mut dyn MaskSource) -> Result<Vec<RowInput>> {
+    let mut rows = rows.to_vec();
+    for (i, row) in rows.iter_mut().enumerate() {
+        if let Some(sample) = row.sample.as_mut() {
+            sample.masks = source.masks(i)?;
+        }
+    }
+    Ok(rows)
 }
 
 /// Whether `mask` (a [`SampleRequest::masks`] entry) allows `id`.
@@ -357,10 +385,11 @@ pub trait Runner: Send {
     /// waiting to be collected.
     fn step(&mut self, rows: &[RowInput]) -> Result<Vec<RowOutput>>;
 
-    /// Whether the runner applies a constrained row's token masks ([`SampleRequest::masks`]); one that does not
-    /// refuses steps with such rows.
-    fn applies_row_masks(&self) -> bool {
-        false
+    /// [`Runner::step`] with the sampling rows' masks asked of `masks` (the rows carry none of their own). A
+    /// runner that can asks once the forward is launched; an error from `masks` then fails the step after its
+    /// forward ran, as a device error reported at the end of a step does.
+    fn step_masked(&mut self, rows: &[RowInput], masks: &mut dyn MaskSource) -> Result<Vec<RowOutput>> {
+        self.step(&with_masks(rows, masks)?)
     }
 
     /// Whether the runner launches steps ahead ([`Runner::launch`], [`Runner::launch_fed`],
@@ -373,6 +402,11 @@ pub trait Runner: Send {
     /// outputs; [`Runner::collect`] returns them. None of its states may be in a step not yet collected.
     fn launch(&mut self, _rows: &[RowInput]) -> Result<()> {
         Err(KernelError::InvalidInput(format!("the {} runner does not launch steps ahead", self.device_name())))
+    }
+
+    /// [`Runner::launch`] with the sampling rows' masks asked of `masks`, as in [`Runner::step_masked`].
+    fn launch_masked(&mut self, rows: &[RowInput], masks: &mut dyn MaskSource) -> Result<()> {
+        self.launch(&with_masks(rows, masks)?)
     }
 
     /// Starts the next step of exactly the rows of the step launched last, each fed the one token that

@@ -245,7 +245,7 @@ fn cuda_dependent_launch_equals_serialized_launch_bit_for_bit() {
 }
 
 #[test]
-fn cuda_row_masks_hold_or_are_refused() {
+fn cuda_row_masks_hold_at_every_position() {
     if let Some(mut r) = runner() {
         contract_row_masks_hold_at_every_position(&mut *r);
     }

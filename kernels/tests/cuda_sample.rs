@@ -91,6 +91,15 @@ fn host_row(rows: &[bf16], r: usize, mask: Option<&TokenMask>) -> Vec<f32> {
     row
 }
 
+/// Logits row `r` as the verifier sees it: the launch's `mask`, then, with `own`, the row's own mask `own[r]`.
+fn target_row(rows: &[bf16], r: usize, mask: Option<&TokenMask>, own: Option<&Vec<TokenMask>>) -> Vec<f32> {
+    let mut row = host_row(rows, r, mask);
+    if let Some(own) = own {
+        own[r].apply(&mut row);
+    }
+    row
+}
+
 fn test_mask() -> TokenMask {
     // About a third of the ids disallowed, in runs and singles (as a tokenizer's holes).
     TokenMask::from_fn(VOCAB, |id| !(100_256..140_000).contains(&id) && hash3(1, id as u64, 9) % 5 != 0)
@@ -458,15 +467,23 @@ fn verify_matches_acceptance_verify() {
     let windows = ROWS / (l + 1);
     let q_buf = g.zeros::<f32>(ROWS * VOCAB).unwrap();
     let schedule = SyntheticSchedule::from_rates(vec![0.9, 0.6, 0.3]).unwrap();
+    // A constrained row's own masks, one per logits row (window w's position i: row w * (l + 1) + i), each allowing
+    // about two thirds of the ids, a different two thirds per row.
+    let row_masks: Vec<TokenMask> =
+        (0..ROWS).map(|r| TokenMask::from_fn(VOCAB, |id| hash3(r as u64, id as u64, 21) % 3 != 0)).collect();
+    let row_mask_words: Vec<u32> = row_masks.iter().flat_map(sample::mask_words).collect();
+    let drow_masks = g.upload(&row_mask_words).unwrap(); // [ROWS, VOCAB / 32]
     let mut tally = Tally::default();
     let mut lp_worst = 0.0f64;
     let mut accepted_total = 0usize;
     // Every other parameter set of the grid (the CPU reference is the slow part), greedy included.
     let grid: Vec<SamplingParams> = param_grid().into_iter().step_by(2).collect();
     for (ci, base) in grid.iter().enumerate() {
-        for variant in 0..4 {
-            // 0: one-hot drafts, 1: device q, 2: one-hot + mask + logprobs, 3: forced acceptance
-            let masked = variant == 2;
+        for variant in 0..5 {
+            // 0: one-hot drafts, 1: device q, 2: one-hot + mask + logprobs, 3: forced acceptance, 4: one-hot + mask +
+            // each row's own masks + logprobs
+            let masked = variant == 2 || variant == 4;
+            let own_masks = variant == 4;
             let m = masked.then_some(&mask);
             let with_q = variant == 1 && !base.is_greedy();
             let mode =
@@ -474,7 +491,7 @@ fn verify_matches_acceptance_verify() {
             let params: Vec<SamplingParams> = (0..windows)
                 .map(|w| SamplingParams {
                     seed: (ci * 100 + w * 7 + variant) as u64,
-                    logprobs: (variant == 2 || w % 5 == 0).then_some(w % 4),
+                    logprobs: (masked || w % 5 == 0).then_some(w % 4),
                     ..base.clone()
                 })
                 .collect();
@@ -498,7 +515,7 @@ fn verify_matches_acceptance_verify() {
             for (w, p) in params.iter().enumerate() {
                 let drafts: Vec<TokenId> = (0..l)
                     .map(|i| {
-                        let row = || host_row(&rows, w * (l + 1) + i, m);
+                        let row = || target_row(&rows, w * (l + 1) + i, m, own_masks.then_some(&row_masks));
                         match rng.gen_range(0..4) {
                             0 => sampling::argmax(&row()).unwrap(),
                             1 if with_q => {
@@ -522,6 +539,7 @@ fn verify_matches_acceptance_verify() {
                     first_position: first_positions[w],
                     q: with_q.then(|| g.ptr(&q_buf) + (w * (l + 1) * VOCAB * 4) as u64),
                     token_out: None,
+                    masks: own_masks.then(|| g.ptr(&drow_masks) + (w * (l + 1) * VOCAB.div_ceil(32) * 4) as u64),
                 })
                 .collect();
             let verdicts = k.verify_rows(g, VOCAB, &verify, masked.then_some(&dmask), &mode).unwrap();
@@ -530,7 +548,9 @@ fn verify_matches_acceptance_verify() {
             assert_eq!(alone[0], verdicts[windows - 1], "a verdict depends on the batch");
             // Per window: the CPU verdict, and whether a difference from the device's is near a boundary.
             let cpu_windows = par_map(windows, |w| {
-                let target: Vec<f32> = (0..=l).flat_map(|i| host_row(&rows, w * (l + 1) + i, m)).collect();
+                let target: Vec<f32> = (0..=l)
+                    .flat_map(|i| target_row(&rows, w * (l + 1) + i, m, own_masks.then_some(&row_masks)))
+                    .collect();
                 let q_logits: Option<Vec<f32>> =
                     with_q.then(|| (0..l).flat_map(|i| host_row(&rows, q_rows(w) + i, None)).collect());
                 let window = VerifyWindow {
@@ -558,6 +578,10 @@ fn verify_matches_acceptance_verify() {
                 let got = &verdicts[w];
                 if masked {
                     assert!(got.tokens[got.num_accepted..].iter().all(|t| mask.is_allowed(*t)), "masked id emitted");
+                }
+                if own_masks {
+                    let allowed = |(i, t): (usize, &TokenId)| row_masks[w * (l + 1) + i].is_allowed(*t);
+                    assert!(got.tokens.iter().enumerate().all(allowed), "an id the row's own mask forbids was emitted");
                 }
                 accepted_total += got.num_accepted;
                 tally.rows += 1;
@@ -743,6 +767,7 @@ fn sampling_step_time() {
                 first_position: 10,
                 q: None,
                 token_out: None,
+                masks: None,
             })
             .collect();
         let run = || k.verify_rows(g, VOCAB, &rows, None, &AcceptanceMode::Standard).unwrap();

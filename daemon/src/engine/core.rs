@@ -49,7 +49,7 @@ use sparkd_kernels::state::{SeqState, MLA_BLOCK_TOKENS};
 use sparkd_kernels::{KernelError, Runner, StateId};
 use tokio::sync::mpsc::{self, error::TryRecvError, error::TrySendError};
 
-use super::constraints::Constraints;
+use super::constraints::{Constraints, MasksOnAsk, StepMasks};
 use super::phases::{Phase, PhaseClock};
 use super::prefix_cache::PrefixCache;
 use super::scheduler::{AheadPlan, FinishedSeq, Scheduler, SchedulerLimits, StepOutcome, StepPlan};
@@ -404,13 +404,6 @@ impl EngineCore {
                 cfg.vocab_size
             )));
         }
-        if request.constraint.is_some() && !self.runner.applies_row_masks() {
-            return Err(EngineError::InvalidRequest(format!(
-                "constrained output (response_format, grammars, required tool calls) is not supported on the {} \
-                 backend yet",
-                self.runner.device_name()
-            )));
-        }
         let total = history_len + request.prompt.len() + request.max_tokens;
         if total > cfg.max_position_embeddings {
             return Err(EngineError::InvalidRequest(format!(
@@ -533,12 +526,44 @@ impl EngineCore {
     /// (with speculation on, a step is launched ahead only when its drafting round is known to draft nothing).
     fn step(&mut self, plan: StepPlan) {
         let Some(rows) = self.row_inputs(&plan) else { return };
+        let vocab = self.runner.config().vocab_size;
+        if StepMasks::needed(&self.constraints, &plan) {
+            // Nothing is launched ahead of a constrained step: its next masks need its tokens.
+            let mut masks = MasksOnAsk::new(&mut self.constraints, &plan, vocab);
+            let outputs = self.runner.step_masked(&rows, &mut masks);
+            let masks = masks.finish();
+            histogram!(names::CONSTRAINT_MASK_SECONDS).record(masks.spent.as_secs_f64());
+            self.phases.lap(Phase::Step);
+            let (plan, outputs) = self.drop_failed(plan, outputs, masks.failed);
+            return self.land(&plan, outputs);
+        }
         if self.config.async_scheduling && self.runner.launches_ahead() {
             return self.step_ahead(plan, &rows);
         }
         let outputs = self.runner.step(&rows);
         self.phases.lap(Phase::Step);
         self.land(&plan, outputs);
+    }
+
+    /// Fails the requests whose matcher failed while the runner asked for their masks, and drops their rows (which
+    /// sampled unconstrained) from the step before it lands.
+    fn drop_failed(
+        &mut self,
+        mut plan: StepPlan,
+        outputs: Result<Vec<RowOutput>, KernelError>,
+        failed: Vec<(RequestId, EngineError)>,
+    ) -> (StepPlan, Result<Vec<RowOutput>, KernelError>) {
+        if failed.is_empty() {
+            return (plan, outputs);
+        }
+        let is_failed = |id: RequestId| failed.iter().any(|(f, _)| *f == id);
+        let outputs = outputs
+            .map(|outs| plan.rows.iter().zip(outs).filter(|(row, _)| !is_failed(row.id)).map(|(_, out)| out).collect());
+        plan.rows.retain(|row| !is_failed(row.id));
+        for (id, error) in failed {
+            self.fail(id, error);
+        }
+        (plan, outputs)
     }
 
     /// The runner's rows of `plan`, marking first scheduling; `None` (the row failed) when a row has no state.
@@ -554,18 +579,7 @@ impl EngineCore {
             if let Some(live) = live {
                 live.first_scheduled.get_or_insert(now);
             }
-            let mut sample = row.sample.clone();
-            if let Some(sample) = sample.as_mut().filter(|_| self.constraints.contains(row.id)) {
-                let drafts = &row.tokens[row.tokens.len() - sample.draft_len..];
-                match self.constraints.masks(row.id, drafts) {
-                    Ok(masks) => sample.masks = masks,
-                    Err(e) => {
-                        self.fail(row.id, e);
-                        return None;
-                    }
-                }
-            }
-            rows.push(RowInput { state, tokens: row.tokens.clone(), sample });
+            rows.push(RowInput { state, tokens: row.tokens.clone(), sample: row.sample.clone() });
         }
         Some(rows)
     }

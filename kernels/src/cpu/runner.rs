@@ -160,10 +160,6 @@ impl Runner for CpuRunner {
         self.step_now(rows)
     }
 
-    fn applies_row_masks(&self) -> bool {
-        true
-    }
-
     fn launches_ahead(&self) -> bool {
         true
     }

@@ -5,7 +5,9 @@
 //!   its input (the same checks as `CpuRunner`) before it touches any state, so a rejected step
 //!   changes nothing, and it always puts the rows' states back.
 //! - Every row is decided on the device (`SampleKernels::verify_rows`, one launch per step): greedy,
-//!   sampling, log-probabilities and forced acceptance, with the token mask applied first. Only the
+//!   sampling, log-probabilities and forced acceptance, with the token mask and a constrained row's own masks
+//!   (uploaded per step, `RowMasks`) applied first; masks from a `MaskSource` are asked once the forward is
+//!   launched, so the host computes them while the device runs it. Only the
 //!   emitted tokens and requested log-probabilities come back; logits never leave the device.
 //!   `acceptance::verify` stays the CPU reference the device rule is tested against.
 //! - Commit and rollback happen on the device: the KDA states and conv windows saved after the last
@@ -31,6 +33,7 @@ use crate::cuda::drafter::DeviceDrafter;
 use crate::cuda::drafter_slot::DeviceDrafterSlot;
 use crate::cuda::forward::{DeviceModel, StepOptions};
 use crate::cuda::gpu::{Gemm, Gpu};
+use crate::cuda::launch::DPtr;
 use crate::cuda::ops::Ops;
 use crate::cuda::sample::{DeviceTokenMask, PendingVerify, VerifyRow};
 use crate::cuda::state::{DeviceRow, DeviceState, DeviceUndo};
@@ -40,7 +43,8 @@ use crate::error::{KernelError, Result};
 use crate::launches::{check_fed, in_flight_error, too_many_in_flight, FedRow, LaunchedRow, MAX_IN_FLIGHT};
 use crate::routing::Routing;
 use crate::runner::{
-    DraftProposal, DraftRequest, Drafter, RowInput, RowOutput, Runner, SampleRequest, StateId, TokenMask,
+    check_row_masks, DraftProposal, DraftRequest, Drafter, MaskSource, RowInput, RowOutput, Runner, SampleRequest,
+    StateId, TokenMask,
 };
 use crate::state::SeqState;
 use crate::tensor::WeightSource;
@@ -154,17 +158,41 @@ impl CudaRunner {
         rows: &[RowInput],
         trace: Option<&mut Vec<Vec<Routing<f32>>>>,
     ) -> Result<Vec<RowOutput>> {
+        self.step_now(rows, StepOptions { trace, ..StepOptions::default() }, None)
+    }
+
+    /// One step launched and landed, waiting for the stream; with `masks` its rows' masks come from it.
+    fn step_now(
+        &mut self,
+        rows: &[RowInput],
+        opts: StepOptions<'_>,
+        masks: Option<&mut dyn MaskSource>,
+    ) -> Result<Vec<RowOutput>> {
         if !self.in_flight.is_empty() {
             return Err(KernelError::InvalidInput(format!(
                 "{} launched steps are not yet collected; `step` waits for none",
                 self.in_flight.len()
             )));
         }
-        self.validate(rows)?;
-        let flight = self.launch_rows(rows, StepOptions { trace, ..StepOptions::default() })?;
+        self.validate(rows, masks.is_some())?;
+        let flight = self.launch_rows(rows, opts, masks)?;
         let outputs = self.land(flight);
         self.gpu.synchronize()?;
         outputs
+    }
+
+    /// One step launched ahead of its outputs ([`Runner::launch`]); with `masks` its rows' masks come from it.
+    fn launch_now(&mut self, rows: &[RowInput], masks: Option<&mut dyn MaskSource>) -> Result<()> {
+        if self.in_flight.len() >= MAX_IN_FLIGHT {
+            return Err(too_many_in_flight());
+        }
+        for row in rows {
+            self.check_settled(row.state, "stepped by a launch that does not feed it")?;
+        }
+        self.validate(rows, masks.is_some())?;
+        let flight = self.launch_rows(rows, StepOptions::default(), masks)?;
+        self.in_flight.push_back(flight);
+        Ok(())
     }
 
     fn insert(&mut self, state: DeviceState) -> Result<StateId> {
@@ -181,13 +209,13 @@ impl CudaRunner {
         self.states.get(&id).ok_or(KernelError::UnknownState(id.0))
     }
 
-    fn validate(&self, rows: &[RowInput]) -> Result<()> {
+    /// The checks of a step before it touches any state; `sourced`: its masks come from a [`MaskSource`], so its
+    /// rows carry none of their own.
+    fn validate(&self, rows: &[RowInput], sourced: bool) -> Result<()> {
         crate::runner::check_rows(rows, self.model.cfg.vocab_size, |id| self.state(id).is_ok())?;
-        if rows.iter().any(|r| r.sample.as_ref().is_some_and(|s| !s.masks.is_empty())) {
+        if sourced && rows.iter().any(|r| r.sample.as_ref().is_some_and(|s| !s.masks.is_empty())) {
             return Err(KernelError::InvalidInput(
-                "constrained rows (per-request token masks: response_format, grammars, required tool calls) are \
-                 not supported on CUDA yet; serve them on the CPU backend"
-                    .into(),
+                "a step whose masks come from a mask source has rows with masks of their own".into(),
             ));
         }
         if let Some(d) = &self.drafter {
@@ -208,7 +236,14 @@ impl CudaRunner {
 
     /// Launches the forward and the acceptance rule of validated `rows` (their states are taken out of the map
     /// for the forward and always put back) and starts bringing the verdicts back, without waiting.
-    fn launch_rows(&mut self, rows: &[RowInput], opts: StepOptions<'_>) -> Result<InFlight> {
+    /// With `masks`, the sampling rows' masks are asked of it once the forward is launched (they are computed on the
+    /// host while the device runs the forward).
+    fn launch_rows(
+        &mut self,
+        rows: &[RowInput],
+        opts: StepOptions<'_>,
+        masks: Option<&mut dyn MaskSource>,
+    ) -> Result<InFlight> {
         let tap_layers = self.drafter.as_ref().map(|d| d.tap_layers().to_vec()).unwrap_or_default();
         // Present and distinct: checked by `validate`.
         let mut states: Vec<DeviceState> = rows.iter().filter_map(|r| self.states.remove(&r.state)).collect();
@@ -238,6 +273,7 @@ impl CudaRunner {
         }
         let emitted = gpu.uninit::<u32>(rows.len())?; // [rows]: written for every row that emits one token
         let emitted_at = gpu.ptr(&emitted);
+        let row_masks = RowMasks::upload(gpu, vocab, rows, masks)?;
         let windows: Vec<VerifyRow> = rows
             .iter()
             .enumerate()
@@ -254,6 +290,7 @@ impl CudaRunner {
                     first_position: (start + t - sample.draft_len) as u64,
                     q: q.as_ref().map(|q| gpu.ptr(q)),
                     token_out: Some(emitted_at + (i * 4) as u64),
+                    masks: row_masks.of(i),
                 })
             })
             .collect();
@@ -290,6 +327,7 @@ impl CudaRunner {
             emitted,
             _logits: out.logits,
             _draft_q: draft_q,
+            _row_masks: row_masks.words,
         })
     }
 
@@ -351,6 +389,60 @@ struct InFlight {
     /// What the device still reads until the step lands: the logits and the selected proposals' `q`.
     _logits: CudaSlice<bf16>,
     _draft_q: Vec<Option<CudaSlice<f32>>>,
+    _row_masks: Option<CudaSlice<u32>>,
+}
+
+/// The constrained rows' token masks of one step on the device: every mask of every row, in row order, uploaded
+/// in one copy through the staging buffers; the sampling kernel reads a row's masks beside the runner's.
+struct RowMasks {
+    /// u32 `[masks, ceil(vocab / 32)]`; `None` when no row is constrained.
+    words: Option<CudaSlice<u32>>,
+    /// Per row: the device address of its first mask.
+    at: Vec<Option<DPtr>>,
+}
+
+impl RowMasks {
+    /// Uploads the masks of validated `rows`: their own, or with `source` those it gives (checked here).
+    fn upload(gpu: &Gpu, vocab: usize, rows: &[RowInput], mut source: Option<&mut dyn MaskSource>) -> Result<Self> {
+        let mut per_row = Vec::with_capacity(rows.len());
+        for (i, row) in rows.iter().enumerate() {
+            let Some(sample) = &row.sample else {
+                per_row.push(Vec::new());
+                continue;
+            };
+            per_row.push(match source.as_deref_mut() {
+                Some(source) => {
+                    let masks = source.masks(i)?;
+                    check_row_masks(&masks, sample.draft_len, vocab)?;
+                    masks
+                }
+                None => sample.masks.clone(),
+            });
+        }
+        let total: usize = per_row.iter().map(Vec::len).sum();
+        if total == 0 {
+            return Ok(RowMasks { words: None, at: vec![None; rows.len()] });
+        }
+        let width = vocab.div_ceil(32);
+        let mut host = Vec::with_capacity(total * width); // [masks, width]
+        let mut firsts = Vec::with_capacity(rows.len());
+        for masks in &per_row {
+            firsts.push((!masks.is_empty()).then_some(host.len()));
+            for m in masks {
+                host.extend_from_slice(m);
+            }
+        }
+        let words = gpu.uninit::<u32>(host.len())?; // written in full by the copy
+        let base = gpu.ptr(&words);
+        gpu.upload_async_at(base, bytemuck::cast_slice(&host))?;
+        let at = firsts.into_iter().map(|f| f.map(|w| base + (w * 4) as u64)).collect();
+        Ok(RowMasks { words: Some(words), at })
+    }
+
+    /// The device address of row `i`'s masks; `None`: unconstrained.
+    fn of(&self, i: usize) -> Option<DPtr> {
+        self.at[i]
+    }
 }
 
 /// One row of an [`InFlight`] step.
@@ -419,21 +511,20 @@ impl Runner for CudaRunner {
         self.step_with_trace(rows, None)
     }
 
+    fn step_masked(&mut self, rows: &[RowInput], masks: &mut dyn MaskSource) -> Result<Vec<RowOutput>> {
+        self.step_now(rows, StepOptions::default(), Some(masks))
+    }
+
     fn launches_ahead(&self) -> bool {
         true
     }
 
     fn launch(&mut self, rows: &[RowInput]) -> Result<()> {
-        if self.in_flight.len() >= MAX_IN_FLIGHT {
-            return Err(too_many_in_flight());
-        }
-        for row in rows {
-            self.check_settled(row.state, "stepped by a launch that does not feed it")?;
-        }
-        self.validate(rows)?;
-        let flight = self.launch_rows(rows, StepOptions::default())?;
-        self.in_flight.push_back(flight);
-        Ok(())
+        self.launch_now(rows, None)
+    }
+
+    fn launch_masked(&mut self, rows: &[RowInput], masks: &mut dyn MaskSource) -> Result<()> {
+        self.launch_now(rows, Some(masks))
     }
 
     fn launch_fed(&mut self, rows: &[FedRow]) -> Result<()> {
@@ -452,8 +543,8 @@ impl Runner for CudaRunner {
                 sample: Some(SampleRequest::new(r.params.clone(), 0)),
             })
             .collect();
-        self.validate(&inputs)?;
-        let flight = self.launch_rows(&inputs, StepOptions { fed_tokens: fed, ..StepOptions::default() })?;
+        self.validate(&inputs, false)?;
+        let flight = self.launch_rows(&inputs, StepOptions { fed_tokens: fed, ..StepOptions::default() }, None)?;
         self.in_flight.push_back(flight);
         Ok(())
     }

@@ -86,9 +86,11 @@ struct RowDesc {
     mode: u64,
     /// u32 the row's token is also written to; 0: not.
     token_out: u64,
+    /// `[ceil(vocab / 32)]` u32: the row's own token mask (a grammar's), applied beside the launch's; 0: none.
+    row_mask: u64,
 }
 
-// SAFETY: eleven u64 fields under `repr(C)`: no padding, every bit pattern valid.
+// SAFETY: twelve u64 fields under `repr(C)`: no padding, every bit pattern valid.
 unsafe impl bytemuck::Zeroable for RowDesc {}
 // SAFETY: as above; `Copy` and `'static`.
 unsafe impl bytemuck::Pod for RowDesc {}
@@ -146,6 +148,8 @@ struct RowJob<'a> {
     mode: u64,
     /// u32 the token is also written to; [`NULL`]: none.
     token_out: DPtr,
+    /// `[ceil(vocab / 32)]` u32: the row's own mask, beside the launch's; [`NULL`]: none.
+    row_mask: DPtr,
 }
 
 impl RowJob<'_> {
@@ -163,6 +167,7 @@ impl RowJob<'_> {
             top_n: p.logprobs.map_or(0, |n| n as u64 + 1),
             mode: self.mode,
             token_out: self.token_out,
+            row_mask: self.row_mask,
         };
         out.extend_from_slice(&bytemuck::cast::<RowDesc, [u64; DESC_WORDS]>(desc));
     }
@@ -276,6 +281,9 @@ pub struct VerifyRow<'a> {
     /// u32 the emitted token is also written to on the device (a window without drafts only: it emits one
     /// token, which a fed step reads; `crate::launches`).
     pub token_out: Option<DPtr>,
+    /// u32 `[drafts.len() + 1, ceil(vocab / 32)]`: a constrained row's own masks, one per position that samples
+    /// (`runner::SampleRequest::masks`), applied beside the launch's mask; `None`: unconstrained.
+    pub masks: Option<DPtr>,
 }
 
 /// A verify launched on the device whose verdicts the host has not read yet ([`SampleKernels::launch_verify_rows`]).
@@ -478,6 +486,7 @@ impl SampleKernels {
                 draft: None,
                 mode: MODE_PROBS,
                 token_out: NULL,
+                row_mask: NULL,
             })
             .collect();
         self.run_jobs(gpu, vocab, &jobs, mask).map(|_| ())
@@ -516,6 +525,7 @@ impl SampleKernels {
                 draft: None,
                 mode: MODE_SAMPLE,
                 token_out: NULL,
+                row_mask: NULL,
             })
             .collect();
         Ok(self.run_jobs(gpu, vocab, &jobs, mask)?.into_iter().map(|r| r.token).collect())
@@ -550,6 +560,7 @@ impl SampleKernels {
         for row in rows {
             let l = row.drafts.len();
             let logits_row = |i: usize| row.logits + (i * vocab * 2) as u64;
+            let row_mask = |i: usize| row.masks.map_or(NULL, |m| m + (i * vocab.div_ceil(32) * 4) as u64);
             let first = jobs.len();
             match mode {
                 AcceptanceMode::Standard => {
@@ -564,6 +575,7 @@ impl SampleKernels {
                             draft: row.drafts.get(i).copied(),
                             mode: if i < l { MODE_VERIFY } else { MODE_SAMPLE },
                             token_out: row.token_out.filter(|_| l == 0).unwrap_or(NULL),
+                            row_mask: row_mask(i),
                         });
                     }
                     spans.push((first, None));
@@ -583,6 +595,7 @@ impl SampleKernels {
                             draft: row.drafts.get(i).copied(),
                             mode: MODE_SAMPLE,
                             token_out: row.token_out.filter(|_| l == 0).unwrap_or(NULL),
+                            row_mask: row_mask(i),
                         });
                     }
                     spans.push((first, Some((from, accepted))));
@@ -724,6 +737,7 @@ impl DrawRows {
                     draft: None,
                     mode: MODE_SAMPLE,
                     token_out: draw.token_out,
+                    row_mask: NULL,
                 };
                 check_job(&job, vocab)?;
                 job.encode(&mut words);
@@ -869,6 +883,7 @@ mod tests {
             draft: Some(123),
             mode: MODE_VERIFY,
             token_out: 0x3000,
+            row_mask: 0x4000,
         };
         let mut words = Vec::new();
         job.encode(&mut words);
@@ -877,7 +892,7 @@ mod tests {
         assert_eq!(f32::from_bits(words[6] as u32), 0.7);
         assert_eq!(f32::from_bits((words[6] >> 32) as u32), 0.9);
         assert_eq!((words[7] as u32, (words[7] >> 32) as u32), (40, 123));
-        assert_eq!((words[8], words[9], words[10]), (6, MODE_VERIFY, 0x3000));
+        assert_eq!((words[8], words[9], words[10], words[11]), (6, MODE_VERIFY, 0x3000, 0x4000));
         let none = RowJob { draft: None, params: &SamplingParams::greedy(), ..job };
         let mut words = Vec::new();
         none.encode(&mut words);
@@ -901,6 +916,7 @@ mod tests {
             ("D_TOP_N", std::mem::offset_of!(RowDesc, top_n)),
             ("D_MODE", std::mem::offset_of!(RowDesc, mode)),
             ("D_TOKEN_OUT", std::mem::offset_of!(RowDesc, token_out)),
+            ("D_ROW_MASK", std::mem::offset_of!(RowDesc, row_mask)),
         ];
         for (name, offset) in fields {
             assert_eq!(offset % 8, 0, "{name} is not a whole word");

@@ -4,7 +4,9 @@
 //! greedy outputs must match exactly.
 
 use sparkd_kernels::launches::FedRow;
-use sparkd_kernels::runner::{RowInput, RowOutput, SampleRequest, SamplingParams};
+use std::sync::Arc;
+
+use sparkd_kernels::runner::{MaskSource, RowInput, RowOutput, SampleRequest, SamplingParams};
 use sparkd_kernels::{Runner, StateId, TokenId};
 
 fn prompt(len: usize, salt: u32) -> Vec<TokenId> {
@@ -248,8 +250,8 @@ pub fn contract_launches_are_checked(r: &mut dyn Runner) {
 
 /// A constrained row's masks hold at every sampling position, greedy and sampled alike: with one id allowed per
 /// position the runner emits exactly those ids, a draft its mask forbids is rejected (the correction is the
-/// allowed id), and masks that do not fit the row are refused without touching the state. A backend that cannot
-/// apply masks refuses the first such step with an error saying so, and changes nothing.
+/// allowed id), masks that do not fit the row are refused without touching the state, and in a step with other
+/// rows a row's masks reach that row alone.
 pub fn contract_row_masks_hold_at_every_position(r: &mut dyn Runner) {
     let vocab = r.config().vocab_size;
     let only = |id: TokenId| -> std::sync::Arc<[u32]> {
@@ -264,18 +266,7 @@ pub fn contract_row_masks_hold_at_every_position(r: &mut dyn Runner) {
         prefill(r, s, &p[..7]);
         let mut one = SampleRequest::new(params.clone(), 0);
         one.masks = vec![only(42)];
-        let out = match r.step(&[RowInput { state: s, tokens: vec![p[7]], sample: Some(one) }]) {
-            Ok(mut out) => {
-                assert!(r.applies_row_masks(), "a runner that applies masks says so");
-                out.remove(0)
-            }
-            Err(e) => {
-                assert!(!r.applies_row_masks() && e.to_string().contains("not supported"), "{e}");
-                assert_eq!(r.state_len(s).unwrap(), 7, "a refused step changes nothing");
-                r.free_state(s).unwrap();
-                return;
-            }
-        };
+        let out = r.step(&[RowInput { state: s, tokens: vec![p[7]], sample: Some(one) }]).unwrap().remove(0);
         assert_eq!(out.tokens, vec![42], "{params:?}");
         let mut verify = SampleRequest::new(params.clone(), 2);
         verify.masks = vec![only(7), only(8), only(11)];
@@ -290,5 +281,69 @@ pub fn contract_row_masks_hold_at_every_position(r: &mut dyn Runner) {
         assert!(r.step(&[RowInput { state: s, tokens: vec![8], sample: Some(empty) }]).is_err());
         assert_eq!(r.state_len(s).unwrap(), 10, "refused steps change nothing");
         r.free_state(s).unwrap();
+        // In a step with other rows, each row's masks reach only that row, at its own positions.
+        let (free, alone, constrained) = (r.alloc_state().unwrap(), r.alloc_state().unwrap(), r.alloc_state().unwrap());
+        for st in [free, alone, constrained] {
+            prefill(r, st, &p[..7]);
+        }
+        let want = r.step(&[sample_row(alone, vec![p[7], 5, 6], &params, 2)]).unwrap().remove(0);
+        let mut masked = SampleRequest::new(params.clone(), 1);
+        masked.masks = vec![only(31), only(77)];
+        let out = r
+            .step(&[
+                sample_row(free, vec![p[7], 5, 6], &params, 2),
+                RowInput { state: constrained, tokens: vec![p[7], 31], sample: Some(masked) },
+            ])
+            .unwrap();
+        assert_eq!(out[0], want, "an unconstrained row beside a constrained one: {params:?}");
+        assert_eq!((out[1].tokens.clone(), out[1].num_accepted), (vec![31, 77], 1), "{params:?}");
+        for st in [free, alone, constrained] {
+            r.free_state(st).unwrap();
+        }
+    }
+    masks_from_a_source_act_as_the_rows_own(r, &only);
+}
+
+/// The masks a `MaskSource` hands over, for stepped and launched steps, act exactly as the rows' own; the source
+/// is asked once per sampling row, in row order, and never for a prefill chunk.
+fn masks_from_a_source_act_as_the_rows_own(r: &mut dyn Runner, only: &dyn Fn(TokenId) -> Arc<[u32]>) {
+    struct Given {
+        masks: Vec<Vec<Arc<[u32]>>>,
+        asked: Vec<usize>,
+    }
+    impl MaskSource for Given {
+        fn masks(&mut self, row: usize) -> sparkd_kernels::Result<Vec<Arc<[u32]>>> {
+            self.asked.push(row);
+            Ok(self.masks[row].clone())
+        }
+    }
+    let p = prompt(8, 6);
+    let sampled = SamplingParams { temperature: 0.8, top_p: 1.0, top_k: 0, seed: 11, logprobs: None };
+    let launches = [false, r.launches_ahead()];
+    for (params, launch) in
+        [SamplingParams::greedy(), sampled].into_iter().flat_map(|p| launches.map(|l| (p.clone(), l)))
+    {
+        let (chunk, free, constrained) = (r.alloc_state().unwrap(), r.alloc_state().unwrap(), r.alloc_state().unwrap());
+        for st in [chunk, free, constrained] {
+            prefill(r, st, &p[..6]);
+        }
+        let rows = [
+            RowInput { state: chunk, tokens: vec![p[6]], sample: None },
+            sample_row(free, vec![p[6]], &params, 0),
+            sample_row(constrained, vec![p[6], 12], &params, 1),
+        ];
+        let mut source = Given { masks: vec![vec![], vec![], vec![only(12), only(40)]], asked: Vec::new() };
+        let out = if launch {
+            r.launch_masked(&rows, &mut source).unwrap();
+            r.collect().unwrap()
+        } else {
+            r.step_masked(&rows, &mut source).unwrap()
+        };
+        assert_eq!(source.asked, vec![1, 2], "asked for the sampling rows alone, in order");
+        assert_eq!(out[0], RowOutput::default());
+        assert_eq!((out[2].tokens.clone(), out[2].num_accepted), (vec![12, 40], 1), "{params:?}, launch {launch}");
+        for st in [chunk, free, constrained] {
+            r.free_state(st).unwrap();
+        }
     }
 }
