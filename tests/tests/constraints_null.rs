@@ -162,4 +162,28 @@ async fn a_thinking_block_arrives_as_reasoning_content_apart_from_content() {
         c += delta["content"].as_str().unwrap_or_default();
     }
     assert_eq!((r, c), (reasoning, text));
+    // Thinking off: the prompt closes an empty think block (a few more prompt tokens), and a think tag the model
+    // writes anyway is content.
+    let mut off = body.clone();
+    off["thinking"] = json!({"type": "disabled"});
+    let (all, off_reply) = content(&s, &off).await;
+    assert!(off_reply["choices"][0]["message"]["reasoning_content"].is_null(), "{off_reply}");
+    let inner = all.strip_prefix("<think>").and_then(|rest| rest.split_once("</think>"));
+    assert!(inner.is_some_and(|(r, c)| r.bytes().all(|b| b.is_ascii_lowercase()) && !c.is_empty()), "{off_reply}");
+    let prompt_tokens = |r: &Value| r["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(prompt_tokens(&off_reply) > prompt_tokens(&reply), "{off_reply}");
+    off.as_object_mut().unwrap().remove("thinking");
+    off["chat_template_kwargs"] = json!({"thinking": true});
+    off["thinking"] = json!({"type": "disabled"});
+    let (status, err) = s.post("/v1/chat/completions", &off).await.unwrap();
+    assert_eq!((status, err["error"]["param"].as_str()), (400, Some("chat_template_kwargs.thinking")), "{err}");
+    // Responses: `reasoning.effort: "none"` turns it off the same way.
+    let input_tokens = |r: &Value| r["usage"]["input_tokens"].as_u64().unwrap();
+    let plain = json!({"input": "describe someone", "max_output_tokens": 4});
+    let (_, on) = s.post("/v1/responses", &plain).await.unwrap();
+    let mut none = plain.clone();
+    none["reasoning"] = json!({"effort": "none"});
+    let (status, off) = s.post("/v1/responses", &none).await.unwrap();
+    assert_eq!(status, 200, "{off}");
+    assert_eq!(input_tokens(&off), input_tokens(&on) + prompt_tokens(&off_reply) - prompt_tokens(&reply), "{off}");
 }

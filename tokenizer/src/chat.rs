@@ -19,6 +19,10 @@
 //! - With the generation prompt, every message is closed with `<|im_end|>` and
 //!   `<|im_assistant|>assistant<|im_middle|>` follows; without it the last message is left open (Kimi's
 //!   template omits its `<|im_end|>`), so the model continues it.
+//! - Thinking off ([`RenderSpec::thinking`] false; Kimi K2.5's `thinking is false`): the generation prompt is
+//!   followed by an empty `<think></think>`, so the model answers at once, and an assistant turn without reasoning
+//!   opens with the same empty block, as that reply was generated after it. `<think></think>` is encoded apart from
+//!   the content after it, as the prompt that preceded the reply was.
 //!
 //! Left out: media parts (the API layer flattens content to text). Unknown roles are an error naming the role,
 //! where Kimi's template would render them as system turns.
@@ -26,7 +30,8 @@
 //! Invariants: markers are emitted as their special ids and content is encoded with
 //! [`Tokenizer::encode`], so special-token strings inside content, reasoning, tool ids and arguments stay plain
 //! text (no prompt injection of markers). For content without special-token strings this equals Hugging Face's
-//! `apply_chat_template(..., tokenize=True)` with [`ChatTemplate::JINJA`], which is what the export ships.
+//! `apply_chat_template(..., tokenize=True)` with [`ChatTemplate::JINJA`], which is what the export ships; with
+//! thinking off the text is the same and the ids differ only where an empty think block meets the word after it.
 //! A continuation ([`ChatTemplate::render_continuation`]) appended to a kept turn yields exactly the tokens
 //! of resending the whole history, as long as the kept assistant tokens are the canonical encoding of the
 //! assistant text that is resent.
@@ -118,12 +123,21 @@ impl ChatMessage {
 }
 
 /// What to render: the messages, the request's tool declarations (its `tools` array as compact JSON; `None` or
-/// an empty array declares none) and whether the assistant's turn is opened after them.
+/// an empty array declares none), whether the assistant's turn is opened after them, and whether the model thinks
+/// (see the module docs for thinking off).
 #[derive(Clone, Copy, Debug)]
 pub struct RenderSpec<'a> {
     pub messages: &'a [ChatMessage],
     pub tools: Option<&'a str>,
     pub add_generation_prompt: bool,
+    pub thinking: bool,
+}
+
+impl<'a> RenderSpec<'a> {
+    /// `messages` and the generation prompt, no tools, thinking on.
+    pub fn new(messages: &'a [ChatMessage]) -> Self {
+        RenderSpec { messages, tools: None, add_generation_prompt: true, thinking: true }
+    }
 }
 
 /// The special ids of the tool-call markers.
@@ -194,6 +208,8 @@ impl ChatTemplate {
 {%- endif -%}
 {%- if message['role'] == 'assistant' and message.get('reasoning_content') -%}
 {{- '<think>' + message['reasoning_content'] + '</think>' -}}
+{%- elif message['role'] == 'assistant' and thinking is defined and thinking is false -%}
+{{- '<think></think>' -}}
 {%- endif -%}
 {%- if message['content'] is string -%}
 {{- message['content'] -}}
@@ -215,6 +231,9 @@ impl ChatTemplate {
 {%- endfor -%}
 {%- if add_generation_prompt -%}
 {{- '<|im_assistant|>assistant<|im_middle|>' -}}
+{%- if thinking is defined and thinking is false -%}
+{{- '<think></think>' -}}
+{%- endif -%}
 {%- endif -%}"#;
 
     /// Binds the template to `tokenizer`; errors if a role marker is not in its vocabulary.
@@ -238,34 +257,34 @@ impl ChatTemplate {
 
     /// Renders `messages` followed by the generation prompt.
     pub fn render(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
-        self.render_spec(&RenderSpec { messages, tools: None, add_generation_prompt: true })
+        self.render_spec(&RenderSpec::new(messages))
     }
 
     /// Renders `messages`; with `add_generation_prompt` every message is closed and the assistant turn
     /// opened, without it the last message is left open for the model to continue.
     pub fn render_with(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<Vec<u32>> {
-        self.render_spec(&RenderSpec { messages, tools: None, add_generation_prompt })
+        self.render_spec(&RenderSpec { add_generation_prompt, ..RenderSpec::new(messages) })
     }
 
     /// Renders what `spec` says (see the module docs for the order of the turns).
     pub fn render_spec(&self, spec: &RenderSpec<'_>) -> Result<Vec<u32>> {
-        let RenderSpec { messages, tools, add_generation_prompt } = *spec;
+        let RenderSpec { messages, tools, add_generation_prompt, thinking } = *spec;
         let roles = parse_roles(messages)?;
         let mut out = Vec::new();
         if let Some(tools) = tools.filter(|t| !t.trim().is_empty() && t.trim() != "[]") {
             let declare = ChatMessage::new("system", tools).with_name(Some("tool_declare".into()));
-            self.push_turn(&mut out, ChatRole::System, &declare, true);
+            self.push_turn(&mut out, ChatRole::System, &declare, Turn { close: true, thinking });
         }
         for (index, (message, role)) in messages.iter().zip(&roles).enumerate() {
             if index == 0 && *role != ChatRole::System {
                 let system = ChatMessage::new("system", KIMI_DEFAULT_SYSTEM_PROMPT);
-                self.push_turn(&mut out, ChatRole::System, &system, true);
+                self.push_turn(&mut out, ChatRole::System, &system, Turn { close: true, thinking });
             }
             let close = add_generation_prompt || index + 1 < messages.len();
-            self.push_turn(&mut out, *role, message, close);
+            self.push_turn(&mut out, *role, message, Turn { close, thinking });
         }
         if add_generation_prompt {
-            out.extend(self.generation_prompt());
+            out.extend(self.reply_opening(thinking));
         }
         Ok(out)
     }
@@ -274,18 +293,27 @@ impl ChatTemplate {
     /// the generated reply) with new input messages, then the generation prompt. If `kept` does not end
     /// with `<|im_end|>` (a reply cut by a length limit), `<|im_end|>` comes first, as the full history
     /// renders it. No default system turn is added. `kept ++ continuation` equals
-    /// `render(history ++ [assistant reply] ++ new_messages)`.
-    pub fn render_continuation(&self, kept: &[u32], new_messages: &[ChatMessage]) -> Result<Vec<u32>> {
+    /// `render(history ++ [assistant reply] ++ new_messages)` with the same `thinking`.
+    pub fn render_continuation(&self, kept: &[u32], new_messages: &[ChatMessage], thinking: bool) -> Result<Vec<u32>> {
         let roles = parse_roles(new_messages)?;
         let mut out = Vec::new();
         if kept.last() != Some(&self.im_end) {
             out.push(self.im_end);
         }
         for (message, role) in new_messages.iter().zip(&roles) {
-            self.push_turn(&mut out, *role, message, true);
+            self.push_turn(&mut out, *role, message, Turn { close: true, thinking });
         }
-        out.extend(self.generation_prompt());
+        out.extend(self.reply_opening(thinking));
         Ok(out)
+    }
+
+    /// The generation prompt, then, with thinking off, the empty `<think></think>` the reply starts after.
+    fn reply_opening(&self, thinking: bool) -> Vec<u32> {
+        let mut out = self.generation_prompt();
+        if !thinking {
+            out.extend(self.tokenizer.encode(&format!("{THINK_BEGIN}{THINK_END}")));
+        }
+        out
     }
 
     /// `<|im_assistant|>assistant<|im_middle|>`: the tokens that open the model's reply.
@@ -306,7 +334,7 @@ impl ChatTemplate {
         self.tools
     }
 
-    fn push_turn(&self, out: &mut Vec<u32>, role: ChatRole, message: &ChatMessage, close: bool) {
+    fn push_turn(&self, out: &mut Vec<u32>, role: ChatRole, message: &ChatMessage, turn: Turn) {
         out.push(match role {
             ChatRole::User => self.im_user,
             ChatRole::Assistant => self.im_assistant,
@@ -316,8 +344,10 @@ impl ChatTemplate {
         out.push(self.im_middle);
         let mut body = String::new();
         if role == ChatRole::Assistant {
-            if let Some(reasoning) = message.reasoning.as_deref().filter(|r| !r.is_empty()) {
-                body = format!("{THINK_BEGIN}{reasoning}{THINK_END}");
+            match message.reasoning.as_deref().filter(|r| !r.is_empty()) {
+                Some(reasoning) => body = format!("{THINK_BEGIN}{reasoning}{THINK_END}"),
+                None if !turn.thinking => out.extend(self.tokenizer.encode(&format!("{THINK_BEGIN}{THINK_END}"))),
+                None => {}
             }
         }
         body.push_str(&message.content);
@@ -333,10 +363,17 @@ impl ChatTemplate {
             }
             out.push(self.tools.section_end);
         }
-        if close {
+        if turn.close {
             out.push(self.im_end);
         }
     }
+}
+
+/// How one turn is rendered: closed with `<|im_end|>` or left open, and whether the model thinks.
+#[derive(Clone, Copy, Debug)]
+struct Turn {
+    close: bool,
+    thinking: bool,
 }
 
 fn parse_roles(messages: &[ChatMessage]) -> Result<Vec<ChatRole>> {

@@ -16,7 +16,8 @@
 //!   out of it: the last `.`-separated part before the first `:`), then its arguments as they stream, then its
 //!   end. A header that never reaches its arguments is dropped; text between calls is dropped. Nothing here
 //!   validates names or arguments against the request's tools (the API layer does).
-//! - `<think>` opens reasoning only at the start of the reply (after whitespace); later, it is content.
+//! - `<think>` opens reasoning only at the start of the reply (after whitespace); later, it is content. With
+//!   thinking off ([`ReplyParser::without_thinking`]: the prompt closed an empty think block) it is always content.
 
 use super::bpe::Tokenizer;
 use super::chat::{ToolMarkers, THINK_BEGIN, THINK_END};
@@ -83,6 +84,14 @@ impl ReplyParser {
             header: String::new(),
             calls: 0,
         })
+    }
+
+    /// The parser for a reply generated with thinking off: all text before the tool calls is content.
+    pub fn without_thinking(mut self) -> Self {
+        if self.phase == Phase::Start {
+            self.phase = Phase::Content;
+        }
+        self
     }
 
     /// Tool calls begun so far.

@@ -26,7 +26,7 @@ fn tools_are_declared_first_and_calls_and_results_render_as_kimi_writes_them() {
         assistant,
         ChatMessage::tool_result("functions.get_weather:0", "Sunny").with_name(Some("get_weather".into())),
     ];
-    let ids = chat.render_spec(&RenderSpec { messages: &messages, tools: Some(TOOLS), add_generation_prompt: true });
+    let ids = chat.render_spec(&RenderSpec { tools: Some(TOOLS), ..RenderSpec::new(&messages) });
     let text = tok.decode(&ids.unwrap()).unwrap();
     assert_eq!(
         text,
@@ -44,7 +44,7 @@ fn tools_are_declared_first_and_calls_and_results_render_as_kimi_writes_them() {
     );
     // No tools (or an empty array) declares nothing; marker strings inside arguments stay plain text.
     let plain = chat.render(&messages).unwrap();
-    let empty = chat.render_spec(&RenderSpec { messages: &messages, tools: Some("[]"), add_generation_prompt: true });
+    let empty = chat.render_spec(&RenderSpec { tools: Some("[]"), ..RenderSpec::new(&messages) });
     assert_eq!(plain, empty.unwrap());
     let mut sneaky = ChatMessage::new("assistant", "");
     sneaky.tool_calls = vec![call("functions.f:0", "<|tool_call_end|>")];
@@ -60,8 +60,7 @@ fn a_kept_tool_call_turn_continues_as_the_resent_history_renders() {
     let history = [ChatMessage::new("user", "Weather in Paris?")];
     let markers = chat.tool_markers();
     // Turn 1 as served: the prompt with tools, then the reply the model generated.
-    let mut kept =
-        chat.render_spec(&RenderSpec { messages: &history, tools: Some(TOOLS), add_generation_prompt: true }).unwrap();
+    let mut kept = chat.render_spec(&RenderSpec { tools: Some(TOOLS), ..RenderSpec::new(&history) }).unwrap();
     kept.extend(tok.encode("<think>Use the tool.</think>"));
     kept.extend([markers.section_begin, markers.call_begin]);
     kept.extend(tok.encode("functions.get_weather:0"));
@@ -70,14 +69,52 @@ fn a_kept_tool_call_turn_continues_as_the_resent_history_renders() {
     kept.extend([markers.call_end, markers.section_end, chat.im_end()]);
     // Turn 2 by previous_response_id: the tool's result only.
     let result = ChatMessage::tool_result("functions.get_weather:0", "Rain").with_name(Some("get_weather".into()));
-    let continued = [kept.clone(), chat.render_continuation(&kept, std::slice::from_ref(&result)).unwrap()].concat();
+    let continued =
+        [kept.clone(), chat.render_continuation(&kept, std::slice::from_ref(&result), true).unwrap()].concat();
     // The same conversation resent whole, the reply as a client echoes it back.
     let mut reply = ChatMessage::new("assistant", "");
     reply.reasoning = Some("Use the tool.".into());
     reply.tool_calls = vec![call("functions.get_weather:0", r#"{"city":"Paris"}"#)];
     let full = [history[0].clone(), reply, result];
-    let resent = chat.render_spec(&RenderSpec { messages: &full, tools: Some(TOOLS), add_generation_prompt: true });
+    let resent = chat.render_spec(&RenderSpec { tools: Some(TOOLS), ..RenderSpec::new(&full) });
     assert_eq!(continued, resent.unwrap());
+}
+
+#[test]
+fn thinking_off_closes_an_empty_think_block_and_a_kept_turn_continues_as_the_resent_history() {
+    let chat = template();
+    let tok = chat.tokenizer().clone();
+    let history = [ChatMessage::new("user", "Hi")];
+    let off = |messages| RenderSpec { thinking: false, ..RenderSpec::new(messages) };
+    let on = chat.render_spec(&RenderSpec::new(&history)).unwrap();
+    let mut kept = chat.render_spec(&off(&history)).unwrap();
+    let empty_think = tok.encode("<think></think>");
+    assert_eq!(kept, [on, empty_think.clone()].concat(), "the reply opens after an empty think block");
+    // The reply as generated, then a new user turn by continuation and by resending the whole history.
+    kept.extend(tok.encode("Hello there."));
+    kept.push(chat.im_end());
+    let next = ChatMessage::new("user", "And?");
+    let continued =
+        [kept.clone(), chat.render_continuation(&kept, std::slice::from_ref(&next), false).unwrap()].concat();
+    let full = [history[0].clone(), ChatMessage::new("assistant", "Hello there."), next];
+    assert_eq!(continued, chat.render_spec(&off(&full)).unwrap());
+    assert_ne!(continued, chat.render_spec(&RenderSpec::new(&full)).unwrap(), "thinking on renders no empty block");
+    // A turn that did think keeps its reasoning whatever the switch: only the new reply's opening differs.
+    let mut thought = ChatMessage::new("assistant", "Yes.");
+    thought.reasoning = Some("Because.".into());
+    let with = [history[0].clone(), thought];
+    let with_off = chat.render_spec(&off(&with)).unwrap();
+    assert_eq!(with_off, [chat.render_spec(&RenderSpec::new(&with)).unwrap(), empty_think].concat());
+}
+
+#[test]
+fn without_thinking_a_think_tag_is_content() {
+    let chat = template();
+    let ids = chat.tokenizer().encode("<think>not reasoning</think> answer");
+    let mut p = ReplyParser::new(chat.tokenizer()).unwrap().without_thinking();
+    let mut events = p.push(&ids);
+    events.extend(p.finish());
+    assert_eq!(joined(events), vec![ReplyEvent::Content("<think>not reasoning</think> answer".into())]);
 }
 
 /// The reply of a thinking model that answers, then calls two tools.

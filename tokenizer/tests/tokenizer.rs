@@ -5,7 +5,8 @@ use std::process::Command;
 
 use base64::Engine as _;
 use sparkd_tokenizer::{
-    export_hf, specials, ChatMessage, ChatTemplate, IncrementalDecoder, Tokenizer, TokenizerError, VocabSource,
+    export_hf, specials, ChatMessage, ChatTemplate, IncrementalDecoder, RenderSpec, Tokenizer, TokenizerError,
+    VocabSource,
 };
 
 fn builtin() -> Tokenizer {
@@ -273,7 +274,7 @@ fn chat_template_rejects_unknown_roles_by_name() {
     let err = chat.render(&messages).unwrap_err();
     assert_eq!(err.kind(), "unknown_role");
     assert!(err.to_string().contains("narrator") && err.to_string().contains("message 1"), "{err}");
-    assert_eq!(chat.render_continuation(&[], &messages[1..]).unwrap_err().kind(), "unknown_role");
+    assert_eq!(chat.render_continuation(&[], &messages[1..], true).unwrap_err().kind(), "unknown_role");
 }
 
 #[test]
@@ -299,7 +300,7 @@ fn continuing_a_kept_response_equals_resending_the_full_history() {
 
     // Turn 2 continued by previous_response_id: only the new input items.
     let new_items = vec![ChatMessage::new("user", "Now in Python."), ChatMessage::tool_result("c9", "ok")];
-    let continued = [kept.clone(), chat.render_continuation(&kept, &new_items).unwrap()].concat();
+    let continued = [kept.clone(), chat.render_continuation(&kept, &new_items, true).unwrap()].concat();
 
     let mut full = history.clone();
     full.push(ChatMessage::new("assistant", reply));
@@ -308,7 +309,7 @@ fn continuing_a_kept_response_equals_resending_the_full_history() {
 
     // A reply cut by a length limit (no <|im_end|>) is closed by the continuation.
     let cut = kept[..kept.len() - 1].to_vec();
-    let continued = [cut.clone(), chat.render_continuation(&cut, &new_items).unwrap()].concat();
+    let continued = [cut.clone(), chat.render_continuation(&cut, &new_items, true).unwrap()].concat();
     assert_eq!(continued, chat.render(&full).unwrap());
 }
 
@@ -431,6 +432,7 @@ fn compare_with_hugging_face(tok: &Tokenizer, label: &str) {
     let case = serde_json::json!({
         "texts": texts, "expected": expected, "conversation": conversation,
         "chat_expected": chat.render(&messages).unwrap(),
+        "chat_expected_thinking_off": chat.render_spec(&RenderSpec { thinking: false, ..RenderSpec::new(&messages) }).unwrap(),
     });
     std::fs::write(dir.path().join("case.json"), case.to_string()).unwrap();
     let script = r#"
@@ -457,12 +459,18 @@ except ImportError:
 if jinja2 is not None:
     cfg = json.load(open(d + "/tokenizer_config.json"))
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-    text = env.from_string(cfg["chat_template"]).render(messages=case["conversation"], add_generation_prompt=True)
-    got = tok.encode(text, add_special_tokens=False).ids
-    if got != case["chat_expected"]:
+    template = env.from_string(cfg["chat_template"])
+    text = template.render(messages=case["conversation"], add_generation_prompt=True)
+    if tok.encode(text, add_special_tokens=False).ids != case["chat_expected"]:
         bad += 1
         print("CHAT MISMATCH", repr(text))
-    print("compared the chat template")
+    # Thinking off: the same text. sparkd encodes an empty think block apart from the content after it (as the
+    # model saw it before its reply), where encoding the whole text may join `>` to the next word.
+    text = template.render(messages=case["conversation"], add_generation_prompt=True, thinking=False)
+    if tok.decode(case["chat_expected_thinking_off"], skip_special_tokens=False) != text:
+        bad += 1
+        print("CHAT MISMATCH (thinking off)", repr(text))
+    print("compared the chat template, thinking on and off")
 else:
     print("jinja2 missing: chat template not compared")
 sys.exit(1 if bad else 0)

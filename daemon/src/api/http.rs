@@ -168,10 +168,10 @@ pub async fn read_json(state: &AppState, req: Request<Incoming>) -> Result<Value
 /// The prompt's token ids; token-id prompts are checked against the vocabulary.
 pub fn prompt_tokens(state: &AppState, prompt: &Prompt) -> Result<Vec<TokenId>, ApiError> {
     match prompt {
-        Prompt::Chat { messages, tools } => Ok(state.template.render_spec(&RenderSpec {
-            messages,
+        Prompt::Chat { messages, tools, thinking } => Ok(state.template.render_spec(&RenderSpec {
             tools: tools.as_deref(),
-            add_generation_prompt: true,
+            thinking: *thinking,
+            ..RenderSpec::new(messages)
         })?),
         Prompt::Text(text) => Ok(state.tokenizer().encode(text)),
         Prompt::Tokens(ids) => {
@@ -207,7 +207,10 @@ async fn chat_or_completion(
     };
     let constraint = constraint::compile_request(state, &valid.constraint).await?;
     let reply = match kind {
-        ChunkKind::Chat => ReplyForm::chat(valid.tools.as_ref()),
+        ChunkKind::Chat => {
+            let thinking = matches!(valid.prompt, Prompt::Chat { thinking: true, .. });
+            ReplyForm::chat(valid.tools.as_ref(), thinking)
+        }
         ChunkKind::Completion => ReplyForm::Text,
     };
     let order = GenerationOrder {

@@ -19,7 +19,7 @@ use sparkd_tokenizer::{ChatMessage, ToolCall};
 use super::constraint;
 use super::error::ApiError;
 use super::new_id;
-use super::openai::{content_text, generation_params, Fields, ValidResponsesRequest};
+use super::openai::{content_text, generation_params, thinking, Fields, ValidResponsesRequest};
 use super::reply::ToolCallDelta;
 use super::tools::{self, tool_turn_name};
 
@@ -71,6 +71,7 @@ pub fn responses_request(body: &Value) -> Result<ValidResponsesRequest, ApiError
         stream_id,
         constraint: constraint::parse(&f, tools.as_ref(), true)?,
         tools,
+        thinking: thinking(&f, true)?,
     })
 }
 

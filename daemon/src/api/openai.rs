@@ -59,8 +59,9 @@ pub struct StreamOptions {
 /// The prompt, before tokenization.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Prompt {
-    /// Chat messages, rendered with the chat template after the tools' declaration (compact JSON), if any.
-    Chat { messages: Vec<ChatMessage>, tools: Option<String> },
+    /// Chat messages, rendered with the chat template after the tools' declaration (compact JSON), if any, with
+    /// thinking on or off ([`thinking`]).
+    Chat { messages: Vec<ChatMessage>, tools: Option<String>, thinking: bool },
     /// Raw text (`/v1/completions`), encoded without special tokens.
     Text(String),
     /// Token ids as given (`/v1/completions`).
@@ -97,6 +98,47 @@ pub struct ValidResponsesRequest {
     pub tools: Option<Tools>,
     /// The output constraint and the field that asked for it.
     pub constraint: Option<(String, ConstraintSpec)>,
+    /// Whether the model thinks ([`thinking`]).
+    pub thinking: bool,
+}
+
+/// The request's thinking switch, on unless a field turns it off: Moonshot's `thinking: {"type": "enabled" |
+/// "disabled"}`, vLLM's and SGLang's `chat_template_kwargs: {"thinking": bool}` (the variable Kimi K2.5's template
+/// reads) and, with `responses`, OpenAI's `reasoning: {"effort": "none"}` (other efforts leave it on: the model has
+/// no effort levels). Fields that disagree are a 400.
+pub fn thinking(f: &Fields<'_>, responses: bool) -> Result<bool, ApiError> {
+    let mut said: Vec<(String, bool)> = Vec::new();
+    if let Some(t) = f.get("thinking") {
+        let t = Fields::new(t, &f.name("thinking"))?;
+        let on = match t.str("type")? {
+            Some("enabled") => true,
+            Some("disabled") => false,
+            _ => return Err(t.bad("type", "\"enabled\" or \"disabled\"")),
+        };
+        said.push((f.name("thinking"), on));
+    }
+    if let Some(kwargs) = f.get("chat_template_kwargs") {
+        let k = Fields::new(kwargs, &f.name("chat_template_kwargs"))?;
+        if let Some(on) = k.bool("thinking")? {
+            said.push((k.name("thinking"), on));
+        }
+    }
+    if let Some(reasoning) = f.get("reasoning").filter(|_| responses) {
+        let r = Fields::new(reasoning, &f.name("reasoning"))?;
+        if let Some(effort) = r.str("effort")? {
+            said.push((r.name("effort"), effort != "none"));
+        }
+    }
+    match said.split_first() {
+        None => Ok(true),
+        Some(((first, on), rest)) => match rest.iter().find(|(_, other)| other != on) {
+            Some((other, _)) => Err(ApiError::field(
+                other.clone(),
+                format!("`{other}` and `{first}` disagree on whether the model thinks"),
+            )),
+            None => Ok(*on),
+        },
+    }
 }
 
 /// Typed access to a JSON object's fields; every error names the field (prefixed with `path`).
@@ -129,7 +171,7 @@ impl<'a> Fields<'a> {
         self.map.get(key).filter(|v| !v.is_null())
     }
 
-    fn bad(&self, key: &str, what: &str) -> ApiError {
+    pub(super) fn bad(&self, key: &str, what: &str) -> ApiError {
         let name = self.name(key);
         ApiError::field(name.clone(), format!("`{name}` must be {what}"))
     }
@@ -372,7 +414,7 @@ pub fn chat_request(body: &Value) -> Result<ValidRequest, ApiError> {
     let declaration = tools.as_ref().and_then(|t| t.prompt_declaration().map(str::to_owned));
     let constraint = constraint::parse(&f, tools.as_ref(), false)?;
     Ok(ValidRequest {
-        prompt: Prompt::Chat { messages: chat, tools: declaration },
+        prompt: Prompt::Chat { messages: chat, tools: declaration, thinking: thinking(&f, false)? },
         tools,
         constraint,
         params: generation_params(&f, &["max_completion_tokens", "max_tokens"], false)?,
@@ -469,6 +511,29 @@ mod tests {
         assert_eq!(r.params.logprobs, Some(3));
         assert_eq!(r.params.sampling.seed, u64::MAX);
         assert_eq!(r.stream, StreamOptions { stream: true, include_usage: true, continuous_usage: false });
+    }
+
+    #[test]
+    fn thinking_is_on_unless_a_field_turns_it_off_and_disagreeing_fields_are_400s() {
+        let with = |extra: Value| {
+            let mut body = json!({"messages": [{"role": "user", "content": "x"}]});
+            body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            body
+        };
+        let on = |body: Value, responses: bool| thinking(&Fields::new(&body, "").unwrap(), responses);
+        assert!(on(with(json!({})), false).unwrap());
+        assert!(!on(with(json!({"thinking": {"type": "disabled"}})), false).unwrap());
+        assert!(on(with(json!({"thinking": {"type": "enabled"}})), false).unwrap());
+        assert!(!on(with(json!({"chat_template_kwargs": {"thinking": false}})), false).unwrap());
+        assert!(!on(with(json!({"reasoning": {"effort": "none"}})), true).unwrap());
+        assert!(on(with(json!({"reasoning": {"effort": "high"}})), true).unwrap());
+        assert!(on(with(json!({"reasoning": {"effort": "none"}})), false).unwrap(), "chat has no `reasoning`");
+        let both = with(json!({"thinking": {"type": "enabled"}, "chat_template_kwargs": {"thinking": false}}));
+        assert_eq!(param_of(on(both, false).unwrap_err()), "chat_template_kwargs.thinking");
+        assert_eq!(param_of(on(with(json!({"thinking": {"type": "off"}})), false).unwrap_err()), "thinking.type");
+        assert_eq!(param_of(on(with(json!({"thinking": false})), false).unwrap_err()), "thinking");
+        let r = chat_request(&with(json!({"thinking": {"type": "disabled"}}))).unwrap();
+        assert!(matches!(r.prompt, Prompt::Chat { thinking: false, .. }));
     }
 
     #[test]

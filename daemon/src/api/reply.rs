@@ -35,15 +35,20 @@ pub struct Pieces {
 pub enum ReplyForm {
     /// All of it is text (`/v1/completions`).
     Text,
-    /// A chat reply: reasoning, content and, when `calls`, tool calls (only the first unless `parallel`).
-    Chat { calls: bool, parallel: bool },
+    /// A chat reply: reasoning (when `thinking`), content and, when `calls`, tool calls (only the first unless
+    /// `parallel`).
+    Chat { calls: bool, parallel: bool, thinking: bool },
 }
 
 impl ReplyForm {
     /// A chat reply under the request's tools: calls reported unless `tool_choice` is `none` (or no tools are
-    /// declared), all of them unless `parallel_tool_calls` is false.
-    pub fn chat(tools: Option<&Tools>) -> Self {
-        ReplyForm::Chat { calls: tools.is_some_and(Tools::reports_calls), parallel: tools.is_none_or(|t| t.parallel) }
+    /// declared), all of them unless `parallel_tool_calls` is false; with `thinking` off, a think tag is content.
+    pub fn chat(tools: Option<&Tools>, thinking: bool) -> Self {
+        ReplyForm::Chat {
+            calls: tools.is_some_and(Tools::reports_calls),
+            parallel: tools.is_none_or(|t| t.parallel),
+            thinking,
+        }
     }
 }
 
@@ -58,8 +63,9 @@ impl ReplyText {
     pub fn new(tokenizer: &Tokenizer, form: ReplyForm) -> Result<Self, ApiError> {
         Ok(match form {
             ReplyForm::Text => ReplyText::Text(IncrementalDecoder::new(tokenizer.clone())),
-            ReplyForm::Chat { calls, parallel } => {
+            ReplyForm::Chat { calls, parallel, thinking } => {
                 let parser = ReplyParser::new(tokenizer).map_err(|e| ApiError::Internal(e.to_string()))?;
+                let parser = if thinking { parser } else { parser.without_thinking() };
                 ReplyText::Chat { parser: Box::new(parser), calls, parallel, ended: 0 }
             }
         })
@@ -171,12 +177,12 @@ mod tests {
 
     #[test]
     fn chat_replies_report_calls_as_the_request_allows() {
-        let (p, ended) = run(ReplyForm::Chat { calls: true, parallel: true });
+        let (p, ended) = run(ReplyForm::Chat { calls: true, parallel: true, thinking: true });
         assert_eq!((p.reasoning.as_str(), p.content.as_str(), ended), ("r", "c", 2));
         assert_eq!(assembled(&p.calls), vec![(0, "a".into(), "{\"x\":1}".into()), (1, "b".into(), "{}".into())]);
-        let (p, ended) = run(ReplyForm::Chat { calls: true, parallel: false });
+        let (p, ended) = run(ReplyForm::Chat { calls: true, parallel: false, thinking: true });
         assert_eq!((assembled(&p.calls).len(), ended), (1, 1));
-        let (p, ended) = run(ReplyForm::Chat { calls: false, parallel: true });
+        let (p, ended) = run(ReplyForm::Chat { calls: false, parallel: true, thinking: true });
         assert_eq!((p.calls.len(), ended, p.content.as_str()), (0, 0, "c"));
         // Completions read everything as text (markers are special ids and give none).
         let (p, _) = run(ReplyForm::Text);

@@ -65,11 +65,11 @@ pub async fn start(
     let (prompt, kept_len) = match &req.previous_response_id {
         Some(prev) => {
             let kept = recorded(state, prev).await?.ok_or_else(|| ApiError::UnknownResponse(prev.clone()))?;
-            (state.template.render_continuation(kept.last_token.as_slice(), &req.input)?, kept.len)
+            (state.template.render_continuation(kept.last_token.as_slice(), &req.input, req.thinking)?, kept.len)
         }
         None => {
             let tools = req.tools.as_ref().and_then(|t| t.prompt_declaration());
-            let spec = RenderSpec { messages: &req.input, tools, add_generation_prompt: true };
+            let spec = RenderSpec { tools, thinking: req.thinking, ..RenderSpec::new(&req.input) };
             (state.template.render_spec(&spec)?, 0)
         }
     };
@@ -91,7 +91,7 @@ pub async fn start(
         params: req.params.clone(),
         max_tokens,
         arrival,
-        reply: ReplyForm::chat(req.tools.as_ref()),
+        reply: ReplyForm::chat(req.tools.as_ref(), req.thinking),
         constraint,
     };
     let generation = Generation::start(state, order).await?;
