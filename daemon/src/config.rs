@@ -109,6 +109,23 @@ pub struct ServeArgs {
     /// Port to listen on (0 = any free port; the chosen one is logged).
     #[arg(long, default_value_t = 8000, env = "SPARKD_PORT")]
     pub port: u16,
+    /// An API key clients must send as `Authorization: Bearer KEY` (repeat for several; the environment variable
+    /// takes a comma-separated list). Without any key every client is served.
+    #[arg(
+        long = "api-key",
+        value_name = "KEY",
+        env = "SPARKD_API_KEYS",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    pub api_keys: Vec<String>,
+    /// A file of API keys, one per line (blank lines and `#` comments skipped), besides --api-key.
+    #[arg(long, value_name = "PATH")]
+    pub api_key_file: Option<PathBuf>,
+    /// A browser origin allowed to call the API (repeat for several; `*`: any). Requests carrying any other
+    /// `Origin` header are refused with 403.
+    #[arg(long = "allow-origin", value_name = "ORIGIN")]
+    pub allow_origins: Vec<String>,
     /// Checkpoint folder (config.json + safetensors). Without it: the built-in synthetic k3-tiny, seed 0.
     #[arg(long, value_name = "DIR")]
     pub model: Option<PathBuf>,

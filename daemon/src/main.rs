@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
-use sparkd::api::{http, AppState};
+use sparkd::api::{auth, http, AppState};
 use sparkd::config::{ServeArgs, DEFAULT_SYNTHETIC_CONFIG};
 use sparkd::startup::{compose, load_tokenizer};
 use sparkd_kernels::config::PRESET_NAMES;
@@ -151,6 +151,11 @@ fn serve(args: ServeArgs) -> Result<()> {
     let template = served.template;
 
     let engine_handle = engine.handle();
+    let keys = auth::load_keys(&args.api_keys, args.api_key_file.as_deref()).map_err(anyhow::Error::msg)?;
+    let access = auth::Access::new(&keys, &args.allow_origins).map_err(|e| anyhow::anyhow!("--api-key: {e}"))?;
+    if !access.requires_key() && !addr.ip().is_loopback() {
+        tracing::warn!("listening on {addr} without --api-key: every client that reaches it is served");
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
     runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(addr)
@@ -158,15 +163,18 @@ fn serve(args: ServeArgs) -> Result<()> {
             .with_context(|| format!("--host/--port: cannot listen on {addr}"))?;
         let bound = listener.local_addr()?;
         let (stop_tx, stop_rx) = watch::channel(false);
-        let state = Arc::new(AppState::new(
-            engine_handle,
-            template,
-            model_name,
-            max_model_len,
-            args.max_body_bytes,
-            metrics.clone(),
-            stop_rx.clone(),
-        ));
+        let state = Arc::new(
+            AppState::new(
+                engine_handle,
+                template,
+                model_name,
+                max_model_len,
+                args.max_body_bytes,
+                metrics.clone(),
+                stop_rx.clone(),
+            )
+            .with_access(access),
+        );
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(std::time::Duration::from_secs(5)).await;

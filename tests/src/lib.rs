@@ -154,13 +154,41 @@ impl Server {
     }
 
     async fn request(&self, method: &str, path: &str, body: Option<&Value>) -> Result<hyper::Response<Incoming>> {
+        self.request_with(method, path, body, &[]).await
+    }
+
+    async fn request_with(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+        headers: &[(&str, &str)],
+    ) -> Result<hyper::Response<Incoming>> {
         let bytes = body.map(|b| Bytes::from(b.to_string())).unwrap_or_default();
-        let req = Request::builder()
+        let mut req = Request::builder()
             .method(method)
             .uri(format!("{}{path}", self.base))
-            .header("content-type", "application/json")
-            .body(Full::new(bytes))?;
-        Ok(self.client.request(req).await?)
+            .header("content-type", "application/json");
+        for (name, value) in headers {
+            req = req.header(*name, *value);
+        }
+        Ok(self.client.request(req.body(Full::new(bytes))?).await?)
+    }
+
+    /// Any method with extra `headers` (an API key, an `Origin`): status and body JSON.
+    pub async fn send(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+        headers: &[(&str, &str)],
+    ) -> Result<(u16, Value)> {
+        let resp = self.request_with(method, path, body, headers).await?;
+        let status = resp.status().as_u16();
+        let bytes = resp.into_body().collect().await?.to_bytes();
+        let value = serde_json::from_slice(&bytes)
+            .with_context(|| format!("body is not JSON: {:?}", String::from_utf8_lossy(&bytes)))?;
+        Ok((status, value))
     }
 
     /// GET: status and body text.
@@ -182,12 +210,7 @@ impl Server {
     }
 
     async fn json_answer(&self, method: &str, path: &str, body: Option<&Value>) -> Result<(u16, Value)> {
-        let resp = self.request(method, path, body).await?;
-        let status = resp.status().as_u16();
-        let bytes = resp.into_body().collect().await?.to_bytes();
-        let value = serde_json::from_slice(&bytes)
-            .with_context(|| format!("body is not JSON: {:?}", String::from_utf8_lossy(&bytes)))?;
-        Ok((status, value))
+        self.send(method, path, body, &[]).await
     }
 
     /// POST a JSON body: status and body JSON.
@@ -244,7 +267,17 @@ impl Server {
 
     /// Opens the Responses WebSocket.
     pub async fn websocket(&self) -> Result<WsClient> {
-        let (ws, _) = tokio_tungstenite::connect_async(format!("ws://127.0.0.1:{}/v1/responses", self.port)).await?;
+        self.websocket_with(&[]).await
+    }
+
+    /// Opens the Responses WebSocket with extra handshake `headers`.
+    pub async fn websocket_with(&self, headers: &[(&'static str, &str)]) -> Result<WsClient> {
+        use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+        let mut req = format!("ws://127.0.0.1:{}/v1/responses", self.port).into_client_request()?;
+        for (name, value) in headers {
+            req.headers_mut().insert(*name, value.parse()?);
+        }
+        let (ws, _) = tokio_tungstenite::connect_async(req).await?;
         Ok(WsClient { ws })
     }
 

@@ -40,6 +40,12 @@ pub enum ApiError {
     /// `GET` or `DELETE /v1/responses/{id}` names no kept response.
     #[error("Response with id '{0}' not found.")]
     ResponseNotFound(String),
+    /// No valid `Authorization: Bearer KEY` on a server with API keys.
+    #[error("{}", if *missing { "You didn't provide an API key: send `Authorization: Bearer KEY`." } else { "Incorrect API key provided." })]
+    Unauthorized { missing: bool },
+    /// A browser request from an origin `--allow-origin` does not allow.
+    #[error("requests from origin `{0}` are not allowed (see --allow-origin)")]
+    OriginNotAllowed(String),
     /// The engine thread is gone: the daemon cannot serve.
     #[error("the engine is not running")]
     EngineUnavailable,
@@ -70,6 +76,8 @@ impl ApiError {
             ApiError::NotFound { .. } => "not_found",
             ApiError::UnknownResponse(_) => "unknown_response",
             ApiError::ResponseNotFound(_) => "response_not_found",
+            ApiError::Unauthorized { .. } => "invalid_api_key",
+            ApiError::OriginNotAllowed(_) => "origin_not_allowed",
             ApiError::EngineUnavailable => "engine_unavailable",
             ApiError::Engine(e) => e.kind(),
             ApiError::Tokenizer(e) => e.kind(),
@@ -93,6 +101,8 @@ impl ApiError {
             ApiError::UnknownResponse(_) => StatusCode::BAD_REQUEST,
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::NotFound { .. } | ApiError::ResponseNotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
+            ApiError::OriginNotAllowed(_) => StatusCode::FORBIDDEN,
             ApiError::EngineUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Engine(EngineError::InvalidRequest(_) | EngineError::UnknownResponse(_)) => {
                 StatusCode::BAD_REQUEST

@@ -7,6 +7,8 @@
 //!   WebSockets are closed through `AppState::shutdown`.
 //! - Every answer is counted in `sparkd:http_requests_total{endpoint,status}`; every error answer also in
 //!   `sparkd:errors_total{kind}` and carries OpenAI's error JSON.
+//! - Every route but `GET /health` passes `auth::Access::check` first (key and origin), and the Responses routes
+//!   see the kept responses of the request's owner only.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -86,8 +88,14 @@ pub async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Result<Respo
     let path = req.uri().path().to_string();
     // `/v1/responses/{id}`: one non-empty path segment after the collection.
     let response_id = path.strip_prefix("/v1/responses/").filter(|id| !id.is_empty() && !id.contains('/'));
+    if path == "/health" && method == Method::GET {
+        return Ok(answered("health", json_response(StatusCode::OK, &json!({"status": "ok"}))));
+    }
+    let owner = match state.access.check(req.headers()) {
+        Ok(owner) => owner,
+        Err(e) => return Ok(answered("auth", error_response(&e))),
+    };
     let (endpoint, result) = match (&method, path.as_str(), response_id) {
-        (&Method::GET, "/health", _) => ("health", Ok(json_response(StatusCode::OK, &json!({"status": "ok"})))),
         (&Method::GET, "/metrics", _) => ("metrics", Ok(metrics_response(&state))),
         (&Method::GET, "/v1/models", _) => ("models", Ok(models_response(&state))),
         (&Method::POST, "/v1/chat/completions", _) => {
@@ -96,16 +104,20 @@ pub async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Result<Respo
         (&Method::POST, "/v1/completions", _) => {
             ("completions", chat_or_completion(&state, req, arrival, ChunkKind::Completion).await)
         }
-        (&Method::POST, "/v1/responses", _) => ("responses", responses::http(&state, req, arrival).await),
-        (&Method::GET, "/v1/responses", _) => ("responses_ws", ws::upgrade(&state, req)),
-        (&Method::GET, _, Some(id)) => ("responses_get", responses::retrieve(&state, id).await),
-        (&Method::DELETE, _, Some(id)) => ("responses_delete", responses::delete(&state, id).await),
+        (&Method::POST, "/v1/responses", _) => ("responses", responses::http(&state, req, arrival, owner).await),
+        (&Method::GET, "/v1/responses", _) => ("responses_ws", ws::upgrade(&state, req, owner)),
+        (&Method::GET, _, Some(id)) => ("responses_get", responses::retrieve(&state, id, &owner).await),
+        (&Method::DELETE, _, Some(id)) => ("responses_delete", responses::delete(&state, id, &owner).await),
         _ => ("other", Err(ApiError::NotFound { method: method.to_string(), path: path.clone() })),
     };
-    let response = result.unwrap_or_else(|e| error_response(&e));
+    Ok(answered(endpoint, result.unwrap_or_else(|e| error_response(&e))))
+}
+
+/// `response`, counted in `sparkd:http_requests_total{endpoint, status}`.
+fn answered(endpoint: &'static str, response: Response<Body>) -> Response<Body> {
     metrics::counter!(m::HTTP_REQUESTS_TOTAL, "endpoint" => endpoint, "status" => response.status().as_str().to_owned())
         .increment(1);
-    Ok(response)
+    response
 }
 
 /// OpenAI error JSON with the error's status; counted in `sparkd:errors_total`.

@@ -14,6 +14,7 @@
 //!   engine thread writes), without waiting on the engine thread.
 //! - A request whose client goes away is cancelled in the engine (its [`generate::Generation`] is dropped).
 
+pub mod auth;
 pub mod constraint;
 pub mod error;
 pub mod generate;
@@ -57,6 +58,8 @@ pub struct AppState {
     pub shutdown: watch::Receiver<bool>,
     /// Unix time of start-up (`created` of `/v1/models`).
     pub started_unix: u64,
+    /// The API keys and browser origins served (open by default: [`AppState::with_access`]).
+    pub access: auth::Access,
     interactivity: Mutex<InteractivityWindow>,
     next_request: AtomicU64,
     /// The tokenizer as the constraint compiler sees it, built by the first constrained request (it walks the
@@ -86,7 +89,14 @@ impl AppState {
             interactivity: Mutex::new(InteractivityWindow::new(INTERACTIVITY_WINDOW_REQUESTS, INTERACTIVITY_WINDOW)),
             next_request: AtomicU64::new(1),
             grammar: OnceLock::new(),
+            access: auth::Access::default(),
         }
+    }
+
+    /// The state serving only the keys and origins of `access`.
+    pub fn with_access(mut self, access: auth::Access) -> Self {
+        self.access = access;
+        self
     }
 
     /// The constraint compiler over the served tokenizer.
@@ -123,11 +133,19 @@ pub fn unix_now() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
-/// A random-looking id with a prefix (`chatcmpl-…`, `resp_…`), unique within the process.
+/// An id of 128 random bits from the OS with a prefix (`chatcmpl-…`, `resp_…`): a kept response's id cannot be
+/// guessed from another's or from the time.
 pub fn new_id(prefix: &str) -> String {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
-    let mixed = (nanos ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    format!("{prefix}{mixed:016x}{n:04x}")
+    let mut bytes = [0u8; 16];
+    if getrandom::getrandom(&mut bytes).is_err() {
+        // The OS generator failed (it does not on Linux after boot): fall back to a counter mixed with the clock,
+        // unique but guessable, and say so.
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        tracing::warn!("the OS random generator failed; this id is unique but not secret");
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        bytes = (nanos ^ u128::from(n) << 64).to_le_bytes();
+    }
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    format!("{prefix}{hex}")
 }

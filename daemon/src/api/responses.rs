@@ -30,6 +30,7 @@ use hyper::{Request, Response, StatusCode};
 use serde_json::{json, Value};
 use sparkd_tokenizer::RenderSpec;
 
+use super::auth::Owner;
 use super::constraint;
 use super::error::ApiError;
 use super::generate::{Generation, GenerationOrder, Outcome, Progress};
@@ -61,10 +62,12 @@ pub async fn start(
     state: &Arc<AppState>,
     req: &ValidResponsesRequest,
     arrival: Instant,
+    owner: Owner,
 ) -> Result<(Generation, ResponseHeader), ApiError> {
     let (prompt, kept_len) = match &req.previous_response_id {
         Some(prev) => {
-            let kept = recorded(state, prev).await?.ok_or_else(|| ApiError::UnknownResponse(prev.clone()))?;
+            let kept =
+                recorded(state, &owner.kept_id(prev)).await?.ok_or_else(|| ApiError::UnknownResponse(prev.clone()))?;
             (state.template.render_continuation(kept.last_token.as_slice(), &req.input, req.thinking)?, kept.len)
         }
         None => {
@@ -82,12 +85,13 @@ pub async fn start(
         previous_response_id: req.previous_response_id.clone(),
         max_output_tokens: req.params.max_tokens,
         store: req.store,
+        owner,
     };
     let constraint = constraint::compile_request(state, &req.constraint).await?;
     let order = GenerationOrder {
         prompt,
-        continue_from: req.previous_response_id.clone().map(ResponseId),
-        keep_as: req.store.then(|| ResponseId(header.id.clone())),
+        continue_from: req.previous_response_id.as_deref().map(|prev| header.owner.kept_id(prev)),
+        keep_as: req.store.then(|| header.owner.kept_id(&header.id)),
         params: req.params.clone(),
         max_tokens,
         arrival,
@@ -101,12 +105,11 @@ pub async fn start(
 /// A kept response whose object is attached (what can be retrieved and continued), from the engine's view.
 /// One kept without its object yet waits for the engine to take the commands queued before this read (the
 /// attachment, when its response has ended) and is read again; `None` when it is not kept or has no object.
-async fn recorded(state: &AppState, id: &str) -> Result<Option<KeptSummary>, ApiError> {
-    let id = ResponseId(id.to_owned());
-    match state.engine.kept_response(&id)? {
+async fn recorded(state: &AppState, id: &ResponseId) -> Result<Option<KeptSummary>, ApiError> {
+    match state.engine.kept_response(id)? {
         Some(kept) if kept.record.is_none() => {
             state.engine.barrier().await?;
-            Ok(state.engine.kept_response(&id)?.filter(|k| k.record.is_some()))
+            Ok(state.engine.kept_response(id)?.filter(|k| k.record.is_some()))
         }
         kept => Ok(kept),
     }
@@ -120,21 +123,23 @@ async fn finish(state: &AppState, header: &ResponseHeader, output: &OutputItems,
     let bytes = Bytes::from(object.to_string());
     if header.store {
         // With the engine gone the next request reports it; this response is complete all the same.
-        let _ = state.engine.record_response(ResponseId(header.id.clone()), bytes.clone()).await;
+        let _ = state.engine.record_response(header.owner.kept_id(&header.id), bytes.clone()).await;
     }
     (object, bytes)
 }
 
 /// `GET /v1/responses/{id}`: the stored response object.
-pub async fn retrieve(state: &AppState, id: &str) -> Result<Response<Body>, ApiError> {
-    let record =
-        recorded(state, id).await?.and_then(|k| k.record).ok_or_else(|| ApiError::ResponseNotFound(id.to_owned()))?;
+pub async fn retrieve(state: &AppState, id: &str, owner: &Owner) -> Result<Response<Body>, ApiError> {
+    let record = recorded(state, &owner.kept_id(id))
+        .await?
+        .and_then(|k| k.record)
+        .ok_or_else(|| ApiError::ResponseNotFound(id.to_owned()))?;
     Ok(bytes_response(StatusCode::OK, "application/json", record))
 }
 
 /// `DELETE /v1/responses/{id}`: forgets a kept response (its state, history and object).
-pub async fn delete(state: &AppState, id: &str) -> Result<Response<Body>, ApiError> {
-    if !state.engine.drop_response(ResponseId(id.to_owned())).await? {
+pub async fn delete(state: &AppState, id: &str, owner: &Owner) -> Result<Response<Body>, ApiError> {
+    if !state.engine.drop_response(owner.kept_id(id)).await? {
         return Err(ApiError::ResponseNotFound(id.to_owned()));
     }
     Ok(json_response(StatusCode::OK, &json!({"id": id, "object": "response.deleted", "deleted": true})))
@@ -192,10 +197,15 @@ pub async fn stream<S: EventSink>(
 }
 
 /// `POST /v1/responses`.
-pub async fn http(state: &Arc<AppState>, req: Request<Incoming>, arrival: Instant) -> Result<Response<Body>, ApiError> {
+pub async fn http(
+    state: &Arc<AppState>,
+    req: Request<Incoming>,
+    arrival: Instant,
+    owner: Owner,
+) -> Result<Response<Body>, ApiError> {
     let body = read_json(state, req).await?;
     let valid = items::responses_request(&body)?;
-    let (mut generation, header) = start(state, &valid, arrival).await?;
+    let (mut generation, header) = start(state, &valid, arrival, owner).await?;
     let want_logprobs = valid.params.logprobs.is_some();
     if valid.stream {
         let (mut writer, body) = SseWriter::new();

@@ -356,6 +356,8 @@ pub struct ResponseHeader {
     pub previous_response_id: Option<String>,
     pub max_output_tokens: Option<usize>,
     pub store: bool,
+    /// Whose response it is (not part of the object): where it is kept.
+    pub owner: super::auth::Owner,
 }
 
 /// A Responses API `response` object. `status`: in_progress, completed, incomplete, failed; `output`: its

@@ -28,6 +28,7 @@ use tokio_tungstenite::tungstenite::protocol::Role;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::WebSocketStream;
 
+use super::auth::Owner;
 use super::error::ApiError;
 use super::http::Body;
 use super::responses::{self, EventSink};
@@ -41,7 +42,7 @@ use crate::metrics as m;
 pub const WS_OUTGOING: usize = 256;
 
 /// Answers the upgrade request with 101 and serves the socket in a task.
-pub fn upgrade(state: &Arc<AppState>, mut req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
+pub fn upgrade(state: &Arc<AppState>, mut req: Request<Incoming>, owner: Owner) -> Result<Response<Body>, ApiError> {
     let headers = req.headers();
     let is_upgrade =
         headers.get(UPGRADE).and_then(|v| v.to_str().ok()).is_some_and(|v| v.eq_ignore_ascii_case("websocket"));
@@ -61,7 +62,7 @@ pub fn upgrade(state: &Arc<AppState>, mut req: Request<Incoming>) -> Result<Resp
         match on_upgrade.await {
             Ok(upgraded) => {
                 let ws = WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Server, None).await;
-                serve_socket(st, ws).await;
+                serve_socket(st, ws, owner).await;
             }
             Err(e) => tracing::debug!("websocket upgrade failed: {e}"),
         }
@@ -93,7 +94,17 @@ impl EventSink for WsSink {
 /// Requests in flight on one socket, by response id and by stream id (for `response.cancel`).
 type Active = Arc<DashMap<String, RequestId>>;
 
-async fn serve_socket<S>(state: Arc<AppState>, ws: WebSocketStream<S>)
+/// What every event of one socket is handled with.
+struct Socket {
+    state: Arc<AppState>,
+    out: mpsc::Sender<Message>,
+    /// Responses in progress on this socket, by response id and by stream id.
+    active: Active,
+    /// The key the socket was opened with: whose kept responses it sees.
+    owner: Owner,
+}
+
+async fn serve_socket<S>(state: Arc<AppState>, ws: WebSocketStream<S>, owner: Owner)
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
@@ -109,35 +120,38 @@ where
         }
         let _ = sink.close().await;
     });
-    let active: Active = Arc::new(DashMap::new());
+    let socket = Socket { state, out: out_tx, active: Arc::new(DashMap::new()), owner };
     let mut streams = JoinSet::new();
-    let mut shutdown = state.shutdown.clone();
+    let mut shutdown = socket.state.shutdown.clone();
     loop {
         tokio::select! {
             msg = incoming.next() => match msg {
                 Some(Ok(Message::Text(text))) => {
-                    handle_event(&state, &out_tx, &active, &mut streams, text.as_str()).await;
+                    handle_event(&socket, &mut streams, text.as_str()).await;
                 }
                 Some(Ok(Message::Binary(bytes))) => match std::str::from_utf8(&bytes) {
-                    Ok(text) => handle_event(&state, &out_tx, &active, &mut streams, text).await,
-                    Err(_) => send_error(&out_tx, None, &ApiError::InvalidJson("binary frame is not UTF-8".into())).await,
+                    Ok(text) => handle_event(&socket, &mut streams, text).await,
+                    Err(_) => {
+                        let e = ApiError::InvalidJson("binary frame is not UTF-8".into());
+                        send_error(&socket.out, None, &e).await
+                    }
                 },
                 Some(Ok(Message::Ping(payload))) => {
-                    let _ = out_tx.send(Message::Pong(payload)).await;
+                    let _ = socket.out.send(Message::Pong(payload)).await;
                 }
                 Some(Ok(Message::Close(_))) | None | Some(Err(_)) => break,
                 Some(Ok(_)) => {}
             },
             Some(_) = streams.join_next(), if !streams.is_empty() => {}
             _ = shutdown.changed() => {
-                let _ = out_tx.send(Message::Close(None)).await;
+                let _ = socket.out.send(Message::Close(None)).await;
                 break;
             }
         }
     }
     // Aborting the stream tasks drops their generations, which cancels them in the engine.
     streams.abort_all();
-    drop(out_tx);
+    drop(socket);
     let _ = writer.await;
     metrics::gauge!(m::WEBSOCKETS_OPEN).decrement(1.0);
 }
@@ -151,13 +165,8 @@ async fn send_error(out: &mpsc::Sender<Message>, stream_id: Option<&str>, e: &Ap
     let _ = out.send(Message::Text(event.to_string().into())).await;
 }
 
-async fn handle_event(
-    state: &Arc<AppState>,
-    out: &mpsc::Sender<Message>,
-    active: &Active,
-    streams: &mut JoinSet<()>,
-    text: &str,
-) {
+async fn handle_event(socket: &Socket, streams: &mut JoinSet<()>, text: &str) {
+    let Socket { state, out, active, owner } = socket;
     let arrival = Instant::now();
     let value = match openai::parse_body(text.as_bytes()) {
         Ok(v) => v,
@@ -174,7 +183,7 @@ async fn handle_event(
                 Ok(v) => v,
                 Err(e) => return send_error(out, stream_id.as_deref(), &e).await,
             };
-            let (generation, header) = match responses::start(state, &valid, arrival).await {
+            let (generation, header) = match responses::start(state, &valid, arrival, owner.clone()).await {
                 Ok(started) => started,
                 Err(e) => return send_error(out, stream_id.as_deref(), &e).await,
             };
