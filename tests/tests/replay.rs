@@ -1,6 +1,6 @@
 //! The replay tool against the real daemon: `sparkd serve --device null`, three small Weka traces from the
 //! shared workloads folder, replayed by the `sparkd-workloads` library at concurrency 2 over both transports
-//! (chat/completions SSE and the Responses WebSocket).
+//! (chat/completions SSE and the Responses WebSocket), the daemon keyed with `--api-key` as an exposed one is.
 //!
 //! Invariants checked: no request fails; every request gets exactly its planned output tokens (`ignore_eos`
 //! with a token limit) as streamed text; TTFT and ITL are present and lie inside the request's end-to-end time;
@@ -27,6 +27,8 @@ use sparkd_workloads::synth::HistoryMode;
 const TRACES: [&str; 3] = ["trace_0538.json", "trace_0291.json", "trace_0277.json"];
 const MAX_REQUESTS: usize = 40;
 const CONCURRENCY: usize = 2;
+/// The daemon runs with an API key, so every request of both transports must carry it (a 401 fails the run).
+const REPLAY_KEY: &str = "replay-secret";
 
 /// The Weka trace folder, or `None` (after saying the test is skipped) when the workloads are absent.
 fn weka_dir(test: &str) -> Option<PathBuf> {
@@ -43,9 +45,10 @@ fn weka_dir(test: &str) -> Option<PathBuf> {
 }
 
 async fn replay_against_null_daemon(transport: TransportKind, dir: PathBuf) -> RunReport {
-    let server = Server::start(&["--device", "null"]).await.expect("server starts");
+    let server = Server::start(&["--device", "null", "--api-key", REPLAY_KEY]).await.expect("server starts");
     let target = RunTarget {
         url: server.base.clone(),
+        api_key: Some(REPLAY_KEY.into()),
         transport,
         traces: TRACES.iter().map(|t| dir.join(t)).collect(),
         options: ReplayOptions {

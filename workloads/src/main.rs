@@ -44,6 +44,9 @@ struct RunArgs {
     /// Server base URL.
     #[arg(long, default_value = "http://127.0.0.1:8000")]
     url: String,
+    /// API key of a daemon started with `--api-key` (sent as `Authorization: Bearer KEY`).
+    #[arg(long, env = "SPARKD_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
     /// Trace files or folders (Weka .json, Mooncake .jsonl); repeatable.
     #[arg(long, required = true)]
     traces: Vec<PathBuf>,
@@ -136,6 +139,7 @@ fn run_target(args: &RunArgs) -> Result<RunTarget> {
     options.validate()?;
     Ok(RunTarget {
         url: args.url.clone(),
+        api_key: args.api_key.clone(),
         transport: match args.transport {
             TransportArg::Chat => TransportKind::Chat,
             TransportArg::Ws => TransportKind::Ws,

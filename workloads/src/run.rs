@@ -47,6 +47,8 @@ impl TransportKind {
 #[derive(Clone, Debug)]
 pub struct RunTarget {
     pub url: String,
+    /// Sent as `Authorization: Bearer KEY` (a daemon started with `--api-key`).
+    pub api_key: Option<String>,
     pub transport: TransportKind,
     pub traces: Vec<PathBuf>,
     pub options: ReplayOptions,
@@ -82,11 +84,11 @@ pub async fn run_once(target: &RunTarget, prepared: &Prepared, concurrency: usiz
     options.history = target.transport.history();
     let outcome: RunOutcome = match target.transport {
         TransportKind::Chat => {
-            let t = Arc::new(ChatTransport::new(&target.url)?);
+            let t = Arc::new(ChatTransport::new(&target.url, target.api_key.as_deref())?);
             replay(t, prepared.synth.clone(), prepared.sessions.clone(), options.clone()).await?
         }
         TransportKind::Ws => {
-            let t = Arc::new(WsTransport::new(&target.url)?);
+            let t = Arc::new(WsTransport::new(&target.url, target.api_key.as_deref())?);
             replay(t, prepared.synth.clone(), prepared.sessions.clone(), options.clone()).await?
         }
     };

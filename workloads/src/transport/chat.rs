@@ -22,11 +22,13 @@ use crate::error::{ReplayError, Result};
 pub struct ChatTransport {
     client: Client<HttpConnector, Full<Bytes>>,
     uri: hyper::Uri,
+    /// `Authorization` header value (`Bearer KEY`) for a daemon with API keys.
+    authorization: Option<String>,
 }
 
 impl ChatTransport {
-    /// `base_url` is `http://host:port` (a trailing path is ignored).
-    pub fn new(base_url: &str) -> Result<Self> {
+    /// `base_url` is `http://host:port` (a trailing path is ignored); `api_key` is sent as a bearer token.
+    pub fn new(base_url: &str, api_key: Option<&str>) -> Result<Self> {
         let base: hyper::Uri =
             base_url.parse().map_err(|e| ReplayError::option("--url", format!("{base_url:?}: {e}")))?;
         let authority = base.authority().ok_or_else(|| ReplayError::option("--url", "needs host:port"))?;
@@ -39,7 +41,7 @@ impl ChatTransport {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         let client = Client::builder(TokioExecutor::new()).pool_idle_timeout(None).build(connector);
-        Ok(ChatTransport { client, uri })
+        Ok(ChatTransport { client, uri, authorization: api_key.map(|k| format!("Bearer {k}")) })
     }
 }
 
@@ -67,13 +69,15 @@ pub fn request_body(request: &TurnRequest) -> serde_json::Value {
 impl Connection for ChatTransport {
     async fn send(&self, request: TurnRequest) -> Result<TurnOutcome> {
         let body = serde_json::to_vec(&request_body(&request)).map_err(|e| ReplayError::Protocol(e.to_string()))?;
-        let req = hyper::Request::post(self.uri.clone())
+        let mut req = hyper::Request::post(self.uri.clone())
             .header("content-type", "application/json")
             .header("accept", "text/event-stream")
             .header("x-correlation-id", &request.stream_id)
-            .header("x-session-affinity", &request.stream_id)
-            .body(Full::new(Bytes::from(body)))
-            .map_err(|e| ReplayError::Protocol(e.to_string()))?;
+            .header("x-session-affinity", &request.stream_id);
+        if let Some(auth) = &self.authorization {
+            req = req.header("authorization", auth);
+        }
+        let req = req.body(Full::new(Bytes::from(body))).map_err(|e| ReplayError::Protocol(e.to_string()))?;
         let response = self.client.request(req).await.map_err(|e| ReplayError::Connection(e.to_string()))?;
         let status = response.status();
         let mut body = response.into_body();

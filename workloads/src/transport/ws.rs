@@ -19,6 +19,7 @@ use tokio::time::Instant;
 
 use futures_util::{SinkExt, StreamExt};
 use tokio::sync::mpsc;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::Message as WsMessage;
 
 use super::{parse_spec, parse_usage, Connection, Transport, TurnOutcome, TurnRequest};
@@ -34,15 +35,19 @@ type Sink = futures_util::stream::SplitSink<
 #[derive(Clone, Debug)]
 pub struct WsTransport {
     url: String,
+    /// `Authorization` header value (`Bearer KEY`) for a daemon with API keys.
+    authorization: Option<String>,
 }
 
 impl WsTransport {
-    /// `base_url` is `http://host:port`; the socket goes to `ws://host:port/v1/responses`.
-    pub fn new(base_url: &str) -> Result<Self> {
+    /// `base_url` is `http://host:port`; the socket goes to `ws://host:port/v1/responses`; `api_key` is sent as a
+    /// bearer token in the handshake.
+    pub fn new(base_url: &str, api_key: Option<&str>) -> Result<Self> {
         let base: hyper::Uri =
             base_url.parse().map_err(|e| ReplayError::option("--url", format!("{base_url:?}: {e}")))?;
         let authority = base.authority().ok_or_else(|| ReplayError::option("--url", "needs host:port"))?;
-        Ok(WsTransport { url: format!("ws://{authority}/v1/responses") })
+        let authorization = api_key.map(|k| format!("Bearer {k}"));
+        Ok(WsTransport { url: format!("ws://{authority}/v1/responses"), authorization })
     }
 }
 
@@ -63,7 +68,16 @@ impl Transport for WsTransport {
     type Conn = WsConnection;
 
     async fn connect(&self) -> Result<WsConnection> {
-        let (socket, _) = tokio_tungstenite::connect_async(self.url.as_str())
+        let mut handshake = self
+            .url
+            .as_str()
+            .into_client_request()
+            .map_err(|e| ReplayError::Connection(format!("{}: {e}", self.url)))?;
+        if let Some(auth) = &self.authorization {
+            let value = auth.parse().map_err(|_| ReplayError::option("--api-key", "not a valid header value"))?;
+            handshake.headers_mut().insert("authorization", value);
+        }
+        let (socket, _) = tokio_tungstenite::connect_async(handshake)
             .await
             .map_err(|e| ReplayError::Connection(format!("{}: {e}", self.url)))?;
         let (sink, mut stream) = socket.split();
