@@ -3,6 +3,8 @@
 # checks formatting (rustfmt) and lints (clippy, warnings as errors), then runs every test of the workspace.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# A clean checkout builds once: incremental caches would only double the target folder (CI's disk is small).
+if [ -n "${CI:-}" ]; then export CARGO_INCREMENTAL=0; fi
 
 # Python clients used by black-box tests (the `openai` package as a streaming client, `tokenizers`
 # to check the exported Hugging Face tokenizer). Installed only when missing.
