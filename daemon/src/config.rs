@@ -28,6 +28,9 @@ pub const DEFAULT_MAX_MODEL_LEN: usize = 131_072;
 pub const KEEP_ALIVE_SECS: u64 = 330;
 /// Largest request body accepted (AgentX turns of 200k tokens are about 1 MB of JSON; aiperf-offline.md §2).
 pub const DEFAULT_MAX_BODY_BYTES: usize = 64 << 20;
+/// Requests that may wait for the engine before new ones get 429: several full batches, so a burst of agents
+/// queues rather than fails, while a flood cannot grow the queue without end.
+pub const DEFAULT_MAX_WAITING: usize = 1024;
 
 /// Which backend runs the model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -172,6 +175,10 @@ pub struct ServeArgs {
     /// Host bytes for prefix-cache snapshots (0 disables the prefix cache).
     #[arg(long, default_value_t = DEFAULT_PREFIX_CACHE_BYTES)]
     pub prefix_cache_bytes: usize,
+    /// Most requests waiting for the engine at once (not yet started); beyond them a request is refused with
+    /// 429 and `Retry-After` (an error event on a WebSocket).
+    #[arg(long, default_value_t = DEFAULT_MAX_WAITING)]
+    pub max_waiting: usize,
     /// Largest request body, in bytes.
     #[arg(long, default_value_t = DEFAULT_MAX_BODY_BYTES)]
     pub max_body_bytes: usize,
@@ -197,6 +204,7 @@ impl ServeArgs {
             ("max-num-batched-tokens", self.max_num_batched_tokens),
             ("state-budget-bytes", self.state_budget_bytes),
             ("max-body-bytes", self.max_body_bytes),
+            ("max-waiting", self.max_waiting),
         ];
         if let Some((flag, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(ConfigError { flag, reason: "must be at least 1".into() });

@@ -173,7 +173,8 @@ fn serve(args: ServeArgs) -> Result<()> {
                 metrics.clone(),
                 stop_rx.clone(),
             )
-            .with_access(access),
+            .with_access(access)
+            .with_max_waiting(args.max_waiting),
         );
         tokio::spawn(async move {
             loop {

@@ -339,6 +339,9 @@ impl SseStream {
                         data.push_str(v);
                     }
                 }
+                if event.is_none() && data.is_empty() {
+                    continue; // a comment (`: queued`), as SSE allows
+                }
                 let data = if data == "[DONE]" { Value::String(data) } else { serde_json::from_str(&data)? };
                 return Ok(Some(SseEvent { event, data }));
             }

@@ -46,6 +46,9 @@ pub enum ApiError {
     /// A browser request from an origin `--allow-origin` does not allow.
     #[error("requests from origin `{0}` are not allowed (see --allow-origin)")]
     OriginNotAllowed(String),
+    /// `--max-waiting` requests already wait for the engine.
+    #[error("the server is at capacity: {max_waiting} requests are already waiting (--max-waiting); retry later")]
+    QueueFull { max_waiting: usize },
     /// The engine thread is gone: the daemon cannot serve.
     #[error("the engine is not running")]
     EngineUnavailable,
@@ -78,6 +81,7 @@ impl ApiError {
             ApiError::ResponseNotFound(_) => "response_not_found",
             ApiError::Unauthorized { .. } => "invalid_api_key",
             ApiError::OriginNotAllowed(_) => "origin_not_allowed",
+            ApiError::QueueFull { .. } => "queue_full",
             ApiError::EngineUnavailable => "engine_unavailable",
             ApiError::Engine(e) => e.kind(),
             ApiError::Tokenizer(e) => e.kind(),
@@ -103,6 +107,7 @@ impl ApiError {
             ApiError::NotFound { .. } | ApiError::ResponseNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
             ApiError::OriginNotAllowed(_) => StatusCode::FORBIDDEN,
+            ApiError::QueueFull { .. } => StatusCode::TOO_MANY_REQUESTS,
             ApiError::EngineUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Engine(EngineError::InvalidRequest(_) | EngineError::UnknownResponse(_)) => {
                 StatusCode::BAD_REQUEST
@@ -136,6 +141,7 @@ impl ApiError {
         match self.status() {
             StatusCode::SERVICE_UNAVAILABLE | StatusCode::INTERNAL_SERVER_ERROR => "server_error",
             StatusCode::NOT_FOUND => "not_found_error",
+            StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
             _ => "invalid_request_error",
         }
     }

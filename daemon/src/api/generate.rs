@@ -22,6 +22,7 @@ use sparkd_kernels::runner::TokenLogprob;
 use sparkd_kernels::TokenId;
 use tokio::sync::mpsc;
 
+use super::admission::QueueTicket;
 use super::error::ApiError;
 use super::openai::GenerationParams;
 use super::reply::{ReplyForm, ReplyText, ToolCallDelta};
@@ -171,6 +172,8 @@ impl StopStrings {
 pub struct Generation {
     state: Arc<AppState>,
     id: RequestId,
+    /// The request's waiting slot (`--max-waiting`), held until the engine starts it.
+    queued: Option<QueueTicket>,
     events: mpsc::Receiver<EngineEvent>,
     reply: ReplyText,
     stop: StopStrings,
@@ -209,10 +212,12 @@ impl Generation {
             constraint: order.constraint,
         };
         let reply = ReplyText::new(state.tokenizer(), order.reply)?;
+        let queued = state.admission.enter()?;
         state.engine.submit(request, tx).await?;
         Ok(Generation {
             state: state.clone(),
             id,
+            queued: Some(queued),
             events: rx,
             reply,
             stop: StopStrings::new(order.params.stop),
@@ -250,6 +255,20 @@ impl Generation {
         let _ = self.state.engine.cancel(self.id).await;
     }
 
+    /// As [`Generation::next`], but `None` when the request is still waiting for the engine after `every` (the
+    /// caller then shows the client it is queued, which is how a client that left is noticed). Before the
+    /// request starts, `next` awaits nothing but its event channel, so giving up on it then loses nothing.
+    pub async fn next_or_queued(&mut self, every: Duration) -> Option<Result<Progress, ApiError>> {
+        if self.queued.is_none() {
+            return Some(self.next().await);
+        }
+        tokio::select! {
+            biased;
+            progress = self.next() => Some(progress),
+            () = tokio::time::sleep(every) => None,
+        }
+    }
+
     /// The next delta or the outcome. After `Done` (or an error) the generation is over.
     pub async fn next(&mut self) -> Result<Progress, ApiError> {
         if let Some(outcome) = self.finished.take() {
@@ -263,6 +282,7 @@ impl Generation {
             };
             match event {
                 EngineEvent::Started { prompt_tokens, cached_tokens, queue_time } => {
+                    self.queued = None;
                     self.started = Some((prompt_tokens, cached_tokens, queue_time));
                 }
                 EngineEvent::Tokens { tokens, logprobs, drafted, accepted } => {

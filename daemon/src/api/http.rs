@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
-use hyper::header::{HeaderValue, CACHE_CONTROL, CONTENT_TYPE};
+use hyper::header::{HeaderValue, CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -32,7 +32,7 @@ use super::error::ApiError;
 use super::generate::{Generation, GenerationOrder, Progress};
 use super::openai::{self, Prompt, StreamOptions, ValidRequest};
 use super::reply::ReplyForm;
-use super::sse::{SseBody, SseWriter};
+use super::sse::{SseBody, SseWriter, QUEUED_HEARTBEAT};
 use super::wire::{self, Chunk, ChunkChoice, ChunkHeader, ChunkKind, FullReply, UsageJson};
 use super::{new_id, responses, unix_now, ws, AppState};
 use crate::metrics as m;
@@ -124,8 +124,15 @@ fn answered(endpoint: &'static str, response: Response<Body>) -> Response<Body> 
 pub fn error_response(e: &ApiError) -> Response<Body> {
     e.count();
     tracing::debug!(kind = e.kind(), "request failed: {e}");
-    bytes_response(e.status(), "application/json", Bytes::from(e.to_json()))
+    let mut response = bytes_response(e.status(), "application/json", Bytes::from(e.to_json()));
+    if matches!(e, ApiError::QueueFull { .. }) {
+        response.headers_mut().insert(RETRY_AFTER, HeaderValue::from_static(QUEUE_FULL_RETRY_AFTER_S));
+    }
+    response
 }
+
+/// Seconds a client refused with 429 (`--max-waiting`) is told to wait: about a few decode steps of a full batch.
+const QUEUE_FULL_RETRY_AFTER_S: &str = "1";
 
 /// A body of `content_type` as it is.
 pub fn bytes_response(status: StatusCode, content_type: &'static str, body: Bytes) -> Response<Body> {
@@ -310,7 +317,13 @@ async fn stream_chunks(
         }
     }
     loop {
-        let progress = match generation.next().await {
+        let Some(progress) = generation.next_or_queued(QUEUED_HEARTBEAT).await else {
+            if w.queued().await.is_err() {
+                return;
+            }
+            continue;
+        };
+        let progress = match progress {
             Ok(p) => p,
             Err(e) => {
                 e.count();
@@ -384,5 +397,19 @@ async fn stream_chunks(
                 return;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_queue_is_a_429_with_retry_after_and_other_errors_have_none() {
+        let full = error_response(&ApiError::QueueFull { max_waiting: 8 });
+        assert_eq!(full.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(full.headers().get(RETRY_AFTER).and_then(|v| v.to_str().ok()), Some(QUEUE_FULL_RETRY_AFTER_S));
+        let invalid = error_response(&ApiError::field("n", "`n` must be 1"));
+        assert!(invalid.headers().get(RETRY_AFTER).is_none());
     }
 }

@@ -14,6 +14,7 @@
 //!   engine thread writes), without waiting on the engine thread.
 //! - A request whose client goes away is cancelled in the engine (its [`generate::Generation`] is dropped).
 
+pub mod admission;
 pub mod auth;
 pub mod constraint;
 pub mod error;
@@ -60,6 +61,8 @@ pub struct AppState {
     pub started_unix: u64,
     /// The API keys and browser origins served (open by default: [`AppState::with_access`]).
     pub access: auth::Access,
+    /// The bound on requests waiting for the engine (unbounded by default: [`AppState::with_max_waiting`]).
+    pub admission: admission::Admission,
     interactivity: Mutex<InteractivityWindow>,
     next_request: AtomicU64,
     /// The tokenizer as the constraint compiler sees it, built by the first constrained request (it walks the
@@ -90,12 +93,19 @@ impl AppState {
             next_request: AtomicU64::new(1),
             grammar: OnceLock::new(),
             access: auth::Access::default(),
+            admission: admission::Admission::new(usize::MAX),
         }
     }
 
     /// The state serving only the keys and origins of `access`.
     pub fn with_access(mut self, access: auth::Access) -> Self {
         self.access = access;
+        self
+    }
+
+    /// The state refusing a request (429) while `max_waiting` others wait for the engine.
+    pub fn with_max_waiting(mut self, max_waiting: usize) -> Self {
+        self.admission = admission::Admission::new(max_waiting);
         self
     }
 

@@ -38,7 +38,7 @@ use super::http::{bytes_response, json_response, read_json, sse_response, Body};
 use super::items::{self, OutputItems};
 use super::openai::{self, ValidResponsesRequest};
 use super::reply::ReplyForm;
-use super::sse::{Disconnected, SseWriter};
+use super::sse::{Disconnected, SseWriter, QUEUED_HEARTBEAT};
 use super::wire::{self, ResponseHeader};
 use super::{new_id, unix_now, AppState};
 use crate::engine::sessions::KeptSummary;
@@ -48,12 +48,19 @@ use crate::engine::types::ResponseId;
 pub trait EventSink {
     /// Sends one event object (it has a `type`).
     fn send(&mut self, event: Value) -> impl std::future::Future<Output = Result<(), Disconnected>> + Send;
+    /// Shows the client that its request still waits for the engine, where that is how a client that left is
+    /// noticed (an SSE comment; a WebSocket notices a close by reading).
+    fn queued(&mut self) -> impl std::future::Future<Output = Result<(), Disconnected>> + Send;
 }
 
 impl EventSink for SseWriter {
     async fn send(&mut self, event: Value) -> Result<(), Disconnected> {
         let name = event["type"].as_str().unwrap_or("message").to_owned();
         self.event(&name, &event).await
+    }
+
+    async fn queued(&mut self) -> Result<(), Disconnected> {
+        SseWriter::queued(self).await
     }
 }
 
@@ -172,7 +179,11 @@ pub async fn stream<S: EventSink>(
     .await?;
     let mut output = OutputItems::new(header.item_id.clone());
     let outcome = loop {
-        match generation.next().await {
+        let Some(progress) = generation.next_or_queued(QUEUED_HEARTBEAT).await else {
+            sink.queued().await?;
+            continue;
+        };
+        match progress {
             Ok(Progress::Delta(d)) => {
                 let logprobs = (want_logprobs && !d.logprobs.is_empty())
                     .then(|| wire::chat_logprobs(state.tokenizer(), &d.logprobs));

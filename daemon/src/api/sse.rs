@@ -6,7 +6,9 @@
 //!   body ends only once the channel is both closed and empty. (`http_body_util::channel::Channel` does not
 //!   promise that: it polls its frame queue, then its error channel, so a frame sent and a writer dropped
 //!   between the two polls on another thread was lost, and streams ended without `data: [DONE]`.)
-//! - A failed send means the client hung up; the caller then drops its generation, which cancels it.
+//! - A failed send means the client hung up; the caller then drops its generation, which cancels it. While a
+//!   request waits for the engine nothing else is written, so the caller sends a `: queued` comment every
+//!   [`QUEUED_HEARTBEAT`]: the write after the client left fails, and the queued request is dropped.
 //! - Frames are serialized into one reused buffer, then copied once into `Bytes`.
 
 use std::convert::Infallible;
@@ -20,6 +22,9 @@ use tokio::sync::mpsc;
 
 /// Frames buffered between the generator and the socket.
 pub const SSE_CHANNEL: usize = 32;
+
+/// How often a stream whose request still waits for the engine writes a `: queued` comment.
+pub const QUEUED_HEARTBEAT: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// The client is gone.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,6 +92,12 @@ impl SseWriter {
         serde_json::to_writer(&mut self.buf, value).map_err(|_| Disconnected)?;
         self.buf.extend_from_slice(b"\n\n");
         self.flush().await
+    }
+
+    /// Sends the comment `: queued\n\n` (SSE clients ignore it): writing to a connection is how a client that
+    /// left is noticed while its request still waits for the engine.
+    pub async fn queued(&mut self) -> Result<(), Disconnected> {
+        self.tx.send(Bytes::from_static(b": queued\n\n")).await.map_err(|_| Disconnected)
     }
 
     /// Sends `data: [DONE]\n\n`.

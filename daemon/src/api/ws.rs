@@ -89,6 +89,10 @@ impl EventSink for WsSink {
         }
         self.out.send(Message::Text(event.to_string().into())).await.map_err(|_| Disconnected)
     }
+
+    async fn queued(&mut self) -> Result<(), Disconnected> {
+        Ok(())
+    }
 }
 
 /// Requests in flight on one socket, by response id and by stream id (for `response.cancel`).

@@ -23,7 +23,8 @@
 //! - Events go out over each request's bounded channel with `try_send`; when the channel is full they
 //!   wait in a per-request backlog (order preserved) and the engine keeps stepping the others. A
 //!   closed channel (client gone) cancels the request and frees its state; a request that asked to
-//!   be kept is kept all the same.
+//!   be kept is kept all the same once it has started. A waiting request whose client left is dropped
+//!   before it is admitted (never kept).
 //! - A runner error fails every request of that step (their states are freed, never kept) and the
 //!   engine goes on with the rest. A broken invariant of the engine's own fails the requests it
 //!   touches with `EngineError::Internal` (a server fault, never blamed on the request).
@@ -257,6 +258,7 @@ impl EngineCore {
                 self.phases.lap(Phase::Idle);
                 continue;
             }
+            self.drop_abandoned();
             self.admit();
             self.phases.lap(Phase::Admit);
             if self.speculator.is_some() {
@@ -414,6 +416,20 @@ impl EngineCore {
             )));
         }
         Ok(())
+    }
+
+    /// Drops the waiting requests whose client went away (their event channel is closed), so that nothing is
+    /// prefilled for nobody; one that asked to be kept is not (it never started: there is nothing to continue).
+    /// A running request's departure shows when its next event cannot be sent.
+    fn drop_abandoned(&mut self) {
+        let gone: Vec<RequestId> =
+            self.scheduler.waiting_ids().filter(|id| self.live.get(id).is_some_and(|l| l.events.is_closed())).collect();
+        for id in gone {
+            if let Some(live) = self.live.get_mut(&id) {
+                live.keep_as = None;
+            }
+            self.client_gone(id);
+        }
     }
 
     /// Gives each newly admitted request a state and tells the scheduler how much of it is restored.

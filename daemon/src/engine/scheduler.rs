@@ -266,6 +266,11 @@ impl Scheduler {
         self.waiting.len()
     }
 
+    /// Ids of the waiting sequences, in admission order.
+    pub fn waiting_ids(&self) -> impl Iterator<Item = RequestId> + '_ {
+        self.waiting.iter().map(|s| s.id)
+    }
+
     pub fn num_running(&self) -> usize {
         self.running.len()
     }
