@@ -23,6 +23,8 @@ import time
 
 import aiohttp
 
+from serve_check import sse_events
+
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 6},
     "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -69,14 +71,7 @@ async def one(session, base, kind, model, index, max_tokens):
     async with session.post(f"{base}/v1/chat/completions", json=body_of(kind, model, index, max_tokens)) as r:
         if r.status != 200:
             return {"kind": kind, "status": r.status, "error": (await r.text())[:300]}
-        async for raw in r.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            ev = json.loads(data)
+        async for ev in sse_events(r):
             usage = ev.get("usage") or usage
             for ch in ev.get("choices", []):
                 delta = ch.get("delta", {})
@@ -182,4 +177,5 @@ async def main():
                     for kind, v in report.items() if isinstance(v, dict)))
 
 
-asyncio.run(main())
+if __name__ == "__main__":
+    asyncio.run(main())

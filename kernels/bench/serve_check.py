@@ -14,6 +14,18 @@ import time
 import aiohttp
 
 
+async def sse_events(response):
+    """The parsed `data:` events of an SSE response, up to `[DONE]` (comments and other lines skipped)."""
+    async for raw in response.content:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
 async def chat_stream(session, base, model, max_tokens, sampling=None):
     body = {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0,
             "stream_options": {"include_usage": True},
@@ -23,14 +35,7 @@ async def chat_stream(session, base, model, max_tokens, sampling=None):
     first, chunks, text, usage, logprobs = None, 0, "", None, 0
     async with session.post(f"{base}/v1/chat/completions", json=body) as r:
         status = r.status
-        async for raw in r.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            ev = json.loads(data)
+        async for ev in sse_events(r):
             if ev.get("usage"):
                 usage = ev["usage"]
             for ch in ev.get("choices", []):
@@ -102,4 +107,5 @@ async def main():
     print(text)
 
 
-asyncio.run(main())
+if __name__ == "__main__":
+    asyncio.run(main())
