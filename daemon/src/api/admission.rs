@@ -28,6 +28,7 @@ impl Admission {
 
     /// A waiting slot, or `QueueFull` when all `max_waiting` are taken.
     pub fn enter(&self) -> Result<QueueTicket, ApiError> {
+        // Counted first, so that racing requests never overshoot; a refused one's ticket drops at once.
         let before = self.waiting.fetch_add(1, Ordering::AcqRel);
         let ticket = QueueTicket { waiting: self.waiting.clone() };
         if before >= self.max_waiting {

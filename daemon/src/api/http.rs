@@ -131,7 +131,8 @@ pub fn error_response(e: &ApiError) -> Response<Body> {
     response
 }
 
-/// Seconds a client refused with 429 (`--max-waiting`) is told to wait: about a few decode steps of a full batch.
+/// Seconds a client refused with 429 (`--max-waiting`) is told to wait: the shortest whole-second delay, since a
+/// slot frees as soon as any waiting request starts.
 const QUEUE_FULL_RETRY_AFTER_S: &str = "1";
 
 /// A body of `content_type` as it is.

@@ -14,7 +14,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
 
-use super::{parse_spec, parse_usage, Connection, Transport, TurnOutcome, TurnRequest};
+use super::{bearer, parse_spec, parse_usage, Connection, Transport, TurnOutcome, TurnRequest};
 use crate::error::{ReplayError, Result};
 
 /// The chat transport: one pooled HTTP/1.1 client shared by every lane.
@@ -23,7 +23,7 @@ pub struct ChatTransport {
     client: Client<HttpConnector, Full<Bytes>>,
     uri: hyper::Uri,
     /// `Authorization` header value (`Bearer KEY`) for a daemon with API keys.
-    authorization: Option<String>,
+    authorization: Option<hyper::header::HeaderValue>,
 }
 
 impl ChatTransport {
@@ -41,7 +41,7 @@ impl ChatTransport {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         let client = Client::builder(TokioExecutor::new()).pool_idle_timeout(None).build(connector);
-        Ok(ChatTransport { client, uri, authorization: api_key.map(|k| format!("Bearer {k}")) })
+        Ok(ChatTransport { client, uri, authorization: bearer(api_key)? })
     }
 }
 

@@ -15,7 +15,7 @@ use tokio::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::Result;
+use crate::error::{ReplayError, Result};
 use crate::synth::Role;
 
 /// One turn as sent.
@@ -91,4 +91,13 @@ pub(crate) fn parse_spec(root: &serde_json::Value) -> Option<SpecStats> {
         num_accepted_draft_tokens: u("num_accepted_draft_tokens"),
         mean_acceptance_length: s.get("mean_acceptance_length").and_then(serde_json::Value::as_f64).unwrap_or(0.0),
     })
+}
+
+/// The `Authorization` header of a daemon started with `--api-key` (`Bearer KEY`), checked once here.
+pub fn bearer(api_key: Option<&str>) -> Result<Option<hyper::header::HeaderValue>> {
+    api_key
+        .map(|k| {
+            format!("Bearer {k}").parse().map_err(|_| ReplayError::option("--api-key", "not a valid header value"))
+        })
+        .transpose()
 }

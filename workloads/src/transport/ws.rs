@@ -22,7 +22,7 @@ use tokio::sync::mpsc;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::Message as WsMessage;
 
-use super::{parse_spec, parse_usage, Connection, Transport, TurnOutcome, TurnRequest};
+use super::{bearer, parse_spec, parse_usage, Connection, Transport, TurnOutcome, TurnRequest};
 use crate::error::{ReplayError, Result};
 
 type Routes = Arc<Mutex<HashMap<String, mpsc::UnboundedSender<serde_json::Value>>>>;
@@ -36,7 +36,7 @@ type Sink = futures_util::stream::SplitSink<
 pub struct WsTransport {
     url: String,
     /// `Authorization` header value (`Bearer KEY`) for a daemon with API keys.
-    authorization: Option<String>,
+    authorization: Option<hyper::header::HeaderValue>,
 }
 
 impl WsTransport {
@@ -46,8 +46,7 @@ impl WsTransport {
         let base: hyper::Uri =
             base_url.parse().map_err(|e| ReplayError::option("--url", format!("{base_url:?}: {e}")))?;
         let authority = base.authority().ok_or_else(|| ReplayError::option("--url", "needs host:port"))?;
-        let authorization = api_key.map(|k| format!("Bearer {k}"));
-        Ok(WsTransport { url: format!("ws://{authority}/v1/responses"), authorization })
+        Ok(WsTransport { url: format!("ws://{authority}/v1/responses"), authorization: bearer(api_key)? })
     }
 }
 
@@ -74,8 +73,7 @@ impl Transport for WsTransport {
             .into_client_request()
             .map_err(|e| ReplayError::Connection(format!("{}: {e}", self.url)))?;
         if let Some(auth) = &self.authorization {
-            let value = auth.parse().map_err(|_| ReplayError::option("--api-key", "not a valid header value"))?;
-            handshake.headers_mut().insert("authorization", value);
+            handshake.headers_mut().insert("authorization", auth.clone());
         }
         let (socket, _) = tokio_tungstenite::connect_async(handshake)
             .await
