@@ -8,11 +8,13 @@
 //! - Engine limits are passed on as an [`EngineConfig`]; this module never reaches into the engine.
 //! - The `--spec*` flags and their validation live in [`speculation`].
 
+pub mod limits;
 pub mod speculation;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use self::limits::LimitArgs;
 use self::speculation::SpecArgs;
 use crate::engine::step_time::{StepTarget, DEFAULT_STEP_TARGET_FACTOR};
 use crate::engine::types::{
@@ -182,6 +184,9 @@ pub struct ServeArgs {
     /// Largest request body, in bytes.
     #[arg(long, default_value_t = DEFAULT_MAX_BODY_BYTES)]
     pub max_body_bytes: usize,
+    /// Per-request limits and request preparation (`--max-prompt-chars`, `--max-stop-strings`, ...).
+    #[command(flatten)]
+    pub limits: LimitArgs,
     /// Speculative decoding (`--spec`, `--num-spec-tokens`, `--spec-synthetic-al`, `--spec-budget`, ...).
     #[command(flatten)]
     pub spec: SpecArgs,
@@ -209,6 +214,7 @@ impl ServeArgs {
         if let Some((flag, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(ConfigError { flag, reason: "must be at least 1".into() });
         }
+        self.limits.validate()?;
         if let Some(dir) = &self.model {
             if !dir.is_dir() {
                 return Err(ConfigError { flag: "model", reason: format!("{} is not a folder", dir.display()) });
@@ -306,7 +312,19 @@ mod tests {
         assert!(err.to_string().starts_with("--host:"), "{err}");
         let err = parse(&["--model", "/definitely/not/here"]).validate().unwrap_err();
         assert_eq!(err.flag, "model");
+        let err = parse(&["--max-stop-strings", "0"]).validate().unwrap_err();
+        assert_eq!(err.flag, "max-stop-strings");
+        let err = parse(&["--prep-threads", "0"]).validate().unwrap_err();
+        assert_eq!(err.flag, "prep-threads");
         assert!(Cli::try_parse_from(["sparkd", "--device", "tpu"]).is_err());
+    }
+
+    #[test]
+    fn the_prompt_limit_follows_the_context_unless_given() {
+        assert_eq!(parse(&[]).limits.request_limits(1000).max_prompt_chars, 32_000);
+        let a = parse(&["--max-prompt-chars", "500", "--max-logprobs", "0"]);
+        let limits = a.limits.request_limits(1000);
+        assert_eq!((limits.max_prompt_chars, limits.max_logprobs), (500, 0));
     }
 
     #[test]

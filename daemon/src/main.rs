@@ -174,7 +174,9 @@ fn serve(args: ServeArgs) -> Result<()> {
                 stop_rx.clone(),
             )
             .with_access(access)
-            .with_max_waiting(args.max_waiting),
+            .with_max_waiting(args.max_waiting)
+            .with_limits(args.limits.request_limits(max_model_len))
+            .with_prep_threads(args.limits.prep_threads()),
         );
         tokio::spawn(async move {
             loop {

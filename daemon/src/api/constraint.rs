@@ -4,11 +4,9 @@
 //!
 //! Invariants:
 //! - A request has at most one constraint; asking for two is a 400 naming the second field.
-//! - The constraint is compiled (by `sparkd-grammar`, with its limits, on the blocking pool) before the request
+//! - The constraint is compiled (by `sparkd-grammar`, with its limits, on the preparation pool) before the request
 //!   reaches the engine, so an invalid schema, regex or grammar is a 400 naming the field and what llguidance
 //!   found wrong.
-
-use std::sync::Arc;
 
 use serde_json::Value;
 use sparkd_grammar::{Constraint, ConstraintSpec, GrammarEnv};
@@ -93,18 +91,14 @@ pub fn compile(env: &GrammarEnv, field: &str, spec: &ConstraintSpec) -> Result<B
     env.constraint(spec).map(Box::new).map_err(|e| ApiError::field(field.to_string(), format!("`{field}`: {e}")))
 }
 
-/// Compiles a request's constraint, if any, on the blocking pool: the first one also describes the tokenizer
-/// to llguidance (about half a second), and a large schema takes milliseconds, neither on an I/O thread.
-pub async fn compile_request(
-    state: &Arc<AppState>,
+/// Compiles a request's constraint, if any (on the preparation pool: the first one also describes the tokenizer
+/// to llguidance, about half a second, and a large schema takes milliseconds).
+pub fn compile_request(
+    state: &AppState,
     requested: &Option<(String, ConstraintSpec)>,
 ) -> Result<Option<Box<Constraint>>, ApiError> {
-    let Some((field, spec)) = requested.clone() else { return Ok(None) };
-    let state = state.clone();
-    let compiled = tokio::task::spawn_blocking(move || compile(state.grammar()?, &field, &spec))
-        .await
-        .map_err(|e| ApiError::Internal(format!("compiling the output constraint: {e}")))?;
-    compiled.map(Some)
+    let Some((field, spec)) = requested else { return Ok(None) };
+    compile(state.grammar()?, field, spec).map(Some)
 }
 
 #[cfg(test)]

@@ -26,6 +26,7 @@ use super::admission::QueueTicket;
 use super::error::ApiError;
 use super::openai::GenerationParams;
 use super::reply::{ReplyForm, ReplyText, ToolCallDelta};
+use super::stop::StopStrings;
 use super::AppState;
 use crate::engine::types::{EngineError, EngineEvent, FinishReason, GenerateRequest, RequestId, ResponseId, Usage};
 use crate::metrics as m;
@@ -47,6 +48,8 @@ pub struct GenerationOrder {
     pub reply: ReplyForm,
     /// The compiled output constraint, if any.
     pub constraint: Option<Box<Constraint>>,
+    /// The matcher of `params.stop`, built with the rest of the request's preparation.
+    pub stop: StopStrings,
 }
 
 /// Text and tokens of one engine step.
@@ -118,56 +121,6 @@ pub enum Progress {
     Done(Outcome),
 }
 
-/// Holds back text that may be the start of a stop string.
-#[derive(Clone, Debug, Default)]
-pub struct StopStrings {
-    stops: Vec<String>,
-    /// Longest stop string in bytes.
-    longest: usize,
-    pending: String,
-    matched: bool,
-}
-
-impl StopStrings {
-    pub fn new(stops: Vec<String>) -> Self {
-        let longest = stops.iter().map(String::len).max().unwrap_or(0);
-        StopStrings { stops, longest, pending: String::new(), matched: false }
-    }
-
-    /// Whether a stop string was found (later text is discarded).
-    pub fn matched(&self) -> bool {
-        self.matched
-    }
-
-    /// Adds text; returns what can be released.
-    pub fn feed(&mut self, text: &str) -> String {
-        if self.matched {
-            return String::new();
-        }
-        if self.stops.is_empty() {
-            return text.to_string();
-        }
-        self.pending.push_str(text);
-        if let Some(cut) = self.stops.iter().filter_map(|s| self.pending.find(s.as_str())).min() {
-            self.matched = true;
-            let out = self.pending[..cut].to_string();
-            self.pending.clear();
-            return out;
-        }
-        let mut keep_from = self.pending.len().saturating_sub(self.longest - 1);
-        while !self.pending.is_char_boundary(keep_from) {
-            keep_from -= 1;
-        }
-        let tail = self.pending.split_off(keep_from);
-        std::mem::replace(&mut self.pending, tail)
-    }
-
-    /// Releases what was held back (nothing after a match).
-    pub fn finish(&mut self) -> String {
-        std::mem::take(&mut self.pending)
-    }
-}
-
 /// One request in flight.
 pub struct Generation {
     state: Arc<AppState>,
@@ -220,7 +173,7 @@ impl Generation {
             queued: Some(queued),
             events: rx,
             reply,
-            stop: StopStrings::new(order.params.stop),
+            stop: order.stop,
             arrival: order.arrival,
             started: None,
             first_token_at: None,
@@ -421,39 +374,5 @@ impl Drop for Generation {
             metrics::counter!(m::REQUEST_SUCCESS_TOTAL, "finished_reason" => FinishReason::Cancelled.as_str())
                 .increment(1);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn run(stops: &[&str], pieces: &[&str]) -> (String, bool) {
-        let mut s = StopStrings::new(stops.iter().map(|x| x.to_string()).collect());
-        let mut out = String::new();
-        for p in pieces {
-            out.push_str(&s.feed(p));
-        }
-        if !s.matched() {
-            out.push_str(&s.finish());
-        }
-        (out, s.matched())
-    }
-
-    #[test]
-    fn stop_strings_cut_before_the_match_even_across_pieces() {
-        assert_eq!(run(&["END"], &["abc E", "N", "Dxyz"]), ("abc ".to_string(), true));
-        assert_eq!(run(&["END", "c"], &["ab", "cEND"]), ("ab".to_string(), true));
-        assert_eq!(run(&["zz"], &["abc", "def"]), ("abcdef".to_string(), false));
-        assert_eq!(run(&[], &["a", "b"]), ("ab".to_string(), false));
-    }
-
-    #[test]
-    fn held_back_text_is_released_only_when_it_cannot_start_a_match() {
-        let mut s = StopStrings::new(vec!["STOP".into()]);
-        assert_eq!(s.feed("hello ST"), "hello");
-        assert_eq!(s.feed("ay"), " S");
-        assert_eq!(s.feed("é日本"), "Tayé日");
-        assert_eq!(s.finish(), "本");
     }
 }

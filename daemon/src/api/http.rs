@@ -33,6 +33,7 @@ use super::generate::{Generation, GenerationOrder, Progress};
 use super::openai::{self, Prompt, StreamOptions, ValidRequest};
 use super::reply::ReplyForm;
 use super::sse::{SseBody, SseWriter, QUEUED_HEARTBEAT};
+use super::stop::StopStrings;
 use super::wire::{self, Chunk, ChunkChoice, ChunkHeader, ChunkKind, FullReply, UsageJson};
 use super::{new_id, responses, unix_now, ws, AppState};
 use crate::metrics as m;
@@ -172,8 +173,8 @@ fn models_response(state: &AppState) -> Response<Body> {
     )
 }
 
-/// Reads the whole body, at most `--max-body-bytes`, and parses it as JSON.
-pub async fn read_json(state: &AppState, req: Request<Incoming>) -> Result<Value, ApiError> {
+/// Reads the whole body, at most `--max-body-bytes` (parsing it is the preparation pool's work).
+pub async fn read_body(state: &AppState, req: Request<Incoming>) -> Result<Bytes, ApiError> {
     let limit = state.max_body_bytes;
     let collected = Limited::new(req.into_body(), limit).collect().await.map_err(|e| {
         if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
@@ -182,7 +183,7 @@ pub async fn read_json(state: &AppState, req: Request<Incoming>) -> Result<Value
             ApiError::InvalidJson(format!("reading the body failed: {e}"))
         }
     })?;
-    openai::parse_body(&collected.to_bytes())
+    Ok(collected.to_bytes())
 }
 
 /// The prompt's token ids; token-id prompts are checked against the vocabulary.
@@ -207,25 +208,30 @@ pub fn prompt_tokens(state: &AppState, prompt: &Prompt) -> Result<Vec<TokenId>, 
     }
 }
 
-async fn chat_or_completion(
-    state: &Arc<AppState>,
-    req: Request<Incoming>,
-    arrival: Instant,
-    kind: ChunkKind,
-) -> Result<Response<Body>, ApiError> {
-    let body = read_json(state, req).await?;
+/// A chat or completion request made ready to submit.
+struct Prepared {
+    valid: ValidRequest,
+    order: GenerationOrder,
+    /// The prompt's text, for `echo`.
+    echo: Option<String>,
+}
+
+/// Parses, validates, renders and tokenizes a chat or completion body, and builds its stop-string matcher and
+/// output constraint: the preparation pool's work.
+fn prepare(state: &AppState, body: &[u8], kind: ChunkKind, arrival: Instant) -> Result<Prepared, ApiError> {
+    let body = openai::parse_body(body)?;
     let valid = match kind {
-        ChunkKind::Chat => openai::chat_request(&body)?,
-        ChunkKind::Completion => openai::completion_request(&body)?,
+        ChunkKind::Chat => openai::chat_request(&body, &state.limits)?,
+        ChunkKind::Completion => openai::completion_request(&body, &state.limits)?,
     };
     let prompt = prompt_tokens(state, &valid.prompt)?;
     let max_tokens = openai::check_context(prompt.len(), valid.params.max_tokens, state.max_model_len)?;
-    let echo_text = match (&valid.prompt, valid.echo) {
+    let echo = match (&valid.prompt, valid.echo) {
         (Prompt::Text(t), true) => Some(t.clone()),
         (Prompt::Tokens(ids), true) => Some(state.tokenizer().decode_lossy(ids)?),
         _ => None,
     };
-    let constraint = constraint::compile_request(state, &valid.constraint).await?;
+    let constraint = constraint::compile_request(state, &valid.constraint)?;
     let reply = match kind {
         ChunkKind::Chat => {
             let thinking = matches!(valid.prompt, Prompt::Chat { thinking: true, .. });
@@ -237,12 +243,25 @@ async fn chat_or_completion(
         prompt,
         continue_from: None,
         keep_as: None,
+        stop: StopStrings::new(valid.params.stop.clone()),
         params: valid.params.clone(),
         max_tokens,
         arrival,
         reply,
         constraint,
     };
+    Ok(Prepared { valid, order, echo })
+}
+
+async fn chat_or_completion(
+    state: &Arc<AppState>,
+    req: Request<Incoming>,
+    arrival: Instant,
+    kind: ChunkKind,
+) -> Result<Response<Body>, ApiError> {
+    let body = read_body(state, req).await?;
+    let st = state.clone();
+    let Prepared { valid, order, echo } = state.prep.run(move || prepare(&st, &body, kind, arrival)).await?;
     let generation = Generation::start(state, order).await?;
     let id = new_id(if kind == ChunkKind::Chat { "chatcmpl-" } else { "cmpl-" });
     if valid.stream.stream {
@@ -251,17 +270,18 @@ async fn chat_or_completion(
         tokio::spawn(async move { stream_chunks(st, generation, kind, id, valid, writer).await });
         Ok(sse_response(body))
     } else {
-        collect_body(state, generation, kind, &id, &valid, echo_text).await
+        collect_body(state, generation, kind, id, valid, echo).await
     }
 }
 
-/// Runs a generation to its end and answers with one JSON body.
+/// Runs a generation to its end and answers with one JSON body (assembled, with its log-probabilities, on the
+/// preparation pool: a long reply's alternatives are many detokenizations).
 async fn collect_body(
-    state: &AppState,
+    state: &Arc<AppState>,
     mut generation: Generation,
     kind: ChunkKind,
-    id: &str,
-    valid: &ValidRequest,
+    id: String,
+    valid: ValidRequest,
     echo: Option<String>,
 ) -> Result<Response<Body>, ApiError> {
     let mut reply = FullReply { text: echo.unwrap_or_default(), ..FullReply::default() };
@@ -276,12 +296,19 @@ async fn collect_body(
             Progress::Done(o) => break o,
         }
     };
-    let lp = valid.params.logprobs.map(|_| match kind {
-        ChunkKind::Chat => wire::chat_logprobs(state.tokenizer(), &logprobs),
-        ChunkKind::Completion => wire::completion_logprobs(state.tokenizer(), &logprobs, echo_len),
-    });
-    let header = ChunkHeader { id, created: unix_now(), model: &state.model_name };
-    Ok(json_response(StatusCode::OK, &wire::full_body(kind, header, &reply, lp, &outcome)))
+    let st = state.clone();
+    let body = state
+        .prep
+        .run(move || {
+            let lp = valid.params.logprobs.map(|_| match kind {
+                ChunkKind::Chat => wire::chat_logprobs(st.tokenizer(), &logprobs),
+                ChunkKind::Completion => wire::completion_logprobs(st.tokenizer(), &logprobs, echo_len),
+            });
+            let header = ChunkHeader { id: &id, created: unix_now(), model: &st.model_name };
+            Ok(Bytes::from(wire::full_body(kind, header, &reply, lp, &outcome).to_string()))
+        })
+        .await?;
+    Ok(bytes_response(StatusCode::OK, "application/json", body))
 }
 
 /// Streams a generation as chat/completion chunks; returns when done or when the client leaves (dropping the

@@ -18,6 +18,7 @@ use sparkd_tokenizer::{ChatMessage, ToolCall};
 
 use super::constraint;
 use super::error::ApiError;
+use super::limits::{chat_chars, RequestLimits};
 use super::new_id;
 use super::openai::{content_text, generation_params, thinking, Fields, ValidResponsesRequest};
 use super::reply::ToolCallDelta;
@@ -27,7 +28,7 @@ const TEXT_PARTS: [&str; 3] = ["input_text", "output_text", "text"];
 
 /// `POST /v1/responses` or a WebSocket `response.create` (whose fields may sit at the top level or under
 /// `response`).
-pub fn responses_request(body: &Value) -> Result<ValidResponsesRequest, ApiError> {
+pub fn responses_request(body: &Value, limits: &RequestLimits) -> Result<ValidResponsesRequest, ApiError> {
     let top = Fields::new(body, "")?;
     let f = match top.get("response") {
         Some(inner) if inner.is_object() => Fields::new(inner, "response")?,
@@ -56,6 +57,7 @@ pub fn responses_request(body: &Value) -> Result<ValidResponsesRequest, ApiError
         return Err(ApiError::field(f.name("input"), format!("`{}` must not be empty", f.name("input"))));
     }
     let tools = tools::parse(&f, true)?;
+    limits.check_prompt(&f.name("input"), chat_chars(&input, tools.as_ref().and_then(|t| t.prompt_declaration())))?;
     let stream_id = match top.get("stream_id").or_else(|| f.get("stream_id")) {
         None => None,
         Some(Value::String(s)) => Some(s.clone()),
@@ -66,7 +68,7 @@ pub fn responses_request(body: &Value) -> Result<ValidResponsesRequest, ApiError
         input,
         previous_response_id: f.str("previous_response_id")?.map(str::to_owned),
         store: f.bool("store")?.unwrap_or(true),
-        params: generation_params(&f, &["max_output_tokens"], false)?,
+        params: generation_params(&f, &["max_output_tokens"], false, limits)?,
         stream: f.bool("stream")?.unwrap_or(false),
         stream_id,
         constraint: constraint::parse(&f, tools.as_ref(), true)?,
@@ -355,6 +357,10 @@ mod tests {
 
     use super::*;
 
+    fn request(body: &Value) -> Result<ValidResponsesRequest, ApiError> {
+        responses_request(body, &RequestLimits::for_context(1 << 17))
+    }
+
     fn param_of(e: ApiError) -> String {
         e.param().unwrap_or_default().to_string()
     }
@@ -365,7 +371,7 @@ mod tests {
 
     #[test]
     fn a_resent_history_of_items_merges_each_assistant_turn() {
-        let r = responses_request(&json!({"input": [
+        let r = request(&json!({"input": [
             {"role": "user", "content": "weather?"},
             {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "use the tool"}], "summary": []},
             {"type": "function_call", "call_id": "functions.get_weather:0", "name": "get_weather",
@@ -388,13 +394,13 @@ mod tests {
         );
         assert_eq!((m[3].content.as_str(), m[4].content.as_str()), ("It snows.", "Anything else?"));
         assert_eq!(r.tools.unwrap().names, vec!["get_weather".to_string()]);
-        let err = responses_request(&json!({"input": [{"type": "function_call", "name": "f"}]})).unwrap_err();
+        let err = request(&json!({"input": [{"type": "function_call", "name": "f"}]})).unwrap_err();
         assert_eq!(err.param(), Some("input[0].call_id"));
     }
 
     #[test]
     fn responses_requests_take_items_tool_outputs_and_stream_ids() {
-        let r = responses_request(&json!({
+        let r = request(&json!({
             "type": "response.create", "stream_id": 3,
             "response": {"instructions": "sys", "previous_response_id": "resp_1", "max_output_tokens": 5, "store": false,
                          "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "q"}]},
@@ -409,10 +415,10 @@ mod tests {
         assert_eq!(r.params.max_tokens, Some(5));
         assert!(!r.store);
         assert_eq!(r.stream_id.as_deref(), Some("3"));
-        let r = responses_request(&json!({"input": "hello"})).unwrap();
+        let r = request(&json!({"input": "hello"})).unwrap();
         assert!(r.store);
         assert_eq!(
-            param_of(responses_request(&json!({"input": [{"type": "image_generation_call"}]})).unwrap_err()),
+            param_of(request(&json!({"input": [{"type": "image_generation_call"}]})).unwrap_err()),
             "input[0].type"
         );
     }

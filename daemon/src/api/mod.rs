@@ -4,7 +4,8 @@
 //! parsing and validation), [`wire`] (response JSON), [`sse`] (event-stream bodies), [`responses`] (the
 //! Responses API: create, retrieve, delete), [`ws`] (Responses WebSocket mode), [`tools`] (the tool fields of a
 //! request), [`generate`] (one request's life against the engine: detokenize, split reasoning, content and tool
-//! calls, stop strings, usage and timings), [`error`] (the one error type and its HTTP
+//! calls, stop strings, usage and timings), [`stop`] (the stop-string matcher), [`limits`] (per-request size
+//! limits), [`prep`] (the bounded pool that prepares requests off the I/O threads), [`error`] (the one error type and its HTTP
 //! mapping).
 //!
 //! Invariants:
@@ -13,6 +14,8 @@
 //!   API reads what a continuation or `GET /v1/responses/{id}` needs from the store's view (which only the
 //!   engine thread writes), without waiting on the engine thread.
 //! - A request whose client goes away is cancelled in the engine (its [`generate::Generation`] is dropped).
+//! - Work whose cost grows with a request's size (parsing, templating, tokenizing, matcher and constraint
+//!   building, a long reply's log-probabilities) runs in [`prep::PrepPool`], not on the I/O threads.
 
 pub mod admission;
 pub mod auth;
@@ -21,10 +24,13 @@ pub mod error;
 pub mod generate;
 pub mod http;
 pub mod items;
+pub mod limits;
 pub mod openai;
+pub mod prep;
 pub mod reply;
 pub mod responses;
 pub mod sse;
+pub mod stop;
 pub mod tools;
 pub mod wire;
 pub mod ws;
@@ -63,6 +69,10 @@ pub struct AppState {
     pub access: auth::Access,
     /// The bound on requests waiting for the engine (unbounded by default: [`AppState::with_max_waiting`]).
     pub admission: admission::Admission,
+    /// What one request may ask for (the context's defaults unless [`AppState::with_limits`]).
+    pub limits: limits::RequestLimits,
+    /// Where requests are parsed, rendered and tokenized: never on an I/O thread.
+    pub prep: prep::PrepPool,
     interactivity: Mutex<InteractivityWindow>,
     next_request: AtomicU64,
     /// The tokenizer as the constraint compiler sees it, built by the first constrained request (it walks the
@@ -94,6 +104,8 @@ impl AppState {
             grammar: OnceLock::new(),
             access: auth::Access::default(),
             admission: admission::Admission::new(usize::MAX),
+            limits: limits::RequestLimits::for_context(max_model_len),
+            prep: prep::PrepPool::new(prep::PrepPool::default_threads()),
         }
     }
 
@@ -106,6 +118,18 @@ impl AppState {
     /// The state refusing a request (429) while `max_waiting` others wait for the engine.
     pub fn with_max_waiting(mut self, max_waiting: usize) -> Self {
         self.admission = admission::Admission::new(max_waiting);
+        self
+    }
+
+    /// The state refusing requests past `limits` (400 naming the flag).
+    pub fn with_limits(mut self, limits: limits::RequestLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// The state preparing at most `threads` requests at once.
+    pub fn with_prep_threads(mut self, threads: usize) -> Self {
+        self.prep = prep::PrepPool::new(threads);
         self
     }
 

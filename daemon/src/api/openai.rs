@@ -16,14 +16,11 @@ use sparkd_tokenizer::ChatMessage;
 
 use super::constraint;
 use super::error::ApiError;
+use super::limits::{chat_chars, RequestLimits};
 use super::tools::{self, Tools};
 
 /// Output tokens when the request names no limit (also capped by the context left).
 pub const DEFAULT_MAX_TOKENS: usize = 4096;
-/// Most stop strings per request.
-pub const MAX_STOP_STRINGS: usize = 16;
-/// Most alternatives per token in `top_logprobs` / legacy `logprobs`.
-pub const MAX_TOP_LOGPROBS: usize = 20;
 /// Largest accepted `speculation.num_tokens` (the engine caps it further by `--num-spec-tokens`).
 pub const MAX_SPEC_TOKENS_FIELD: usize = 1024;
 
@@ -220,6 +217,7 @@ pub(super) fn generation_params(
     f: &Fields,
     max_keys: &[&str],
     legacy_logprobs: bool,
+    limits: &RequestLimits,
 ) -> Result<GenerationParams, ApiError> {
     if let Some(n) = f.usize_in("n", 0, usize::MAX)? {
         if n != 1 {
@@ -244,10 +242,14 @@ pub(super) fn generation_params(
         }
     }
 
+    let logprobs_field = |key: &str| -> Result<Option<usize>, ApiError> {
+        let n = f.usize_in(key, 0, usize::MAX)?;
+        n.map(|n| limits.check_logprobs(&f.name(key), n).map(|()| n)).transpose()
+    };
     let logprobs = if legacy_logprobs {
-        f.usize_in("logprobs", 0, MAX_TOP_LOGPROBS)?
+        logprobs_field("logprobs")?
     } else {
-        let top = f.usize_in("top_logprobs", 0, MAX_TOP_LOGPROBS)?;
+        let top = logprobs_field("top_logprobs")?;
         match f.bool("logprobs")? {
             Some(true) => Some(top.unwrap_or(0)),
             _ if top.is_some_and(|t| t > 0) => {
@@ -271,9 +273,7 @@ pub(super) fn generation_params(
             .collect::<Result<_, _>>()?,
         Some(_) => return Err(ApiError::field("stop", "`stop` must be a string or an array of strings")),
     };
-    if stop.len() > MAX_STOP_STRINGS {
-        return Err(ApiError::field("stop", format!("`stop` holds at most {MAX_STOP_STRINGS} strings")));
-    }
+    limits.check_stop(&stop)?;
     if stop.iter().any(String::is_empty) {
         return Err(ApiError::field("stop", "`stop` strings must not be empty"));
     }
@@ -367,7 +367,7 @@ pub(super) fn content_text(v: Option<&Value>, name: &str, part_types: &[&str]) -
 }
 
 /// `POST /v1/chat/completions`.
-pub fn chat_request(body: &Value) -> Result<ValidRequest, ApiError> {
+pub fn chat_request(body: &Value, limits: &RequestLimits) -> Result<ValidRequest, ApiError> {
     let f = Fields::new(body, "")?;
     let messages = f
         .get("messages")
@@ -412,19 +412,20 @@ pub fn chat_request(body: &Value) -> Result<ValidRequest, ApiError> {
     }
     let tools = tools::parse(&f, false)?;
     let declaration = tools.as_ref().and_then(|t| t.prompt_declaration().map(str::to_owned));
+    limits.check_prompt("messages", chat_chars(&chat, declaration.as_deref()))?;
     let constraint = constraint::parse(&f, tools.as_ref(), false)?;
     Ok(ValidRequest {
         prompt: Prompt::Chat { messages: chat, tools: declaration, thinking: thinking(&f, false)? },
         tools,
         constraint,
-        params: generation_params(&f, &["max_completion_tokens", "max_tokens"], false)?,
+        params: generation_params(&f, &["max_completion_tokens", "max_tokens"], false, limits)?,
         stream: stream_options(&f)?,
         echo: false,
     })
 }
 
 /// `POST /v1/completions`.
-pub fn completion_request(body: &Value) -> Result<ValidRequest, ApiError> {
+pub fn completion_request(body: &Value, limits: &RequestLimits) -> Result<ValidRequest, ApiError> {
     let f = Fields::new(body, "")?;
     let one = |v: &Value| -> Result<Prompt, ApiError> {
         match v {
@@ -451,12 +452,15 @@ pub fn completion_request(body: &Value) -> Result<ValidRequest, ApiError> {
         }
         Some(v) => one(v)?,
     };
+    if let Prompt::Text(text) = &prompt {
+        limits.check_prompt("prompt", text.chars().count())?;
+    }
     let stream = stream_options(&f)?;
     let echo = f.bool("echo")?.unwrap_or(false);
     if echo && stream.stream {
         return Err(ApiError::field("echo", "`echo` is not supported with `stream`"));
     }
-    let params = generation_params(&f, &["max_tokens"], true)?;
+    let params = generation_params(&f, &["max_tokens"], true, limits)?;
     Ok(ValidRequest { prompt, tools: None, constraint: None, params, stream, echo })
 }
 
@@ -480,8 +484,17 @@ pub fn check_context(prompt_tokens: usize, max_tokens: Option<usize>, max_model_
 
 #[cfg(test)]
 mod tests {
-    use super::*;
     use serde_json::json;
+
+    use super::*;
+
+    fn chat(body: &Value) -> Result<ValidRequest, ApiError> {
+        chat_request(body, &RequestLimits::for_context(1 << 17))
+    }
+
+    fn completion(body: &Value) -> Result<ValidRequest, ApiError> {
+        completion_request(body, &RequestLimits::for_context(1 << 17))
+    }
 
     fn param_of(e: ApiError) -> String {
         e.param().unwrap_or_default().to_string()
@@ -500,7 +513,7 @@ mod tests {
             ],
             "temperature": 0, "seed": -1, "stop": "\n\n", "logprobs": true, "top_logprobs": 3
         });
-        let r = chat_request(&body).unwrap();
+        let r = chat(&body).unwrap();
         let Prompt::Chat { messages: msgs, .. } = &r.prompt else { panic!("not chat") };
         assert_eq!(msgs.len(), 5);
         assert_eq!(msgs[1].content, "hello");
@@ -532,55 +545,71 @@ mod tests {
         assert_eq!(param_of(on(both, false).unwrap_err()), "chat_template_kwargs.thinking");
         assert_eq!(param_of(on(with(json!({"thinking": {"type": "off"}})), false).unwrap_err()), "thinking.type");
         assert_eq!(param_of(on(with(json!({"thinking": false})), false).unwrap_err()), "thinking");
-        let r = chat_request(&with(json!({"thinking": {"type": "disabled"}}))).unwrap();
+        let r = chat(&with(json!({"thinking": {"type": "disabled"}}))).unwrap();
         assert!(matches!(r.prompt, Prompt::Chat { thinking: false, .. }));
     }
 
     #[test]
     fn max_completion_tokens_wins_over_max_tokens() {
-        let r = chat_request(&json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 9})).unwrap();
+        let r = chat(&json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 9})).unwrap();
         assert_eq!(r.params.max_tokens, Some(9));
-        let r = chat_request(
-            &json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 9, "max_completion_tokens": 3}),
-        )
-        .unwrap();
+        let r =
+            chat(&json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 9, "max_completion_tokens": 3}))
+                .unwrap();
         assert_eq!(r.params.max_tokens, Some(3));
     }
 
     #[test]
     fn bad_fields_are_named() {
         let m = json!([{"role": "user", "content": "x"}]);
-        assert_eq!(param_of(chat_request(&json!({"messages": m, "temperature": 9})).unwrap_err()), "temperature");
-        assert_eq!(param_of(chat_request(&json!({"messages": m, "max_tokens": 0})).unwrap_err()), "max_tokens");
-        assert_eq!(param_of(chat_request(&json!({"messages": m, "max_tokens": "many"})).unwrap_err()), "max_tokens");
-        assert_eq!(param_of(chat_request(&json!({"messages": []})).unwrap_err()), "messages");
+        assert_eq!(param_of(chat(&json!({"messages": m, "temperature": 9})).unwrap_err()), "temperature");
+        assert_eq!(param_of(chat(&json!({"messages": m, "max_tokens": 0})).unwrap_err()), "max_tokens");
+        assert_eq!(param_of(chat(&json!({"messages": m, "max_tokens": "many"})).unwrap_err()), "max_tokens");
+        assert_eq!(param_of(chat(&json!({"messages": []})).unwrap_err()), "messages");
         assert_eq!(
-            param_of(chat_request(&json!({"messages": [{"role": "robot", "content": "x"}]})).unwrap_err()),
+            param_of(chat(&json!({"messages": [{"role": "robot", "content": "x"}]})).unwrap_err()),
             "messages[0].role"
         );
         assert_eq!(
-            param_of(
-                chat_request(&json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})).unwrap_err()
-            ),
+            param_of(chat(&json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})).unwrap_err()),
             "messages[0].content[0].type"
         );
-        assert_eq!(param_of(chat_request(&json!({"messages": m, "stop": [1]})).unwrap_err()), "stop[0]");
-        assert_eq!(param_of(chat_request(&json!({"messages": m, "n": 2})).unwrap_err()), "n");
-        assert!(matches!(chat_request(&json!([1, 2])).unwrap_err(), ApiError::InvalidJson(_)));
+        assert_eq!(param_of(chat(&json!({"messages": m, "stop": [1]})).unwrap_err()), "stop[0]");
+        assert_eq!(param_of(chat(&json!({"messages": m, "n": 2})).unwrap_err()), "n");
+        assert!(matches!(chat(&json!([1, 2])).unwrap_err(), ApiError::InvalidJson(_)));
+    }
+
+    #[test]
+    fn request_limits_are_checked_before_any_tokenizing() {
+        let limits = RequestLimits { max_prompt_chars: 8, max_stop_strings: 1, max_stop_chars: 4, max_logprobs: 3 };
+        let m = json!([{"role": "system", "content": "four"}, {"role": "user", "content": "fiver"}]);
+        assert_eq!(param_of(chat_request(&json!({"messages": m}), &limits).unwrap_err()), "messages");
+        let m = json!([{"role": "user", "content": "ok"}]);
+        let body = json!({"messages": m, "stop": ["a", "b"]});
+        assert_eq!(param_of(chat_request(&body, &limits).unwrap_err()), "stop");
+        assert_eq!(param_of(chat_request(&json!({"messages": m, "stop": "long!"}), &limits).unwrap_err()), "stop[0]");
+        let body = json!({"messages": m, "logprobs": true, "top_logprobs": 4});
+        assert_eq!(param_of(chat_request(&body, &limits).unwrap_err()), "top_logprobs");
+        assert!(chat_request(&json!({"messages": m, "logprobs": true, "top_logprobs": 3}), &limits).is_ok());
+        assert_eq!(param_of(completion_request(&json!({"prompt": "123456789"}), &limits).unwrap_err()), "prompt");
+        assert_eq!(
+            param_of(completion_request(&json!({"prompt": "x", "logprobs": 4}), &limits).unwrap_err()),
+            "logprobs"
+        );
     }
 
     #[test]
     fn completion_prompts_as_text_or_token_ids() {
-        let r = completion_request(&json!({"prompt": "hi", "logprobs": 2})).unwrap();
+        let r = completion(&json!({"prompt": "hi", "logprobs": 2})).unwrap();
         assert_eq!(r.prompt, Prompt::Text("hi".into()));
         assert_eq!(r.params.logprobs, Some(2));
-        let r = completion_request(&json!({"prompt": [1, 2, 3]})).unwrap();
+        let r = completion(&json!({"prompt": [1, 2, 3]})).unwrap();
         assert_eq!(r.prompt, Prompt::Tokens(vec![1, 2, 3]));
-        let r = completion_request(&json!({"prompt": [[4, 5]]})).unwrap();
+        let r = completion(&json!({"prompt": [[4, 5]]})).unwrap();
         assert_eq!(r.prompt, Prompt::Tokens(vec![4, 5]));
-        assert_eq!(param_of(completion_request(&json!({"prompt": [1, -2]})).unwrap_err()), "prompt[1]");
-        assert_eq!(param_of(completion_request(&json!({"prompt": ["a", "b"]})).unwrap_err()), "prompt");
-        assert_eq!(param_of(completion_request(&json!({})).unwrap_err()), "prompt");
+        assert_eq!(param_of(completion(&json!({"prompt": [1, -2]})).unwrap_err()), "prompt[1]");
+        assert_eq!(param_of(completion(&json!({"prompt": ["a", "b"]})).unwrap_err()), "prompt");
+        assert_eq!(param_of(completion(&json!({})).unwrap_err()), "prompt");
     }
 
     #[test]

@@ -34,11 +34,12 @@ use super::auth::Owner;
 use super::constraint;
 use super::error::ApiError;
 use super::generate::{Generation, GenerationOrder, Outcome, Progress};
-use super::http::{bytes_response, json_response, read_json, sse_response, Body};
+use super::http::{bytes_response, json_response, read_body, sse_response, Body};
 use super::items::{self, OutputItems};
 use super::openai::{self, ValidResponsesRequest};
 use super::reply::ReplyForm;
 use super::sse::{Disconnected, SseWriter, QUEUED_HEARTBEAT};
+use super::stop::StopStrings;
 use super::wire::{self, ResponseHeader};
 use super::{new_id, unix_now, AppState};
 use crate::engine::sessions::KeptSummary;
@@ -64,25 +65,45 @@ impl EventSink for SseWriter {
     }
 }
 
-/// Validates, renders and submits a Responses request.
+/// Parses and validates a Responses body (`POST /v1/responses`, or a WebSocket `response.create` event) on the
+/// preparation pool.
+pub async fn validate(state: &Arc<AppState>, body: Bytes) -> Result<Arc<ValidResponsesRequest>, ApiError> {
+    let st = state.clone();
+    state.prep.run(move || Ok(Arc::new(items::responses_request(&openai::parse_body(&body)?, &st.limits)?))).await
+}
+
+/// Renders and submits a validated Responses request (rendering, tokenizing and compiling its constraint on the
+/// preparation pool).
 pub async fn start(
     state: &Arc<AppState>,
-    req: &ValidResponsesRequest,
+    req: &Arc<ValidResponsesRequest>,
     arrival: Instant,
     owner: Owner,
 ) -> Result<(Generation, ResponseHeader), ApiError> {
-    let (prompt, kept_len) = match &req.previous_response_id {
+    let kept = match &req.previous_response_id {
         Some(prev) => {
-            let kept =
-                recorded(state, &owner.kept_id(prev)).await?.ok_or_else(|| ApiError::UnknownResponse(prev.clone()))?;
-            (state.template.render_continuation(kept.last_token.as_slice(), &req.input, req.thinking)?, kept.len)
+            Some(recorded(state, &owner.kept_id(prev)).await?.ok_or_else(|| ApiError::UnknownResponse(prev.clone()))?)
         }
-        None => {
-            let tools = req.tools.as_ref().and_then(|t| t.prompt_declaration());
-            let spec = RenderSpec { tools, thinking: req.thinking, ..RenderSpec::new(&req.input) };
-            (state.template.render_spec(&spec)?, 0)
-        }
+        None => None,
     };
+    let (st, rq) = (state.clone(), req.clone());
+    let (prompt, kept_len, constraint, stop) = state
+        .prep
+        .run(move || {
+            let (prompt, kept_len) = match kept {
+                Some(kept) => {
+                    (st.template.render_continuation(kept.last_token.as_slice(), &rq.input, rq.thinking)?, kept.len)
+                }
+                None => {
+                    let tools = rq.tools.as_ref().and_then(|t| t.prompt_declaration());
+                    let spec = RenderSpec { tools, thinking: rq.thinking, ..RenderSpec::new(&rq.input) };
+                    (st.template.render_spec(&spec)?, 0)
+                }
+            };
+            let constraint = constraint::compile_request(&st, &rq.constraint)?;
+            Ok((prompt, kept_len, constraint, StopStrings::new(rq.params.stop.clone())))
+        })
+        .await?;
     let max_tokens = openai::check_context(kept_len + prompt.len(), req.params.max_tokens, state.max_model_len)?;
     let header = ResponseHeader {
         id: new_id("resp_"),
@@ -94,11 +115,11 @@ pub async fn start(
         store: req.store,
         owner,
     };
-    let constraint = constraint::compile_request(state, &req.constraint).await?;
     let order = GenerationOrder {
         prompt,
         continue_from: req.previous_response_id.as_deref().map(|prev| header.owner.kept_id(prev)),
         keep_as: req.store.then(|| header.owner.kept_id(&header.id)),
+        stop,
         params: req.params.clone(),
         max_tokens,
         arrival,
@@ -214,8 +235,7 @@ pub async fn http(
     arrival: Instant,
     owner: Owner,
 ) -> Result<Response<Body>, ApiError> {
-    let body = read_json(state, req).await?;
-    let valid = items::responses_request(&body)?;
+    let valid = validate(state, read_body(state, req).await?).await?;
     let (mut generation, header) = start(state, &valid, arrival, owner).await?;
     let want_logprobs = valid.params.logprobs.is_some();
     if valid.stream {

@@ -9,11 +9,14 @@
 //!   outgoing queue, so a slow socket slows only its own streams.
 //! - When the socket closes (client gone, or server shutdown) every stream task on it is aborted, which drops
 //!   its generation and cancels it in the engine.
-//! - A bad client event gets an `error` event; the socket stays open.
+//! - A bad client event gets an `error` event; the socket stays open. A message larger than `--max-body-bytes`
+//!   gets an `error` event and closes the socket (code 1009): it was not read whole.
+//! - Events are parsed and validated on the preparation pool, never on the socket's I/O task.
 
 use std::sync::Arc;
 use std::time::Instant;
 
+use bytes::Bytes;
 use dashmap::DashMap;
 use futures_util::{SinkExt, StreamExt};
 use hyper::body::Incoming;
@@ -24,13 +27,16 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
-use tokio_tungstenite::tungstenite::protocol::Role;
-use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::protocol::{CloseFrame, Role, WebSocketConfig};
+use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 use tokio_tungstenite::WebSocketStream;
 
 use super::auth::Owner;
 use super::error::ApiError;
 use super::http::Body;
+use super::limits::RequestLimits;
+use super::openai::ValidResponsesRequest;
 use super::responses::{self, EventSink};
 use super::sse::Disconnected;
 use super::AppState;
@@ -61,7 +67,11 @@ pub fn upgrade(state: &Arc<AppState>, mut req: Request<Incoming>, owner: Owner) 
     tokio::spawn(async move {
         match on_upgrade.await {
             Ok(upgraded) => {
-                let ws = WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Server, None).await;
+                // A message is held whole before it is parsed: no larger than an HTTP body may be.
+                let config = WebSocketConfig::default()
+                    .max_message_size(Some(st.max_body_bytes))
+                    .max_frame_size(Some(st.max_body_bytes));
+                let ws = WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Server, Some(config)).await;
                 serve_socket(st, ws, owner).await;
             }
             Err(e) => tracing::debug!("websocket upgrade failed: {e}"),
@@ -130,18 +140,21 @@ where
     loop {
         tokio::select! {
             msg = incoming.next() => match msg {
-                Some(Ok(Message::Text(text))) => {
-                    handle_event(&socket, &mut streams, text.as_str()).await;
-                }
-                Some(Ok(Message::Binary(bytes))) => match std::str::from_utf8(&bytes) {
-                    Ok(text) => handle_event(&socket, &mut streams, text).await,
-                    Err(_) => {
-                        let e = ApiError::InvalidJson("binary frame is not UTF-8".into());
-                        send_error(&socket.out, None, &e).await
-                    }
-                },
+                Some(Ok(Message::Text(text))) => handle_event(&socket, &mut streams, text.into()).await,
+                Some(Ok(Message::Binary(bytes))) => handle_event(&socket, &mut streams, bytes).await,
                 Some(Ok(Message::Ping(payload))) => {
                     let _ = socket.out.send(Message::Pong(payload)).await;
+                }
+                Some(Err(WsError::Capacity(e))) => {
+                    tracing::debug!("websocket message refused: {e}");
+                    let e = ApiError::BodyTooLarge { limit: socket.state.max_body_bytes };
+                    send_error(&socket.out, None, &e).await;
+                    let _ = socket.out.send(Message::Close(Some(CloseFrame {
+                        code: CloseCode::Size,
+                        reason: "message too big".into(),
+                    })))
+                    .await;
+                    break;
                 }
                 Some(Ok(Message::Close(_))) | None | Some(Err(_)) => break,
                 Some(Ok(_)) => {}
@@ -169,24 +182,63 @@ async fn send_error(out: &mpsc::Sender<Message>, stream_id: Option<&str>, e: &Ap
     let _ = out.send(Message::Text(event.to_string().into())).await;
 }
 
-async fn handle_event(socket: &Socket, streams: &mut JoinSet<()>, text: &str) {
-    let Socket { state, out, active, owner } = socket;
-    let arrival = Instant::now();
-    let value = match openai::parse_body(text.as_bytes()) {
-        Ok(v) => v,
-        Err(e) => return send_error(out, None, &e).await,
-    };
+/// One client event, parsed and validated.
+#[derive(Debug)]
+pub enum ClientEvent {
+    /// `response.create`.
+    Create(Arc<ValidResponsesRequest>),
+    /// `response.cancel` of this response id or stream id.
+    Cancel(String),
+}
+
+/// A client event and the `stream_id` it carried (which tags the errors answering it).
+#[derive(Debug)]
+pub struct ParsedEvent {
+    pub stream_id: Option<String>,
+    pub event: Result<ClientEvent, ApiError>,
+}
+
+/// Parses one client event. Bytes that are not a JSON object are an error of their own (no stream to tag it
+/// with); an event that is JSON but not valid is a [`ParsedEvent`] with its error.
+pub fn parse_event(body: &[u8], limits: &RequestLimits) -> Result<ParsedEvent, ApiError> {
+    if std::str::from_utf8(body).is_err() {
+        return Err(ApiError::InvalidJson("the message is not UTF-8".into()));
+    }
+    let value = openai::parse_body(body)?;
     let stream_id = match &value["stream_id"] {
         Value::String(s) => Some(s.clone()),
         Value::Number(n) => Some(n.to_string()),
         _ => None,
     };
-    match value["type"].as_str() {
-        Some("response.create") => {
-            let valid = match items::responses_request(&value) {
-                Ok(v) => v,
-                Err(e) => return send_error(out, stream_id.as_deref(), &e).await,
-            };
+    let event = match value["type"].as_str() {
+        Some("response.create") => items::responses_request(&value, limits).map(|v| ClientEvent::Create(Arc::new(v))),
+        Some("response.cancel") => value["response_id"]
+            .as_str()
+            .map(str::to_owned)
+            .or(stream_id.clone())
+            .map(ClientEvent::Cancel)
+            .ok_or_else(|| ApiError::field("response_id", "`response.cancel` needs `response_id` or `stream_id`")),
+        other => Err(ApiError::field(
+            "type",
+            format!(
+                "unknown client event type {:?} (expected response.create or response.cancel)",
+                other.unwrap_or("")
+            ),
+        )),
+    };
+    Ok(ParsedEvent { stream_id, event })
+}
+
+async fn handle_event(socket: &Socket, streams: &mut JoinSet<()>, body: Bytes) {
+    let Socket { state, out, active, owner } = socket;
+    let arrival = Instant::now();
+    let st = state.clone();
+    let ParsedEvent { stream_id, event } = match state.prep.run(move || parse_event(&body, &st.limits)).await {
+        Ok(parsed) => parsed,
+        Err(e) => return send_error(out, None, &e).await,
+    };
+    match event {
+        Ok(ClientEvent::Create(valid)) => {
             let (generation, header) = match responses::start(state, &valid, arrival, owner.clone()).await {
                 Ok(started) => started,
                 Err(e) => return send_error(out, stream_id.as_deref(), &e).await,
@@ -209,35 +261,17 @@ async fn handle_event(socket: &Socket, streams: &mut JoinSet<()>, text: &str) {
                 }
             });
         }
-        Some("response.cancel") => {
-            let key = value["response_id"].as_str().map(str::to_owned).or(stream_id.clone());
-            let Some(key) = key else {
-                let e = ApiError::field("response_id", "`response.cancel` needs `response_id` or `stream_id`");
-                return send_error(out, None, &e).await;
-            };
-            let request = active.get(&key).map(|r| *r);
-            match request {
-                Some(id) => {
-                    if let Err(e) = state.engine.cancel(id).await {
-                        send_error(out, stream_id.as_deref(), &e.into()).await;
-                    }
-                }
-                None => {
-                    let e =
-                        ApiError::field("response_id", format!("no response `{key}` is in progress on this socket"));
-                    send_error(out, stream_id.as_deref(), &e).await;
+        Ok(ClientEvent::Cancel(key)) => match active.get(&key).map(|r| *r) {
+            Some(id) => {
+                if let Err(e) = state.engine.cancel(id).await {
+                    send_error(out, stream_id.as_deref(), &e.into()).await;
                 }
             }
-        }
-        other => {
-            let e = ApiError::field(
-                "type",
-                format!(
-                    "unknown client event type {:?} (expected response.create or response.cancel)",
-                    other.unwrap_or("")
-                ),
-            );
-            send_error(out, stream_id.as_deref(), &e).await;
-        }
+            None => {
+                let e = ApiError::field("response_id", format!("no response `{key}` is in progress on this socket"));
+                send_error(out, stream_id.as_deref(), &e).await;
+            }
+        },
+        Err(e) => send_error(out, stream_id.as_deref(), &e).await,
     }
 }
