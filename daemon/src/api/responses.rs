@@ -220,10 +220,13 @@ pub async fn stream<S: EventSink>(
             }
         }
     };
-    for event in output.finish() {
+    let closing = output.finish();
+    // Attached before the client is told the response ended, and whether or not it is still there to read it:
+    // the engine has kept the state, so the id must lead to the object.
+    let (object, _) = finish(state, &header, &output, &outcome).await;
+    for event in closing {
         sink.send(send(event)).await?;
     }
-    let (object, _) = finish(state, &header, &output, &outcome).await;
     let (_, event_type) = wire::terminal_status(&outcome);
     sink.send(send(json!({"type": event_type, "response": object}))).await
 }

@@ -425,9 +425,6 @@ impl EngineCore {
         let gone: Vec<RequestId> =
             self.scheduler.waiting_ids().filter(|id| self.live.get(id).is_some_and(|l| l.events.is_closed())).collect();
         for id in gone {
-            if let Some(live) = self.live.get_mut(&id) {
-                live.keep_as = None;
-            }
             self.client_gone(id);
         }
     }
@@ -844,6 +841,8 @@ impl EngineCore {
         }
     }
 
+    /// Cancels a request whose client left and frees its state: one it was to keep too, since nobody received
+    /// the response it would be kept under (issue 33: no orphaned kept state).
     fn client_gone(&mut self, id: RequestId) {
         let Some(live) = self.live.get_mut(&id) else { return };
         live.backlog.clear();
@@ -853,6 +852,7 @@ impl EngineCore {
         }
         counter!(names::CLIENT_DISCONNECTS_TOTAL).increment(1);
         live.done = true;
+        live.keep_as = None;
         if let Some(finished) = self.scheduler.remove(id, FinishReason::Cancelled) {
             self.release(finished);
         }

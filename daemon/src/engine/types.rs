@@ -7,7 +7,8 @@
 //!   at most one `Started`, then zero or more `Tokens`, then exactly one terminal event
 //!   (`Finished` or `Failed`); nothing follows the terminal event.
 //! - A failed send on a request's event channel (the receiver was dropped: the client left) cancels
-//!   the request and frees what it held; a state being kept (`keep_as`) is kept all the same.
+//!   the request and frees what it held, a state it was to keep (`keep_as`) included: nobody received the
+//!   response it would be kept under. An explicit `Cancel` ends the request with `Finished` and keeps it.
 //! - `Tokens.tokens` includes a stop token id that ended the request (it counts as a completion
 //!   token); the API's detokenizer decides whether to print it.
 //! - A kept response `R` holds the state after its prompt and all its output tokens. Continuing `R`
