@@ -30,6 +30,8 @@ pub const DEFAULT_MAX_MODEL_LEN: usize = 131_072;
 pub const KEEP_ALIVE_SECS: u64 = 330;
 /// Largest request body accepted (AgentX turns of 200k tokens are about 1 MB of JSON; aiperf-offline.md §2).
 pub const DEFAULT_MAX_BODY_BYTES: usize = 64 << 20;
+/// How long a drain lets requests in progress run (Kubernetes' default grace period is 30 s as well).
+pub const DEFAULT_SHUTDOWN_TIMEOUT_SECS: u64 = 30;
 /// Requests that may wait for the engine before new ones get 429: several full batches, so a burst of agents
 /// queues rather than fails, while a flood cannot grow the queue without end.
 pub const DEFAULT_MAX_WAITING: usize = 1024;
@@ -181,6 +183,10 @@ pub struct ServeArgs {
     /// 429 and `Retry-After` (an error event on a WebSocket).
     #[arg(long, default_value_t = DEFAULT_MAX_WAITING)]
     pub max_waiting: usize,
+    /// On SIGTERM or Ctrl-C, how long requests in progress may run before they are cancelled (each stream still
+    /// gets its final chunk or event; WebSockets a final event and a normal close), in seconds.
+    #[arg(long, default_value_t = DEFAULT_SHUTDOWN_TIMEOUT_SECS, value_name = "SECS")]
+    pub shutdown_timeout: u64,
     /// Largest request body, in bytes.
     #[arg(long, default_value_t = DEFAULT_MAX_BODY_BYTES)]
     pub max_body_bytes: usize,

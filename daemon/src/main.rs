@@ -36,7 +36,7 @@ enum Command {
     /// Serve the OpenAI-compatible HTTP/SSE and WebSocket APIs.
     Serve {
         #[command(flatten)]
-        args: ServeArgs,
+        args: Box<ServeArgs>,
     },
     /// Decode benchmark on synthetic weights (JSON report; a table on stderr).
     Bench(bench_cli::BenchArgs),
@@ -85,7 +85,7 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let result = match cli.command {
-        Command::Serve { args } => serve(args),
+        Command::Serve { args } => serve(*args),
         Command::Bench(args) => bench_cli::bench(&args),
         Command::Validate(args) => match bench_cli::validate(&args) {
             Ok(true) => Ok(()),
@@ -191,7 +191,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         });
         // Tests and scripts read this line to learn the port.
         tracing::info!("listening on http://{bound}");
-        http::serve(listener, state, stop_rx).await;
+        http::serve(listener, state, stop_rx, std::time::Duration::from_secs(args.shutdown_timeout)).await;
         anyhow::Ok(())
     })?;
     engine.shutdown();

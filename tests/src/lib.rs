@@ -373,6 +373,14 @@ pub fn sse_text(events: &[SseEvent]) -> String {
         .collect()
 }
 
+/// What a WebSocket delivers next.
+#[derive(Debug)]
+pub enum WsIncoming {
+    Event(Value),
+    /// The socket closed, with the close frame's code when there was one.
+    Closed(Option<u16>),
+}
+
 /// A Responses WebSocket client.
 pub struct WsClient {
     ws: tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>,
@@ -386,10 +394,19 @@ impl WsClient {
 
     /// The next JSON event (pings skipped); `None` when the socket closed.
     pub async fn recv(&mut self) -> Result<Option<Value>> {
+        Ok(match self.recv_or_close().await? {
+            WsIncoming::Event(event) => Some(event),
+            WsIncoming::Closed(_) => None,
+        })
+    }
+
+    /// The next JSON event, or the close and its code (`None`: closed without a close frame or code).
+    pub async fn recv_or_close(&mut self) -> Result<WsIncoming> {
         loop {
             match tokio::time::timeout(Duration::from_secs(60), self.ws.next()).await? {
-                Some(Ok(Message::Text(t))) => return Ok(Some(serde_json::from_str(t.as_str())?)),
-                Some(Ok(Message::Close(_))) | None => return Ok(None),
+                Some(Ok(Message::Text(t))) => return Ok(WsIncoming::Event(serde_json::from_str(t.as_str())?)),
+                Some(Ok(Message::Close(frame))) => return Ok(WsIncoming::Closed(frame.map(|f| u16::from(f.code)))),
+                None => return Ok(WsIncoming::Closed(None)),
                 Some(Ok(_)) => continue,
                 Some(Err(e)) => return Err(e.into()),
             }

@@ -49,6 +49,9 @@ pub enum ApiError {
     /// `--max-waiting` requests already wait for the engine.
     #[error("the server is at capacity: {max_waiting} requests are already waiting (--max-waiting); retry later")]
     QueueFull { max_waiting: usize },
+    /// The server is draining (SIGTERM): it finishes what runs and starts nothing new.
+    #[error("the server is shutting down: it finishes the responses in progress and starts no new ones")]
+    ShuttingDown,
     /// The engine thread is gone: the daemon cannot serve.
     #[error("the engine is not running")]
     EngineUnavailable,
@@ -82,6 +85,7 @@ impl ApiError {
             ApiError::Unauthorized { .. } => "invalid_api_key",
             ApiError::OriginNotAllowed(_) => "origin_not_allowed",
             ApiError::QueueFull { .. } => "queue_full",
+            ApiError::ShuttingDown => "server_shutting_down",
             ApiError::EngineUnavailable => "engine_unavailable",
             ApiError::Engine(e) => e.kind(),
             ApiError::Tokenizer(e) => e.kind(),
@@ -108,7 +112,7 @@ impl ApiError {
             ApiError::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
             ApiError::OriginNotAllowed(_) => StatusCode::FORBIDDEN,
             ApiError::QueueFull { .. } => StatusCode::TOO_MANY_REQUESTS,
-            ApiError::EngineUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::EngineUnavailable | ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Engine(EngineError::InvalidRequest(_) | EngineError::UnknownResponse(_)) => {
                 StatusCode::BAD_REQUEST
             }

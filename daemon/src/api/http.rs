@@ -3,8 +3,10 @@
 //! Invariants:
 //! - One port serves HTTP/1.1 (keep-alive, no idle timeout: AIPerf keeps pooled connections for 300 s), h2 with
 //!   prior knowledge, and the WebSocket upgrade at `GET /v1/responses` (rust-stack.md §2.2, §2.3).
-//! - On shutdown the listener closes first, in-flight HTTP requests get [`DRAIN_TIMEOUT`] to finish, and open
-//!   WebSockets are closed through `AppState::shutdown`.
+//! - Shutdown is a drain: the listener closes first; in-flight HTTP requests and WebSocket streams get the drain
+//!   time (`--shutdown-timeout`) to finish; what still runs then is cancelled in the engine, so every stream still
+//!   ends with its final chunk or event (`finish_reason: abort`, `response.incomplete`) and every WebSocket with a
+//!   final event and a normal close ([`super::ws`]); [`DRAIN_GRACE`] later, connections still open are dropped.
 //! - Every answer is counted in `sparkd:http_requests_total{endpoint,status}`; every error answer also in
 //!   `sparkd:errors_total{kind}` and carries OpenAI's error JSON.
 //! - Every route but `GET /health` passes `auth::Access::check` first (key and origin), and the Responses routes
@@ -38,14 +40,14 @@ use super::wire::{self, Chunk, ChunkChoice, ChunkHeader, ChunkKind, FullReply, U
 use super::{new_id, responses, unix_now, ws, AppState};
 use crate::metrics as m;
 
-/// How long in-flight requests may run after a shutdown signal.
-pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+/// After the drain time, how long cancelled streams get to write their last events.
+pub const DRAIN_GRACE: Duration = Duration::from_secs(5);
 
 /// The response body type of every route.
 pub type Body = http_body_util::combinators::BoxBody<Bytes, Infallible>;
 
-/// Serves until `stop` turns true, then drains.
-pub async fn serve(listener: TcpListener, state: Arc<AppState>, mut stop: watch::Receiver<bool>) {
+/// Serves until `stop` turns true, then drains for at most `drain` (module invariants).
+pub async fn serve(listener: TcpListener, state: Arc<AppState>, mut stop: watch::Receiver<bool>, drain: Duration) {
     let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     loop {
@@ -75,10 +77,22 @@ pub async fn serve(listener: TcpListener, state: Arc<AppState>, mut stop: watch:
         }
     }
     drop(listener);
-    tracing::info!("shutting down: draining open requests (at most {DRAIN_TIMEOUT:?})");
-    tokio::select! {
-        _ = graceful.shutdown() => {},
-        _ = tokio::time::sleep(DRAIN_TIMEOUT) => tracing::warn!("drain timed out; closing open connections"),
+    tracing::info!("shutting down: no new connections; open requests may finish within {drain:?}");
+    let drained = async {
+        graceful.shutdown().await;
+        state.sockets.all_closed().await;
+    };
+    tokio::pin!(drained);
+    if tokio::time::timeout(drain, &mut drained).await.is_ok() {
+        tracing::info!("drained: every request finished");
+        return;
+    }
+    tracing::warn!("the drain time ran out: cancelling what still runs");
+    if let Err(e) = state.engine.cancel_all().await {
+        tracing::warn!("cancelling the requests still running failed: {e}");
+    }
+    if tokio::time::timeout(DRAIN_GRACE, &mut drained).await.is_err() {
+        tracing::warn!("connections still open {DRAIN_GRACE:?} after the cancel are dropped");
     }
 }
 

@@ -36,7 +36,7 @@ pub mod wire;
 pub mod ws;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -61,7 +61,7 @@ pub struct AppState {
     pub max_model_len: usize,
     pub max_body_bytes: usize,
     pub metrics: PrometheusHandle,
-    /// Turns to `true` when the server shuts down (WebSockets close on it).
+    /// Turns to `true` when the server starts draining (WebSockets refuse new responses, then close).
     pub shutdown: watch::Receiver<bool>,
     /// Unix time of start-up (`created` of `/v1/models`).
     pub started_unix: u64,
@@ -73,6 +73,8 @@ pub struct AppState {
     pub limits: limits::RequestLimits,
     /// Where requests are parsed, rendered and tokenized: never on an I/O thread.
     pub prep: prep::PrepPool,
+    /// The open WebSockets, which a drain waits for.
+    pub sockets: Arc<ws::Sockets>,
     interactivity: Mutex<InteractivityWindow>,
     next_request: AtomicU64,
     /// The tokenizer as the constraint compiler sees it, built by the first constrained request (it walks the
@@ -106,6 +108,7 @@ impl AppState {
             admission: admission::Admission::new(usize::MAX),
             limits: limits::RequestLimits::for_context(max_model_len),
             prep: prep::PrepPool::new(prep::PrepPool::default_threads()),
+            sockets: Arc::default(),
         }
     }
 

@@ -7,12 +7,17 @@
 //! Invariants:
 //! - One socket carries many concurrent streams; each runs in its own task and writes through one bounded
 //!   outgoing queue, so a slow socket slows only its own streams.
-//! - When the socket closes (client gone, or server shutdown) every stream task on it is aborted, which drops
-//!   its generation and cancels it in the engine.
+//! - When the client closes the socket every stream task on it is aborted, which drops its generation and
+//!   cancels it in the engine.
+//! - When the server drains, a socket refuses new `response.create` events (`server_shutting_down`) and lets its
+//!   streams finish (the server cancels those still running when the drain time runs out, so each still gets its
+//!   terminal event); then it sends a final `error` event (`server_shutting_down`) and closes with code 1000.
+//!   [`Sockets`] counts open sockets so that the drain waits for them.
 //! - A bad client event gets an `error` event; the socket stays open. A message larger than `--max-body-bytes`
 //!   gets an `error` event and closes the socket (code 1009): it was not read whole.
 //! - Events are parsed and validated on the preparation pool, never on the socket's I/O task.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -24,7 +29,7 @@ use hyper::header::{HeaderValue, CONNECTION, SEC_WEBSOCKET_ACCEPT, SEC_WEBSOCKET
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use serde_json::{json, Value};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Notify};
 use tokio::task::JoinSet;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
@@ -86,6 +91,43 @@ pub fn upgrade(state: &Arc<AppState>, mut req: Request<Incoming>, owner: Owner) 
     Ok(r)
 }
 
+/// The WebSockets open on the server (a drain waits until none is).
+#[derive(Debug, Default)]
+pub struct Sockets {
+    open: AtomicUsize,
+    changed: Notify,
+}
+
+/// One open socket, counted until dropped.
+pub struct OpenSocket(Arc<Sockets>);
+
+impl Drop for OpenSocket {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::SeqCst);
+        self.0.changed.notify_waiters();
+    }
+}
+
+impl Sockets {
+    fn enter(self: &Arc<Self>) -> OpenSocket {
+        self.open.fetch_add(1, Ordering::SeqCst);
+        OpenSocket(self.clone())
+    }
+
+    /// Returns once no socket is open.
+    pub async fn all_closed(&self) {
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if self.open.load(Ordering::SeqCst) == 0 {
+                return;
+            }
+            changed.await;
+        }
+    }
+}
+
 /// Sends a stream's events to the socket's outgoing queue, tagged with its `stream_id`.
 struct WsSink {
     out: mpsc::Sender<Message>,
@@ -123,6 +165,7 @@ where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     metrics::gauge!(m::WEBSOCKETS_OPEN).increment(1.0);
+    let socket_count = state.sockets.clone();
     let (mut sink, mut incoming) = ws.split();
     let (out_tx, mut out_rx) = mpsc::channel::<Message>(WS_OUTGOING);
     let writer = tokio::spawn(async move {
@@ -134,14 +177,22 @@ where
         }
         let _ = sink.close().await;
     });
+    let _open = socket_count.enter();
     let socket = Socket { state, out: out_tx, active: Arc::new(DashMap::new()), owner };
     let mut streams = JoinSet::new();
     let mut shutdown = socket.state.shutdown.clone();
+    let mut draining = *shutdown.borrow();
     loop {
+        if draining && streams.is_empty() {
+            send_error(&socket.out, None, &ApiError::ShuttingDown).await;
+            let close = CloseFrame { code: CloseCode::Normal, reason: "server shutting down".into() };
+            let _ = socket.out.send(Message::Close(Some(close))).await;
+            break;
+        }
         tokio::select! {
             msg = incoming.next() => match msg {
-                Some(Ok(Message::Text(text))) => handle_event(&socket, &mut streams, text.into()).await,
-                Some(Ok(Message::Binary(bytes))) => handle_event(&socket, &mut streams, bytes).await,
+                Some(Ok(Message::Text(text))) => handle_event(&socket, &mut streams, text.into(), draining).await,
+                Some(Ok(Message::Binary(bytes))) => handle_event(&socket, &mut streams, bytes, draining).await,
                 Some(Ok(Message::Ping(payload))) => {
                     let _ = socket.out.send(Message::Pong(payload)).await;
                 }
@@ -149,21 +200,15 @@ where
                     tracing::debug!("websocket message refused: {e}");
                     let e = ApiError::BodyTooLarge { limit: socket.state.max_body_bytes };
                     send_error(&socket.out, None, &e).await;
-                    let _ = socket.out.send(Message::Close(Some(CloseFrame {
-                        code: CloseCode::Size,
-                        reason: "message too big".into(),
-                    })))
-                    .await;
+                    let close = CloseFrame { code: CloseCode::Size, reason: "message too big".into() };
+                    let _ = socket.out.send(Message::Close(Some(close))).await;
                     break;
                 }
                 Some(Ok(Message::Close(_))) | None | Some(Err(_)) => break,
                 Some(Ok(_)) => {}
             },
             Some(_) = streams.join_next(), if !streams.is_empty() => {}
-            _ = shutdown.changed() => {
-                let _ = socket.out.send(Message::Close(None)).await;
-                break;
-            }
+            _ = shutdown.changed(), if !draining => draining = true,
         }
     }
     // Aborting the stream tasks drops their generations, which cancels them in the engine.
@@ -229,7 +274,8 @@ pub fn parse_event(body: &[u8], limits: &RequestLimits) -> Result<ParsedEvent, A
     Ok(ParsedEvent { stream_id, event })
 }
 
-async fn handle_event(socket: &Socket, streams: &mut JoinSet<()>, body: Bytes) {
+/// Handles one client event; while the server drains, a `response.create` is refused.
+async fn handle_event(socket: &Socket, streams: &mut JoinSet<()>, body: Bytes, draining: bool) {
     let Socket { state, out, active, owner } = socket;
     let arrival = Instant::now();
     let st = state.clone();
@@ -238,6 +284,7 @@ async fn handle_event(socket: &Socket, streams: &mut JoinSet<()>, body: Bytes) {
         Err(e) => return send_error(out, None, &e).await,
     };
     match event {
+        Ok(ClientEvent::Create(_)) if draining => send_error(out, stream_id.as_deref(), &ApiError::ShuttingDown).await,
         Ok(ClientEvent::Create(valid)) => {
             let (generation, header) = match responses::start(state, &valid, arrival, owner.clone()).await {
                 Ok(started) => started,

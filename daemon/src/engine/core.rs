@@ -278,10 +278,7 @@ impl EngineCore {
 
     /// Cancels everything still in the engine and delivers the last events (for up to `SHUTDOWN_GRACE`).
     fn stop(&mut self) {
-        let ids: Vec<RequestId> = self.live.keys().copied().collect();
-        for id in ids {
-            self.cancel(id);
-        }
+        self.cancel_all();
         let deadline = Instant::now() + SHUTDOWN_GRACE;
         loop {
             self.flush_events();
@@ -294,8 +291,9 @@ impl EngineCore {
     }
 
     /// Drains the command queue; blocks for the next command only when there is nothing to do.
+    /// Never waits once `Shutdown` was taken (possibly during a step, by the fed step's command check).
     fn take_commands(&mut self) {
-        let idle = !self.scheduler.has_work() && self.live.values().all(|l| l.backlog.is_empty());
+        let idle = !self.stopping && !self.scheduler.has_work() && self.live.values().all(|l| l.backlog.is_empty());
         self.take_commands_waiting(idle);
     }
 
@@ -323,6 +321,7 @@ impl EngineCore {
         match command {
             EngineCommand::Generate { request, events } => self.accept(request, events),
             EngineCommand::Cancel(id) => self.cancel(id),
+            EngineCommand::CancelAll => self.cancel_all(),
             EngineCommand::Shutdown => self.stopping = true,
             EngineCommand::DropResponse { id, reply } => {
                 let dropped = self.sessions.remove(self.runner.as_mut(), &id).unwrap_or_else(|e| {
@@ -857,6 +856,13 @@ impl EngineCore {
             self.release(finished);
         }
         self.live.remove(&id);
+    }
+
+    fn cancel_all(&mut self) {
+        let ids: Vec<RequestId> = self.live.keys().copied().collect();
+        for id in ids {
+            self.cancel(id);
+        }
     }
 
     fn cancel(&mut self, id: RequestId) {

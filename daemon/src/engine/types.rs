@@ -94,6 +94,8 @@ pub enum EngineCommand {
     /// Attach the API's rendering of a kept response (what `GET /v1/responses/{id}` returns); its
     /// bytes count against the kept-responses budget. Ignored when `id` is no longer kept.
     RecordResponse { id: ResponseId, record: Bytes },
+    /// Stop every request in the engine, each as `Cancel` would (the end of a drain whose time ran out).
+    CancelAll,
     /// Cancel every request and stop the engine thread (what `Engine::shutdown` sends).
     Shutdown,
 }
@@ -292,6 +294,11 @@ impl EngineHandle {
     /// Asks the engine to stop a request (it finishes with `FinishReason::Cancelled`).
     pub async fn cancel(&self, id: RequestId) -> Result<(), EngineError> {
         self.send(EngineCommand::Cancel(id)).await
+    }
+
+    /// Asks the engine to stop every request it holds (each finishes with `FinishReason::Cancelled`).
+    pub async fn cancel_all(&self) -> Result<(), EngineError> {
+        self.send(EngineCommand::CancelAll).await
     }
 
     /// Asks the engine to forget a kept response; `false` when it was not kept.
