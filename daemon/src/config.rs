@@ -19,7 +19,8 @@ use self::speculation::SpecArgs;
 use crate::engine::step_time::{StepTarget, DEFAULT_STEP_TARGET_FACTOR};
 use crate::engine::types::{
     EngineConfig, DEFAULT_COMMAND_QUEUE, DEFAULT_HOST_BUDGET_BYTES, DEFAULT_KEPT_RESPONSES_BYTES,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFIX_CACHE_BYTES, DEFAULT_STATE_BUDGET_BYTES,
+    DEFAULT_MAX_EVENT_BACKLOG, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFIX_CACHE_BYTES,
+    DEFAULT_STATE_BUDGET_BYTES,
 };
 
 /// The synthetic config served when no `--model` is given.
@@ -187,6 +188,10 @@ pub struct ServeArgs {
     /// gets its final chunk or event; WebSockets a final event and a normal close), in seconds.
     #[arg(long, default_value_t = DEFAULT_SHUTDOWN_TIMEOUT_SECS, value_name = "SECS")]
     pub shutdown_timeout: u64,
+    /// Events a request's client may leave unread (a stream it does not read) before the request is cancelled
+    /// as a slow reader and its memory freed.
+    #[arg(long, default_value_t = DEFAULT_MAX_EVENT_BACKLOG)]
+    pub max_event_backlog: usize,
     /// Largest request body, in bytes.
     #[arg(long, default_value_t = DEFAULT_MAX_BODY_BYTES)]
     pub max_body_bytes: usize,
@@ -216,6 +221,7 @@ impl ServeArgs {
             ("state-budget-bytes", self.state_budget_bytes),
             ("max-body-bytes", self.max_body_bytes),
             ("max-waiting", self.max_waiting),
+            ("max-event-backlog", self.max_event_backlog),
         ];
         if let Some((flag, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(ConfigError { flag, reason: "must be at least 1".into() });
@@ -270,6 +276,7 @@ impl ServeArgs {
             prefix_cache_bytes: self.prefix_cache_bytes,
             step_time: None,
             async_scheduling: self.async_scheduling,
+            max_event_backlog: self.max_event_backlog,
         }
     }
 }

@@ -117,6 +117,7 @@ impl ApiError {
                 StatusCode::BAD_REQUEST
             }
             ApiError::Engine(EngineError::Stopped) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Engine(EngineError::SlowReader { .. }) => StatusCode::REQUEST_TIMEOUT,
             ApiError::Engine(EngineError::Runner { .. } | EngineError::Internal(_)) => {
                 StatusCode::INTERNAL_SERVER_ERROR
             }

@@ -807,6 +807,31 @@ impl EngineCore {
         live.backlog.push_back(event);
         if !self.deliver(id) {
             self.client_gone(id);
+            return;
+        }
+        let limit = self.config.max_event_backlog;
+        if self.live.get(&id).is_some_and(|l| !l.done && l.backlog.len() > limit) {
+            self.slow_reader(id);
+        }
+    }
+
+    /// Cancels a request whose client left `max_event_backlog` events unread: frees its state (never kept:
+    /// the client did not read the response), drops the backlog and leaves `Failed(SlowReader)` as the one
+    /// event to deliver, so the memory it held returns now and the client learns why when it reads again.
+    fn slow_reader(&mut self, id: RequestId) {
+        let Some(live) = self.live.get_mut(&id) else { return };
+        let error = EngineError::SlowReader { backlog: live.backlog.len() };
+        live.backlog.clear();
+        live.keep_as = None;
+        counter!(names::SLOW_READER_CANCELS_TOTAL).increment(1);
+        counter!(names::ERRORS_TOTAL, "kind" => error.kind()).increment(1);
+        tracing::warn!(request = %id, "{error}");
+        if let Some(finished) = self.scheduler.remove(id, FinishReason::Cancelled) {
+            self.release(finished);
+        }
+        if let Some(live) = self.live.get_mut(&id) {
+            live.done = true;
+            live.backlog.push_back(EngineEvent::Failed(error));
         }
     }
 

@@ -291,6 +291,28 @@ fn cancel_and_client_gone_free_the_state() {
 }
 
 #[test]
+fn a_client_that_does_not_read_is_cut_off_at_the_backlog_bound_and_its_state_freed() {
+    let h = Harness::new(EngineConfig { max_event_backlog: 8, max_num_batched_tokens: 4, ..config() });
+    let mut kept = request(1, prompt(1, 3), 500_000);
+    kept.keep_as = Some(ResponseId("resp_slow".into()));
+    let mut rx = h.submit(kept);
+    assert!(matches!(rx.blocking_recv(), Some(EngineEvent::Started { .. })), "it runs (and holds a state)");
+    // Nobody reads now: the engine fills the channel (4), then the backlog, then cancels the request and frees
+    // its state while others are served.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while h.live_states() > 0 {
+        assert!(std::time::Instant::now() < deadline, "the request that nobody reads was never cut off");
+        h.settle();
+    }
+    let c = collect(rx);
+    assert!(matches!(c.failed, Some(EngineError::SlowReader { backlog: 9 })), "{:?}", c.failed);
+    assert!(c.finish.is_none());
+    // What was delivered before the cut is at most the channel's worth of events.
+    assert!(c.tokens.len() <= 4 * 4, "{} tokens", c.tokens.len());
+    assert!(h.lookup("resp_slow").is_none(), "a response nobody read is not kept");
+}
+
+#[test]
 fn continuing_a_kept_response_prefills_only_new_tokens_and_forks_never_recompute() {
     let h = Harness::new(config());
     let p1 = prompt(1, 40);

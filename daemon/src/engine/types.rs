@@ -183,6 +183,10 @@ pub enum EngineError {
     /// The engine thread is gone (its command channel is closed).
     #[error("the engine thread has stopped")]
     Stopped,
+    /// The client read its events so slowly that `max_event_backlog` of them piled up: the request was
+    /// cancelled and its state freed.
+    #[error("the client read too slowly: {backlog} events were waiting for it (--max-event-backlog); the request was cancelled")]
+    SlowReader { backlog: usize },
 }
 
 impl EngineError {
@@ -194,6 +198,7 @@ impl EngineError {
             EngineError::Runner { .. } => "runner",
             EngineError::Internal(_) => "internal",
             EngineError::Stopped => "engine_stopped",
+            EngineError::SlowReader { .. } => "slow_reader",
         }
     }
 }
@@ -214,6 +219,9 @@ pub const DEFAULT_HOST_BUDGET_BYTES: usize = 16 << 30;
 pub const DEFAULT_KEPT_RESPONSES_BYTES: usize = DEFAULT_STATE_BUDGET_BYTES + DEFAULT_HOST_BUDGET_BYTES;
 /// Default host byte budget for prefix-cache snapshots.
 pub const DEFAULT_PREFIX_CACHE_BYTES: usize = 8 << 30;
+/// Unread events per request before it is cancelled as a slow reader: about 16 s of steps at 4 ms, some
+/// megabytes at most even with 20 log-probability alternatives per token.
+pub const DEFAULT_MAX_EVENT_BACKLOG: usize = 4096;
 
 /// Engine limits and budgets.
 #[derive(Clone, Debug, PartialEq)]
@@ -239,6 +247,9 @@ pub struct EngineConfig {
     /// Launches the next decode step before the outputs of the one in flight are collected, when the
     /// runner can and speculation is off (`--async-scheduling`; see `engine::core`).
     pub async_scheduling: bool,
+    /// Events a request's client may leave unread beyond its channel before the request is cancelled as a
+    /// slow reader (`--max-event-backlog`).
+    pub max_event_backlog: usize,
 }
 
 impl Default for EngineConfig {
@@ -253,6 +264,7 @@ impl Default for EngineConfig {
             prefix_cache_bytes: DEFAULT_PREFIX_CACHE_BYTES,
             step_time: None,
             async_scheduling: true,
+            max_event_backlog: DEFAULT_MAX_EVENT_BACKLOG,
         }
     }
 }
