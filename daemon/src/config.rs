@@ -19,16 +19,14 @@ use self::speculation::SpecArgs;
 use crate::engine::step_time::{StepTarget, DEFAULT_STEP_TARGET_FACTOR};
 use crate::engine::types::{
     EngineConfig, DEFAULT_COMMAND_QUEUE, DEFAULT_HOST_BUDGET_BYTES, DEFAULT_KEPT_RESPONSES_BYTES,
-    DEFAULT_MAX_EVENT_BACKLOG, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFIX_CACHE_BYTES,
-    DEFAULT_STATE_BUDGET_BYTES,
+    DEFAULT_MAX_EVENT_BACKLOG, DEFAULT_MAX_KEPT_RESPONSES, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_PREFIX_CACHE_BYTES, DEFAULT_STATE_BUDGET_BYTES,
 };
 
 /// The synthetic config served when no `--model` is given.
 pub const DEFAULT_SYNTHETIC_CONFIG: &str = "k3-tiny";
 /// Context length when neither `--max-model-len` nor the model caps it lower.
 pub const DEFAULT_MAX_MODEL_LEN: usize = 131_072;
-/// How long idle HTTP connections are kept open (AIPerf pools connections for 300 s; agentx.md §3.1).
-pub const KEEP_ALIVE_SECS: u64 = 330;
 /// Largest request body accepted (AgentX turns of 200k tokens are about 1 MB of JSON; aiperf-offline.md §2).
 pub const DEFAULT_MAX_BODY_BYTES: usize = 64 << 20;
 /// How long a drain lets requests in progress run (Kubernetes' default grace period is 30 s as well).
@@ -177,6 +175,10 @@ pub struct ServeArgs {
     /// none).
     #[arg(long, default_value_t = DEFAULT_KEPT_RESPONSES_BYTES)]
     pub kept_responses_bytes: usize,
+    /// Kept responses at most (`store`, `previous_response_id`), whatever their bytes; beyond it the least
+    /// recently used are removed (0 keeps none).
+    #[arg(long, default_value_t = DEFAULT_MAX_KEPT_RESPONSES)]
+    pub max_kept_responses: usize,
     /// Host bytes for prefix-cache snapshots (0 disables the prefix cache).
     #[arg(long, default_value_t = DEFAULT_PREFIX_CACHE_BYTES)]
     pub prefix_cache_bytes: usize,
@@ -273,6 +275,7 @@ impl ServeArgs {
             state_budget_bytes: self.state_budget_bytes,
             host_budget_bytes: self.host_offload_bytes,
             kept_responses_bytes: self.kept_responses_bytes,
+            max_kept_responses: self.max_kept_responses,
             prefix_cache_bytes: self.prefix_cache_bytes,
             step_time: None,
             async_scheduling: self.async_scheduling,
@@ -338,6 +341,19 @@ mod tests {
         let a = parse(&["--max-prompt-chars", "500", "--max-logprobs", "0"]);
         let limits = a.limits.request_limits(1000);
         assert_eq!((limits.max_prompt_chars, limits.max_logprobs), (500, 0));
+    }
+
+    #[test]
+    fn connections_fit_the_open_file_limit_or_start_up_is_refused() {
+        let a = parse(&[]);
+        assert_eq!(a.limits.conn_limits(1024).unwrap().max_connections, 1024 - 256);
+        assert_eq!(a.limits.conn_limits(1 << 20).unwrap().max_connections, 16_384);
+        assert_eq!(a.limits.conn_limits(100).unwrap_err().flag, "max-connections");
+        let err = parse(&["--max-connections", "2000"]).limits.conn_limits(1024).unwrap_err();
+        assert!(err.to_string().contains("ulimit -n"), "{err}");
+        let fits = parse(&["--max-connections", "500", "--header-timeout", "3"]).limits.conn_limits(1024).unwrap();
+        assert_eq!((fits.max_connections, fits.header_timeout.as_secs()), (500, 3));
+        assert_eq!(parse(&["--idle-timeout", "0"]).validate().unwrap_err().flag, "idle-timeout");
     }
 
     #[test]

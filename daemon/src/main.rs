@@ -156,6 +156,8 @@ fn serve(args: ServeArgs) -> Result<()> {
     if !access.requires_key() && !addr.ip().is_loopback() {
         tracing::warn!("listening on {addr} without --api-key: every client that reaches it is served");
     }
+    let open_files = sparkd::api::conn::raise_open_file_limit().context("reading the open-file limit")?;
+    let conn_limits = args.limits.conn_limits(open_files)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
     runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(addr)
@@ -176,7 +178,8 @@ fn serve(args: ServeArgs) -> Result<()> {
             .with_access(access)
             .with_max_waiting(args.max_waiting)
             .with_limits(args.limits.request_limits(max_model_len))
-            .with_prep_threads(args.limits.prep_threads()),
+            .with_prep_threads(args.limits.prep_threads())
+            .with_conn_limits(conn_limits),
         );
         tokio::spawn(async move {
             loop {

@@ -124,6 +124,8 @@ pub const HTTP_REQUESTS_TOTAL: &str = "sparkd:http_requests_total";
 pub const WEBSOCKETS_OPEN: &str = "sparkd:websockets_open";
 /// Counter: requests whose client went away before they finished.
 pub const CLIENT_DISCONNECTS_TOTAL: &str = "sparkd:client_disconnects_total";
+/// HTTP connections open; an upgraded WebSocket leaves it for `websockets_open` (keeping its connection slot).
+pub const HTTP_CONNECTIONS_OPEN: &str = "sparkd:http_connections_open";
 /// Requests cancelled because their client left `--max-event-backlog` events unread.
 pub const SLOW_READER_CANCELS_TOTAL: &str = "sparkd:slow_reader_cancels_total";
 /// Histogram with label `phase` ([`ENGINE_PHASES`]): seconds the engine thread spent in one phase of one turn
@@ -298,6 +300,7 @@ pub const ALL_METRICS: &[MetricDef] = &[
     labelled(HTTP_REQUESTS_TOTAL, Counter, ("endpoint", &[]), "HTTP requests answered, by endpoint and status."),
     def(WEBSOCKETS_OPEN, Gauge, "Open WebSocket connections."),
     def(CLIENT_DISCONNECTS_TOTAL, Counter, "Requests whose client went away before they finished."),
+    def(HTTP_CONNECTIONS_OPEN, Gauge, "HTTP connections open (with open WebSockets, at most --max-connections)."),
     def(SLOW_READER_CANCELS_TOTAL, Counter, "Requests cancelled because their client left --max-event-backlog events unread."),
     labelled(
         ENGINE_PHASE_SECONDS,

@@ -49,6 +49,9 @@ pub enum ApiError {
     /// `--max-waiting` requests already wait for the engine.
     #[error("the server is at capacity: {max_waiting} requests are already waiting (--max-waiting); retry later")]
     QueueFull { max_waiting: usize },
+    /// The request (its body) did not arrive in time.
+    #[error("{0}")]
+    RequestTimeout(String),
     /// The server is draining (SIGTERM): it finishes what runs and starts nothing new.
     #[error("the server is shutting down: it finishes the responses in progress and starts no new ones")]
     ShuttingDown,
@@ -86,6 +89,7 @@ impl ApiError {
             ApiError::OriginNotAllowed(_) => "origin_not_allowed",
             ApiError::QueueFull { .. } => "queue_full",
             ApiError::ShuttingDown => "server_shutting_down",
+            ApiError::RequestTimeout(_) => "request_timeout",
             ApiError::EngineUnavailable => "engine_unavailable",
             ApiError::Engine(e) => e.kind(),
             ApiError::Tokenizer(e) => e.kind(),
@@ -117,7 +121,9 @@ impl ApiError {
                 StatusCode::BAD_REQUEST
             }
             ApiError::Engine(EngineError::Stopped) => StatusCode::SERVICE_UNAVAILABLE,
-            ApiError::Engine(EngineError::SlowReader { .. }) => StatusCode::REQUEST_TIMEOUT,
+            ApiError::Engine(EngineError::SlowReader { .. }) | ApiError::RequestTimeout(_) => {
+                StatusCode::REQUEST_TIMEOUT
+            }
             ApiError::Engine(EngineError::Runner { .. } | EngineError::Internal(_)) => {
                 StatusCode::INTERNAL_SERVER_ERROR
             }

@@ -7,6 +7,8 @@
 //!   time (`--shutdown-timeout`) to finish; what still runs then is cancelled in the engine, so every stream still
 //!   ends with its final chunk or event (`finish_reason: abort`, `response.incomplete`) and every WebSocket with a
 //!   final event and a normal close ([`super::ws`]); [`DRAIN_GRACE`] later, connections still open are dropped.
+//! - Connections are bounded in number, head time and idle time ([`super::conn`]); a request body that stalls is
+//!   a 408.
 //! - Every answer is counted in `sparkd:http_requests_total{endpoint,status}`; every error answer also in
 //!   `sparkd:errors_total{kind}` and carries OpenAI's error JSON.
 //! - Every route but `GET /health` passes `auth::Access::check` first (key and origin), and the Responses routes
@@ -27,8 +29,9 @@ use serde_json::{json, Value};
 use sparkd_kernels::TokenId;
 use sparkd_tokenizer::RenderSpec;
 use tokio::net::TcpListener;
-use tokio::sync::watch;
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
+use super::conn::{Activity, ConnLimits, InFlight, TrackedBody, WatchedIo};
 use super::constraint;
 use super::error::ApiError;
 use super::generate::{Generation, GenerationOrder, Progress};
@@ -46,11 +49,30 @@ pub const DRAIN_GRACE: Duration = Duration::from_secs(5);
 /// The response body type of every route.
 pub type Body = http_body_util::combinators::BoxBody<Bytes, Infallible>;
 
+/// The connection slot a request came in on (a request extension): a WebSocket holds it for the socket's life.
+#[derive(Clone, Debug)]
+pub struct ConnSlot(pub Arc<OwnedSemaphorePermit>);
+
 /// Serves until `stop` turns true, then drains for at most `drain` (module invariants).
 pub async fn serve(listener: TcpListener, state: Arc<AppState>, mut stop: watch::Receiver<bool>, drain: Duration) {
     let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let limits = state.conn_limits;
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
     loop {
+        if slots.available_permits() == 0 {
+            tracing::warn!(
+                "{} connections are open (--max-connections): new ones wait until one closes",
+                limits.max_connections
+            );
+        }
+        let slot = tokio::select! {
+            slot = slots.clone().acquire_owned() => match slot {
+                Ok(slot) => Arc::new(slot),
+                Err(_) => break,
+            },
+            _ = stop.changed() => break,
+        };
         tokio::select! {
             accepted = listener.accept() => {
                 let (stream, _peer) = match accepted {
@@ -63,14 +85,30 @@ pub async fn serve(listener: TcpListener, state: Arc<AppState>, mut stop: watch:
                 };
                 // Token streaming: no Nagle delay.
                 let _ = stream.set_nodelay(true);
-                let st = state.clone();
-                let svc = service_fn(move |req| route(st.clone(), req));
-                let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
-                let conn = graceful.watch(conn.into_owned());
+                let activity = Activity::new();
+                let svc = {
+                    let (state, activity, slot) = (state.clone(), activity.clone(), slot.clone());
+                    service_fn(move |mut req: Request<Incoming>| {
+                        let (state, in_flight) = (state.clone(), InFlight::new(&activity));
+                        req.extensions_mut().insert(ConnSlot(slot.clone()));
+                        async move {
+                            let response = route(state, req).await?;
+                            Ok::<_, Infallible>(response.map(|body| TrackedBody::new(body, in_flight).boxed()))
+                        }
+                    })
+                };
+                let io = TokioIo::new(WatchedIo::new(stream, activity.clone()));
+                let conn = graceful.watch(builder.serve_connection_with_upgrades(io, svc).into_owned());
                 tokio::spawn(async move {
-                    if let Err(e) = conn.await {
-                        tracing::debug!("connection ended with an error: {e}");
+                    metrics::gauge!(m::HTTP_CONNECTIONS_OPEN).increment(1.0);
+                    tokio::select! {
+                        ended = conn => if let Err(e) = ended {
+                            tracing::debug!("connection ended with an error: {e}");
+                        },
+                        why = activity.expired(&limits) => tracing::debug!("connection closed: {why}"),
                     }
+                    metrics::gauge!(m::HTTP_CONNECTIONS_OPEN).decrement(1.0);
+                    drop(slot);
                 });
             }
             _ = stop.changed() => break,
@@ -187,17 +225,37 @@ fn models_response(state: &AppState) -> Response<Body> {
     )
 }
 
-/// Reads the whole body, at most `--max-body-bytes` (parsing it is the preparation pool's work).
+/// Reads the whole body, at most `--max-body-bytes` (parsing it is the preparation pool's work). A body that
+/// stalls for `--header-timeout`, or takes longer than `--idle-timeout` in all, is a 408.
 pub async fn read_body(state: &AppState, req: Request<Incoming>) -> Result<Bytes, ApiError> {
     let limit = state.max_body_bytes;
-    let collected = Limited::new(req.into_body(), limit).collect().await.map_err(|e| {
-        if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
-            ApiError::BodyTooLarge { limit }
-        } else {
-            ApiError::InvalidJson(format!("reading the body failed: {e}"))
+    let ConnLimits { header_timeout, idle_timeout, .. } = state.conn_limits;
+    let mut body = Limited::new(req.into_body(), limit);
+    let mut collected = Vec::new();
+    let deadline = tokio::time::Instant::now() + idle_timeout;
+    loop {
+        let next = tokio::time::timeout_at(deadline.min(tokio::time::Instant::now() + header_timeout), body.frame());
+        let frame = match next.await {
+            Err(_) => {
+                return Err(ApiError::RequestTimeout(format!(
+                    "the request body stalled for {header_timeout:?} (--header-timeout) or took longer than \
+                     {idle_timeout:?} (--idle-timeout)"
+                )))
+            }
+            Ok(None) => break,
+            Ok(Some(frame)) => frame.map_err(|e| {
+                if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
+                    ApiError::BodyTooLarge { limit }
+                } else {
+                    ApiError::InvalidJson(format!("reading the body failed: {e}"))
+                }
+            })?,
+        };
+        if let Ok(data) = frame.into_data() {
+            collected.extend_from_slice(&data);
         }
-    })?;
-    Ok(collected.to_bytes())
+    }
+    Ok(Bytes::from(collected))
 }
 
 /// The prompt's token ids; token-id prompts are checked against the vocabulary.

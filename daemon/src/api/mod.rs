@@ -5,7 +5,7 @@
 //! Responses API: create, retrieve, delete), [`ws`] (Responses WebSocket mode), [`tools`] (the tool fields of a
 //! request), [`generate`] (one request's life against the engine: detokenize, split reasoning, content and tool
 //! calls, stop strings, usage and timings), [`stop`] (the stop-string matcher), [`limits`] (per-request size
-//! limits), [`prep`] (the bounded pool that prepares requests off the I/O threads), [`error`] (the one error type and its HTTP
+//! limits), [`conn`] (connections: how many, head and idle times), [`prep`] (the bounded pool that prepares requests off the I/O threads), [`error`] (the one error type and its HTTP
 //! mapping).
 //!
 //! Invariants:
@@ -19,6 +19,7 @@
 
 pub mod admission;
 pub mod auth;
+pub mod conn;
 pub mod constraint;
 pub mod error;
 pub mod generate;
@@ -53,6 +54,14 @@ pub const INTERACTIVITY_WINDOW_REQUESTS: usize = 1000;
 /// ... and none older than this.
 pub const INTERACTIVITY_WINDOW: Duration = Duration::from_secs(300);
 
+/// Connections open at once when the open-file limit allows it (`--max-connections`).
+pub const DEFAULT_MAX_CONNECTIONS: usize = 16_384;
+/// How long a request's head may take from its first byte (`--header-timeout`).
+pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a connection or WebSocket may sit idle (`--idle-timeout`): longer than AIPerf keeps pooled
+/// connections (300 s, agentx.md §3.1), so a benchmark's pool never races a close.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(330);
+
 /// Everything a connection task needs. Shared as `Arc<AppState>`.
 pub struct AppState {
     pub engine: EngineHandle,
@@ -75,6 +84,8 @@ pub struct AppState {
     pub prep: prep::PrepPool,
     /// The open WebSockets, which a drain waits for.
     pub sockets: Arc<ws::Sockets>,
+    /// Connections at once, head and idle times ([`AppState::with_conn_limits`]).
+    pub conn_limits: conn::ConnLimits,
     interactivity: Mutex<InteractivityWindow>,
     next_request: AtomicU64,
     /// The tokenizer as the constraint compiler sees it, built by the first constrained request (it walks the
@@ -109,6 +120,11 @@ impl AppState {
             limits: limits::RequestLimits::for_context(max_model_len),
             prep: prep::PrepPool::new(prep::PrepPool::default_threads()),
             sockets: Arc::default(),
+            conn_limits: conn::ConnLimits {
+                max_connections: DEFAULT_MAX_CONNECTIONS,
+                header_timeout: DEFAULT_HEADER_TIMEOUT,
+                idle_timeout: DEFAULT_IDLE_TIMEOUT,
+            },
         }
     }
 
@@ -127,6 +143,12 @@ impl AppState {
     /// The state refusing requests past `limits` (400 naming the flag).
     pub fn with_limits(mut self, limits: limits::RequestLimits) -> Self {
         self.limits = limits;
+        self
+    }
+
+    /// The state bounding its connections by `limits`.
+    pub fn with_conn_limits(mut self, limits: conn::ConnLimits) -> Self {
+        self.conn_limits = limits;
         self
     }
 

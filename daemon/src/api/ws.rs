@@ -13,6 +13,8 @@
 //!   streams finish (the server cancels those still running when the drain time runs out, so each still gets its
 //!   terminal event); then it sends a final `error` event (`server_shutting_down`) and closes with code 1000.
 //!   [`Sockets`] counts open sockets so that the drain waits for them.
+//! - A socket with no stream and no client message for `--idle-timeout` gets an `error` event
+//!   (`request_timeout`) and a normal close. A socket keeps its connection's `--max-connections` slot.
 //! - A bad client event gets an `error` event; the socket stays open. A message larger than `--max-body-bytes`
 //!   gets an `error` event and closes the socket (code 1009): it was not read whole.
 //! - Events are parsed and validated on the preparation pool, never on the socket's I/O task.
@@ -39,7 +41,7 @@ use tokio_tungstenite::WebSocketStream;
 
 use super::auth::Owner;
 use super::error::ApiError;
-use super::http::Body;
+use super::http::{Body, ConnSlot};
 use super::limits::RequestLimits;
 use super::openai::ValidResponsesRequest;
 use super::responses::{self, EventSink};
@@ -68,8 +70,11 @@ pub fn upgrade(state: &Arc<AppState>, mut req: Request<Incoming>, owner: Owner) 
         .ok_or_else(|| ApiError::field("sec-websocket-key", "the `Sec-WebSocket-Key` header is required"))?;
     let accept = derive_accept_key(key.as_bytes());
     let on_upgrade = hyper::upgrade::on(&mut req);
+    // The socket keeps its connection's slot (`--max-connections`) until it closes.
+    let slot = req.extensions().get::<ConnSlot>().cloned();
     let st = state.clone();
     tokio::spawn(async move {
+        let _slot = slot;
         match on_upgrade.await {
             Ok(upgraded) => {
                 // A message is held whole before it is parsed: no larger than an HTTP body may be.
@@ -182,6 +187,9 @@ where
     let mut streams = JoinSet::new();
     let mut shutdown = socket.state.shutdown.clone();
     let mut draining = *shutdown.borrow();
+    // Idle: no client message and no stream for `--idle-timeout`.
+    let idle = socket.state.conn_limits.idle_timeout;
+    let mut last_heard = tokio::time::Instant::now();
     loop {
         if draining && streams.is_empty() {
             send_error(&socket.out, None, &ApiError::ShuttingDown).await;
@@ -190,7 +198,7 @@ where
             break;
         }
         tokio::select! {
-            msg = incoming.next() => match msg {
+            msg = incoming.next() => match msg.inspect(|_| last_heard = tokio::time::Instant::now()) {
                 Some(Ok(Message::Text(text))) => handle_event(&socket, &mut streams, text.into(), draining).await,
                 Some(Ok(Message::Binary(bytes))) => handle_event(&socket, &mut streams, bytes, draining).await,
                 Some(Ok(Message::Ping(payload))) => {
@@ -207,8 +215,15 @@ where
                 Some(Ok(Message::Close(_))) | None | Some(Err(_)) => break,
                 Some(Ok(_)) => {}
             },
-            Some(_) = streams.join_next(), if !streams.is_empty() => {}
+            Some(_) = streams.join_next(), if !streams.is_empty() => last_heard = tokio::time::Instant::now(),
             _ = shutdown.changed(), if !draining => draining = true,
+            _ = tokio::time::sleep_until(last_heard + idle), if streams.is_empty() => {
+                let e = ApiError::RequestTimeout(format!("the socket was idle for {idle:?} (--idle-timeout)"));
+                send_error(&socket.out, None, &e).await;
+                let close = CloseFrame { code: CloseCode::Normal, reason: "idle".into() };
+                let _ = socket.out.send(Message::Close(Some(close))).await;
+                break;
+            }
         }
     }
     // Aborting the stream tasks drops their generations, which cancels them in the engine.

@@ -221,7 +221,11 @@ impl EngineCore {
             scheduler,
             sessions: SessionStore::new(
                 policy,
-                StoreBudgets { host_bytes: config.host_budget_bytes, total_bytes: config.kept_responses_bytes },
+                StoreBudgets {
+                    host_bytes: config.host_budget_bytes,
+                    total_bytes: config.kept_responses_bytes,
+                    max_entries: config.max_kept_responses,
+                },
             ),
             prefix: PrefixCache::new(MLA_BLOCK_TOKENS, config.prefix_cache_bytes),
             config,

@@ -11,8 +11,9 @@
 //!   `GET /v1/responses/{id}` returns), opaque bytes here, attached once the response has ended.
 //! - Budget: every byte a kept response holds (its state in whichever tier, its history, its
 //!   record, its id, its summary in the view) counts in [`SessionStore::held_bytes`]; beyond
-//!   [`StoreBudgets::total_bytes`] the lowest-ranked responses are removed entirely (state, history
-//!   and record), so continuing one is continuing an unknown id.
+//!   [`StoreBudgets::total_bytes`], or past [`StoreBudgets::max_entries`] of them, the lowest-ranked
+//!   responses are removed entirely (state, history and record), so continuing one is continuing an
+//!   unknown id.
 //! - Kept states are idle: a continuation gets a fork (`Runner::fork_state`) or an import of the
 //!   host copy, never the kept state itself, so two requests continuing one response at once each
 //!   get their own state and nothing is recomputed. Running states are not in this store, so they
@@ -200,6 +201,8 @@ pub struct StoreBudgets {
     pub host_bytes: usize,
     /// Everything kept responses hold: states in every tier, histories, records.
     pub total_bytes: usize,
+    /// Kept responses at most, whatever their bytes.
+    pub max_entries: usize,
 }
 
 /// The kept responses, their eviction order and their byte accounting.
@@ -375,10 +378,10 @@ impl SessionStore {
         Ok(done)
     }
 
-    /// Removes the lowest-ranked kept responses until what is held fits the total budget.
+    /// Removes the lowest-ranked kept responses until what is held fits the total budget and the count bound.
     fn remove_over_budget(&mut self, runner: &mut dyn Runner) -> Result<usize> {
         let mut removed = 0;
-        while self.held_bytes > self.budgets.total_bytes {
+        while self.held_bytes > self.budgets.total_bytes || self.entries.len() > self.budgets.max_entries {
             let Some((_, victim)) = self.by_rank.first().cloned() else { break };
             removed += 1;
             self.remove(runner, &victim)?;
@@ -442,7 +445,10 @@ mod tests {
     }
 
     fn store(host_bytes: usize, total_bytes: usize) -> SessionStore {
-        SessionStore::new(Box::<LruPolicy>::default(), StoreBudgets { host_bytes, total_bytes })
+        SessionStore::new(
+            Box::<LruPolicy>::default(),
+            StoreBudgets { host_bytes, total_bytes, max_entries: usize::MAX },
+        )
     }
 
     /// A state holding `n` tokens, kept with a history of `n + 1` tokens.
@@ -486,6 +492,24 @@ mod tests {
         }
         assert_eq!((store.len(), store.held_bytes()), (3, 3 * HELD_10));
         assert_eq!(r.num_states(), 3, "the removed responses' states were freed");
+    }
+
+    #[test]
+    fn the_count_bound_removes_the_least_recently_used_whatever_their_bytes() {
+        let mut r = runner();
+        let mut store = SessionStore::new(
+            Box::<LruPolicy>::default(),
+            StoreBudgets { host_bytes: 1 << 20, total_bytes: 1 << 30, max_entries: 2 },
+        );
+        for id in ["a", "b"] {
+            keep(&mut store, &mut r, id, 10);
+        }
+        touch(&mut store, &mut r, "a");
+        keep(&mut store, &mut r, "c", 10);
+        assert_eq!(store.enforce(&mut r, 0, 1 << 20).unwrap().removed, 1);
+        assert_eq!(store.history(&rid("b")), None, "b was the least recently used");
+        assert_eq!(store.len(), 2);
+        assert_eq!(r.num_states(), 2, "the removed response's state was freed");
     }
 
     #[test]

@@ -219,6 +219,9 @@ pub const DEFAULT_HOST_BUDGET_BYTES: usize = 16 << 30;
 pub const DEFAULT_KEPT_RESPONSES_BYTES: usize = DEFAULT_STATE_BUDGET_BYTES + DEFAULT_HOST_BUDGET_BYTES;
 /// Default host byte budget for prefix-cache snapshots.
 pub const DEFAULT_PREFIX_CACHE_BYTES: usize = 8 << 30;
+/// Kept responses at most: the byte budget bounds what they hold, this bounds their number (each costs map
+/// and index entries besides its bytes).
+pub const DEFAULT_MAX_KEPT_RESPONSES: usize = 100_000;
 /// Unread events per request before it is cancelled as a slow reader: about 16 s of steps at 4 ms, some
 /// megabytes at most even with 20 log-probability alternatives per token.
 pub const DEFAULT_MAX_EVENT_BACKLOG: usize = 4096;
@@ -239,6 +242,8 @@ pub struct EngineConfig {
     /// Bytes for everything kept responses hold (states, histories, records); beyond it the least
     /// recently used are removed entirely.
     pub kept_responses_bytes: usize,
+    /// Kept responses at most; beyond it the least recently used are removed entirely.
+    pub max_kept_responses: usize,
     /// Host bytes for prefix-cache snapshots (0 disables the prefix cache).
     pub prefix_cache_bytes: usize,
     /// Holds steps that have decode rows to a predicted step time (`--decode-step-target`); `None`:
@@ -261,6 +266,7 @@ impl Default for EngineConfig {
             state_budget_bytes: DEFAULT_STATE_BUDGET_BYTES,
             host_budget_bytes: DEFAULT_HOST_BUDGET_BYTES,
             kept_responses_bytes: DEFAULT_KEPT_RESPONSES_BYTES,
+            max_kept_responses: DEFAULT_MAX_KEPT_RESPONSES,
             prefix_cache_bytes: DEFAULT_PREFIX_CACHE_BYTES,
             step_time: None,
             async_scheduling: true,
