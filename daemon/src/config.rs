@@ -9,18 +9,19 @@
 //! - The `--spec*` flags and their validation live in [`speculation`].
 
 pub mod limits;
+pub mod memory;
 pub mod speculation;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use self::limits::LimitArgs;
+use self::memory::{Budgets, MemoryArgs};
 use self::speculation::SpecArgs;
 use crate::engine::step_time::{StepTarget, DEFAULT_STEP_TARGET_FACTOR};
 use crate::engine::types::{
-    EngineConfig, DEFAULT_COMMAND_QUEUE, DEFAULT_HOST_BUDGET_BYTES, DEFAULT_KEPT_RESPONSES_BYTES,
-    DEFAULT_MAX_EVENT_BACKLOG, DEFAULT_MAX_KEPT_RESPONSES, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
-    DEFAULT_PREFIX_CACHE_BYTES, DEFAULT_STATE_BUDGET_BYTES,
+    EngineConfig, DEFAULT_COMMAND_QUEUE, DEFAULT_MAX_EVENT_BACKLOG, DEFAULT_MAX_KEPT_RESPONSES,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
 };
 
 /// The synthetic config served when no `--model` is given.
@@ -164,24 +165,10 @@ pub struct ServeArgs {
     /// runner that can; the CPU backend computes each step as it is launched).
     #[arg(long, default_value = "on", value_name = "on|off", value_parser = on_off, action = clap::ArgAction::Set)]
     pub async_scheduling: bool,
-    /// Device bytes for sequence states (live and kept).
-    #[arg(long, default_value_t = DEFAULT_STATE_BUDGET_BYTES)]
-    pub state_budget_bytes: usize,
-    /// Host bytes for kept states offloaded from the device.
-    #[arg(long, default_value_t = DEFAULT_HOST_BUDGET_BYTES)]
-    pub host_offload_bytes: usize,
-    /// Bytes for everything kept responses hold (`store`, `previous_response_id`): states on device and
-    /// host, token histories, stored response objects. Beyond it the least recently used are removed (0 keeps
-    /// none).
-    #[arg(long, default_value_t = DEFAULT_KEPT_RESPONSES_BYTES)]
-    pub kept_responses_bytes: usize,
     /// Kept responses at most (`store`, `previous_response_id`), whatever their bytes; beyond it the least
     /// recently used are removed (0 keeps none).
     #[arg(long, default_value_t = DEFAULT_MAX_KEPT_RESPONSES)]
     pub max_kept_responses: usize,
-    /// Host bytes for prefix-cache snapshots (0 disables the prefix cache).
-    #[arg(long, default_value_t = DEFAULT_PREFIX_CACHE_BYTES)]
-    pub prefix_cache_bytes: usize,
     /// Most requests waiting for the engine at once (not yet started); beyond them a request is refused with
     /// 429 and `Retry-After` (an error event on a WebSocket).
     #[arg(long, default_value_t = DEFAULT_MAX_WAITING)]
@@ -197,6 +184,10 @@ pub struct ServeArgs {
     /// Largest request body, in bytes.
     #[arg(long, default_value_t = DEFAULT_MAX_BODY_BYTES)]
     pub max_body_bytes: usize,
+    /// Memory budgets (`--state-budget-bytes`, `--host-offload-bytes`, `--kept-responses-bytes`,
+    /// `--prefix-cache-bytes`), sized from the memory present unless given.
+    #[command(flatten)]
+    pub memory: MemoryArgs,
     /// Per-request limits and request preparation (`--max-prompt-chars`, `--max-stop-strings`, ...).
     #[command(flatten)]
     pub limits: LimitArgs,
@@ -220,7 +211,6 @@ impl ServeArgs {
             ("max-model-len", self.max_model_len),
             ("max-num-seqs", self.max_num_seqs),
             ("max-num-batched-tokens", self.max_num_batched_tokens),
-            ("state-budget-bytes", self.state_budget_bytes),
             ("max-body-bytes", self.max_body_bytes),
             ("max-waiting", self.max_waiting),
             ("max-event-backlog", self.max_event_backlog),
@@ -265,18 +255,18 @@ impl ServeArgs {
         }
     }
 
-    /// The engine's limits and budgets (the step-time limit, over step costs measured on the runner, is
-    /// `startup::compose`'s).
-    pub fn engine_config(&self) -> EngineConfig {
+    /// The engine's limits and `budgets` (the budgets follow the memory present, [`MemoryArgs::budgets`]; the
+    /// step-time limit, over step costs measured on the runner, is `startup::compose`'s).
+    pub fn engine_config(&self, budgets: &Budgets) -> EngineConfig {
         EngineConfig {
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_num_seqs: self.max_num_seqs,
             command_queue: DEFAULT_COMMAND_QUEUE,
-            state_budget_bytes: self.state_budget_bytes,
-            host_budget_bytes: self.host_offload_bytes,
-            kept_responses_bytes: self.kept_responses_bytes,
+            state_budget_bytes: budgets.state_bytes,
+            host_budget_bytes: budgets.host_offload_bytes,
+            kept_responses_bytes: budgets.kept_responses_bytes,
             max_kept_responses: self.max_kept_responses,
-            prefix_cache_bytes: self.prefix_cache_bytes,
+            prefix_cache_bytes: budgets.prefix_cache_bytes,
             step_time: None,
             async_scheduling: self.async_scheduling,
             max_event_backlog: self.max_event_backlog,
@@ -304,6 +294,13 @@ mod tests {
         serve: ServeArgs,
     }
 
+    const BUDGETS: Budgets = Budgets {
+        state_bytes: 1 << 30,
+        host_offload_bytes: 1 << 30,
+        kept_responses_bytes: 2 << 30,
+        prefix_cache_bytes: 0,
+    };
+
     fn parse(args: &[&str]) -> ServeArgs {
         let mut all = vec!["sparkd"];
         all.extend_from_slice(args);
@@ -317,7 +314,7 @@ mod tests {
         assert_eq!(a.listen_addr().unwrap().to_string(), "127.0.0.1:8000");
         assert_eq!(a.model_name(), "k3-tiny");
         assert_eq!(a.device, Device::Auto);
-        assert_eq!(a.engine_config().max_num_seqs, DEFAULT_MAX_NUM_SEQS);
+        assert_eq!(a.engine_config(&BUDGETS).max_num_seqs, DEFAULT_MAX_NUM_SEQS);
     }
 
     #[test]
@@ -360,7 +357,7 @@ mod tests {
     fn async_scheduling_is_on_unless_turned_off() {
         assert!(parse(&[]).async_scheduling);
         assert!(!parse(&["--async-scheduling", "off"]).async_scheduling);
-        assert!(!parse(&["--async-scheduling=off"]).engine_config().async_scheduling);
+        assert!(!parse(&["--async-scheduling=off"]).engine_config(&BUDGETS).async_scheduling);
         assert!(Cli::try_parse_from(["sparkd", "--async-scheduling", "maybe"]).is_err());
     }
 

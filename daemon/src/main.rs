@@ -13,6 +13,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use sparkd::api::{auth, http, AppState};
+use sparkd::config::memory::MemoryPresent;
 use sparkd::config::{ServeArgs, DEFAULT_SYNTHETIC_CONFIG};
 use sparkd::startup::{compose, load_tokenizer};
 use sparkd_kernels::config::PRESET_NAMES;
@@ -145,7 +146,19 @@ fn serve(args: ServeArgs) -> Result<()> {
         "model ready ({} layers, hidden {})", cfg.num_layers(), cfg.hidden_size
     );
     let metrics = sparkd::metrics::install(&model_name).context("installing the Prometheus recorder")?;
-    let config = sparkd::engine::EngineConfig { step_time: served.step_time, ..args.engine_config() };
+    let present = MemoryPresent::read(served.device).context("reading the memory present")?;
+    let budgets = args.memory.budgets(&present)?;
+    tracing::info!(
+        "memory budgets: states {} MiB, host offload {} MiB, kept responses {} MiB, prefix cache {} MiB \
+         (host available {} MiB{})",
+        budgets.state_bytes >> 20,
+        budgets.host_offload_bytes >> 20,
+        budgets.kept_responses_bytes >> 20,
+        budgets.prefix_cache_bytes >> 20,
+        present.host_available >> 20,
+        present.device_free.map(|f| format!(", device free {} MiB", f >> 20)).unwrap_or_default(),
+    );
+    let config = sparkd::engine::EngineConfig { step_time: served.step_time, ..args.engine_config(&budgets) };
     let engine =
         sparkd::engine::spawn(served.runner, served.speculation, config).context("starting the engine thread")?;
     let template = served.template;

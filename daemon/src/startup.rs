@@ -58,6 +58,8 @@ const DRAFT_CONTEXT_TOKENS: usize = 8;
 pub struct Served {
     pub runner: Box<dyn Runner>,
     pub model: ModelConfig,
+    /// The backend that serves (`auto` resolved, after any fallback to the CPU).
+    pub device: Device,
     pub template: ChatTemplate,
     /// `None` with speculation off.
     pub speculation: Option<Speculation>,
@@ -70,12 +72,12 @@ pub fn compose(args: &ServeArgs) -> Result<Served> {
     let tokenizer = load_tokenizer(args.model.as_deref())?;
     let template = ChatTemplate::new(tokenizer.clone())?;
     let spec = args.spec.to_config()?;
-    let (mut runner, model) = build_runner(args, &spec)?;
+    let (mut runner, model, device) = build_runner(args, &spec)?;
     restrict_to_tokenizer(runner.as_mut(), &tokenizer, &model);
     tracing::info!("{}", describe(&spec));
     let speculation = speculation(&spec, runner.as_mut(), args.max_num_batched_tokens)?;
     let step_time = step_time_limit(args.decode_step_target, runner.as_mut(), args.max_num_batched_tokens)?;
-    Ok(Served { runner, model, template, speculation, step_time })
+    Ok(Served { runner, model, device, template, speculation, step_time })
 }
 
 /// The step-cost measurement doubles the step's tokens until a step takes this long (or the step token
@@ -154,9 +156,10 @@ pub fn load_tokenizer(model: Option<&Path>) -> Result<Tokenizer> {
     }
 }
 
-/// The runner `--device` and `--model` ask for (prepared for the speculation settings `spec`), and its config.
-/// With `--device auto`, a GPU whose runner fails to start is reported and the CPU reference serves instead.
-pub fn build_runner(args: &ServeArgs, spec: &SpeculationConfig) -> Result<(Box<dyn Runner>, ModelConfig)> {
+/// The runner `--device` and `--model` ask for (prepared for the speculation settings `spec`), its config and
+/// the backend it runs on. With `--device auto`, a GPU whose runner fails to start is reported and the CPU
+/// reference serves instead.
+pub fn build_runner(args: &ServeArgs, spec: &SpeculationConfig) -> Result<(Box<dyn Runner>, ModelConfig, Device)> {
     let checkpoint = match &args.model {
         Some(dir) => Some(Checkpoint::open(dir).with_context(|| format!("opening the checkpoint {}", dir.display()))?),
         None => None,
@@ -175,21 +178,22 @@ pub fn build_runner(args: &ServeArgs, spec: &SpeculationConfig) -> Result<(Box<d
         }
     };
     let model_dir = args.model.as_deref();
-    let runner = match args.device.resolve() {
-        Device::Cuda if args.device == Device::Auto => {
-            cuda_runner(&cfg, weights, spec, model_dir, preset).or_else(|e| {
+    let (runner, device) = match args.device.resolve() {
+        Device::Cuda if args.device == Device::Auto => match cuda_runner(&cfg, weights, spec, model_dir, preset) {
+            Ok(runner) => (runner, Device::Cuda),
+            Err(e) => {
                 tracing::warn!("--device auto: the CUDA runner did not start ({e:#}); using the CPU reference");
-                cpu_runner(&cfg, weights, spec, model_dir, preset)
-            })?
-        }
-        Device::Cuda => cuda_runner(&cfg, weights, spec, model_dir, preset)?,
+                (cpu_runner(&cfg, weights, spec, model_dir, preset)?, Device::Cpu)
+            }
+        },
+        Device::Cuda => (cuda_runner(&cfg, weights, spec, model_dir, preset)?, Device::Cuda),
         Device::Null => {
             spec.check_null_runner()?;
-            Box::new(NullRunner::new(cfg.clone()))
+            (Box::new(NullRunner::new(cfg.clone())) as Box<dyn Runner>, Device::Null)
         }
-        Device::Cpu | Device::Auto => cpu_runner(&cfg, weights, spec, model_dir, preset)?,
+        Device::Cpu | Device::Auto => (cpu_runner(&cfg, weights, spec, model_dir, preset)?, Device::Cpu),
     };
-    Ok((runner, cfg))
+    Ok((runner, cfg, device))
 }
 
 /// The CPU reference runner of `cfg` with `weights`, prepared for `spec`: the drafter it needs attached (from

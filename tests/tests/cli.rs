@@ -24,6 +24,11 @@ fn bad_arguments_exit_non_zero_with_a_clear_message() {
         (&["serve", "--max-num-seqs", "0"], "--max-num-seqs"),
         (&["serve", "--model", "/no/such/dir"], "--model"),
         (&["serve", "--host", "example dot com"], "--host"),
+        // A petabyte of host copies fits no machine: refused at start-up, naming the flag and the memory found.
+        (
+            &["serve", "--device", "null", "--port", "0", "--host-offload-bytes", "1125899906842624"],
+            "--host-offload-bytes",
+        ),
         (&["synth", "--config", "k9", "--out", "/tmp/x"], "unknown config `k9`"),
         (&["bench", "--model", "/no/such/dir"], "/no/such/dir"),
         (&["bench", "--model", "/no/such/dir", "--config", "k3-mini"], "--config"),
