@@ -169,6 +169,11 @@ pub struct ServeArgs {
     /// recently used are removed (0 keeps none).
     #[arg(long, default_value_t = DEFAULT_MAX_KEPT_RESPONSES)]
     pub max_kept_responses: usize,
+    /// A folder for the session journal: committed kept responses (`store`) are written there, synced when
+    /// each turn commits, and restored at start-up, so every committed turn can be continued after a crash
+    /// or restart. Without it kept responses live in memory only.
+    #[arg(long, value_name = "DIR", env = "SPARKD_SESSION_DIR")]
+    pub session_dir: Option<PathBuf>,
     /// Most requests waiting for the engine at once (not yet started); beyond them a request is refused with
     /// 429 and `Retry-After` (an error event on a WebSocket).
     #[arg(long, default_value_t = DEFAULT_MAX_WAITING)]

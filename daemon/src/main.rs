@@ -15,7 +15,9 @@ use clap::{Parser, Subcommand};
 use sparkd::api::{auth, http, AppState};
 use sparkd::config::memory::MemoryPresent;
 use sparkd::config::{ServeArgs, DEFAULT_SYNTHETIC_CONFIG};
-use sparkd::startup::{compose, load_tokenizer};
+use sparkd::engine::journal::OpenJournal;
+use sparkd::engine::Engine;
+use sparkd::startup::{compose, load_tokenizer, Served};
 use sparkd_kernels::config::PRESET_NAMES;
 use sparkd_kernels::synth::write_checkpoint;
 use sparkd_kernels::ModelConfig;
@@ -146,22 +148,8 @@ fn serve(args: ServeArgs) -> Result<()> {
         "model ready ({} layers, hidden {})", cfg.num_layers(), cfg.hidden_size
     );
     let metrics = sparkd::metrics::install(&model_name).context("installing the Prometheus recorder")?;
-    let present = MemoryPresent::read(served.device).context("reading the memory present")?;
-    let budgets = args.memory.budgets(&present)?;
-    tracing::info!(
-        "memory budgets: states {} MiB, host offload {} MiB, kept responses {} MiB, prefix cache {} MiB \
-         (host available {} MiB{})",
-        budgets.state_bytes >> 20,
-        budgets.host_offload_bytes >> 20,
-        budgets.kept_responses_bytes >> 20,
-        budgets.prefix_cache_bytes >> 20,
-        present.host_available >> 20,
-        present.device_free.map(|f| format!(", device free {} MiB", f >> 20)).unwrap_or_default(),
-    );
-    let config = sparkd::engine::EngineConfig { step_time: served.step_time, ..args.engine_config(&budgets) };
-    let engine =
-        sparkd::engine::spawn(served.runner, served.speculation, config).context("starting the engine thread")?;
-    let template = served.template;
+    let template = served.template.clone();
+    let engine = start_engine(&args, served, &model_name)?;
 
     let engine_handle = engine.handle();
     let keys = auth::load_keys(&args.api_keys, args.api_key_file.as_deref()).map_err(anyhow::Error::msg)?;
@@ -213,6 +201,45 @@ fn serve(args: ServeArgs) -> Result<()> {
     engine.shutdown();
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Sizes the memory budgets from the memory present and starts the engine, with its kept responses restored
+/// from and written to the session journal when `--session-dir` is given.
+fn start_engine(args: &ServeArgs, served: Served, model_name: &str) -> Result<Engine> {
+    let cfg = &served.model;
+    let present = MemoryPresent::read(served.device).context("reading the memory present")?;
+    let budgets = args.memory.budgets(&present)?;
+    tracing::info!(
+        "memory budgets: states {} MiB, host offload {} MiB, kept responses {} MiB, prefix cache {} MiB \
+         (host available {} MiB{})",
+        budgets.state_bytes >> 20,
+        budgets.host_offload_bytes >> 20,
+        budgets.kept_responses_bytes >> 20,
+        budgets.prefix_cache_bytes >> 20,
+        present.host_available >> 20,
+        present.device_free.map(|f| format!(", device free {} MiB", f >> 20)).unwrap_or_default(),
+    );
+    let config = sparkd::engine::EngineConfig { step_time: served.step_time, ..args.engine_config(&budgets) };
+    match &args.session_dir {
+        Some(dir) => {
+            // Token ids only mean the same text to the same model and tokenizer.
+            let fingerprint = format!(
+                "{model_name} layers={} hidden={} vocab={}",
+                cfg.num_layers(),
+                cfg.hidden_size,
+                served.template.tokenizer().vocab_size()
+            );
+            let journal = OpenJournal::open(dir, &fingerprint).context("--session-dir")?;
+            sparkd::engine::spawn_journaled(served.runner, served.speculation, config, journal)
+        }
+        None => {
+            tracing::warn!(
+                "kept responses live in memory only: a restart loses them (give --session-dir to keep them)"
+            );
+            sparkd::engine::spawn(served.runner, served.speculation, config)
+        }
+    }
+    .context("starting the engine thread")
 }
 
 async fn wait_for_signal() {

@@ -6,8 +6,8 @@
 //!   [`ChatTemplate::render_continuation`](sparkd_tokenizer::ChatTemplate::render_continuation)) with
 //!   `continue_from`; the engine restores (or forks) the kept state, so only the suffix is prefilled.
 //! - With `store` (the default), the engine keeps the final state under the response's id, and once the response
-//!   ends the API attaches the final response object to it (queued before the client sees the end), which is what
-//!   `GET` returns. The engine's store is the only record: a response is visible (to `GET` and as a
+//!   ends the API attaches the final response object to it and waits until the turn is committed (written to the
+//!   session journal, with `--session-dir`) before the client sees the end; the object is what `GET` returns. The engine's store is the only record: a response is visible (to `GET` and as a
 //!   `previous_response_id`) from then until it is deleted or evicted by the kept-responses budget.
 //! - Reading a kept response (a continuation, `GET`) reads the store's view and does not wait on the engine
 //!   thread, except when the response is kept but its object not attached yet: then the attachment may still be
@@ -151,7 +151,9 @@ async fn finish(state: &AppState, header: &ResponseHeader, output: &OutputItems,
     let bytes = Bytes::from(object.to_string());
     if header.store {
         // With the engine gone the next request reports it; this response is complete all the same.
-        let _ = state.engine.record_response(header.owner.kept_id(&header.id), bytes.clone()).await;
+        if let Ok(false) = state.engine.record_response(header.owner.kept_id(&header.id), bytes.clone()).await {
+            tracing::warn!(response = %header.id, "kept in memory only: the session journal could not write it");
+        }
     }
     (object, bytes)
 }

@@ -43,14 +43,17 @@ use std::collections::{HashMap, VecDeque};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use metrics::{counter, gauge, histogram};
 use sparkd_kernels::launches::FedRow;
 use sparkd_kernels::runner::{RowInput, RowOutput};
 use sparkd_kernels::state::{SeqState, MLA_BLOCK_TOKENS};
 use sparkd_kernels::{KernelError, Runner, StateId};
 use tokio::sync::mpsc::{self, error::TryRecvError, error::TrySendError};
+use tokio::sync::oneshot;
 
 use super::constraints::{Constraints, MasksOnAsk, StepMasks};
+use super::journal::{Committed, Journal, OpenJournal};
 use super::phases::{Phase, PhaseClock};
 use super::prefix_cache::PrefixCache;
 use super::scheduler::{AheadPlan, FinishedSeq, Scheduler, SchedulerLimits, StepOutcome, StepPlan};
@@ -109,6 +112,26 @@ pub fn spawn_with_policy(
     config: EngineConfig,
     policy: Box<dyn EvictionPolicy>,
 ) -> Result<Engine, EngineError> {
+    start(runner, speculation, config, policy, None)
+}
+
+/// Starts the engine thread with its kept responses restored from, and committed to, a session journal.
+pub fn spawn_journaled(
+    runner: Box<dyn Runner>,
+    speculation: Option<Speculation>,
+    config: EngineConfig,
+    journal: OpenJournal,
+) -> Result<Engine, EngineError> {
+    start(runner, speculation, config, Box::<LruPolicy>::default(), Some(journal))
+}
+
+fn start(
+    runner: Box<dyn Runner>,
+    speculation: Option<Speculation>,
+    config: EngineConfig,
+    policy: Box<dyn EvictionPolicy>,
+    journal: Option<OpenJournal>,
+) -> Result<Engine, EngineError> {
     if config.max_num_batched_tokens == 0 || config.max_num_seqs == 0 || config.command_queue == 0 {
         return Err(EngineError::Internal(
             "engine config: max_num_batched_tokens, max_num_seqs and command_queue must be at least 1".into(),
@@ -116,7 +139,7 @@ pub fn spawn_with_policy(
     }
     let speculator = speculation.map(Speculator::new);
     let (tx, rx) = mpsc::channel(config.command_queue);
-    let engine = EngineCore::new(runner, config, policy, speculator, rx);
+    let engine = EngineCore::new(runner, config, policy, speculator, rx, journal);
     let kept = engine.sessions.view();
     let thread = std::thread::Builder::new()
         .name("sparkd-engine".into())
@@ -199,6 +222,8 @@ struct EngineCore {
     flying: VecDeque<Vec<StateId>>,
     /// States of requests that left while a step in flight held them (see [`EngineCore::settle_deferred`]).
     deferred: Vec<Settle>,
+    /// The session journal's writer (`--session-dir`): committed turns and forgotten responses.
+    journal: Option<Journal>,
 }
 
 impl EngineCore {
@@ -208,6 +233,7 @@ impl EngineCore {
         policy: Box<dyn EvictionPolicy>,
         speculator: Option<Speculator>,
         commands: mpsc::Receiver<EngineCommand>,
+        journal: Option<OpenJournal>,
     ) -> Self {
         let limits = SchedulerLimits {
             max_num_batched_tokens: config.max_num_batched_tokens,
@@ -238,6 +264,52 @@ impl EngineCore {
             phases: PhaseClock::new(),
             flying: VecDeque::new(),
             deferred: Vec::new(),
+            journal: None,
+        }
+        .with_journal(journal)
+    }
+
+    /// Restores the journal's committed turns as kept responses with their histories only (a continuation
+    /// rebuilds the state by prefill) and their objects, then writes to the journal from now on.
+    fn with_journal(mut self, journal: Option<OpenJournal>) -> Self {
+        let Some(OpenJournal { journal, replayed }) = journal else { return self };
+        let count = replayed.len();
+        for c in replayed {
+            let kept = self.sessions.keep(self.runner.as_mut(), c.id.clone(), c.history, None);
+            if let Err(e) = kept {
+                tracing::warn!(response = %c.id, error = %e, "restoring a journaled response failed");
+                continue;
+            }
+            self.sessions.set_record(&c.id, c.record);
+        }
+        self.sessions.track_removals();
+        self.journal = Some(journal);
+        self.enforce_memory();
+        tracing::info!("session journal: {count} committed responses restored, {} kept", self.sessions.len());
+        self
+    }
+
+    /// Commits a turn: attaches its record and, with a journal, has it written and synced before `reply`.
+    fn commit(&mut self, id: ResponseId, record: Bytes, reply: oneshot::Sender<bool>) {
+        if !self.sessions.set_record(&id, record.clone()) {
+            let _ = reply.send(true);
+            return;
+        }
+        match (&self.journal, self.sessions.history(&id)) {
+            (Some(journal), Some(history)) => {
+                journal.commit(Committed { id, history: history.to_vec(), record }, reply);
+            }
+            _ => {
+                let _ = reply.send(true);
+            }
+        }
+        self.enforce_memory();
+    }
+
+    /// Tells the journal which kept responses the store removed since the last call.
+    fn forget_removed(&mut self) {
+        if let Some(journal) = &self.journal {
+            journal.forget(self.sessions.take_removed());
         }
     }
 
@@ -336,18 +408,20 @@ impl EngineCore {
                 if dropped {
                     counter!(names::SESSIONS_DELETED_TOTAL).increment(1);
                 }
-                // The asker may have left; then nobody needs the answer.
-                let _ = reply.send(dropped);
+                // With a journal the answer waits until the delete is on disk; the asker may have left, then
+                // nobody needs it.
+                match &self.journal {
+                    Some(journal) => journal.forget_then(self.sessions.take_removed(), reply, dropped),
+                    None => {
+                        let _ = reply.send(dropped);
+                    }
+                }
             }
             EngineCommand::Barrier { reply } => {
                 // The asker may have left; then nobody is waiting.
                 let _ = reply.send(());
             }
-            EngineCommand::RecordResponse { id, record } => {
-                if self.sessions.set_record(&id, record) {
-                    self.enforce_memory();
-                }
-            }
+            EngineCommand::RecordResponse { id, record, reply } => self.commit(id, record, reply),
         }
     }
 
@@ -986,6 +1060,7 @@ impl EngineCore {
             }
             Err(e) => tracing::warn!(error = %e, "evicting kept responses failed"),
         }
+        self.forget_removed();
     }
 
     fn live_bytes(&self) -> usize {

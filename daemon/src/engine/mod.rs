@@ -10,6 +10,7 @@
 
 mod constraints;
 pub mod core;
+pub mod journal;
 mod phases;
 pub mod prefix_cache;
 pub mod scheduler;
@@ -23,7 +24,7 @@ mod speculation_tests;
 #[cfg(test)]
 mod tests;
 
-pub use self::core::{spawn, spawn_with_policy, Engine};
+pub use self::core::{spawn, spawn_journaled, spawn_with_policy, Engine};
 pub use speculator::Speculation;
 
 pub use types::{

@@ -25,6 +25,8 @@
 //! - Complexity: ranks are indexed in ordered sets (all entries, device tier, host tier), so keep,
 //!   continue, remove and each eviction are O(log n) in the number of kept responses; nothing scans
 //!   the store.
+//! - With removals tracked (a session journal), every removal is reported once by
+//!   [`SessionStore::take_removed`], so the journal forgets what the store forgot.
 //! - The API reads kept responses through a [`KeptView`] (a concurrent map of [`KeptSummary`]s),
 //!   never by asking the engine thread. The view is written only by the engine thread, inside this
 //!   store, in the same call that changes the store (keep, record, remove: by delete or by the
@@ -222,6 +224,9 @@ pub struct SessionStore {
     budgets: StoreBudgets,
     /// What the API reads; written in the same calls that change `entries`.
     view: KeptView,
+    /// Ids removed since [`SessionStore::take_removed`], when removals are tracked (a session journal
+    /// must forget them).
+    removed: Option<Vec<ResponseId>>,
 }
 
 impl SessionStore {
@@ -237,7 +242,18 @@ impl SessionStore {
             held_bytes: 0,
             budgets,
             view: KeptView::new(),
+            removed: None,
         }
+    }
+
+    /// Records every removal from now on (deleted, replaced or over a budget) for [`SessionStore::take_removed`].
+    pub fn track_removals(&mut self) {
+        self.removed.get_or_insert_with(Vec::new);
+    }
+
+    /// The ids removed since the last call (none unless tracked).
+    pub fn take_removed(&mut self) -> Vec<ResponseId> {
+        self.removed.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
     /// The API's read-only view of this store.
@@ -338,6 +354,9 @@ impl SessionStore {
     pub fn remove(&mut self, runner: &mut dyn Runner, id: &ResponseId) -> Result<bool> {
         let Some(kept) = self.detach(id) else { return Ok(false) };
         self.view.withdraw(id);
+        if let Some(removed) = &mut self.removed {
+            removed.push(id.clone());
+        }
         if let Tier::Device { state, .. } = kept.tier {
             runner.free_state(state)?;
         }

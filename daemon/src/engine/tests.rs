@@ -153,9 +153,14 @@ impl Harness {
     }
 
     fn record(&self, id: &str, record: &'static [u8]) {
-        let command =
-            EngineCommand::RecordResponse { id: ResponseId(id.into()), record: bytes::Bytes::from_static(record) };
+        let (reply, committed) = tokio::sync::oneshot::channel();
+        let command = EngineCommand::RecordResponse {
+            id: ResponseId(id.into()),
+            record: bytes::Bytes::from_static(record),
+            reply,
+        };
         self.handle.blocking_send(command).unwrap();
+        assert!(committed.blocking_recv().unwrap(), "committed");
     }
 
     /// Waits until the engine has handled everything sent so far (a no-op command round trip).

@@ -91,9 +91,11 @@ pub enum EngineCommand {
     /// Answered once every command sent before it has been handled (so the [`KeptView`] shows
     /// what they did).
     Barrier { reply: oneshot::Sender<()> },
-    /// Attach the API's rendering of a kept response (what `GET /v1/responses/{id}` returns); its
-    /// bytes count against the kept-responses budget. Ignored when `id` is no longer kept.
-    RecordResponse { id: ResponseId, record: Bytes },
+    /// Attach the API's rendering of a kept response (what `GET /v1/responses/{id}` returns): the turn
+    /// commits. Its bytes count against the kept-responses budget; with a session journal it is written
+    /// and synced before `reply` (whether it is on disk, or needs not be). Ignored when `id` is no longer
+    /// kept.
+    RecordResponse { id: ResponseId, record: Bytes, reply: oneshot::Sender<bool> },
     /// Stop every request in the engine, each as `Cancel` would (the end of a drain whose time ran out).
     CancelAll,
     /// Cancel every request and stop the engine thread (what `Engine::shutdown` sends).
@@ -333,9 +335,12 @@ impl EngineHandle {
         answer.await.map_err(|_| EngineError::Stopped)
     }
 
-    /// Attaches the API's rendering to a kept response (queued behind every earlier command).
-    pub async fn record_response(&self, id: ResponseId, record: Bytes) -> Result<(), EngineError> {
-        self.send(EngineCommand::RecordResponse { id, record }).await
+    /// Attaches the API's rendering to a kept response (queued behind every earlier command) and returns once
+    /// the turn is committed: `false` when a session journal could not write it (it is kept in memory only).
+    pub async fn record_response(&self, id: ResponseId, record: Bytes) -> Result<bool, EngineError> {
+        let (reply, committed) = oneshot::channel();
+        self.send(EngineCommand::RecordResponse { id, record, reply }).await?;
+        committed.await.map_err(|_| EngineError::Stopped)
     }
 
     /// Sends any command, waiting while the queue is full.
