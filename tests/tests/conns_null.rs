@@ -1,7 +1,8 @@
 //! Connection bounds, black-box on the null device: a head trickled slower than `--header-timeout` is cut off
 //! (500 slowloris connections used to be held for as long as they liked), a body that stalls is a 408, an idle
 //! keep-alive connection and an idle WebSocket are closed after `--idle-timeout`, and past `--max-connections`
-//! a new connection waits until one closes; after each, the next request is served.
+//! a new connection waits until one closes, and past `--max-ws-streams` a WebSocket's next `response.create` is
+//! refused until one of its streams ends; after each, the next request is served.
 
 use std::time::{Duration, Instant};
 
@@ -112,4 +113,39 @@ async fn past_max_connections_a_new_connection_waits_for_a_free_slot() {
         .expect("served once a slot frees")
         .unwrap();
     assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_max_ws_streams_a_response_create_is_refused_until_one_ends() {
+    // On the CPU k3-tiny: the null device makes tokens faster than any reader takes them, and cuts it off.
+    let s = Server::start(&["--device", "cpu", "--max-ws-streams", "2"]).await.expect("server starts");
+    let mut ws = s.websocket().await.unwrap();
+    let create = |id: &str| {
+        json!({"type": "response.create", "stream_id": id, "input": "hi", "max_output_tokens": 100_000,
+               "ignore_eos": true, "store": false})
+    };
+    for id in ["s1", "s2", "s3"] {
+        ws.send(&create(id)).await.unwrap();
+    }
+    // s3 is refused; s1 and s2 run. Then s1 is cancelled, and a new one is taken.
+    let mut refused = false;
+    let mut cancelled = false;
+    loop {
+        let WsIncoming::Event(e) = ws.recv_or_close().await.unwrap() else { panic!("the socket closed") };
+        match (e["type"].as_str().unwrap_or_default(), e["stream_id"].as_str().unwrap_or_default()) {
+            ("error", "s3") => {
+                assert_eq!(e["code"], "too_many_streams", "{e}");
+                refused = true;
+                ws.send(&json!({"type": "response.cancel", "stream_id": "s1"})).await.unwrap();
+            }
+            ("response.incomplete", "s1") => {
+                cancelled = true;
+                ws.send(&create("s4")).await.unwrap();
+            }
+            ("response.created", "s4") => break,
+            ("error", other) => panic!("unexpected error on {other}: {e}"),
+            _ => {}
+        }
+    }
+    assert!(refused && cancelled);
 }

@@ -37,6 +37,8 @@ pub struct ConnLimits {
     pub max_connections: usize,
     pub header_timeout: Duration,
     pub idle_timeout: Duration,
+    /// Responses in progress at once on one WebSocket.
+    pub max_ws_streams: usize,
 }
 
 /// What a connection's watchdog reads: when bytes last moved, when the head being read began, how many
@@ -253,6 +255,7 @@ mod tests {
         max_connections: 1,
         header_timeout: Duration::from_millis(100),
         idle_timeout: Duration::from_millis(400),
+        max_ws_streams: 1,
     };
 
     #[tokio::test(start_paused = true)]

@@ -49,6 +49,9 @@ pub enum ApiError {
     /// `--max-waiting` requests already wait for the engine.
     #[error("the server is at capacity: {max_waiting} requests are already waiting (--max-waiting); retry later")]
     QueueFull { max_waiting: usize },
+    /// A WebSocket already has `--max-ws-streams` responses in progress.
+    #[error("this socket already has {limit} responses in progress (--max-ws-streams); wait for one to end")]
+    TooManyStreams { limit: usize },
     /// The request (its body) did not arrive in time.
     #[error("{0}")]
     RequestTimeout(String),
@@ -90,6 +93,7 @@ impl ApiError {
             ApiError::QueueFull { .. } => "queue_full",
             ApiError::ShuttingDown => "server_shutting_down",
             ApiError::RequestTimeout(_) => "request_timeout",
+            ApiError::TooManyStreams { .. } => "too_many_streams",
             ApiError::EngineUnavailable => "engine_unavailable",
             ApiError::Engine(e) => e.kind(),
             ApiError::Tokenizer(e) => e.kind(),
@@ -115,7 +119,7 @@ impl ApiError {
             ApiError::NotFound { .. } | ApiError::ResponseNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
             ApiError::OriginNotAllowed(_) => StatusCode::FORBIDDEN,
-            ApiError::QueueFull { .. } => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::QueueFull { .. } | ApiError::TooManyStreams { .. } => StatusCode::TOO_MANY_REQUESTS,
             ApiError::EngineUnavailable | ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Engine(EngineError::InvalidRequest(_) | EngineError::UnknownResponse(_)) => {
                 StatusCode::BAD_REQUEST

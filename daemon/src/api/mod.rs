@@ -62,6 +62,10 @@ pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 /// connections (300 s, agentx.md §3.1), so a benchmark's pool never races a close.
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(330);
 
+/// Responses in progress at once on one WebSocket (`--max-ws-streams`): an agent with many parallel subagents
+/// fits, one socket cannot hold the whole engine.
+pub const DEFAULT_MAX_WS_STREAMS: usize = 64;
+
 /// Everything a connection task needs. Shared as `Arc<AppState>`.
 pub struct AppState {
     pub engine: EngineHandle,
@@ -124,6 +128,7 @@ impl AppState {
                 max_connections: DEFAULT_MAX_CONNECTIONS,
                 header_timeout: DEFAULT_HEADER_TIMEOUT,
                 idle_timeout: DEFAULT_IDLE_TIMEOUT,
+                max_ws_streams: DEFAULT_MAX_WS_STREAMS,
             },
         }
     }

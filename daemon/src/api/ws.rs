@@ -5,7 +5,8 @@
 //! [`super::responses::stream`], each tagged with the `stream_id` of its stream, and `error`.
 //!
 //! Invariants:
-//! - One socket carries many concurrent streams; each runs in its own task and writes through one bounded
+//! - One socket carries up to `--max-ws-streams` concurrent streams (past it a `response.create` gets a
+//!   `too_many_streams` error event); each runs in its own task and writes through one bounded
 //!   outgoing queue, so a slow socket slows only its own streams.
 //! - When the client closes the socket every stream task on it is aborted, which drops its generation and
 //!   cancels it in the engine.
@@ -300,6 +301,10 @@ async fn handle_event(socket: &Socket, streams: &mut JoinSet<()>, body: Bytes, d
     };
     match event {
         Ok(ClientEvent::Create(_)) if draining => send_error(out, stream_id.as_deref(), &ApiError::ShuttingDown).await,
+        Ok(ClientEvent::Create(_)) if streams.len() >= state.conn_limits.max_ws_streams => {
+            let e = ApiError::TooManyStreams { limit: state.conn_limits.max_ws_streams };
+            send_error(out, stream_id.as_deref(), &e).await
+        }
         Ok(ClientEvent::Create(valid)) => {
             let (generation, header) = match responses::start(state, &valid, arrival, owner.clone()).await {
                 Ok(started) => started,

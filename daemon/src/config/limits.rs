@@ -1,6 +1,6 @@
 //! The per-request limits of `sparkd serve` (`--max-prompt-chars`, `--max-stop-strings`, `--max-stop-chars`,
 //! `--max-logprobs`), the size of the pool that prepares requests (`--prep-threads`), and the connection
-//! bounds (`--max-connections`, `--header-timeout`, `--idle-timeout`).
+//! bounds (`--max-connections`, `--header-timeout`, `--idle-timeout`, `--max-ws-streams`).
 //!
 //! Invariants:
 //! - Every limit is at least 1 ([`LimitArgs::validate`] names the flag otherwise); `--max-logprobs` may be 0
@@ -17,7 +17,7 @@ use super::ConfigError;
 use crate::api::conn::ConnLimits;
 use crate::api::limits::{RequestLimits, DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_STOP_CHARS, DEFAULT_MAX_STOP_STRINGS};
 use crate::api::prep::PrepPool;
-use crate::api::{DEFAULT_HEADER_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS};
+use crate::api::{DEFAULT_HEADER_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_WS_STREAMS};
 
 /// File descriptors kept for everything but client connections: checkpoint shards, the engine, logs.
 pub const RESERVED_FILES: u64 = 256;
@@ -53,6 +53,9 @@ pub struct LimitArgs {
     /// longest a request body may take).
     #[arg(long, value_name = "SECS", default_value_t = DEFAULT_IDLE_TIMEOUT.as_secs())]
     pub idle_timeout: u64,
+    /// Responses in progress at once on one WebSocket.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_WS_STREAMS)]
+    pub max_ws_streams: usize,
 }
 
 impl LimitArgs {
@@ -66,6 +69,7 @@ impl LimitArgs {
             ("max-connections", self.max_connections.unwrap_or(1)),
             ("header-timeout", self.header_timeout as usize),
             ("idle-timeout", self.idle_timeout as usize),
+            ("max-ws-streams", self.max_ws_streams),
         ];
         match positive.iter().find(|(_, v)| *v == 0) {
             Some((flag, _)) => Err(ConfigError { flag, reason: "must be at least 1".into() }),
@@ -112,6 +116,7 @@ impl LimitArgs {
             max_connections,
             header_timeout: Duration::from_secs(self.header_timeout),
             idle_timeout: Duration::from_secs(self.idle_timeout),
+            max_ws_streams: self.max_ws_streams,
         })
     }
 
