@@ -132,6 +132,18 @@ impl Server {
         }
     }
 
+    /// The server's resident memory (`VmRSS`), in MiB.
+    pub fn rss_mb(&self) -> Result<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()))?;
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse::<u64>().ok())
+            .map(|kb| kb / 1024)
+            .context("no VmRSS line in /proc/PID/status")
+    }
+
     /// The server's process id.
     pub fn pid(&self) -> u32 {
         self.child.id()

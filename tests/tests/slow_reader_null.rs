@@ -14,17 +14,6 @@ const STREAMS: usize = 10;
 /// How much the daemon's resident memory may grow while the streams are held unread.
 const RSS_BOUND_MB: u64 = 64;
 
-fn rss_mb(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc status");
-    let kb: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .expect("VmRSS");
-    kb / 1024
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_nobody_reads_are_cut_off_and_memory_stays_bounded() {
     let s = Server::start(&["--device", "null", "--max-event-backlog", "1024"]).await.expect("server starts");
@@ -34,7 +23,7 @@ async fn streams_nobody_reads_are_cut_off_and_memory_stays_bounded() {
     });
     let warm = json!({"messages": [{"role": "user", "content": "warm"}], "max_tokens": 64, "logprobs": true, "top_logprobs": 20});
     assert_eq!(s.post("/v1/chat/completions", &warm).await.unwrap().0, 200);
-    let before = rss_mb(s.pid());
+    let before = s.rss_mb().unwrap();
 
     let mut unread = Vec::new();
     for _ in 0..STREAMS {
@@ -46,7 +35,7 @@ async fn streams_nobody_reads_are_cut_off_and_memory_stays_bounded() {
         .await
         .expect("every unread stream is cut off");
     assert_eq!(m.value("vllm:num_requests_running", &[]), Some(0.0), "nothing runs for the unread streams");
-    let after = rss_mb(s.pid());
+    let after = s.rss_mb().unwrap();
     assert!(after <= before + RSS_BOUND_MB, "resident memory grew from {before} MB to {after} MB");
 
     // A reader that comes back gets what was buffered, then the error.

@@ -16,17 +16,6 @@ const SOAK: Duration = Duration::from_secs(60);
 /// How much the daemon's resident memory may grow over the soak.
 const RSS_BOUND_MB: u64 = 256;
 
-fn rss_mb(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc status");
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse::<u64>().ok())
-        .expect("VmRSS")
-        / 1024
-}
-
 /// A small deterministic generator per client (no shared state, reproducible runs).
 struct Lcg(u64);
 
@@ -136,7 +125,7 @@ async fn two_hundred_clients_with_random_cancels_for_a_minute() {
     let s = Arc::new(Server::start(&["--device", "null"]).await.expect("server starts"));
     let warm = json!({"prompt": "warm", "max_tokens": 8});
     assert_eq!(s.post("/v1/completions", &warm).await.unwrap().0, 200);
-    let before = rss_mb(s.pid());
+    let before = s.rss_mb().unwrap();
     let tally = Arc::new(Tally::default());
     let deadline = Instant::now() + SOAK;
     let clients: Vec<_> = (0..CLIENTS as u64)
@@ -153,7 +142,7 @@ async fn two_hundred_clients_with_random_cancels_for_a_minute() {
     };
     let m = s.wait_metrics(Duration::from_secs(20), idle).await.expect("the engine ends idle: nothing leaked");
     assert_eq!(m.value("sparkd:slow_reader_cancels_total", &[]).unwrap_or(0.0), 0.0, "no reader was cut off");
-    let after = rss_mb(s.pid());
+    let after = s.rss_mb().unwrap();
     let (finished, cancelled) = (tally.finished.load(Ordering::Relaxed), tally.cancelled.load(Ordering::Relaxed));
     assert!(finished > 1000 && cancelled > 100, "{finished} finished, {cancelled} cancelled: too few to prove much");
     assert!(after <= before + RSS_BOUND_MB, "resident memory grew from {before} MB to {after} MB");
