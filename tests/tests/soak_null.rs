@@ -1,8 +1,9 @@
 //! Soak on loopback, null device: 200 concurrent clients for 60 s, each looping over streaming chat
 //! completions, non-streaming completions and Responses WebSocket streams, cancelling about a third of them at a
 //! random point (dropping the SSE stream, or `response.cancel`). Every request that is not cancelled must end
-//! properly (a finish reason and `[DONE]`, or its terminal event with the length limit reached), none may fail, the engine must end with
-//! nothing running or waiting, and the daemon's resident memory may grow by at most [`RSS_BOUND_MB`].
+//! properly (a finish reason and `[DONE]`, or its terminal event with the length limit reached), none may fail,
+//! the engine must end with nothing running or waiting, and the daemon's resident memory may grow by at most
+//! [`RSS_BOUND_MB`].
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
