@@ -8,6 +8,9 @@
 //!   groups, ...) was rejected with a [`KernelError::Config`] naming the field.
 //! - The MoE latent width and expert width are multiples of the MXFP4 group (32) when the
 //!   experts are quantized.
+//! - Every dimension (widths, head counts and sizes, ranks, the vocabulary, expert counts, the layer
+//!   count) is at most [`MAX_DIM`], so every tensor's element count is below 2^62 and its byte size
+//!   fits in `usize`; a larger one is refused naming the field, never an overflow later.
 //!
 //! Source of the schema: shared/reference/k3-architecture.md §1 (the published K3 `config.json`).
 
@@ -135,6 +138,10 @@ pub struct ModelConfig {
 pub const MLA_NORM_EPS: f32 = 1e-6;
 /// The eps of the KDA q/k L2 normalisation (fla kernel).
 pub const L2_NORM_EPS: f32 = 1e-6;
+
+/// The largest dimension a config may give (2^20; K3's largest is its 163,840-token vocabulary). The products the
+/// schema forms are at most three dimensions (`heads · (nope + rope) · q_lora`), below 2^62 elements.
+pub const MAX_DIM: usize = 1 << 20;
 
 /// The named configs sparkd knows without a checkpoint.
 pub const PRESET_NAMES: [&str; 4] = ["k3-tiny", "k3-mini", "k3-mini-wide", "k3"];
@@ -426,6 +433,20 @@ impl Fields<'_> {
         Ok(n)
     }
 
+    /// A tensor dimension or count: at most [`MAX_DIM`].
+    fn at_most_max_dim(&self, key: &str, n: usize) -> Result<usize> {
+        if n > MAX_DIM {
+            return Err(KernelError::config(self.path(key), format!("{n} is larger than sparkd supports ({MAX_DIM})")));
+        }
+        Ok(n)
+    }
+
+    /// A positive dimension, at most [`MAX_DIM`].
+    fn dim(&self, key: &str) -> Result<usize> {
+        let n = self.positive(key)?;
+        self.at_most_max_dim(key, n)
+    }
+
     fn f32(&self, key: &str) -> Result<f32> {
         let v = self.get(key)?;
         v.as_f64()
@@ -490,8 +511,8 @@ impl Fields<'_> {
     }
 
     fn parse(&self, root: &Map<String, Value>) -> Result<ModelConfig> {
-        let num_layers = self.positive("num_hidden_layers")?;
-        let hidden_size = self.positive("hidden_size")?;
+        let num_layers = self.dim("num_hidden_layers")?;
+        let hidden_size = self.dim("hidden_size")?;
 
         // Layer schedule from the 1-based lists; they must partition 1..=num_layers.
         let lin = self.object("linear_attn_config")?;
@@ -518,19 +539,19 @@ impl Fields<'_> {
         let lin_usize = |k: &str| -> Result<usize> {
             lin.get(k)
                 .and_then(Value::as_u64)
-                .filter(|n| *n > 0)
+                .filter(|n| (1..=MAX_DIM as u64).contains(n))
                 .map(|n| n as usize)
-                .ok_or_else(|| KernelError::config(lin_field(k), "missing or not a positive integer"))
+                .ok_or_else(|| KernelError::config(lin_field(k), format!("missing or not an integer in 1..={MAX_DIM}")))
         };
+        // Checked as the f32 it is stored in: a finite f64 can round to an infinite or zero f32.
         let gate_lower_bound =
-            lin.get("gate_lower_bound").and_then(Value::as_f64).filter(|x| x.is_finite() && *x < 0.0).ok_or_else(
-                || {
-                    KernelError::config(
-                        lin_field("gate_lower_bound"),
-                        "missing or not a negative number (the softplus gate of Kimi-Linear is not supported)",
-                    )
-                },
-            )? as f32;
+            lin.get("gate_lower_bound").and_then(Value::as_f64).map(|x| x as f32).filter(|x| x.is_finite() && *x < 0.0);
+        let gate_lower_bound = gate_lower_bound.ok_or_else(|| {
+            KernelError::config(
+                lin_field("gate_lower_bound"),
+                "missing or not a negative number (the softplus gate of Kimi-Linear is not supported)",
+            )
+        })?;
         if lin.get("use_full_rank_gate").and_then(Value::as_bool) != Some(true) {
             return Err(KernelError::config(
                 lin_field("use_full_rank_gate"),
@@ -544,23 +565,23 @@ impl Fields<'_> {
             gate_lower_bound,
         };
 
-        let heads = self.positive("num_attention_heads")?;
+        let heads = self.dim("num_attention_heads")?;
         self.require_usize("num_key_value_heads", heads, "MLA has as many kv heads as query heads")?;
         let q_lora_rank = match self.get("q_lora_rank")? {
             Value::Null => {
                 return Err(KernelError::config(self.path("q_lora_rank"), "null (a direct q_proj) is not supported"))
             }
-            _ => self.positive("q_lora_rank")?,
+            _ => self.dim("q_lora_rank")?,
         };
         self.require_bool("mla_use_nope", true, "K3's MLA has no rotary embedding")?;
         self.require_bool("mla_use_output_gate", true, "K3's MLA is gated")?;
         let mla = MlaConfig {
             num_heads: heads,
             q_lora_rank,
-            kv_lora_rank: self.positive("kv_lora_rank")?,
-            qk_nope_head_dim: self.positive("qk_nope_head_dim")?,
-            qk_rope_head_dim: self.positive("qk_rope_head_dim")?,
-            v_head_dim: self.positive("v_head_dim")?,
+            kv_lora_rank: self.dim("kv_lora_rank")?,
+            qk_nope_head_dim: self.dim("qk_nope_head_dim")?,
+            qk_rope_head_dim: self.dim("qk_rope_head_dim")?,
+            v_head_dim: self.dim("v_head_dim")?,
         };
         if mla.v_head_dim != mla.qk_nope_head_dim {
             return Err(KernelError::config(self.path("v_head_dim"), "must equal qk_nope_head_dim"));
@@ -585,17 +606,17 @@ impl Fields<'_> {
         }
 
         let expert_format = self.expert_format()?;
-        let num_experts = self.positive("num_experts")?;
-        let top_k = self.positive("num_experts_per_token")?;
+        let num_experts = self.dim("num_experts")?;
+        let top_k = self.dim("num_experts_per_token")?;
         if top_k > num_experts {
             return Err(KernelError::config(self.path("num_experts_per_token"), "larger than num_experts"));
         }
         let moe = MoeConfig {
             num_experts,
             top_k,
-            num_shared_experts: self.usize("num_shared_experts")?,
-            expert_dim: self.positive("moe_intermediate_size")?,
-            latent_dim: self.positive("routed_expert_hidden_size")?,
+            num_shared_experts: self.at_most_max_dim("num_shared_experts", self.usize("num_shared_experts")?)?,
+            expert_dim: self.dim("moe_intermediate_size")?,
+            latent_dim: self.dim("routed_expert_hidden_size")?,
             renormalize: self.bool("moe_renormalize")?,
             routed_scaling_factor: self.f32("routed_scaling_factor")?,
             expert_format,
@@ -613,7 +634,7 @@ impl Fields<'_> {
             }
         }
 
-        let attn_res_block_size = self.positive("attn_res_block_size")?;
+        let attn_res_block_size = self.dim("attn_res_block_size")?;
         let token_id = |key: &str| -> Result<u32> {
             let v = self.obj.get(key).or_else(|| root.get(key));
             match v.and_then(Value::as_u64) {
@@ -621,7 +642,7 @@ impl Fields<'_> {
                 _ => Err(KernelError::config(self.path(key), "missing or not a token id")),
             }
         };
-        let vocab_size = self.positive("vocab_size")?;
+        let vocab_size = self.dim("vocab_size")?;
         let cfg = ModelConfig {
             vocab_size,
             hidden_size,
@@ -629,7 +650,7 @@ impl Fields<'_> {
             kda,
             mla,
             moe,
-            dense_intermediate: self.positive("intermediate_size")?,
+            dense_intermediate: self.dim("intermediate_size")?,
             attn_res_block_size,
             situ_beta: self.f32("activation_situ_beta")?,
             situ_linear_beta: self.f32("activation_situ_linear_beta")?,

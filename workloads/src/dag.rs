@@ -10,9 +10,10 @@
 //!   subagents with the same anchors collapse into one multi-child branch whose children run in
 //!   parallel. Subagents are spawns: fresh contexts with their own setup prefix.
 //! - `setup_blocks` is the number of leading hash blocks that form the tools+system prefix: from
-//!   the declared `tool_tokens + system_tokens` when the trace declares them, else derived from the
-//!   longest common hash-id prefix of the chain's turns (the AgentX v1.0 corpus declares zeros).
-//!   It always leaves at least one token of the first turn outside the prefix.
+//!   the declared `tool_tokens + system_tokens` (summed in 64 bits, each may be any u32) when the
+//!   trace declares them, else derived from the longest common hash-id prefix of the chain's turns
+//!   (the AgentX v1.0 corpus declares zeros). It always leaves at least one token of the first turn
+//!   outside the prefix.
 //! - A Mooncake trace has no sessions: each line becomes a one-turn session, all sharing the file's
 //!   hash-id scope.
 
@@ -121,7 +122,7 @@ impl Session {
 
 /// Builds the session tree of a Weka trace.
 pub fn weka_session(trace: &WekaTrace) -> Session {
-    let declared = trace.tool_tokens + trace.system_tokens;
+    let declared = declared_setup(trace.tool_tokens, trace.system_tokens);
     let mut main_turns: Vec<RecordedRequest> = Vec::new();
     // (index of the preceding main turn or None, subagent entry)
     let mut pending: Vec<(Option<usize>, &crate::trace::WekaSubagent)> = Vec::new();
@@ -183,7 +184,7 @@ fn flush(
         let chain = chain_from(
             format!("{}::sa:{}", trace.id, sub.agent_id),
             &recorded,
-            sub.tool_tokens + sub.system_tokens,
+            declared_setup(sub.tool_tokens, sub.system_tokens),
             trace.block_size,
         );
         let child =
@@ -195,7 +196,7 @@ fn flush(
     }
 }
 
-fn chain_from(id: String, recorded: &[RecordedRequest], declared_setup: u32, block_size: u32) -> Chain {
+fn chain_from(id: String, recorded: &[RecordedRequest], declared: u64, block_size: u32) -> Chain {
     let turns: Vec<Turn> = recorded
         .iter()
         .enumerate()
@@ -208,7 +209,7 @@ fn chain_from(id: String, recorded: &[RecordedRequest], declared_setup: u32, blo
             delay_s: if i == 0 { 0.0 } else { r.think_time.unwrap_or_else(|| start_gap(&recorded[i - 1], r)) },
         })
         .collect();
-    let (setup_blocks, setup_source) = setup_prefix(&turns, declared_setup, block_size);
+    let (setup_blocks, setup_source) = setup_prefix(&turns, declared, block_size);
     Chain { id, setup_blocks, setup_source, turns }
 }
 
@@ -217,12 +218,17 @@ fn start_gap(prev: &RecordedRequest, next: &RecordedRequest) -> f64 {
     (next.t - prev.t - prev.api_time.unwrap_or(0.0)).max(0.0)
 }
 
-fn setup_prefix(turns: &[Turn], declared: u32, block_size: u32) -> (usize, SetupSource) {
+/// The setup tokens a trace or subagent declares: its tool and system tokens.
+fn declared_setup(tool_tokens: u32, system_tokens: u32) -> u64 {
+    u64::from(tool_tokens) + u64::from(system_tokens)
+}
+
+fn setup_prefix(turns: &[Turn], declared: u64, block_size: u32) -> (usize, SetupSource) {
     let Some(first) = turns.first() else { return (0, SetupSource::None) };
     // Keep at least one token of the first turn for the user message.
     let max_blocks = ((first.input_tokens as usize).saturating_sub(1) / block_size as usize).min(first.hash_ids.len());
     if declared > 0 {
-        return (((declared / block_size) as usize).min(max_blocks), SetupSource::Declared);
+        return (((declared / u64::from(block_size)) as usize).min(max_blocks), SetupSource::Declared);
     }
     if turns.len() < 2 {
         return (0, SetupSource::Lcp);

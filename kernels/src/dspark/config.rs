@@ -5,7 +5,9 @@
 //! - `hidden_size` and `vocab_size` equal the target's (the drafter reads the target's embedding and
 //!   lm_head, and its context features are the target's hidden states);
 //! - `target_layer_ids` are strictly ascending, 0-based target layer indices, and never the last layer;
-//! - `mask_token_id` lies inside the vocabulary; every width is positive; `qk_rope_head_dim` is even.
+//! - `mask_token_id` lies inside the vocabulary; every width is positive and at most [`MAX_DIM`], and there are at
+//!   most [`MAX_DRAFT_LAYERS`] draft layers, so every tensor's byte size fits in `usize`; `qk_rope_head_dim` is
+//!   even.
 //!
 //! Tap convention (shared/reference/dspark.md §1.1): DeepSpec's `target_layer_ids` are 0-based decoder
 //! layer ids whose OUTPUT is tapped (`hidden_states[id + 1]`), and the last layer is never used. The
@@ -19,7 +21,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{MlaConfig, ModelConfig};
+use crate::config::{MlaConfig, ModelConfig, MAX_DIM};
 use crate::error::{KernelError, Result};
 use crate::schema::model_tensors;
 
@@ -61,6 +63,8 @@ pub struct DrafterConfig {
 
 /// Most drafts one block may ask for.
 pub const MAX_BLOCK: usize = 64;
+/// Most draft layers (DSpark's drafters have one to five).
+pub const MAX_DRAFT_LAYERS: usize = 64;
 
 impl DrafterConfig {
     /// The drafter analogue of a built-in target preset (see the table in [`Self::for_target`]).
@@ -211,6 +215,15 @@ impl DrafterConfig {
             if value == 0 {
                 return Err(KernelError::config(field(name), "must be positive"));
             }
+            if value > MAX_DIM {
+                return Err(KernelError::config(
+                    field(name),
+                    format!("{value} is larger than sparkd supports ({MAX_DIM})"),
+                ));
+            }
+        }
+        if self.num_draft_layers > MAX_DRAFT_LAYERS {
+            return Err(KernelError::config(field("num_draft_layers"), format!("at most {MAX_DRAFT_LAYERS}")));
         }
         if self.block_size > MAX_BLOCK {
             return Err(KernelError::config(field("block_size"), format!("at most {MAX_BLOCK}")));
@@ -245,13 +258,18 @@ impl DrafterConfig {
         serde_json::to_string_pretty(self).map_err(|e| KernelError::InvalidInput(e.to_string()))
     }
 
-    /// Parameters of the drafter's own tensors (the shared embedding and lm_head excluded).
+    /// Parameters of the drafter's own tensors (the shared embedding and lm_head excluded), saturating at
+    /// `u64::MAX` (each tensor's count fits, but the widths allowed can make their sum overflow).
     pub fn num_params(&self) -> u64 {
-        super::schema::drafter_tensors(self).iter().map(|s| s.shape.canonical().iter().product::<usize>() as u64).sum()
+        super::schema::drafter_tensors(self)
+            .iter()
+            .map(|s| s.shape.canonical().iter().product::<usize>() as u64)
+            .fold(0, u64::saturating_add)
     }
 
     /// Weight bytes the drafter reads per proposal: every tensor of its own except the Markov table
-    /// `W1`, of which it reads one row per draft position (counted once, like the target's embedding).
+    /// `W1`, of which it reads one row per draft position (counted once, like the target's embedding);
+    /// saturating at `u64::MAX`.
     pub fn active_bytes(&self) -> u64 {
         super::schema::drafter_tensors(self)
             .iter()
@@ -263,7 +281,7 @@ impl DrafterConfig {
                     bytes
                 }
             })
-            .sum()
+            .fold(0, u64::saturating_add)
     }
 }
 

@@ -1,0 +1,223 @@
+//! Property tests of the built-in tokenizer's text paths: encoding, the chat template and the incremental
+//! detokenizer, on text that mixes ASCII, multi-byte characters, whitespace runs and special-token strings.
+//! - encoding round trip: `decode(encode(s)) == s`, with no special id and every id inside the vocabulary;
+//! - chat template: the rendered ids decode (special tokens as names) to the text the template's documentation
+//!   describes, built here by concatenation; the special ids are exactly the markers (content cannot inject one);
+//!   an unknown role is refused naming the first one;
+//! - detokenizer: fed in any chunking, the concatenated output equals `decode_lossy` of the ids it keeps (specials
+//!   skipped or named, unknown ids counted and dropped), and valid text comes back unchanged with no U+FFFD.
+
+use std::sync::OnceLock;
+
+use proptest::prelude::*;
+use sparkd_tokenizer::specials::{
+    IM_ASSISTANT, IM_END, IM_MIDDLE, IM_SYSTEM, IM_USER, K3_SPECIAL_BASE, TOOL_CALLS_SECTION_BEGIN,
+    TOOL_CALLS_SECTION_END, TOOL_CALL_ARGUMENT_BEGIN, TOOL_CALL_BEGIN, TOOL_CALL_END,
+};
+use sparkd_tokenizer::{
+    ChatMessage, ChatRole, ChatTemplate, IncrementalDecoder, RenderSpec, Tokenizer, TokenizerError, ToolCall,
+    CL100K_BASE_TOKENS, KIMI_DEFAULT_SYSTEM_PROMPT,
+};
+
+fn template() -> &'static ChatTemplate {
+    static TEMPLATE: OnceLock<ChatTemplate> = OnceLock::new();
+    TEMPLATE.get_or_init(|| {
+        ChatTemplate::new(Tokenizer::builtin().expect("the built-in tokenizer builds")).expect("it has the markers")
+    })
+}
+
+fn tokenizer() -> &'static Tokenizer {
+    template().tokenizer()
+}
+
+/// Text mixing words, whitespace runs, multi-byte characters and special-token strings.
+fn text() -> impl Strategy<Value = String> {
+    let piece = prop_oneof![
+        "[a-zA-Z0-9 ]{1,12}",
+        "[ \t\n]{1,6}",
+        "[é€😀中文]{1,4}",
+        Just(IM_END.to_string()),
+        Just("<think>".to_string()),
+        Just(TOOL_CALL_BEGIN.to_string()),
+        any::<char>().prop_map(String::from),
+    ];
+    prop::collection::vec(piece, 0..8).prop_map(|pieces| pieces.concat())
+}
+
+fn message() -> impl Strategy<Value = ChatMessage> {
+    let role = prop::sample::select(vec!["system", "developer", "user", "assistant", "tool"]);
+    let calls = prop::collection::vec((text(), text()), 0..3);
+    (role, text(), prop::option::of(text()), prop::option::of(text()), calls).prop_map(
+        |(role, content, name, reasoning, calls)| ChatMessage {
+            role: role.to_string(),
+            content,
+            name,
+            reasoning,
+            tool_calls: calls
+                .into_iter()
+                .map(|(id, arguments)| ToolCall { id, name: String::new(), arguments })
+                .collect(),
+        },
+    )
+}
+
+/// The text a render decodes to, and how many markers it holds, built from the template's documentation.
+#[derive(Default)]
+struct Expected {
+    text: String,
+    markers: usize,
+}
+
+impl Expected {
+    fn marker(&mut self, name: &str) {
+        self.text.push_str(name);
+        self.markers += 1;
+    }
+
+    fn turn(&mut self, m: &ChatMessage, role: ChatRole, close: bool, thinking: bool) {
+        self.marker(match role {
+            ChatRole::User => IM_USER,
+            ChatRole::Assistant => IM_ASSISTANT,
+            ChatRole::System | ChatRole::Developer | ChatRole::Tool => IM_SYSTEM,
+        });
+        self.text.push_str(m.name.as_deref().filter(|n| !n.is_empty()).unwrap_or(role.as_str()));
+        self.marker(IM_MIDDLE);
+        if role == ChatRole::Assistant {
+            match m.reasoning.as_deref().filter(|r| !r.is_empty()) {
+                Some(r) => self.text.push_str(&format!("<think>{r}</think>")),
+                None if !thinking => self.text.push_str("<think></think>"),
+                None => {}
+            }
+        }
+        self.text.push_str(&m.content);
+        if role == ChatRole::Assistant && !m.tool_calls.is_empty() {
+            self.marker(TOOL_CALLS_SECTION_BEGIN);
+            for call in &m.tool_calls {
+                self.marker(TOOL_CALL_BEGIN);
+                self.text.push_str(&call.id);
+                self.marker(TOOL_CALL_ARGUMENT_BEGIN);
+                self.text.push_str(&call.arguments);
+                self.marker(TOOL_CALL_END);
+            }
+            self.marker(TOOL_CALLS_SECTION_END);
+        }
+        if close {
+            self.marker(IM_END);
+        }
+    }
+
+    fn render(messages: &[ChatMessage], tools: Option<&str>, add_generation_prompt: bool, thinking: bool) -> Self {
+        let mut e = Expected::default();
+        if let Some(tools) = tools.filter(|t| !t.trim().is_empty() && t.trim() != "[]") {
+            let declare = ChatMessage::new("system", tools).with_name(Some("tool_declare".into()));
+            e.turn(&declare, ChatRole::System, true, thinking);
+        }
+        for (i, m) in messages.iter().enumerate() {
+            let role = ChatRole::parse(&m.role).expect("a known role");
+            if i == 0 && role != ChatRole::System {
+                e.turn(&ChatMessage::new("system", KIMI_DEFAULT_SYSTEM_PROMPT), ChatRole::System, true, thinking);
+            }
+            e.turn(m, role, add_generation_prompt || i + 1 < messages.len(), thinking);
+        }
+        if add_generation_prompt {
+            e.marker(IM_ASSISTANT);
+            e.text.push_str("assistant");
+            e.marker(IM_MIDDLE);
+            if !thinking {
+                e.text.push_str("<think></think>");
+            }
+        }
+        e
+    }
+}
+
+/// Spreads a raw value over base tokens (single bytes among them), specials, the unused gap and past the end.
+fn token_id(raw: u32) -> u32 {
+    let v = raw >> 3;
+    match raw & 7 {
+        0 | 1 => v % 256,
+        2 => K3_SPECIAL_BASE + v % 256,
+        3 => CL100K_BASE_TOKENS + v % (K3_SPECIAL_BASE - CL100K_BASE_TOKENS),
+        4 => K3_SPECIAL_BASE + 256 + v % 1024,
+        _ => v % CL100K_BASE_TOKENS,
+    }
+}
+
+/// Feeds `ids` to `decoder` in chunks of the given sizes (the rest at once) and returns everything it gave back.
+fn stream(decoder: &mut IncrementalDecoder, ids: &[u32], chunks: &[usize]) -> String {
+    let mut out = String::new();
+    let mut rest = ids;
+    let mut sizes = chunks.iter();
+    while !rest.is_empty() {
+        let n = sizes.next().map_or(rest.len(), |&n| n.min(rest.len()));
+        out.push_str(&decoder.push(&rest[..n]));
+        rest = &rest[n..];
+    }
+    out.push_str(&decoder.finish());
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+
+    #[test]
+    fn encoding_round_trips(s in text()) {
+        let ids = tokenizer().encode(&s);
+        prop_assert!(ids.iter().all(|&id| !tokenizer().is_special(id) && (id as usize) < tokenizer().vocab_size()));
+        prop_assert_eq!(tokenizer().decode(&ids).expect("decodes"), s);
+    }
+
+    #[test]
+    fn the_template_renders_what_its_documentation_says(
+        messages in prop::collection::vec(message(), 0..5),
+        tools in prop::option::of(prop_oneof![text(), Just("[]".to_string())]),
+        add_generation_prompt in any::<bool>(),
+        thinking in any::<bool>(),
+    ) {
+        let spec = RenderSpec { messages: &messages, tools: tools.as_deref(), add_generation_prompt, thinking };
+        let ids = template().render_spec(&spec).expect("known roles render");
+        let expected = Expected::render(&messages, tools.as_deref(), add_generation_prompt, thinking);
+        prop_assert_eq!(tokenizer().decode(&ids).expect("decodes"), expected.text);
+        prop_assert_eq!(ids.iter().filter(|&&id| tokenizer().is_special(id)).count(), expected.markers);
+    }
+
+    #[test]
+    fn an_unknown_role_is_named(
+        mut messages in prop::collection::vec(message(), 1..5),
+        at in any::<prop::sample::Index>(),
+        role in "[A-Za-z]{1,8}",
+    ) {
+        prop_assume!(ChatRole::parse(&role).is_none());
+        let index = at.index(messages.len());
+        messages[index].role = role.clone();
+        match template().render(&messages) {
+            Err(TokenizerError::UnknownRole { index: got, role: named }) => prop_assert_eq!((got, named), (index, role)),
+            other => prop_assert!(false, "expected an unknown role, got {:?}", other),
+        }
+    }
+
+    #[test]
+    fn the_detokenizer_agrees_with_lossy_decoding(
+        raw in prop::collection::vec(any::<u32>(), 0..64),
+        chunks in prop::collection::vec(0usize..6, 0..32),
+        special_tokens in any::<bool>(),
+    ) {
+        let t = tokenizer();
+        let ids: Vec<u32> = raw.into_iter().map(token_id).collect();
+        let mut decoder = IncrementalDecoder::new(t.clone()).with_special_tokens(special_tokens);
+        let streamed = stream(&mut decoder, &ids, &chunks);
+        prop_assert!(!decoder.has_pending());
+        let skipped = |id: u32| t.is_special(id) && !special_tokens;
+        let kept: Vec<u32> = ids.iter().copied().filter(|&id| !skipped(id) && t.token_bytes(id).is_some()).collect();
+        let unknown = ids.iter().filter(|&&id| !skipped(id) && t.token_bytes(id).is_none()).count();
+        prop_assert_eq!(streamed, t.decode_lossy(&kept).expect("kept ids are in the vocabulary"));
+        prop_assert_eq!(decoder.unknown_ids(), unknown);
+    }
+
+    #[test]
+    fn the_detokenizer_returns_valid_text_unchanged(s in text(), chunks in prop::collection::vec(0usize..4, 0..32)) {
+        let ids = tokenizer().encode(&s);
+        let mut decoder = IncrementalDecoder::new(tokenizer().clone());
+        prop_assert_eq!(stream(&mut decoder, &ids, &chunks), s);
+    }
+}
