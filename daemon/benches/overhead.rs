@@ -5,7 +5,11 @@
 //! JSON, detokenizer, engine thread, scheduler, null runner) divided by the tokens generated. Goal: < 20 µs/token.
 //!
 //! Run: `cargo bench -p sparkd --bench overhead` (release build; Linux only, for `/proc`).
-//! Environment: `SPARKD_OVERHEAD_TOKENS` = tokens per configuration (default 32768).
+//! Environment: `SPARKD_OVERHEAD_TOKENS` = tokens per configuration (default 32768); `SPARKD_OVERHEAD_BIN` = the
+//! `sparkd` binary to measure (default: this build's), so that two builds are compared with the same clients;
+//! `SPARKD_OVERHEAD_ARGS` = more `sparkd serve` flags (whitespace-separated; default [`DEFAULT_ARGS`]: the null
+//! runner outruns any client, so one long stream would be cut off as a slow reader; give `""` for a build older
+//! than that flag).
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -17,6 +21,9 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde_json::json;
 use tokio_tungstenite::tungstenite::Message;
+
+/// `sparkd serve` flags besides the device, port and batch (see the module's environment).
+const DEFAULT_ARGS: &str = "--max-event-backlog 1000000000";
 
 struct Daemon {
     child: Child,
@@ -32,8 +39,10 @@ impl Drop for Daemon {
 
 fn start() -> Daemon {
     let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port();
-    let child = Command::new(env!("CARGO_BIN_EXE_sparkd"))
+    let bin = std::env::var("SPARKD_OVERHEAD_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_sparkd").to_owned());
+    let child = Command::new(bin)
         .args(["serve", "--device", "null", "--port", &port.to_string(), "--max-num-seqs", "128"])
+        .args(std::env::var("SPARKD_OVERHEAD_ARGS").unwrap_or_else(|_| DEFAULT_ARGS.to_owned()).split_whitespace())
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
