@@ -17,13 +17,11 @@ use std::sync::OnceLock;
 
 use libfuzzer_sys::arbitrary::{self, Arbitrary};
 use libfuzzer_sys::fuzz_target;
-use sparkd_tokenizer::specials::{
-    IM_ASSISTANT, IM_END, IM_MIDDLE, IM_SYSTEM, IM_USER, TOOL_CALLS_SECTION_BEGIN, TOOL_CALLS_SECTION_END,
-    TOOL_CALL_ARGUMENT_BEGIN, TOOL_CALL_BEGIN, TOOL_CALL_END,
-};
-use sparkd_tokenizer::{
-    ChatMessage, ChatRole, ChatTemplate, RenderSpec, Tokenizer, TokenizerError, ToolCall, KIMI_DEFAULT_SYSTEM_PROMPT,
-};
+use sparkd_tokenizer::{ChatMessage, ChatRole, ChatTemplate, RenderSpec, Tokenizer, TokenizerError, ToolCall};
+
+#[path = "../../tokenizer/tests/support/template_oracle.rs"]
+mod template_oracle;
+use template_oracle::Expected;
 
 const ROLES: [&str; 6] = ["system", "developer", "user", "assistant", "tool", "narrator"];
 
@@ -50,62 +48,6 @@ fn template() -> &'static ChatTemplate {
     TEMPLATE.get_or_init(|| {
         ChatTemplate::new(Tokenizer::builtin().expect("the built-in tokenizer builds")).expect("it has the markers")
     })
-}
-
-/// The expected text of a render, and how many markers (special ids) it holds.
-#[derive(Default)]
-struct Expected {
-    text: String,
-    markers: usize,
-}
-
-impl Expected {
-    fn marker(&mut self, name: &str) {
-        self.text.push_str(name);
-        self.markers += 1;
-    }
-
-    /// One turn, as the module docs of `tokenizer/src/chat.rs` describe it.
-    fn turn(&mut self, m: &ChatMessage, role: ChatRole, close: bool, thinking: bool) {
-        self.marker(match role {
-            ChatRole::User => IM_USER,
-            ChatRole::Assistant => IM_ASSISTANT,
-            ChatRole::System | ChatRole::Developer | ChatRole::Tool => IM_SYSTEM,
-        });
-        self.text.push_str(m.name.as_deref().filter(|n| !n.is_empty()).unwrap_or(role.as_str()));
-        self.marker(IM_MIDDLE);
-        if role == ChatRole::Assistant {
-            match m.reasoning.as_deref().filter(|r| !r.is_empty()) {
-                Some(r) => self.text.push_str(&format!("<think>{r}</think>")),
-                None if !thinking => self.text.push_str("<think></think>"),
-                None => {}
-            }
-        }
-        self.text.push_str(&m.content);
-        if role == ChatRole::Assistant && !m.tool_calls.is_empty() {
-            self.marker(TOOL_CALLS_SECTION_BEGIN);
-            for call in &m.tool_calls {
-                self.marker(TOOL_CALL_BEGIN);
-                self.text.push_str(&call.id);
-                self.marker(TOOL_CALL_ARGUMENT_BEGIN);
-                self.text.push_str(&call.arguments);
-                self.marker(TOOL_CALL_END);
-            }
-            self.marker(TOOL_CALLS_SECTION_END);
-        }
-        if close {
-            self.marker(IM_END);
-        }
-    }
-
-    fn reply_opening(&mut self, thinking: bool) {
-        self.marker(IM_ASSISTANT);
-        self.text.push_str("assistant");
-        self.marker(IM_MIDDLE);
-        if !thinking {
-            self.text.push_str("<think></think>");
-        }
-    }
 }
 
 /// Checks rendered `ids` against the expected text and marker count.
@@ -155,37 +97,9 @@ fuzz_target!(|input: Input| {
         }
         return;
     }
-    let roles: Vec<ChatRole> = roles.into_iter().flatten().collect();
 
-    let mut expected = Expected::default();
-    if let Some(tools) = input.tools.as_deref().filter(|t| !t.trim().is_empty() && t.trim() != "[]") {
-        let declare = ChatMessage::new("system", tools).with_name(Some("tool_declare".into()));
-        expected.turn(&declare, ChatRole::System, true, input.thinking);
-    }
-    for (i, (m, role)) in messages.iter().zip(&roles).enumerate() {
-        if i == 0 && *role != ChatRole::System {
-            expected.turn(
-                &ChatMessage::new("system", KIMI_DEFAULT_SYSTEM_PROMPT),
-                ChatRole::System,
-                true,
-                input.thinking,
-            );
-        }
-        let close = input.add_generation_prompt || i + 1 < messages.len();
-        expected.turn(m, *role, close, input.thinking);
-    }
-    if input.add_generation_prompt {
-        expected.reply_opening(input.thinking);
-    }
+    let expected = Expected::render(&messages, input.tools.as_deref(), input.add_generation_prompt, input.thinking);
     assert_renders(&rendered.expect("known roles render"), &expected);
-
-    let mut expected = Expected::default();
-    if !input.kept_ends_turn {
-        expected.marker(IM_END);
-    }
-    for (m, role) in messages.iter().zip(&roles) {
-        expected.turn(m, *role, true, input.thinking);
-    }
-    expected.reply_opening(input.thinking);
+    let expected = Expected::continuation(&messages, input.kept_ends_turn, input.thinking);
     assert_renders(&continued.expect("known roles render"), &expected);
 });

@@ -1,8 +1,9 @@
 //! Property tests of the built-in tokenizer's text paths: encoding, the chat template and the incremental
 //! detokenizer, on text that mixes ASCII, multi-byte characters, whitespace runs and special-token strings.
 //! - encoding round trip: `decode(encode(s)) == s`, with no special id and every id inside the vocabulary;
-//! - chat template: the rendered ids decode (special tokens as names) to the text the template's documentation
-//!   describes, built here by concatenation; the special ids are exactly the markers (content cannot inject one);
+//! - chat template: the rendered ids (a full history, or a continuation of a kept turn) decode (special tokens as
+//!   names) to the text the template's documentation describes (`support/template_oracle.rs`); the special ids are
+//!   exactly the markers (content cannot inject one);
 //!   an unknown role is refused naming the first one;
 //! - detokenizer: fed in any chunking, the concatenated output equals `decode_lossy` of the ids it keeps (specials
 //!   skipped or named, unknown ids counted and dropped), and valid text comes back unchanged with no U+FFFD.
@@ -10,14 +11,15 @@
 use std::sync::OnceLock;
 
 use proptest::prelude::*;
-use sparkd_tokenizer::specials::{
-    IM_ASSISTANT, IM_END, IM_MIDDLE, IM_SYSTEM, IM_USER, K3_SPECIAL_BASE, TOOL_CALLS_SECTION_BEGIN,
-    TOOL_CALLS_SECTION_END, TOOL_CALL_ARGUMENT_BEGIN, TOOL_CALL_BEGIN, TOOL_CALL_END,
-};
+use sparkd_tokenizer::specials::{IM_END, K3_SPECIAL_BASE, TOOL_CALL_BEGIN};
 use sparkd_tokenizer::{
     ChatMessage, ChatRole, ChatTemplate, IncrementalDecoder, RenderSpec, Tokenizer, TokenizerError, ToolCall,
-    CL100K_BASE_TOKENS, KIMI_DEFAULT_SYSTEM_PROMPT,
+    CL100K_BASE_TOKENS,
 };
+
+#[path = "support/template_oracle.rs"]
+mod template_oracle;
+use template_oracle::Expected;
 
 fn template() -> &'static ChatTemplate {
     static TEMPLATE: OnceLock<ChatTemplate> = OnceLock::new();
@@ -59,76 +61,6 @@ fn message() -> impl Strategy<Value = ChatMessage> {
                 .collect(),
         },
     )
-}
-
-/// The text a render decodes to, and how many markers it holds, built from the template's documentation.
-#[derive(Default)]
-struct Expected {
-    text: String,
-    markers: usize,
-}
-
-impl Expected {
-    fn marker(&mut self, name: &str) {
-        self.text.push_str(name);
-        self.markers += 1;
-    }
-
-    fn turn(&mut self, m: &ChatMessage, role: ChatRole, close: bool, thinking: bool) {
-        self.marker(match role {
-            ChatRole::User => IM_USER,
-            ChatRole::Assistant => IM_ASSISTANT,
-            ChatRole::System | ChatRole::Developer | ChatRole::Tool => IM_SYSTEM,
-        });
-        self.text.push_str(m.name.as_deref().filter(|n| !n.is_empty()).unwrap_or(role.as_str()));
-        self.marker(IM_MIDDLE);
-        if role == ChatRole::Assistant {
-            match m.reasoning.as_deref().filter(|r| !r.is_empty()) {
-                Some(r) => self.text.push_str(&format!("<think>{r}</think>")),
-                None if !thinking => self.text.push_str("<think></think>"),
-                None => {}
-            }
-        }
-        self.text.push_str(&m.content);
-        if role == ChatRole::Assistant && !m.tool_calls.is_empty() {
-            self.marker(TOOL_CALLS_SECTION_BEGIN);
-            for call in &m.tool_calls {
-                self.marker(TOOL_CALL_BEGIN);
-                self.text.push_str(&call.id);
-                self.marker(TOOL_CALL_ARGUMENT_BEGIN);
-                self.text.push_str(&call.arguments);
-                self.marker(TOOL_CALL_END);
-            }
-            self.marker(TOOL_CALLS_SECTION_END);
-        }
-        if close {
-            self.marker(IM_END);
-        }
-    }
-
-    fn render(messages: &[ChatMessage], tools: Option<&str>, add_generation_prompt: bool, thinking: bool) -> Self {
-        let mut e = Expected::default();
-        if let Some(tools) = tools.filter(|t| !t.trim().is_empty() && t.trim() != "[]") {
-            let declare = ChatMessage::new("system", tools).with_name(Some("tool_declare".into()));
-            e.turn(&declare, ChatRole::System, true, thinking);
-        }
-        for (i, m) in messages.iter().enumerate() {
-            let role = ChatRole::parse(&m.role).expect("a known role");
-            if i == 0 && role != ChatRole::System {
-                e.turn(&ChatMessage::new("system", KIMI_DEFAULT_SYSTEM_PROMPT), ChatRole::System, true, thinking);
-            }
-            e.turn(m, role, add_generation_prompt || i + 1 < messages.len(), thinking);
-        }
-        if add_generation_prompt {
-            e.marker(IM_ASSISTANT);
-            e.text.push_str("assistant");
-            e.marker(IM_MIDDLE);
-            if !thinking {
-                e.text.push_str("<think></think>");
-            }
-        }
-        e
-    }
 }
 
 /// Spreads a raw value over base tokens (single bytes among them), specials, the unused gap and past the end.
@@ -177,6 +109,20 @@ proptest! {
         let spec = RenderSpec { messages: &messages, tools: tools.as_deref(), add_generation_prompt, thinking };
         let ids = template().render_spec(&spec).expect("known roles render");
         let expected = Expected::render(&messages, tools.as_deref(), add_generation_prompt, thinking);
+        prop_assert_eq!(tokenizer().decode(&ids).expect("decodes"), expected.text);
+        prop_assert_eq!(ids.iter().filter(|&&id| tokenizer().is_special(id)).count(), expected.markers);
+    }
+
+    #[test]
+    fn a_continuation_renders_what_its_documentation_says(
+        messages in prop::collection::vec(message(), 0..4),
+        kept_ends_turn in any::<bool>(),
+        thinking in any::<bool>(),
+    ) {
+        let im_end = template().im_end();
+        let kept = if kept_ends_turn { vec![1, im_end] } else { vec![im_end, 1] };
+        let ids = template().render_continuation(&kept, &messages, thinking).expect("known roles render");
+        let expected = Expected::continuation(&messages, kept_ends_turn, thinking);
         prop_assert_eq!(tokenizer().decode(&ids).expect("decodes"), expected.text);
         prop_assert_eq!(ids.iter().filter(|&&id| tokenizer().is_special(id)).count(), expected.markers);
     }
