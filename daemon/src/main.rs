@@ -207,7 +207,10 @@ fn serve(args: ServeArgs) -> Result<()> {
 /// from and written to the session journal when `--session-dir` is given.
 fn start_engine(args: &ServeArgs, served: Served, model_name: &str) -> Result<Engine> {
     let cfg = &served.model;
-    let present = MemoryPresent::read(served.device).context("reading the memory present")?;
+    let present = MemoryPresent::read(served.device).unwrap_or_else(|e| {
+        tracing::warn!("cannot read the memory present ({e}): the budgets take their fixed defaults, unchecked");
+        MemoryPresent::unknown()
+    });
     let budgets = args.memory.budgets(&present)?;
     tracing::info!(
         "memory budgets: states {} MiB, host offload {} MiB, kept responses {} MiB, prefix cache {} MiB \

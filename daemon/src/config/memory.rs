@@ -10,6 +10,7 @@
 //! - A budget given explicitly is kept as given, but start-up is refused (naming the flags and the memory found)
 //!   when the budgets that live on the host add up to more than the host's available memory, or the state
 //!   budget is more than the device's free memory.
+//! - Where the memory present cannot be read ([`MemoryPresent::unknown`]), the fixed defaults apply unchecked.
 //! - The kept-responses budget bounds what kept responses hold in every tier, so it is not memory of its own:
 //!   by default it is the state and host-offload budgets together.
 
@@ -35,6 +36,11 @@ pub struct MemoryPresent {
 }
 
 impl MemoryPresent {
+    /// Memory that could not be read (no `/proc/meminfo`: not Linux): budgets take their fixed defaults, unchecked.
+    pub fn unknown() -> Self {
+        MemoryPresent { host_available: u64::MAX, device_free: None }
+    }
+
     /// Reads `/proc/meminfo` and, for CUDA, the free memory of device 0.
     pub fn read(device: Device) -> io::Result<Self> {
         let meminfo = std::fs::read_to_string("/proc/meminfo")?;
@@ -167,6 +173,12 @@ mod tests {
         let b = MemoryArgs::default().budgets(&small).unwrap();
         assert_eq!((b.state_bytes, b.host_offload_bytes, b.prefix_cache_bytes), (5 << 30, 5 << 30, (5 << 30) / 2));
         assert!((b.state_bytes + b.host_offload_bytes + b.prefix_cache_bytes) as u64 <= small.host_available * 2 / 3);
+    }
+
+    #[test]
+    fn unknown_memory_leaves_the_fixed_defaults() {
+        let b = MemoryArgs::default().budgets(&MemoryPresent::unknown()).unwrap();
+        assert_eq!((b.state_bytes, b.host_offload_bytes), (DEFAULT_STATE_BUDGET_BYTES, DEFAULT_HOST_BUDGET_BYTES));
     }
 
     #[test]
