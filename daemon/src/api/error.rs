@@ -34,6 +34,9 @@ pub enum ApiError {
     /// No such route.
     #[error("no route for {method} {path}")]
     NotFound { method: String, path: String },
+    /// A `model` (or `/v1/models/{id}`) names another model than the one served.
+    #[error("The model `{0}` does not exist.")]
+    ModelNotFound(String),
     /// `previous_response_id` names no kept response.
     #[error("previous_response_id `{0}` is not a kept response (never stored, or dropped)")]
     UnknownResponse(String),
@@ -88,6 +91,7 @@ impl ApiError {
             ApiError::NotFound { .. } => "not_found",
             ApiError::UnknownResponse(_) => "unknown_response",
             ApiError::ResponseNotFound(_) => "response_not_found",
+            ApiError::ModelNotFound(_) => "model_not_found",
             ApiError::Unauthorized { .. } => "invalid_api_key",
             ApiError::OriginNotAllowed(_) => "origin_not_allowed",
             ApiError::QueueFull { .. } => "queue_full",
@@ -116,7 +120,9 @@ impl ApiError {
             }
             ApiError::UnknownResponse(_) => StatusCode::BAD_REQUEST,
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            ApiError::NotFound { .. } | ApiError::ResponseNotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::NotFound { .. } | ApiError::ResponseNotFound(_) | ApiError::ModelNotFound(_) => {
+                StatusCode::NOT_FOUND
+            }
             ApiError::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
             ApiError::OriginNotAllowed(_) => StatusCode::FORBIDDEN,
             ApiError::QueueFull { .. } | ApiError::TooManyStreams { .. } => StatusCode::TOO_MANY_REQUESTS,
@@ -147,6 +153,7 @@ impl ApiError {
                 Some("previous_response_id")
             }
             ApiError::Tokenizer(TokenizerError::UnknownRole { .. }) => Some("messages"),
+            ApiError::ModelNotFound(_) => Some("model"),
             _ => None,
         }
     }

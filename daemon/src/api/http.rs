@@ -40,7 +40,7 @@ use super::reply::ReplyForm;
 use super::sse::{SseBody, SseWriter, QUEUED_HEARTBEAT};
 use super::stop::StopStrings;
 use super::wire::{self, Chunk, ChunkChoice, ChunkHeader, ChunkKind, FullReply, UsageJson};
-use super::{new_id, responses, unix_now, ws, AppState};
+use super::{info, new_id, responses, unix_now, ws, AppState};
 use crate::metrics as m;
 
 /// After the drain time, how long cancelled streams get to write their last events.
@@ -141,6 +141,8 @@ pub async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Result<Respo
     let path = req.uri().path().to_string();
     // `/v1/responses/{id}`: one non-empty path segment after the collection.
     let response_id = path.strip_prefix("/v1/responses/").filter(|id| !id.is_empty() && !id.contains('/'));
+    // HEAD is answered as GET (hyper sends the head only).
+    let method = if method == Method::HEAD { Method::GET } else { method };
     if path == "/health" && method == Method::GET {
         return Ok(answered("health", json_response(StatusCode::OK, &json!({"status": "ok"}))));
     }
@@ -150,7 +152,13 @@ pub async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Result<Respo
     };
     let (endpoint, result) = match (&method, path.as_str(), response_id) {
         (&Method::GET, "/metrics", _) => ("metrics", Ok(metrics_response(&state))),
-        (&Method::GET, "/v1/models", _) => ("models", Ok(models_response(&state))),
+        (&Method::GET, "/v1/models", _) => ("models", Ok(info::models(&state))),
+        (&Method::GET, "/version", _) => ("version", Ok(info::version())),
+        (&Method::POST, "/tokenize", _) => ("tokenize", info::tokenize(&state, req).await),
+        (&Method::POST, "/detokenize", _) => ("detokenize", info::detokenize(&state, req).await),
+        (&Method::GET, p, _) if p.starts_with("/v1/models/") => {
+            ("model", info::model(&state, &p["/v1/models/".len()..]))
+        }
         (&Method::POST, "/v1/chat/completions", _) => {
             ("chat_completions", chat_or_completion(&state, req, arrival, ChunkKind::Chat).await)
         }
@@ -215,16 +223,6 @@ fn metrics_response(state: &AppState) -> Response<Body> {
     bytes_response(StatusCode::OK, "text/plain; version=0.0.4; charset=utf-8", Bytes::from(state.metrics.render()))
 }
 
-fn models_response(state: &AppState) -> Response<Body> {
-    json_response(
-        StatusCode::OK,
-        &json!({"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": state.started_unix, "owned_by": "sparkd",
-            "root": state.model_name, "max_model_len": state.max_model_len,
-        }]}),
-    )
-}
-
 /// Reads the whole body, at most `--max-body-bytes` (parsing it is the preparation pool's work). A body that
 /// stalls for `--header-timeout`, or takes longer than `--idle-timeout` in all, is a 408.
 pub async fn read_body(state: &AppState, req: Request<Incoming>) -> Result<Bytes, ApiError> {
@@ -268,15 +266,21 @@ pub fn prompt_tokens(state: &AppState, prompt: &Prompt) -> Result<Vec<TokenId>, 
         })?),
         Prompt::Text(text) => Ok(state.tokenizer().encode(text)),
         Prompt::Tokens(ids) => {
-            let vocab = state.tokenizer().vocab_size();
-            if let Some(i) = ids.iter().position(|&t| t as usize >= vocab) {
-                return Err(ApiError::field(
-                    format!("prompt[{i}]"),
-                    format!("`prompt[{i}]` = {} is outside the vocabulary (size {vocab})", ids[i]),
-                ));
-            }
+            check_known_ids(state, ids, "prompt")?;
             Ok(ids.clone())
         }
+    }
+}
+
+/// Refuses token ids outside the vocabulary, naming the first (`field[i]`).
+pub fn check_known_ids(state: &AppState, ids: &[TokenId], field: &str) -> Result<(), ApiError> {
+    let vocab = state.tokenizer().vocab_size();
+    match ids.iter().position(|&t| t as usize >= vocab) {
+        Some(i) => Err(ApiError::field(
+            format!("{field}[{i}]"),
+            format!("`{field}[{i}]` = {} is outside the vocabulary (size {vocab})", ids[i]),
+        )),
+        None => Ok(()),
     }
 }
 

@@ -2,7 +2,7 @@
 //!
 //! Layout (aesthetics.md §6 rule 1): [`http`] (hyper server, routes, graceful shutdown), [`openai`] (request
 //! parsing and validation), [`wire`] (response JSON), [`sse`] (event-stream bodies), [`responses`] (the
-//! Responses API: create, retrieve, delete), [`ws`] (Responses WebSocket mode), [`tools`] (the tool fields of a
+//! Responses API: create, retrieve, delete), [`info`] (models, version, tokenize, detokenize), [`ws`] (Responses WebSocket mode), [`tools`] (the tool fields of a
 //! request), [`generate`] (one request's life against the engine: detokenize, split reasoning, content and tool
 //! calls, stop strings, usage and timings), [`stop`] (the stop-string matcher), [`limits`] (per-request size
 //! limits), [`conn`] (connections: how many, head and idle times), [`prep`] (the bounded pool that prepares requests off the I/O threads), [`error`] (the one error type and its HTTP
@@ -24,6 +24,7 @@ pub mod constraint;
 pub mod error;
 pub mod generate;
 pub mod http;
+pub mod info;
 pub mod items;
 pub mod limits;
 pub mod openai;

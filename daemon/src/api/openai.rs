@@ -307,7 +307,7 @@ fn rand_seed() -> u64 {
     nanos ^ COUNTER.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed)
 }
 
-fn token_array(v: &Value, name: &str) -> Result<Vec<TokenId>, ApiError> {
+pub(super) fn token_array(v: &Value, name: &str) -> Result<Vec<TokenId>, ApiError> {
     let items = v.as_array().ok_or_else(|| ApiError::field(name, format!("`{name}` must be an array of token ids")))?;
     items
         .iter()
