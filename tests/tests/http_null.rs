@@ -6,8 +6,12 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use sparkd_tests::{sse_text, Server};
 
+/// The null runner outruns any reader: streams these tests leave unread for a while must not be cut as slow
+/// readers (`--max-event-backlog`, tested in `slow_reader_null.rs`).
 async fn null_server() -> Server {
-    Server::start(&["--device", "null", "--served-model-name", "null-k3"]).await.expect("server starts")
+    Server::start(&["--device", "null", "--served-model-name", "null-k3", "--max-event-backlog", "100000000"])
+        .await
+        .expect("server starts")
 }
 
 fn chat(content: &str, extra: Value) -> Value {

@@ -7,8 +7,10 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use sparkd_tests::{Server, WsClient};
 
+/// The null runner outruns any reader: streams these tests leave unread for a while must not be cut as slow
+/// readers (`--max-event-backlog`, tested in `slow_reader_null.rs`).
 async fn null_server() -> Server {
-    Server::start(&["--device", "null"]).await.expect("server starts")
+    Server::start(&["--device", "null", "--max-event-backlog", "100000000"]).await.expect("server starts")
 }
 
 fn terminal<'a>(events: &'a [Value], stream_id: Option<&str>) -> &'a Value {
