@@ -134,16 +134,42 @@ impl Sockets {
     }
 }
 
-/// Sends a stream's events to the socket's outgoing queue, tagged with its `stream_id`.
+/// Sends a stream's events to the socket's outgoing queue, tagged with its `stream_id`. The stream counts
+/// against `--max-ws-streams` until its terminal event is queued (so a client that saw it end may start another
+/// at once) or the sink is dropped.
 struct WsSink {
     out: mpsc::Sender<Message>,
     stream_id: Option<String>,
+    /// The socket's streams in progress; this one is counted while `counted`.
+    open: Arc<AtomicUsize>,
+    counted: bool,
+}
+
+impl WsSink {
+    fn uncount(&mut self) {
+        if std::mem::take(&mut self.counted) {
+            self.open.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+impl Drop for WsSink {
+    fn drop(&mut self) {
+        self.uncount();
+    }
 }
 
 impl EventSink for WsSink {
     async fn send(&mut self, mut event: Value) -> Result<(), Disconnected> {
         if let Some(id) = &self.stream_id {
             event["stream_id"] = json!(id);
+        }
+        let terminal = matches!(
+            event["type"].as_str(),
+            Some("response.completed" | "response.incomplete" | "response.failed" | "error")
+        );
+        if terminal {
+            self.uncount();
         }
         self.out.send(Message::Text(event.to_string().into())).await.map_err(|_| Disconnected)
     }
@@ -164,6 +190,8 @@ struct Socket {
     active: Active,
     /// The key the socket was opened with: whose kept responses it sees.
     owner: Owner,
+    /// Streams in progress (counted until their terminal event is queued), for `--max-ws-streams`.
+    open: Arc<AtomicUsize>,
 }
 
 async fn serve_socket<S>(state: Arc<AppState>, ws: WebSocketStream<S>, owner: Owner)
@@ -184,7 +212,7 @@ where
         let _ = sink.close().await;
     });
     let _open = socket_count.enter();
-    let socket = Socket { state, out: out_tx, active: Arc::new(DashMap::new()), owner };
+    let socket = Socket { state, out: out_tx, active: Arc::new(DashMap::new()), owner, open: Arc::default() };
     let mut streams = JoinSet::new();
     let mut shutdown = socket.state.shutdown.clone();
     let mut draining = *shutdown.borrow();
@@ -292,7 +320,7 @@ pub fn parse_event(body: &[u8], limits: &RequestLimits) -> Result<ParsedEvent, A
 
 /// Handles one client event; while the server drains, a `response.create` is refused.
 async fn handle_event(socket: &Socket, streams: &mut JoinSet<()>, body: Bytes, draining: bool) {
-    let Socket { state, out, active, owner } = socket;
+    let Socket { state, out, active, owner, open } = socket;
     let arrival = Instant::now();
     let st = state.clone();
     let ParsedEvent { stream_id, event } = match state.prep.run(move || parse_event(&body, &st.limits)).await {
@@ -301,7 +329,7 @@ async fn handle_event(socket: &Socket, streams: &mut JoinSet<()>, body: Bytes, d
     };
     match event {
         Ok(ClientEvent::Create(_)) if draining => send_error(out, stream_id.as_deref(), &ApiError::ShuttingDown).await,
-        Ok(ClientEvent::Create(_)) if streams.len() >= state.conn_limits.max_ws_streams => {
+        Ok(ClientEvent::Create(_)) if open.load(Ordering::SeqCst) >= state.conn_limits.max_ws_streams => {
             let e = ApiError::TooManyStreams { limit: state.conn_limits.max_ws_streams };
             send_error(out, stream_id.as_deref(), &e).await
         }
@@ -315,7 +343,9 @@ async fn handle_event(socket: &Socket, streams: &mut JoinSet<()>, body: Bytes, d
             if let Some(sid) = &valid.stream_id {
                 active.insert(sid.clone(), request);
             }
-            let mut sink = WsSink { out: out.clone(), stream_id: valid.stream_id.clone() };
+            open.fetch_add(1, Ordering::SeqCst);
+            let mut sink =
+                WsSink { out: out.clone(), stream_id: valid.stream_id.clone(), open: open.clone(), counted: true };
             let st = state.clone();
             let act = active.clone();
             let want_logprobs = valid.params.logprobs.is_some();
