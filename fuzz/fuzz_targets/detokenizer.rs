@@ -14,8 +14,7 @@ use std::sync::OnceLock;
 
 use libfuzzer_sys::arbitrary::{self, Arbitrary};
 use libfuzzer_sys::fuzz_target;
-use sparkd_tokenizer::specials::K3_SPECIAL_BASE;
-use sparkd_tokenizer::{IncrementalDecoder, Tokenizer, CL100K_BASE_TOKENS};
+use sparkd_tokenizer::{IncrementalDecoder, Tokenizer};
 
 #[derive(Arbitrary, Debug)]
 struct Input {
@@ -29,21 +28,12 @@ fn tokenizer() -> &'static Tokenizer {
     TOKENIZER.get_or_init(|| Tokenizer::builtin().expect("the built-in tokenizer builds"))
 }
 
-/// Spreads a raw value over the id ranges worth testing.
-fn id_of(raw: u32) -> u32 {
-    let v = raw >> 3;
-    match raw & 7 {
-        0 | 1 => v % 256,
-        2 => K3_SPECIAL_BASE + v % 256,
-        3 => CL100K_BASE_TOKENS + v % (K3_SPECIAL_BASE - CL100K_BASE_TOKENS),
-        4 => K3_SPECIAL_BASE + 256 + v % 1024,
-        _ => v % CL100K_BASE_TOKENS,
-    }
-}
+#[path = "../../tokenizer/tests/support/token_ids.rs"]
+mod token_ids;
 
 fuzz_target!(|input: Input| {
     let tokenizer = tokenizer();
-    let ids: Vec<u32> = input.raw_ids.iter().map(|&raw| id_of(raw)).collect();
+    let ids: Vec<u32> = input.raw_ids.iter().map(|&raw| token_ids::token_id(raw)).collect();
     let mut decoder = IncrementalDecoder::new(tokenizer.clone()).with_special_tokens(input.special_tokens);
     let mut streamed = String::new();
     let mut rest = ids.as_slice();

@@ -11,15 +11,17 @@
 use std::sync::OnceLock;
 
 use proptest::prelude::*;
-use sparkd_tokenizer::specials::{IM_END, K3_SPECIAL_BASE, TOOL_CALL_BEGIN};
+use sparkd_tokenizer::specials::{IM_END, TOOL_CALL_BEGIN};
 use sparkd_tokenizer::{
     ChatMessage, ChatRole, ChatTemplate, IncrementalDecoder, RenderSpec, Tokenizer, TokenizerError, ToolCall,
-    CL100K_BASE_TOKENS,
 };
 
 #[path = "support/template_oracle.rs"]
 mod template_oracle;
+#[path = "support/token_ids.rs"]
+mod token_ids;
 use template_oracle::Expected;
+use token_ids::token_id;
 
 fn template() -> &'static ChatTemplate {
     static TEMPLATE: OnceLock<ChatTemplate> = OnceLock::new();
@@ -61,18 +63,6 @@ fn message() -> impl Strategy<Value = ChatMessage> {
                 .collect(),
         },
     )
-}
-
-/// Spreads a raw value over base tokens (single bytes among them), specials, the unused gap and past the end.
-fn token_id(raw: u32) -> u32 {
-    let v = raw >> 3;
-    match raw & 7 {
-        0 | 1 => v % 256,
-        2 => K3_SPECIAL_BASE + v % 256,
-        3 => CL100K_BASE_TOKENS + v % (K3_SPECIAL_BASE - CL100K_BASE_TOKENS),
-        4 => K3_SPECIAL_BASE + 256 + v % 1024,
-        _ => v % CL100K_BASE_TOKENS,
-    }
 }
 
 /// Feeds `ids` to `decoder` in chunks of the given sizes (the rest at once) and returns everything it gave back.

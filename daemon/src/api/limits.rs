@@ -69,12 +69,12 @@ impl RequestLimits {
         }
         for (i, s) in stop.iter().enumerate() {
             // Bytes bound characters from above: count only when the bytes could be over.
-            if s.len() > self.max_stop_chars && s.chars().count() > self.max_stop_chars {
+            let chars = if s.len() > self.max_stop_chars { s.chars().count() } else { 0 };
+            if chars > self.max_stop_chars {
                 return Err(ApiError::field(
                     format!("stop[{i}]"),
                     format!(
-                        "`stop[{i}]` is {} characters, longer than this server accepts ({}, --max-stop-chars)",
-                        s.chars().count(),
+                        "`stop[{i}]` is {chars} characters, longer than this server accepts ({}, --max-stop-chars)",
                         self.max_stop_chars
                     ),
                 ));

@@ -22,9 +22,11 @@
 //!   and a finished one is then kept holding its whole history (the fed step fed its last token).
 //! - Events go out over each request's bounded channel with `try_send`; when the channel is full they
 //!   wait in a per-request backlog (order preserved) and the engine keeps stepping the others. A
-//!   closed channel (client gone) cancels the request and frees its state; a request that asked to
-//!   be kept is kept all the same once it has started. A waiting request whose client left is dropped
-//!   before it is admitted (never kept).
+//!   closed channel (client gone) cancels the request and frees its state, one it asked to keep
+//!   included; past `max_event_backlog` unread events the request is cancelled as a slow reader. A
+//!   waiting request whose client left is dropped before it is admitted. (`delivery`.)
+//! - With a session journal, a turn commits when its record is attached, and removals from the store are
+//!   forgotten in the journal (`commits`).
 //! - A runner error fails every request of that step (their states are freed, never kept) and the
 //!   engine goes on with the rest. A broken invariant of the engine's own fails the requests it
 //!   touches with `EngineError::Internal` (a server fault, never blamed on the request).
@@ -43,17 +45,15 @@ use std::collections::{HashMap, VecDeque};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use metrics::{counter, gauge, histogram};
 use sparkd_kernels::launches::FedRow;
 use sparkd_kernels::runner::{RowInput, RowOutput};
 use sparkd_kernels::state::{SeqState, MLA_BLOCK_TOKENS};
 use sparkd_kernels::{KernelError, Runner, StateId};
-use tokio::sync::mpsc::{self, error::TryRecvError, error::TrySendError};
-use tokio::sync::oneshot;
+use tokio::sync::mpsc::{self, error::TryRecvError};
 
 use super::constraints::{Constraints, MasksOnAsk, StepMasks};
-use super::journal::{Committed, Journal, OpenJournal};
+use super::journal::{Journal, OpenJournal};
 use super::phases::{Phase, PhaseClock};
 use super::prefix_cache::PrefixCache;
 use super::scheduler::{AheadPlan, FinishedSeq, Scheduler, SchedulerLimits, StepOutcome, StepPlan};
@@ -64,6 +64,9 @@ use super::types::{
     ResponseId,
 };
 use crate::metrics as names;
+
+mod commits;
+mod delivery;
 
 /// How long a stopping engine waits for clients to take their last events.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
@@ -269,50 +272,6 @@ impl EngineCore {
         .with_journal(journal)
     }
 
-    /// Restores the journal's committed turns as kept responses with their histories only (a continuation
-    /// rebuilds the state by prefill) and their objects, then writes to the journal from now on.
-    fn with_journal(mut self, journal: Option<OpenJournal>) -> Self {
-        let Some(OpenJournal { journal, replayed }) = journal else { return self };
-        let count = replayed.len();
-        for c in replayed {
-            let kept = self.sessions.keep(self.runner.as_mut(), c.id.clone(), c.history, None);
-            if let Err(e) = kept {
-                tracing::warn!(response = %c.id, error = %e, "restoring a journaled response failed");
-                continue;
-            }
-            self.sessions.set_record(&c.id, c.record);
-        }
-        self.sessions.track_removals();
-        self.journal = Some(journal);
-        self.enforce_memory();
-        tracing::info!("session journal: {count} committed responses restored, {} kept", self.sessions.len());
-        self
-    }
-
-    /// Commits a turn: attaches its record and, with a journal, has it written and synced before `reply`.
-    fn commit(&mut self, id: ResponseId, record: Bytes, reply: oneshot::Sender<bool>) {
-        if !self.sessions.set_record(&id, record.clone()) {
-            let _ = reply.send(true);
-            return;
-        }
-        match (&self.journal, self.sessions.history(&id)) {
-            (Some(journal), Some(history)) => {
-                journal.commit(Committed { id, history: history.to_vec(), record }, reply);
-            }
-            _ => {
-                let _ = reply.send(true);
-            }
-        }
-        self.enforce_memory();
-    }
-
-    /// Tells the journal which kept responses the store removed since the last call.
-    fn forget_removed(&mut self) {
-        if let Some(journal) = &self.journal {
-            journal.forget(self.sessions.take_removed());
-        }
-    }
-
     fn run(mut self) {
         loop {
             self.take_commands();
@@ -493,17 +452,6 @@ impl EngineCore {
             )));
         }
         Ok(())
-    }
-
-    /// Drops the waiting requests whose client went away (their event channel is closed), so that nothing is
-    /// prefilled for nobody; one that asked to be kept is not (it never started: there is nothing to continue).
-    /// A running request's departure shows when its next event cannot be sent.
-    fn drop_abandoned(&mut self) {
-        let gone: Vec<RequestId> =
-            self.scheduler.waiting_ids().filter(|id| self.live.get(id).is_some_and(|l| l.events.is_closed())).collect();
-        for id in gone {
-            self.client_gone(id);
-        }
     }
 
     /// Gives each newly admitted request a state and tells the scheduler how much of it is restored.
@@ -874,91 +822,6 @@ impl EngineCore {
             }
             live.last_token = Some(done);
         }
-    }
-
-    /// Queues an event for a request, delivering what its channel has room for.
-    fn emit(&mut self, id: RequestId, event: EngineEvent) {
-        let Some(live) = self.live.get_mut(&id) else { return };
-        if matches!(event, EngineEvent::Finished { .. } | EngineEvent::Failed(_)) {
-            live.done = true;
-        }
-        live.backlog.push_back(event);
-        if !self.deliver(id) {
-            self.client_gone(id);
-            return;
-        }
-        let limit = self.config.max_event_backlog;
-        if self.live.get(&id).is_some_and(|l| !l.done && l.backlog.len() > limit) {
-            self.slow_reader(id);
-        }
-    }
-
-    /// Cancels a request whose client left `max_event_backlog` events unread: frees its state (never kept:
-    /// the client did not read the response), drops the backlog and leaves `Failed(SlowReader)` as the one
-    /// event to deliver, so the memory it held returns now and the client learns why when it reads again.
-    fn slow_reader(&mut self, id: RequestId) {
-        let Some(live) = self.live.get_mut(&id) else { return };
-        let error = EngineError::SlowReader { backlog: live.backlog.len() };
-        live.backlog.clear();
-        live.keep_as = None;
-        counter!(names::SLOW_READER_CANCELS_TOTAL).increment(1);
-        counter!(names::ERRORS_TOTAL, "kind" => error.kind()).increment(1);
-        tracing::warn!(request = %id, "{error}");
-        if let Some(finished) = self.scheduler.remove(id, FinishReason::Cancelled) {
-            self.release(finished);
-        }
-        if let Some(live) = self.live.get_mut(&id) {
-            live.done = true;
-            live.backlog.push_back(EngineEvent::Failed(error));
-        }
-    }
-
-    /// Sends a request's backlog until its channel is full; `false` when the receiver is gone.
-    fn deliver(&mut self, id: RequestId) -> bool {
-        let Some(live) = self.live.get_mut(&id) else { return true };
-        while let Some(event) = live.backlog.pop_front() {
-            match live.events.try_send(event) {
-                Ok(()) => {}
-                Err(TrySendError::Full(event)) => {
-                    live.backlog.push_front(event);
-                    return true;
-                }
-                Err(TrySendError::Closed(_)) => return false,
-            }
-        }
-        if live.done {
-            self.live.remove(&id);
-        }
-        true
-    }
-
-    /// Retries every backlog and cancels requests whose client left.
-    fn flush_events(&mut self) {
-        let ids: Vec<RequestId> = self.live.keys().copied().collect();
-        for id in ids {
-            let closed = self.live.get(&id).is_some_and(|l| l.events.is_closed());
-            if closed || !self.deliver(id) {
-                self.client_gone(id);
-            }
-        }
-    }
-
-    /// Cancels a request whose client left and frees its state: one it was to keep too, since nobody received
-    /// the response it would be kept under (issue 33: no orphaned kept state).
-    fn client_gone(&mut self, id: RequestId) {
-        let Some(live) = self.live.get_mut(&id) else { return };
-        live.backlog.clear();
-        if live.done {
-            self.live.remove(&id);
-            return;
-        }
-        counter!(names::CLIENT_DISCONNECTS_TOTAL).increment(1);
-        live.done = true;
-        live.keep_as = None;
-        if let Some(finished) = self.scheduler.remove(id, FinishReason::Cancelled) {
-            self.release(finished);
-        }
-        self.live.remove(&id);
     }
 
     fn cancel_all(&mut self) {

@@ -480,9 +480,9 @@ impl Journal {
                     }
                     JournalOp::Forget(ids, reply) => (file.forget(&ids), reply),
                 };
-                if let Err(e) = &result {
-                    metrics::counter!(crate::metrics::ERRORS_TOTAL, "kind" => "journal_io").increment(1);
-                    tracing::error!("session journal {}: {e}; the change is in memory only", file.path.display());
+                if let Err(e) = result.map_err(io_err(&file.path)) {
+                    metrics::counter!(crate::metrics::ERRORS_TOTAL, "kind" => e.kind()).increment(1);
+                    tracing::error!("{e}; the change is in memory only");
                 }
                 if let Some((reply, answer)) = reply {
                     let _ = reply.send(answer);
