@@ -15,6 +15,18 @@ if command -v python3 >/dev/null 2>&1; then
     export SPARKD_NVRTC_WHEELS="$PWD/target/nvrtc-wheels"
 fi
 
+# Debian's Prometheus (tests/tests/dashboards.rs evaluates every dashboard panel and rule against a real one, and
+# runs promtool) and Chromium (the replay's HTML report is rendered headless). Installed only when missing.
+missing=()
+command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+if [ ${#missing[@]} -gt 0 ]; then
+    sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo=sudo
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
 # Formatting and lints before the tests; the toolchain's rustfmt and clippy are added only when missing.
 cargo fmt --version >/dev/null 2>&1 || rustup component add rustfmt
 cargo clippy --version >/dev/null 2>&1 || rustup component add clippy
