@@ -32,6 +32,8 @@ pub const DEFAULT_MAX_MODEL_LEN: usize = 131_072;
 pub const DEFAULT_MAX_BODY_BYTES: usize = 64 << 20;
 /// How long a drain lets requests in progress run (Kubernetes' default grace period is 30 s as well).
 pub const DEFAULT_SHUTDOWN_TIMEOUT_SECS: u64 = 30;
+/// Seconds between throughput lines in the log (`--log-stats-interval`), as vLLM's stat logger.
+pub const DEFAULT_LOG_STATS_INTERVAL_SECS: u64 = 10;
 /// Requests that may wait for the engine before new ones get 429: several full batches, so a burst of agents
 /// queues rather than fails, while a flood cannot grow the queue without end.
 pub const DEFAULT_MAX_WAITING: usize = 1024;
@@ -182,6 +184,10 @@ pub struct ServeArgs {
     /// gets its final chunk or event; WebSockets a final event and a normal close), in seconds.
     #[arg(long, default_value_t = DEFAULT_SHUTDOWN_TIMEOUT_SECS, value_name = "SECS")]
     pub shutdown_timeout: u64,
+    /// Seconds between throughput lines in the log (prompt and generation tokens/s, running and waiting
+    /// requests, acceptance), written only when something happened; 0 turns them off.
+    #[arg(long, default_value_t = DEFAULT_LOG_STATS_INTERVAL_SECS, value_name = "SECS")]
+    pub log_stats_interval: u64,
     /// Events a request's client may leave unread (a stream it does not read) before the request is cancelled
     /// as a slow reader and its memory freed.
     #[arg(long, default_value_t = DEFAULT_MAX_EVENT_BACKLOG)]

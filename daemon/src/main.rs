@@ -6,12 +6,13 @@
 
 mod bench_cli;
 
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use clap::{Parser, Subcommand};
+use clap::{Parser, Subcommand, ValueEnum};
 use sparkd::api::{auth, http, AppState};
 use sparkd::config::memory::MemoryPresent;
 use sparkd::config::{ServeArgs, DEFAULT_SYNTHETIC_CONFIG};
@@ -30,8 +31,18 @@ const DEFAULT_SHARD_BYTES: u64 = 4 << 30;
 #[derive(Parser)]
 #[command(name = "sparkd", version, about = "Speculative-decoding daemon serving Kimi K3 to agents")]
 struct Cli {
+    /// How log lines are written (on stderr): `text` for people (coloured only on a terminal, and never with
+    /// NO_COLOR set), `json` for log pipelines (one object per line, fields flattened). `RUST_LOG` filters them.
+    #[arg(long, global = true, value_enum, default_value = "text", env = "SPARKD_LOG_FORMAT")]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Subcommand)]
@@ -80,13 +91,7 @@ fn main() -> ExitCode {
             return ExitCode::from(code);
         }
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    init_logging(cli.log_format);
     let result = match cli.command {
         Command::Serve { args } => serve(*args),
         Command::Bench(args) => bench_cli::bench(&args),
@@ -104,6 +109,20 @@ fn main() -> ExitCode {
             eprintln!("sparkd: error: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => {
+            // https://no-color.org: set and not empty turns colour off.
+            let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
+            logs.with_ansi(std::io::stderr().is_terminal() && !no_color).init();
+        }
+        LogFormat::Json => logs.json().flatten_event(true).with_current_span(false).with_span_list(false).init(),
     }
 }
 
@@ -140,6 +159,13 @@ fn serve(args: ServeArgs) -> Result<()> {
     args.validate()?;
     let addr = args.listen_addr()?;
     let model_name = args.model_name();
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
+    // Bound before the model loads, as vLLM binds its socket before its engine starts: a port in use fails at
+    // once, not after minutes of loading, and clients that connect meanwhile wait in the backlog.
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind(addr))
+        .with_context(|| format!("--host/--port: cannot listen on {addr}"))?;
+    tracing::info!("bound to {}; loading the model", listener.local_addr()?);
     let served = compose(&args)?;
     let cfg = &served.model;
     let max_model_len = args.max_model_len.min(cfg.max_position_embeddings);
@@ -159,11 +185,7 @@ fn serve(args: ServeArgs) -> Result<()> {
     }
     let open_files = sparkd::api::conn::raise_open_file_limit().context("reading the open-file limit")?;
     let conn_limits = args.limits.conn_limits(open_files)?;
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
     runtime.block_on(async move {
-        let listener = tokio::net::TcpListener::bind(addr)
-            .await
-            .with_context(|| format!("--host/--port: cannot listen on {addr}"))?;
         let bound = listener.local_addr()?;
         let (stop_tx, stop_rx) = watch::channel(false);
         let state = Arc::new(
@@ -188,6 +210,10 @@ fn serve(args: ServeArgs) -> Result<()> {
                 metrics.run_upkeep();
             }
         });
+        if args.log_stats_interval > 0 {
+            let every = std::time::Duration::from_secs(args.log_stats_interval);
+            tokio::spawn(sparkd::api::throughput::log_every(state.clone(), every));
+        }
         tokio::spawn(async move {
             wait_for_signal().await;
             tracing::info!("signal received");

@@ -95,7 +95,12 @@ impl Server {
         let reader = std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
                 if let Some(rest) = line.split("listening on http://").nth(1) {
-                    let port = rest.trim().rsplit(':').next().and_then(|p| p.parse::<u16>().ok());
+                    // The address ends the text line; a JSON line goes on after it.
+                    let addr: String = rest
+                        .chars()
+                        .take_while(|c| c.is_ascii_hexdigit() || matches!(c, '.' | ':' | '[' | ']'))
+                        .collect();
+                    let port = addr.rsplit(':').next().and_then(|p| p.parse::<u16>().ok());
                     let _ = port_tx.send(port);
                 }
                 if let Ok(mut l) = sink.lock() {

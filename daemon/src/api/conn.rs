@@ -138,18 +138,19 @@ impl Drop for InFlight {
 }
 
 /// A response body that keeps its request in flight until it ends.
-pub struct TrackedBody<B> {
+pub struct TrackedBody<B, G> {
     inner: B,
-    _in_flight: InFlight,
+    _guard: G,
 }
 
-impl<B> TrackedBody<B> {
-    pub fn new(inner: B, in_flight: InFlight) -> Self {
-        TrackedBody { inner, _in_flight: in_flight }
+impl<B, G> TrackedBody<B, G> {
+    /// `inner`, holding `guard` (an [`InFlight`], and whatever else ends with the body) until it is dropped.
+    pub fn new(inner: B, guard: G) -> Self {
+        TrackedBody { inner, _guard: guard }
     }
 }
 
-impl<B: Body<Data = Bytes> + Unpin> Body for TrackedBody<B> {
+impl<B: Body<Data = Bytes> + Unpin, G: Unpin> Body for TrackedBody<B, G> {
     type Data = Bytes;
     type Error = B::Error;
 

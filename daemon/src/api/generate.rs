@@ -22,11 +22,13 @@ use sparkd_kernels::runner::TokenLogprob;
 use sparkd_kernels::TokenId;
 use tokio::sync::mpsc;
 
+use super::access::AccessEntry;
 use super::admission::QueueTicket;
 use super::error::ApiError;
 use super::openai::GenerationParams;
 use super::reply::{ReplyForm, ReplyText, ToolCallDelta};
 use super::stop::StopStrings;
+use super::throughput::Running;
 use super::AppState;
 use crate::engine::types::{EngineError, EngineEvent, FinishReason, GenerateRequest, RequestId, ResponseId, Usage};
 use crate::metrics as m;
@@ -142,6 +144,10 @@ pub struct Generation {
     /// The outcome, once the terminal event arrived but a last delta was still to be returned.
     finished: Option<Outcome>,
     done: bool,
+    /// Counted as running (the throughput line) from the engine's start until the generation ends.
+    running: Option<Running>,
+    /// The request's access-log line, told how the generation ended.
+    access: Option<AccessEntry>,
 }
 
 impl Generation {
@@ -184,7 +190,17 @@ impl Generation {
             spec_steps: 0,
             finished: None,
             done: false,
+            running: None,
+            access: None,
         })
+    }
+
+    /// Tells `entry` (the request's access-log line) the response's id and, at the end, how it went.
+    pub fn log_to(&mut self, entry: Option<AccessEntry>, response_id: &str) {
+        if let Some(entry) = &entry {
+            entry.name(response_id);
+        }
+        self.access = entry;
     }
 
     /// The engine's id of this request.
@@ -231,14 +247,18 @@ impl Generation {
         loop {
             let Some(event) = self.events.recv().await else {
                 self.done = true;
-                return Err(ApiError::EngineUnavailable);
+                let e = ApiError::EngineUnavailable;
+                self.end(|entry| entry.ended(format!("error:{}", e.kind())));
+                return Err(e);
             };
             match event {
                 EngineEvent::Started { prompt_tokens, cached_tokens, queue_time } => {
                     self.queued = None;
                     self.started = Some((prompt_tokens, cached_tokens, queue_time));
+                    self.running = Some(self.state.throughput.started(prompt_tokens, cached_tokens));
                 }
                 EngineEvent::Tokens { tokens, logprobs, drafted, accepted } => {
+                    self.state.throughput.step(tokens.len(), drafted, accepted);
                     if self.stop.matched() {
                         continue;
                     }
@@ -277,6 +297,7 @@ impl Generation {
                     }
                     let outcome = self.outcome(reason, usage);
                     self.record_metrics(&outcome);
+                    self.end(|entry| entry.finished(&outcome));
                     if tail.is_empty() && flushed.reasoning.is_empty() && flushed.calls.is_empty() {
                         self.done = true;
                         return Ok(Progress::Done(outcome));
@@ -293,12 +314,22 @@ impl Generation {
                 }
                 EngineEvent::Failed(e) => {
                     self.done = true;
-                    return Err(match e {
+                    let e = match e {
                         EngineError::Stopped => ApiError::EngineUnavailable,
                         e => ApiError::Engine(e),
-                    });
+                    };
+                    self.end(|entry| entry.ended(format!("error:{}", e.kind())));
+                    return Err(e);
                 }
             }
+        }
+    }
+
+    /// The generation is over: no longer running; its access-log line told by `tell`.
+    fn end(&mut self, tell: impl FnOnce(&AccessEntry)) {
+        self.running = None;
+        if let Some(entry) = &self.access {
+            tell(entry);
         }
     }
 
@@ -373,6 +404,7 @@ impl Drop for Generation {
             // request, frees its state and counts the disconnect.
             metrics::counter!(m::REQUEST_SUCCESS_TOTAL, "finished_reason" => FinishReason::Cancelled.as_str())
                 .increment(1);
+            self.end(|entry| entry.ended(FinishReason::Cancelled.as_str().to_owned()));
         }
     }
 }

@@ -31,6 +31,7 @@ use sparkd_tokenizer::RenderSpec;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
+use super::access::{AccessEntry, AccessStart};
 use super::conn::{Activity, ConnLimits, InFlight, TrackedBody, WatchedIo};
 use super::constraint;
 use super::error::ApiError;
@@ -75,7 +76,7 @@ pub async fn serve(listener: TcpListener, state: Arc<AppState>, mut stop: watch:
         };
         tokio::select! {
             accepted = listener.accept() => {
-                let (stream, _peer) = match accepted {
+                let (stream, peer) = match accepted {
                     Ok(conn) => conn,
                     Err(e) => {
                         tracing::warn!("accept failed: {e}");
@@ -90,10 +91,17 @@ pub async fn serve(listener: TcpListener, state: Arc<AppState>, mut stop: watch:
                     let (state, activity, slot) = (state.clone(), activity.clone(), slot.clone());
                     service_fn(move |mut req: Request<Incoming>| {
                         let (state, in_flight) = (state.clone(), InFlight::new(&activity));
+                        let access = AccessEntry::new(AccessStart {
+                            method: req.method().to_string(),
+                            path: req.uri().path().to_owned(),
+                            peer: Some(peer),
+                        });
                         req.extensions_mut().insert(ConnSlot(slot.clone()));
+                        req.extensions_mut().insert(access.clone());
                         async move {
                             let response = route(state, req).await?;
-                            Ok::<_, Infallible>(response.map(|body| TrackedBody::new(body, in_flight).boxed()))
+                            let guard = (in_flight, access);
+                            Ok::<_, Infallible>(response.map(|body| TrackedBody::new(body, guard).boxed()))
                         }
                     })
                 };
@@ -143,6 +151,13 @@ pub async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Result<Respo
     let response_id = path.strip_prefix("/v1/responses/").filter(|id| !id.is_empty() && !id.contains('/'));
     // HEAD is answered as GET (hyper sends the head only).
     let method = if method == Method::HEAD { Method::GET } else { method };
+    let log = req.extensions().get::<AccessEntry>().cloned();
+    let answered = |endpoint: &'static str, response: Response<Body>| {
+        if let Some(entry) = &log {
+            entry.answered(endpoint, response.status().as_u16());
+        }
+        counted(endpoint, response)
+    };
     if path == "/health" && method == Method::GET {
         return Ok(answered("health", json_response(StatusCode::OK, &json!({"status": "ok"}))));
     }
@@ -175,7 +190,7 @@ pub async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Result<Respo
 }
 
 /// `response`, counted in `sparkd:http_requests_total{endpoint, status}`.
-fn answered(endpoint: &'static str, response: Response<Body>) -> Response<Body> {
+fn counted(endpoint: &'static str, response: Response<Body>) -> Response<Body> {
     metrics::counter!(m::HTTP_REQUESTS_TOTAL, "endpoint" => endpoint, "status" => response.status().as_str().to_owned())
         .increment(1);
     response
@@ -335,11 +350,13 @@ async fn chat_or_completion(
     arrival: Instant,
     kind: ChunkKind,
 ) -> Result<Response<Body>, ApiError> {
+    let access = req.extensions().get::<AccessEntry>().cloned();
     let body = read_body(state, req).await?;
     let st = state.clone();
     let Prepared { valid, order, echo } = state.prep.run(move || prepare(&st, &body, kind, arrival)).await?;
-    let generation = Generation::start(state, order).await?;
+    let mut generation = Generation::start(state, order).await?;
     let id = new_id(if kind == ChunkKind::Chat { "chatcmpl-" } else { "cmpl-" });
+    generation.log_to(access, &id);
     if valid.stream.stream {
         let (writer, body) = SseWriter::new();
         let st = state.clone();

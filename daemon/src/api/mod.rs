@@ -5,8 +5,9 @@
 //! Responses API: create, retrieve, delete), [`info`] (models, version, tokenize, detokenize), [`ws`] (Responses WebSocket mode), [`tools`] (the tool fields of a
 //! request), [`generate`] (one request's life against the engine: detokenize, split reasoning, content and tool
 //! calls, stop strings, usage and timings), [`stop`] (the stop-string matcher), [`limits`] (per-request size
-//! limits), [`conn`] (connections: how many, head and idle times), [`prep`] (the bounded pool that prepares requests off the I/O threads), [`error`] (the one error type and its HTTP
-//! mapping).
+//! limits), [`conn`] (connections: how many, head and idle times), [`prep`] (the bounded pool that prepares
+//! requests off the I/O threads), [`access`] (the access log), [`throughput`] (the periodic throughput line),
+//! [`error`] (the one error type and its HTTP mapping).
 //!
 //! Invariants:
 //! - The API layer never touches the model: it talks to the engine thread only through [`EngineHandle`]
@@ -17,6 +18,7 @@
 //! - Work whose cost grows with a request's size (parsing, templating, tokenizing, matcher and constraint
 //!   building, a long reply's log-probabilities) runs in [`prep::PrepPool`], not on the I/O threads.
 
+pub mod access;
 pub mod admission;
 pub mod auth;
 pub mod conn;
@@ -33,6 +35,7 @@ pub mod reply;
 pub mod responses;
 pub mod sse;
 pub mod stop;
+pub mod throughput;
 pub mod tools;
 pub mod wire;
 pub mod ws;
@@ -91,6 +94,8 @@ pub struct AppState {
     pub sockets: Arc<ws::Sockets>,
     /// Connections at once, head and idle times ([`AppState::with_conn_limits`]).
     pub conn_limits: conn::ConnLimits,
+    /// What the generations did since start-up, for the periodic throughput line.
+    pub throughput: Arc<throughput::Throughput>,
     interactivity: Mutex<InteractivityWindow>,
     next_request: AtomicU64,
     /// The tokenizer as the constraint compiler sees it, built by the first constrained request (it walks the
@@ -125,6 +130,7 @@ impl AppState {
             limits: limits::RequestLimits::for_context(max_model_len),
             prep: prep::PrepPool::new(prep::PrepPool::default_threads()),
             sockets: Arc::default(),
+            throughput: Arc::default(),
             conn_limits: conn::ConnLimits {
                 max_connections: DEFAULT_MAX_CONNECTIONS,
                 header_timeout: DEFAULT_HEADER_TIMEOUT,

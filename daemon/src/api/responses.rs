@@ -30,6 +30,7 @@ use hyper::{Request, Response, StatusCode};
 use serde_json::{json, Value};
 use sparkd_tokenizer::RenderSpec;
 
+use super::access::AccessEntry;
 use super::auth::Owner;
 use super::constraint;
 use super::error::ApiError;
@@ -240,8 +241,10 @@ pub async fn http(
     arrival: Instant,
     owner: Owner,
 ) -> Result<Response<Body>, ApiError> {
+    let access = req.extensions().get::<AccessEntry>().cloned();
     let valid = validate(state, read_body(state, req).await?).await?;
     let (mut generation, header) = start(state, &valid, arrival, owner).await?;
+    generation.log_to(access, &header.id);
     let want_logprobs = valid.params.logprobs.is_some();
     if valid.stream {
         let (mut writer, body) = SseWriter::new();

@@ -20,6 +20,7 @@
 //!   gets an `error` event and closes the socket (code 1009): it was not read whole.
 //! - Events are parsed and validated on the preparation pool, never on the socket's I/O task.
 
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -40,6 +41,7 @@ use tokio_tungstenite::tungstenite::protocol::{CloseFrame, Role, WebSocketConfig
 use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 use tokio_tungstenite::WebSocketStream;
 
+use super::access::{AccessEntry, AccessStart};
 use super::auth::Owner;
 use super::error::ApiError;
 use super::http::{Body, ConnSlot};
@@ -73,6 +75,7 @@ pub fn upgrade(state: &Arc<AppState>, mut req: Request<Incoming>, owner: Owner) 
     let on_upgrade = hyper::upgrade::on(&mut req);
     // The socket keeps its connection's slot (`--max-connections`) until it closes.
     let slot = req.extensions().get::<ConnSlot>().cloned();
+    let peer = req.extensions().get::<AccessEntry>().and_then(AccessEntry::peer);
     let st = state.clone();
     tokio::spawn(async move {
         let _slot = slot;
@@ -83,7 +86,7 @@ pub fn upgrade(state: &Arc<AppState>, mut req: Request<Incoming>, owner: Owner) 
                     .max_message_size(Some(st.max_body_bytes))
                     .max_frame_size(Some(st.max_body_bytes));
                 let ws = WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Server, Some(config)).await;
-                serve_socket(st, ws, owner).await;
+                serve_socket(st, ws, owner, peer).await;
             }
             Err(e) => tracing::debug!("websocket upgrade failed: {e}"),
         }
@@ -192,9 +195,11 @@ struct Socket {
     owner: Owner,
     /// Streams in progress (counted until their terminal event is queued), for `--max-ws-streams`.
     open: Arc<AtomicUsize>,
+    /// The client's address, for the access log.
+    peer: Option<SocketAddr>,
 }
 
-async fn serve_socket<S>(state: Arc<AppState>, ws: WebSocketStream<S>, owner: Owner)
+async fn serve_socket<S>(state: Arc<AppState>, ws: WebSocketStream<S>, owner: Owner, peer: Option<SocketAddr>)
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
@@ -212,7 +217,7 @@ where
         let _ = sink.close().await;
     });
     let _open = socket_count.enter();
-    let socket = Socket { state, out: out_tx, active: Arc::new(DashMap::new()), owner, open: Arc::default() };
+    let socket = Socket { state, out: out_tx, active: Arc::new(DashMap::new()), owner, open: Arc::default(), peer };
     let mut streams = JoinSet::new();
     let mut shutdown = socket.state.shutdown.clone();
     let mut draining = *shutdown.borrow();
@@ -320,24 +325,32 @@ pub fn parse_event(body: &[u8], limits: &RequestLimits) -> Result<ParsedEvent, A
 
 /// Handles one client event; while the server drains, a `response.create` is refused.
 async fn handle_event(socket: &Socket, streams: &mut JoinSet<()>, body: Bytes, draining: bool) {
-    let Socket { state, out, active, owner, open } = socket;
+    let Socket { state, out, active, owner, open, peer } = socket;
     let arrival = Instant::now();
+    // Every event but a cancel is a request of its own in the access log.
+    let log = || AccessEntry::new(AccessStart { method: "WS".into(), path: "/v1/responses".into(), peer: *peer });
+    let refuse = |stream_id: Option<String>, e: ApiError| {
+        log().answered(WS_ENDPOINT, e.status().as_u16());
+        async move { send_error(out, stream_id.as_deref(), &e).await }
+    };
     let st = state.clone();
     let ParsedEvent { stream_id, event } = match state.prep.run(move || parse_event(&body, &st.limits)).await {
         Ok(parsed) => parsed,
-        Err(e) => return send_error(out, None, &e).await,
+        Err(e) => return refuse(None, e).await,
     };
     match event {
-        Ok(ClientEvent::Create(_)) if draining => send_error(out, stream_id.as_deref(), &ApiError::ShuttingDown).await,
+        Ok(ClientEvent::Create(_)) if draining => refuse(stream_id, ApiError::ShuttingDown).await,
         Ok(ClientEvent::Create(_)) if open.load(Ordering::SeqCst) >= state.conn_limits.max_ws_streams => {
-            let e = ApiError::TooManyStreams { limit: state.conn_limits.max_ws_streams };
-            send_error(out, stream_id.as_deref(), &e).await
+            refuse(stream_id, ApiError::TooManyStreams { limit: state.conn_limits.max_ws_streams }).await
         }
         Ok(ClientEvent::Create(valid)) => {
-            let (generation, header) = match responses::start(state, &valid, arrival, owner.clone()).await {
+            let (mut generation, header) = match responses::start(state, &valid, arrival, owner.clone()).await {
                 Ok(started) => started,
-                Err(e) => return send_error(out, stream_id.as_deref(), &e).await,
+                Err(e) => return refuse(stream_id, e).await,
             };
+            let entry = log();
+            entry.answered(WS_ENDPOINT, StatusCode::OK.as_u16());
+            generation.log_to(Some(entry), &header.id);
             let request = generation.id();
             active.insert(header.id.clone(), request);
             if let Some(sid) = &valid.stream_id {
@@ -369,6 +382,9 @@ async fn handle_event(socket: &Socket, streams: &mut JoinSet<()>, body: Bytes, d
                 send_error(out, stream_id.as_deref(), &e).await;
             }
         },
-        Err(e) => send_error(out, stream_id.as_deref(), &e).await,
+        Err(e) => refuse(stream_id, e).await,
     }
 }
+
+/// The endpoint name of a WebSocket event in the access log.
+const WS_ENDPOINT: &str = "responses_ws_event";
