@@ -1,5 +1,5 @@
 //! The informational endpoints in vLLM's shapes, black-box on the null device served as `null-k3`:
-//! `GET /v1/models/{id}` (404 `model_not_found` for another name), `HEAD` wherever `GET` answers, `/version`,
+//! `GET /v1/models/{id}` and every generation endpoint (404 `model_not_found` for another name), `HEAD` wherever `GET` answers, `/version`,
 //! `/tokenize` (a prompt, or chat messages counted exactly as a chat request is charged) and `/detokenize`
 //! (its inverse; an id outside the vocabulary is a 400 naming it).
 
@@ -72,4 +72,35 @@ async fn tokenize_counts_what_generation_charges_and_detokenize_inverts_it() {
         assert!(status == 400 || status == 404, "{path} {body}: {status} {err}");
         assert_eq!(err["error"]["param"], param, "{path} {body}: {err}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_generation_naming_another_model_is_a_404_on_every_endpoint_and_the_served_name_is_served() {
+    let s = Server::start(&["--device", "null", "--served-model-name", "null-k3"]).await.expect("server starts");
+    let chat = |model: &str| json!({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    let completion = |model: &str| json!({"model": model, "prompt": "hi", "max_tokens": 2});
+    let response = |model: &str| json!({"model": model, "input": "hi", "max_output_tokens": 2, "store": false});
+    for (path, body) in [
+        ("/v1/chat/completions", chat as fn(&str) -> serde_json::Value),
+        ("/v1/completions", completion),
+        ("/v1/responses", response),
+    ] {
+        let (status, err) = s.post(path, &body("k3-tiny")).await.unwrap();
+        assert_eq!(status, 404, "{path}: {err}");
+        assert_eq!(err["error"]["code"], "model_not_found", "{path}: {err}");
+        assert_eq!(err["error"]["param"], "model", "{path}: {err}");
+        assert!(err["error"]["message"].as_str().unwrap().contains("k3-tiny"), "{path}: {err}");
+        let (status, ok) = s.post(path, &body("null-k3")).await.unwrap();
+        assert_eq!(status, 200, "{path}: {ok}");
+    }
+    let mut ws = s.websocket().await.unwrap();
+    let mut create = response("k3-tiny");
+    create["type"] = json!("response.create");
+    ws.send(&create).await.unwrap();
+    let err = ws.recv().await.unwrap().expect("an error event");
+    assert_eq!((err["type"].as_str(), err["code"].as_str()), (Some("error"), Some("model_not_found")), "{err}");
+    create["model"] = json!("null-k3");
+    ws.send(&create).await.unwrap();
+    let events = ws.recv_until_done(1).await.unwrap();
+    assert_eq!(events.last().unwrap()["response"]["model"], "null-k3", "{events:?}");
 }

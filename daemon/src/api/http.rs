@@ -315,6 +315,7 @@ fn prepare(state: &AppState, body: &[u8], kind: ChunkKind, arrival: Instant) -> 
         ChunkKind::Chat => openai::chat_request(&body, &state.limits)?,
         ChunkKind::Completion => openai::completion_request(&body, &state.limits)?,
     };
+    info::check_model(state, valid.model.as_deref())?;
     let prompt = prompt_tokens(state, &valid.prompt)?;
     let max_tokens = openai::check_context(prompt.len(), valid.params.max_tokens, state.max_model_len)?;
     let echo = match (&valid.prompt, valid.echo) {

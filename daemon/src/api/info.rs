@@ -45,9 +45,10 @@ pub fn version() -> Response<Body> {
     json_response(StatusCode::OK, &json!({"version": env!("CARGO_PKG_VERSION")}))
 }
 
-/// Refuses a body whose `model` names another model than the one served.
-fn check_model(state: &AppState, f: &Fields) -> Result<(), ApiError> {
-    match f.str("model")? {
+/// Refuses a request whose `model` names another model than the one served (a 404 `model_not_found`, as vLLM
+/// answers); a request that names none gets the served one.
+pub fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
+    match model {
         Some(name) if name != state.model_name => Err(ApiError::ModelNotFound(name.to_owned())),
         _ => Ok(()),
     }
@@ -63,7 +64,7 @@ pub async fn tokenize(state: &Arc<AppState>, req: Request<Incoming>) -> Result<R
         .run(move || {
             let body = openai::parse_body(&body)?;
             let f = Fields::new(&body, "")?;
-            check_model(&st, &f)?;
+            check_model(&st, f.str("model")?)?;
             if f.get("messages").is_none() {
                 let prompt = f.str("prompt")?.ok_or_else(|| {
                     ApiError::field("prompt", "`/tokenize` needs `prompt` (text) or `messages` (a chat)")
@@ -98,7 +99,7 @@ pub async fn detokenize(state: &Arc<AppState>, req: Request<Incoming>) -> Result
         .run(move || {
             let body = openai::parse_body(&body)?;
             let f = Fields::new(&body, "")?;
-            check_model(&st, &f)?;
+            check_model(&st, f.str("model")?)?;
             let tokens = f.get("tokens").ok_or_else(|| ApiError::field("tokens", "`tokens` is required"))?;
             let ids = openai::token_array(tokens, "tokens")?;
             check_known_ids(&st, &ids, "tokens")?;

@@ -65,6 +65,7 @@ pub fn responses_request(body: &Value, limits: &RequestLimits) -> Result<ValidRe
         Some(_) => return Err(ApiError::field("stream_id", "`stream_id` must be a string or a number")),
     };
     Ok(ValidResponsesRequest {
+        model: top.str("model")?.or(f.str("model")?).map(str::to_owned),
         input,
         previous_response_id: f.str("previous_response_id")?.map(str::to_owned),
         store: f.bool("store")?.unwrap_or(true),

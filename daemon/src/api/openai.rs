@@ -68,6 +68,8 @@ pub enum Prompt {
 /// A validated chat or completion request.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ValidRequest {
+    /// The model the client named, if it named one (checked against the served one before any work).
+    pub model: Option<String>,
     pub prompt: Prompt,
     /// Chat only: the declared tools (`None`: none declared).
     pub tools: Option<Tools>,
@@ -82,6 +84,8 @@ pub struct ValidRequest {
 /// A validated `/v1/responses` request (HTTP body or WebSocket `response.create`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct ValidResponsesRequest {
+    /// The model the client named, if it named one (checked against the served one before any work).
+    pub model: Option<String>,
     /// The new input: messages and tool outputs, with `instructions` first as a system message.
     pub input: Vec<ChatMessage>,
     pub previous_response_id: Option<String>,
@@ -415,6 +419,7 @@ pub fn chat_request(body: &Value, limits: &RequestLimits) -> Result<ValidRequest
     limits.check_prompt("messages", chat_chars(&chat, declaration.as_deref()))?;
     let constraint = constraint::parse(&f, tools.as_ref(), false)?;
     Ok(ValidRequest {
+        model: f.str("model")?.map(str::to_owned),
         prompt: Prompt::Chat { messages: chat, tools: declaration, thinking: thinking(&f, false)? },
         tools,
         constraint,
@@ -461,7 +466,15 @@ pub fn completion_request(body: &Value, limits: &RequestLimits) -> Result<ValidR
         return Err(ApiError::field("echo", "`echo` is not supported with `stream`"));
     }
     let params = generation_params(&f, &["max_tokens"], true, limits)?;
-    Ok(ValidRequest { prompt, tools: None, constraint: None, params, stream, echo })
+    Ok(ValidRequest {
+        model: f.str("model")?.map(str::to_owned),
+        prompt,
+        tools: None,
+        constraint: None,
+        params,
+        stream,
+        echo,
+    })
 }
 
 /// Resolves the output limit and checks prompt + output against the context length.

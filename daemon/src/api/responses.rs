@@ -36,6 +36,7 @@ use super::constraint;
 use super::error::ApiError;
 use super::generate::{Generation, GenerationOrder, Outcome, Progress};
 use super::http::{bytes_response, json_response, read_body, sse_response, Body};
+use super::info;
 use super::items::{self, OutputItems};
 use super::openai::{self, ValidResponsesRequest};
 use super::reply::ReplyForm;
@@ -81,6 +82,7 @@ pub async fn start(
     arrival: Instant,
     owner: Owner,
 ) -> Result<(Generation, ResponseHeader), ApiError> {
+    info::check_model(state, req.model.as_deref())?;
     let kept = match &req.previous_response_id {
         Some(prev) => {
             Some(recorded(state, &owner.kept_id(prev)).await?.ok_or_else(|| ApiError::UnknownResponse(prev.clone()))?)
