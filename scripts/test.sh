@@ -6,10 +6,10 @@ cd "$(dirname "$0")/.."
 # A clean checkout builds once: incremental caches would only double the target folder (CI's disk is small).
 if [ -n "${CI:-}" ]; then export CARGO_INCREMENTAL=0; fi
 
-# Python clients used by black-box tests (the `openai` package as a streaming client, `tokenizers`
-# to check the exported Hugging Face tokenizer). Installed only when missing.
+# Python clients used by black-box tests (the `openai` package as a streaming client, `tokenizers` and
+# `transformers` to check the exported Hugging Face tokenizer). Installed only when missing.
 if command -v python3 >/dev/null 2>&1; then
-    python3 -c "import openai, tokenizers" 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check openai tokenizers
+    python3 -c "import openai, tokenizers, transformers, jinja2" 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check openai tokenizers transformers jinja2
     # NVRTC 13.0 and the CUDA headers, so the kernel compile check (kernels/tests/cuda_compile.rs) runs without a GPU.
     [ -e target/nvrtc-wheels/nvidia/cu13/lib/libnvrtc.so.13 ] || python3 -m pip install --quiet --disable-pip-version-check --target target/nvrtc-wheels "nvidia-cuda-nvrtc==13.0.*" "nvidia-cuda-runtime==13.0.*" || true
     export SPARKD_NVRTC_WHEELS="$PWD/target/nvrtc-wheels"

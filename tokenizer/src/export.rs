@@ -11,6 +11,13 @@
 //! a whole token map to it directly, as tiktoken does. Special tokens are added tokens at their ids (and in
 //! the model vocabulary, so that the ids survive loading).
 //!
+//! Special-token text: the daemon never reads a special token out of text (a literal `<|im_end|>` in a message
+//! is seven ordinary tokens; markers come from the chat template, as ids). `tokenizer_config.json` sets
+//! `split_special_tokens: true`, so `transformers` clients (AIPerf counts prompt and output text this way) count
+//! text as the daemon does. Rendering the chat template to text and tokenizing it needs the markers read back:
+//! `apply_chat_template(..., tokenizer_kwargs={"split_special_tokens": False})`. `tokenizer.json` has no such
+//! switch: the `tokenizers` package alone reads markers unless `encode_special_tokens = True` is set.
+//!
 //! Invariants: every base token has a vocabulary entry at its rank; every merge `(a, b)` has `a`, `b` and
 //! `a + b` in the vocabulary and sits at the position of `rank(a + b)` in rank order.
 //! Known difference: the daemon cuts texts into 25,000-character whitespace/non-whitespace runs before the
@@ -47,6 +54,7 @@ pub fn export_hf(tokenizer: &Tokenizer, dir: &Path) -> Result<()> {
         "add_bos_token": false,
         "add_eos_token": false,
         "clean_up_tokenization_spaces": false,
+        "split_special_tokens": true,
         "model_max_length": 1_048_576,
         "chat_template": ChatTemplate::JINJA,
     });

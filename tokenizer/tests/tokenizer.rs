@@ -386,20 +386,22 @@ fn export_writes_a_consistent_hugging_face_folder() {
     assert!(added.iter().any(|t| t["id"] == 163_601 && t["content"] == "<|im_middle|>"));
     let config = read("tokenizer_config.json");
     assert_eq!(config["chat_template"], ChatTemplate::JINJA);
+    assert_eq!(config["split_special_tokens"], true, "special-token text is text, as the daemon reads it");
     assert_eq!(config["added_tokens_decoder"]["163839"]["content"], "[PAD]");
     assert_eq!(read("special_tokens_map.json")["eos_token"], "[EOS]");
 }
 
-/// Python used to check the export: `python3` with the `tokenizers` package (it and `jinja2` are installed
-/// with pip when missing; pip does nothing when they are present). `None` when unavailable.
+/// Python used to check the export: `python3` with the `tokenizers` package (it, `jinja2` and `transformers` are
+/// installed with pip when missing; pip does nothing when they are present). `None` when unavailable.
 fn python_with_tokenizers() -> Option<&'static str> {
     let has = |module: &str| {
         Command::new("python3").args(["-c", &format!("import {module}")]).output().is_ok_and(|o| o.status.success())
     };
-    if has("tokenizers") && has("jinja2") {
+    if has("tokenizers") && has("jinja2") && has("transformers") {
         return Some("python3");
     }
-    let _ = Command::new("python3").args(["-m", "pip", "install", "-q", "tokenizers", "jinja2"]).output();
+    let _ =
+        Command::new("python3").args(["-m", "pip", "install", "-q", "tokenizers", "jinja2", "transformers"]).output();
     has("tokenizers").then_some("python3")
 }
 
@@ -414,6 +416,8 @@ fn compare_with_hugging_face(tok: &Tokenizer, label: &str) {
     export_hf(tok, dir.path()).unwrap();
     let texts = sample_texts();
     let expected: Vec<Vec<u32>> = texts.iter().map(|t| tok.encode_with_special(t)).collect();
+    // What the daemon charges for text: special-token text is ordinary text.
+    let served: Vec<Vec<u32>> = texts.iter().map(|t| tok.encode(t)).collect();
     let chat = ChatTemplate::new(tok.clone()).unwrap();
     let conversation = serde_json::json!([
         {"role": "user", "content": "Hi there, 你好 😀"},
@@ -430,13 +434,13 @@ fn compare_with_hugging_face(tok: &Tokenizer, label: &str) {
         bob,
     ];
     let case = serde_json::json!({
-        "texts": texts, "expected": expected, "conversation": conversation,
+        "texts": texts, "expected": expected, "served": served, "conversation": conversation,
         "chat_expected": chat.render(&messages).unwrap(),
         "chat_expected_thinking_off": chat.render_spec(&RenderSpec { thinking: false, ..RenderSpec::new(&messages) }).unwrap(),
     });
     std::fs::write(dir.path().join("case.json"), case.to_string()).unwrap();
     let script = r#"
-import json, sys
+import json, os, sys
 from tokenizers import Tokenizer
 d = sys.argv[1]
 tok = Tokenizer.from_file(d + "/tokenizer.json")
@@ -452,6 +456,22 @@ for text, want in zip(case["texts"], case["expected"]):
         bad += 1
         print("DECODE MISMATCH", repr(text))
 print("compared", len(case["texts"]), "texts")
+try:
+    from transformers import AutoTokenizer
+except ImportError:
+    AutoTokenizer = None
+    if os.environ.get("CI"):
+        print("transformers is missing in CI")
+        bad += 1
+if AutoTokenizer is not None:
+    # As AIPerf loads it: text is counted as the daemon counts it, special-token text included.
+    hf = AutoTokenizer.from_pretrained(d)
+    for text, want in zip(case["texts"], case["served"]):
+        got = hf.encode(text, add_special_tokens=False)
+        if got != want:
+            bad += 1
+            print("TRANSFORMERS MISMATCH", repr(text), got, want)
+    print("compared", len(case["texts"]), "texts through transformers")
 try:
     import jinja2
 except ImportError:
