@@ -81,6 +81,9 @@ pub const SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_TOTAL: &str = "vllm:spec_decod
 
 // ---- sparkd names ----
 
+/// Counter with label `position` (0-based draft position): verify rounds whose draft had a token at that
+/// position, the denominator of the per-position acceptance rate (verify budgets cut drafts to varying lengths).
+pub const SPEC_DECODE_NUM_DRAFT_TOKENS_PER_POS_TOTAL: &str = "sparkd:spec_decode_num_draft_tokens_per_pos_total";
 /// Gauge: mean acceptance length since start-up, `1 + accepted / drafts` (bonus included). For a benchmark
 /// window use the counters' deltas instead, as vLLM's tools do.
 pub const SPEC_DECODE_MEAN_ACCEPTANCE_LENGTH: &str = "sparkd:spec_decode_mean_acceptance_length";
@@ -258,6 +261,12 @@ pub const ALL_METRICS: &[MetricDef] = &[
         Counter,
         ("position", &[]),
         "Verify rounds in which the draft token at this position was accepted.",
+    ),
+    labelled(
+        SPEC_DECODE_NUM_DRAFT_TOKENS_PER_POS_TOTAL,
+        Counter,
+        ("position", &[]),
+        "Verify rounds whose draft had a token at this position.",
     ),
     def(SPEC_DECODE_MEAN_ACCEPTANCE_LENGTH, Gauge, "Mean acceptance length since start-up (bonus token included)."),
     def(
