@@ -18,9 +18,9 @@
 //! Who records what (so nothing is counted twice):
 //! - the engine thread: TTFT, per-token ITL (a step committing k tokens records k samples of interval/k), the
 //!   per-step interval, queue/prefill/decode/inference time, prompt tokens computed, generation tokens,
-//!   prefix-cache queries/hits, running/waiting, KV/state usage, sessions, speculation counters, client
-//!   disconnects (a failed send on a request's event channel), its own phase times and per-request admission
-//!   times, and the errors it raises itself;
+//!   prefix- and session-cache queries/hits (`engine::reuse`), running/waiting, KV/state usage, sessions,
+//!   speculation counters, client disconnects (a failed send on a request's event channel), its own phase
+//!   times and per-request admission times, and the errors it raises itself;
 //! - the API layer: end-to-end latency, per-request TPOT, `request_success`, request prompt/generation length,
 //!   P90 interactivity, the errors it raises (validation, context length, engine gone), HTTP requests by
 //!   endpoint and status, open WebSockets.
@@ -57,9 +57,10 @@ pub const REQUEST_GENERATION_TOKENS: &str = "vllm:request_generation_tokens";
 pub const PROMPT_TOKENS_TOTAL: &str = "vllm:prompt_tokens_total";
 /// Counter: tokens generated.
 pub const GENERATION_TOKENS_TOTAL: &str = "vllm:generation_tokens_total";
-/// Counter: prompt tokens looked up in the prefix cache.
+/// Counter: prompt tokens looked up for reuse (all of a request's context but its last token), in a kept
+/// response's state (`previous_response_id`) or the prefix cache (`engine::reuse`).
 pub const PREFIX_CACHE_QUERIES_TOTAL: &str = "vllm:prefix_cache_queries_total";
-/// Counter: looked-up prompt tokens found in the prefix cache.
+/// Counter: looked-up prompt tokens served from a kept response's state or a prefix-cache snapshot, not computed.
 pub const PREFIX_CACHE_HITS_TOTAL: &str = "vllm:prefix_cache_hits_total";
 /// Counter with label `finished_reason` (`stop`, `length`, `abort`): finished requests.
 pub const REQUEST_SUCCESS_TOTAL: &str = "vllm:request_success_total";
@@ -80,6 +81,9 @@ pub const SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_TOTAL: &str = "vllm:spec_decod
 
 // ---- sparkd names ----
 
+/// Counter with label `position` (0-based draft position): verify rounds whose draft had a token at that
+/// position, the denominator of the per-position acceptance rate (verify budgets cut drafts to varying lengths).
+pub const SPEC_DECODE_NUM_DRAFT_TOKENS_PER_POS_TOTAL: &str = "sparkd:spec_decode_num_draft_tokens_per_pos_total";
 /// Gauge: mean acceptance length since start-up, `1 + accepted / drafts` (bonus included). For a benchmark
 /// window use the counters' deltas instead, as vLLM's tools do.
 pub const SPEC_DECODE_MEAN_ACCEPTANCE_LENGTH: &str = "sparkd:spec_decode_mean_acceptance_length";
@@ -107,6 +111,11 @@ pub const SESSIONS_EVICTED_TOTAL: &str = "sparkd:sessions_evicted_total";
 pub const SESSIONS_DELETED_TOTAL: &str = "sparkd:sessions_deleted_total";
 /// Counter with label `tier` (`device`, `host`, `prefill`): continuations, by where the state came from.
 pub const SESSIONS_RESTORED_TOTAL: &str = "sparkd:sessions_restored_total";
+/// Counter: prompt tokens of continuations (`previous_response_id`) a kept state could have served (all of the
+/// context but its last token).
+pub const SESSION_CACHE_QUERIES_TOTAL: &str = "sparkd:session_cache_queries_total";
+/// Counter: continuation tokens restored from the kept state (none when the state was dropped: rebuilt by prefill).
+pub const SESSION_CACHE_HITS_TOTAL: &str = "sparkd:session_cache_hits_total";
 /// Gauge: kept responses currently held.
 pub const SESSIONS_KEPT: &str = "sparkd:sessions_kept";
 /// Gauge: bytes kept responses hold (states in every tier, token histories, stored response objects): what
@@ -225,8 +234,16 @@ pub const ALL_METRICS: &[MetricDef] = &[
     def(REQUEST_GENERATION_TOKENS, Histogram, "Number of generation tokens per finished request."),
     def(PROMPT_TOKENS_TOTAL, Counter, "Number of prefill tokens computed (prefix-cache hits excluded)."),
     def(GENERATION_TOKENS_TOTAL, Counter, "Number of generation tokens processed."),
-    def(PREFIX_CACHE_QUERIES_TOTAL, Counter, "Prefix cache queries, in terms of number of queried tokens."),
-    def(PREFIX_CACHE_HITS_TOTAL, Counter, "Prefix cache hits, in terms of number of cached tokens."),
+    def(
+        PREFIX_CACHE_QUERIES_TOTAL,
+        Counter,
+        "Prefix cache queries, in terms of number of queried tokens (kept states of continuations included).",
+    ),
+    def(
+        PREFIX_CACHE_HITS_TOTAL,
+        Counter,
+        "Prefix cache hits, in terms of number of cached tokens (kept states of continuations included).",
+    ),
     labelled(
         REQUEST_SUCCESS_TOTAL,
         Counter,
@@ -244,6 +261,12 @@ pub const ALL_METRICS: &[MetricDef] = &[
         Counter,
         ("position", &[]),
         "Verify rounds in which the draft token at this position was accepted.",
+    ),
+    labelled(
+        SPEC_DECODE_NUM_DRAFT_TOKENS_PER_POS_TOTAL,
+        Counter,
+        ("position", &[]),
+        "Verify rounds whose draft had a token at this position.",
     ),
     def(SPEC_DECODE_MEAN_ACCEPTANCE_LENGTH, Gauge, "Mean acceptance length since start-up (bonus token included)."),
     def(
@@ -283,6 +306,12 @@ pub const ALL_METRICS: &[MetricDef] = &[
         ("tier", &["device", "host", "prefill"]),
         "Continuations of kept responses, by where the state came from.",
     ),
+    def(
+        SESSION_CACHE_QUERIES_TOTAL,
+        Counter,
+        "Prompt tokens of continuations (previous_response_id) a kept state could have served.",
+    ),
+    def(SESSION_CACHE_HITS_TOTAL, Counter, "Continuation tokens restored from the kept state, not computed."),
     def(SESSIONS_KEPT, Gauge, "Kept responses currently held."),
     def(
         SESSIONS_BYTES,
@@ -429,6 +458,38 @@ impl InteractivityWindow {
         let mut itls: Vec<f64> = self.samples.iter().map(|&(_, itl)| itl).collect();
         itls.sort_by(f64::total_cmp);
         percentile(&itls, 0.9).filter(|&p| p > 0.0).map(|p| 1.0 / p)
+    }
+}
+
+/// Test support: a Prometheus recorder of a test's own. Handles taken inside [`LocalMetrics::capture`] (as the engine
+/// takes its counters when it is made) record into it from any thread, while the process's other tests record
+/// elsewhere.
+#[cfg(test)]
+pub(crate) struct LocalMetrics {
+    recorder: metrics_exporter_prometheus::PrometheusRecorder,
+}
+
+#[cfg(test)]
+impl LocalMetrics {
+    pub fn new() -> Self {
+        LocalMetrics { recorder: PrometheusBuilder::new().build_recorder() }
+    }
+
+    /// Runs `f` with this recorder as the thread's own.
+    pub fn capture<T>(&self, f: impl FnOnce() -> T) -> T {
+        metrics::with_local_recorder(&self.recorder, f)
+    }
+
+    /// The value of the series `name` whose labels include `label` (`name{label="value"}` in the text format);
+    /// `None` when there is no such series.
+    pub fn value(&self, name: &str, label: Option<(&str, &str)>) -> Option<f64> {
+        let wanted = label.map(|(k, v)| format!("{k}=\"{v}\""));
+        self.recorder.handle().render().lines().filter(|l| !l.starts_with('#')).find_map(|line| {
+            let (series, value) = line.rsplit_once(' ')?;
+            let (series_name, labels) = series.split_once('{').unwrap_or((series, ""));
+            let matches = series_name == name && wanted.as_ref().is_none_or(|w| labels.contains(w.as_str()));
+            matches.then(|| value.parse().ok()).flatten()
+        })
     }
 }
 

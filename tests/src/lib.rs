@@ -6,6 +6,7 @@
 //! - Clients are real: hyper over TCP for HTTP/SSE, tokio-tungstenite for WebSocket.
 //! - [`PromText::parse`] is a small, strict parser of the Prometheus text format (version 0.0.4): a malformed
 //!   line is an error, so a test that parses `/metrics` also checks its syntax.
+//! - [`prometheus::Prometheus`] runs a real Prometheus on loopback for the dashboard tests.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
@@ -25,6 +26,8 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
 use tokio_tungstenite::tungstenite::Message;
+
+pub mod prometheus;
 
 /// How long a server may take to come up (the CPU model is built at start).
 pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(120);

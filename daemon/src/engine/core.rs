@@ -56,6 +56,7 @@ use super::constraints::{Constraints, MasksOnAsk, StepMasks};
 use super::journal::{Journal, OpenJournal};
 use super::phases::{Phase, PhaseClock};
 use super::prefix_cache::PrefixCache;
+use super::reuse::{Lookup, ReuseCounters};
 use super::scheduler::{AheadPlan, FinishedSeq, Scheduler, SchedulerLimits, StepOutcome, StepPlan};
 use super::sessions::{EvictionPolicy, LruPolicy, SessionStore, StoreBudgets};
 use super::speculator::{DraftSlot, Speculation, Speculator};
@@ -221,6 +222,8 @@ struct EngineCore {
     speculator: Option<Speculator>,
     /// Times the phases of each loop turn.
     phases: PhaseClock,
+    /// Counts the prompt tokens each admitted request reused, and from where.
+    reuse: ReuseCounters,
     /// The states of each step launched and not yet collected, oldest first.
     flying: VecDeque<Vec<StateId>>,
     /// States of requests that left while a step in flight held them (see [`EngineCore::settle_deferred`]).
@@ -265,6 +268,7 @@ impl EngineCore {
             constraints: Constraints::default(),
             speculator,
             phases: PhaseClock::new(),
+            reuse: ReuseCounters::new(),
             flying: VecDeque::new(),
             deferred: Vec::new(),
             journal: None,
@@ -471,6 +475,9 @@ impl EngineCore {
         let snapshots = self.prefix.is_enabled() && !self.live.get(&id).is_some_and(Live::continues_kept_chain);
         let mut restored: Option<(StateId, usize)> = None;
         let mut how = "fresh";
+        // The last prompt token is always fed (it produces the first output token).
+        let reusable = tokens.len().saturating_sub(1);
+        let mut looked_up = false;
         if let Some(from) = &continue_from {
             let (state, tier) = self.sessions.checkout(self.runner.as_mut(), from)?;
             counter!(names::SESSIONS_RESTORED_TOTAL, "tier" => tier.as_str()).increment(1);
@@ -485,16 +492,18 @@ impl EngineCore {
                     }
                 }
             }
+            looked_up = true;
+            self.reuse.continuation(Lookup { reusable, restored: restored.map_or(0, |(_, len)| len) });
         }
         if restored.is_none() && self.prefix.is_enabled() {
-            // The last prompt token is always fed (it produces the first output token).
-            let max_len = tokens.len().saturating_sub(1);
-            counter!(names::PREFIX_CACHE_QUERIES_TOTAL).increment(max_len as u64);
-            if let Some((len, snapshot)) = self.prefix.lookup(&tokens, max_len) {
-                counter!(names::PREFIX_CACHE_HITS_TOTAL).increment(len as u64);
+            looked_up = true;
+            if let Some((len, snapshot)) = self.prefix.lookup(&tokens, reusable) {
                 restored = Some((self.runner.import_state(snapshot)?, len));
                 how = "prefix";
             }
+        }
+        if looked_up {
+            self.reuse.prompt(Lookup { reusable, restored: restored.map_or(0, |(_, len)| len) });
         }
         let (state, computed) = match restored {
             Some(r) => r,

@@ -13,6 +13,7 @@ pub mod core;
 pub mod journal;
 mod phases;
 pub mod prefix_cache;
+mod reuse;
 pub mod scheduler;
 pub mod sessions;
 pub mod speculator;

@@ -25,6 +25,9 @@ use tokio::sync::mpsc;
 use super::core::{spawn, Engine};
 use super::types::*;
 use crate::config::speculation::{SpecBudget, SpecMethod, SpeculationConfig};
+use crate::metrics::{
+    LocalMetrics, SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_TOTAL, SPEC_DECODE_NUM_DRAFT_TOKENS_PER_POS_TOTAL,
+};
 use crate::startup;
 
 /// What one request received.
@@ -249,6 +252,27 @@ fn the_per_request_override_lowers_the_draft_length() {
     assert!(!outcomes[0].rounds.is_empty() && outcomes[0].rounds.iter().all(|r| r.0 <= 2));
     assert!(outcomes[1].rounds.is_empty(), "num_tokens 0 turns speculation off");
     assert!(outcomes[2].rounds.iter().any(|r| r.0 > 2) && outcomes[2].rounds.iter().all(|r| r.0 <= 8));
+}
+
+#[test]
+fn per_position_counters_count_the_positions_each_round_drafted_and_accepted() {
+    let metrics = LocalMetrics::new();
+    let mut h = metrics.capture(|| Harness::new(null_runner(), spec(SpecMethod::Suffix, 8), 64));
+    let p = prompt(5, 30);
+    // The second pass drafts from the first's output; its rounds are cut to 2 tokens for one request.
+    let mut outcomes = h.run(&[(p.clone(), 60, None)]);
+    outcomes.extend(h.run(&[(p.clone(), 60, Some(2)), (p, 60, None)]));
+    let rounds: Vec<(usize, usize)> = outcomes.iter().flat_map(|o| o.rounds.iter().copied()).collect();
+    assert!(rounds.iter().any(|r| r.0 <= 2) && rounds.iter().any(|r| r.0 > 2), "drafts of varying lengths: {rounds:?}");
+    for position in 0..8 {
+        let label = position.to_string();
+        let counted = |name| metrics.value(name, Some(("position", &label))).expect("a series per position");
+        let drafted = rounds.iter().filter(|r| r.0 > position).count();
+        let accepted = rounds.iter().filter(|r| r.1 > position).count();
+        assert_eq!(counted(SPEC_DECODE_NUM_DRAFT_TOKENS_PER_POS_TOTAL), drafted as f64, "position {position}");
+        assert_eq!(counted(SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_TOTAL), accepted as f64, "position {position}");
+    }
+    assert!(metrics.value(SPEC_DECODE_NUM_DRAFT_TOKENS_PER_POS_TOTAL, Some(("position", "8"))).is_none(), "ℓ = 8");
 }
 
 #[test]

@@ -31,11 +31,14 @@
 //!   is a full `ℓ` window and the forced schedule yields the asked mean length.
 //! - Per-request memory lives under `SeqKey(request id)` and is released by [`Speculator::end`]
 //!   exactly once per request that began.
+//! - A verify round of `d` drafts with `a` accepted adds one to the drafted counter of positions `0..d` and to the
+//!   accepted counter of positions `0..a`; those handles are taken once, in [`Speculator::new`], so recording a
+//!   round never looks a label up in the registry.
 
 use std::collections::HashMap;
 use std::time::Instant;
 
-use metrics::{counter, gauge};
+use metrics::{counter, gauge, Counter};
 use sparkd_kernels::runner::SamplingParams;
 use sparkd_kernels::{KernelError, Runner, StateId, TokenId};
 use sparkd_spec::budget::request_cap;
@@ -89,16 +92,31 @@ pub struct Speculator {
     /// A gate decision taken ahead of its round ([`Speculator::skip_ahead`]) that was not to skip: the next
     /// round's own.
     decided: Option<GateDecision>,
+    /// The per-position counters of draft positions `0..ℓ`, taken once.
+    positions: Vec<PositionCounters>,
+}
+
+/// The counters of one draft position: rounds that drafted it, rounds that accepted it.
+struct PositionCounters {
+    drafted: Counter,
+    accepted: Counter,
+}
+
+impl PositionCounters {
+    fn new(position: usize) -> Self {
+        PositionCounters {
+            drafted: counter!(names::SPEC_DECODE_NUM_DRAFT_TOKENS_PER_POS_TOTAL, "position" => position.to_string()),
+            accepted: counter!(names::SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_TOTAL, "position" => position.to_string()),
+        }
+    }
 }
 
 impl Speculator {
-    /// The speculator of `speculation`; zeroes the per-position counters and sets the forced-acceptance gauge.
+    /// The speculator of `speculation`; registers the per-position counters (at zero) and sets the
+    /// forced-acceptance gauge.
     pub fn new(speculation: Speculation) -> Self {
         let Speculation { proposer, budget, num_spec_tokens, synthetic, gate } = speculation;
-        for position in 0..num_spec_tokens {
-            counter!(names::SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_TOTAL, "position" => position.to_string())
-                .increment(0);
-        }
+        let positions = (0..num_spec_tokens).map(PositionCounters::new).collect();
         let forced = synthetic.as_ref().map_or(0.0, |s| s.mean_acceptance_length());
         gauge!(names::SPEC_DECODE_FORCED_ACCEPTANCE_LENGTH).set(forced);
         Speculator {
@@ -112,6 +130,7 @@ impl Speculator {
             calibrations: Calibrations::default(),
             verifying: HashMap::new(),
             decided: None,
+            positions,
         }
     }
 
@@ -308,9 +327,12 @@ impl Speculator {
         counter!(names::SPEC_DECODE_NUM_DRAFTS_TOTAL).increment(1);
         counter!(names::SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL).increment(drafted as u64);
         counter!(names::SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL).increment(accepted as u64);
-        for position in 0..accepted {
-            counter!(names::SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_TOTAL, "position" => position.to_string())
-                .increment(1);
+        // A round drafts at most ℓ tokens (`request_cap`), so every position it drafted has its counters.
+        for (position, counters) in self.positions.iter().enumerate().take(drafted) {
+            counters.drafted.increment(1);
+            if position < accepted {
+                counters.accepted.increment(1);
+            }
         }
         if self.is_synthetic() {
             counter!(names::SPEC_DECODE_NUM_SYNTHETIC_DRAFTS_TOTAL).increment(1);

@@ -18,6 +18,10 @@ use super::sessions::KeptSummary;
 use super::step_time::{linear_costs, StepTarget, StepTimeLimit};
 use super::types::*;
 use crate::config::speculation::{SpecMethod, SpeculationConfig};
+use crate::metrics::{
+    LocalMetrics, PREFIX_CACHE_HITS_TOTAL, PREFIX_CACHE_QUERIES_TOTAL, SESSION_CACHE_HITS_TOTAL,
+    SESSION_CACHE_QUERIES_TOTAL,
+};
 use crate::startup;
 
 /// What the wrapped runner saw.
@@ -498,6 +502,55 @@ fn a_kept_chain_s_later_turns_take_no_prefix_snapshots() {
     collect(h.submit(turn3));
     h.settle();
     assert_eq!(exports(), first + 2);
+}
+
+/// The prefix- and session-cache counters of `metrics`: (prefix queries, prefix hits, session queries, session hits).
+fn reuse_counts(metrics: &LocalMetrics) -> [f64; 4] {
+    [PREFIX_CACHE_QUERIES_TOTAL, PREFIX_CACHE_HITS_TOTAL, SESSION_CACHE_QUERIES_TOTAL, SESSION_CACHE_HITS_TOTAL]
+        .map(|name| metrics.value(name, None).unwrap_or_else(|| panic!("no {name} series")))
+}
+
+#[test]
+fn a_continuation_counts_its_kept_tokens_as_prefix_and_session_cache_hits() {
+    let metrics = LocalMetrics::new();
+    let h = metrics.capture(|| Harness::new(config()));
+    let p1 = prompt(11, 40);
+    let mut turn1 = request(1, p1.clone(), 5);
+    turn1.keep_as = Some(ResponseId("resp_r".into()));
+    let first = collect(h.submit(turn1));
+    h.settle();
+    // A fresh request looks its prompt up in the prefix cache (all but its last token) and misses.
+    assert_eq!(first.started, Some((40, 0)));
+    assert_eq!(reuse_counts(&metrics), [39.0, 0.0, 0.0, 0.0]);
+    let mut turn2 = request(2, vec![11, 12, 13], 4);
+    turn2.continue_from = Some(ResponseId("resp_r".into()));
+    let second = collect(h.submit(turn2));
+    let (context, cached) = second.started.expect("started");
+    assert_eq!((context, cached), (40 + 5 + 3, 40 + 5 - 1), "the kept state holds the history but its last token");
+    // The continuation's kept tokens are hits of both counters, as many as the response reports cached.
+    let reusable = (context - 1) as f64;
+    assert_eq!(reuse_counts(&metrics), [39.0 + reusable, cached as f64, reusable, cached as f64]);
+}
+
+#[test]
+fn a_continuation_whose_kept_state_was_dropped_is_a_session_miss_looked_up_in_the_prefix_cache() {
+    let metrics = LocalMetrics::new();
+    // Room for one kept state on the device and none on the host: the older one is dropped (history only).
+    let h =
+        metrics.capture(|| Harness::new(EngineConfig { state_budget_bytes: 300, host_budget_bytes: 0, ..config() }));
+    for (id, seed) in [(1, 3), (2, 4)] {
+        let mut turn = request(id, prompt(seed, 50), 6);
+        turn.keep_as = Some(ResponseId(format!("resp_{id}")));
+        collect(h.submit(turn));
+    }
+    h.settle();
+    assert_eq!(reuse_counts(&metrics), [98.0, 0.0, 0.0, 0.0]);
+    let mut turn = request(3, vec![31, 32], 4);
+    turn.continue_from = Some(ResponseId("resp_1".into()));
+    let (context, cached) = collect(h.submit(turn)).started.expect("started");
+    assert_eq!((context, cached), (50 + 6 + 2, 0), "rebuilt by prefill: no 64-token snapshot to restore");
+    let reusable = (context - 1) as f64;
+    assert_eq!(reuse_counts(&metrics), [98.0 + reusable, 0.0, reusable, 0.0]);
 }
 
 #[test]
