@@ -18,7 +18,7 @@ use std::collections::BTreeSet;
 use std::fmt::Write as _;
 
 use crate::error::{ReplayError, Result};
-use crate::metrics::percentile;
+use crate::metrics::{percentile, RequestRecord, Summary};
 use crate::plot::{self, css_color, headroom, Axes, Chart, Legend, Line, ParetoSeries};
 use crate::report::{tool_name, RunReport, ServerCounters, Throughput};
 
@@ -277,6 +277,9 @@ fn cdf(values: impl Iterator<Item = f64>, x_max: f64) -> Vec<(f64, f64)> {
     out
 }
 
+/// A latency distribution: its title, x axis, each request's value and the run's P99, in seconds.
+type Distribution = (&'static str, &'static str, fn(&RequestRecord) -> Option<f64>, fn(&Summary) -> f64);
+
 fn latency_section(series: &[Series]) -> Result<String> {
     let mut out = String::from("<h2>Latency distributions</h2>\n");
     out.push_str(
@@ -285,8 +288,7 @@ fn latency_section(series: &[Series]) -> Result<String> {
          largest P99 of the runs, so a curve that stops short of 100% goes on to its slowest requests beyond \
          it.</p>\n<div class=\"pair\">\n",
     );
-    type Pick = fn(&crate::metrics::RequestRecord) -> Option<f64>;
-    let metrics: [(&str, &str, Pick, fn(&crate::metrics::Summary) -> f64); 2] = [
+    let metrics: [Distribution; 2] = [
         ("Inter-token latency", "ITL (ms)", |r| r.itl_s, |s| s.itl_s.p99),
         ("Time to first token", "TTFT (ms)", |r| r.ttft_s, |s| s.ttft_s.p99),
     ];

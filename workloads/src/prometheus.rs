@@ -22,7 +22,7 @@ use crate::error::{ReplayError, Result};
 #[derive(Clone, Debug, PartialEq)]
 pub struct Sample {
     pub name: String,
-    pub labels: Vec<(String, String)>,
+    pub labels: Labels,
     pub value: f64,
 }
 
@@ -111,8 +111,11 @@ fn parse_sample(line: &str) -> std::result::Result<Sample, String> {
     Ok(Sample { name: name.to_owned(), labels, value })
 }
 
+/// A sample's labels, in order.
+type Labels = Vec<(String, String)>;
+
 /// Parses `a="x",b="y"}` (after the opening brace); returns the labels and the text after the closing brace.
-fn parse_labels(mut s: &str) -> std::result::Result<(Vec<(String, String)>, &str), String> {
+fn parse_labels(mut s: &str) -> std::result::Result<(Labels, &str), String> {
     let mut labels = Vec::new();
     loop {
         s = s.trim_start();

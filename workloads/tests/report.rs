@@ -117,9 +117,9 @@ fn labels_override_in_file_order_and_name_compare_columns() {
     let dir = tempfile::tempdir().unwrap();
     let a = write(dir.path(), "a.json", &run("a", 4, 0.02, None, scraped(None)));
     let b = write(dir.path(), "b.json", &run("b", 4, 0.01, None, scraped(Some(dspark()))));
-    let runs = read_labelled(&[a.clone(), b.clone()], &["spec off".into()]).unwrap();
+    let runs = read_labelled(&[a.clone(), b], &["spec off".into()]).unwrap();
     assert_eq!((runs[0].label.as_str(), runs[1].label.as_str()), ("spec off", "b"));
-    let err = read_labelled(&[a.clone()], &["x".into(), "y".into()]).unwrap_err();
+    let err = read_labelled(std::slice::from_ref(&a), &["x".into(), "y".into()]).unwrap_err();
     assert_eq!(err.kind(), "option");
     let table = compare(&runs[..1], &runs[1..]);
     let header = table.lines().find(|l| l.contains("metric")).unwrap();
