@@ -19,7 +19,7 @@ use std::fmt::Write as _;
 
 use crate::error::{ReplayError, Result};
 use crate::metrics::{percentile, RequestRecord, Summary};
-use crate::plot::{self, css_color, headroom, Axes, Chart, Legend, Line, ParetoSeries};
+use crate::plot::{self, css_color, headroom, Axes, Chart, Dash, Line, ParetoSeries};
 use crate::report::{tool_name, RunReport, ServerCounters, Throughput};
 
 /// Points per distribution curve (quantiles 0, 0.5%, …, 100%).
@@ -133,7 +133,6 @@ p.note { color: #4a5263; font-size: 14px; margin: 6px 0 12px; }
 .warn { background: #fff4e0; border-left: 4px solid #e8a33d; padding: 8px 12px; margin: 12px 0; }
 .figure { background: #fff; border: 1px solid #e1e4ea; border-radius: 6px; padding: 8px; margin: 12px 0; }
 .figure svg { display: block; max-width: 100%; height: auto; margin: 0 auto; }
-.pair { display: grid; grid-template-columns: 1fr 1fr; gap: 14px; }
 table { border-collapse: collapse; background: #fff; width: 100%; margin: 10px 0; font-size: 14px; }
 th, td { padding: 6px 10px; border-bottom: 1px solid #e6e8ee; text-align: right; vertical-align: top; }
 th { background: #eef0f4; font-weight: 600; }
@@ -286,7 +285,7 @@ fn latency_section(series: &[Series]) -> Result<String> {
         "<p class=\"note\">Share of successful requests at or below each latency, one curve per run. ITL is \
          per request: (last − first content chunk) / (output tokens − 1). Each axis ends a little past the \
          largest P99 of the runs, so a curve that stops short of 100% goes on to its slowest requests beyond \
-         it.</p>\n<div class=\"pair\">\n",
+         it. Runs of one series share its colour and differ by dash pattern.</p>\n",
     );
     let metrics: [Distribution; 2] = [
         ("Inter-token latency", "ITL (ms)", |r| r.itl_s, |s| s.itl_s.p99),
@@ -296,11 +295,11 @@ fn latency_section(series: &[Series]) -> Result<String> {
         let x_max = headroom(series.iter().flat_map(|s| &s.runs).map(|r| p99(&r.summary) * 1e3).fold(0.0, f64::max));
         let mut lines = Vec::new();
         for (i, s) in series.iter().enumerate() {
-            for run in &s.runs {
+            for (j, run) in s.runs.iter().enumerate() {
                 let values = run.records.iter().filter(|r| r.ok()).filter_map(pick).map(|v| v * 1e3);
                 let points = cdf(values, x_max);
                 if !points.is_empty() {
-                    lines.push(Line { label: run_name(run), color: i, points, markers: false });
+                    lines.push(Line { label: run_name(run), color: i, points, markers: false, dash: Dash::nth(j) });
                 }
             }
         }
@@ -308,13 +307,12 @@ fn latency_section(series: &[Series]) -> Result<String> {
             title: format!("{title}: cumulative distribution"),
             x_label: x_label.into(),
             y_label: "requests at or below (%)".into(),
-            width: 560,
-            height: 420,
+            width: 1100,
+            height: 460,
         };
-        let axes = Axes { x: (0.0, x_max), y: (0.0, 100.0), integer_x: false, legend: Legend::LowerRight };
+        let axes = Axes { x: (0.0, x_max), y: (0.0, 105.0), integer_x: false };
         out.push_str(&figure(&plot::lines(&chart, &lines, axes)?));
     }
-    out.push_str("</div>\n");
     Ok(out)
 }
 
@@ -342,7 +340,7 @@ fn spec_section(series: &[Series]) -> Result<String> {
     let mut lines = Vec::new();
     let mut positions = 0;
     for (i, s) in series.iter().enumerate() {
-        for run in &s.runs {
+        for (j, run) in s.runs.iter().enumerate() {
             let name = format!("{}{}", swatch(i), esc(&run_name(run)));
             match run.server_stats().and_then(|st| st.spec.as_ref()) {
                 None => {
@@ -371,7 +369,7 @@ fn spec_section(series: &[Series]) -> Result<String> {
                     let rates = spec.position_rates();
                     positions = positions.max(rates.len());
                     let points = rates.iter().enumerate().map(|(k, r)| ((k + 1) as f64, r * 100.0)).collect();
-                    lines.push(Line { label: run_name(run), color: i, points, markers: true });
+                    lines.push(Line { label: run_name(run), color: i, points, markers: true, dash: Dash::nth(j) });
                 }
             }
         }
@@ -388,7 +386,7 @@ fn spec_section(series: &[Series]) -> Result<String> {
         width: 1100,
         height: 440,
     };
-    let axes = Axes { x: (0.5, positions as f64 + 0.5), y: (0.0, 105.0), integer_x: true, legend: Legend::UpperRight };
+    let axes = Axes { x: (0.5, positions as f64 + 0.5), y: (0.0, 105.0), integer_x: true };
     out.push_str(&figure(&plot::lines(&chart, &lines, axes)?));
     Ok(out)
 }

@@ -3,15 +3,18 @@
 //!
 //! Invariants:
 //! - Every chart has a title, axis titles with units, a light grid at its ticks and a legend naming each
-//!   series; tick values are plotters' round steps (1, 2 or 5 × 10^k) printed without float noise.
+//!   series, drawn right of the plot so it never hides data; tick values are plotters' round steps (1, 2 or 5 × 10^k) printed without float noise.
 //! - Font sizes are given in points: plotters' SVG backend writes them as 0.8 of that in pixels.
-//! - Series keep their order and colour across every chart of a report: series `i` has [`PALETTE`]`[i % 10]`.
+//! - Series keep their order and colour across every chart of a report: series `i` has [`PALETTE`]`[i % 10]`;
+//!   the runs of one series in a per-run chart differ by dash pattern.
 //! - Axes start at zero unless the caller gives a range, and always leave room above the largest value; an
 //!   empty or non-finite input still draws a valid (empty) chart instead of failing.
 
 use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
+use plotters::element::DashedPathElement;
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use crate::error::{ReplayError, Result};
 use crate::pareto::{frontier, spline, ParetoPoint};
@@ -51,13 +54,6 @@ pub struct Chart {
     pub height: u32,
 }
 
-/// Where the legend goes: the corner the data leaves empty.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Legend {
-    UpperRight,
-    LowerRight,
-}
-
 /// The runs of one label, as Pareto points.
 #[derive(Clone, Debug)]
 pub struct ParetoSeries {
@@ -74,6 +70,30 @@ pub struct Line {
     pub points: Vec<(f64, f64)>,
     /// Mark each point (for sparse data such as draft positions).
     pub markers: bool,
+    pub dash: Dash,
+}
+
+/// How a line is stroked: tells apart the runs of one series.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dash {
+    Solid,
+    Dashed,
+    Dotted,
+}
+
+impl Dash {
+    /// The pattern of the `i`-th run of a series.
+    pub fn nth(i: usize) -> Dash {
+        [Dash::Solid, Dash::Dashed, Dash::Dotted][i % 3]
+    }
+}
+
+/// One legend row.
+struct Entry {
+    label: String,
+    color: RGBColor,
+    dot: bool,
+    dash: Dash,
 }
 
 /// The axes of a line chart.
@@ -83,7 +103,6 @@ pub struct Axes {
     pub y: (f64, f64),
     /// Label only whole numbers on x (draft positions).
     pub integer_x: bool,
-    pub legend: Legend,
 }
 
 fn plot_error(chart: &Chart, e: impl std::fmt::Display) -> ReplayError {
@@ -124,16 +143,51 @@ fn finite(points: &[(f64, f64)]) -> impl Iterator<Item = (f64, f64)> + '_ {
     points.iter().copied().filter(|(x, y)| x.is_finite() && y.is_finite())
 }
 
-/// Draws into an SVG string.
-fn svg(chart: &Chart, draw: impl FnOnce(&DrawingArea<SVGBackend, Shift>) -> Result<()>) -> Result<String> {
+/// Draws into an SVG string: the plot on the left, the legend of `entries` in a column on the right.
+fn svg(
+    chart: &Chart,
+    entries: &[Entry],
+    draw: impl FnOnce(&DrawingArea<SVGBackend, Shift>) -> Result<()>,
+) -> Result<String> {
+    let longest = entries.iter().map(|e| e.label.chars().count()).max().unwrap_or(0) as u32;
+    let legend_width = (longest * 9 + 64).clamp(150, 340).min(chart.width / 2);
     let mut out = String::new();
     {
         let root = SVGBackend::with_string(&mut out, (chart.width, chart.height)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| plot_error(chart, e))?;
-        draw(&root)?;
+        let (plot, side) = root.split_horizontally(chart.width - legend_width);
+        draw(&plot)?;
+        side_legend(&side, entries).map_err(|e| plot_error(chart, e))?;
         root.present().map_err(|e| plot_error(chart, e))?;
     }
     Ok(out)
+}
+
+/// A path in `dash`'s pattern.
+fn stroke<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    points: Vec<(i32, i32)>,
+    style: ShapeStyle,
+    dash: Dash,
+) -> std::result::Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
+    match dash {
+        Dash::Solid => area.draw(&PathElement::new(points, style)),
+        Dash::Dashed => area.draw(&DashedPathElement::new(points, 9, 5, style)),
+        Dash::Dotted => area.draw(&DashedPathElement::new(points, 2, 4, style)),
+    }
+}
+
+fn side_legend(area: &DrawingArea<SVGBackend, Shift>, entries: &[Entry]) -> DrawResult {
+    for (i, e) in entries.iter().enumerate() {
+        let y = 72 + 28 * i as i32;
+        stroke(area, vec![(6, y), (36, y)], e.color.stroke_width(3), e.dash)?;
+        if e.dot {
+            area.draw(&Circle::new((21, y), 5, e.color.filled()))?;
+        }
+        let font = TextStyle::from((FONT, 17).into_font()).pos(Pos::new(HPos::Left, VPos::Center));
+        area.draw(&Text::new(e.label.clone(), (44, y), font))?;
+    }
+    Ok(())
 }
 
 /// Throughput against P90 interactivity: every run a point labelled with its concurrency (filled on its
@@ -142,11 +196,17 @@ pub fn pareto(chart: &Chart, series: &[ParetoSeries]) -> Result<String> {
     let all: Vec<(f64, f64)> = series.iter().flat_map(|s| s.points.iter().map(|p| (p.x, p.y))).collect();
     let max_x = headroom(finite(&all).map(|p| p.0).fold(0.0, f64::max));
     let max_y = headroom(finite(&all).map(|p| p.1).fold(0.0, f64::max));
-    svg(chart, |root| {
+    let entries: Vec<Entry> = series
+        .iter()
+        .enumerate()
+        .map(|(i, s)| Entry { label: s.label.clone(), color: PALETTE[i % PALETTE.len()], dot: true, dash: Dash::Solid })
+        .collect();
+    svg(chart, &entries, |area| {
         let err = |e| plot_error(chart, e);
-        let mut ctx = ChartBuilder::on(root)
+        let mut ctx = ChartBuilder::on(area)
             .caption(&chart.title, (FONT, 24))
             .margin(18)
+            .margin_top(36)
             .x_label_area_size(52)
             .y_label_area_size(78)
             .build_cartesian_2d(0.0..max_x, 0.0..max_y)
@@ -166,23 +226,29 @@ pub fn pareto(chart: &Chart, series: &[ParetoSeries]) -> Result<String> {
                     + Circle::new((0, 0), 5, style)
                     + Text::new(format!("c={}", p.concurrency), (7, -16), (FONT, 16).into_font().color(&color))
             });
-            ctx.draw_series(marks).map_err(err)?.label(s.label.as_str()).legend(move |(x, y)| {
-                EmptyElement::at((x, y))
-                    + PathElement::new(vec![(0, 0), (22, 0)], color.stroke_width(2))
-                    + Circle::new((11, 0), 4, color.filled())
-            });
+            ctx.draw_series(marks).map_err(err)?;
         }
-        legend(&mut ctx, Legend::UpperRight).map_err(err)
+        Ok(())
     })
 }
 
 /// Lines (CDFs, acceptance by position), one colour per run's series.
 pub fn lines(chart: &Chart, lines: &[Line], axes: Axes) -> Result<String> {
-    svg(chart, |root| {
+    let entries: Vec<Entry> = lines
+        .iter()
+        .map(|l| Entry {
+            label: l.label.clone(),
+            color: PALETTE[l.color % PALETTE.len()],
+            dot: l.markers,
+            dash: l.dash,
+        })
+        .collect();
+    svg(chart, &entries, |area| {
         let err = |e| plot_error(chart, e);
-        let mut ctx = ChartBuilder::on(root)
+        let mut ctx = ChartBuilder::on(area)
             .caption(&chart.title, (FONT, 24))
             .margin(18)
+            .margin_top(36)
             .x_label_area_size(52)
             .y_label_area_size(78)
             .build_cartesian_2d(axes.x.0..axes.x.1, axes.y.0..axes.y.1)
@@ -191,22 +257,18 @@ pub fn lines(chart: &Chart, lines: &[Line], axes: Axes) -> Result<String> {
         for line in lines {
             let color = PALETTE[line.color % PALETTE.len()];
             let points: Vec<(f64, f64)> = finite(&line.points).collect();
-            let markers = line.markers;
-            let drawn = ctx
-                .draw_series(std::iter::once(PathElement::new(points.clone(), color.stroke_width(2))))
-                .map_err(err)?;
-            // The legend's dot says whether the line's points are marked.
-            let dot = if markers { color.filled() } else { TRANSPARENT.filled() };
-            drawn.label(line.label.as_str()).legend(move |(x, y)| {
-                EmptyElement::at((x, y))
-                    + PathElement::new(vec![(0, 0), (22, 0)], color.stroke_width(2))
-                    + Circle::new((11, 0), 4, dot)
-            });
-            if markers {
+            let style = color.stroke_width(2);
+            match line.dash {
+                Dash::Solid => ctx.draw_series(std::iter::once(PathElement::new(points.clone(), style))),
+                Dash::Dashed => ctx.draw_series(std::iter::once(DashedPathElement::new(points.clone(), 9, 5, style))),
+                Dash::Dotted => ctx.draw_series(std::iter::once(DashedPathElement::new(points.clone(), 2, 4, style))),
+            }
+            .map_err(err)?;
+            if line.markers {
                 ctx.draw_series(points.iter().map(|&p| Circle::new(p, 4, color.filled()))).map_err(err)?;
             }
         }
-        legend(&mut ctx, axes.legend).map_err(err)
+        Ok(())
     })
 }
 
@@ -230,19 +292,6 @@ fn mesh<'a, 'b: 'a>(ctx: &mut Ctx<'a, 'b>, chart: &Chart, integer_x: bool) -> Dr
         .axis_style(RGBColor(90, 90, 90))
         .label_style((FONT, 16))
         .axis_desc_style((FONT, 18))
-        .draw()
-}
-
-fn legend<'a, 'b: 'a>(ctx: &mut Ctx<'a, 'b>, at: Legend) -> DrawResult {
-    ctx.configure_series_labels()
-        .position(match at {
-            Legend::UpperRight => SeriesLabelPosition::UpperRight,
-            Legend::LowerRight => SeriesLabelPosition::LowerRight,
-        })
-        .margin(12)
-        .label_font((FONT, 17))
-        .background_style(WHITE.mix(0.9))
-        .border_style(RGBColor(170, 170, 170))
         .draw()
 }
 
@@ -292,6 +341,20 @@ mod tests {
         // Legend colours are the palette's, in series order.
         assert!(svg.contains("#1F77B4"), "first series colour missing");
         assert!(svg.contains("#FF7F0E"), "second series colour missing");
+        // The legend stands right of every data point, so it never hides one.
+        let attr = |tag: &str, name: &str| -> Vec<f64> {
+            svg.split(tag)
+                .skip(1)
+                .filter_map(|t| t.split(&format!(" {name}=\"")).nth(1)?.split('"').next()?.parse().ok())
+                .collect()
+        };
+        let rightmost_point = attr("<circle", "cx").into_iter().fold(0.0, f64::max);
+        let legend_x = svg
+            .split("<text")
+            .find(|t| t.contains(">\nspec off\n<"))
+            .and_then(|t| t.split(" x=\"").nth(1)?.split('"').next()?.parse::<f64>().ok())
+            .expect("the legend names the first series");
+        assert!(legend_x > rightmost_point + 20.0, "legend at x={legend_x}, a point at x={rightmost_point}");
     }
 
     #[test]
@@ -299,9 +362,14 @@ mod tests {
         let svg = pareto(&chart("empty"), &[ParetoSeries { label: "none".into(), points: vec![p(1, f64::NAN, 1.0)] }])
             .unwrap();
         assert!(svg.contains("empty") && svg.contains("none"));
-        let axes = Axes { x: (0.5, 3.5), y: (0.0, 100.0), integer_x: true, legend: Legend::UpperRight };
-        let line =
-            Line { label: "run".into(), color: 0, points: vec![(1.0, 90.0), (2.0, 50.0), (3.0, 10.0)], markers: true };
+        let axes = Axes { x: (0.5, 3.5), y: (0.0, 100.0), integer_x: true };
+        let line = Line {
+            label: "run".into(),
+            color: 0,
+            points: vec![(1.0, 90.0), (2.0, 50.0), (3.0, 10.0)],
+            markers: true,
+            dash: Dash::Dashed,
+        };
         let texts = texts(&lines(&chart("positions"), &[line], axes).unwrap());
         assert!(texts.iter().any(|t| t == "2"), "{texts:?}");
         assert!(!texts.iter().any(|t| t.contains('.')), "an integer axis labels a fraction: {texts:?}");
