@@ -140,9 +140,21 @@ def fmt(v, digits=1):
     return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{v:.{digits}f}"
 
 
+def per_gpu(points):
+    """True when every point's replay knew the GPU count (`sparkd-replay run --gpus`; a CPU dry run has none)."""
+    return all(p["summary"].get("total_tokens_per_s_per_gpu") is not None for p in points)
+
+
+def tput(s, kind, gpu):
+    """Total or output throughput of a summary: per GPU when `gpu`, else for the whole server."""
+    return s[f"{kind}_tokens_per_s_per_gpu"] if gpu else s[f"{kind}_tokens_per_s"]
+
+
 def table(points, configs):
+    gpu = per_gpu(points)
+    unit = "tok/s/GPU" if gpu else "tok/s"
     head = ["config", "c", "ok/err", "ITL p50 ms", "ITL p90 ms", "TTFT p50 ms", "P90 interactivity tok/s/user",
-            "total tok/s/GPU", "output tok/s/GPU", "AL"] + [f"{p} ms/step" for p in PHASE_COLUMNS]
+            f"total {unit}", f"output {unit}", "AL"] + [f"{p} ms/step" for p in PHASE_COLUMNS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for cfg in configs:
         for p in (p for p in points if p["config"] == cfg):
@@ -155,7 +167,7 @@ def table(points, configs):
             ph = p["phases"] or {}
             row = [cfg, str(p["c"]), f"{s['successful']}/{s['errors']}", fmt(s["itl_s"]["p50"] * 1e3, 2),
                    fmt(s["itl_s"]["p90"] * 1e3, 2), fmt(s["ttft_s"]["p50"] * 1e3, 1), fmt(s["p90_interactivity"], 1),
-                   fmt(s["total_tokens_per_s_per_gpu"], 0), fmt(s["output_tokens_per_s_per_gpu"], 0), fmt(al, 2)]
+                   fmt(tput(s, "total", gpu), 0), fmt(tput(s, "output", gpu), 0), fmt(al, 2)]
             row += [fmt(ph.get(col), 3) for col in PHASE_COLUMNS]
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
@@ -178,7 +190,8 @@ def pareto_svg(points, configs, title, subtitle):
     w, h, left, right, top, bottom = 800, 500, 80, 170, 40, 60
     pw, ph = w - left - right, h - top - bottom
     xs = [p["summary"]["p90_interactivity"] for p in points]
-    ys = [p["summary"]["total_tokens_per_s_per_gpu"] for p in points]
+    gpu = per_gpu(points)
+    ys = [tput(p["summary"], "total", gpu) for p in points]
     xt, yt = nice_ticks(max(xs, default=1) * 1.05), nice_ticks(max(ys, default=1) * 1.05)
     sx = lambda v: left + pw * v / xt[-1]  # noqa: E731
     sy = lambda v: top + ph - ph * v / yt[-1]  # noqa: E731
@@ -198,11 +211,11 @@ def pareto_svg(points, configs, title, subtitle):
     out.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="black"/>')
     out.append(f'<text x="{left + pw / 2}" y="{h - 15}" text-anchor="middle">P90 interactivity (tokens/s/user)</text>')
     out.append(f'<text transform="translate(20 {top + ph / 2}) rotate(-90)" text-anchor="middle">'
-               'total throughput (tokens/s per GPU)</text>')
+               f'total throughput ({"tokens/s per GPU" if gpu else "tokens/s"})</text>')
     for i, cfg in enumerate(configs):
         color = COLORS[i % len(COLORS)]
         mine = sorted((p for p in points if p["config"] == cfg), key=lambda p: p["c"])
-        coords = [(sx(p["summary"]["p90_interactivity"]), sy(p["summary"]["total_tokens_per_s_per_gpu"]), p["c"])
+        coords = [(sx(p["summary"]["p90_interactivity"]), sy(tput(p["summary"], "total", gpu)), p["c"])
                   for p in mine]
         if len(coords) > 1:
             path = " ".join(f"{x:.1f},{y:.1f}" for x, y, _ in coords)

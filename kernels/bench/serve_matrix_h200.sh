@@ -63,6 +63,9 @@ PREFILL_RUNS=${PREFILL_RUNS:-3}
 START_S=${START_S:-60}
 START_LIMIT=${START_LIMIT:-180}
 BUDGET_S=${BUDGET_S:-590}
+# The daemon serves on one GPU (per-GPU throughput in the reports); a CPU dry run has none, so plain tok/s.
+REPLAY_GPUS=""
+[ "$DEVICE" = cuda ] && REPLAY_GPUS="--gpus 1"
 # Planning constants (seconds; see above).
 PRIMER_S=1 PRIMER_LANE_DS=28 PREP_S=1 STOP_S=3 PREFILL_REQ_S=2 REPORT_S=5
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -180,7 +183,7 @@ for cfg in $CONFIGS; do
     log "$cfg c=$c: sparkd-replay run --concurrency $c --duration $DURATION (planned $planned s)"
     limit=$(( DEADLINE - $(date +%s) - STOP_S ))
     [ "$limit" -gt $(( planned + 60 )) ] && limit=$(( planned + 60 ))
-    timeout "$limit" "$BIN/sparkd-replay" run --url "$BASE" --traces "$TRACES" --transport ws --model matrix \
+    timeout "$limit" "$BIN/sparkd-replay" run --url "$BASE" --traces "$TRACES" --transport ws --model matrix $REPLAY_GPUS \
       --concurrency "$c" --duration "$DURATION" --grace "$GRACE" --token-scale "$TOKEN_SCALE" \
       --time-scale "$TIME_SCALE" --quiet $REPLAY_ARGS --out "$RAW/${cfg}_c${c}.json" >>"$LOG" 2>&1 || log "$cfg c=$c: the replay failed"
     scrape "$RAW/${cfg}_c${c}_metrics.txt"

@@ -4,9 +4,12 @@
 //! - [`Server::start`] runs the real binary (built by cargo for this profile, or `$SPARKD_BIN`) with `--port 0`,
 //!   learns the port from its "listening on" log line, waits for `GET /health`, and kills the process on drop.
 //! - Clients are real: hyper over TCP for HTTP/SSE, tokio-tungstenite for WebSocket.
+//! - [`chromium`] drives a headless Chromium over the DevTools protocol to check that a page renders cleanly.
 //! - [`PromText::parse`] is a small, strict parser of the Prometheus text format (version 0.0.4): a malformed
 //!   line is an error, so a test that parses `/metrics` also checks its syntax.
 //! - [`prometheus::Prometheus`] runs a real Prometheus on loopback for the dashboard tests.
+
+pub mod chromium;
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};

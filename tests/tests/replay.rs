@@ -9,6 +9,14 @@
 //! than the previous input plus output, as after a compaction) is not required to hit: sparkd snapshots a
 //! hybrid model's state only at the last full block of each prompt, so a prompt that diverges earlier misses.
 //!
+//! A third run pair, speculation off and `--spec suffix`, each against a daemon serving another model name than
+//! any default, checks that the replay asks the model of `GET /v1/models`, that the server's counters around the
+//! run land in the report (no verify round with speculation off; rounds, per-position acceptance summing to the
+//! accepted tokens, and prefix-cache hits with it on), and that the HTML report of both renders in headless
+//! Chromium with no script exception, no console or log error and no request leaving the page, its five charts
+//! laid out with a size. Without `chromium` on `PATH` the render is SKIPPED (said on stderr), except under `CI`,
+//! where it fails: `scripts/test.sh` installs Debian's.
+//!
 //! The traces come from `$SPARKD_WORKLOADS` (default `../shared/workloads` next to the repository root); when
 //! that folder is absent the tests print that they were SKIPPED and pass.
 //! Time is compressed 1000x and token counts scaled by 1/50, and each run is bounded by request count and
@@ -17,10 +25,12 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use sparkd_tests::chromium::{check_page, chromium_bin};
 use sparkd_tests::Server;
 use sparkd_workloads::replay::ReplayOptions;
-use sparkd_workloads::report::RunReport;
+use sparkd_workloads::report::{read_labelled, write_json, RunReport};
 use sparkd_workloads::run::{prepare, run_once, RunTarget, TransportKind};
+use sparkd_workloads::server::ServerClient;
 use sparkd_workloads::synth::HistoryMode;
 
 /// Small traces: a short main-agent session and two with subagents (parallel streams on one lane).
@@ -44,9 +54,16 @@ fn weka_dir(test: &str) -> Option<PathBuf> {
     }
 }
 
-async fn replay_against_null_daemon(transport: TransportKind, dir: PathBuf) -> RunReport {
-    let server = Server::start(&["--device", "null", "--api-key", REPLAY_KEY]).await.expect("server starts");
+/// Replays the traces once against `server` at [`CONCURRENCY`].
+async fn replay(
+    server: &Server,
+    transport: TransportKind,
+    dir: &std::path::Path,
+    label: &str,
+    model: &str,
+) -> RunReport {
     let target = RunTarget {
+        label: label.into(),
         url: server.base.clone(),
         api_key: Some(REPLAY_KEY.into()),
         transport,
@@ -60,19 +77,22 @@ async fn replay_against_null_daemon(transport: TransportKind, dir: PathBuf) -> R
             tree_idle_cap: Some(Duration::from_millis(200)),
             start_ratio: Some((0.25, 0.75)),
             seed: 7,
-            model: "k3-tiny".into(),
+            model: model.into(),
             history: HistoryMode::Resend,
             grace: Duration::from_secs(20),
             progress_every: None,
         },
         token_scale: 0.02,
-        gpus: 1,
+        gpus: None,
         tokenizer_dir: None,
     };
     let prepared = prepare(&target).expect("traces load and the token pool is vetted");
-    let report = run_once(&target, &prepared, CONCURRENCY).await.expect("replay runs");
-    drop(server);
-    report
+    run_once(&target, &prepared, CONCURRENCY).await.expect("replay runs")
+}
+
+async fn replay_against_null_daemon(transport: TransportKind, dir: PathBuf) -> RunReport {
+    let server = Server::start(&["--device", "null", "--api-key", REPLAY_KEY]).await.expect("server starts");
+    replay(&server, transport, &dir, "null", "k3-tiny").await
 }
 
 fn check(report: &RunReport, transport: &str) {
@@ -139,4 +159,70 @@ async fn websocket_replay_of_weka_traces_against_the_null_daemon() {
     let Some(dir) = weka_dir("websocket_replay_of_weka_traces_against_the_null_daemon") else { return };
     let report = replay_against_null_daemon(TransportKind::Ws, dir).await;
     check(&report, "ws");
+}
+
+/// The model name both daemons of the report test serve: not a default of the replay or the daemon.
+const SERVED_MODEL: &str = "replay-report-model";
+
+/// The page's charts (size in CSS pixels), its section count and its title.
+const PROBE: &str = "(() => ({ svgs: [...document.querySelectorAll('svg')].map(s => { const r = s.getBoundingClientRect(); \
+                     return [Math.round(r.width), Math.round(r.height)]; }), sections: document.querySelectorAll('h2').length, \
+                     title: document.title }))()";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn report_of_speculation_off_and_on_renders_in_chromium() {
+    let Some(dir) = weka_dir("report_of_speculation_off_and_on_renders_in_chromium") else { return };
+    let out = tempfile::tempdir().expect("temp dir");
+    let mut files = Vec::new();
+    let configs = [("spec off", &[][..], false), ("suffix", &["--spec", "suffix", "--num-spec-tokens", "4"][..], true)];
+    for (label, spec_args, speculates) in configs {
+        let mut args = vec!["--device", "null", "--api-key", REPLAY_KEY, "--served-model-name", SERVED_MODEL];
+        args.extend_from_slice(spec_args);
+        let server = Server::start(&args).await.expect("server starts");
+        let model = ServerClient::new(&server.base, Some(REPLAY_KEY)).unwrap().served_model().await.expect("model");
+        assert_eq!(model, SERVED_MODEL, "the replay must send the model the server lists");
+        let report = replay(&server, TransportKind::Chat, &dir, label, &model).await;
+        drop(server);
+        check(&report, label);
+        let stats = report.server_stats().unwrap_or_else(|| panic!("{label}: no server counters: {:?}", report.server));
+        let spec = stats.spec.as_ref().unwrap_or_else(|| panic!("{label}: sparkd exports the spec_decode counters"));
+        if speculates {
+            assert!(spec.drafts > 0 && spec.draft_tokens >= spec.drafts, "{label}: no verify round: {spec:?}");
+            assert!(spec.accepted_per_position.len() <= 4, "{label}: positions past --num-spec-tokens: {spec:?}");
+            let per_position: u64 = spec.accepted_per_position.iter().sum();
+            assert_eq!(per_position, spec.accepted_tokens, "{label}: per-position acceptance disagrees: {spec:?}");
+        } else {
+            assert_eq!((spec.drafts, spec.draft_tokens), (0, 0), "{label}: verify rounds with speculation off");
+        }
+        let cache = stats.prefix_cache.as_ref().unwrap_or_else(|| panic!("{label}: no prefix-cache counters"));
+        assert!(cache.hit_tokens > 0 && cache.hit_tokens <= cache.queried_tokens, "{label}: prefix cache {cache:?}");
+        eprintln!("{label}: server counters {stats:?}");
+        let path = out.path().join(format!("{}.json", label.replace(' ', "-")));
+        write_json(&path, &report).expect("report written");
+        files.push(path);
+    }
+    let runs = read_labelled(&files, &[]).expect("reports read back");
+    assert_eq!(runs.iter().map(|r| r.label.as_str()).collect::<Vec<_>>(), ["spec off", "suffix"]);
+    let page = sparkd_workloads::html::report(&runs).expect("the report is built");
+    assert!(!page.contains("per GPU"), "runs without a GPU count must not show per-GPU throughput");
+    let html = out.path().join("report.html");
+    std::fs::write(&html, &page).expect("page written");
+
+    let Some(bin) = chromium_bin() else {
+        assert!(std::env::var_os("CI").is_none(), "chromium is not on PATH under CI (scripts/test.sh installs it)");
+        eprintln!("SKIPPED the Chromium render of {}: no `chromium` on PATH", html.display());
+        return;
+    };
+    let seen = check_page(&bin, &html, PROBE).await.expect("chromium loads the page");
+    eprintln!("chromium: {} errors, {} bad requests, probe {}", seen.errors.len(), seen.bad_requests.len(), seen.probe);
+    assert!(seen.errors.is_empty(), "the page logged errors: {:#?}", seen.errors);
+    assert!(seen.bad_requests.is_empty(), "the page made requests: {:#?}", seen.bad_requests);
+    assert_eq!(seen.probe["title"], "sparkd-replay report");
+    assert_eq!(seen.probe["sections"], 6, "summary, Pareto, latency, speculation, cache, runs");
+    let svgs = seen.probe["svgs"].as_array().expect("svg sizes");
+    assert_eq!(svgs.len(), 5, "2 Pareto charts, 2 distributions, acceptance by position: {svgs:?}");
+    for size in svgs {
+        let (w, h) = (size[0].as_f64().unwrap_or(0.0), size[1].as_f64().unwrap_or(0.0));
+        assert!(w >= 200.0 && h >= 150.0, "a chart is laid out too small: {svgs:?}");
+    }
 }

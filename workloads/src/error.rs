@@ -40,6 +40,10 @@ pub enum ReplayError {
     /// A report file could not be read or written, or it is malformed.
     #[error("report {path}: {reason}")]
     Report { path: PathBuf, reason: String },
+
+    /// A chart could not be drawn (the plotting library refused the data or the drawing).
+    #[error("plot {chart}: {reason}")]
+    Plot { chart: String, reason: String },
 }
 
 impl ReplayError {
@@ -54,6 +58,7 @@ impl ReplayError {
             ReplayError::Server { .. } => "server",
             ReplayError::Protocol(_) => "protocol",
             ReplayError::Report { .. } => "report",
+            ReplayError::Plot { .. } => "plot",
         }
     }
 
@@ -71,7 +76,7 @@ impl ReplayError {
         }
     }
 
-    pub(crate) fn option(option: impl Into<String>, reason: impl Into<String>) -> Self {
+    pub fn option(option: impl Into<String>, reason: impl Into<String>) -> Self {
         ReplayError::Option { option: option.into(), reason: reason.into() }
     }
 

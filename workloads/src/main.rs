@@ -2,7 +2,8 @@
 //!
 //! `sparkd-replay run --traces DIR ...` replays once (or `--sweep 1,2,4,8`, once per concurrency,
 //! then the Pareto frontier as JSON and SVG); `sparkd-replay compare A.json B.json` prints a
-//! side-by-side table with ratios. Exit status 1 on any error, with the error on stderr.
+//! side-by-side table with ratios; `sparkd-replay report RUN.json... --html OUT.html` writes the
+//! one-page HTML report of several runs. Exit status 1 on any error, with the error on stderr.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -11,10 +12,11 @@ use std::time::Duration;
 use clap::{Parser, Subcommand, ValueEnum};
 
 use sparkd_workloads::metrics::summary_table;
-use sparkd_workloads::pareto::svg;
+use sparkd_workloads::plot::{pareto, Chart, ParetoSeries};
 use sparkd_workloads::replay::ReplayOptions;
-use sparkd_workloads::report::{compare, read_runs, write_json};
+use sparkd_workloads::report::{compare, read_labelled, run_line, write_json, SweepReport};
 use sparkd_workloads::run::{prepare, run_once, sweep, RunTarget, TransportKind};
+use sparkd_workloads::server::ServerClient;
 use sparkd_workloads::synth::HistoryMode;
 use sparkd_workloads::{ReplayError, Result};
 
@@ -29,8 +31,33 @@ struct Cli {
 enum Command {
     /// Replay traces against a server.
     Run(Box<RunArgs>),
-    /// Compare two reports side by side (ratios B/A).
-    Compare { a: PathBuf, b: PathBuf },
+    /// Compare two reports side by side, columns named by their runs' labels (ratios second / first).
+    Compare(CompareArgs),
+    /// Write one self-contained HTML page comparing runs: summary, Pareto frontiers, latency distributions,
+    /// acceptance by draft position, cache hit rates.
+    Report(ReportArgs),
+}
+
+#[derive(clap::Args)]
+struct CompareArgs {
+    first: PathBuf,
+    second: PathBuf,
+    /// Labels for the two reports' runs, in order (default: the labels they were written with).
+    #[arg(long)]
+    label: Vec<String>,
+}
+
+#[derive(clap::Args)]
+struct ReportArgs {
+    /// Run or sweep reports (`run --out`); runs with the same label form one series.
+    #[arg(required = true)]
+    runs: Vec<PathBuf>,
+    /// The HTML page to write.
+    #[arg(long)]
+    html: PathBuf,
+    /// Label for the runs of each file, in file order (repeatable; default: the labels they were written with).
+    #[arg(long)]
+    label: Vec<String>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -52,9 +79,12 @@ struct RunArgs {
     traces: Vec<PathBuf>,
     #[arg(long, value_enum, default_value = "chat")]
     transport: TransportArg,
-    /// Model name sent with every request.
-    #[arg(long, default_value = "k3-tiny")]
-    model: String,
+    /// Model name sent with every request (default: the one model the server lists at GET /v1/models).
+    #[arg(long)]
+    model: Option<String>,
+    /// Names the run in reports and plots (default: the stem of --out, else the model).
+    #[arg(long)]
+    label: Option<String>,
     /// Live session trees.
     #[arg(long, default_value_t = 1)]
     concurrency: usize,
@@ -87,9 +117,9 @@ struct RunArgs {
     no_warmup: bool,
     #[arg(long, default_value_t = 42)]
     seed: u64,
-    /// GPUs the server uses, for per-GPU throughput.
-    #[arg(long, default_value_t = 1)]
-    gpus: u32,
+    /// GPUs the server uses, for per-GPU throughput (without it, throughput is the whole server's).
+    #[arg(long)]
+    gpus: Option<u32>,
     /// Checkpoint folder whose tiktoken.model the server uses (default: the built-in tokenizer).
     #[arg(long)]
     tokenizer_dir: Option<PathBuf>,
@@ -109,7 +139,16 @@ fn seconds(option: &str, v: f64) -> Result<Duration> {
         .map_err(|_| ReplayError::Option { option: option.into(), reason: format!("{v} is not a duration") })
 }
 
-fn run_target(args: &RunArgs) -> Result<RunTarget> {
+fn run_target(args: &RunArgs, model: String) -> Result<RunTarget> {
+    if args.gpus == Some(0) {
+        return Err(ReplayError::option("--gpus", "must be >= 1 (leave it out when the server has no GPU)"));
+    }
+    let label = match (&args.label, &args.out) {
+        (Some(l), _) if l.trim().is_empty() => return Err(ReplayError::option("--label", "is empty")),
+        (Some(l), _) => l.clone(),
+        (None, Some(out)) => out.file_stem().map_or_else(|| model.clone(), |s| s.to_string_lossy().into_owned()),
+        (None, None) => model.clone(),
+    };
     let start_ratio = match (args.no_warmup, args.start_ratio.as_slice()) {
         (true, _) => None,
         (false, [lo, hi]) => Some((*lo, *hi)),
@@ -131,13 +170,14 @@ fn run_target(args: &RunArgs) -> Result<RunTarget> {
         tree_idle_cap: args.tree_idle_cap.map(|d| seconds("--tree-idle-cap", d)).transpose()?,
         start_ratio,
         seed: args.seed,
-        model: args.model.clone(),
+        model,
         history: HistoryMode::Resend,
         grace: seconds("--grace", args.grace)?,
         progress_every: (!args.quiet).then_some(Duration::from_secs(2)),
     };
     options.validate()?;
     Ok(RunTarget {
+        label,
         url: args.url.clone(),
         api_key: args.api_key.clone(),
         transport: match args.transport {
@@ -153,10 +193,19 @@ fn run_target(args: &RunArgs) -> Result<RunTarget> {
 }
 
 async fn run(args: RunArgs) -> Result<()> {
-    let target = run_target(&args)?;
+    let model = match &args.model {
+        Some(m) => m.clone(),
+        None => {
+            let m = ServerClient::new(&args.url, args.api_key.as_deref())?.served_model().await?;
+            eprintln!("model {m} (the one GET /v1/models lists)");
+            m
+        }
+    };
+    let target = run_target(&args, model)?;
     let prepared = prepare(&target)?;
     eprintln!(
-        "{} sessions, {} requests; transport {}, token scale {}, time scale {}",
+        "{} sessions loaded, {} requests in one full play of each (main-agent and subagent turns); transport {}, \
+         token scale {}, time scale {}",
         prepared.sessions.len(),
         prepared.sessions.iter().map(|s| s.request_count()).sum::<usize>(),
         target.transport.name(),
@@ -165,24 +214,58 @@ async fn run(args: RunArgs) -> Result<()> {
     );
     if args.sweep.is_empty() {
         let report = run_once(&target, &prepared, args.concurrency).await?;
-        println!("{}", summary_table(&report.summary));
+        println!("{}\n{}", run_line(&report), summary_table(&report.summary));
         if let Some(out) = &args.out {
             write_json(out, &report)?;
         }
     } else {
         let report = sweep(&target, &prepared, &args.sweep).await?;
-        println!("{:>12}{:>22}{:>20}{:>16}", "concurrency", "P90 interactivity", "total tok/s/GPU", "on frontier");
+        let per_gpu = report.points.iter().all(|p| p.per_gpu);
+        let unit = if per_gpu { "total tok/s/GPU" } else { "total tok/s" };
+        println!("{:>12}{:>22}{:>20}{:>16}", "concurrency", "P90 interactivity", unit, "on frontier");
         for p in &report.points {
             let on = report.frontier.iter().any(|f| f.concurrency == p.concurrency);
             println!("{:>12}{:>22.2}{:>20.1}{:>16}", p.concurrency, p.x, p.y, if on { "yes" } else { "" });
         }
         if let Some(out) = &args.out {
             write_json(out, &report)?;
-            let title = format!("sparkd-replay sweep ({})", target.transport.name());
-            std::fs::write(out.with_extension("svg"), svg(&report.points, &title))
-                .map_err(|e| ReplayError::Report { path: out.with_extension("svg"), reason: e.to_string() })?;
+            write_sweep_svg(&out.with_extension("svg"), &report, per_gpu)?;
         }
     }
+    Ok(())
+}
+
+/// The sweep's Pareto plot: its one series.
+fn write_sweep_svg(path: &std::path::Path, report: &SweepReport, per_gpu: bool) -> Result<()> {
+    let transport = report.runs.first().map_or("", |r| r.config.transport.as_str());
+    let chart = Chart {
+        title: format!("sparkd-replay sweep: {} ({transport})", report.label),
+        x_label: "P90 interactivity (tokens/s/user)".into(),
+        y_label: format!("total throughput ({})", if per_gpu { "tokens/s per GPU" } else { "tokens/s, whole server" }),
+        width: 900,
+        height: 560,
+    };
+    let series = ParetoSeries { label: report.label.clone(), points: report.points.clone() };
+    std::fs::write(path, pareto(&chart, &[series])?)
+        .map_err(|e| ReplayError::Report { path: path.to_path_buf(), reason: e.to_string() })
+}
+
+fn report(args: &ReportArgs) -> Result<()> {
+    let runs = read_labelled(&args.runs, &args.label)?;
+    let page = sparkd_workloads::html::report(&runs)?;
+    std::fs::write(&args.html, page)
+        .map_err(|e| ReplayError::Report { path: args.html.clone(), reason: e.to_string() })?;
+    eprintln!("wrote {} ({} runs)", args.html.display(), runs.len());
+    Ok(())
+}
+
+fn compare_reports(args: &CompareArgs) -> Result<()> {
+    if args.label.len() > 2 {
+        return Err(ReplayError::option("--label", "compare takes at most two labels, one per report"));
+    }
+    let first = read_labelled(std::slice::from_ref(&args.first), args.label.get(..1).unwrap_or_default())?;
+    let second = read_labelled(std::slice::from_ref(&args.second), args.label.get(1..).unwrap_or_default())?;
+    print!("{}", compare(&first, &second));
     Ok(())
 }
 
@@ -191,11 +274,8 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(args) => run(*args).await,
-        Command::Compare { a, b } => read_runs(&a).and_then(|ra| {
-            let rb = read_runs(&b)?;
-            print!("{}", compare(&ra, &rb));
-            Ok(())
-        }),
+        Command::Compare(args) => compare_reports(&args),
+        Command::Report(args) => report(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

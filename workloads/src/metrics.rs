@@ -7,7 +7,9 @@
 //! - Percentiles interpolate linearly at `k = (n − 1)·q` (InferenceX `aggregation_common.percentile`).
 //! - P90 interactivity is `1 / P90(ITL)` (§2.2), not the 10th percentile of `1/ITL`.
 //! - Throughput divides by `max(end) − min(start)` over successful requests (§2.3); per-GPU values
-//!   divide by `gpus`.
+//!   divide by the GPU count and exist only when it is known (`--gpus`): a CPU run has none.
+//! - Request counts are replayed requests (main-agent and subagent turns, one HTTP request or Responses
+//!   stream each) of the profiling phase; warmup primers are never counted.
 
 use serde::{Deserialize, Serialize};
 
@@ -128,15 +130,16 @@ pub struct Summary {
     pub cached_tokens: u64,
     pub total_tokens_per_s: f64,
     pub output_tokens_per_s: f64,
-    pub total_tokens_per_s_per_gpu: f64,
-    pub output_tokens_per_s_per_gpu: f64,
+    /// `None` when the GPU count is not known (`--gpus` not given, a CPU server).
+    pub total_tokens_per_s_per_gpu: Option<f64>,
+    pub output_tokens_per_s_per_gpu: Option<f64>,
     /// `Σ cached / Σ prompt` over successful requests that reported both.
     pub cache_hit_rate: f64,
     pub spec: Option<SpecSummary>,
 }
 
-/// Summarises records for `gpus` GPUs.
-pub fn summarize(records: &[RequestRecord], gpus: u32) -> Summary {
+/// Summarises records; per-GPU throughput needs the server's GPU count.
+pub fn summarize(records: &[RequestRecord], gpus: Option<u32>) -> Summary {
     let ok: Vec<&RequestRecord> = records.iter().filter(|r| r.ok()).collect();
     let errors = records.len() - ok.len();
     let context_overflows = records.iter().filter(|r| r.error.as_deref() == Some("context_overflow")).count();
@@ -151,7 +154,6 @@ pub fn summarize(records: &[RequestRecord], gpus: u32) -> Summary {
         .filter_map(|r| Some((r.cached_tokens?, r.prompt_tokens?)))
         .fold((0u64, 0u64), |(c, q), (rc, rq)| (c + rc, q + rq));
     let per_s = |tokens: u64| if duration_s > 0.0 { tokens as f64 / duration_s } else { 0.0 };
-    let gpus = f64::from(gpus.max(1));
     let inverse = |x: f64| if x > 0.0 { 1.0 / x } else { 0.0 };
     let spec_records: Vec<&SpecStats> = ok.iter().filter_map(|r| r.spec.as_ref()).collect();
     let spec = (!spec_records.is_empty()).then(|| {
@@ -184,8 +186,8 @@ pub fn summarize(records: &[RequestRecord], gpus: u32) -> Summary {
         cached_tokens: cached,
         total_tokens_per_s: per_s(input_tokens + output_tokens),
         output_tokens_per_s: per_s(output_tokens),
-        total_tokens_per_s_per_gpu: per_s(input_tokens + output_tokens) / gpus,
-        output_tokens_per_s_per_gpu: per_s(output_tokens) / gpus,
+        total_tokens_per_s_per_gpu: gpus.map(|g| per_s(input_tokens + output_tokens) / f64::from(g.max(1))),
+        output_tokens_per_s_per_gpu: gpus.map(|g| per_s(output_tokens) / f64::from(g.max(1))),
         cache_hit_rate: if queried > 0 { cached as f64 / queried as f64 } else { 0.0 },
         spec,
     }
@@ -196,7 +198,7 @@ pub fn summary_table(s: &Summary) -> String {
     let ms = |x: f64| format!("{:.1}", x * 1000.0);
     let mut out = String::new();
     out.push_str(&format!(
-        "requests {} (ok {}, errors {}, context overflows {}) over {:.1} s\n",
+        "replayed requests {} (ok {}, errors {}, context overflows {}) over {:.1} s\n",
         s.requests, s.successful, s.errors, s.context_overflows, s.duration_s
     ));
     out.push_str(&format!("{:<14}{:>10}{:>10}{:>10}{:>10}{:>10}\n", "metric", "mean", "p50", "p90", "p99", "max"));
@@ -215,9 +217,13 @@ pub fn summary_table(s: &Summary) -> String {
         "P90 interactivity {:.2} tok/s/user (P50 {:.2})\n",
         s.p90_interactivity, s.p50_interactivity
     ));
+    let per_gpu = |v: Option<f64>| v.map(|v| format!(" ({v:.1}/GPU)")).unwrap_or_default();
     out.push_str(&format!(
-        "throughput: total {:.1} tok/s ({:.1}/GPU), output {:.1} tok/s ({:.1}/GPU)\n",
-        s.total_tokens_per_s, s.total_tokens_per_s_per_gpu, s.output_tokens_per_s, s.output_tokens_per_s_per_gpu
+        "throughput: total {:.1} tok/s{}, output {:.1} tok/s{}\n",
+        s.total_tokens_per_s,
+        per_gpu(s.total_tokens_per_s_per_gpu),
+        s.output_tokens_per_s,
+        per_gpu(s.output_tokens_per_s_per_gpu)
     ));
     out.push_str(&format!(
         "tokens: input {}, output {}, cached {} (cache hit rate {:.1}%)\n",
@@ -281,14 +287,27 @@ mod tests {
         let mut failed = record(0.0, 100.0, 1.0, 0, 0, 0);
         failed.error = Some("server".into());
         recs.push(failed);
-        let s = summarize(&recs, 2);
+        let s = summarize(&recs, Some(2));
         assert_eq!((s.requests, s.successful, s.errors), (11, 10, 1));
         // ITLs 0.01..0.10: P90 = 0.091 → interactivity 1/0.091.
         assert!((s.itl_s.p90 - 0.091).abs() < 1e-12);
         assert!((s.p90_interactivity - 1.0 / 0.091).abs() < 1e-9);
         assert_eq!(s.duration_s, 10.0);
         assert_eq!(s.total_tokens_per_s, 110.0);
-        assert_eq!(s.output_tokens_per_s_per_gpu, 5.0);
+        assert_eq!(s.output_tokens_per_s_per_gpu, Some(5.0));
         assert_eq!(s.cache_hit_rate, 0.5);
+        let table = summary_table(&s);
+        assert!(table.contains("replayed requests 11 (ok 10, errors 1"), "{table}");
+        assert!(table.contains("(55.0/GPU)"), "{table}");
+    }
+
+    #[test]
+    fn without_a_gpu_count_there_is_no_per_gpu_throughput() {
+        let recs: Vec<RequestRecord> = (0..4).map(|i| record(i as f64, i as f64 + 1.0, 0.01, 10, 100, 0)).collect();
+        let s = summarize(&recs, None);
+        assert_eq!((s.total_tokens_per_s_per_gpu, s.output_tokens_per_s_per_gpu), (None, None));
+        assert_eq!(s.output_tokens_per_s, 10.0);
+        let table = summary_table(&s);
+        assert!(!table.contains("GPU"), "a run without a GPU count printed per-GPU numbers: {table}");
     }
 }

@@ -1,4 +1,4 @@
-//! The throughput–interactivity Pareto frontier and its SVG plot (agentx.md §2.5).
+//! The throughput–interactivity Pareto frontier and its curve (agentx.md §2.5); [`crate::plot`] draws them.
 //!
 //! Invariants:
 //! - The frontier follows InferenceX-app's `paretoFrontUpperLeft`: sort by x ascending (ties: y
@@ -15,9 +15,9 @@ pub struct ParetoPoint {
     pub concurrency: usize,
     /// P90 interactivity, tokens/s/user.
     pub x: f64,
-    /// Total tokens/s per GPU.
+    /// Throughput in tokens/s: per GPU when `per_gpu`, else for the whole server.
     pub y: f64,
-    pub output_tokens_per_s_per_gpu: f64,
+    pub per_gpu: bool,
     pub p90_ttft_s: f64,
 }
 
@@ -79,100 +79,12 @@ pub fn spline(front: &[ParetoPoint], per_segment: usize) -> Vec<(f64, f64)> {
     out
 }
 
-/// An SVG plot: every point labelled with its concurrency, the frontier as a monotone curve.
-pub fn svg(points: &[ParetoPoint], title: &str) -> String {
-    let (w, h, pad) = (720.0, 480.0, 64.0);
-    let front = frontier(points);
-    let max_x = points.iter().map(|p| p.x).fold(0.0_f64, f64::max).max(1e-9) * 1.1;
-    let max_y = points.iter().map(|p| p.y).fold(0.0_f64, f64::max).max(1e-9) * 1.1;
-    let sx = |x: f64| pad + x / max_x * (w - 2.0 * pad);
-    let sy = |y: f64| h - pad - y / max_y * (h - 2.0 * pad);
-    let mut s = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" viewBox=\"0 0 {w} {h}\" \
-         font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
-    );
-    s.push_str(&format!(
-        "<text x=\"{}\" y=\"24\" text-anchor=\"middle\" font-size=\"15\">{}</text>\n",
-        w / 2.0,
-        escape(title)
-    ));
-    // Axes and ticks.
-    s.push_str(&format!(
-        "<line x1=\"{pad}\" y1=\"{y0}\" x2=\"{x1}\" y2=\"{y0}\" stroke=\"black\"/>\n\
-         <line x1=\"{pad}\" y1=\"{pad}\" x2=\"{pad}\" y2=\"{y0}\" stroke=\"black\"/>\n",
-        y0 = h - pad,
-        x1 = w - pad
-    ));
-    for i in 0..=5 {
-        let fx = max_x * i as f64 / 5.0;
-        let fy = max_y * i as f64 / 5.0;
-        s.push_str(&format!(
-            "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{}</text>\n",
-            sx(fx),
-            h - pad + 18.0,
-            tick(fx)
-        ));
-        s.push_str(&format!(
-            "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\">{}</text>\n",
-            pad - 6.0,
-            sy(fy) + 4.0,
-            tick(fy)
-        ));
-    }
-    s.push_str(&format!(
-        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">P90 interactivity (tok/s/user)</text>\n",
-        w / 2.0,
-        h - 18.0
-    ));
-    s.push_str(&format!(
-        "<text x=\"18\" y=\"{}\" text-anchor=\"middle\" transform=\"rotate(-90 18 {})\">total tok/s per GPU</text>\n",
-        h / 2.0,
-        h / 2.0
-    ));
-    let curve = spline(&front, 16);
-    if curve.len() >= 2 {
-        let path: Vec<String> = curve.iter().map(|&(x, y)| format!("{:.1},{:.1}", sx(x), sy(y))).collect();
-        s.push_str(&format!(
-            "<polyline fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"2\" points=\"{}\"/>\n",
-            path.join(" ")
-        ));
-    }
-    for p in points {
-        let on_front = front.iter().any(|f| f.concurrency == p.concurrency);
-        s.push_str(&format!(
-            "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"4\" fill=\"{}\"/>\n<text x=\"{:.1}\" y=\"{:.1}\">c={}</text>\n",
-            sx(p.x),
-            sy(p.y),
-            if on_front { "#1f77b4" } else { "#999999" },
-            sx(p.x) + 6.0,
-            sy(p.y) - 6.0,
-            p.concurrency
-        ));
-    }
-    s.push_str("</svg>\n");
-    s
-}
-
-fn tick(v: f64) -> String {
-    if v >= 100.0 {
-        format!("{v:.0}")
-    } else if v >= 1.0 {
-        format!("{v:.1}")
-    } else {
-        format!("{v:.3}")
-    }
-}
-
-fn escape(text: &str) -> String {
-    text.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn p(c: usize, x: f64, y: f64) -> ParetoPoint {
-        ParetoPoint { concurrency: c, x, y, output_tokens_per_s_per_gpu: 0.0, p90_ttft_s: 0.0 }
+        ParetoPoint { concurrency: c, x, y, per_gpu: false, p90_ttft_s: 0.0 }
     }
 
     #[test]
@@ -192,6 +104,5 @@ mod tests {
         }
         assert_eq!(curve.first(), Some(&(20.0, 35.0)));
         assert_eq!(curve.last(), Some(&(100.0, 10.0)));
-        assert!(svg(&front, "t").contains("<polyline"));
     }
 }

@@ -11,7 +11,8 @@
 //!   request is in flight, so the next one starts within the cap.
 //! - Every play has its own cache-busting marker; the first play of each lane starts at the turn
 //!   its sampled t* gives, after a one-token primer of the turn before (warmup, never recorded). All
-//!   primers finish before the profiling clock starts; a failed primer aborts the run.
+//!   primers finish ([`warm_up`]) before the profiling clock starts ([`profile`]); a failed primer aborts
+//!   the run.
 //! - After the duration or the request budget no request starts; requests in flight finish and
 //!   count. A context overflow ends its chain; any other error advances to the next turn.
 //! - All time is `tokio::time`, so tests run the whole engine under a paused (fake) clock.
@@ -255,13 +256,34 @@ struct FirstPlay {
     start_turn: usize,
 }
 
-/// Replays `sessions` over `transport` until the duration or request budget is spent.
+/// Replays `sessions` over `transport` until the duration or request budget is spent: [`warm_up`], then
+/// [`profile`].
 pub async fn replay<T: Transport>(
     transport: Arc<T>,
     synth: Arc<Synth>,
     sessions: Arc<Vec<Session>>,
     opts: ReplayOptions,
 ) -> Result<RunOutcome> {
+    profile(warm_up(transport, synth, sessions, opts).await?).await
+}
+
+/// Lanes connected and primed, waiting for the profiling clock.
+pub struct Warm<C> {
+    shared: Arc<Shared>,
+    conns: Vec<Arc<C>>,
+    firsts: Vec<FirstPlay>,
+    /// Each lane's conversation after its primer, and the primer's response id.
+    primed: Vec<(Conversation, Option<String>)>,
+    warmup_requests: usize,
+}
+
+/// Connects every lane and runs the warmup primers; nothing of it is recorded.
+pub async fn warm_up<T: Transport>(
+    transport: Arc<T>,
+    synth: Arc<Synth>,
+    sessions: Arc<Vec<Session>>,
+    opts: ReplayOptions,
+) -> Result<Warm<T::Conn>> {
     opts.validate()?;
     if sessions.is_empty() {
         return Err(ReplayError::option("--traces", "no sessions to replay"));
@@ -306,13 +328,18 @@ pub async fn replay<T: Transport>(
         firsts.push(FirstPlay { session, play, start_turn });
     }
     let mut warmup_requests = 0;
-    let mut warm = Vec::new();
+    let mut primed = Vec::new();
     for p in primers {
         let (conv, id, n) = p.await.map_err(|e| ReplayError::Connection(format!("warmup task: {e}")))??;
         warmup_requests += n;
-        warm.push((conv, id));
+        primed.push((conv, id));
     }
+    Ok(Warm { shared, conns, firsts, primed, warmup_requests })
+}
 
+/// Starts the profiling clock and plays the primed lanes until the duration or request budget is spent.
+pub async fn profile<C: Connection>(warm: Warm<C>) -> Result<RunOutcome> {
+    let Warm { shared, conns, firsts, primed, warmup_requests } = warm;
     let start = Instant::now();
     *shared.run_start.lock().unwrap_or_else(|e| e.into_inner()) = Some(start);
     if let Some(d) = shared.opts.duration {
@@ -335,7 +362,7 @@ pub async fn replay<T: Transport>(
     });
 
     let mut lanes = Vec::new();
-    for (lane, ((conn, first), (conv, prev))) in conns.into_iter().zip(firsts).zip(warm).enumerate() {
+    for (lane, ((conn, first), (conv, prev))) in conns.into_iter().zip(firsts).zip(primed).enumerate() {
         let s = shared.clone();
         lanes.push(tokio::spawn(async move { run_lane(s, conn, lane, first, conv, prev).await }));
     }

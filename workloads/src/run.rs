@@ -1,7 +1,9 @@
 //! One replay run or a sweep, from loaded traces to a [`RunReport`]: the glue behind the CLI.
 //!
 //! Invariants: traces are read and the token pool is vetted once per invocation, before any
-//! request; a sweep runs its concurrencies one after another with the same seed and traces.
+//! request; a sweep runs its concurrencies one after another with the same seed and traces. The
+//! server's `/metrics` is scraped after the warmup and after the run, so its counters cover the
+//! profiled requests only; a failed scrape is noted in the report and never fails the run.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -11,12 +13,15 @@ use crate::dag::{sessions, Session};
 use crate::error::{ReplayError, Result};
 use crate::metrics::summarize;
 use crate::pareto::frontier;
-use crate::replay::{replay, ReplayOptions, RunOutcome};
-use crate::report::{tool_name, RunConfig, RunReport, SweepReport};
+use crate::prometheus::ServerStats;
+use crate::replay::{profile, warm_up, ReplayOptions, RunOutcome};
+use crate::report::{tool_name, RunConfig, RunReport, ServerCounters, SweepReport, Throughput};
+use crate::server::ServerClient;
 use crate::synth::{HistoryMode, Synth, TokenPool};
 use crate::trace::read_all;
 use crate::transport::chat::ChatTransport;
 use crate::transport::ws::WsTransport;
+use crate::transport::Transport;
 
 /// Which wire protocol a run uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -46,6 +51,8 @@ impl TransportKind {
 /// Everything a run needs besides the concurrency.
 #[derive(Clone, Debug)]
 pub struct RunTarget {
+    /// Names the run (or the sweep's series) in reports.
+    pub label: String,
     pub url: String,
     /// Sent as `Authorization: Bearer KEY` (a daemon started with `--api-key`).
     pub api_key: Option<String>,
@@ -53,7 +60,8 @@ pub struct RunTarget {
     pub traces: Vec<PathBuf>,
     pub options: ReplayOptions,
     pub token_scale: f64,
-    pub gpus: u32,
+    /// GPUs the server uses, when known: per-GPU throughput needs it.
+    pub gpus: Option<u32>,
     /// A checkpoint folder with `tiktoken.model`; `None` uses the daemon's built-in tokenizer.
     pub tokenizer_dir: Option<PathBuf>,
 }
@@ -82,19 +90,25 @@ pub async fn run_once(target: &RunTarget, prepared: &Prepared, concurrency: usiz
     let mut options = target.options.clone();
     options.concurrency = concurrency;
     options.history = target.transport.history();
-    let outcome: RunOutcome = match target.transport {
+    let server = ServerClient::new(&target.url, target.api_key.as_deref())?;
+    let (outcome, counters) = match target.transport {
         TransportKind::Chat => {
             let t = Arc::new(ChatTransport::new(&target.url, target.api_key.as_deref())?);
-            replay(t, prepared.synth.clone(), prepared.sessions.clone(), options.clone()).await?
+            replay_scraped(t, prepared, &options, &server).await?
         }
         TransportKind::Ws => {
             let t = Arc::new(WsTransport::new(&target.url, target.api_key.as_deref())?);
-            replay(t, prepared.synth.clone(), prepared.sessions.clone(), options.clone()).await?
+            replay_scraped(t, prepared, &options, &server).await?
         }
     };
+    if let ServerCounters::Unavailable { reason } = &counters {
+        eprintln!("sparkd-replay: the server's counters are not in the report: {reason}");
+    }
     let secs = |d: Option<Duration>| d.map(|d| d.as_secs_f64());
     Ok(RunReport {
         tool: tool_name(),
+        label: target.label.clone(),
+        server: Some(counters),
         config: RunConfig {
             url: target.url.clone(),
             transport: target.transport.name().into(),
@@ -121,14 +135,31 @@ pub async fn run_once(target: &RunTarget, prepared: &Prepared, concurrency: usiz
     })
 }
 
-/// Runs each concurrency in turn and computes the frontier.
+/// Warms the lanes up, scrapes, profiles, scrapes again.
+async fn replay_scraped<T: Transport>(
+    transport: Arc<T>,
+    prepared: &Prepared,
+    options: &ReplayOptions,
+    server: &ServerClient,
+) -> Result<(RunOutcome, ServerCounters)> {
+    let warm = warm_up(transport, prepared.synth.clone(), prepared.sessions.clone(), options.clone()).await?;
+    let before = server.scrape().await;
+    let outcome = profile(warm).await?;
+    let counters = match (before, server.scrape().await) {
+        (Ok(before), Ok(after)) => ServerCounters::Scraped(ServerStats::between(&before, &after)),
+        (Err(e), _) | (_, Err(e)) => ServerCounters::Unavailable { reason: e.to_string() },
+    };
+    Ok((outcome, counters))
+}
+
+/// Runs each concurrency in turn and computes the frontier (total throughput, per GPU when known).
 pub async fn sweep(target: &RunTarget, prepared: &Prepared, concurrencies: &[usize]) -> Result<SweepReport> {
     let mut runs = Vec::new();
     for &c in concurrencies {
         let report = run_once(target, prepared, c).await?;
-        eprintln!("concurrency {c}:\n{}", crate::metrics::summary_table(&report.summary));
+        eprintln!("{}\n{}", crate::report::run_line(&report), crate::metrics::summary_table(&report.summary));
         runs.push(report);
     }
-    let points: Vec<_> = runs.iter().map(RunReport::point).collect();
-    Ok(SweepReport { tool: tool_name(), frontier: frontier(&points), points, runs })
+    let points: Vec<_> = runs.iter().map(|r| r.point(Throughput::Total, true)).collect();
+    Ok(SweepReport { tool: tool_name(), label: target.label.clone(), frontier: frontier(&points), points, runs })
 }
