@@ -353,8 +353,9 @@ fn replay_target(server: &Server, transport: TransportKind, traces: &[PathBuf]) 
             progress_every: None,
         },
         token_scale: 1.0,
-        gpus: 1,
+        gpus: None,
         tokenizer_dir: None,
+        label: format!("dashboards {}", transport.name()),
     }
 }
 
@@ -529,7 +530,7 @@ async fn every_panel_and_rule_has_data_in_prometheus_scraping_a_replayed_daemon(
 
     let gauge = format!("sparkd:interactivity_p90_tokens_per_second{{model_name=\"{SERVED_MODEL}\"}}");
     let from_prometheus = prom.query(&gauge, end).await.unwrap().first().expect("the P90 gauge").value;
-    let from_replay = summarize(&records, 1).p90_interactivity;
+    let from_replay = summarize(&records, None).p90_interactivity;
     let off = (from_prometheus - from_replay).abs() / from_replay;
     eprintln!(
         "{} requests ({} chat, {} ws); {queries} panel queries and {rules} rules have data; P90 interactivity \
