@@ -203,14 +203,7 @@ pub fn pareto(chart: &Chart, series: &[ParetoSeries]) -> Result<String> {
         .collect();
     svg(chart, &entries, |area| {
         let err = |e| plot_error(chart, e);
-        let mut ctx = ChartBuilder::on(area)
-            .caption(&chart.title, (FONT, 24))
-            .margin(18)
-            .margin_top(36)
-            .x_label_area_size(52)
-            .y_label_area_size(78)
-            .build_cartesian_2d(0.0..max_x, 0.0..max_y)
-            .map_err(err)?;
+        let mut ctx = axes_on(area, chart, (0.0..max_x, 0.0..max_y)).map_err(err)?;
         mesh(&mut ctx, chart, false).map_err(err)?;
         for (i, s) in series.iter().enumerate() {
             let color = PALETTE[i % PALETTE.len()];
@@ -245,14 +238,7 @@ pub fn lines(chart: &Chart, lines: &[Line], axes: Axes) -> Result<String> {
         .collect();
     svg(chart, &entries, |area| {
         let err = |e| plot_error(chart, e);
-        let mut ctx = ChartBuilder::on(area)
-            .caption(&chart.title, (FONT, 24))
-            .margin(18)
-            .margin_top(36)
-            .x_label_area_size(52)
-            .y_label_area_size(78)
-            .build_cartesian_2d(axes.x.0..axes.x.1, axes.y.0..axes.y.1)
-            .map_err(err)?;
+        let mut ctx = axes_on(area, chart, (axes.x.0..axes.x.1, axes.y.0..axes.y.1)).map_err(err)?;
         mesh(&mut ctx, chart, axes.integer_x).map_err(err)?;
         for line in lines {
             let color = PALETTE[line.color % PALETTE.len()];
@@ -274,6 +260,21 @@ pub fn lines(chart: &Chart, lines: &[Line], axes: Axes) -> Result<String> {
 
 type Ctx<'a, 'b> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
 type DrawResult = std::result::Result<(), DrawingAreaErrorKind<std::io::Error>>;
+
+/// The chart's caption and linear axes over `ranges` (x, y), with room for the tick labels, on `area`.
+fn axes_on<'a, 'b>(
+    area: &'a DrawingArea<SVGBackend<'b>, Shift>,
+    chart: &Chart,
+    ranges: (std::ops::Range<f64>, std::ops::Range<f64>),
+) -> std::result::Result<Ctx<'a, 'b>, DrawingAreaErrorKind<std::io::Error>> {
+    ChartBuilder::on(area)
+        .caption(&chart.title, (FONT, 24))
+        .margin(18)
+        .margin_top(36)
+        .x_label_area_size(52)
+        .y_label_area_size(78)
+        .build_cartesian_2d(ranges.0, ranges.1)
+}
 
 fn mesh<'a, 'b: 'a>(ctx: &mut Ctx<'a, 'b>, chart: &Chart, integer_x: bool) -> DrawResult {
     // At most one tick per whole number on an integer axis, so plotters' round step is 1 (or more), never 0.2.
