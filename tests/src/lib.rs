@@ -522,51 +522,10 @@ impl PromText {
     }
 }
 
+/// A sample line, parsed by the replay tool's parser (`sparkd_workloads::prometheus`), its labels by name.
 fn parse_sample(line: &str) -> Result<Sample> {
-    let (head, value) = line.rsplit_once(' ').context("no value")?;
-    let value: f64 = match value {
-        "+Inf" => f64::INFINITY,
-        "-Inf" => f64::NEG_INFINITY,
-        "NaN" => f64::NAN,
-        v => v.parse().with_context(|| format!("bad value {v}"))?,
-    };
-    let (name, labels) = match head.split_once('{') {
-        None => (head, BTreeMap::new()),
-        Some((name, rest)) => {
-            let body = rest.strip_suffix('}').context("unterminated label set")?;
-            (name, parse_labels(body)?)
-        }
-    };
-    let valid =
-        |c: char, first: bool| c.is_ascii_alphabetic() || c == '_' || c == ':' || (!first && c.is_ascii_digit());
-    if name.is_empty() || !name.chars().enumerate().all(|(i, c)| valid(c, i == 0)) {
-        bail!("bad metric name {name:?}");
-    }
-    Ok(Sample { name: name.to_string(), labels, value })
-}
-
-fn parse_labels(mut s: &str) -> Result<BTreeMap<String, String>> {
-    let mut labels = BTreeMap::new();
-    while !s.is_empty() {
-        let (key, rest) = s.split_once("=\"").context("label without =\"")?;
-        let mut value = String::new();
-        let mut chars = rest.char_indices();
-        let end = loop {
-            match chars.next() {
-                Some((_, '\\')) => match chars.next() {
-                    Some((_, 'n')) => value.push('\n'),
-                    Some((_, c)) => value.push(c),
-                    None => bail!("dangling escape"),
-                },
-                Some((i, '"')) => break i,
-                Some((_, c)) => value.push(c),
-                None => bail!("unterminated label value"),
-            }
-        };
-        labels.insert(key.trim().to_string(), value);
-        s = rest[end + 1..].trim_start_matches(',');
-    }
-    Ok(labels)
+    let sample = sparkd_workloads::prometheus::parse_sample(line).map_err(anyhow::Error::msg)?;
+    Ok(Sample { name: sample.name, labels: sample.labels.into_iter().collect(), value: sample.value })
 }
 
 #[cfg(test)]

@@ -86,7 +86,8 @@ fn is_name_char(c: char, first: bool) -> bool {
     c.is_ascii_alphabetic() || c == '_' || c == ':' || (!first && c.is_ascii_digit())
 }
 
-fn parse_sample(line: &str) -> std::result::Result<Sample, String> {
+/// Parses one sample line (`name{label="value",...} value [timestamp]`); the error says what is wrong with it.
+pub fn parse_sample(line: &str) -> std::result::Result<Sample, String> {
     let name_end = line.find(|c: char| !is_name_char(c, false)).unwrap_or(line.len());
     let name = &line[..name_end];
     if name.is_empty() || !name.starts_with(|c| is_name_char(c, true)) {
@@ -112,7 +113,7 @@ fn parse_sample(line: &str) -> std::result::Result<Sample, String> {
 }
 
 /// A sample's labels, in order.
-type Labels = Vec<(String, String)>;
+pub type Labels = Vec<(String, String)>;
 
 /// Parses `a="x",b="y"}` (after the opening brace); returns the labels and the text after the closing brace.
 fn parse_labels(mut s: &str) -> std::result::Result<(Labels, &str), String> {
