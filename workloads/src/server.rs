@@ -15,7 +15,7 @@ use hyper_util::rt::TokioExecutor;
 
 use crate::error::{ReplayError, Result};
 use crate::prometheus::Scrape;
-use crate::transport::bearer;
+use crate::transport::{bearer, http_authority};
 
 /// A small GET client for one server.
 #[derive(Clone)]
@@ -28,12 +28,7 @@ pub struct ServerClient {
 impl ServerClient {
     /// `base_url` is `http://host:port`; `api_key` is sent as a bearer token.
     pub fn new(base_url: &str, api_key: Option<&str>) -> Result<Self> {
-        let base: hyper::Uri =
-            base_url.parse().map_err(|e| ReplayError::option("--url", format!("{base_url:?}: {e}")))?;
-        if base.scheme_str() != Some("http") {
-            return Err(ReplayError::option("--url", "only http:// is supported"));
-        }
-        let authority = base.authority().ok_or_else(|| ReplayError::option("--url", "needs host:port"))?.to_string();
+        let authority = http_authority(base_url)?;
         let client = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
         Ok(ServerClient { client, authority, authorization: bearer(api_key)? })
     }

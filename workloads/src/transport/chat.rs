@@ -14,7 +14,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
 
-use super::{bearer, parse_spec, parse_usage, Connection, Transport, TurnOutcome, TurnRequest};
+use super::{bearer, http_authority, parse_spec, parse_usage, Connection, Transport, TurnOutcome, TurnRequest};
 use crate::error::{ReplayError, Result};
 
 /// The chat transport: one pooled HTTP/1.1 client shared by every lane.
@@ -29,12 +29,7 @@ pub struct ChatTransport {
 impl ChatTransport {
     /// `base_url` is `http://host:port` (a trailing path is ignored); `api_key` is sent as a bearer token.
     pub fn new(base_url: &str, api_key: Option<&str>) -> Result<Self> {
-        let base: hyper::Uri =
-            base_url.parse().map_err(|e| ReplayError::option("--url", format!("{base_url:?}: {e}")))?;
-        let authority = base.authority().ok_or_else(|| ReplayError::option("--url", "needs host:port"))?;
-        if base.scheme_str() != Some("http") {
-            return Err(ReplayError::option("--url", "only http:// is supported"));
-        }
+        let authority = http_authority(base_url)?;
         let uri = format!("http://{authority}/v1/chat/completions")
             .parse()
             .map_err(|e| ReplayError::option("--url", format!("{e}")))?;

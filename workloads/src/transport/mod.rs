@@ -93,6 +93,16 @@ pub(crate) fn parse_spec(root: &serde_json::Value) -> Option<SpecStats> {
     })
 }
 
+/// `host:port` of `--url` (`http://host:port`; a trailing path is ignored); another scheme is refused.
+pub fn http_authority(base_url: &str) -> Result<String> {
+    let base: hyper::Uri = base_url.parse().map_err(|e| ReplayError::option("--url", format!("{base_url:?}: {e}")))?;
+    let authority = base.authority().ok_or_else(|| ReplayError::option("--url", "needs host:port"))?;
+    if base.scheme_str() != Some("http") {
+        return Err(ReplayError::option("--url", "only http:// is supported"));
+    }
+    Ok(authority.to_string())
+}
+
 /// The `Authorization` header of a daemon started with `--api-key` (`Bearer KEY`), checked once here.
 pub fn bearer(api_key: Option<&str>) -> Result<Option<hyper::header::HeaderValue>> {
     api_key
