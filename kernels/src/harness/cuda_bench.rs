@@ -32,6 +32,7 @@ use crate::dspark::config::DrafterConfig;
 use crate::dspark::DrafterSource;
 use crate::error::{KernelError, Result};
 use crate::harness::draft_bench::{self, DraftCost, ForcedRound};
+use crate::harness::state_bench::{self, StateMoves};
 use crate::launches::FedRow;
 use crate::routing::Routing;
 use crate::runner::{RowInput, RowOutput, Runner, SampleRequest, SamplingParams, StateId, TokenId};
@@ -219,6 +220,8 @@ pub struct CudaBenchReport {
     pub decode: Vec<BatchResult>,
     pub verify: Vec<VerifyCost>,
     pub forced: Option<ForcedResult>,
+    /// One sequence's state exported, imported and forked at the bench's context (`harness::state_bench`).
+    pub state_moves: StateMoves,
     /// The draft's cost beside the step (see `harness::draft_bench`).
     pub draft: Vec<DraftCost>,
     /// The forced acceptance of `forced` as rounds that draft with the model: the speculative figure with
@@ -296,6 +299,7 @@ pub fn run(opts: &CudaBenchOptions) -> Result<CudaBenchReport> {
         }
         None => None,
     };
+    let state_moves = state_bench::state_moves(&mut runner, opts.prompt_len, opts.steps)?;
     // Last: an attached drafter makes every later target step commit its taps.
     let (mut draft, mut forced_with_draft) = (Vec::new(), None);
     if !opts.draft_batches.is_empty() {
@@ -314,6 +318,7 @@ pub fn run(opts: &CudaBenchOptions) -> Result<CudaBenchReport> {
         decode,
         verify,
         forced,
+        state_moves,
         draft,
         forced_with_draft,
     })
@@ -819,6 +824,17 @@ impl CudaBenchReport {
                 f.acceptance_length, f.draft_len, f.measured_acceptance_length, f.step_ms_median, f.tokens_per_second
             );
         }
+        let m = &self.state_moves;
+        s += &format!(
+            "one state of {} tokens ({:.1} MB on the device, {:.1} MB exported): export {:.3} ms, import {:.3} ms, \
+             fork {:.3} ms\n",
+            m.tokens,
+            m.device_bytes as f64 / 1e6,
+            m.host_bytes as f64 / 1e6,
+            m.export_ms_median,
+            m.import_ms_median,
+            m.fork_ms_median
+        );
         if !self.draft.is_empty() {
             s += "DSpark draft (drafter attached): batch  γ  step ms  greedy ms  ×step  sampled ms  ×step  context ms in \
                   the step\n";

@@ -19,4 +19,5 @@ pub mod cuda_bench;
 pub mod decode;
 pub mod draft_bench;
 pub mod matrix;
+pub mod state_bench;
 pub mod validate;
