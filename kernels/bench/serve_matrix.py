@@ -114,6 +114,45 @@ def phases_per_step(before, after):
     return ms
 
 
+def phase_buckets(samples):
+    """{phase: [(le, cumulative count)]} of the engine phase histogram, bounds ascending (+Inf last)."""
+    out = {}
+    for (name, labels), value in samples.items():
+        if name == PHASE + "_bucket":
+            d = dict(labels)
+            out.setdefault(d.get("phase"), []).append((float(d["le"]), value))
+    return {p: sorted(b) for p, b in out.items()}
+
+
+def phase_tails(before, after, quantiles=(0.5, 0.9, 0.99), slow_s=0.005):
+    """{phase: ({q: upper bound ms of the bucket holding quantile q}, samples, samples over slow_s)} between two
+    scrapes: where a phase's time goes in its tail (a mean hides one 20 ms export among a thousand 50 µs laps)."""
+    a, b = phase_buckets(before), phase_buckets(after)
+    out = {}
+    for phase, buckets in b.items():
+        old = dict(a.get(phase, []))
+        delta = [(le, n - old.get(le, 0.0)) for le, n in buckets]
+        total = delta[-1][1] if delta else 0.0
+        if total <= 0:
+            continue
+        qs = {q: next(1e3 * le for le, n in delta if n >= q * total) for q in quantiles}
+        fast = max((n for le, n in delta if le <= slow_s), default=0.0)
+        out[phase] = (qs, total, total - fast)
+    return out
+
+
+def tails_table(points):
+    """Markdown: per point and phase, the p50 / p90 / p99 bucket bounds and the laps slower than 5 ms."""
+    rows = ["| config | c | phase | laps | p50 ms | p90 ms | p99 ms | laps > 5 ms |", "|---|---|---|---|---|---|---|---|"]
+    for p in points:
+        for phase, (qs, total, slow) in sorted((p.get("tails") or {}).items()):
+            if phase == "idle":
+                continue
+            rows.append(f"| {p['config']} | {p['c']} | {phase} | {total:.0f} | {qs[0.5]:g} | {qs[0.9]:g} | "
+                        f"{qs[0.99]:g} | {slow:.0f} |")
+    return "\n".join(rows)
+
+
 class Missing(Exception):
     pass
 
@@ -130,7 +169,9 @@ def load_point(raw, config, c, previous_metrics):
              "phase_note": ""}
     metrics = os.path.join(raw, f"{config}_c{c}_metrics.txt")
     if os.path.exists(metrics) and previous_metrics and os.path.exists(previous_metrics):
-        point["phases"] = phases_per_step(parse_metrics(previous_metrics), parse_metrics(metrics))
+        before, after = parse_metrics(previous_metrics), parse_metrics(metrics)
+        point["phases"] = phases_per_step(before, after)
+        point["tails"] = phase_tails(before, after)
     else:
         point["phase_note"] = f"no /metrics scrapes around {path}"
     return point, metrics
@@ -272,6 +313,8 @@ def cmd_report(args):
            "(sparkd:engine_phase_seconds over the point: delta sum of the phase / delta count of `step`); `step` is "
            "runner.step, the device forward with the verify fused in; `other` is commands + memory; `idle` is the "
            "engine blocked with no work.", ""]
+    md += ["Engine phase tails over each point (`sparkd:engine_phase_seconds` bucket deltas; a quantile is the upper "
+           "bound of the bucket that holds it):", "", tails_table(points), ""]
     prefill = os.path.join(args.raw, "prefill.json")
     if os.path.exists(prefill):
         with open(prefill) as f:
