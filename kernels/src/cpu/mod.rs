@@ -10,6 +10,7 @@ pub mod mla;
 pub mod moe;
 pub mod ops;
 pub mod runner;
+pub mod shard;
 pub mod weights;
 
 pub use forward::{CpuModel, Probe, RoutingTrace, WindowOutput, WindowRow, WindowUndo};
