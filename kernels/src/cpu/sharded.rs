@@ -1,0 +1,602 @@
+//! [`ShardedCpuRunner`]: the `Runner` contract on the CPU reference forward sharded over `N` in-process
+//! ranks (tensor parallelism, optionally expert parallelism for the routed experts), one thread per rank,
+//! each owning its shard's weights and its shards of every sequence state (`cpu::shard` says what each
+//! rank holds; shared/reference/k3-architecture.md §6.3 is the source).
+//!
+//! Invariants:
+//! - Rank 0 alone receives work (from this runner, over a channel) and broadcasts each action's
+//!   [`Plan`] through the [`Communicator`]; the other ranks act only on what they receive, so every rank
+//!   makes the same collectives in the same order and no rank diverges.
+//! - A step is validated here, before any rank sees it, with exactly the checks of [`CpuRunner`]
+//!   (`crate::cpu::CpuRunner`), so a rejected step changes nothing. Acceptance runs on rank 0 over the
+//!   full-vocabulary logits, gathered from the ranks' vocabulary slices (an all-gather of `[positions,
+//!   V / N]` per rank: each logit is the same dot product as unsharded, so sampling, seeded randomness,
+//!   log-probabilities and greedy ties to the lowest id are exactly the unsharded rules applied to these
+//!   logits). Rank 0 then broadcasts how many tokens each verify window keeps and every rank cuts its
+//!   state shards back the same way, so speculation with rollback stays lossless.
+//! - A failure inside the group (a rank's error, a rank that exits) takes the whole group down: every
+//!   rank's collectives fail, and this runner answers every later call with a device error naming the
+//!   first cause; nothing waits forever.
+//! - Exported states are whole-model states (the KDA head shards joined, the replicated MLA cache taken
+//!   from rank 0), so they import into any runner of the same model, sharded or not.
+//! - `state_bytes` counts what the group holds: the KDA state once (split over the ranks) and the
+//!   replicated MLA cache once per rank.
+//!
+//! Not here yet: a DSpark drafter (`attach_drafter` says so).
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use crate::acceptance::{self, AcceptanceMode, VerifyWindow};
+use crate::comm::{Communicator, LocalGroup};
+use crate::config::ModelConfig;
+use crate::cpu::forward::{CpuModel, Probe, WindowRow, WindowUndo};
+use crate::cpu::plan::{Plan, PlanRow};
+use crate::cpu::shard::{flatten_kda, join_kda, split_kda, Shard};
+use crate::error::{KernelError, Result};
+use crate::launches::{sync_launch, sync_launch_fed, FedRow, SyncLaunches, SyncStepper};
+use crate::runner::{apply_row_mask, RowInput, RowOutput, Runner, StateId, TokenMask};
+use crate::state::{MlaCache, SeqState, MLA_BLOCK_TOKENS};
+use crate::tensor::WeightSource;
+
+/// How a sharded CPU runner splits the model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ParallelConfig {
+    /// Ranks (`--tensor-parallel-size`).
+    pub tensor_parallel: usize,
+    /// Routed experts placed whole on ranks (`--expert-parallel`) instead of split by width.
+    pub expert_parallel: bool,
+}
+
+/// A step as rank 0 receives it: the rows with everything acceptance needs.
+struct StepWork {
+    rows: Vec<RowInput>,
+    acceptance: AcceptanceMode,
+    token_mask: Option<Arc<TokenMask>>,
+}
+
+/// What this runner asks of rank 0.
+enum Request {
+    Plain(Plan),
+    Step(StepWork),
+    Export(StateId),
+    Import(StateId, SeqState),
+}
+
+/// Rank 0's answer.
+enum Reply {
+    Done,
+    /// A step's outputs (or the error that stopped its acceptance), with every row's committed length
+    /// afterwards, which holds either way.
+    Step {
+        outputs: Result<Vec<RowOutput>>,
+        lens: Vec<usize>,
+    },
+    State(SeqState),
+}
+
+/// The CPU backend over an in-process tensor-parallel group.
+pub struct ShardedCpuRunner {
+    cfg: ModelConfig,
+    parallel: ParallelConfig,
+    to_lead: Sender<Request>,
+    from_lead: Receiver<Result<Reply>>,
+    ranks: Vec<JoinHandle<()>>,
+    /// Committed tokens of every state the group holds.
+    lens: HashMap<StateId, usize>,
+    next_id: u64,
+    acceptance: AcceptanceMode,
+    token_mask: Option<Arc<TokenMask>>,
+    launches: SyncLaunches,
+    /// Why the group went down, once it has.
+    down: RefCell<Option<String>>,
+}
+
+impl ShardedCpuRunner {
+    /// Loads every rank's shard of `cfg` from `source` and starts the ranks. A group size that does not
+    /// divide the model's heads, widths, experts or vocabulary is an error naming the flag.
+    pub fn new(cfg: ModelConfig, source: &dyn WeightSource, parallel: ParallelConfig) -> Result<Self> {
+        let world = parallel.tensor_parallel;
+        Shard::check(&cfg, world, parallel.expert_parallel)?;
+        let mut models = Vec::with_capacity(world);
+        for rank in 0..world {
+            let shard = Shard { rank, world, expert_parallel: parallel.expert_parallel };
+            models.push(CpuModel::<f32>::load_shard(&cfg, source, shard)?);
+        }
+        let (to_lead, lead_inbox) = channel();
+        let (lead_outbox, from_lead) = channel();
+        let mut inbox = Some((lead_inbox, lead_outbox));
+        let mut ranks = Vec::with_capacity(world);
+        for ((rank, model), comm) in models.into_iter().enumerate().zip(LocalGroup::new(world, None)?) {
+            let shard = Shard { rank, world, expert_parallel: parallel.expert_parallel };
+            let member = Member {
+                whole: cfg.clone(),
+                shard,
+                model,
+                comm: Box::new(comm),
+                states: HashMap::new(),
+                undo: Vec::new(),
+            };
+            let lead = if rank == 0 { inbox.take() } else { None };
+            let handle = std::thread::Builder::new()
+                .name(format!("sparkd-tp-rank{rank}"))
+                .spawn(move || match lead {
+                    Some((requests, replies)) => member.lead(requests, replies),
+                    None => member.follow(),
+                })
+                .map_err(|e| KernelError::Device(format!("cannot start tensor-parallel rank {rank}: {e}")))?;
+            ranks.push(handle);
+        }
+        Ok(ShardedCpuRunner {
+            cfg,
+            parallel,
+            to_lead,
+            from_lead,
+            ranks,
+            lens: HashMap::new(),
+            next_id: 1,
+            acceptance: AcceptanceMode::Standard,
+            token_mask: None,
+            launches: SyncLaunches::default(),
+            down: RefCell::new(None),
+        })
+    }
+
+    /// Switches between the lossless acceptance rule and forced acceptance (benchmarks only).
+    pub fn set_acceptance(&mut self, mode: AcceptanceMode) {
+        self.acceptance = mode;
+    }
+
+    /// Sends one request to rank 0 and waits for its answer; a device error takes the runner down.
+    fn call(&self, request: Request) -> Result<Reply> {
+        if let Some(reason) = self.down.borrow().as_ref() {
+            return Err(KernelError::Device(format!("the tensor-parallel group is down: {reason}")));
+        }
+        let reply = self
+            .to_lead
+            .send(request)
+            .map_err(|_| KernelError::Device("tensor-parallel rank 0 has exited".into()))
+            .and_then(|()| {
+                self.from_lead.recv().map_err(|_| KernelError::Device("tensor-parallel rank 0 has exited".into()))?
+            });
+        if let Err(KernelError::Device(reason)) = &reply {
+            *self.down.borrow_mut() = Some(reason.clone());
+        }
+        reply
+    }
+
+    fn len(&self, id: StateId) -> Result<usize> {
+        self.lens.get(&id).copied().ok_or(KernelError::UnknownState(id.0))
+    }
+
+    fn fresh_id(&mut self) -> StateId {
+        let id = StateId(self.next_id);
+        self.next_id += 1;
+        id
+    }
+}
+
+impl Drop for ShardedCpuRunner {
+    fn drop(&mut self) {
+        // Rank 0 broadcasts the shutdown; a group already down has nobody left to tell, and its ranks
+        // have exited or are exiting.
+        if self.down.borrow().is_none() {
+            let _ = self.call(Request::Plain(Plan::Shutdown));
+        }
+        for rank in self.ranks.drain(..) {
+            let _ = rank.join();
+        }
+    }
+}
+
+impl Runner for ShardedCpuRunner {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn device_name(&self) -> String {
+        let ep = if self.parallel.expert_parallel { " ep" } else { "" };
+        format!("cpu tp{}{ep}", self.parallel.tensor_parallel)
+    }
+
+    fn alloc_state(&mut self) -> Result<StateId> {
+        let id = self.fresh_id();
+        self.call(Request::Plain(Plan::Alloc(id)))?;
+        self.lens.insert(id, 0);
+        Ok(id)
+    }
+
+    fn fork_state(&mut self, src: StateId) -> Result<StateId> {
+        self.launches.check_settled(src, "forked")?;
+        let len = self.len(src)?;
+        let dst = self.fresh_id();
+        self.call(Request::Plain(Plan::Fork { src, dst }))?;
+        self.lens.insert(dst, len);
+        Ok(dst)
+    }
+
+    fn free_state(&mut self, id: StateId) -> Result<()> {
+        self.launches.check_settled(id, "freed")?;
+        self.len(id)?;
+        self.call(Request::Plain(Plan::Free(id)))?;
+        self.lens.remove(&id);
+        Ok(())
+    }
+
+    fn state_len(&self, id: StateId) -> Result<usize> {
+        self.len(id)
+    }
+
+    fn state_bytes(&self, id: StateId) -> Result<usize> {
+        let len = self.len(id)?;
+        let kda = SeqState::<f32>::new(&self.cfg).bytes();
+        let mla_layers = SeqState::<f32>::new(&self.cfg).mla.len();
+        let mla = mla_layers * len.div_ceil(MLA_BLOCK_TOKENS) * MLA_BLOCK_TOKENS * self.cfg.mla.latent_dim() * 4;
+        Ok(kda + self.parallel.tensor_parallel * mla)
+    }
+
+    fn export_state(&self, id: StateId) -> Result<SeqState> {
+        self.launches.check_settled(id, "exported")?;
+        self.len(id)?;
+        match self.call(Request::Export(id))? {
+            Reply::State(state) => Ok(state),
+            _ => Err(KernelError::Device("rank 0 answered an export with something else".into())),
+        }
+    }
+
+    fn import_state(&mut self, state: SeqState) -> Result<StateId> {
+        state.check_fits(&self.cfg)?;
+        let id = self.fresh_id();
+        let len = state.len;
+        self.call(Request::Import(id, state))?;
+        self.lens.insert(id, len);
+        Ok(id)
+    }
+
+    fn set_token_mask(&mut self, mask: TokenMask) -> Result<()> {
+        mask.check_fits(self.cfg.vocab_size)?;
+        self.token_mask = Some(Arc::new(mask));
+        Ok(())
+    }
+
+    fn step(&mut self, rows: &[RowInput]) -> Result<Vec<RowOutput>> {
+        self.launches.check_idle()?;
+        self.step_now(rows)
+    }
+
+    fn launches_ahead(&self) -> bool {
+        true
+    }
+
+    fn launch(&mut self, rows: &[RowInput]) -> Result<()> {
+        sync_launch(self, rows)
+    }
+
+    fn launch_fed(&mut self, rows: &[FedRow]) -> Result<()> {
+        sync_launch_fed(self, rows)
+    }
+
+    fn collect(&mut self) -> Result<Vec<RowOutput>> {
+        self.launches.collect()
+    }
+}
+
+impl SyncStepper for ShardedCpuRunner {
+    fn launches(&mut self) -> &mut SyncLaunches {
+        &mut self.launches
+    }
+
+    fn step_now(&mut self, rows: &[RowInput]) -> Result<Vec<RowOutput>> {
+        crate::runner::check_rows(rows, self.cfg.vocab_size, |id| self.lens.contains_key(&id))?;
+        let work =
+            StepWork { rows: rows.to_vec(), acceptance: self.acceptance.clone(), token_mask: self.token_mask.clone() };
+        let Reply::Step { outputs, lens } = self.call(Request::Step(work))? else {
+            return Err(KernelError::Device("rank 0 answered a step with something else".into()));
+        };
+        for (row, len) in rows.iter().zip(lens) {
+            self.lens.insert(row.state, len);
+        }
+        outputs
+    }
+}
+
+/// One rank: its shard of the model, its shards of every state, and its handle on the group.
+struct Member {
+    /// The whole model's config (states are exported and imported whole).
+    whole: ModelConfig,
+    shard: Shard,
+    model: CpuModel<f32>,
+    comm: Box<dyn Communicator>,
+    states: HashMap<StateId, SeqState<f32>>,
+    /// The undo records of the last forward's verify windows.
+    undo: Vec<(StateId, WindowUndo<f32>)>,
+}
+
+impl Member {
+    /// Rank 0: takes requests, broadcasts each one's plan, runs it, answers. Exits on shutdown or on a
+    /// device error (which the group's other ranks then see as the group going down).
+    fn lead(mut self, requests: Receiver<Request>, replies: Sender<Result<Reply>>) {
+        for request in requests {
+            let shutdown = matches!(request, Request::Plain(Plan::Shutdown));
+            let reply = self.serve(request);
+            let fatal = matches!(reply, Err(KernelError::Device(_)));
+            if let (true, Err(e)) = (fatal, &reply) {
+                self.comm.abort(&e.to_string());
+            }
+            if replies.send(reply).is_err() || fatal || shutdown {
+                return;
+            }
+        }
+    }
+
+    /// Ranks 1..N: act on each plan rank 0 broadcasts until shutdown or the group goes down.
+    fn follow(mut self) {
+        loop {
+            let plan = match self.comm.broadcast_message(0, &[]).and_then(|b| Plan::decode(&b)) {
+                Ok(plan) => plan,
+                Err(_) => return,
+            };
+            let result = match &plan {
+                Plan::Shutdown => return,
+                Plan::Import { id, len } => self.import(*id, *len, None),
+                _ => self.act(&plan).map(|_| ()),
+            };
+            if let Err(e) = result {
+                self.comm.abort(&format!("rank {}: {e}", self.shard.rank));
+                return;
+            }
+        }
+    }
+
+    fn broadcast(&self, plan: &Plan) -> Result<()> {
+        self.comm.broadcast_message(0, &plan.encode()).map(|_| ())
+    }
+
+    fn serve(&mut self, request: Request) -> Result<Reply> {
+        match request {
+            Request::Plain(plan) => {
+                self.broadcast(&plan)?;
+                self.act(&plan)?;
+                Ok(Reply::Done)
+            }
+            Request::Export(id) => {
+                let plan = Plan::Export(id);
+                self.broadcast(&plan)?;
+                match self.act(&plan)? {
+                    Some(state) => Ok(Reply::State(state)),
+                    None => Err(KernelError::Device("an export gathered nothing".into())),
+                }
+            }
+            Request::Import(id, state) => {
+                self.broadcast(&Plan::Import { id, len: state.len })?;
+                self.import(id, state.len, Some(&state))?;
+                Ok(Reply::Done)
+            }
+            Request::Step(work) => self.step(work),
+        }
+    }
+
+    fn state(&self, id: StateId) -> Result<&SeqState<f32>> {
+        self.states.get(&id).ok_or_else(|| KernelError::Device(format!("rank {} has no {id}", self.shard.rank)))
+    }
+
+    /// Runs a plan every rank runs alike (an export returns the whole state on rank 0).
+    fn act(&mut self, plan: &Plan) -> Result<Option<SeqState>> {
+        match plan {
+            Plan::Alloc(id) => {
+                self.states.insert(*id, SeqState::new(&self.model.cfg));
+            }
+            Plan::Fork { src, dst } => {
+                let copy = self.state(*src)?.clone();
+                self.states.insert(*dst, copy);
+            }
+            Plan::Free(id) => {
+                self.states.remove(id);
+            }
+            Plan::Forward(rows) => {
+                self.forward(rows)?;
+            }
+            Plan::Commit(commits) => self.commit(commits)?,
+            Plan::Export(id) => return self.export(*id),
+            Plan::Import { .. } | Plan::Shutdown => {}
+        }
+        Ok(None)
+    }
+
+    /// Runs the windows over this rank's shards and returns, on rank 0, each row's full-vocabulary logits
+    /// (`[positions, V]`, gathered from every rank's `[positions, V / N]`); empty on the other ranks.
+    fn forward(&mut self, plan: &[PlanRow]) -> Result<Vec<Vec<f32>>> {
+        self.undo.clear();
+        if let Some(row) = plan.iter().find(|r| !self.states.contains_key(&r.state)) {
+            return Err(KernelError::Device(format!("rank {} has no {}", self.shard.rank, row.state)));
+        }
+        // Present and distinct (the runner checked the step).
+        let mut states: Vec<SeqState<f32>> = plan.iter().filter_map(|r| self.states.remove(&r.state)).collect();
+        let mut windows: Vec<WindowRow<f32>> = states
+            .iter_mut()
+            .zip(plan)
+            .map(|(state, row)| WindowRow {
+                state,
+                tokens: &row.tokens,
+                logits_from: row.logits_from,
+                snapshots_from: row.snapshots_from,
+            })
+            .collect();
+        let result = self.model.forward_reduced(&mut windows, &mut Probe::default(), self.comm.as_ref());
+        drop(windows);
+        for (row, state) in plan.iter().zip(states) {
+            self.states.insert(row.state, state);
+        }
+        let outputs = result?;
+        let slice = self.model.weights.lm_head.out_dim; // V / N
+        let local: Vec<f32> = outputs.iter().flat_map(|o| o.logits.iter().copied()).collect(); // [positions, V / N]
+        let positions = local.len() / slice;
+        let world = self.shard.world;
+        let mut gathered = vec![0f32; local.len() * world]; // [N, positions, V / N]
+        self.comm.all_gather(&local, &mut gathered)?;
+        let mut logits = Vec::with_capacity(outputs.len());
+        let mut first = 0;
+        for (row, out) in plan.iter().zip(outputs) {
+            if let Some(undo) = out.undo {
+                self.undo.push((row.state, undo));
+            }
+            if self.shard.rank != 0 {
+                continue;
+            }
+            let count = row.tokens.len() - row.logits_from;
+            let mut full = Vec::with_capacity(count * slice * world); // [count, V]
+            for p in first..first + count {
+                for r in 0..world {
+                    let at = (r * positions + p) * slice;
+                    full.extend_from_slice(&gathered[at..at + slice]);
+                }
+            }
+            logits.push(full);
+            first += count;
+        }
+        Ok(logits)
+    }
+
+    /// Cuts the listed windows of the last forward back to their accepted prefixes.
+    fn commit(&mut self, commits: &[(StateId, usize)]) -> Result<()> {
+        let mut undo: HashMap<StateId, WindowUndo<f32>> = self.undo.drain(..).collect();
+        for (id, m) in commits {
+            let record =
+                undo.remove(id).ok_or_else(|| KernelError::Device(format!("no verify window of {id} to cut")))?;
+            let state = self.states.get_mut(id).ok_or_else(|| KernelError::Device(format!("rank has no {id}")))?;
+            record.commit(state, *m)?;
+        }
+        Ok(())
+    }
+
+    /// Rank 0's step: broadcast the windows, run them, accept on the gathered logits, broadcast the cuts.
+    fn step(&mut self, work: StepWork) -> Result<Reply> {
+        let plan: Vec<PlanRow> = work
+            .rows
+            .iter()
+            .map(|row| {
+                let (logits_from, snapshots_from) = row.window_bounds();
+                PlanRow { state: row.state, tokens: row.tokens.clone(), logits_from, snapshots_from }
+            })
+            .collect();
+        let starts: Vec<usize> = work.rows.iter().map(|r| self.state(r.state).map(|s| s.len)).collect::<Result<_>>()?;
+        self.broadcast(&Plan::Forward(plan.clone()))?;
+        let mut logits = self.forward(&plan)?;
+        let vocab = self.whole.vocab_size;
+        let mut outputs = Vec::with_capacity(work.rows.len());
+        let mut commits = Vec::new();
+        let mut failure = None;
+        for ((row, window), start) in work.rows.iter().zip(logits.iter_mut()).zip(starts) {
+            let Some(sample) = &row.sample else {
+                outputs.push(RowOutput::default());
+                continue;
+            };
+            if let Some(mask) = &work.token_mask {
+                mask.apply(window);
+            }
+            for (mask, position) in sample.masks.iter().zip(window.chunks_mut(vocab)) {
+                apply_row_mask(mask, position);
+            }
+            let t = row.tokens.len();
+            let verify = VerifyWindow {
+                target_logits: window,
+                vocab,
+                drafts: &row.tokens[t - sample.draft_len..],
+                draft_logits: None,
+                first_position: (start + t - sample.draft_len) as u64,
+            };
+            match acceptance::verify(&verify, &sample.params, &work.acceptance) {
+                Ok(verdict) => {
+                    if sample.draft_len > 0 {
+                        commits.push((row.state, t - sample.draft_len + verdict.num_accepted));
+                    }
+                    outputs.push(RowOutput {
+                        tokens: verdict.tokens,
+                        num_accepted: verdict.num_accepted,
+                        logprobs: verdict.logprobs,
+                    });
+                }
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+        let cut = Plan::Commit(commits);
+        self.broadcast(&cut)?;
+        self.act(&cut)?;
+        let lens = work.rows.iter().map(|r| self.state(r.state).map(|s| s.len)).collect::<Result<_>>()?;
+        Ok(Reply::Step { outputs: failure.map_or(Ok(outputs), Err), lens })
+    }
+
+    /// Gathers every rank's KDA shards of `id` (all ranks call this); rank 0 returns the whole state.
+    fn export(&mut self, id: StateId) -> Result<Option<SeqState>> {
+        let state = self.state(id)?;
+        let parts: Vec<Vec<f32>> = state.kda.iter().map(flatten_kda).collect();
+        let local: Vec<f32> = parts.concat();
+        let mut gathered = vec![0f32; local.len() * self.shard.world]; // [N, local]
+        self.comm.all_gather(&local, &mut gathered)?;
+        if self.shard.rank != 0 {
+            return Ok(None);
+        }
+        let layer = parts.first().map_or(0, Vec::len);
+        let kda = (0..parts.len())
+            .map(|l| {
+                let per_rank: Vec<&[f32]> = (0..self.shard.world)
+                    .map(|r| &gathered[r * local.len() + l * layer..r * local.len() + (l + 1) * layer])
+                    .collect();
+                join_kda(&per_rank, &self.whole, self.shard.world)
+            })
+            .collect();
+        Ok(Some(SeqState { len: state.len, kda, mla: state.mla.clone() }))
+    }
+
+    /// Installs a whole state of `len` tokens under `id`: rank 0 (which has it) broadcasts its values, every
+    /// rank keeps its KDA head shards and the whole MLA cache.
+    fn import(&mut self, id: StateId, len: usize, whole: Option<&SeqState>) -> Result<()> {
+        let fresh = SeqState::<f32>::new(&self.whole);
+        let ld = self.whole.mla.latent_dim();
+        let kda_len: usize = fresh.kda.iter().map(|k| flatten_kda(k).len()).sum();
+        let mut values = match whole {
+            Some(s) => {
+                let mut v: Vec<f32> = s.kda.iter().flat_map(flatten_kda).collect();
+                for cache in &s.mla {
+                    for t in 0..cache.len() {
+                        v.extend_from_slice(cache.entry(t));
+                    }
+                }
+                v
+            }
+            None => vec![0f32; kda_len + fresh.mla.len() * len * ld],
+        };
+        self.comm.broadcast(0, &mut values)?;
+        let (kda_values, mla_values) = values.split_at(kda_len);
+        let mut at = 0;
+        let mut kda = Vec::with_capacity(fresh.kda.len());
+        for template in &fresh.kda {
+            let s_len = template.s.len();
+            let w = template.conv[0].len();
+            let mut layer = template.clone();
+            layer.s.copy_from_slice(&kda_values[at..at + s_len]);
+            for (x, conv) in layer.conv.iter_mut().enumerate() {
+                conv.copy_from_slice(&kda_values[at + s_len + x * w..at + s_len + (x + 1) * w]);
+            }
+            at += s_len + 3 * w;
+            kda.push(split_kda(&layer, &self.whole, &self.shard));
+        }
+        let mla = (0..fresh.mla.len())
+            .map(|l| {
+                let mut cache = MlaCache::new(ld);
+                for entry in mla_values[l * len * ld..(l + 1) * len * ld].chunks_exact(ld) {
+                    cache.push(entry);
+                }
+                cache
+            })
+            .collect();
+        self.states.insert(id, SeqState { len, kda, mla });
+        Ok(())
+    }
+}
