@@ -42,6 +42,8 @@ pub enum Plan {
     },
     /// The group ends.
     Shutdown,
+    /// Every rank contributes its vocabulary rows of the embedding and lm_head to rank 0 (for a drafter).
+    GatherHead,
 }
 
 const ALLOC: u8 = 1;
@@ -52,6 +54,7 @@ const COMMIT: u8 = 5;
 const EXPORT: u8 = 6;
 const IMPORT: u8 = 7;
 const SHUTDOWN: u8 = 8;
+const GATHER_HEAD: u8 = 9;
 
 impl Plan {
     pub fn encode(&self) -> Vec<u8> {
@@ -103,6 +106,7 @@ impl Plan {
                 put(&mut w, *len as u64);
             }
             Plan::Shutdown => w.push(SHUTDOWN),
+            Plan::GatherHead => w.push(GATHER_HEAD),
         }
         w
     }
@@ -134,6 +138,7 @@ impl Plan {
             EXPORT => Plan::Export(StateId(r.u64()?)),
             IMPORT => Plan::Import { id: StateId(r.u64()?), len: r.u64()? as usize },
             SHUTDOWN => Plan::Shutdown,
+            GATHER_HEAD => Plan::GatherHead,
             other => return Err(KernelError::Device(format!("a step plan starts with unknown tag {other}"))),
         };
         if r.at != bytes.len() {
@@ -202,6 +207,7 @@ mod tests {
             Plan::Export(StateId(7)),
             Plan::Import { id: StateId(8), len: 130 },
             Plan::Shutdown,
+            Plan::GatherHead,
         ];
         for p in plans {
             let bytes = p.encode();

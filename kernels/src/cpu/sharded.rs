@@ -20,9 +20,13 @@
 //! - Exported states are whole-model states (the KDA head shards joined, the replicated MLA cache taken
 //!   from rank 0), so they import into any runner of the same model, sharded or not.
 //! - `state_bytes` counts what the group holds: the KDA state once (split over the ranks) and the
-//!   replicated MLA cache once per rank.
+//!   replicated MLA cache once per rank (and a drafter context once).
+//! - The DSpark drafter is replicated, not sharded: it runs whole beside rank 0, on the hidden-state taps
+//!   rank 0's forward records (full width, identical on every rank) and on a whole-vocabulary copy of the
+//!   embedding and lm_head gathered from the ranks once when it is attached, so its drafts and `q` are
+//!   exactly the unsharded runner's. Its contexts follow each step's commits as in [`CpuRunner`].
 //!
-//! Not here yet: a DSpark drafter (`attach_drafter` says so).
+//! [`CpuRunner`]: crate::cpu::CpuRunner
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -34,11 +38,15 @@ use crate::acceptance::{self, AcceptanceMode, VerifyWindow};
 use crate::comm::{Communicator, LocalGroup};
 use crate::config::ModelConfig;
 use crate::cpu::forward::{CpuModel, Probe, WindowRow, WindowUndo};
+use crate::cpu::ops::Linear;
 use crate::cpu::plan::{Plan, PlanRow};
 use crate::cpu::shard::{flatten_kda, join_kda, split_kda, Shard};
+use crate::dspark::{DrafterModel, DrafterSlot, DrafterSource, TargetHead};
 use crate::error::{KernelError, Result};
 use crate::launches::{sync_launch, sync_launch_fed, FedRow, SyncLaunches, SyncStepper};
-use crate::runner::{apply_row_mask, RowInput, RowOutput, Runner, StateId, TokenMask};
+use crate::runner::{
+    apply_row_mask, DraftProposal, DraftRequest, Drafter, RowInput, RowOutput, Runner, StateId, TokenMask,
+};
 use crate::state::{MlaCache, SeqState, MLA_BLOCK_TOKENS};
 use crate::tensor::WeightSource;
 
@@ -56,6 +64,10 @@ struct StepWork {
     rows: Vec<RowInput>,
     acceptance: AcceptanceMode,
     token_mask: Option<Arc<TokenMask>>,
+    /// Target layers whose hidden states the drafter reads (empty without a drafter).
+    tap_layers: Vec<usize>,
+    /// Per row, the draft distributions `q` of its selected model draft, if any.
+    draft_q: Vec<Option<Vec<f32>>>,
 }
 
 /// What this runner asks of rank 0.
@@ -64,18 +76,27 @@ enum Request {
     Step(StepWork),
     Export(StateId),
     Import(StateId, SeqState),
+    /// The whole-vocabulary embedding and lm_head, for a drafter.
+    Head,
 }
 
 /// Rank 0's answer.
 enum Reply {
     Done,
     /// A step's outputs (or the error that stopped its acceptance), with every row's committed length
-    /// afterwards, which holds either way.
+    /// afterwards, which holds either way, and the taps of every token of the step (`[tokens, d]` per tap
+    /// layer, rows in order).
     Step {
         outputs: Result<Vec<RowOutput>>,
         lens: Vec<usize>,
+        taps: Vec<Vec<f32>>,
     },
     State(SeqState),
+    /// `[V, d]` each.
+    Head {
+        embed: Vec<f32>,
+        lm_head: Vec<f32>,
+    },
 }
 
 /// The CPU backend over an in-process tensor-parallel group.
@@ -91,6 +112,8 @@ pub struct ShardedCpuRunner {
     acceptance: AcceptanceMode,
     token_mask: Option<Arc<TokenMask>>,
     launches: SyncLaunches,
+    /// The attached DSpark drafter, with the whole-vocabulary embedding `[V, d]` and lm_head it reads.
+    drafter: Option<(DrafterSlot, Vec<f32>, Linear<f32>)>,
     /// Why the group went down, once it has.
     down: RefCell<Option<String>>,
 }
@@ -141,6 +164,7 @@ impl ShardedCpuRunner {
             acceptance: AcceptanceMode::Standard,
             token_mask: None,
             launches: SyncLaunches::default(),
+            drafter: None,
             down: RefCell::new(None),
         })
     }
@@ -177,6 +201,25 @@ impl ShardedCpuRunner {
         self.next_id += 1;
         id
     }
+
+    /// Records a state the group now holds, with an empty drafter context at its length.
+    fn insert(&mut self, id: StateId, len: usize) {
+        self.lens.insert(id, len);
+        if let Some((slot, _, _)) = &mut self.drafter {
+            slot.add_state(id, len);
+        }
+    }
+
+    /// Checks a step's rows (as [`CpuRunner`](crate::cpu::CpuRunner) does) before any rank sees them.
+    fn validate(&self, rows: &[RowInput]) -> Result<()> {
+        crate::runner::check_rows(rows, self.cfg.vocab_size, |id| self.lens.contains_key(&id))?;
+        if let Some((slot, _, _)) = &self.drafter {
+            for row in rows {
+                slot.check_row(row, self.len(row.state)?)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Drop for ShardedCpuRunner {
@@ -205,7 +248,7 @@ impl Runner for ShardedCpuRunner {
     fn alloc_state(&mut self) -> Result<StateId> {
         let id = self.fresh_id();
         self.call(Request::Plain(Plan::Alloc(id)))?;
-        self.lens.insert(id, 0);
+        self.insert(id, 0);
         Ok(id)
     }
 
@@ -215,6 +258,9 @@ impl Runner for ShardedCpuRunner {
         let dst = self.fresh_id();
         self.call(Request::Plain(Plan::Fork { src, dst }))?;
         self.lens.insert(dst, len);
+        if let Some((slot, _, _)) = &mut self.drafter {
+            slot.fork_state(src, dst)?;
+        }
         Ok(dst)
     }
 
@@ -223,6 +269,9 @@ impl Runner for ShardedCpuRunner {
         self.len(id)?;
         self.call(Request::Plain(Plan::Free(id)))?;
         self.lens.remove(&id);
+        if let Some((slot, _, _)) = &mut self.drafter {
+            slot.remove_state(id);
+        }
         Ok(())
     }
 
@@ -235,7 +284,8 @@ impl Runner for ShardedCpuRunner {
         let kda = SeqState::<f32>::new(&self.cfg).bytes();
         let mla_layers = SeqState::<f32>::new(&self.cfg).mla.len();
         let mla = mla_layers * len.div_ceil(MLA_BLOCK_TOKENS) * MLA_BLOCK_TOKENS * self.cfg.mla.latent_dim() * 4;
-        Ok(kda + self.parallel.tensor_parallel * mla)
+        let drafter = self.drafter.as_ref().map_or(0, |(slot, _, _)| slot.state_bytes(id));
+        Ok(kda + self.parallel.tensor_parallel * mla + drafter)
     }
 
     fn export_state(&self, id: StateId) -> Result<SeqState> {
@@ -252,7 +302,7 @@ impl Runner for ShardedCpuRunner {
         let id = self.fresh_id();
         let len = state.len;
         self.call(Request::Import(id, state))?;
-        self.lens.insert(id, len);
+        self.insert(id, len);
         Ok(id)
     }
 
@@ -282,6 +332,61 @@ impl Runner for ShardedCpuRunner {
     fn collect(&mut self) -> Result<Vec<RowOutput>> {
         self.launches.collect()
     }
+
+    fn attach_drafter(&mut self, source: DrafterSource) -> Result<()> {
+        let model = DrafterModel::load(source.config, &self.cfg, source.weights.as_ref())?;
+        let (embed, lm_head) = match self.drafter.take() {
+            Some((_, embed, lm_head)) => (embed, lm_head),
+            None => match self.call(Request::Head)? {
+                Reply::Head { embed, lm_head } => {
+                    let (vocab, d) = (self.cfg.vocab_size, self.cfg.hidden_size);
+                    (embed, Linear::new(vocab, d, lm_head))
+                }
+                _ => return Err(KernelError::Device("rank 0 answered a head request with something else".into())),
+            },
+        };
+        let mut slot = DrafterSlot::new(model);
+        for (id, len) in &self.lens {
+            slot.add_state(*id, *len);
+        }
+        self.drafter = Some((slot, embed, lm_head));
+        Ok(())
+    }
+
+    fn model_drafter(&mut self) -> Option<Box<dyn Drafter + '_>> {
+        let (slot, embed, lm_head) = self.drafter.as_mut()?;
+        Some(Box::new(ShardedDrafter {
+            slot,
+            head: TargetHead { embed, lm_head },
+            lens: &self.lens,
+            mask: self.token_mask.as_deref(),
+        }))
+    }
+}
+
+/// A sharded runner's drafter lent as the [`Drafter`] capability, with the gathered head, the committed
+/// lengths and the token mask borrowed in place.
+struct ShardedDrafter<'a> {
+    slot: &'a mut DrafterSlot,
+    head: TargetHead<'a, f32>,
+    lens: &'a HashMap<StateId, usize>,
+    mask: Option<&'a TokenMask>,
+}
+
+impl Drafter for ShardedDrafter<'_> {
+    fn block_size(&self) -> usize {
+        self.slot.model().config().block_size
+    }
+
+    fn draft(&mut self, rows: &[DraftRequest]) -> Result<Vec<DraftProposal>> {
+        let lens = self.lens;
+        let state_len = |id: StateId| lens.get(&id).copied().ok_or(KernelError::UnknownState(id.0));
+        self.slot.draft(self.head, state_len, self.mask, rows)
+    }
+
+    fn select_proposal(&mut self, state: StateId) -> Result<()> {
+        self.slot.select(state)
+    }
 }
 
 impl SyncStepper for ShardedCpuRunner {
@@ -290,13 +395,35 @@ impl SyncStepper for ShardedCpuRunner {
     }
 
     fn step_now(&mut self, rows: &[RowInput]) -> Result<Vec<RowOutput>> {
-        crate::runner::check_rows(rows, self.cfg.vocab_size, |id| self.lens.contains_key(&id))?;
-        let work =
-            StepWork { rows: rows.to_vec(), acceptance: self.acceptance.clone(), token_mask: self.token_mask.clone() };
-        let Reply::Step { outputs, lens } = self.call(Request::Step(work))? else {
+        self.validate(rows)?;
+        // Each row's selected model draft is verified against its `q`; a step drops every row's proposal.
+        let draft_q = rows
+            .iter()
+            .map(|row| {
+                let (slot, _, _) = self.drafter.as_mut()?;
+                slot.take_selected(row.state, row.sample.as_ref().map_or(0, |s| s.draft_len))
+            })
+            .collect();
+        let tap_layers = self.drafter.as_ref().map(|(slot, _, _)| slot.tap_layers().to_vec()).unwrap_or_default();
+        let work = StepWork {
+            rows: rows.to_vec(),
+            acceptance: self.acceptance.clone(),
+            token_mask: self.token_mask.clone(),
+            tap_layers,
+            draft_q,
+        };
+        let Reply::Step { outputs, lens, taps } = self.call(Request::Step(work))? else {
             return Err(KernelError::Device("rank 0 answered a step with something else".into()));
         };
+        let d = self.cfg.hidden_size;
+        let mut first = 0; // the row's first token among all the step's tokens
         for (row, len) in rows.iter().zip(lens) {
+            let committed = len - self.len(row.state)?;
+            if let Some((slot, _, _)) = &mut self.drafter {
+                let row_taps: Vec<&[f32]> = taps.iter().map(|t| &t[first * d..(first + committed) * d]).collect();
+                slot.commit(row.state, &row_taps)?;
+            }
+            first += row.tokens.len();
             self.lens.insert(row.state, len);
         }
         outputs
@@ -376,6 +503,10 @@ impl Member {
                 Ok(Reply::Done)
             }
             Request::Step(work) => self.step(work),
+            Request::Head => {
+                self.broadcast(&Plan::GatherHead)?;
+                self.gather_head()
+            }
         }
     }
 
@@ -397,10 +528,13 @@ impl Member {
                 self.states.remove(id);
             }
             Plan::Forward(rows) => {
-                self.forward(rows)?;
+                self.forward(rows, &mut Probe::default())?;
             }
             Plan::Commit(commits) => self.commit(commits)?,
             Plan::Export(id) => return self.export(*id),
+            Plan::GatherHead => {
+                self.gather_head()?;
+            }
             Plan::Import { .. } | Plan::Shutdown => {}
         }
         Ok(None)
@@ -408,7 +542,7 @@ impl Member {
 
     /// Runs the windows over this rank's shards and returns, on rank 0, each row's full-vocabulary logits
     /// (`[positions, V]`, gathered from every rank's `[positions, V / N]`); empty on the other ranks.
-    fn forward(&mut self, plan: &[PlanRow]) -> Result<Vec<Vec<f32>>> {
+    fn forward(&mut self, plan: &[PlanRow], probe: &mut Probe<f32>) -> Result<Vec<Vec<f32>>> {
         self.undo.clear();
         if let Some(row) = plan.iter().find(|r| !self.states.contains_key(&r.state)) {
             return Err(KernelError::Device(format!("rank {} has no {}", self.shard.rank, row.state)));
@@ -425,7 +559,7 @@ impl Member {
                 snapshots_from: row.snapshots_from,
             })
             .collect();
-        let result = self.model.forward_reduced(&mut windows, &mut Probe::default(), self.comm.as_ref());
+        let result = self.model.forward_reduced(&mut windows, probe, self.comm.as_ref());
         drop(windows);
         for (row, state) in plan.iter().zip(states) {
             self.states.insert(row.state, state);
@@ -484,12 +618,13 @@ impl Member {
             .collect();
         let starts: Vec<usize> = work.rows.iter().map(|r| self.state(r.state).map(|s| s.len)).collect::<Result<_>>()?;
         self.broadcast(&Plan::Forward(plan.clone()))?;
-        let mut logits = self.forward(&plan)?;
+        let mut probe = Probe { tap_layers: work.tap_layers.clone(), ..Probe::default() };
+        let mut logits = self.forward(&plan, &mut probe)?;
         let vocab = self.whole.vocab_size;
         let mut outputs = Vec::with_capacity(work.rows.len());
         let mut commits = Vec::new();
         let mut failure = None;
-        for ((row, window), start) in work.rows.iter().zip(logits.iter_mut()).zip(starts) {
+        for (((row, window), start), q) in work.rows.iter().zip(logits.iter_mut()).zip(starts).zip(&work.draft_q) {
             let Some(sample) = &row.sample else {
                 outputs.push(RowOutput::default());
                 continue;
@@ -505,7 +640,7 @@ impl Member {
                 target_logits: window,
                 vocab,
                 drafts: &row.tokens[t - sample.draft_len..],
-                draft_logits: None,
+                draft_logits: q.as_deref(),
                 first_position: (start + t - sample.draft_len) as u64,
             };
             match acceptance::verify(&verify, &sample.params, &work.acceptance) {
@@ -529,7 +664,19 @@ impl Member {
         self.broadcast(&cut)?;
         self.act(&cut)?;
         let lens = work.rows.iter().map(|r| self.state(r.state).map(|s| s.len)).collect::<Result<_>>()?;
-        Ok(Reply::Step { outputs: failure.map_or(Ok(outputs), Err), lens })
+        Ok(Reply::Step { outputs: failure.map_or(Ok(outputs), Err), lens, taps: probe.taps })
+    }
+
+    /// Gathers every rank's vocabulary rows of the embedding and lm_head (all ranks call this); rank 0
+    /// answers with the whole `[V, d]` of each.
+    fn gather_head(&self) -> Result<Reply> {
+        let w = &self.model.weights;
+        let world = self.shard.world;
+        let mut embed = vec![0f32; w.embed.len() * world];
+        self.comm.all_gather(&w.embed, &mut embed)?;
+        let mut lm_head = vec![0f32; w.lm_head.w.len() * world];
+        self.comm.all_gather(&w.lm_head.w, &mut lm_head)?;
+        Ok(Reply::Head { embed, lm_head })
     }
 
     /// Gathers every rank's KDA shards of `id` (all ranks call this); rank 0 returns the whole state.
