@@ -520,6 +520,12 @@ mod tests {
         let spec = SpeculationConfig::default();
         let (runner, _, device) = build_runner(&args(&["--tensor-parallel-size", "2"]), &spec).unwrap();
         assert_eq!((runner.device_name().as_str(), device), ("cpu tp2", Device::Cpu));
+        let dspark =
+            SpeculationConfig { method: SpecMethod::Dspark, num_spec_tokens: 4, ..SpeculationConfig::default() };
+        let (mut runner, _, _) =
+            build_runner(&args(&["--tensor-parallel-size", "2", "--expert-parallel"]), &dspark).unwrap();
+        assert_eq!(runner.device_name(), "cpu tp2 ep");
+        assert!(runner.model_drafter().is_some(), "the drafter is attached beside the sharded runner");
         let (runner, _, _) = build_runner(&args(&["--tensor-parallel-size", "1", "--expert-parallel"]), &spec).unwrap();
         assert_eq!(runner.device_name(), "cpu", "one rank is the unsharded runner");
         // k3-tiny has 4 KDA heads: 3 ranks do not divide them.
