@@ -299,3 +299,75 @@ fn exported_states_move_between_sharded_and_whole_runners() {
         sharded.free_state(id).unwrap();
     }
 }
+
+/// Expert-parallel dispatch, measured on the in-process communicator at k3-tiny's MoE shapes (latent 64, 16
+/// experts, top 4): the all-reduce of each rank's partial routed output `[n, latent]` that the forward uses,
+/// against an all-to-all dispatch (tokens split over ranks, each token's latent row sent once to every rank
+/// owning one of its experts), an all-to-all combine of the weighted outputs back, and the all-gather that
+/// replicates the output again. Prints bytes and time per layer; asserts only the byte counts (the timing is
+/// this machine's).
+#[test]
+fn ep_dispatch_by_all_reduce_against_all_to_all() {
+    let (latent, experts, top_k, iters) = (64usize, 16usize, 4usize, 50usize);
+    for world in [2usize, 4] {
+        for n in [1usize, 64] {
+            // Token t's experts: top_k distinct ids from a fixed pattern; expert e lives on rank e / (E / N).
+            let owners = |t: usize| -> Vec<usize> {
+                let mut ranks: Vec<usize> =
+                    (0..top_k).map(|k| ((t * 7 + k * 5) % experts) / (experts / world)).collect();
+                ranks.sort_unstable();
+                ranks.dedup();
+                ranks
+            };
+            let comms = LocalGroup::new(world, None).unwrap();
+            let results: Vec<(f64, f64, usize, usize)> = std::thread::scope(|s| {
+                let handles: Vec<_> = comms
+                    .into_iter()
+                    .map(|c| {
+                        s.spawn(move || {
+                            let rank = c.rank();
+                            let started = std::time::Instant::now();
+                            for _ in 0..iters {
+                                let mut partial = vec![1.0f32; n * latent];
+                                c.all_reduce_sum(&mut partial).unwrap();
+                            }
+                            let reduce = started.elapsed().as_secs_f64() / iters as f64;
+                            let mine: Vec<usize> = (0..n).filter(|t| t % world == rank).collect();
+                            let mut sent = 0;
+                            let started = std::time::Instant::now();
+                            for _ in 0..iters {
+                                let mut out = vec![Vec::new(); world];
+                                for t in &mine {
+                                    for r in owners(*t) {
+                                        out[r].extend(std::iter::repeat_n(1.0f32, latent));
+                                    }
+                                }
+                                sent = out.iter().map(Vec::len).sum::<usize>();
+                                let got = c.all_to_all(&out).unwrap();
+                                let back = c.all_to_all(&got).unwrap();
+                                let local = vec![0f32; n.div_ceil(world) * latent];
+                                let mut all = vec![0f32; local.len() * world];
+                                c.all_gather(&local, &mut all).unwrap();
+                                assert_eq!(back.iter().map(Vec::len).sum::<usize>(), sent);
+                            }
+                            let to_all = started.elapsed().as_secs_f64() / iters as f64;
+                            let a2a_bytes = 4 * (2 * sent + n.div_ceil(world) * latent);
+                            (reduce, to_all, 4 * n * latent, a2a_bytes)
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            let (reduce, to_all, ar_bytes, a2a_bytes) = results[0];
+            eprintln!(
+                "ep{world} n={n}: all-reduce {ar_bytes} B/rank {:.1} us; all-to-all dispatch+combine+all-gather \
+                 {a2a_bytes} B/rank {:.1} us",
+                reduce * 1e6,
+                to_all * 1e6
+            );
+            if n >= world {
+                assert!(a2a_bytes > ar_bytes / world, "every token row crosses at least once");
+            }
+        }
+    }
+}
