@@ -1,8 +1,10 @@
 //! The sharded CPU forward (tensor parallelism over in-process ranks, optionally expert parallelism)
 //! against the whole model: TP 2 and 4 and EP 2 and 4 give the TP 1 logits within [`LOGIT_TOL`] and the
-//! same greedy tokens, on k3-tiny and on a synthetic config with 64 experts; speculation with rollback
-//! stays lossless; the sharded runner passes the `Runner` contract suite; group sizes that do not divide
-//! the model are refused naming the flag.
+//! same greedy tokens, on k3-tiny and on a synthetic config with 64 experts; sharded runners decode the
+//! whole model's greedy tokens (with and without a token mask, through the distributed argmax);
+//! speculation with rollback stays lossless; the sharded runner passes the `Runner` contract suite and
+//! moves states to and from the whole runner; group sizes that do not divide the model are refused naming
+//! the flag; expert-parallel dispatch is measured.
 //!
 //! Tolerance: a sharded row-parallel layer adds its ranks' f32 partial sums in another order than the
 //! whole layer's dot product, and the bf16 rounding that follows can then land one bf16 ulp away; those
@@ -15,7 +17,7 @@ use sparkd_kernels::comm::{Communicator, LocalGroup};
 use sparkd_kernels::cpu::forward::{CpuModel, Probe, WindowRow};
 use sparkd_kernels::cpu::shard::Shard;
 use sparkd_kernels::cpu::{CpuRunner, ParallelConfig, ShardedCpuRunner};
-use sparkd_kernels::runner::{RowInput, SampleRequest, SamplingParams};
+use sparkd_kernels::runner::{RowInput, SampleRequest, SamplingParams, TokenMask};
 use sparkd_kernels::state::SeqState;
 use sparkd_kernels::synth::SyntheticWeights;
 use sparkd_kernels::{KernelError, ModelConfig, Runner, TokenId};
@@ -171,6 +173,24 @@ fn sharded_runners_decode_the_whole_models_greedy_tokens() {
         let mut r = ShardedCpuRunner::new(cfg.clone(), &src, parallel).unwrap();
         assert_eq!(greedy_run(&mut r, 8), reference, "{}", r.device_name());
     }
+}
+
+#[test]
+fn greedy_choices_under_a_token_mask_equal_the_whole_models() {
+    let cfg = ModelConfig::preset("k3-tiny").unwrap();
+    let src = SyntheticWeights::new(cfg.clone(), 11);
+    let mut whole = CpuRunner::new(cfg.clone(), &src).unwrap();
+    let parallel = ParallelConfig { tensor_parallel: 4, expert_parallel: true };
+    let mut sharded = ShardedCpuRunner::new(cfg.clone(), &src, parallel).unwrap();
+    // Ban the unmasked greedy choices and a block of ids on every rank's slice: the distributed argmax
+    // must apply each rank's part of the mask.
+    let banned = greedy_run(&mut whole, 4);
+    let mask = || TokenMask::from_fn(cfg.vocab_size, |id| !banned.contains(&id) && id % 40_960 >= 8);
+    whole.set_token_mask(mask()).unwrap();
+    sharded.set_token_mask(mask()).unwrap();
+    let want = greedy_run(&mut whole, 6);
+    assert!(want.iter().all(|t| !banned.contains(t)));
+    assert_eq!(greedy_run(&mut sharded, 6), want);
 }
 
 #[test]

@@ -13,6 +13,7 @@ pub mod plan;
 pub mod runner;
 pub mod shard;
 pub mod sharded;
+pub mod vocab;
 pub mod weights;
 
 pub use forward::{CpuModel, Probe, RoutingTrace, WindowOutput, WindowRow, WindowUndo};

@@ -29,8 +29,14 @@ pub enum Plan {
         dst: StateId,
     },
     Free(StateId),
-    /// Every rank runs these windows; rank 0 gathers the logits.
-    Forward(Vec<PlanRow>),
+    /// Every rank runs these windows; rank 0 gathers the logits, or with `argmax` only each position's
+    /// greedy choice (`cpu::vocab`).
+    Forward {
+        rows: Vec<PlanRow>,
+        argmax: bool,
+    },
+    /// The ids no emitted token may be (the runner's token mask), whole-vocabulary, ascending.
+    TokenMask(Vec<TokenId>),
     /// Keeps the first `m` tokens of each listed window of the last forward; the other windows keep all.
     Commit(Vec<(StateId, usize)>),
     /// Every rank contributes its part of the state to rank 0.
@@ -55,6 +61,7 @@ const EXPORT: u8 = 6;
 const IMPORT: u8 = 7;
 const SHUTDOWN: u8 = 8;
 const GATHER_HEAD: u8 = 9;
+const TOKEN_MASK: u8 = 10;
 
 impl Plan {
     pub fn encode(&self) -> Vec<u8> {
@@ -74,8 +81,9 @@ impl Plan {
                 w.push(FREE);
                 put(&mut w, id.0);
             }
-            Plan::Forward(rows) => {
+            Plan::Forward { rows, argmax } => {
                 w.push(FORWARD);
+                w.push(u8::from(*argmax));
                 put(&mut w, rows.len() as u64);
                 for r in rows {
                     put(&mut w, r.state.0);
@@ -107,6 +115,13 @@ impl Plan {
             }
             Plan::Shutdown => w.push(SHUTDOWN),
             Plan::GatherHead => w.push(GATHER_HEAD),
+            Plan::TokenMask(ids) => {
+                w.push(TOKEN_MASK);
+                put(&mut w, ids.len() as u64);
+                for t in ids {
+                    w.extend_from_slice(&t.to_le_bytes());
+                }
+            }
         }
         w
     }
@@ -118,6 +133,7 @@ impl Plan {
             FORK => Plan::Fork { src: StateId(r.u64()?), dst: StateId(r.u64()?) },
             FREE => Plan::Free(StateId(r.u64()?)),
             FORWARD => {
+                let argmax = r.byte()? == 1;
                 let n = r.count()?;
                 let mut rows = Vec::with_capacity(n);
                 for _ in 0..n {
@@ -128,7 +144,11 @@ impl Plan {
                     let tokens = (0..t).map(|_| r.u32()).collect::<Result<Vec<_>>>()?;
                     rows.push(PlanRow { state, tokens, logits_from, snapshots_from });
                 }
-                Plan::Forward(rows)
+                Plan::Forward { rows, argmax }
+            }
+            TOKEN_MASK => {
+                let n = r.count()?;
+                Plan::TokenMask((0..n).map(|_| r.u32()).collect::<Result<Vec<_>>>()?)
             }
             COMMIT => {
                 let n = r.count()?;
@@ -199,10 +219,15 @@ mod tests {
             Plan::Alloc(StateId(3)),
             Plan::Fork { src: StateId(1), dst: StateId(9) },
             Plan::Free(StateId(4)),
-            Plan::Forward(vec![
-                PlanRow { state: StateId(2), tokens: vec![5, 6, 7], logits_from: 1, snapshots_from: Some(2) },
-                PlanRow { state: StateId(5), tokens: vec![1], logits_from: 1, snapshots_from: None },
-            ]),
+            Plan::TokenMask(vec![2, 9, 100_255]),
+            Plan::Forward {
+                argmax: true,
+                rows: vec![
+                    PlanRow { state: StateId(2), tokens: vec![5, 6, 7], logits_from: 1, snapshots_from: Some(2) },
+                    PlanRow { state: StateId(5), tokens: vec![1], logits_from: 1, snapshots_from: None },
+                ],
+            },
+            Plan::Forward { argmax: false, rows: Vec::new() },
             Plan::Commit(vec![(StateId(2), 2)]),
             Plan::Export(StateId(7)),
             Plan::Import { id: StateId(8), len: 130 },

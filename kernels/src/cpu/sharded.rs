@@ -7,13 +7,16 @@
 //! - Rank 0 alone receives work (from this runner, over a channel) and broadcasts each action's
 //!   [`Plan`] through the [`Communicator`]; the other ranks act only on what they receive, so every rank
 //!   makes the same collectives in the same order and no rank diverges.
-//! - A step is validated here, before any rank sees it, with exactly the checks of [`CpuRunner`]
-//!   (`crate::cpu::CpuRunner`), so a rejected step changes nothing. Acceptance runs on rank 0 over the
-//!   full-vocabulary logits, gathered from the ranks' vocabulary slices (an all-gather of `[positions,
-//!   V / N]` per rank: each logit is the same dot product as unsharded, so sampling, seeded randomness,
-//!   log-probabilities and greedy ties to the lowest id are exactly the unsharded rules applied to these
-//!   logits). Rank 0 then broadcasts how many tokens each verify window keeps and every rank cuts its
-//!   state shards back the same way, so speculation with rollback stays lossless.
+//! - A step is validated here, before any rank sees it, with exactly the checks of [`CpuRunner`], so a
+//!   rejected step changes nothing. Acceptance runs on rank 0. A step whose sampling rows are all greedy,
+//!   without log-probabilities or row masks, needs only each position's argmax: every rank reduces its
+//!   vocabulary slice (under its part of the token mask) to one candidate and the candidates decide, ties
+//!   to the lowest id (`cpu::vocab`). Any other step gathers the full-vocabulary logits to rank 0 (an
+//!   all-gather of `[positions, V / N]` per rank), the one exact way to apply temperature, top-k/top-p,
+//!   seeded sampling, draft `q`s, row masks and log-probabilities on the CPU: each logit is the same dot
+//!   product as unsharded, so the unsharded rules applied to them give exactly the unsharded tokens. Rank 0
+//!   then broadcasts how many tokens each verify window keeps and every rank cuts its state shards back
+//!   the same way, so speculation with rollback stays lossless.
 //! - A failure inside the group (a rank's error, a rank that exits) takes the whole group down: every
 //!   rank's collectives fail, and this runner answers every later call with a device error naming the
 //!   first cause; nothing waits forever.
@@ -41,11 +44,12 @@ use crate::cpu::forward::{CpuModel, Probe, WindowRow, WindowUndo};
 use crate::cpu::ops::Linear;
 use crate::cpu::plan::{Plan, PlanRow};
 use crate::cpu::shard::{flatten_kda, join_kda, split_kda, Shard};
+use crate::cpu::vocab::{local_best, resolve};
 use crate::dspark::{DrafterModel, DrafterSlot, DrafterSource, TargetHead};
 use crate::error::{KernelError, Result};
 use crate::launches::{sync_launch, sync_launch_fed, FedRow, SyncLaunches, SyncStepper};
 use crate::runner::{
-    apply_row_mask, DraftProposal, DraftRequest, Drafter, RowInput, RowOutput, Runner, StateId, TokenMask,
+    apply_row_mask, DraftProposal, DraftRequest, Drafter, RowInput, RowOutput, Runner, StateId, TokenId, TokenMask,
 };
 use crate::state::{MlaCache, SeqState, MLA_BLOCK_TOKENS};
 use crate::tensor::WeightSource;
@@ -142,6 +146,7 @@ impl ShardedCpuRunner {
                 comm: Box::new(comm),
                 states: HashMap::new(),
                 undo: Vec::new(),
+                masked: Vec::new(),
             };
             let lead = if rank == 0 { inbox.take() } else { None };
             let handle = std::thread::Builder::new()
@@ -308,6 +313,8 @@ impl Runner for ShardedCpuRunner {
 
     fn set_token_mask(&mut self, mask: TokenMask) -> Result<()> {
         mask.check_fits(self.cfg.vocab_size)?;
+        let masked = (0..self.cfg.vocab_size as TokenId).filter(|id| !mask.is_allowed(*id)).collect();
+        self.call(Request::Plain(Plan::TokenMask(masked)))?;
         self.token_mask = Some(Arc::new(mask));
         Ok(())
     }
@@ -440,6 +447,8 @@ struct Member {
     states: HashMap<StateId, SeqState<f32>>,
     /// The undo records of the last forward's verify windows.
     undo: Vec<(StateId, WindowUndo<f32>)>,
+    /// The masked ids of the runner's token mask in this rank's vocabulary slice, as indices into it.
+    masked: Vec<usize>,
 }
 
 impl Member {
@@ -527,8 +536,23 @@ impl Member {
             Plan::Free(id) => {
                 self.states.remove(id);
             }
-            Plan::Forward(rows) => {
-                self.forward(rows, &mut Probe::default())?;
+            Plan::Forward { rows, argmax } => {
+                let local = self.forward(rows, &mut Probe::default())?;
+                if *argmax {
+                    self.gather_argmax(local)?;
+                } else {
+                    self.gather_logits(rows, &local)?;
+                }
+            }
+            Plan::TokenMask(ids) => {
+                let w = &self.model.weights;
+                let held = w.vocab_start..w.vocab_start + w.lm_head.out_dim;
+                self.masked = ids
+                    .iter()
+                    .map(|id| *id as usize)
+                    .filter(|id| held.contains(id))
+                    .map(|id| id - held.start)
+                    .collect();
             }
             Plan::Commit(commits) => self.commit(commits)?,
             Plan::Export(id) => return self.export(*id),
@@ -540,9 +564,9 @@ impl Member {
         Ok(None)
     }
 
-    /// Runs the windows over this rank's shards and returns, on rank 0, each row's full-vocabulary logits
-    /// (`[positions, V]`, gathered from every rank's `[positions, V / N]`); empty on the other ranks.
-    fn forward(&mut self, plan: &[PlanRow], probe: &mut Probe<f32>) -> Result<Vec<Vec<f32>>> {
+    /// Runs the windows over this rank's shards, keeps their undo records, and returns this rank's logits
+    /// `[positions, V / N]` (every row's, in order).
+    fn forward(&mut self, plan: &[PlanRow], probe: &mut Probe<f32>) -> Result<Vec<f32>> {
         self.undo.clear();
         if let Some(row) = plan.iter().find(|r| !self.states.contains_key(&r.state)) {
             return Err(KernelError::Device(format!("rank {} has no {}", self.shard.rank, row.state)));
@@ -564,22 +588,30 @@ impl Member {
         for (row, state) in plan.iter().zip(states) {
             self.states.insert(row.state, state);
         }
-        let outputs = result?;
-        let slice = self.model.weights.lm_head.out_dim; // V / N
-        let local: Vec<f32> = outputs.iter().flat_map(|o| o.logits.iter().copied()).collect(); // [positions, V / N]
-        let positions = local.len() / slice;
-        let world = self.shard.world;
-        let mut gathered = vec![0f32; local.len() * world]; // [N, positions, V / N]
-        self.comm.all_gather(&local, &mut gathered)?;
-        let mut logits = Vec::with_capacity(outputs.len());
-        let mut first = 0;
-        for (row, out) in plan.iter().zip(outputs) {
+        let mut local = Vec::new();
+        for (row, out) in plan.iter().zip(result?) {
             if let Some(undo) = out.undo {
                 self.undo.push((row.state, undo));
             }
-            if self.shard.rank != 0 {
-                continue;
-            }
+            local.extend(out.logits);
+        }
+        Ok(local)
+    }
+
+    /// Gathers every rank's logits (all ranks call this); rank 0 returns each row's whole-vocabulary logits
+    /// `[positions, V]`, the others nothing.
+    fn gather_logits(&self, plan: &[PlanRow], local: &[f32]) -> Result<Vec<Vec<f32>>> {
+        let slice = self.model.weights.lm_head.out_dim; // V / N
+        let positions = local.len() / slice;
+        let world = self.shard.world;
+        let mut gathered = vec![0f32; local.len() * world]; // [N, positions, V / N]
+        self.comm.all_gather(local, &mut gathered)?;
+        if self.shard.rank != 0 {
+            return Ok(Vec::new());
+        }
+        let mut logits = Vec::with_capacity(plan.len());
+        let mut first = 0;
+        for row in plan {
             let count = row.tokens.len() - row.logits_from;
             let mut full = Vec::with_capacity(count * slice * world); // [count, V]
             for p in first..first + count {
@@ -592,6 +624,21 @@ impl Member {
             first += count;
         }
         Ok(logits)
+    }
+
+    /// Each position's greedy choice under the token mask, from every rank's candidate (all ranks call this):
+    /// `[positions]`, or the message of the position's argmax error.
+    fn gather_argmax(&self, mut local: Vec<f32>) -> Result<Vec<std::result::Result<TokenId, String>>> {
+        let slice = self.model.weights.lm_head.out_dim; // V / N
+        for row in local.chunks_exact_mut(slice) {
+            for i in &self.masked {
+                row[*i] = f32::NEG_INFINITY;
+            }
+        }
+        let mine = local_best(&local, slice, self.model.weights.vocab_start); // [positions, CANDIDATE]
+        let mut gathered = vec![0f32; mine.len() * self.shard.world]; // [N, positions, CANDIDATE]
+        self.comm.all_gather(&mine, &mut gathered)?;
+        Ok(resolve(&gathered, self.shard.world, local.len() / slice))
     }
 
     /// Cuts the listed windows of the last forward back to their accepted prefixes.
@@ -617,42 +664,61 @@ impl Member {
             })
             .collect();
         let starts: Vec<usize> = work.rows.iter().map(|r| self.state(r.state).map(|s| s.len)).collect::<Result<_>>()?;
-        self.broadcast(&Plan::Forward(plan.clone()))?;
+        // Greedy rows without log-probabilities or row masks need only each position's argmax (`cpu::vocab`).
+        let argmax = matches!(work.acceptance, AcceptanceMode::Standard)
+            && work
+                .rows
+                .iter()
+                .filter_map(|r| r.sample.as_ref())
+                .all(|s| s.params.is_greedy() && s.params.logprobs.is_none() && s.masks.is_empty());
+        self.broadcast(&Plan::Forward { rows: plan.clone(), argmax })?;
         let mut probe = Probe { tap_layers: work.tap_layers.clone(), ..Probe::default() };
-        let mut logits = self.forward(&plan, &mut probe)?;
+        let local = self.forward(&plan, &mut probe)?;
+        let (choices, mut logits) = if argmax {
+            (self.gather_argmax(local)?, Vec::new())
+        } else {
+            (Vec::new(), self.gather_logits(&plan, &local)?)
+        };
         let vocab = self.whole.vocab_size;
         let mut outputs = Vec::with_capacity(work.rows.len());
         let mut commits = Vec::new();
         let mut failure = None;
-        for (((row, window), start), q) in work.rows.iter().zip(logits.iter_mut()).zip(starts).zip(&work.draft_q) {
+        let mut first = 0; // the row's first logits position among the step's
+        for (i, ((row, start), q)) in work.rows.iter().zip(starts).zip(&work.draft_q).enumerate() {
             let Some(sample) = &row.sample else {
                 outputs.push(RowOutput::default());
                 continue;
             };
-            if let Some(mask) = &work.token_mask {
-                mask.apply(window);
-            }
-            for (mask, position) in sample.masks.iter().zip(window.chunks_mut(vocab)) {
-                apply_row_mask(mask, position);
-            }
             let t = row.tokens.len();
-            let verify = VerifyWindow {
-                target_logits: window,
-                vocab,
-                drafts: &row.tokens[t - sample.draft_len..],
-                draft_logits: q.as_deref(),
-                first_position: (start + t - sample.draft_len) as u64,
+            let drafts = &row.tokens[t - sample.draft_len..];
+            let verdict = if argmax {
+                let row_choices = &choices[first..first + sample.draft_len + 1];
+                acceptance::greedy_tokens(drafts, |p| row_choices[p].clone().map_err(KernelError::InvalidInput))
+                    .map(|tokens| RowOutput { num_accepted: tokens.len() - 1, tokens, logprobs: Vec::new() })
+            } else {
+                let window = &mut logits[i];
+                if let Some(mask) = &work.token_mask {
+                    mask.apply(window);
+                }
+                for (mask, position) in sample.masks.iter().zip(window.chunks_mut(vocab)) {
+                    apply_row_mask(mask, position);
+                }
+                let verify = VerifyWindow {
+                    target_logits: window,
+                    vocab,
+                    drafts,
+                    draft_logits: q.as_deref(),
+                    first_position: (start + t - sample.draft_len) as u64,
+                };
+                acceptance::verify(&verify, &sample.params, &work.acceptance).map(RowOutput::from)
             };
-            match acceptance::verify(&verify, &sample.params, &work.acceptance) {
-                Ok(verdict) => {
+            first += sample.draft_len + 1;
+            match verdict {
+                Ok(out) => {
                     if sample.draft_len > 0 {
-                        commits.push((row.state, t - sample.draft_len + verdict.num_accepted));
+                        commits.push((row.state, t - sample.draft_len + out.num_accepted));
                     }
-                    outputs.push(RowOutput {
-                        tokens: verdict.tokens,
-                        num_accepted: verdict.num_accepted,
-                        logprobs: verdict.logprobs,
-                    });
+                    outputs.push(out);
                 }
                 Err(e) => {
                     failure = Some(e);
