@@ -10,7 +10,7 @@
 //!   arrive within the group's timeout makes every other rank's pending and later collectives return
 //!   [`KernelError::Device`] naming the cause; no rank waits forever on a peer that is gone.
 //!
-//! One implementation lives here: [`LocalGroup`], ranks as threads of one process sharing a group
+//! One implementation lives here: [`local_group`], ranks as threads of one process sharing a group
 //! object (a mutex, a condvar and a round counter), for the CPU reference, so the sharded math is
 //! tested exactly on machines without GPUs. The NCCL implementation maps each method to the NCCL call
 //! of the same name (`ncclAllReduce`, `ncclAllGather`, `ncclReduceScatter`, `ncclBroadcast`; the
@@ -96,29 +96,24 @@ struct Group {
     wake: Condvar,
 }
 
-/// An in-process group of `world` ranks (threads). [`LocalGroup::new`] returns one [`LocalComm`] per
-/// rank; move each into its rank's thread.
-pub struct LocalGroup;
-
-impl LocalGroup {
-    /// A group of `world` ranks. With a `timeout`, a rank that waits longer than that for its peers in
-    /// one collective takes the group down; without one, only a rank that aborts or drops its handle does
-    /// (right for a serving group whose ranks idle between steps).
-    pub fn new(world: usize, timeout: Option<Duration>) -> Result<Vec<LocalComm>> {
-        if world == 0 {
-            return Err(KernelError::InvalidInput("a communicator group needs at least one rank".into()));
-        }
-        let group = Arc::new(Group {
-            world,
-            timeout,
-            round: Mutex::new(Round { slots: (0..world).map(|_| None).collect(), ..Round::default() }),
-            wake: Condvar::new(),
-        });
-        Ok((0..world).map(|rank| LocalComm { rank, group: group.clone() }).collect())
+/// An in-process group of `world` ranks (threads): one [`LocalComm`] per rank, to move into its rank's
+/// thread. With a `timeout`, a rank that waits longer than that for its peers in one collective takes the
+/// group down; without one, only a rank that aborts or drops its handle does (right for a serving group whose
+/// ranks idle between steps).
+pub fn local_group(world: usize, timeout: Option<Duration>) -> Result<Vec<LocalComm>> {
+    if world == 0 {
+        return Err(KernelError::InvalidInput("a communicator group needs at least one rank".into()));
     }
+    let group = Arc::new(Group {
+        world,
+        timeout,
+        round: Mutex::new(Round { slots: (0..world).map(|_| None).collect(), ..Round::default() }),
+        wake: Condvar::new(),
+    });
+    Ok((0..world).map(|rank| LocalComm { rank, group: group.clone() }).collect())
 }
 
-/// One rank of a [`LocalGroup`]. Dropping it takes the group down (a rank that exits, or panics, never
+/// One rank of a [`local_group`]. Dropping it takes the group down (a rank that exits, or panics, never
 /// leaves its peers waiting).
 pub struct LocalComm {
     rank: usize,

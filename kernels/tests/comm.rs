@@ -4,12 +4,12 @@
 
 use std::time::{Duration, Instant};
 
-use sparkd_kernels::comm::{Communicator, LocalComm, LocalGroup};
+use sparkd_kernels::comm::{local_group, Communicator, LocalComm};
 use sparkd_kernels::KernelError;
 
 /// Runs `body` on every rank of a fresh group, one thread each; returns the ranks' results in rank order.
 fn on_ranks<T: Send>(world: usize, timeout: Option<Duration>, body: impl Fn(LocalComm) -> T + Sync) -> Vec<T> {
-    let comms = LocalGroup::new(world, timeout).unwrap();
+    let comms = local_group(world, timeout).unwrap();
     std::thread::scope(|s| {
         let handles: Vec<_> = comms.into_iter().map(|c| s.spawn(|| body(c))).collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
@@ -108,7 +108,7 @@ fn a_rank_that_exits_fails_the_others_between_and_during_collectives() {
             drop(c);
             return None;
         }
-        Some(c.all_gather(&buf, &mut vec![0.0; 6]).unwrap_err())
+        Some(c.all_gather(&buf, &mut [0.0; 6]).unwrap_err())
     });
     for e in results.into_iter().flatten() {
         assert!(e.to_string().contains("rank 0 left the group"), "{e}");
@@ -155,5 +155,5 @@ fn bad_arguments_are_errors_not_panics() {
         gather && root && parts
     });
     assert!(results.into_iter().all(|ok| ok));
-    assert!(LocalGroup::new(0, None).is_err());
+    assert!(local_group(0, None).is_err());
 }

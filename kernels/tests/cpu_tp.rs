@@ -13,7 +13,7 @@
 
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
-use sparkd_kernels::comm::{Communicator, LocalGroup};
+use sparkd_kernels::comm::{local_group, Communicator};
 use sparkd_kernels::cpu::forward::{CpuModel, Probe, WindowRow};
 use sparkd_kernels::cpu::shard::Shard;
 use sparkd_kernels::cpu::{CpuRunner, ParallelConfig, ShardedCpuRunner};
@@ -67,7 +67,7 @@ fn logits(
         let model = CpuModel::<f32>::load(cfg.clone(), &SyntheticWeights::new(cfg.clone(), seed)).unwrap();
         return run(&model, None);
     }
-    let comms = LocalGroup::new(world, None).unwrap();
+    let comms = local_group(world, None).unwrap();
     let slices: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()
@@ -140,7 +140,7 @@ fn many_expert_sharded_logits_match_the_whole_model() {
 fn a_group_of_one_is_the_whole_model_bit_for_bit() {
     let cfg = many_experts();
     let prompts = vec![vec![1, 2, 3, 4, 5, 6]];
-    let comms = LocalGroup::new(1, None).unwrap();
+    let comms = local_group(1, None).unwrap();
     let src = SyntheticWeights::new(cfg.clone(), 3);
     let model = CpuModel::<f32>::load_shard(&cfg, &src, Shard { rank: 0, world: 1, expert_parallel: true }).unwrap();
     let mut state = SeqState::new(&model.cfg);
@@ -339,7 +339,7 @@ fn ep_dispatch_by_all_reduce_against_all_to_all() {
                 ranks.dedup();
                 ranks
             };
-            let comms = LocalGroup::new(world, None).unwrap();
+            let comms = local_group(world, None).unwrap();
             let results: Vec<(f64, f64, usize, usize)> = std::thread::scope(|s| {
                 let handles: Vec<_> = comms
                     .into_iter()

@@ -17,9 +17,19 @@ use drafting::{
     prefill, prompt, sampled,
 };
 
+/// What a runner gives for [`script`].
+#[derive(Debug, PartialEq)]
+struct Outputs {
+    /// A greedy and a sampled draft from the same state: tokens and confidences.
+    drafts: Vec<(Vec<TokenId>, Vec<f32>)>,
+    plain: Vec<TokenId>,
+    greedy_drafted: Vec<Vec<TokenId>>,
+    sampled_drafted: Vec<Vec<TokenId>>,
+}
+
 /// Both runners' outputs of the same script: drafts from a prefilled state, greedy decoding with and without
 /// model drafts, and seeded sampling with model drafts.
-fn script(r: &mut dyn Runner) -> (Vec<(Vec<TokenId>, Vec<f32>)>, Vec<TokenId>, Vec<Vec<TokenId>>, Vec<Vec<TokenId>>) {
+fn script(r: &mut dyn Runner) -> Outputs {
     let greedy = SamplingParams::greedy();
     let p = prompt(12, 4);
     let a = r.alloc_state().unwrap();
@@ -40,7 +50,7 @@ fn script(r: &mut dyn Runner) -> (Vec<(Vec<TokenId>, Vec<f32>)>, Vec<TokenId>, V
         r.free_state(s).unwrap();
     }
     assert_eq!(greedy_drafted[0][..10], plain[..], "greedy decoding with model drafts is lossless");
-    (drafts, plain, greedy_drafted, sampled_drafted)
+    Outputs { drafts, plain, greedy_drafted, sampled_drafted }
 }
 
 #[test]

@@ -38,7 +38,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use crate::acceptance::{self, AcceptanceMode, VerifyWindow};
-use crate::comm::{Communicator, LocalGroup};
+use crate::comm::{local_group, Communicator};
 use crate::config::ModelConfig;
 use crate::cpu::forward::{CpuModel, Probe, WindowRow, WindowUndo};
 use crate::cpu::ops::Linear;
@@ -137,7 +137,7 @@ impl ShardedCpuRunner {
         let (lead_outbox, from_lead) = channel();
         let mut inbox = Some((lead_inbox, lead_outbox));
         let mut ranks = Vec::with_capacity(world);
-        for ((rank, model), comm) in models.into_iter().enumerate().zip(LocalGroup::new(world, None)?) {
+        for ((rank, model), comm) in models.into_iter().enumerate().zip(local_group(world, None)?) {
             let shard = Shard { rank, world, expert_parallel: parallel.expert_parallel };
             let member = Member {
                 whole: cfg.clone(),
@@ -458,10 +458,13 @@ impl Member {
         for request in requests {
             let shutdown = matches!(request, Request::Plain(Plan::Shutdown));
             let reply = self.serve(request);
-            let fatal = matches!(reply, Err(KernelError::Device(_)));
-            if let (true, Err(e)) = (fatal, &reply) {
-                self.comm.abort(&e.to_string());
-            }
+            let fatal = match &reply {
+                Err(e @ KernelError::Device(_)) => {
+                    self.comm.abort(&e.to_string());
+                    true
+                }
+                _ => false,
+            };
             if replies.send(reply).is_err() || fatal || shutdown {
                 return;
             }
