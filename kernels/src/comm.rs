@@ -33,6 +33,10 @@ pub trait Communicator: Send {
     /// Sums `buf` over every rank in place (rank order).
     fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<()>;
 
+    /// [`Communicator::all_reduce_sum`] in f64, the checking precision (NCCL's `ncclFloat64`), so a sharded
+    /// forward can be checked exactly without bf16 rounding.
+    fn all_reduce_sum_f64(&self, buf: &mut [f64]) -> Result<()>;
+
     /// Every rank's `send` (equal lengths) concatenated in rank order into `out` (`[world, send.len()]`).
     fn all_gather(&self, send: &[f32], out: &mut [f32]) -> Result<()>;
 
@@ -67,6 +71,7 @@ pub trait Communicator: Send {
 #[derive(Debug)]
 enum Payload {
     Floats(Vec<f32>),
+    Doubles(Vec<f64>),
     Bytes(Vec<u8>),
     /// All-to-all: one buffer per destination rank.
     Parts(Vec<Vec<f32>>),
@@ -217,6 +222,13 @@ impl LocalComm {
             _ => Err(Self::down("mismatched payloads in one collective")),
         }
     }
+
+    fn doubles(p: &Payload) -> Result<&[f64]> {
+        match p {
+            Payload::Doubles(v) => Ok(v),
+            _ => Err(Self::down("mismatched payloads in one collective")),
+        }
+    }
 }
 
 impl Drop for LocalComm {
@@ -246,6 +258,20 @@ impl Communicator for LocalComm {
         buf.copy_from_slice(Self::floats(&all[0])?);
         for p in &all[1..] {
             for (b, x) in buf.iter_mut().zip(Self::floats(p)?) {
+                *b += *x;
+            }
+        }
+        Ok(())
+    }
+
+    fn all_reduce_sum_f64(&self, buf: &mut [f64]) -> Result<()> {
+        if self.group.world == 1 {
+            return Ok(());
+        }
+        let all = self.exchange("all_reduce_sum_f64", buf.len(), Payload::Doubles(buf.to_vec()))?;
+        buf.copy_from_slice(Self::doubles(&all[0])?);
+        for p in &all[1..] {
+            for (b, x) in buf.iter_mut().zip(Self::doubles(p)?) {
                 *b += *x;
             }
         }

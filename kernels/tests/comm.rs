@@ -32,11 +32,20 @@ fn collectives_match_a_serial_reference() {
                 *s += v;
             }
         }
+        let mut sum_f64: Vec<f64> = values(0, len).iter().map(|v| *v as f64).collect();
+        for r in 1..world {
+            for (s, v) in sum_f64.iter_mut().zip(values(r, len)) {
+                *s += v as f64;
+            }
+        }
         let gathered: Vec<f32> = (0..world).flat_map(|r| values(r, len)).collect();
         let results = on_ranks(world, Some(Duration::from_secs(10)), |c| {
             let r = c.rank();
             let mut reduced = values(r, len);
             c.all_reduce_sum(&mut reduced).unwrap();
+            let mut reduced_f64: Vec<f64> = values(r, len).iter().map(|v| *v as f64).collect();
+            c.all_reduce_sum_f64(&mut reduced_f64).unwrap();
+            assert_eq!(reduced_f64, sum_f64, "world {world} rank {r}: f64 all-reduce");
             let mut all = vec![0.0; len * world];
             c.all_gather(&values(r, len), &mut all).unwrap();
             let send: Vec<f32> = (0..world).flat_map(|_| values(r, len)).collect();

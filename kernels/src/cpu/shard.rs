@@ -114,7 +114,8 @@ impl Shard {
 }
 
 /// Completes the partial sums of a forward: the identity on a whole model ([`Unsharded`], any precision),
-/// an all-reduce over the group on a rank of a sharded one (`dyn Communicator`, the f32 serving precision).
+/// an all-reduce over the group on a rank of a sharded one (`dyn Communicator`, in the f32 serving and the
+/// f64 checking precision).
 pub trait Reduce<F> {
     fn all_reduce(&self, buf: &mut [F]) -> Result<()>;
 }
@@ -131,6 +132,12 @@ impl<F> Reduce<F> for Unsharded {
 impl Reduce<f32> for dyn Communicator + '_ {
     fn all_reduce(&self, buf: &mut [f32]) -> Result<()> {
         self.all_reduce_sum(buf)
+    }
+}
+
+impl Reduce<f64> for dyn Communicator + '_ {
+    fn all_reduce(&self, buf: &mut [f64]) -> Result<()> {
+        self.all_reduce_sum_f64(buf)
     }
 }
 
