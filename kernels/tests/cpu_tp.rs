@@ -1,22 +1,29 @@
 //! The sharded CPU forward (tensor parallelism over in-process ranks, optionally expert parallelism)
-//! against the whole model: TP 2 and 4 and EP 2 and 4 give the TP 1 logits within [`LOGIT_TOL`] and the
-//! same greedy tokens, on k3-tiny and on a synthetic config with 64 experts; sharded runners decode the
-//! whole model's greedy tokens (with and without a token mask, through the distributed argmax);
-//! speculation with rollback stays lossless; the sharded runner passes the `Runner` contract suite and
-//! moves states to and from the whole runner; group sizes that do not divide the model are refused naming
-//! the flag; expert-parallel dispatch is measured.
+//! against the whole model, for TP 2 and 4 and EP 2 and 4, on k3-tiny and on a synthetic config with 64
+//! experts; sharded runners decode the whole model's greedy tokens (with and without a token mask, through
+//! the distributed argmax); speculation with rollback stays lossless; the sharded runner passes the `Runner`
+//! contract suite and moves states to and from the whole runner; group sizes that do not divide the model are
+//! refused naming the flag; expert-parallel dispatch is measured.
 //!
-//! Tolerance: a sharded row-parallel layer adds its ranks' f32 partial sums in another order than the
-//! whole layer's dot product, and the bf16 rounding that follows can then land one bf16 ulp away; those
-//! differences travel through the layers. The logits of these synthetic models are O(1); `LOGIT_TOL`
-//! bounds the largest absolute difference per logit.
+//! Tolerances (shared/DESIGN.md, "Testing the numbers", as `cpu_forward.rs` applies it to windows):
+//! - f64, the checking precision (no bf16 rounding): a sharded forward differs from the whole one only in
+//!   the order of the additions of its row-parallel sums, so every logit agrees within [`F64_TOL`] and every
+//!   position has the same greedy token.
+//! - f32 with bf16 activations, the serving precision: a reordered f32 partial sum can round to the other
+//!   bf16 neighbour (measured: 1 of 54 tokens in these windows), and random weights amplify that by the
+//!   logits, then through any router near-tie. So every position before the first routing difference agrees
+//!   within [`F32_REL_L2`] relative L2 and has the same greedy token unless the whole model's top two are
+//!   closer than the difference (an argmax near-tie), and the first routing difference is a near-tie
+//!   (selection margin under 0.01). Windows of at most 16 tokens come out bit-identical (asserted).
 
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use sparkd_kernels::comm::{local_group, Communicator};
 use sparkd_kernels::cpu::forward::{CpuModel, Probe, WindowRow};
-use sparkd_kernels::cpu::shard::Shard;
+use sparkd_kernels::cpu::shard::{Reduce, Shard};
 use sparkd_kernels::cpu::{CpuRunner, ParallelConfig, ShardedCpuRunner};
+use sparkd_kernels::float::Real;
+use sparkd_kernels::routing::Routing;
 use sparkd_kernels::runner::{RowInput, SampleRequest, SamplingParams, TokenMask};
 use sparkd_kernels::state::SeqState;
 use sparkd_kernels::synth::SyntheticWeights;
@@ -25,8 +32,12 @@ use sparkd_kernels::{KernelError, ModelConfig, Runner, TokenId};
 mod contract;
 use contract::*;
 
-/// The largest absolute logit difference allowed between a sharded forward and the whole one.
-const LOGIT_TOL: f32 = 5e-2;
+/// The largest absolute logit difference between a sharded f64 forward and the whole one.
+const F64_TOL: f64 = 1e-9;
+/// The largest relative L2 difference of an f32 position's logits before the first routing difference.
+const F32_REL_L2: f64 = 0.05;
+/// Groups checked: (ranks, expert parallel).
+const SHARDINGS: [(usize, bool); 4] = [(2, false), (4, false), (2, true), (4, true)];
 
 /// A synthetic config with many small experts (64 experts, top 6), tiny widths and a small vocabulary.
 fn many_experts() -> ModelConfig {
@@ -41,42 +52,53 @@ fn many_experts() -> ModelConfig {
     cfg
 }
 
-/// The logits at every position of each row (`prompts`, one window each, from empty states), on the whole
-/// model (`world` 1 without a group) or gathered from a group of `world` ranks.
-fn logits(
+/// One forward over `prompts` (one window each, from empty states): each row's logits at every position
+/// (`[positions, V]`) and the router decisions (`[moe layer][token]`, rows in order).
+struct Forward<F> {
+    logits: Vec<Vec<F>>,
+    routing: Vec<Vec<Routing<F>>>,
+}
+
+/// [`Forward`] on the whole model (`world` 1, without a group) or on a group of `world` ranks, the logits
+/// gathered from the ranks' vocabulary slices.
+fn forward<F: Real>(
     cfg: &ModelConfig,
     seed: u64,
     world: usize,
     expert_parallel: bool,
     prompts: &[Vec<TokenId>],
-) -> Vec<Vec<f32>> {
-    let run = |model: &CpuModel<f32>, comm: Option<&dyn Communicator>| -> Vec<Vec<f32>> {
-        let mut states: Vec<SeqState<f32>> = prompts.iter().map(|_| SeqState::new(&model.cfg)).collect();
-        let mut rows: Vec<WindowRow<f32>> = states
+) -> Forward<F>
+where
+    dyn Communicator: Reduce<F>,
+{
+    let run = |model: &CpuModel<F>, comm: Option<&(dyn Communicator + 'static)>| -> Forward<F> {
+        let mut states: Vec<SeqState<F>> = prompts.iter().map(|_| SeqState::new(&model.cfg)).collect();
+        let mut rows: Vec<WindowRow<F>> = states
             .iter_mut()
             .zip(prompts)
             .map(|(state, p)| WindowRow { state, tokens: p, logits_from: 0, snapshots_from: None })
             .collect();
+        let mut probe = Probe { record_routing: true, ..Probe::default() };
         let out = match comm {
-            None => model.forward(&mut rows).unwrap(),
-            Some(c) => model.forward_reduced(&mut rows, &mut Probe::default(), c).unwrap(),
+            None => model.forward_probed(&mut rows, &mut probe).unwrap(),
+            Some(c) => model.forward_reduced(&mut rows, &mut probe, c).unwrap(),
         };
-        out.into_iter().map(|o| o.logits).collect()
+        Forward { logits: out.into_iter().map(|o| o.logits).collect(), routing: probe.routing }
     };
     if world == 1 {
-        let model = CpuModel::<f32>::load(cfg.clone(), &SyntheticWeights::new(cfg.clone(), seed)).unwrap();
+        let model = CpuModel::<F>::load(cfg.clone(), &SyntheticWeights::new(cfg.clone(), seed)).unwrap();
         return run(&model, None);
     }
     let comms = local_group(world, None).unwrap();
-    let slices: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
+    let ranks: Vec<Forward<F>> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()
             .enumerate()
             .map(|(rank, comm)| {
                 s.spawn(move || {
                     let shard = Shard { rank, world, expert_parallel };
-                    let src = SyntheticWeights::new(cfg.clone(), seed);
-                    let model = CpuModel::<f32>::load_shard(cfg, &src, shard).unwrap();
+                    let model =
+                        CpuModel::<F>::load_shard(cfg, &SyntheticWeights::new(cfg.clone(), seed), shard).unwrap();
                     run(&model, Some(&comm))
                 })
             })
@@ -85,55 +107,121 @@ fn logits(
     });
     // Rank r holds ids r·V/N.. of every position: interleave the slices back per position.
     let slice = cfg.vocab_size / world;
-    (0..prompts.len())
+    let logits = (0..prompts.len())
         .map(|row| {
-            let positions = slices[0][row].len() / slice;
+            let positions = ranks[0].logits[row].len() / slice;
             let mut full = Vec::with_capacity(positions * cfg.vocab_size); // [positions, V]
             for p in 0..positions {
-                for ranks in &slices {
-                    full.extend_from_slice(&ranks[row][p * slice..(p + 1) * slice]);
+                for rank in &ranks {
+                    full.extend_from_slice(&rank.logits[row][p * slice..(p + 1) * slice]);
                 }
             }
             full
         })
-        .collect()
+        .collect();
+    let routing = ranks.into_iter().next().map(|r| r.routing).unwrap_or_default();
+    Forward { logits, routing }
 }
 
-fn argmax(row: &[f32]) -> usize {
+fn argmax<F: Real>(row: &[F]) -> usize {
     row.iter().enumerate().fold(0, |best, (i, v)| if *v > row[best] { i } else { best })
 }
 
-/// Checks every sharding of `cfg` against the whole model and returns the largest difference seen.
-fn check_shardings(cfg: &ModelConfig, seed: u64) -> f32 {
-    let prompts =
-        vec![(0..9).map(|i| (i * 131 + 7) % cfg.vocab_size as TokenId).collect::<Vec<_>>(), vec![3, 1, 4, 1, 5]];
-    let whole = logits(cfg, seed, 1, false, &prompts);
-    let vocab = cfg.vocab_size;
-    let mut worst = 0f32;
-    for (world, ep) in [(2, false), (4, false), (2, true), (4, true)] {
-        let sharded = logits(cfg, seed, world, ep, &prompts);
-        for (w, s) in whole.iter().zip(&sharded) {
-            assert_eq!(w.len(), s.len());
-            let diff = w.iter().zip(s).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-            eprintln!("tp{world}{}: max |logit diff| {diff:.3e}", if ep { " ep" } else { "" });
-            assert!(diff <= LOGIT_TOL, "tp{world} ep={ep}: max |logit diff| {diff} > {LOGIT_TOL}");
-            worst = worst.max(diff);
-            for (p, (wr, sr)) in w.chunks(vocab).zip(s.chunks(vocab)).enumerate() {
-                assert_eq!(argmax(wr), argmax(sr), "tp{world} ep={ep}: greedy token differs at position {p}");
+fn max_abs_diff<F: Real>(a: &[F], b: &[F]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| (x.to_f64() - y.to_f64()).abs()).fold(0.0, f64::max)
+}
+
+/// Windows of 9, 5 and 40 tokens (the last one runs KDA in its chunked form).
+fn prompts(vocab: usize) -> Vec<Vec<TokenId>> {
+    let ids = |len: usize, step: TokenId| (0..len as TokenId).map(|i| (i * step + 7) % vocab as TokenId).collect();
+    vec![ids(9, 131), vec![3, 1, 4, 1, 5], ids(40, 977)]
+}
+
+/// f64: every sharding of `cfg` gives the whole model's logits within [`F64_TOL`] and its greedy tokens.
+fn check_f64(cfg: &ModelConfig, seed: u64) {
+    let prompts = prompts(cfg.vocab_size);
+    let whole = forward::<f64>(cfg, seed, 1, false, &prompts);
+    for (world, ep) in SHARDINGS {
+        let sharded = forward::<f64>(cfg, seed, world, ep, &prompts);
+        for (w, s) in whole.logits.iter().zip(&sharded.logits) {
+            let diff = max_abs_diff(w, s);
+            eprintln!("f64 tp{world} ep={ep}: {} positions, max |logit diff| {diff:.2e}", w.len() / cfg.vocab_size);
+            assert!(diff <= F64_TOL, "f64 tp{world} ep={ep}: max |logit diff| {diff:e} > {F64_TOL:e}");
+            for (p, (wr, sr)) in w.chunks(cfg.vocab_size).zip(s.chunks(cfg.vocab_size)).enumerate() {
+                assert_eq!(argmax(wr), argmax(sr), "f64 tp{world} ep={ep}: greedy token differs at position {p}");
             }
         }
     }
-    worst
+}
+
+/// f32 with bf16 activations: every sharding of `cfg` against the whole model, by the rule of the module doc.
+/// Windows of at most 16 tokens must be bit-identical.
+fn check_f32(cfg: &ModelConfig, seed: u64) {
+    let vocab = cfg.vocab_size;
+    let prompts = prompts(vocab);
+    let whole = forward::<f32>(cfg, seed, 1, false, &prompts);
+    for (world, ep) in SHARDINGS {
+        let sharded = forward::<f32>(cfg, seed, world, ep, &prompts);
+        let mut first_token = 0; // the row's first token among all rows' (the routing traces' index)
+        for ((prompt, w), s) in prompts.iter().zip(&whole.logits).zip(&sharded.logits) {
+            let layers = whole.routing.len();
+            let at = first_token;
+            let flip = |p: usize| {
+                (0..layers).find(|l| whole.routing[*l][at + p].experts != sharded.routing[*l][at + p].experts)
+            };
+            let first_flip = (0..prompt.len()).find(|p| flip(*p).is_some());
+            eprintln!(
+                "f32 tp{world} ep={ep}: {} tokens, max |logit diff| {:.3e}, first routing difference {first_flip:?}",
+                prompt.len(),
+                max_abs_diff(w, s)
+            );
+            if prompt.len() <= 16 {
+                assert_eq!(w, s, "f32 tp{world} ep={ep}: a short window is bit-identical");
+            }
+            let before_flip = first_flip.unwrap_or(prompt.len());
+            for (p, (wr, sr)) in w.chunks(vocab).zip(s.chunks(vocab)).enumerate().take(before_flip) {
+                let num: f64 = wr.iter().zip(sr).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+                let den: f64 = wr.iter().map(|x| (*x as f64).powi(2)).sum();
+                let rel = (num / den).sqrt();
+                assert!(rel < F32_REL_L2, "f32 tp{world} ep={ep} position {p}: relative L2 {rel}");
+                let (a, b) = (argmax(wr), argmax(sr));
+                let gap = (wr[a] - wr[b]) as f64;
+                assert!(
+                    a == b || gap <= 2.0 * max_abs_diff(wr, sr),
+                    "f32 tp{world} ep={ep} position {p}: greedy {a} against {b}, not a near-tie (gap {gap})"
+                );
+            }
+            if let Some(p) = first_flip {
+                let l = flip(p).unwrap_or_default();
+                let margins = (whole.routing[l][at + p].margin, sharded.routing[l][at + p].margin);
+                assert!(
+                    margins.0.min(margins.1) < 0.01,
+                    "a routing difference without a near-tie: margins {margins:?}"
+                );
+            }
+            first_token += prompt.len();
+        }
+    }
 }
 
 #[test]
-fn k3_tiny_sharded_logits_match_the_whole_model() {
-    check_shardings(&ModelConfig::preset("k3-tiny").unwrap(), 11);
+fn k3_tiny_sharded_logits_match_the_whole_model_in_f64() {
+    check_f64(&ModelConfig::preset("k3-tiny").unwrap(), 11);
 }
 
 #[test]
-fn many_expert_sharded_logits_match_the_whole_model() {
-    check_shardings(&many_experts(), 5);
+fn many_expert_sharded_logits_match_the_whole_model_in_f64() {
+    check_f64(&many_experts(), 5);
+}
+
+#[test]
+fn k3_tiny_sharded_logits_match_the_whole_model_in_f32() {
+    check_f32(&ModelConfig::preset("k3-tiny").unwrap(), 11);
+}
+
+#[test]
+fn many_expert_sharded_logits_match_the_whole_model_in_f32() {
+    check_f32(&many_experts(), 5);
 }
 
 #[test]
@@ -146,7 +234,7 @@ fn a_group_of_one_is_the_whole_model_bit_for_bit() {
     let mut state = SeqState::new(&model.cfg);
     let mut rows = [WindowRow { state: &mut state, tokens: &prompts[0], logits_from: 0, snapshots_from: None }];
     let one = model.forward_reduced(&mut rows, &mut Probe::default(), &comms[0] as &dyn Communicator).unwrap();
-    assert_eq!(one[0].logits, logits(&cfg, 3, 1, false, &prompts)[0]);
+    assert_eq!(one[0].logits, forward::<f32>(&cfg, 3, 1, false, &prompts).logits[0]);
 }
 
 fn prompt(len: usize) -> Vec<TokenId> {
