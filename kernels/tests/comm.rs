@@ -1,5 +1,5 @@
 //! The in-process communicator: every collective against a serial reference on groups of 1 to 4 ranks,
-//! bit-identical reductions on every rank, and a group that goes down (a rank aborts, exits, never
+//! bit-identical reductions on every rank, and a group that goes down (a rank aborts, exits, panics, never
 //! arrives, or calls another collective) failing every other rank within a bounded wait, never hanging.
 
 use std::time::{Duration, Instant};
@@ -121,6 +121,25 @@ fn a_rank_that_exits_fails_the_others_between_and_during_collectives() {
     });
     for e in results.into_iter().flatten() {
         assert!(e.to_string().contains("rank 0 left the group"), "{e}");
+    }
+}
+
+#[test]
+fn a_rank_that_panics_fails_the_others() {
+    let results = on_ranks(3, None, |c| {
+        if c.rank() == 1 {
+            // The handle drops while the panic unwinds.
+            let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+                let _held = c;
+                panic!("a bug inside rank 1");
+            }));
+            assert!(panicked.is_err());
+            return None;
+        }
+        Some(c.broadcast_message(0, b"plan").unwrap_err())
+    });
+    for e in results.into_iter().flatten() {
+        assert!(e.to_string().contains("rank 1 left the group"), "{e}");
     }
 }
 

@@ -72,8 +72,11 @@ pub fn latent_moe<F: Real>(
 ///
 /// Dispatch and combine are this all-reduce of partial outputs, not an all-to-all: under tensor
 /// parallelism every rank already holds every token's latent input, so an all-to-all dispatch would move
-/// bytes the ranks already have and still need an all-gather to replicate the output; the measurement is
-/// in `tests/cpu_tp.rs` (`ep_dispatch_by_all_reduce_against_all_to_all`).
+/// bytes the ranks already have and still need an all-gather to replicate the output. Measured on the
+/// in-process communicator at k3-tiny's shapes (`tests/cpu_tp.rs`,
+/// `ep_dispatch_by_all_reduce_against_all_to_all`, 2 cores): at 2 ranks and 64 tokens the all-reduce
+/// contributes 16 KiB per rank in 36 µs, the all-to-all dispatch, combine and all-gather 40 KiB in 121 µs;
+/// at 1 token, 256 B in 15 µs against 1.3 KiB in 73 µs (one collective against three).
 pub fn latent_moe_reduced<F: Real, R: Reduce<F> + ?Sized>(
     cfg: &ModelConfig,
     w: &MoeWeights<F>,

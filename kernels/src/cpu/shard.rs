@@ -12,7 +12,9 @@
 //! - Routed experts: expert-parallel with `--expert-parallel` (rank `r` holds experts `r·E/N..(r+1)·E/N`
 //!   whole), else tensor-parallel (every expert's `w1`/`w3` rows and `w2` columns split). The router,
 //!   its bias, `routed_expert_down_proj`, `routed_expert_norm` and `routed_expert_up_proj` are
-//!   replicated; each rank's partial routed latent output is all-reduced before `routed_expert_norm`.
+//!   replicated. The routed latent output is complete before `routed_expert_norm`: under expert
+//!   parallelism each rank's partial combined output is all-reduced; split by width, each expert's
+//!   partial output is (`cpu::moe::latent_moe_reduced` says why, and why not an all-to-all).
 //! - Embedding and lm_head vocabulary-parallel (rank `r` holds ids `r·V/N..(r+1)·V/N`, after vLLM's
 //!   `VocabParallelEmbedding` / `ParallelLMHead`): an embedding row is the owner's, zeros elsewhere,
 //!   summed exactly by the all-reduce; the logits stay split until the runner gathers them.
