@@ -85,7 +85,7 @@ pub struct MoeWeights<F> {
     pub experts: Vec<Expert<F>>,
     pub first_expert: usize,
     /// The experts are split by width (tensor-parallel): each `w2` output is this rank's partial sum, left
-    /// unrounded until the all-reduce of the combined routed output.
+    /// unrounded until the all-reduce of the per-expert outputs.
     pub partial_experts: bool,
 }
 
