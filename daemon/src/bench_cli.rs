@@ -11,13 +11,14 @@ use sparkd::config::Device;
 use sparkd_kernels::acceptance::{AcceptanceMode, SyntheticSchedule};
 use sparkd_kernels::checkpoint::Checkpoint;
 use sparkd_kernels::config::PRESET_NAMES;
-use sparkd_kernels::cpu::CpuRunner;
+use sparkd_kernels::cpu::{CpuRunner, ParallelConfig, ShardedCpuRunner};
 use sparkd_kernels::cuda::gpu::Gemm;
 use sparkd_kernels::harness::cuda_bench::{self, CudaBenchOptions};
 use sparkd_kernels::harness::decode::{run_decode_bench, DecodeBench};
 use sparkd_kernels::harness::validate::{self, ValidationOptions};
 use sparkd_kernels::synth::SyntheticWeights;
-use sparkd_kernels::ModelConfig;
+use sparkd_kernels::tensor::WeightSource;
+use sparkd_kernels::{ModelConfig, Runner};
 
 /// The linear layers' GEMM on CUDA.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -41,6 +42,12 @@ pub struct BenchArgs {
     pub model: Option<PathBuf>,
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     pub device: Device,
+    /// CPU: split the model over N in-process tensor-parallel ranks (as `sparkd serve --tensor-parallel-size`).
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub tensor_parallel_size: usize,
+    /// CPU, with --tensor-parallel-size N > 1: place the routed experts whole on the ranks.
+    #[arg(long)]
+    pub expert_parallel: bool,
     /// Batch sizes, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64")]
     pub batch: Vec<usize>,
@@ -175,29 +182,41 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
             emit(&serde_json::to_string_pretty(&report)?, args.out.as_ref())
         }
         Device::Cpu => {
-            let mut runner = match &args.model {
+            let (cfg, weights): (ModelConfig, Box<dyn WeightSource>) = match &args.model {
                 Some(dir) => {
                     let checkpoint = open_checkpoint(dir)?;
-                    CpuRunner::new(checkpoint.config().clone(), &checkpoint)?
+                    (checkpoint.config().clone(), Box::new(checkpoint))
                 }
                 None => {
                     let cfg = check_config(&args.config)?;
-                    CpuRunner::new(cfg.clone(), &SyntheticWeights::new(cfg, args.seed))?
+                    (cfg.clone(), Box::new(SyntheticWeights::new(cfg, args.seed)))
                 }
             };
-            if let Some(al) = args.synthetic_al {
-                runner.set_acceptance(AcceptanceMode::Synthetic(SyntheticSchedule::from_acceptance_length(
-                    al,
-                    args.draft_len,
-                )?));
-            }
+            let acceptance = match args.synthetic_al {
+                Some(al) => AcceptanceMode::Synthetic(SyntheticSchedule::from_acceptance_length(al, args.draft_len)?),
+                None => AcceptanceMode::Standard,
+            };
+            let mut runner: Box<dyn Runner> = match args.tensor_parallel_size {
+                0 => bail!("--tensor-parallel-size: must be at least 1"),
+                1 => {
+                    let mut r = CpuRunner::new(cfg, weights.as_ref())?;
+                    r.set_acceptance(acceptance);
+                    Box::new(r)
+                }
+                n => {
+                    let parallel = ParallelConfig { tensor_parallel: n, expert_parallel: args.expert_parallel };
+                    let mut r = ShardedCpuRunner::new(cfg, weights.as_ref(), parallel)?;
+                    r.set_acceptance(acceptance);
+                    Box::new(r)
+                }
+            };
             let mut results = Vec::new();
             let name = args.model.as_ref().map_or_else(|| args.config.clone(), |dir| dir.display().to_string());
-            eprintln!("sparkd bench: {name} on the CPU\nbatch  step ms  tok/s");
+            eprintln!("sparkd bench: {name} on the {}\nbatch  step ms  tok/s", runner.device_name());
             for &batch in &args.batch {
                 let bench =
                     DecodeBench { batch, prompt_len: args.prompt_len, steps: args.steps, draft_len: args.draft_len };
-                let r = run_decode_bench(&mut runner, &bench)?;
+                let r = run_decode_bench(runner.as_mut(), &bench)?;
                 eprintln!("{:>5}  {:>7.3}  {:>8.1}", batch, r.step_ms, r.tokens_per_second);
                 results.push(r);
             }

@@ -144,6 +144,15 @@ pub struct ServeArgs {
     /// Backend.
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     pub device: Device,
+    /// Ranks the model is split over (tensor parallelism: attention by heads, MLPs by width, vocabulary-parallel
+    /// lm_head). With `--device cpu`, N in-process ranks, one thread each; 1 is the whole model on one device.
+    /// N must divide the model's heads, MLP widths and vocabulary.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub tensor_parallel_size: usize,
+    /// With --tensor-parallel-size N > 1: place the routed experts whole on the ranks (expert parallelism; N must
+    /// divide the number of experts) instead of splitting every expert by width.
+    #[arg(long)]
+    pub expert_parallel: bool,
     /// Model name reported by /v1/models, in responses and as the `model_name` metric label.
     #[arg(long)]
     pub served_model_name: Option<String>,
@@ -230,6 +239,18 @@ impl ServeArgs {
             return Err(ConfigError { flag, reason: "must be at least 1".into() });
         }
         self.limits.validate()?;
+        if self.tensor_parallel_size == 0 {
+            return Err(ConfigError { flag: "tensor-parallel-size", reason: "must be at least 1".into() });
+        }
+        if self.tensor_parallel_size > 1 && self.device != Device::Cpu {
+            return Err(ConfigError {
+                flag: "tensor-parallel-size",
+                reason: format!(
+                    "{} ranks run on `--device cpu` only (in-process ranks); the CUDA path over NCCL is not built yet",
+                    self.tensor_parallel_size
+                ),
+            });
+        }
         if let Some(dir) = &self.model {
             if !dir.is_dir() {
                 return Err(ConfigError { flag: "model", reason: format!("{} is not a folder", dir.display()) });
@@ -341,6 +362,18 @@ mod tests {
         let err = parse(&["--prep-threads", "0"]).validate().unwrap_err();
         assert_eq!(err.flag, "prep-threads");
         assert!(Cli::try_parse_from(["sparkd", "--device", "tpu"]).is_err());
+    }
+
+    #[test]
+    fn tensor_parallelism_is_checked_against_the_device() {
+        let a = parse(&["--device", "cpu", "--tensor-parallel-size", "2", "--expert-parallel"]);
+        a.validate().unwrap();
+        assert_eq!((a.tensor_parallel_size, a.expert_parallel), (2, true));
+        assert_eq!(parse(&[]).tensor_parallel_size, 1);
+        let err = parse(&["--tensor-parallel-size", "0"]).validate().unwrap_err();
+        assert_eq!(err.flag, "tensor-parallel-size");
+        let err = parse(&["--device", "cuda", "--tensor-parallel-size", "2"]).validate().unwrap_err();
+        assert!(err.to_string().starts_with("--tensor-parallel-size:"), "{err}");
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! Start-up composition of `sparkd serve`: the one place that builds the runner (CPU, CUDA or null, per
-//! `--device`), attaches the DSpark drafter the speculation settings need, builds the tokenizer and its chat
+//! `--device`; the CPU one split over in-process ranks with `--tensor-parallel-size`), attaches the DSpark drafter the speculation settings need, builds the tokenizer and its chat
 //! template, and turns the settings into a proposer and a verify budget (measuring SPS(B) on the runner when
 //! a load-aware budget has no profile).
 //!
@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use sparkd_kernels::acceptance::AcceptanceMode;
 use sparkd_kernels::checkpoint::Checkpoint;
-use sparkd_kernels::cpu::CpuRunner;
+use sparkd_kernels::cpu::{CpuRunner, ParallelConfig, ShardedCpuRunner};
 use sparkd_kernels::cuda::CudaRunner;
 use sparkd_kernels::dspark::{DrafterConfig, DrafterSource, DRAFTER_DIR};
 use sparkd_kernels::null_runner::NullRunner;
@@ -191,6 +191,11 @@ pub fn build_runner(args: &ServeArgs, spec: &SpeculationConfig) -> Result<(Box<d
             spec.check_null_runner()?;
             (Box::new(NullRunner::new(cfg.clone())) as Box<dyn Runner>, Device::Null)
         }
+        Device::Cpu if args.tensor_parallel_size > 1 => {
+            let parallel =
+                ParallelConfig { tensor_parallel: args.tensor_parallel_size, expert_parallel: args.expert_parallel };
+            (sharded_cpu_runner(&cfg, weights, parallel, spec, model_dir, preset)?, Device::Cpu)
+        }
         Device::Cpu | Device::Auto => (cpu_runner(&cfg, weights, spec, model_dir, preset)?, Device::Cpu),
     };
     Ok((runner, cfg, device))
@@ -207,6 +212,20 @@ pub fn cpu_runner(
 ) -> Result<Box<dyn Runner>> {
     let runner = CpuRunner::new(cfg.clone(), weights)?;
     prepare(runner, CpuRunner::set_acceptance, spec, model_dir, preset)
+}
+
+/// [`cpu_runner`] split over in-process tensor-parallel ranks (`--tensor-parallel-size`, `--expert-parallel`).
+/// A group size that does not divide the model is an error naming the flag.
+pub fn sharded_cpu_runner(
+    cfg: &ModelConfig,
+    weights: &dyn WeightSource,
+    parallel: ParallelConfig,
+    spec: &SpeculationConfig,
+    model_dir: Option<&Path>,
+    preset: &str,
+) -> Result<Box<dyn Runner>> {
+    let runner = ShardedCpuRunner::new(cfg.clone(), weights, parallel)?;
+    prepare(runner, ShardedCpuRunner::set_acceptance, spec, model_dir, preset)
 }
 
 /// [`cpu_runner`] on the CUDA backend (device 0): the same drafter, uploaded to the device.
@@ -484,5 +503,33 @@ mod tests {
         let mut null = NullRunner::new(cfg);
         assert!(measure_draft_cost(&mut null, 16, 4).is_err(), "no drafter, no draft cost");
         assert_eq!(null.num_states(), 0);
+    }
+
+    #[test]
+    fn tensor_parallel_size_builds_the_sharded_cpu_runner_or_names_the_flag() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            serve: ServeArgs,
+        }
+        let args = |extra: &[&str]| {
+            let mut all = vec!["sparkd", "--device", "cpu"];
+            all.extend_from_slice(extra);
+            <Cli as clap::Parser>::try_parse_from(all).expect("parses").serve
+        };
+        let spec = SpeculationConfig::default();
+        let (runner, _, device) = build_runner(&args(&["--tensor-parallel-size", "2"]), &spec).unwrap();
+        assert_eq!((runner.device_name().as_str(), device), ("cpu tp2", Device::Cpu));
+        let dspark =
+            SpeculationConfig { method: SpecMethod::Dspark, num_spec_tokens: 4, ..SpeculationConfig::default() };
+        let (mut runner, _, _) =
+            build_runner(&args(&["--tensor-parallel-size", "2", "--expert-parallel"]), &dspark).unwrap();
+        assert_eq!(runner.device_name(), "cpu tp2 ep");
+        assert!(runner.model_drafter().is_some(), "the drafter is attached beside the sharded runner");
+        let (runner, _, _) = build_runner(&args(&["--tensor-parallel-size", "1", "--expert-parallel"]), &spec).unwrap();
+        assert_eq!(runner.device_name(), "cpu", "one rank is the unsharded runner");
+        // k3-tiny has 4 KDA heads: 3 ranks do not divide them.
+        let err = build_runner(&args(&["--tensor-parallel-size", "3"]), &spec).err().expect("refused");
+        assert!(format!("{err:#}").contains("--tensor-parallel-size"), "{err:#}");
     }
 }

@@ -197,15 +197,21 @@ pub fn verify(window: &VerifyWindow<'_>, params: &SamplingParams, mode: &Accepta
 }
 
 fn verify_greedy(window: &VerifyWindow<'_>) -> Result<Vec<TokenId>> {
-    let mut tokens = Vec::with_capacity(window.drafts.len() + 1);
-    for (i, &draft) in window.drafts.iter().enumerate() {
-        let target = sampling::argmax(window.target_row(i))?;
+    greedy_tokens(window.drafts, |i| sampling::argmax(window.target_row(i)))
+}
+
+/// The greedy rule over the target's choices: `argmax(i)` is the target's token after `i` drafts (asked only
+/// up to the first mismatch). Returns the accepted drafts, then the correction or bonus token.
+pub fn greedy_tokens(drafts: &[TokenId], mut argmax: impl FnMut(usize) -> Result<TokenId>) -> Result<Vec<TokenId>> {
+    let mut tokens = Vec::with_capacity(drafts.len() + 1);
+    for (i, &draft) in drafts.iter().enumerate() {
+        let target = argmax(i)?;
         tokens.push(target);
         if target != draft {
             return Ok(tokens);
         }
     }
-    tokens.push(sampling::argmax(window.target_row(window.drafts.len()))?);
+    tokens.push(argmax(drafts.len())?);
     Ok(tokens)
 }
 

@@ -8,6 +8,7 @@
 
 pub mod acceptance;
 pub mod checkpoint;
+pub mod comm;
 pub mod config;
 pub mod cpu;
 pub mod cuda;

@@ -7,6 +7,10 @@
 //! - Per-token work (projections, AttnRes, norms, FFN) is batched over every token of every row;
 //!   sequence work (KDA recurrence, MLA attention) runs per row over that row's state.
 //! - Logits are computed only for the positions a row asks for (`logits_from..`).
+//! - On one rank of a tensor-parallel group ([`CpuModel::forward_reduced`], `cpu::shard`) the same walk
+//!   runs over the rank's heads, widths and vocabulary slice; each row-parallel output is completed by
+//!   the group's all-reduce before it is rounded, so every rank's activations stay full-width and
+//!   bit-identical, and the logits are this rank's vocabulary slice.
 //!
 //! Layer walk: shared/reference/k3-architecture.md §2.1 (AttnRes seals before the attention of
 //! layers `l % block == 0`; the pre-attention read is skipped while the bank is empty).
@@ -14,8 +18,9 @@
 use crate::config::ModelConfig;
 use crate::cpu::kda::{kda_window, KdaInputs};
 use crate::cpu::mla::mla_window;
-use crate::cpu::moe::{latent_moe, situ_mlp};
+use crate::cpu::moe::{latent_moe_reduced, reduced, situ_mlp_reduced};
 use crate::cpu::ops::add_rows;
+use crate::cpu::shard::{Reduce, Shard, Unsharded};
 use crate::cpu::weights::{FfnWeights, MixerWeights, ModelWeights};
 use crate::error::{KernelError, Result};
 use crate::float::Real;
@@ -93,7 +98,7 @@ pub struct Probe<F> {
 
 /// A row's results.
 pub struct WindowOutput<F> {
-    /// `[tokens.len() - logits_from, vocab]`
+    /// `[tokens.len() - logits_from, vocab]` (on a rank of a group, `vocab / N` ids from `vocab_start`)
     pub logits: Vec<F>,
     pub undo: Option<WindowUndo<F>>,
 }
@@ -102,6 +107,13 @@ impl<F: Real> CpuModel<F> {
     pub fn load(cfg: ModelConfig, src: &dyn WeightSource) -> Result<Self> {
         let weights = ModelWeights::load(&cfg, src)?;
         Ok(CpuModel { cfg, weights })
+    }
+
+    /// Loads `shard`'s part of the model `cfg` (the whole model's config) from `src`; the model's `cfg` is
+    /// then the rank's ([`Shard::local_config`]).
+    pub fn load_shard(cfg: &ModelConfig, src: &dyn WeightSource, shard: Shard) -> Result<Self> {
+        let weights = ModelWeights::load_shard(cfg, src, shard)?;
+        Ok(CpuModel { cfg: shard.local_config(cfg)?, weights })
     }
 
     /// Runs every row's window through the model.
@@ -127,6 +139,17 @@ impl<F: Real> CpuModel<F> {
     /// that must tell a routing near-tie flip from a numerical error) and hidden-state taps (the
     /// drafter's context features).
     pub fn forward_probed(&self, rows: &mut [WindowRow<'_, F>], probe: &mut Probe<F>) -> Result<Vec<WindowOutput<F>>> {
+        self.forward_reduced(rows, probe, &Unsharded)
+    }
+
+    /// [`Self::forward_probed`] on one rank of a tensor-parallel group: `reduce` completes the
+    /// row-parallel partial sums (every rank of the group calls this with the same rows).
+    pub fn forward_reduced<R: Reduce<F> + ?Sized>(
+        &self,
+        rows: &mut [WindowRow<'_, F>],
+        probe: &mut Probe<F>,
+        reduce: &R,
+    ) -> Result<Vec<WindowOutput<F>>> {
         if let Some(bad) = probe.tap_layers.iter().find(|l| **l >= self.cfg.num_layers()) {
             return Err(KernelError::InvalidInput(format!(
                 "tap layer {bad} outside the model's {} layers",
@@ -143,12 +166,22 @@ impl<F: Real> CpuModel<F> {
         )?;
         let n = *offsets.last().unwrap_or(&0);
 
-        // [n, d] embeddings.
+        // [n, d] embeddings: this rank's vocabulary rows, zeros for the others' ids, summed exactly.
+        let held = self.weights.vocab_start..self.weights.vocab_start + self.weights.embed.len() / d;
         let mut x = Vec::with_capacity(n * d);
         for r in rows.iter() {
             for t in r.tokens {
-                x.extend_from_slice(&self.weights.embed[*t as usize * d..(*t as usize + 1) * d]);
+                let t = *t as usize;
+                if held.contains(&t) {
+                    let i = t - held.start;
+                    x.extend_from_slice(&self.weights.embed[i * d..(i + 1) * d]);
+                } else {
+                    x.resize(x.len() + d, F::ZERO);
+                }
             }
+        }
+        if held.len() < cfg.vocab_size {
+            reduce.all_reduce(&mut x)?;
         }
         let start_lens: Vec<usize> = rows.iter().map(|r| r.state.len).collect();
         let mut snapshots: Vec<Vec<Vec<KdaState<F>>>> = rows.iter().map(|_| Vec::new()).collect();
@@ -197,7 +230,7 @@ impl<F: Real> CpuModel<F> {
                         }
                     }
                     kda_idx += 1;
-                    w.o_proj.forward(&o)
+                    reduced(&w.o_proj, &o, reduce)?
                 }
                 MixerWeights::Mla(w) => {
                     let m = &cfg.mla;
@@ -224,7 +257,7 @@ impl<F: Real> CpuModel<F> {
                     mla_idx += 1;
                     let gate = w.g_proj.forward(&h);
                     let gated: Vec<F> = o.iter().zip(&gate).map(|(ov, gv)| (*ov * gv.sigmoid().act()).act()).collect();
-                    w.o_proj.forward(&gated)
+                    reduced(&w.o_proj, &gated, reduce)?
                 }
             };
             live = Some(match live {
@@ -233,10 +266,10 @@ impl<F: Real> CpuModel<F> {
             });
             let h = lw.post_norm.forward(&lw.mlp_res.read(&sources(&bank, &live)));
             let f = match &lw.ffn {
-                FfnWeights::Dense(w) => situ_mlp(cfg, w, &h),
+                FfnWeights::Dense(w) => situ_mlp_reduced(cfg, w, &h, reduce)?,
                 FfnWeights::Moe(w) => {
                     let mut layer_trace = probe.record_routing.then(Vec::new);
-                    let out = latent_moe(cfg, w, &h, layer_trace.as_mut());
+                    let out = latent_moe_reduced(cfg, w, &h, layer_trace.as_mut(), reduce)?;
                     if let Some(lt) = layer_trace {
                         probe.routing.push(lt);
                     }
@@ -260,7 +293,7 @@ impl<F: Real> CpuModel<F> {
         let h = self.weights.norm.forward(&self.weights.out_res.read(&sources(&bank_w, &live_w)));
         let logits = self.weights.lm_head.forward(&h);
 
-        let vocab = cfg.vocab_size;
+        let vocab = self.weights.lm_head.out_dim;
         let mut outputs = Vec::with_capacity(rows.len());
         let mut cursor = 0;
         for ((ri, row), snaps) in rows.iter_mut().enumerate().zip(snapshots) {

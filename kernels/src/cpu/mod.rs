@@ -9,8 +9,13 @@ pub mod kda;
 pub mod mla;
 pub mod moe;
 pub mod ops;
+pub mod plan;
 pub mod runner;
+pub mod shard;
+pub mod sharded;
+pub mod vocab;
 pub mod weights;
 
 pub use forward::{CpuModel, Probe, RoutingTrace, WindowOutput, WindowRow, WindowUndo};
 pub use runner::CpuRunner;
+pub use sharded::{ParallelConfig, ShardedCpuRunner};

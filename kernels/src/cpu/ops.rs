@@ -36,11 +36,21 @@ impl<F: Real> Linear<F> {
     /// (the lm_head) split their output rows over the machine's threads; every output is the same
     /// dot product either way, so the result does not depend on the split.
     pub fn forward(&self, x: &[F]) -> Vec<F> {
+        self.forward_with(x, true)
+    }
+
+    /// [`Self::forward`] without the rounding: the partial sums of a row-parallel shard (`W`'s columns
+    /// split over ranks), rounded only once every rank's part is added (`cpu::shard`).
+    pub fn forward_partial(&self, x: &[F]) -> Vec<F> {
+        self.forward_with(x, false)
+    }
+
+    fn forward_with(&self, x: &[F], round: bool) -> Vec<F> {
         let n = x.len() / self.in_dim;
         let mut y = vec![F::ZERO; n * self.out_dim];
         let threads = if self.out_dim * self.in_dim >= PARALLEL_MIN_WEIGHTS { worker_threads() } else { 1 };
         if threads <= 1 {
-            self.forward_rows(x, &mut y, 0, self.out_dim);
+            self.forward_rows(x, &mut y, 0, self.out_dim, round);
             return y;
         }
         // Each worker computes a contiguous band of output rows for every token.
@@ -51,7 +61,7 @@ impl<F: Real> Linear<F> {
                     let (lo, hi) = (i * band, ((i + 1) * band).min(self.out_dim));
                     scope.spawn(move || {
                         let mut part = vec![F::ZERO; n * (hi - lo)];
-                        self.forward_rows(x, &mut part, lo, hi);
+                        self.forward_rows(x, &mut part, lo, hi, round);
                         part
                     })
                 })
@@ -68,14 +78,15 @@ impl<F: Real> Linear<F> {
         y
     }
 
-    /// Output rows `lo..hi` for every token into `out` (`[n, hi - lo]`). Weight rows are the outer
-    /// loop, so each is read from memory once per call whatever the number of tokens.
-    fn forward_rows(&self, x: &[F], out: &mut [F], lo: usize, hi: usize) {
+    /// Output rows `lo..hi` for every token into `out` (`[n, hi - lo]`), rounded when `round`. Weight rows
+    /// are the outer loop, so each is read from memory once per call whatever the number of tokens.
+    fn forward_rows(&self, x: &[F], out: &mut [F], lo: usize, hi: usize, round: bool) {
         let width = hi - lo;
         let rows = &self.w[lo * self.in_dim..hi * self.in_dim];
         for (r, wr) in rows.chunks_exact(self.in_dim).enumerate() {
             for (t, xr) in x.chunks_exact(self.in_dim).enumerate() {
-                out[t * width + r] = dot(wr, xr).act();
+                let y = dot(wr, xr);
+                out[t * width + r] = if round { y.act() } else { y };
             }
         }
     }

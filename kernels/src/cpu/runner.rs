@@ -290,7 +290,7 @@ impl Drafter for CpuDrafter<'_> {
     fn draft(&mut self, rows: &[DraftRequest]) -> Result<Vec<DraftProposal>> {
         let states = self.states;
         let state_len = |id: StateId| states.get(&id).map(|s| s.len).ok_or(KernelError::UnknownState(id.0));
-        self.slot.draft(self.target, state_len, self.mask, rows)
+        self.slot.draft(self.target.into(), state_len, self.mask, rows)
     }
 
     fn select_proposal(&mut self, state: StateId) -> Result<()> {

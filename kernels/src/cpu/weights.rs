@@ -4,11 +4,14 @@
 //! source; bf16 and f32 values are widened exactly into `F`; MXFP4 experts are dequantised exactly
 //! (every E2M1 code times an E8M0 scale is a bf16 value); `A_log` keeps only its first `num_heads`
 //! entries; the AttnRes norm and projection weights are folded into one pseudo-query per read.
+//! A rank of a tensor-parallel group loads the whole tensors through the same checks and keeps only its
+//! part of each (`cpu::shard` says which); the whole model is the shard of a group of one.
 
 use std::collections::HashMap;
 
 use crate::config::{ExpertFormat, Ffn, Mixer, ModelConfig, MLA_NORM_EPS};
 use crate::cpu::ops::{AttnResQuery, Linear, RmsNorm};
+use crate::cpu::shard::{slice_cols, slice_rows, Shard};
 use crate::error::{KernelError, Result};
 use crate::float::Real;
 use crate::mxfp4;
@@ -78,7 +81,12 @@ pub struct MoeWeights<F> {
     pub up: Linear<F>,
     pub norm: RmsNorm<F>,
     pub shared: Option<SituMlp<F>>,
+    /// The routed experts this rank holds: experts `first_expert..first_expert + experts.len()`.
     pub experts: Vec<Expert<F>>,
+    pub first_expert: usize,
+    /// The experts are split by width (tensor-parallel): each `w2` output is this rank's partial sum, left
+    /// unrounded until the all-reduce of the per-expert outputs.
+    pub partial_experts: bool,
 }
 
 pub enum MixerWeights<F> {
@@ -101,18 +109,21 @@ pub struct LayerWeights<F> {
 }
 
 pub struct ModelWeights<F> {
-    /// `[V, d]`
+    /// `[V / N, d]`: the rows of ids `vocab_start..` (all of them on a whole model).
     pub embed: Vec<F>,
+    pub vocab_start: usize,
     pub layers: Vec<LayerWeights<F>>,
     pub out_res: AttnResQuery<F>,
     pub norm: RmsNorm<F>,
+    /// `[V / N, d]`: the rows of ids `vocab_start..`.
     pub lm_head: Linear<F>,
 }
 
-/// Fetches tensors by name through the schema, so every read is checked.
+/// Fetches tensors by name through the schema, so every read is checked, and keeps `shard`'s part.
 struct Loader<'a> {
     specs: HashMap<String, ExpectedTensor>,
     src: &'a dyn WeightSource,
+    shard: Shard,
 }
 
 impl Loader<'_> {
@@ -141,11 +152,65 @@ impl Loader<'_> {
         Ok(AttnResQuery { q: n.iter().zip(&p).map(|(a, b)| F::from_f32(a * b)).collect(), eps: F::from_f32(eps) })
     }
 
+    /// This rank's block of the rows of `lin` (column parallelism: output channels split).
+    fn rows<F: Real>(&self, lin: Linear<F>) -> Linear<F> {
+        if self.shard.world == 1 {
+            return lin;
+        }
+        let rows = self.shard.block(lin.out_dim);
+        Linear::new(rows.len(), lin.in_dim, slice_rows(&lin.w, lin.in_dim, rows))
+    }
+
+    /// This rank's block of the columns of `lin` (row parallelism: input channels split, outputs partial).
+    fn cols<F: Real>(&self, lin: Linear<F>) -> Linear<F> {
+        if self.shard.world == 1 {
+            return lin;
+        }
+        let cols = self.shard.block(lin.in_dim);
+        Linear::new(lin.out_dim, cols.len(), slice_cols(&lin.w, lin.in_dim, cols))
+    }
+
+    /// This rank's block of a per-channel vector split like the rows it belongs to.
+    fn block<F: Real>(&self, values: Vec<F>) -> Vec<F> {
+        if self.shard.world == 1 {
+            return values;
+        }
+        values[self.shard.block(values.len())].to_vec()
+    }
+
+    /// This rank's block of the rows of a row-major `[_, width]` matrix held as values.
+    fn row_block<F: Real>(&self, values: Vec<F>, width: usize) -> Vec<F> {
+        if self.shard.world == 1 {
+            return values;
+        }
+        slice_rows(&values, width, self.shard.block(values.len() / width))
+    }
+
+    fn linear_rows<F: Real>(&self, name: &str) -> Result<Linear<F>> {
+        Ok(self.rows(self.linear(name)?))
+    }
+
+    fn linear_cols<F: Real>(&self, name: &str) -> Result<Linear<F>> {
+        Ok(self.cols(self.linear(name)?))
+    }
+
+    /// A SiTU MLP split Megatron-style: `gate`/`up` by rows, `down` by columns.
     fn mlp<F: Real>(&self, prefix: &str) -> Result<SituMlp<F>> {
         Ok(SituMlp {
-            gate: self.linear(&format!("{prefix}.gate_proj.weight"))?,
-            up: self.linear(&format!("{prefix}.up_proj.weight"))?,
-            down: self.linear(&format!("{prefix}.down_proj.weight"))?,
+            gate: self.linear_rows(&format!("{prefix}.gate_proj.weight"))?,
+            up: self.linear_rows(&format!("{prefix}.up_proj.weight"))?,
+            down: self.linear_cols(&format!("{prefix}.down_proj.weight"))?,
+        })
+    }
+
+    /// Routed expert `e`: whole under expert parallelism, else `w1`/`w3` by rows and `w2` by columns.
+    fn routed_expert<F: Real>(&self, cfg: &ModelConfig, layer: usize, e: usize) -> Result<Expert<F>> {
+        let (w1, w2, w3) =
+            (self.expert(cfg, layer, e, "w1")?, self.expert(cfg, layer, e, "w2")?, self.expert(cfg, layer, e, "w3")?);
+        Ok(if self.shard.expert_parallel {
+            Expert { w1, w2, w3 }
+        } else {
+            Expert { w1: self.rows(w1), w2: self.cols(w2), w3: self.rows(w3) }
         })
     }
 
@@ -170,8 +235,15 @@ impl Loader<'_> {
 impl<F: Real> ModelWeights<F> {
     /// Loads and checks every tensor of `cfg` from `src`.
     pub fn load(cfg: &ModelConfig, src: &dyn WeightSource) -> Result<Self> {
+        Self::load_shard(cfg, src, Shard::WHOLE)
+    }
+
+    /// Loads and checks every tensor of `cfg` from `src` and keeps `shard`'s part of each (`cfg` is the
+    /// whole model's config; a group size that does not divide it is an error naming the flag).
+    pub fn load_shard(cfg: &ModelConfig, src: &dyn WeightSource, shard: Shard) -> Result<Self> {
+        Shard::check(cfg, shard.world, shard.expert_parallel)?;
         let specs = model_tensors(cfg).into_iter().map(|s| (s.name.clone(), s)).collect();
-        let ld = Loader { specs, src };
+        let ld = Loader { specs, src, shard };
         let eps = cfg.rms_norm_eps;
         let mut layers = Vec::with_capacity(cfg.num_layers());
         for (l, kind) in cfg.layers.iter().enumerate() {
@@ -179,19 +251,22 @@ impl<F: Real> ModelWeights<F> {
             let mixer = match kind.mixer {
                 Mixer::Kda => {
                     let a_log: Vec<F> = ld.values(&n("self_attn.A_log"))?;
-                    let conv = |x: &str| ld.values::<F>(&n(&format!("self_attn.{x}_conv1d.weight")));
+                    // [P, kernel] per channel: this rank's channels are a block of rows.
+                    let conv = |x: &str| -> Result<Vec<F>> {
+                        Ok(ld.row_block(ld.values(&n(&format!("self_attn.{x}_conv1d.weight")))?, cfg.kda.conv_kernel))
+                    };
                     MixerWeights::Kda(Box::new(KdaWeights {
-                        q_proj: ld.linear(&n("self_attn.q_proj.weight"))?,
-                        k_proj: ld.linear(&n("self_attn.k_proj.weight"))?,
-                        v_proj: ld.linear(&n("self_attn.v_proj.weight"))?,
-                        g_proj: ld.linear(&n("self_attn.g_proj.weight"))?,
-                        o_proj: ld.linear(&n("self_attn.o_proj.weight"))?,
+                        q_proj: ld.linear_rows(&n("self_attn.q_proj.weight"))?,
+                        k_proj: ld.linear_rows(&n("self_attn.k_proj.weight"))?,
+                        v_proj: ld.linear_rows(&n("self_attn.v_proj.weight"))?,
+                        g_proj: ld.linear_rows(&n("self_attn.g_proj.weight"))?,
+                        o_proj: ld.linear_cols(&n("self_attn.o_proj.weight"))?,
                         f_a_proj: ld.linear(&n("self_attn.f_a_proj.weight"))?,
-                        f_b_proj: ld.linear(&n("self_attn.f_b_proj.weight"))?,
-                        b_proj: ld.linear(&n("self_attn.b_proj.weight"))?,
+                        f_b_proj: ld.linear_rows(&n("self_attn.f_b_proj.weight"))?,
+                        b_proj: ld.linear_rows(&n("self_attn.b_proj.weight"))?,
                         conv: [conv("q")?, conv("k")?, conv("v")?],
-                        a: a_log[..cfg.kda.num_heads].iter().map(|x| x.exp()).collect(),
-                        dt_bias: ld.values(&n("self_attn.dt_bias"))?,
+                        a: ld.block(a_log[..cfg.kda.num_heads].iter().map(|x| x.exp()).collect()),
+                        dt_bias: ld.block(ld.values(&n("self_attn.dt_bias"))?),
                         o_norm: ld.values(&n("self_attn.o_norm.weight"))?,
                         o_norm_eps: F::from_f32(eps),
                     }))
@@ -199,26 +274,21 @@ impl<F: Real> ModelWeights<F> {
                 Mixer::Mla => MixerWeights::Mla(Box::new(MlaWeights {
                     q_a_proj: ld.linear(&n("self_attn.q_a_proj.weight"))?,
                     q_a_norm: ld.norm(&n("self_attn.q_a_layernorm.weight"), MLA_NORM_EPS)?,
-                    q_b_proj: ld.linear(&n("self_attn.q_b_proj.weight"))?,
+                    q_b_proj: ld.linear_rows(&n("self_attn.q_b_proj.weight"))?,
                     kv_a_proj: ld.linear(&n("self_attn.kv_a_proj_with_mqa.weight"))?,
                     kv_a_norm: ld.norm(&n("self_attn.kv_a_layernorm.weight"), MLA_NORM_EPS)?,
-                    kv_b_proj: ld.linear(&n("self_attn.kv_b_proj.weight"))?,
-                    g_proj: ld.linear(&n("self_attn.g_proj.weight"))?,
-                    o_proj: ld.linear(&n("self_attn.o_proj.weight"))?,
+                    kv_b_proj: ld.linear_rows(&n("self_attn.kv_b_proj.weight"))?,
+                    g_proj: ld.linear_rows(&n("self_attn.g_proj.weight"))?,
+                    o_proj: ld.linear_cols(&n("self_attn.o_proj.weight"))?,
                 })),
             };
             let ffn = match kind.ffn {
                 Ffn::Dense => FfnWeights::Dense(ld.mlp(&n("mlp"))?),
                 Ffn::Moe => {
                     let m = |s: &str| n(&format!("block_sparse_moe.{s}"));
-                    let mut experts = Vec::with_capacity(cfg.moe.num_experts);
-                    for e in 0..cfg.moe.num_experts {
-                        experts.push(Expert {
-                            w1: ld.expert(cfg, l, e, "w1")?,
-                            w2: ld.expert(cfg, l, e, "w2")?,
-                            w3: ld.expert(cfg, l, e, "w3")?,
-                        });
-                    }
+                    let held = shard.experts(cfg.moe.num_experts);
+                    let first_expert = held.start;
+                    let experts = held.map(|e| ld.routed_expert(cfg, l, e)).collect::<Result<Vec<_>>>()?;
                     FfnWeights::Moe(Box::new(MoeWeights {
                         router: ld.linear(&m("gate.weight"))?,
                         bias: ld.values(&m("gate.e_score_correction_bias"))?,
@@ -227,6 +297,8 @@ impl<F: Real> ModelWeights<F> {
                         norm: ld.norm(&m("routed_expert_norm.weight"), eps)?,
                         shared: if cfg.moe.num_shared_experts > 0 { Some(ld.mlp(&m("shared_experts"))?) } else { None },
                         experts,
+                        first_expert,
+                        partial_experts: shard.world > 1 && !shard.expert_parallel,
                     }))
                 }
             };
@@ -244,11 +316,12 @@ impl<F: Real> ModelWeights<F> {
             });
         }
         Ok(ModelWeights {
-            embed: ld.values("model.embed_tokens.weight")?,
+            embed: ld.row_block(ld.values("model.embed_tokens.weight")?, cfg.hidden_size),
+            vocab_start: shard.block(cfg.vocab_size).start,
             layers,
             out_res: ld.attn_res("model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight", eps)?,
             norm: ld.norm("model.norm.weight", eps)?,
-            lm_head: ld.linear("lm_head.weight")?,
+            lm_head: ld.linear_rows("lm_head.weight")?,
         })
     }
 }

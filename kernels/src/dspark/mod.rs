@@ -20,7 +20,7 @@ pub mod state;
 pub mod synth;
 
 pub use config::{target_active_bytes, DrafterConfig};
-pub use model::{BlockDraft, DrafterModel};
+pub use model::{BlockDraft, DrafterModel, TargetHead};
 pub use runner::DrafterSlot;
 pub use schema::{drafter_tensors, DrafterCheckpoint, DRAFTER_DIR};
 pub use source::DrafterSource;

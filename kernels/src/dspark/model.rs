@@ -14,7 +14,7 @@
 //!   §2.1 `c_k = σ(wᵀ[h_k ; W1[x_{k−1}]] + b)`, with `h_k` the final-normed backbone state.
 //!
 //! Invariants: the drafter never copies the target's embedding or lm_head; it reads them through the
-//! `CpuModel` passed in. Draft samples use their own counter-RNG stream ([`DRAFT_STREAM`]) keyed by
+//! [`TargetHead`] passed in (a `CpuModel`'s own, or the whole-vocabulary copy a sharded runner gathers). Draft samples use their own counter-RNG stream ([`DRAFT_STREAM`]) keyed by
 //! `(seed, position of the draft)`, independent of the verifier's accept and token streams, so a
 //! draft never correlates with the test that judges it. Layers are pre-norm residual
 //! (`x += attn(norm x)`, `x += mlp(norm x)`), with activations rounded like the target's.
@@ -36,6 +36,22 @@ use crate::runner::{SamplingParams, TokenId, TokenMask};
 use crate::sampling::{argmax, hash3, Distribution};
 use crate::state::MlaCache;
 use crate::tensor::{ExpectedTensor, WeightSource};
+
+/// The target weights a drafter reads in place: the whole-vocabulary embedding and lm_head.
+#[derive(Clone, Copy)]
+pub struct TargetHead<'a, F> {
+    /// `[V, d]`
+    pub embed: &'a [F],
+    /// `[V, d]`
+    pub lm_head: &'a Linear<F>,
+}
+
+impl<'a, F: Real> From<&'a CpuModel<F>> for TargetHead<'a, F> {
+    /// A whole model's head (a rank of a tensor-parallel group holds only a vocabulary slice of it).
+    fn from(model: &'a CpuModel<F>) -> Self {
+        TargetHead { embed: &model.weights.embed, lm_head: &model.weights.lm_head }
+    }
+}
 
 /// The counter-RNG stream of draft samples ("DSPARK" in ASCII), distinct from `sampling::RngStream`'s.
 pub const DRAFT_STREAM: u64 = 0x4453_5041_524B;
@@ -222,9 +238,9 @@ impl<F: Real> DrafterModel<F> {
 
     /// The backbone over the block `[anchor, MASK × (n−1)]` at positions `P..P+n−1`, P = `state.len()`:
     /// returns the final-normed hidden states `[n, d]` and the base logits `U` `[n, V]`.
-    pub fn block_forward(
+    pub fn block_forward<'t>(
         &self,
-        target: &CpuModel<F>,
+        target: impl Into<TargetHead<'t, F>>,
         state: &DrafterState<F>,
         anchor: TokenId,
         n: usize,
@@ -242,7 +258,8 @@ impl<F: Real> DrafterModel<F> {
                 crate::dspark::config::MAX_BLOCK
             )));
         }
-        let embed = &target.weights.embed;
+        let target = target.into();
+        let embed = target.embed;
         let mut x = Vec::with_capacity(n * d); // [n, d]
         for k in 0..n {
             let t = if k == 0 { anchor } else { self.cfg.mask_token_id } as usize;
@@ -264,7 +281,7 @@ impl<F: Real> DrafterModel<F> {
             x = add_rows(&x, &f);
         }
         let hidden = self.norm.forward(&x);
-        let logits = target.weights.lm_head.forward(&hidden);
+        let logits = target.lm_head.forward(&hidden);
         Ok((hidden, logits))
     }
 
@@ -272,9 +289,9 @@ impl<F: Real> DrafterModel<F> {
     /// anchor (greedy for greedy `params`, else sampled from `q_k` with the draft stream at the
     /// draft's position `P + k`). Ids outside `mask` (the runner's emittable tokens) get logit `-inf`
     /// in every `q_k`, so the drafter never proposes a token the target may not emit.
-    pub fn draft(
+    pub fn draft<'t>(
         &self,
-        target: &CpuModel<F>,
+        target: impl Into<TargetHead<'t, F>>,
         state: &DrafterState<F>,
         anchor: TokenId,
         n: usize,

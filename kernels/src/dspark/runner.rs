@@ -13,8 +13,8 @@
 
 use std::collections::HashMap;
 
-use crate::cpu::forward::CpuModel;
 use crate::dspark::model::DrafterModel;
+use crate::dspark::model::TargetHead;
 use crate::dspark::state::DrafterState;
 use crate::error::{KernelError, Result};
 use crate::runner::{DraftProposal, DraftRequest, RowInput, SamplingParams, StateId, TokenId, TokenMask};
@@ -158,7 +158,7 @@ impl DrafterSlot {
     /// succeeds.
     pub fn draft(
         &mut self,
-        target: &CpuModel<f32>,
+        target: TargetHead<'_, f32>,
         state_len: impl Fn(StateId) -> Result<usize>,
         mask: Option<&TokenMask>,
         rows: &[DraftRequest],
