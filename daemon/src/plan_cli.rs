@@ -123,6 +123,15 @@ fn does_not_fit(p: &Plan) -> String {
     )
 }
 
+/// A parameter count in billions (`2779.5 B`), or millions below a billion (`42.3 M`).
+fn params(count: u64) -> String {
+    if count >= 1_000_000_000 {
+        format!("{:.1} B", count as f64 / 1e9)
+    } else {
+        format!("{:.1} M", count as f64 / 1e6)
+    }
+}
+
 /// The plan as a table of bytes per rank.
 fn table(config: &str, input: &PlanInput, p: &Plan) -> String {
     let mut out = String::new();
@@ -132,8 +141,9 @@ fn table(config: &str, input: &PlanInput, p: &Plan) -> String {
     };
     let cfg = &input.cfg;
     line(format!(
-        "sparkd plan: {config} on {} GPUs of {} each: tensor parallel {}{}, {} replica{}",
+        "sparkd plan: {config} on {} GPU{} of {} each: tensor parallel {}{}, {} replica{}",
         p.gpus,
+        if p.gpus == 1 { "" } else { "s" },
         gib(p.gpu_memory),
         p.tp,
         if p.expert_parallel { ", expert parallel" } else { "" },
@@ -141,8 +151,9 @@ fn table(config: &str, input: &PlanInput, p: &Plan) -> String {
         if p.replicas == 1 { "" } else { "s" }
     ));
     line(format!(
-        "model: {:.1} B parameters, {} checkpoint; {} layers ({} KDA, {} MLA), {} routed experts ({} on the fullest rank{})",
-        p.weights.params as f64 / 1e9,
+        "model: {} parameters, {} checkpoint; {} layers ({} KDA, {} MLA), {} routed experts \
+         ({} on the fullest rank{})",
+        params(p.weights.params),
         gib(p.weights.checkpoint_bytes),
         cfg.num_layers(),
         cfg.kda_layers().len(),
