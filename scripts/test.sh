@@ -16,10 +16,12 @@ if command -v python3 >/dev/null 2>&1; then
 fi
 
 # Debian's Prometheus (tests/tests/dashboards.rs evaluates every dashboard panel and rule against a real one, and
-# runs promtool) and Chromium (the replay's HTML report is rendered headless). Installed only when missing.
+# runs promtool), Chromium (the replay's HTML report is rendered headless) and nginx (tests/tests/affinity_nginx.rs
+# puts two daemons behind it). Installed only when missing.
 missing=()
 command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || missing+=(nginx)
 if [ ${#missing[@]} -gt 0 ]; then
     sudo=""
     [ "$(id -u)" -eq 0 ] || sudo=sudo

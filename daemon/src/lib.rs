@@ -3,4 +3,5 @@ pub mod api;
 pub mod config;
 pub mod engine;
 pub mod metrics;
+pub mod plan;
 pub mod startup;

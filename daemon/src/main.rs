@@ -1,10 +1,11 @@
-//! The `sparkd` command line: `serve` (composed by `sparkd::startup`), `synth`, `tokenizer`.
+//! The `sparkd` command line: `serve` (composed by `sparkd::startup`), `synth`, `tokenizer`, `plan`.
 //!
 //! Invariants: bad arguments or unloadable inputs end in one clear error line on stderr and a non-zero exit
 //! (clap's usage errors exit 2, everything else 1), never a panic. `sparkd serve` with no arguments serves the
 //! built-in synthetic k3-tiny (seed 0) at 127.0.0.1:8000, on the GPU when one is usable, else on the CPU.
 
 mod bench_cli;
+mod plan_cli;
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -70,6 +71,9 @@ enum Command {
         #[arg(long, default_value_t = DEFAULT_SHARD_BYTES)]
         max_shard_bytes: u64,
     },
+    /// The memory plan of a model over several GPUs: bytes per rank and the largest batch and context that fit
+    /// (exits non-zero when the asked batch and context do not).
+    Plan(plan_cli::PlanArgs),
     /// Work with the served tokenizer.
     Tokenizer {
         /// Write it as a Hugging Face tokenizer folder.
@@ -102,6 +106,7 @@ fn main() -> ExitCode {
         },
         Command::Synth { config, seed, out, max_shard_bytes } => synth(&config, seed, &out, max_shard_bytes),
         Command::Tokenizer { export, model } => export_tokenizer(&export, model.as_deref()),
+        Command::Plan(args) => plan_cli::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

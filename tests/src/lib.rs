@@ -8,6 +8,8 @@
 //! - [`PromText::parse`] is a small, strict parser of the Prometheus text format (version 0.0.4): a malformed
 //!   line is an error, so a test that parses `/metrics` also checks its syntax.
 //! - [`prometheus::Prometheus`] runs a real Prometheus on loopback for the dashboard tests.
+//! - [`nginx::Nginx`] runs a real nginx on loopback in front of daemons; [`http_answer`] talks to any base URL
+//!   and keeps the answer's headers.
 
 pub mod chromium;
 
@@ -30,6 +32,7 @@ use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
 use tokio_tungstenite::tungstenite::Message;
 
+pub mod nginx;
 pub mod prometheus;
 
 /// How long a server may take to come up (the CPU model is built at start).
@@ -69,6 +72,57 @@ fn locate_or_build() -> Result<PathBuf> {
         bail!("{} does not exist after cargo build", bin.display());
     }
     Ok(bin)
+}
+
+/// One HTTP answer with its headers; the body as text.
+#[derive(Debug)]
+pub struct Answer {
+    pub status: u16,
+    pub headers: hyper::HeaderMap,
+    pub text: String,
+}
+
+impl Answer {
+    /// The body as JSON.
+    pub fn json(&self) -> Result<Value> {
+        serde_json::from_str(&self.text).with_context(|| format!("body is not JSON: {:?}", self.text))
+    }
+
+    /// A header's value as text (`None`: absent or not visible ASCII).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+}
+
+/// How long [`http_answer`] waits for a whole answer.
+pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Sends `method path` with a JSON `body` and extra `headers` to `base` (`http://host:port`: a daemon or a proxy
+/// in front of one) on a fresh connection, and reads the whole answer (at most [`ANSWER_TIMEOUT`]).
+pub async fn http_answer(
+    base: &str,
+    method: &str,
+    path: &str,
+    body: Option<&Value>,
+    headers: &[(&str, &str)],
+) -> Result<Answer> {
+    let client: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    let bytes = body.map(|b| Bytes::from(b.to_string())).unwrap_or_default();
+    let mut req =
+        Request::builder().method(method).uri(format!("{base}{path}")).header("content-type", "application/json");
+    for (name, value) in headers {
+        req = req.header(*name, *value);
+    }
+    let exchange = async {
+        let resp = client.request(req.body(Full::new(bytes))?).await?;
+        let status = resp.status().as_u16();
+        let headers = resp.headers().clone();
+        let body = resp.into_body().collect().await?.to_bytes();
+        Ok::<_, anyhow::Error>(Answer { status, headers, text: String::from_utf8(body.to_vec())? })
+    };
+    tokio::time::timeout(ANSWER_TIMEOUT, exchange)
+        .await
+        .with_context(|| format!("{method} {base}{path}: no whole answer within {ANSWER_TIMEOUT:?}"))?
 }
 
 /// A running `sparkd serve`.

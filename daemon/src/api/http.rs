@@ -13,6 +13,8 @@
 //!   `sparkd:errors_total{kind}` and carries OpenAI's error JSON.
 //! - Every route but `GET /health` passes `auth::Access::check` first (key and origin), and the Responses routes
 //!   see the kept responses of the request's owner only.
+//! - Every successful generation response carries the session-affinity header ([`super::affinity`]); a
+//!   malformed one is refused with a 400 before the body is read.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -32,6 +34,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
 use super::access::{AccessEntry, AccessStart};
+use super::affinity::SessionKey;
 use super::conn::{Activity, ConnLimits, InFlight, TrackedBody, WatchedIo};
 use super::constraint;
 use super::error::ApiError;
@@ -305,11 +308,19 @@ struct Prepared {
     order: GenerationOrder,
     /// The prompt's text, for `echo`.
     echo: Option<String>,
+    /// The affinity key the response carries: the client's, or one derived from the conversation's root.
+    session: SessionKey,
 }
 
 /// Parses, validates, renders and tokenizes a chat or completion body, and builds its stop-string matcher and
 /// output constraint: the preparation pool's work.
-fn prepare(state: &AppState, body: &[u8], kind: ChunkKind, arrival: Instant) -> Result<Prepared, ApiError> {
+fn prepare(
+    state: &AppState,
+    body: &[u8],
+    kind: ChunkKind,
+    arrival: Instant,
+    given: Option<SessionKey>,
+) -> Result<Prepared, ApiError> {
     let body = openai::parse_body(body)?;
     let valid = match kind {
         ChunkKind::Chat => openai::chat_request(&body, &state.limits)?,
@@ -324,6 +335,10 @@ fn prepare(state: &AppState, body: &[u8], kind: ChunkKind, arrival: Instant) -> 
         _ => None,
     };
     let constraint = constraint::compile_request(state, &valid.constraint)?;
+    let session = given.unwrap_or_else(|| match &valid.prompt {
+        Prompt::Chat { messages, .. } => SessionKey::of_chat(messages),
+        Prompt::Text(_) | Prompt::Tokens(_) => SessionKey::of_prompt(&prompt),
+    });
     let reply = match kind {
         ChunkKind::Chat => {
             let thinking = matches!(valid.prompt, Prompt::Chat { thinking: true, .. });
@@ -342,7 +357,7 @@ fn prepare(state: &AppState, body: &[u8], kind: ChunkKind, arrival: Instant) -> 
         reply,
         constraint,
     };
-    Ok(Prepared { valid, order, echo })
+    Ok(Prepared { valid, order, echo, session })
 }
 
 async fn chat_or_completion(
@@ -351,21 +366,25 @@ async fn chat_or_completion(
     arrival: Instant,
     kind: ChunkKind,
 ) -> Result<Response<Body>, ApiError> {
+    let given = SessionKey::from_headers(req.headers())?;
     let access = req.extensions().get::<AccessEntry>().cloned();
     let body = read_body(state, req).await?;
     let st = state.clone();
-    let Prepared { valid, order, echo } = state.prep.run(move || prepare(&st, &body, kind, arrival)).await?;
+    let Prepared { valid, order, echo, session } =
+        state.prep.run(move || prepare(&st, &body, kind, arrival, given)).await?;
     let mut generation = Generation::start(state, order).await?;
     let id = new_id(if kind == ChunkKind::Chat { "chatcmpl-" } else { "cmpl-" });
     generation.log_to(access, &id);
-    if valid.stream.stream {
+    let mut response = if valid.stream.stream {
         let (writer, body) = SseWriter::new();
         let st = state.clone();
         tokio::spawn(async move { stream_chunks(st, generation, kind, id, valid, writer).await });
-        Ok(sse_response(body))
+        sse_response(body)
     } else {
-        collect_body(state, generation, kind, id, valid, echo).await
-    }
+        collect_body(state, generation, kind, id, valid, echo).await?
+    };
+    session.stamp(&mut response);
+    Ok(response)
 }
 
 /// Runs a generation to its end and answers with one JSON body (assembled, with its log-probabilities, on the

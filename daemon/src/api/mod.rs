@@ -7,7 +7,8 @@
 //! calls, stop strings, usage and timings), [`stop`] (the stop-string matcher), [`limits`] (per-request size
 //! limits), [`conn`] (connections: how many, head and idle times), [`prep`] (the bounded pool that prepares
 //! requests off the I/O threads), [`access`] (the access log), [`throughput`] (the periodic throughput line),
-//! [`error`] (the one error type and its HTTP mapping).
+//! [`error`] (the one error type and its HTTP mapping), [`affinity`] (the session-affinity header a load
+//! balancer hashes).
 //!
 //! Invariants:
 //! - The API layer never touches the model: it talks to the engine thread only through [`EngineHandle`]
@@ -20,6 +21,7 @@
 
 pub mod access;
 pub mod admission;
+pub mod affinity;
 pub mod auth;
 pub mod conn;
 pub mod constraint;

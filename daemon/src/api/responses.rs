@@ -20,6 +20,9 @@
 //!   `response.content_part.done`, `response.output_item.done`, then one terminal event,
 //!   `response.completed` (status completed) or `response.incomplete` (length limit or cancel); or `error`.
 //!   Every event carries an increasing `sequence_number`.
+//! - Every response has an affinity key ([`super::affinity`]): the client's `x-sparkd-session`, else the key
+//!   stored with the response it continues (the object's `session` field), else its own id (a conversation's
+//!   root). It is stored in the object, so every turn of a chain answers the root's key.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -31,6 +34,7 @@ use serde_json::{json, Value};
 use sparkd_tokenizer::RenderSpec;
 
 use super::access::AccessEntry;
+use super::affinity::SessionKey;
 use super::auth::Owner;
 use super::constraint;
 use super::error::ApiError;
@@ -75,12 +79,13 @@ pub async fn validate(state: &Arc<AppState>, body: Bytes) -> Result<Arc<ValidRes
 }
 
 /// Renders and submits a validated Responses request (rendering, tokenizing and compiling its constraint on the
-/// preparation pool).
+/// preparation pool). `given`: the affinity key the client sent, if any.
 pub async fn start(
     state: &Arc<AppState>,
     req: &Arc<ValidResponsesRequest>,
     arrival: Instant,
     owner: Owner,
+    given: Option<SessionKey>,
 ) -> Result<(Generation, ResponseHeader), ApiError> {
     info::check_model(state, req.model.as_deref())?;
     let kept = match &req.previous_response_id {
@@ -90,9 +95,10 @@ pub async fn start(
         None => None,
     };
     let (st, rq) = (state.clone(), req.clone());
-    let (prompt, kept_len, constraint, stop) = state
+    let (prompt, kept_len, constraint, stop, inherited) = state
         .prep
         .run(move || {
+            let inherited = kept.as_ref().and_then(|k| k.record.as_deref()).and_then(stored_session);
             let (prompt, kept_len) = match kept {
                 Some(kept) => {
                     (st.template.render_continuation(kept.last_token.as_slice(), &rq.input, rq.thinking)?, kept.len)
@@ -104,12 +110,17 @@ pub async fn start(
                 }
             };
             let constraint = constraint::compile_request(&st, &rq.constraint)?;
-            Ok((prompt, kept_len, constraint, StopStrings::new(rq.params.stop.clone())))
+            Ok((prompt, kept_len, constraint, StopStrings::new(rq.params.stop.clone()), inherited))
         })
         .await?;
     let max_tokens = openai::check_context(kept_len + prompt.len(), req.params.max_tokens, state.max_model_len)?;
+    let id = new_id("resp_");
+    // A stored object without a key (written before keys were stored) makes its own id the root.
+    let session = given
+        .or(inherited)
+        .unwrap_or_else(|| SessionKey::of_response(req.previous_response_id.as_deref().unwrap_or(id.as_str())));
     let header = ResponseHeader {
-        id: new_id("resp_"),
+        id,
         item_id: new_id("msg_"),
         created_at: unix_now(),
         model: state.model_name.clone(),
@@ -117,6 +128,7 @@ pub async fn start(
         max_output_tokens: req.params.max_tokens,
         store: req.store,
         owner,
+        session,
     };
     let order = GenerationOrder {
         prompt,
@@ -131,6 +143,16 @@ pub async fn start(
     };
     let generation = Generation::start(state, order).await?;
     Ok((generation, header))
+}
+
+/// The affinity key stored in a response object (its `session` field), if it has a valid one.
+fn stored_session(record: &[u8]) -> Option<SessionKey> {
+    #[derive(serde::Deserialize)]
+    struct Stored {
+        session: Option<String>,
+    }
+    let stored: Stored = serde_json::from_slice(record).ok()?;
+    SessionKey::parse(stored.session?.as_bytes()).ok()
 }
 
 /// A kept response whose object is attached (what can be retrieved and continued), from the engine's view.
@@ -243,18 +265,22 @@ pub async fn http(
     arrival: Instant,
     owner: Owner,
 ) -> Result<Response<Body>, ApiError> {
+    let given = SessionKey::from_headers(req.headers())?;
     let access = req.extensions().get::<AccessEntry>().cloned();
     let valid = validate(state, read_body(state, req).await?).await?;
-    let (mut generation, header) = start(state, &valid, arrival, owner).await?;
+    let (mut generation, header) = start(state, &valid, arrival, owner, given).await?;
     generation.log_to(access, &header.id);
     let want_logprobs = valid.params.logprobs.is_some();
+    let session = header.session.clone();
     if valid.stream {
         let (mut writer, body) = SseWriter::new();
         let st = state.clone();
         tokio::spawn(async move {
             let _ = stream(&st, generation, header, want_logprobs, &mut writer).await;
         });
-        return Ok(sse_response(body));
+        let mut response = sse_response(body);
+        session.stamp(&mut response);
+        return Ok(response);
     }
     let mut output = OutputItems::new(header.item_id.clone());
     let outcome = loop {
@@ -267,5 +293,7 @@ pub async fn http(
     };
     output.finish();
     let (_, body) = finish(state, &header, &output, &outcome).await;
-    Ok(bytes_response(StatusCode::OK, "application/json", body))
+    let mut response = bytes_response(StatusCode::OK, "application/json", body);
+    session.stamp(&mut response);
+    Ok(response)
 }

@@ -358,6 +358,8 @@ pub struct ResponseHeader {
     pub store: bool,
     /// Whose response it is (not part of the object): where it is kept.
     pub owner: super::auth::Owner,
+    /// The conversation's affinity key (the object's `session`, and the `x-sparkd-session` header).
+    pub session: super::affinity::SessionKey,
 }
 
 /// A Responses API `response` object. `status`: in_progress, completed, incomplete, failed; `output`: its
@@ -372,6 +374,7 @@ pub fn response_object(h: &ResponseHeader, status: &str, output: Value, outcome:
         "id": h.id, "object": "response", "created_at": h.created_at, "status": status, "model": h.model,
         "output": output, "previous_response_id": h.previous_response_id, "max_output_tokens": h.max_output_tokens,
         "store": h.store, "incomplete_details": incomplete_details, "error": Value::Null,
+        "session": h.session.as_str(),
         "usage": outcome.map_or(Value::Null, |o| responses_usage(&o.usage)),
     });
     if let Some(o) = outcome {

@@ -19,6 +19,8 @@
 //! - A bad client event gets an `error` event; the socket stays open. A message larger than `--max-body-bytes`
 //!   gets an `error` event and closes the socket (code 1009): it was not read whole.
 //! - Events are parsed and validated on the preparation pool, never on the socket's I/O task.
+//! - The upgrade answers the session-affinity header ([`super::affinity`]): the client's, or a fresh key for the
+//!   socket. Responses created on the socket take the client's key when it sent one, else their chain's root.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -42,6 +44,7 @@ use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 use tokio_tungstenite::WebSocketStream;
 
 use super::access::{AccessEntry, AccessStart};
+use super::affinity::SessionKey;
 use super::auth::Owner;
 use super::error::ApiError;
 use super::http::{Body, ConnSlot};
@@ -72,6 +75,8 @@ pub fn upgrade(state: &Arc<AppState>, mut req: Request<Incoming>, owner: Owner) 
         .get(SEC_WEBSOCKET_KEY)
         .ok_or_else(|| ApiError::field("sec-websocket-key", "the `Sec-WebSocket-Key` header is required"))?;
     let accept = derive_accept_key(key.as_bytes());
+    let given = SessionKey::from_headers(headers)?;
+    let answered = given.clone().unwrap_or_else(|| SessionKey::fresh("ws-"));
     let on_upgrade = hyper::upgrade::on(&mut req);
     // The socket keeps its connection's slot (`--max-connections`) until it closes.
     let slot = req.extensions().get::<ConnSlot>().cloned();
@@ -86,7 +91,7 @@ pub fn upgrade(state: &Arc<AppState>, mut req: Request<Incoming>, owner: Owner) 
                     .max_message_size(Some(st.max_body_bytes))
                     .max_frame_size(Some(st.max_body_bytes));
                 let ws = WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Server, Some(config)).await;
-                serve_socket(st, ws, owner, peer).await;
+                serve_socket(st, ws, SocketWho { owner, peer, session: given }).await;
             }
             Err(e) => tracing::debug!("websocket upgrade failed: {e}"),
         }
@@ -97,6 +102,7 @@ pub fn upgrade(state: &Arc<AppState>, mut req: Request<Incoming>, owner: Owner) 
     h.insert(UPGRADE, HeaderValue::from_static("websocket"));
     h.insert(CONNECTION, HeaderValue::from_static("Upgrade"));
     h.insert(SEC_WEBSOCKET_ACCEPT, HeaderValue::from_str(&accept).map_err(|e| ApiError::Internal(e.to_string()))?);
+    answered.stamp(&mut r);
     Ok(r)
 }
 
@@ -197,9 +203,18 @@ struct Socket {
     open: Arc<AtomicUsize>,
     /// The client's address, for the access log.
     peer: Option<SocketAddr>,
+    /// The affinity key the client opened the socket with, if any.
+    session: Option<SessionKey>,
 }
 
-async fn serve_socket<S>(state: Arc<AppState>, ws: WebSocketStream<S>, owner: Owner, peer: Option<SocketAddr>)
+/// Who opened a socket: the key's owner, the peer address and the affinity key sent with the upgrade.
+struct SocketWho {
+    owner: Owner,
+    peer: Option<SocketAddr>,
+    session: Option<SessionKey>,
+}
+
+async fn serve_socket<S>(state: Arc<AppState>, ws: WebSocketStream<S>, who: SocketWho)
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
@@ -217,7 +232,9 @@ where
         let _ = sink.close().await;
     });
     let _open = socket_count.enter();
-    let socket = Socket { state, out: out_tx, active: Arc::new(DashMap::new()), owner, open: Arc::default(), peer };
+    let SocketWho { owner, peer, session } = who;
+    let socket =
+        Socket { state, out: out_tx, active: Arc::new(DashMap::new()), owner, open: Arc::default(), peer, session };
     let mut streams = JoinSet::new();
     let mut shutdown = socket.state.shutdown.clone();
     let mut draining = *shutdown.borrow();
@@ -325,7 +342,7 @@ pub fn parse_event(body: &[u8], limits: &RequestLimits) -> Result<ParsedEvent, A
 
 /// Handles one client event; while the server drains, a `response.create` is refused.
 async fn handle_event(socket: &Socket, streams: &mut JoinSet<()>, body: Bytes, draining: bool) {
-    let Socket { state, out, active, owner, open, peer } = socket;
+    let Socket { state, out, active, owner, open, peer, session } = socket;
     let arrival = Instant::now();
     // Every event but a cancel is a request of its own in the access log.
     let log = || AccessEntry::new(AccessStart { method: "WS".into(), path: "/v1/responses".into(), peer: *peer });
@@ -344,10 +361,11 @@ async fn handle_event(socket: &Socket, streams: &mut JoinSet<()>, body: Bytes, d
             refuse(stream_id, ApiError::TooManyStreams { limit: state.conn_limits.max_ws_streams }).await
         }
         Ok(ClientEvent::Create(valid)) => {
-            let (mut generation, header) = match responses::start(state, &valid, arrival, owner.clone()).await {
-                Ok(started) => started,
-                Err(e) => return refuse(stream_id, e).await,
-            };
+            let (mut generation, header) =
+                match responses::start(state, &valid, arrival, owner.clone(), session.clone()).await {
+                    Ok(started) => started,
+                    Err(e) => return refuse(stream_id, e).await,
+                };
             let entry = log();
             entry.answered(WS_ENDPOINT, StatusCode::OK.as_u16());
             generation.log_to(Some(entry), &header.id);
