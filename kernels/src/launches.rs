@@ -85,6 +85,35 @@ pub trait SyncStepper {
     fn step_now(&mut self, rows: &[RowInput]) -> Result<Vec<RowOutput>>;
 }
 
+/// The `Runner` methods every [`SyncStepper`] shares, written once: `step` (refused while launched steps wait to
+/// be collected), `launches_ahead`, `launch`, `launch_fed` and `collect`. Expands inside `impl Runner for T`, where
+/// `T: SyncStepper` keeps its [`SyncLaunches`] in a field named `launches`.
+#[macro_export]
+macro_rules! sync_stepper_runner_methods {
+    () => {
+        fn step(&mut self, rows: &[$crate::runner::RowInput]) -> $crate::error::Result<Vec<$crate::runner::RowOutput>> {
+            self.launches.check_idle()?;
+            $crate::launches::SyncStepper::step_now(self, rows)
+        }
+
+        fn launches_ahead(&self) -> bool {
+            true
+        }
+
+        fn launch(&mut self, rows: &[$crate::runner::RowInput]) -> $crate::error::Result<()> {
+            $crate::launches::sync_launch(self, rows)
+        }
+
+        fn launch_fed(&mut self, rows: &[$crate::launches::FedRow]) -> $crate::error::Result<()> {
+            $crate::launches::sync_launch_fed(self, rows)
+        }
+
+        fn collect(&mut self) -> $crate::error::Result<Vec<$crate::runner::RowOutput>> {
+            self.launches.collect()
+        }
+    };
+}
+
 /// `Runner::launch` of a [`SyncStepper`].
 pub fn sync_launch(runner: &mut impl SyncStepper, rows: &[RowInput]) -> Result<()> {
     let mut launches = std::mem::take(runner.launches());

@@ -21,7 +21,7 @@ use std::ops::Range;
 
 use crate::config::ModelConfig;
 use crate::error::{KernelError, Result};
-use crate::launches::{sync_launch, sync_launch_fed, FedRow, SyncLaunches, SyncStepper};
+use crate::launches::{SyncLaunches, SyncStepper};
 use crate::runner::{mask_allows, RowInput, RowOutput, Runner, SamplingParams, StateId, TokenId, TokenLogprob};
 use crate::state::{MlaCache, SeqState};
 
@@ -244,26 +244,7 @@ impl Runner for NullRunner {
         }
     }
 
-    fn step(&mut self, rows: &[RowInput]) -> Result<Vec<RowOutput>> {
-        self.launches.check_idle()?;
-        self.step_now(rows)
-    }
-
-    fn launches_ahead(&self) -> bool {
-        true
-    }
-
-    fn launch(&mut self, rows: &[RowInput]) -> Result<()> {
-        sync_launch(self, rows)
-    }
-
-    fn launch_fed(&mut self, rows: &[FedRow]) -> Result<()> {
-        sync_launch_fed(self, rows)
-    }
-
-    fn collect(&mut self) -> Result<Vec<RowOutput>> {
-        self.launches.collect()
-    }
+    crate::sync_stepper_runner_methods!();
 }
 
 impl SyncStepper for NullRunner {

@@ -18,7 +18,7 @@ use crate::config::ModelConfig;
 use crate::cpu::forward::{CpuModel, Probe, WindowRow};
 use crate::dspark::{DrafterModel, DrafterSlot, DrafterSource};
 use crate::error::{KernelError, Result};
-use crate::launches::{sync_launch, sync_launch_fed, FedRow, SyncLaunches, SyncStepper};
+use crate::launches::{SyncLaunches, SyncStepper};
 use crate::runner::{
     apply_row_mask, DraftProposal, DraftRequest, Drafter, RowInput, RowOutput, Runner, StateId, TokenMask,
 };
@@ -155,26 +155,7 @@ impl Runner for CpuRunner {
         Ok(())
     }
 
-    fn step(&mut self, rows: &[RowInput]) -> Result<Vec<RowOutput>> {
-        self.launches.check_idle()?;
-        self.step_now(rows)
-    }
-
-    fn launches_ahead(&self) -> bool {
-        true
-    }
-
-    fn launch(&mut self, rows: &[RowInput]) -> Result<()> {
-        sync_launch(self, rows)
-    }
-
-    fn launch_fed(&mut self, rows: &[FedRow]) -> Result<()> {
-        sync_launch_fed(self, rows)
-    }
-
-    fn collect(&mut self) -> Result<Vec<RowOutput>> {
-        self.launches.collect()
-    }
+    crate::sync_stepper_runner_methods!();
 
     fn attach_drafter(&mut self, source: DrafterSource) -> Result<()> {
         let model = DrafterModel::load(source.config, &self.model.cfg, source.weights.as_ref())?;
