@@ -25,6 +25,10 @@
 //!   is a fixed estimate: [`RUNTIME_BYTES`], [`NCCL_BASE_BYTES`], [`NCCL_PEER_BYTES`].
 
 use sparkd_kernels::config::{Ffn, Mixer, ModelConfig};
+pub use sparkd_kernels::cuda::graph::GRAPH_MAX_WINDOW;
+use sparkd_kernels::cuda::sample::{WIDE_CHUNK as SAMPLE_CHUNK, WIDE_PARTIAL_BYTES as SAMPLE_PARTIAL_BYTES};
+use sparkd_kernels::cuda::state::MLA_MIN_CAPACITY;
+use sparkd_kernels::cuda::step::{mla_grid_splits, mla_span};
 
 /// The CUDA context, the compiled kernel modules and cuBLAS's workspace (an estimate; a context on a Hopper
 /// GPU takes about 0.5 GiB before any allocation).
@@ -33,17 +37,6 @@ pub const RUNTIME_BYTES: u64 = 1 << 30;
 pub const NCCL_BASE_BYTES: u64 = 512 << 20;
 /// NCCL's buffers per peer rank (all-to-all reaches every peer with expert parallelism).
 pub const NCCL_PEER_BYTES: u64 = 32 << 20;
-/// The longest window captured in a graph (`cuda::graph::GRAPH_MAX_WINDOW`).
-pub const GRAPH_MAX_WINDOW: usize = 16;
-/// Mirrors `cuda::step`: the MLA split tile, the shortest split span, the most splits.
-const MLA_TILE: usize = 64;
-const MLA_MIN_SPAN: usize = 256;
-const MLA_MAX_SPLITS: usize = 64;
-/// The smallest MLA cache the backend allocates (`cuda::state::reserve`).
-const MLA_MIN_CAPACITY: usize = 64;
-/// Vocabulary entries per partial of the sampler's wide pass, and its bytes (`cuda::sample`).
-const SAMPLE_CHUNK: usize = 8192;
-const SAMPLE_PARTIAL_BYTES: usize = 16;
 
 /// The parallel layout of one rank.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -119,8 +112,8 @@ pub fn seq_bytes(cfg: &ModelConfig, layout: Layout, spec_tokens: usize) -> SeqBy
 
 /// The MLA split grid of a step whose decode rows see `context` tokens (`cuda::step::mla_span`, `mla_grid_splits`).
 pub fn mla_splits(context: usize) -> usize {
-    let span = context.div_ceil(MLA_MAX_SPLITS).div_ceil(MLA_TILE).max(1).saturating_mul(MLA_TILE).max(MLA_MIN_SPAN);
-    context.div_ceil(span).max(1).next_power_of_two().min(MLA_MAX_SPLITS)
+    let span = mla_span(context.saturating_sub(1), 1);
+    mla_grid_splits(context.div_ceil(span).max(1))
 }
 
 /// Peak bytes of one forward of `tokens` tokens, `logit_rows` of which are sampled, with decode rows at

@@ -693,9 +693,9 @@ pub struct DeviceDraw<'a> {
 }
 
 /// Ids per block of a wide draw (`WIDE_CHUNK` in sample.cu).
-const WIDE_CHUNK: usize = 8192;
+pub const WIDE_CHUNK: usize = 8192;
 /// Bytes of one chunk's partial (`WidePartial` in sample.cu: f32 max, u32 bad id, f64 sum).
-const WIDE_PARTIAL_BYTES: usize = 16;
+pub const WIDE_PARTIAL_BYTES: usize = 16;
 
 /// Whether a draw's only processing is the temperature (top-k off, top-p 1): then it runs as a wide draw,
 /// `ceil(vocab / WIDE_CHUNK)` blocks per row (`draw_partials_f32`, `draw_pick_f32`) instead of one.

@@ -159,12 +159,15 @@ impl DeviceState {
     }
 }
 
+/// The fewest entries an MLA cache is allocated with.
+pub const MLA_MIN_CAPACITY: usize = 64;
+
 /// Grows an MLA cache to hold at least `tokens` entries (doubling), keeping its contents.
 pub(crate) fn reserve(gpu: &Gpu, m: &mut DeviceMla, tokens: usize, ld: usize) -> Result<()> {
     if tokens <= m.capacity {
         return Ok(());
     }
-    let capacity = tokens.max(2 * m.capacity).max(64);
+    let capacity = tokens.max(2 * m.capacity).max(MLA_MIN_CAPACITY);
     let fresh = gpu.zeros::<bf16>(capacity * ld)?;
     if m.capacity > 0 {
         gpu.copy::<bf16>(gpu.ptr(&fresh), gpu.ptr(&m.cache), m.capacity * ld)?;

@@ -37,10 +37,10 @@ const _: () = assert!(KDA_ENTRY % 2 == 0);
 /// i64 fields per (MLA layer, row) entry: cache, first, offset, t, split span.
 pub const MLA_ENTRY: usize = 5;
 /// Positions per tile of the MLA split kernel (`TILE` in `mla.cu`).
-const MLA_TILE: usize = 64;
+pub const MLA_TILE: usize = 64;
 /// The smallest split span of a decode / verify row, and the most splits one token gets.
-const MLA_MIN_SPAN: usize = 256;
-pub(crate) const MLA_MAX_SPLITS: usize = 64;
+pub const MLA_MIN_SPAN: usize = 256;
+pub const MLA_MAX_SPLITS: usize = 64;
 /// Rows of at most this many tokens are split over their cache (decode and verify windows); longer
 /// windows have enough tokens to fill the GPU with one split each.
 const MLA_SPLIT_MAX_WINDOW: usize = 16;
@@ -109,7 +109,7 @@ pub struct StepTables {
 }
 
 /// The split span of an MLA row whose window has `t` tokens after `first` cached ones.
-fn mla_span(first: usize, t: usize) -> usize {
+pub fn mla_span(first: usize, t: usize) -> usize {
     let visible = first + t;
     if t > MLA_SPLIT_MAX_WINDOW {
         return visible;
@@ -119,7 +119,7 @@ fn mla_span(first: usize, t: usize) -> usize {
 
 /// The MLA split grid of a table whose most split window has `splits` splits: rounded up to a power of two (see
 /// the module invariants), at most [`MLA_MAX_SPLITS`].
-fn mla_grid_splits(splits: usize) -> usize {
+pub fn mla_grid_splits(splits: usize) -> usize {
     splits.next_power_of_two().min(MLA_MAX_SPLITS)
 }
 
