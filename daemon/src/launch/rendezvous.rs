@@ -411,9 +411,9 @@ impl Group {
         };
         let watch = Watch::start(conns, timeout)?;
         if is_master {
-            watch.as_master(deadline)
+            watch.run_master(deadline)
         } else {
-            watch.as_peer(deadline)
+            watch.run_peer(deadline)
         }
     }
 }
@@ -488,7 +488,7 @@ impl Watch {
         }
     }
 
-    fn as_master(self, deadline: Option<Instant>) -> Result<(), LaunchError> {
+    fn run_master(self, deadline: Option<Instant>) -> Result<(), LaunchError> {
         let mut left = vec![false; self.writers.len()];
         while left.iter().any(|l| !l) {
             let Some((i, event)) = self.next(deadline) else {
@@ -518,7 +518,7 @@ impl Watch {
         Ok(())
     }
 
-    fn as_peer(self, deadline: Option<Instant>) -> Result<(), LaunchError> {
+    fn run_peer(self, deadline: Option<Instant>) -> Result<(), LaunchError> {
         let Some((_, event)) = self.next(deadline) else {
             self.send(0, &Message::Bye);
             return Ok(());
