@@ -1,7 +1,7 @@
 //! Black-box tests of the launch contract with real `sparkd` processes on loopback, without GPUs: two
 //! `sparkd rendezvous` nodes form one group and print the same ranks and unique id; nodes of different
 //! deployments both fail naming the mismatch; a node killed after the rendezvous takes the other down with an
-//! error naming its rank, in bounded time; `sparkd serve --device cuda --tensor-parallel-size 2` starts its
+//! error naming its rank (and a killed node 0 takes node 1 down naming the master), in bounded time; `sparkd serve --device cuda --tensor-parallel-size 2` starts its
 //! worker, forms the group with it, then stops with a clear error and leaves no worker behind.
 
 use std::io::{BufRead, BufReader, Read};
@@ -115,6 +115,20 @@ fn a_node_killed_after_the_rendezvous_takes_the_group_down() {
     assert!(err0.contains("sparkd: error: rank 1 on node 1 (127.0.0.1:"), "{err0}");
     assert!(err0.contains("went away: its connection closed"), "{err0}");
     assert!(killed.elapsed() < Duration::from_secs(10), "node 0 noticed within {:?}", killed.elapsed());
+
+    // The other way round: node 0 (the master) dies, node 1 names it.
+    let port = free_port();
+    let mut node0 = node(0, port, &hold);
+    let node1 = node(1, port, &hold);
+    let mut lines = BufReader::new(node0.stdout.take().unwrap()).lines();
+    assert!(lines.next().expect("node 0 prints the group").unwrap().starts_with("group: 2 ranks"));
+    node0.kill().unwrap();
+    node0.wait().unwrap();
+    let killed = Instant::now();
+    let (code1, _, err1) = finish(node1);
+    assert_ne!(code1, 0, "{err1}");
+    assert!(err1.contains(&format!("the master, rank 0 on node 0 (127.0.0.1:{port}), went away")), "{err1}");
+    assert!(killed.elapsed() < Duration::from_secs(10), "node 1 noticed within {:?}", killed.elapsed());
 }
 
 #[test]

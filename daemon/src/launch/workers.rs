@@ -158,6 +158,7 @@ pub fn die_with_parent() -> Result<(), LaunchError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::launch::rendezvous::{Join, Master, RandomUniqueId};
     use crate::launch::NodeRank;
 
     fn launch(visible: Option<&str>) -> WorkerLaunch {
@@ -190,23 +191,24 @@ mod tests {
     }
 
     #[test]
-    fn launch_workers_that_exit_are_reported_and_reaped() {
-        let mut w = Workers::spawn(&WorkerLaunch {
-            exe: PathBuf::from("/bin/false"),
-            layout: Layout { world: 2, nnodes: 1, node: NodeRank(0) },
-            ..launch(None)
-        })
-        .unwrap();
-        let pid = w.pids()[0];
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let err = loop {
-            match w.check() {
-                Err(e) => break e,
-                Ok(()) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
-                Ok(()) => panic!("/bin/false did not exit"),
-            }
+    fn launch_a_worker_that_dies_ends_the_rendezvous_at_once_and_is_reaped() {
+        let layout = Layout { world: 2, nnodes: 1, node: NodeRank(0) };
+        let me = Join {
+            layout,
+            ranks: vec![Rank(0)],
+            fingerprint: "f".into(),
+            rendezvous_timeout: Duration::from_secs(60),
+            heartbeat_timeout: Duration::from_secs(1),
         };
+        let master = Master::bind("127.0.0.1", 0, me).unwrap();
+        let mut w = Workers::spawn(&WorkerLaunch { exe: PathBuf::from("/bin/false"), layout, ..launch(None) }).unwrap();
+        let pid = w.pids()[0];
+        let started = Instant::now();
+        let err = master.gather(&RandomUniqueId, &mut || w.check()).err().expect("the worker died");
+        assert_eq!(err.kind(), "worker");
         assert!(err.to_string().contains("the worker of rank 1"), "{err}");
+        assert!(err.to_string().contains("before the group formed"), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(10), "not the 60 s rendezvous timeout");
         drop(w);
         assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists(), "pid {pid} reaped");
     }
