@@ -290,6 +290,12 @@ fn check_hello(join: &Join, hello: &Hello, held: &BTreeMap<Rank, Member>) -> Res
     if hello.node.0 >= layout.nnodes || hello.ranks.is_empty() {
         return Err(format!("holds no rank of the group ({} of {} nodes)", hello.node, layout.nnodes));
     }
+    let mut distinct = hello.ranks.clone();
+    distinct.sort_unstable();
+    distinct.dedup();
+    if distinct.len() != hello.ranks.len() {
+        return Err("names a rank twice".into());
+    }
     for &rank in &hello.ranks {
         if rank.0 >= layout.world || layout.node_of(rank) != hello.node {
             return Err(format!("{rank} does not live on {} ({} ranks per node)", hello.node, layout.per_node()));
@@ -338,7 +344,7 @@ pub fn join(host: &str, port: u16, join: &Join) -> Result<Group, LaunchError> {
             }
             let ranks_ok = members.len() == world_size as usize
                 && members.iter().enumerate().all(|(i, m)| m.rank.0 as usize == i)
-                && join.ranks.iter().all(|r| members[r.0 as usize].pid == std::process::id());
+                && join.ranks.iter().all(|r| members.get(r.0 as usize).is_some_and(|m| m.pid == std::process::id()));
             if !ranks_ok {
                 return Err(LaunchError::Protocol("the master's rank assignment does not list every rank once".into()));
             }
