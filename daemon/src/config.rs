@@ -23,6 +23,7 @@ use crate::engine::types::{
     EngineConfig, DEFAULT_COMMAND_QUEUE, DEFAULT_MAX_EVENT_BACKLOG, DEFAULT_MAX_KEPT_RESPONSES,
     DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
 };
+use crate::launch::LaunchArgs;
 
 /// The synthetic config served when no `--model` is given.
 pub const DEFAULT_SYNTHETIC_CONFIG: &str = "k3-tiny";
@@ -145,8 +146,10 @@ pub struct ServeArgs {
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     pub device: Device,
     /// Ranks the model is split over (tensor parallelism: attention by heads, MLPs by width, vocabulary-parallel
-    /// lm_head). With `--device cpu`, N in-process ranks, one thread each; 1 is the whole model on one device.
-    /// N must divide the model's heads, MLP widths and vocabulary.
+    /// lm_head). With `--device cpu`, N in-process ranks, one thread each; with `--device cuda`, one process per
+    /// GPU (this one and `N / nnodes - 1` workers it starts), joined by the launch contract (docs/multi-gpu.md;
+    /// the sharded CUDA forward is not built yet, so serving stops after the rendezvous with an error). 1 is the
+    /// whole model on one device. N must divide the model's heads, MLP widths and vocabulary.
     #[arg(long, default_value_t = 1, value_name = "N")]
     pub tensor_parallel_size: usize,
     /// With --tensor-parallel-size N > 1: place the routed experts whole on the ranks (expert parallelism; N must
@@ -214,6 +217,10 @@ pub struct ServeArgs {
     /// Speculative decoding (`--spec`, `--num-spec-tokens`, `--spec-synthetic-al`, `--spec-budget`, ...).
     #[command(flatten)]
     pub spec: SpecArgs,
+    /// The group's hosts and rendezvous (`--nnodes`, `--node-rank`, `--master-addr`, `--master-port`, ...), for
+    /// `--device cuda` over several processes.
+    #[command(flatten)]
+    pub launch: LaunchArgs,
 }
 
 /// A server option that does not make sense.
@@ -242,11 +249,17 @@ impl ServeArgs {
         if self.tensor_parallel_size == 0 {
             return Err(ConfigError { flag: "tensor-parallel-size", reason: "must be at least 1".into() });
         }
-        if self.tensor_parallel_size > 1 && self.device != Device::Cpu {
+        if self.launch.nnodes > 1 && self.device != Device::Cuda {
+            return Err(ConfigError {
+                flag: "nnodes",
+                reason: "a group over several hosts needs --device cuda (CPU ranks are threads of one process)".into(),
+            });
+        }
+        if self.tensor_parallel_size > 1 && !matches!(self.device, Device::Cpu | Device::Cuda) {
             return Err(ConfigError {
                 flag: "tensor-parallel-size",
                 reason: format!(
-                    "{} ranks run on `--device cpu` only (in-process ranks); the CUDA path over NCCL is not built yet",
+                    "{} ranks need --device cpu (in-process ranks) or --device cuda (one process per GPU)",
                     self.tensor_parallel_size
                 ),
             });
@@ -372,8 +385,11 @@ mod tests {
         assert_eq!(parse(&[]).tensor_parallel_size, 1);
         let err = parse(&["--tensor-parallel-size", "0"]).validate().unwrap_err();
         assert_eq!(err.flag, "tensor-parallel-size");
-        let err = parse(&["--device", "cuda", "--tensor-parallel-size", "2"]).validate().unwrap_err();
+        parse(&["--device", "cuda", "--tensor-parallel-size", "2"]).validate().unwrap();
+        let err = parse(&["--device", "null", "--tensor-parallel-size", "2"]).validate().unwrap_err();
         assert!(err.to_string().starts_with("--tensor-parallel-size:"), "{err}");
+        let err = parse(&["--device", "cpu", "--nnodes", "2", "--tensor-parallel-size", "2"]).validate().unwrap_err();
+        assert_eq!(err.flag, "nnodes");
     }
 
     #[test]

@@ -1,10 +1,12 @@
-//! The `sparkd` command line: `serve` (composed by `sparkd::startup`), `synth`, `tokenizer`, `plan`.
+//! The `sparkd` command line: `serve` (composed by `sparkd::startup`), `synth`, `tokenizer`, `plan`, `rendezvous`
+//! and the hidden `worker` (the launch contract, `launch_cli`).
 //!
 //! Invariants: bad arguments or unloadable inputs end in one clear error line on stderr and a non-zero exit
 //! (clap's usage errors exit 2, everything else 1), never a panic. `sparkd serve` with no arguments serves the
 //! built-in synthetic k3-tiny (seed 0) at 127.0.0.1:8000, on the GPU when one is usable, else on the CPU.
 
 mod bench_cli;
+mod launch_cli;
 mod plan_cli;
 
 use std::io::IsTerminal;
@@ -16,7 +18,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use sparkd::api::{auth, http, AppState};
 use sparkd::config::memory::MemoryPresent;
-use sparkd::config::{ServeArgs, DEFAULT_SYNTHETIC_CONFIG};
+use sparkd::config::{Device, ServeArgs, DEFAULT_SYNTHETIC_CONFIG};
 use sparkd::engine::journal::OpenJournal;
 use sparkd::engine::Engine;
 use sparkd::startup::{compose, load_tokenizer, Served};
@@ -74,6 +76,12 @@ enum Command {
     /// The memory plan of a model over several GPUs: bytes per rank and the largest batch and context that fit
     /// (exits non-zero when the asked batch and context do not).
     Plan(plan_cli::PlanArgs),
+    /// Form a multi-node group and print it (every rank's node, address, host and pid), without loading a
+    /// model: a check of the network between the nodes (docs/multi-gpu.md, "Launch contract").
+    Rendezvous(launch_cli::RendezvousArgs),
+    /// One rank of a group on this host, started by `sparkd serve --device cuda --tensor-parallel-size N`.
+    #[command(hide = true)]
+    Worker(launch_cli::WorkerArgs),
     /// Work with the served tokenizer.
     Tokenizer {
         /// Write it as a Hugging Face tokenizer folder.
@@ -107,6 +115,8 @@ fn main() -> ExitCode {
         Command::Synth { config, seed, out, max_shard_bytes } => synth(&config, seed, &out, max_shard_bytes),
         Command::Tokenizer { export, model } => export_tokenizer(&export, model.as_deref()),
         Command::Plan(args) => plan_cli::run(&args),
+        Command::Rendezvous(args) => launch_cli::rendezvous(&args),
+        Command::Worker(args) => launch_cli::worker(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -162,6 +172,9 @@ fn export_tokenizer(dir: &Path, model: Option<&Path>) -> Result<()> {
 
 fn serve(args: ServeArgs) -> Result<()> {
     args.validate()?;
+    if args.device == Device::Cuda && (args.tensor_parallel_size > 1 || args.launch.nnodes > 1) {
+        return launch_cli::serve_sharded_cuda(&args);
+    }
     let addr = args.listen_addr()?;
     let model_name = args.model_name();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;

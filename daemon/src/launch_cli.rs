@@ -1,0 +1,178 @@
+//! The launch contract on the command line: `sparkd rendezvous` (the contract alone, for checking a
+//! deployment's network before loading its weights), the hidden `sparkd worker` (one local rank, started by
+//! `serve`), and `sparkd serve --device cuda` over several ranks (workers, rendezvous, then a clear error
+//! until the sharded CUDA forward exists).
+//!
+//! Invariants:
+//! - Node 0's process is the master; every other process joins it. A process holds its node's ranks
+//!   (`rendezvous`), one rank (`worker`), or its node's first rank while its workers hold the others (`serve`).
+//! - Every failure is an error with a non-zero exit, never a hang: the rendezvous and every read are bounded.
+//! - `serve` sets the NVLink-multicast-off variables in its own environment before any thread starts, and
+//!   its workers are killed and reaped before it exits.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use sha2::{Digest, Sha256};
+use sparkd::config::ServeArgs;
+use sparkd::launch::rendezvous::{join, Group, Join, Master, RandomUniqueId};
+use sparkd::launch::workers::{die_with_parent, WorkerLaunch, Workers};
+use sparkd::launch::{disable_nvlink_multicast_here, LaunchArgs, LaunchError, Rank};
+
+/// `sparkd rendezvous` options.
+#[derive(clap::Args)]
+pub struct RendezvousArgs {
+    #[command(flatten)]
+    launch: LaunchArgs,
+    /// Ranks of the whole group (default: one per node).
+    #[arg(long, value_name = "N")]
+    tensor_parallel_size: Option<usize>,
+    /// What the group will serve; every node must give the same (e.g. the model and its sharding).
+    #[arg(long, default_value = "sparkd rendezvous", value_name = "TEXT")]
+    fingerprint: String,
+    /// Keep the group up this long after it forms, watching every member (0: exit once it is printed).
+    #[arg(long, default_value_t = 0, value_name = "SECS")]
+    hold_seconds: u64,
+}
+
+/// `sparkd worker` options (started by `sparkd serve`, not by people).
+#[derive(clap::Args)]
+pub struct WorkerArgs {
+    #[command(flatten)]
+    launch: LaunchArgs,
+    /// The rank this worker holds.
+    #[arg(long)]
+    rank: u32,
+    #[arg(long, value_name = "N")]
+    tensor_parallel_size: usize,
+    #[arg(long, value_name = "TEXT")]
+    fingerprint: String,
+}
+
+/// Runs `sparkd rendezvous`: forms the group, prints it, holds it if asked, exits.
+pub fn rendezvous(args: &RendezvousArgs) -> Result<()> {
+    let world = args.tensor_parallel_size.unwrap_or(args.launch.nnodes as usize);
+    let layout = args.launch.layout(world)?;
+    let me = Join {
+        layout,
+        ranks: layout.ranks_of(layout.node),
+        fingerprint: args.fingerprint.clone(),
+        rendezvous_timeout: args.launch.rendezvous_timeout(),
+        heartbeat_timeout: args.launch.heartbeat_timeout(),
+    };
+    let group = form(&args.launch, me, &mut || Ok(()))?;
+    print_group(&group, &args.fingerprint);
+    if args.hold_seconds > 0 {
+        group.watch(Some(Duration::from_secs(args.hold_seconds)))?;
+    } else {
+        group.close("the rendezvous check is done");
+    }
+    Ok(())
+}
+
+/// Runs `sparkd worker`: joins the group as one rank and stays until the group ends.
+pub fn worker(args: &WorkerArgs) -> Result<()> {
+    die_with_parent()?;
+    let layout = args.launch.layout(args.tensor_parallel_size)?;
+    let me = Join {
+        layout,
+        ranks: vec![Rank(args.rank)],
+        fingerprint: args.fingerprint.clone(),
+        rendezvous_timeout: args.launch.rendezvous_timeout(),
+        heartbeat_timeout: args.launch.heartbeat_timeout(),
+    };
+    let port = args.launch.master_port.context("--master-port: a worker needs the master's port")?;
+    let group = join(&args.launch.master_addr, port, &me)?;
+    tracing::info!("{} joined a group of {} ranks", Rank(args.rank), group.layout.world);
+    group.watch(None)?;
+    Ok(())
+}
+
+/// `sparkd serve --device cuda` over several ranks: starts this node's workers, forms the group with them
+/// (and with the other nodes), then stops with an error: the sharded CUDA forward is not built yet.
+pub fn serve_sharded_cuda(args: &ServeArgs) -> Result<()> {
+    disable_nvlink_multicast_here();
+    let layout = args.launch.layout(args.tensor_parallel_size)?;
+    let fingerprint = fingerprint(args)?;
+    let first = layout.ranks_of(layout.node)[0];
+    let me = Join {
+        layout,
+        ranks: vec![first],
+        fingerprint: fingerprint.clone(),
+        rendezvous_timeout: args.launch.rendezvous_timeout(),
+        heartbeat_timeout: args.launch.heartbeat_timeout(),
+    };
+    let exe = std::env::current_exe().context("locating the sparkd binary for the workers")?;
+    let mut launch = WorkerLaunch {
+        exe,
+        layout,
+        master_addr: args.launch.master_addr.clone(),
+        master_port: args.launch.master_port.unwrap_or(0),
+        fingerprint,
+        rendezvous_timeout: args.launch.rendezvous_timeout(),
+        heartbeat_timeout: args.launch.heartbeat_timeout(),
+        visible_devices: std::env::var("CUDA_VISIBLE_DEVICES").ok(),
+    };
+    // The workers are dropped (killed and reaped) on every way out of here.
+    let (group, workers) = if layout.is_master_node() {
+        let master = Master::bind(&args.launch.master_addr, launch.master_port, me)?;
+        launch.master_port = master.local_addr()?.port();
+        let mut workers = Workers::spawn(&launch)?;
+        (master.gather(&RandomUniqueId, &mut || workers.check()), workers)
+    } else {
+        let workers = Workers::spawn(&launch)?;
+        (join(&args.launch.master_addr, launch.master_port, &me), workers)
+    };
+    let group = group?;
+    tracing::info!(
+        "the group of {} ranks formed (unique id {}…); worker pids {:?}",
+        layout.world,
+        &group.unique_id.to_hex()[..16],
+        workers.pids()
+    );
+    group.close("the sharded CUDA forward is not built yet");
+    drop(workers);
+    Err(LaunchError::Unsupported(format!(
+        "--device cuda --tensor-parallel-size {}: the {} ranks formed their group, but the sharded CUDA forward \
+         is not built yet (issue 35); --device cpu serves {0} in-process ranks",
+        layout.world, layout.world
+    ))
+    .into())
+}
+
+/// Node 0 listens and gathers the group; every other node joins it.
+fn form(launch: &LaunchArgs, me: Join, poll: &mut dyn FnMut() -> Result<(), LaunchError>) -> Result<Group> {
+    let port = launch.master_port.unwrap_or(0);
+    if !me.layout.is_master_node() {
+        return Ok(join(&launch.master_addr, port, &me)?);
+    }
+    let master = Master::bind(&launch.master_addr, port, me)?;
+    tracing::info!("rendezvous: listening on {}", master.local_addr()?);
+    Ok(master.gather(&RandomUniqueId, poll)?)
+}
+
+/// The group as `sparkd rendezvous` prints it (the same on every node).
+fn print_group(group: &Group, fingerprint: &str) {
+    let l = group.layout;
+    println!("group: {} ranks on {} nodes ({} per node), fingerprint `{fingerprint}`", l.world, l.nnodes, l.per_node());
+    println!("unique id: {}", group.unique_id.to_hex());
+    for m in &group.members {
+        println!("rank {}  node {}  {}  host {}  pid {}", m.rank.0, m.node.0, m.addr, m.hostname, m.pid);
+    }
+}
+
+/// What a serving group must agree on: the model (its `config.json`'s SHA-256, or the synthetic preset) and
+/// the sharding.
+fn fingerprint(args: &ServeArgs) -> Result<String> {
+    let model = match &args.model {
+        Some(dir) => {
+            let path = Path::new(dir).join("config.json");
+            let bytes = std::fs::read(&path).with_context(|| format!("--model: reading {}", path.display()))?;
+            let digest: String = Sha256::digest(&bytes).iter().take(8).map(|b| format!("{b:02x}")).collect();
+            format!("config.json sha256 {digest}")
+        }
+        None => format!("synthetic {}", args.synthetic),
+    };
+    Ok(format!("{model} tp={} ep={}", args.tensor_parallel_size, args.expert_parallel))
+}
