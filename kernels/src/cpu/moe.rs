@@ -93,42 +93,50 @@ pub fn latent_moe_reduced<F: Real, R: Reduce<F> + ?Sized>(
     let k = cfg.moe.top_k;
     let held = w.first_expert..w.first_expert + w.experts.len();
     let routings: Vec<Routing<F>> = (0..n).map(|t| route(cfg, w, &h[t * d..(t + 1) * d])).collect();
-    // [n, top_k, latent]: each routed expert's output, weighted in when complete. Split by width, an
-    // expert's output is this rank's partial sum, completed by one all-reduce for the whole layer and only
-    // then rounded, so the combine below adds the same bf16 values as the whole model.
-    let mut outputs = vec![F::ZERO; n * k * latent];
-    for (t, routing) in routings.iter().enumerate() {
-        let zt = &z[t * latent..(t + 1) * latent];
-        for (slot, e) in routing.experts.iter().enumerate() {
-            if !held.contains(e) {
-                continue;
-            }
-            let ex = &w.experts[*e - w.first_expert];
-            let a = situ_rows(&ex.w1.forward(zt), &ex.w3.forward(zt), beta, lbeta);
-            let y = if w.partial_experts { ex.w2.forward_partial(&a) } else { ex.w2.forward(&a) };
-            outputs[(t * k + slot) * latent..(t * k + slot + 1) * latent].copy_from_slice(&y);
+    // One routed expert's output for token t's latent input, this rank's partial sum when split by width.
+    let expert = |e: usize, zt: &[F]| {
+        let ex = &w.experts[e - w.first_expert];
+        let a = situ_rows(&ex.w1.forward(zt), &ex.w3.forward(zt), beta, lbeta);
+        if w.partial_experts {
+            ex.w2.forward_partial(&a)
+        } else {
+            ex.w2.forward(&a)
         }
-    }
-    if w.partial_experts {
-        reduce.all_reduce(&mut outputs)?;
-        for y in outputs.iter_mut() {
-            *y = y.act();
-        }
-    }
+    };
     let mut combined = vec![F::ZERO; n * latent]; // [n, latent]; under expert parallelism, this rank's part
-    for (t, routing) in routings.iter().enumerate() {
-        let acc = &mut combined[t * latent..(t + 1) * latent];
-        for (slot, (e, wt)) in routing.experts.iter().zip(&routing.weights).enumerate() {
-            if !held.contains(e) {
-                continue;
-            }
-            let y = &outputs[(t * k + slot) * latent..(t * k + slot + 1) * latent];
-            for (c, yv) in acc.iter_mut().zip(y) {
-                *c += *yv * *wt;
+    if w.partial_experts {
+        // [n, top_k, latent]: split by width, each expert's partial output is completed by one all-reduce for
+        // the whole layer and only then rounded, so the combine adds the same bf16 values as the whole model.
+        let mut outputs = vec![F::ZERO; n * k * latent];
+        for (t, routing) in routings.iter().enumerate() {
+            for (slot, e) in routing.experts.iter().enumerate() {
+                let y = expert(*e, &z[t * latent..(t + 1) * latent]);
+                outputs[(t * k + slot) * latent..(t * k + slot + 1) * latent].copy_from_slice(&y);
             }
         }
-    }
-    if !w.partial_experts {
+        reduce.all_reduce(&mut outputs)?;
+        for (t, routing) in routings.iter().enumerate() {
+            let acc = &mut combined[t * latent..(t + 1) * latent];
+            for (slot, wt) in routing.weights.iter().enumerate() {
+                let y = &outputs[(t * k + slot) * latent..(t * k + slot + 1) * latent];
+                for (c, yv) in acc.iter_mut().zip(y) {
+                    *c += yv.act() * *wt;
+                }
+            }
+        }
+    } else {
+        // Whole experts: each rank weights in the ones it holds; the ranks' parts are summed after.
+        for (t, routing) in routings.iter().enumerate() {
+            let acc = &mut combined[t * latent..(t + 1) * latent];
+            for (e, wt) in routing.experts.iter().zip(&routing.weights) {
+                if !held.contains(e) {
+                    continue;
+                }
+                for (c, yv) in acc.iter_mut().zip(&expert(*e, &z[t * latent..(t + 1) * latent])) {
+                    *c += *yv * *wt;
+                }
+            }
+        }
         reduce.all_reduce(&mut combined)?;
     }
     for c in combined.iter_mut() {
