@@ -93,20 +93,21 @@ impl SessionKey {
     /// none), by role, name and content.
     pub fn of_chat(messages: &[ChatMessage]) -> SessionKey {
         let root = messages.iter().position(|m| m.role == "user").map_or(messages.len(), |i| i + 1);
-        let mut bytes = Vec::new();
+        let mut hasher = Sha256::new();
         for m in &messages[..root] {
             for part in [m.role.as_str(), m.name.as_deref().unwrap_or(""), m.content.as_str()] {
-                bytes.extend_from_slice(&(part.len() as u64).to_le_bytes());
-                bytes.extend_from_slice(part.as_bytes());
+                hasher.update((part.len() as u64).to_le_bytes());
+                hasher.update(part.as_bytes());
             }
         }
-        Self::digest("chat-", &bytes)
+        Self::hex_key("chat-", hasher)
     }
 
     /// The key of a completion: its prompt's first [`COMPLETION_ROOT_TOKENS`] token ids.
     pub fn of_prompt(tokens: &[TokenId]) -> SessionKey {
-        let bytes: Vec<u8> = tokens.iter().take(COMPLETION_ROOT_TOKENS).flat_map(|t| t.to_le_bytes()).collect();
-        Self::digest("cmpl-", &bytes)
+        let mut hasher = Sha256::new();
+        tokens.iter().take(COMPLETION_ROOT_TOKENS).for_each(|t| hasher.update(t.to_le_bytes()));
+        Self::hex_key("cmpl-", hasher)
     }
 
     /// A fresh random key (a WebSocket's).
@@ -115,7 +116,14 @@ impl SessionKey {
     }
 
     fn digest(prefix: &str, bytes: &[u8]) -> SessionKey {
-        let hex: String = Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect();
+        let mut hasher = Sha256::new();
+        hasher.update(bytes);
+        Self::hex_key(prefix, hasher)
+    }
+
+    /// `prefix` and the first [`DIGEST_HEX`] hex digits of what `hasher` has read (the message is never copied).
+    fn hex_key(prefix: &str, hasher: Sha256) -> SessionKey {
+        let hex: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
         SessionKey(format!("{prefix}{}", &hex[..DIGEST_HEX]))
     }
 
