@@ -13,14 +13,15 @@
 
 use std::collections::HashMap;
 
-use crate::acceptance::{self, AcceptanceMode, VerifyWindow};
+use crate::acceptance::{self, AcceptanceMode, Verdict, VerifyWindow};
 use crate::config::ModelConfig;
 use crate::cpu::forward::{CpuModel, Probe, WindowRow};
 use crate::dspark::{DrafterModel, DrafterSlot, DrafterSource};
 use crate::error::{KernelError, Result};
 use crate::launches::{SyncLaunches, SyncStepper};
 use crate::runner::{
-    apply_row_mask, DraftProposal, DraftRequest, Drafter, RowInput, RowOutput, Runner, StateId, TokenMask,
+    apply_row_mask, DraftProposal, DraftRequest, Drafter, RowInput, RowOutput, Runner, SampleRequest, StateId, TokenId,
+    TokenMask,
 };
 use crate::state::SeqState;
 use crate::tensor::WeightSource;
@@ -198,22 +199,9 @@ impl SyncStepper for CpuRunner {
         let forward = self.model.forward_probed(&mut windows, &mut probe);
         drop(windows);
         let mut row_start = 0usize; // the row's first token among all the step's tokens
-        let result = forward.and_then(|mut outs| {
-            if let Some(mask) = &self.token_mask {
-                for out in outs.iter_mut() {
-                    mask.apply(&mut out.logits);
-                }
-            }
-            let vocab = self.model.cfg.vocab_size;
-            // A constrained row's masks, one per sampling position (its window's logits rows, in order).
-            for (row, out) in rows.iter().zip(outs.iter_mut()) {
-                let Some(sample) = &row.sample else { continue };
-                for (mask, position) in sample.masks.iter().zip(out.logits.chunks_mut(vocab)) {
-                    apply_row_mask(mask, position);
-                }
-            }
+        let result = forward.and_then(|outs| {
             let mut results = Vec::with_capacity(rows.len());
-            for (((row, out), state), start) in rows.iter().zip(outs).zip(states.iter_mut()).zip(&start_lens) {
+            for (((row, mut out), state), start) in rows.iter().zip(outs).zip(states.iter_mut()).zip(&start_lens) {
                 let t = row.tokens.len();
                 let first = row_start;
                 row_start += t;
@@ -226,14 +214,18 @@ impl SyncStepper for CpuRunner {
                     continue;
                 };
                 let draft_q = self.drafter.as_mut().and_then(|d| d.take_selected(row.state, sample.draft_len));
-                let window = VerifyWindow {
-                    target_logits: &out.logits,
-                    vocab,
-                    drafts: &row.tokens[t - sample.draft_len..],
-                    draft_logits: draft_q.as_deref(),
-                    first_position: (start + t - sample.draft_len) as u64,
-                };
-                let verdict = acceptance::verify(&window, &sample.params, &self.acceptance)?;
+                let verdict = verify_row(
+                    RowVerify {
+                        logits: &mut out.logits,
+                        vocab: self.model.cfg.vocab_size,
+                        token_mask: self.token_mask.as_ref(),
+                        sample,
+                        drafts: &row.tokens[t - sample.draft_len..],
+                        draft_q: draft_q.as_deref(),
+                        first_position: (start + t - sample.draft_len) as u64,
+                    },
+                    &self.acceptance,
+                )?;
                 let committed = t - sample.draft_len + verdict.num_accepted;
                 if let Some(undo) = out.undo {
                     undo.commit(state, committed)?;
@@ -252,6 +244,39 @@ impl SyncStepper for CpuRunner {
         }
         result
     }
+}
+
+/// One sampling row's window of logits as a CPU runner verifies it, once they are whole on one thread.
+pub(crate) struct RowVerify<'a> {
+    /// `[draft_len + 1, vocab]`, masked in place.
+    pub logits: &'a mut [f32],
+    pub vocab: usize,
+    /// The runner's token mask, if any.
+    pub token_mask: Option<&'a TokenMask>,
+    pub sample: &'a SampleRequest,
+    pub drafts: &'a [TokenId],
+    /// The selected model draft's `q`, when a model draft is verified against it.
+    pub draft_q: Option<&'a [f32]>,
+    pub first_position: u64,
+}
+
+/// Masks `row`'s logits (the runner's token mask, then the row's own mask per sampling position) and runs the
+/// acceptance rule on them.
+pub(crate) fn verify_row(row: RowVerify<'_>, mode: &AcceptanceMode) -> Result<Verdict> {
+    if let Some(mask) = row.token_mask {
+        mask.apply(row.logits);
+    }
+    for (mask, position) in row.sample.masks.iter().zip(row.logits.chunks_mut(row.vocab)) {
+        apply_row_mask(mask, position);
+    }
+    let window = VerifyWindow {
+        target_logits: row.logits,
+        vocab: row.vocab,
+        drafts: row.drafts,
+        draft_logits: row.draft_q,
+        first_position: row.first_position,
+    };
+    acceptance::verify(&window, &row.sample.params, mode)
 }
 
 /// A CPU runner's attached drafter lent as the [`Drafter`] capability, with the target's weights, states and

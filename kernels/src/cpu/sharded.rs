@@ -37,20 +37,19 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use crate::acceptance::{self, AcceptanceMode, VerifyWindow};
+use crate::acceptance::{self, AcceptanceMode};
 use crate::comm::{local_group, Communicator};
 use crate::config::ModelConfig;
 use crate::cpu::forward::{CpuModel, Probe, WindowRow, WindowUndo};
 use crate::cpu::ops::Linear;
 use crate::cpu::plan::{Plan, PlanRow};
+use crate::cpu::runner::{verify_row, RowVerify};
 use crate::cpu::shard::{flatten_kda, join_kda, split_kda, Shard};
 use crate::cpu::vocab::{local_best, resolve};
 use crate::dspark::{DrafterModel, DrafterSlot, DrafterSource, TargetHead};
 use crate::error::{KernelError, Result};
 use crate::launches::{SyncLaunches, SyncStepper};
-use crate::runner::{
-    apply_row_mask, DraftProposal, DraftRequest, Drafter, RowInput, RowOutput, Runner, StateId, TokenId, TokenMask,
-};
+use crate::runner::{DraftProposal, DraftRequest, Drafter, RowInput, RowOutput, Runner, StateId, TokenId, TokenMask};
 use crate::state::{MlaCache, SeqState, MLA_BLOCK_TOKENS};
 use crate::tensor::WeightSource;
 
@@ -680,21 +679,16 @@ impl Member {
                 acceptance::greedy_tokens(drafts, |p| row_choices[p].clone().map_err(KernelError::InvalidInput))
                     .map(|tokens| RowOutput { num_accepted: tokens.len() - 1, tokens, logprobs: Vec::new() })
             } else {
-                let window = &mut logits[i];
-                if let Some(mask) = &work.token_mask {
-                    mask.apply(window);
-                }
-                for (mask, position) in sample.masks.iter().zip(window.chunks_mut(vocab)) {
-                    apply_row_mask(mask, position);
-                }
-                let verify = VerifyWindow {
-                    target_logits: window,
+                let row = RowVerify {
+                    logits: &mut logits[i],
                     vocab,
+                    token_mask: work.token_mask.as_deref(),
+                    sample,
                     drafts,
-                    draft_logits: q.as_deref(),
+                    draft_q: q.as_deref(),
                     first_position: (start + t - sample.draft_len) as u64,
                 };
-                acceptance::verify(&verify, &sample.params, &work.acceptance).map(RowOutput::from)
+                verify_row(row, &work.acceptance).map(RowOutput::from)
             };
             first += sample.draft_len + 1;
             match verdict {
