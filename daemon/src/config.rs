@@ -312,6 +312,7 @@ impl ServeArgs {
             kept_responses_bytes: budgets.kept_responses_bytes,
             max_kept_responses: self.max_kept_responses,
             prefix_cache_bytes: budgets.prefix_cache_bytes,
+            prefix_device_bytes: budgets.prefix_device_bytes,
             step_time: None,
             async_scheduling: self.async_scheduling,
             max_event_backlog: self.max_event_backlog,
@@ -344,6 +345,7 @@ mod tests {
         host_offload_bytes: 1 << 30,
         kept_responses_bytes: 2 << 30,
         prefix_cache_bytes: 0,
+        prefix_device_bytes: 0,
     };
 
     fn parse(args: &[&str]) -> ServeArgs {

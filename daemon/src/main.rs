@@ -257,12 +257,13 @@ fn start_engine(args: &ServeArgs, served: Served, model_name: &str) -> Result<En
     });
     let budgets = args.memory.budgets(&present)?;
     tracing::info!(
-        "memory budgets: states {} MiB, host offload {} MiB, kept responses {} MiB, prefix cache {} MiB \
-         (host available {} MiB{})",
+        "memory budgets: states {} MiB, host offload {} MiB, kept responses {} MiB, prefix cache {} MiB host and \
+         {} MiB device (host available {} MiB{})",
         budgets.state_bytes >> 20,
         budgets.host_offload_bytes >> 20,
         budgets.kept_responses_bytes >> 20,
         budgets.prefix_cache_bytes >> 20,
+        budgets.prefix_device_bytes >> 20,
         present.host_available >> 20,
         present.device_free.map(|f| format!(", device free {} MiB", f >> 20)).unwrap_or_default(),
     );

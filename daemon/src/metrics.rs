@@ -123,8 +123,12 @@ pub const SESSIONS_KEPT: &str = "sparkd:sessions_kept";
 pub const SESSIONS_BYTES: &str = "sparkd:sessions_bytes";
 /// Gauge with label `tier` (`device`, `host`): bytes of per-sequence state held.
 pub const STATE_MEMORY_BYTES: &str = "sparkd:state_memory_bytes";
-/// Gauge: bytes held by prefix-cache snapshots.
+/// Gauge with label `tier` (`device`: forked runner states, `host`: exported copies): bytes held by prefix-cache
+/// snapshots.
 pub const PREFIX_CACHE_BYTES: &str = "sparkd:prefix_cache_bytes";
+/// Counter with label `to` (`host`: a device snapshot exported down a tier, `dropped`): prefix-cache snapshots
+/// moved out of a full tier.
+pub const PREFIX_CACHE_MOVES_TOTAL: &str = "sparkd:prefix_cache_moves_total";
 /// Counter with label `kind` (an error's stable `kind()`): failed requests.
 pub const ERRORS_TOTAL: &str = "sparkd:errors_total";
 /// Counter with labels `endpoint` and `status`: HTTP requests answered.
@@ -319,7 +323,13 @@ pub const ALL_METRICS: &[MetricDef] = &[
         "Bytes kept responses hold: states in every tier, token histories and stored response objects.",
     ),
     labelled(STATE_MEMORY_BYTES, Gauge, ("tier", &["device", "host"]), "Bytes of per-sequence model state held."),
-    def(PREFIX_CACHE_BYTES, Gauge, "Bytes held by prefix-cache state snapshots."),
+    labelled(PREFIX_CACHE_BYTES, Gauge, ("tier", &["device", "host"]), "Bytes held by prefix-cache state snapshots."),
+    labelled(
+        PREFIX_CACHE_MOVES_TOTAL,
+        Counter,
+        ("to", &["host", "dropped"]),
+        "Prefix-cache snapshots moved out of a full tier: exported to the host, or dropped.",
+    ),
     labelled(
         ERRORS_TOTAL,
         Counter,

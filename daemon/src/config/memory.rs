@@ -1,15 +1,18 @@
 //! The memory budgets of `sparkd serve` (`--state-budget-bytes`, `--host-offload-bytes`, `--kept-responses-bytes`,
-//! `--prefix-cache-bytes`), sized from the memory actually present once the model is loaded.
+//! `--prefix-cache-bytes`, `--prefix-cache-device-bytes`), sized from the memory actually present once the model is
+//! loaded.
 //!
 //! Invariants:
 //! - A budget not given is the smaller of its fixed default and a share of the memory present: sequence states
 //!   take at most [`STATE_SHARE`] of the device's free memory (of the host's available memory on the CPU and
 //!   null backends, where states live in host memory), host copies of kept states at most [`OFFLOAD_SHARE`] and
 //!   prefix snapshots at most [`PREFIX_SHARE`] of the host's available memory; together the host-resident
-//!   defaults stay under two thirds of it.
+//!   defaults stay under two thirds of it. On a GPU, prefix snapshots kept as device forks take at most
+//!   [`PREFIX_DEVICE_SHARE`] of the device's free memory; where states live in host memory there is no device
+//!   tier (0), and a prefix cache disabled by `--prefix-cache-bytes 0` has none either.
 //! - A budget given explicitly is kept as given, but start-up is refused (naming the flags and the memory found)
-//!   when the budgets that live on the host add up to more than the host's available memory, or the state
-//!   budget is more than the device's free memory.
+//!   when the budgets that live on the host add up to more than the host's available memory, or the state and
+//!   prefix device budgets together are more than the device's free memory.
 //! - Where the memory present cannot be read ([`MemoryPresent::unknown`]), the fixed defaults apply unchecked.
 //! - The kept-responses budget bounds what kept responses hold in every tier, so it is not memory of its own:
 //!   by default it is the state and host-offload budgets together.
@@ -17,7 +20,9 @@
 use std::io;
 
 use super::{ConfigError, Device};
-use crate::engine::types::{DEFAULT_HOST_BUDGET_BYTES, DEFAULT_PREFIX_CACHE_BYTES, DEFAULT_STATE_BUDGET_BYTES};
+use crate::engine::types::{
+    DEFAULT_HOST_BUDGET_BYTES, DEFAULT_PREFIX_CACHE_BYTES, DEFAULT_PREFIX_DEVICE_BYTES, DEFAULT_STATE_BUDGET_BYTES,
+};
 
 /// Share of the free device memory (host memory on the CPU) the default state budget may take.
 pub const STATE_SHARE: f64 = 0.25;
@@ -25,6 +30,8 @@ pub const STATE_SHARE: f64 = 0.25;
 pub const OFFLOAD_SHARE: f64 = 0.25;
 /// Share of the available host memory the default prefix-cache budget may take.
 pub const PREFIX_SHARE: f64 = 0.125;
+/// Share of the free device memory the default device tier of the prefix cache may take.
+pub const PREFIX_DEVICE_SHARE: f64 = 0.0625;
 
 /// The memory present once the model is loaded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -81,6 +88,12 @@ pub struct MemoryArgs {
     /// available host memory when that is less.
     #[arg(long, value_name = "BYTES")]
     pub prefix_cache_bytes: Option<usize>,
+    /// Device bytes for prefix-cache snapshots kept as forked device states (GPU only): taking one is a
+    /// device-to-device copy instead of a download of the whole state; beyond it the least recently used move to
+    /// the host budget above. Default: 4 GiB, or a sixteenth of the free device memory when that is less; 0 on the
+    /// CPU, and 0 exports every snapshot to the host.
+    #[arg(long, value_name = "BYTES")]
+    pub prefix_cache_device_bytes: Option<usize>,
 }
 
 /// The budgets the engine runs with.
@@ -90,6 +103,7 @@ pub struct Budgets {
     pub host_offload_bytes: usize,
     pub kept_responses_bytes: usize,
     pub prefix_cache_bytes: usize,
+    pub prefix_device_bytes: usize,
 }
 
 fn share(bytes: u64, fraction: f64) -> usize {
@@ -111,17 +125,30 @@ impl MemoryArgs {
             self.host_offload_bytes.unwrap_or(DEFAULT_HOST_BUDGET_BYTES.min(share(host, OFFLOAD_SHARE)));
         let prefix_cache_bytes =
             self.prefix_cache_bytes.unwrap_or(DEFAULT_PREFIX_CACHE_BYTES.min(share(host, PREFIX_SHARE)));
+        let prefix_device_bytes = match (present.device_free, prefix_cache_bytes) {
+            (None, _) | (_, 0) => 0,
+            (Some(free), _) => self
+                .prefix_cache_device_bytes
+                .unwrap_or(DEFAULT_PREFIX_DEVICE_BYTES.min(share(free, PREFIX_DEVICE_SHARE))),
+        };
         let kept_responses_bytes = self.kept_responses_bytes.unwrap_or(state_bytes.saturating_add(host_offload_bytes));
         if state_bytes == 0 {
             return Err(ConfigError { flag: "state-budget-bytes", reason: "must be at least 1".into() });
         }
         if let Some(free) = present.device_free {
-            if state_bytes as u64 > free {
+            let on_device = state_bytes as u64 + prefix_device_bytes as u64;
+            if on_device > free {
+                let flag = match state_bytes as u64 > free {
+                    true => "state-budget-bytes",
+                    false => "prefix-cache-device-bytes",
+                };
                 return Err(ConfigError {
-                    flag: "state-budget-bytes",
+                    flag,
                     reason: format!(
-                        "{} of sequence states do not fit the {} of device memory free after the model loaded",
+                        "{} of sequence states and {} of prefix snapshots do not fit the {} of device memory free \
+                         after the model loaded",
                         gib(state_bytes as u64),
+                        gib(prefix_device_bytes as u64),
                         gib(free)
                     ),
                 });
@@ -149,7 +176,7 @@ impl MemoryArgs {
                 ),
             });
         }
-        Ok(Budgets { state_bytes, host_offload_bytes, kept_responses_bytes, prefix_cache_bytes })
+        Ok(Budgets { state_bytes, host_offload_bytes, kept_responses_bytes, prefix_cache_bytes, prefix_device_bytes })
     }
 }
 
@@ -167,12 +194,30 @@ mod tests {
         assert_eq!(b.host_offload_bytes, DEFAULT_HOST_BUDGET_BYTES);
         assert_eq!(b.prefix_cache_bytes, DEFAULT_PREFIX_CACHE_BYTES);
         assert_eq!(b.kept_responses_bytes, DEFAULT_STATE_BUDGET_BYTES + DEFAULT_HOST_BUDGET_BYTES);
+        assert_eq!(b.prefix_device_bytes, DEFAULT_PREFIX_DEVICE_BYTES);
 
         // A 24 GB host on the CPU: the old fixed defaults (8 + 16 + 8 GiB) did not fit; these take five eighths.
         let small = MemoryPresent { host_available: 20 * GIB, device_free: None };
         let b = MemoryArgs::default().budgets(&small).unwrap();
         assert_eq!((b.state_bytes, b.host_offload_bytes, b.prefix_cache_bytes), (5 << 30, 5 << 30, (5 << 30) / 2));
         assert!((b.state_bytes + b.host_offload_bytes + b.prefix_cache_bytes) as u64 <= small.host_available * 2 / 3);
+        assert_eq!(b.prefix_device_bytes, 0, "no device tier where states live in host memory");
+    }
+
+    #[test]
+    fn the_prefix_device_tier_takes_a_share_of_the_gpu_and_goes_with_the_cache() {
+        let gpu = MemoryPresent { host_available: 1024 * GIB, device_free: Some(32 * GIB) };
+        assert_eq!(MemoryArgs::default().budgets(&gpu).unwrap().prefix_device_bytes, 2 << 30);
+        let off = MemoryArgs { prefix_cache_bytes: Some(0), ..MemoryArgs::default() };
+        assert_eq!(off.budgets(&gpu).unwrap().prefix_device_bytes, 0, "disabling the cache disables both tiers");
+        let too_much = MemoryArgs {
+            state_budget_bytes: Some(20 << 30),
+            prefix_cache_device_bytes: Some(16 << 30),
+            ..MemoryArgs::default()
+        };
+        let err = too_much.budgets(&gpu).unwrap_err();
+        assert_eq!(err.flag, "prefix-cache-device-bytes");
+        assert!(err.to_string().contains("16.0 GiB of prefix snapshots"), "{err}");
     }
 
     #[test]

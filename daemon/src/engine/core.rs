@@ -39,7 +39,9 @@
 //!   (prefill chunks are planned to end exactly there) and at the last block boundary passed while
 //!   decoding, stored when the request finishes; never for a later turn of a kept chain (a request
 //!   that continues a kept response and is kept itself): its prefix is its chain's own and its kept
-//!   state carries the chain on, while each snapshot is a whole-state export on the engine thread.
+//!   state carries the chain on. A snapshot is a device fork while the cache's device tier has a budget, else
+//!   a whole-state export on the engine thread. A pending decode snapshot that is not stored (the request
+//!   failed, a later boundary replaced it) is given back to the cache, so its fork is freed exactly once.
 
 use std::collections::{HashMap, VecDeque};
 use std::thread::JoinHandle;
@@ -48,14 +50,14 @@ use std::time::{Duration, Instant};
 use metrics::{counter, gauge, histogram};
 use sparkd_kernels::launches::FedRow;
 use sparkd_kernels::runner::{RowInput, RowOutput};
-use sparkd_kernels::state::{SeqState, MLA_BLOCK_TOKENS};
+use sparkd_kernels::state::MLA_BLOCK_TOKENS;
 use sparkd_kernels::{KernelError, Runner, StateId};
 use tokio::sync::mpsc::{self, error::TryRecvError};
 
 use super::constraints::{Constraints, MasksOnAsk, StepMasks};
 use super::journal::{Journal, OpenJournal};
 use super::phases::{Phase, PhaseClock};
-use super::prefix_cache::PrefixCache;
+use super::prefix_cache::{PrefixBudgets, PrefixCache, Taken};
 use super::reuse::{Lookup, ReuseCounters};
 use super::scheduler::{AheadPlan, FinishedSeq, Scheduler, SchedulerLimits, StepOutcome, StepPlan};
 use super::sessions::{EvictionPolicy, LruPolicy, SessionStore, StoreBudgets};
@@ -166,7 +168,7 @@ struct Live {
     first_token: Option<Instant>,
     last_token: Option<Instant>,
     /// The last block-boundary snapshot passed while decoding, stored in the prefix cache at finish.
-    pending_snapshot: Option<(Vec<sparkd_kernels::TokenId>, SeqState)>,
+    pending_snapshot: Option<(Vec<sparkd_kernels::TokenId>, Taken)>,
     /// The terminal event was queued; the entry goes once the backlog is delivered.
     done: bool,
     /// The request's own cap on draft tokens per step.
@@ -259,7 +261,10 @@ impl EngineCore {
                     max_entries: config.max_kept_responses,
                 },
             ),
-            prefix: PrefixCache::new(MLA_BLOCK_TOKENS, config.prefix_cache_bytes),
+            prefix: PrefixCache::new(
+                MLA_BLOCK_TOKENS,
+                PrefixBudgets { device_bytes: config.prefix_device_bytes, host_bytes: config.prefix_cache_bytes },
+            ),
             config,
             commands,
             commands_open: true,
@@ -497,8 +502,8 @@ impl EngineCore {
         }
         if restored.is_none() && self.prefix.is_enabled() {
             looked_up = true;
-            if let Some((len, snapshot)) = self.prefix.lookup(&tokens, reusable) {
-                restored = Some((self.runner.import_state(snapshot)?, len));
+            if let Some((len, state)) = self.prefix.lookup(self.runner.as_mut(), &tokens, reusable)? {
+                restored = Some((state, len));
                 how = "prefix";
             }
         }
@@ -773,8 +778,8 @@ impl EngineCore {
         self.phases.lap(Phase::Emit);
     }
 
-    /// Exports the state at a block boundary: into the prefix cache now (a planned prompt boundary)
-    /// or as the request's pending decode snapshot.
+    /// Snapshots the state at a block boundary: into the prefix cache now (a planned prompt boundary)
+    /// or as the request's pending decode snapshot (replacing, and giving back, the one before).
     fn snapshot(&mut self, id: RequestId, tokens: Vec<sparkd_kernels::TokenId>, planned: bool) {
         if !self.prefix.is_enabled() || (planned && self.prefix.contains(&tokens)) {
             return;
@@ -787,13 +792,36 @@ impl EngineCore {
             tracing::error!(request = %id, "a block-boundary snapshot of a state in flight was skipped");
             return;
         }
-        let Some(live) = self.live.get_mut(&id) else { return };
-        match self.runner.export_state(state) {
-            Ok(snapshot) if planned => {
-                self.prefix.insert(&tokens, snapshot);
+        let taken = match self.prefix.take(self.runner.as_mut(), state) {
+            Ok(taken) => taken,
+            Err(e) => return tracing::warn!(request = %id, error = %e, "taking a prefix snapshot failed"),
+        };
+        let replaced = match self.live.get_mut(&id) {
+            Some(live) if !planned => live.pending_snapshot.replace((tokens, taken)).map(|(_, old)| old),
+            _ => {
+                self.store_snapshot(id, &tokens, taken);
+                None
             }
-            Ok(snapshot) => live.pending_snapshot = Some((tokens, snapshot)),
-            Err(e) => tracing::warn!(request = %id, error = %e, "prefix snapshot export failed"),
+        };
+        if let Some(old) = replaced {
+            self.give_back_snapshot(id, old);
+        }
+    }
+
+    /// Stores a snapshot in the prefix cache (which gives it back if it does not keep it).
+    fn store_snapshot(&mut self, id: RequestId, tokens: &[sparkd_kernels::TokenId], taken: Taken) {
+        match self.prefix.insert(self.runner.as_mut(), tokens, taken) {
+            Ok((_, moved)) => {
+                counter!(names::PREFIX_CACHE_MOVES_TOTAL, "to" => "host").increment(moved.to_host as u64);
+                counter!(names::PREFIX_CACHE_MOVES_TOTAL, "to" => "dropped").increment(moved.dropped as u64);
+            }
+            Err(e) => tracing::warn!(request = %id, error = %e, "storing a prefix snapshot failed"),
+        }
+    }
+
+    fn give_back_snapshot(&mut self, id: RequestId, taken: Taken) {
+        if let Err(e) = PrefixCache::discard(self.runner.as_mut(), taken) {
+            tracing::warn!(request = %id, error = %e, "freeing a prefix snapshot failed");
         }
     }
 
@@ -858,9 +886,12 @@ impl EngineCore {
         }
         if let Some(live) = self.live.get_mut(&id) {
             live.keep_as = None;
-            live.pending_snapshot = None;
+            let pending = live.pending_snapshot.take();
             if let Some(state) = live.state.take() {
                 self.settle_or_defer(Settle::Free { id, state });
+            }
+            if let Some((_, taken)) = pending {
+                self.give_back_snapshot(id, taken);
             }
         }
         self.emit(id, EngineEvent::Failed(error));
@@ -872,10 +903,11 @@ impl EngineCore {
         if let Some(speculator) = &mut self.speculator {
             speculator.end(finished.id, &finished.tokens);
         }
-        let Some(live) = self.live.get_mut(&finished.id) else { return };
-        if let Some((tokens, snapshot)) = live.pending_snapshot.take() {
-            self.prefix.insert(&tokens, snapshot);
+        let Some(pending) = self.live.get_mut(&finished.id).map(|l| l.pending_snapshot.take()) else { return };
+        if let Some((tokens, taken)) = pending {
+            self.store_snapshot(finished.id, &tokens, taken);
         }
+        let Some(live) = self.live.get_mut(&finished.id) else { return };
         let state = live.state.take();
         let keep_as = live.keep_as.take();
         if let (Some(s), Some(last)) = (live.first_scheduled, live.last_token) {
@@ -935,19 +967,25 @@ impl EngineCore {
         self.forget_removed();
     }
 
+    /// Device bytes of running requests: their states and their pending decode snapshots.
     fn live_bytes(&self) -> usize {
-        self.live.values().filter_map(|l| l.state).filter_map(|s| self.runner.state_bytes(s).ok()).sum()
+        let states: usize =
+            self.live.values().filter_map(|l| l.state).filter_map(|s| self.runner.state_bytes(s).ok()).sum();
+        let pending: usize =
+            self.live.values().filter_map(|l| l.pending_snapshot.as_ref()).map(|(_, t)| t.device_bytes()).sum();
+        states + pending
     }
 
     fn record_gauges(&self) {
         gauge!(names::NUM_REQUESTS_RUNNING).set(self.scheduler.num_running() as f64);
         gauge!(names::NUM_REQUESTS_WAITING).set(self.scheduler.num_waiting() as f64);
-        let device = self.live_bytes() + self.sessions.device_bytes();
+        let device = self.live_bytes() + self.sessions.device_bytes() + self.prefix.device_bytes();
         let budget = self.config.state_budget_bytes.max(1);
         gauge!(names::KV_CACHE_USAGE_PERC).set((device as f64 / budget as f64).min(1.0));
         gauge!(names::STATE_MEMORY_BYTES, "tier" => "device").set(device as f64);
         gauge!(names::STATE_MEMORY_BYTES, "tier" => "host").set(self.sessions.host_bytes() as f64);
-        gauge!(names::PREFIX_CACHE_BYTES).set(self.prefix.bytes() as f64);
+        gauge!(names::PREFIX_CACHE_BYTES, "tier" => "device").set(self.prefix.device_bytes() as f64);
+        gauge!(names::PREFIX_CACHE_BYTES, "tier" => "host").set(self.prefix.host_bytes() as f64);
         gauge!(names::SESSIONS_KEPT).set(self.sessions.len() as f64);
         gauge!(names::SESSIONS_BYTES).set(self.sessions.held_bytes() as f64);
     }

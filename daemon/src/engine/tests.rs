@@ -476,6 +476,30 @@ fn chat_resend_restores_the_cached_prefix_and_prefills_only_the_suffix() {
 }
 
 #[test]
+fn device_tier_snapshots_are_forks_restored_by_forking_and_each_freed_once() {
+    let h = Harness::new(EngineConfig { prefix_device_bytes: 1 << 20, ..config() });
+    let p1 = prompt(5, 100);
+    let out1 = collect(h.submit(request(1, p1.clone(), 100))).tokens;
+    h.settle();
+    {
+        let seen = h.seen.lock().unwrap();
+        assert_eq!((seen.exports, seen.imports), (0, 0), "no state left the device");
+        // The prompt's boundary 64, then 128 and 192 passed while decoding: 192 replaced 128, which was freed.
+        assert_eq!(seen.forks, 3);
+        assert_eq!(seen.live_states, 2, "only the cache's own snapshots at 64 and 192 are left");
+    }
+    let mut p2: Vec<TokenId> = p1.iter().chain(&out1).copied().collect();
+    p2.extend(prompt(6, 30));
+    let c = collect(h.submit(request(2, p2.clone(), 3)));
+    assert_eq!(c.tokens, NullRunner::greedy_continuation(&p2, 3), "the same tokens as a recomputed prefix");
+    assert_eq!(c.started, Some((230, 192)), "restored from the decode snapshot at 192");
+    h.settle();
+    let seen = h.seen.lock().unwrap();
+    assert_eq!((seen.exports, seen.imports, seen.forks), (0, 0, 4), "the lookup forked the snapshot");
+    assert_eq!(seen.live_states, 2, "the restored fork was freed with its request; the entries stay");
+}
+
+#[test]
 fn a_kept_chain_s_later_turns_take_no_prefix_snapshots() {
     let h = Harness::new(config());
     let exports = || h.seen.lock().unwrap().exports;

@@ -221,6 +221,8 @@ pub const DEFAULT_HOST_BUDGET_BYTES: usize = 16 << 30;
 pub const DEFAULT_KEPT_RESPONSES_BYTES: usize = DEFAULT_STATE_BUDGET_BYTES + DEFAULT_HOST_BUDGET_BYTES;
 /// Default host byte budget for prefix-cache snapshots.
 pub const DEFAULT_PREFIX_CACHE_BYTES: usize = 8 << 30;
+/// Default device byte budget for prefix-cache snapshots kept as runner states (GPU only; see `prefix_cache`).
+pub const DEFAULT_PREFIX_DEVICE_BYTES: usize = 4 << 30;
 /// Kept responses at most: the byte budget bounds what they hold, this bounds their number (each costs map
 /// and index entries besides its bytes).
 pub const DEFAULT_MAX_KEPT_RESPONSES: usize = 100_000;
@@ -248,6 +250,8 @@ pub struct EngineConfig {
     pub max_kept_responses: usize,
     /// Host bytes for prefix-cache snapshots (0 disables the prefix cache).
     pub prefix_cache_bytes: usize,
+    /// Device bytes for prefix-cache snapshots kept as runner states (0: every snapshot is exported to the host).
+    pub prefix_device_bytes: usize,
     /// Holds steps that have decode rows to a predicted step time (`--decode-step-target`); `None`:
     /// prefill chunks take what `max_num_batched_tokens` leaves.
     pub step_time: Option<StepTimeLimit>,
@@ -270,6 +274,7 @@ impl Default for EngineConfig {
             kept_responses_bytes: DEFAULT_KEPT_RESPONSES_BYTES,
             max_kept_responses: DEFAULT_MAX_KEPT_RESPONSES,
             prefix_cache_bytes: DEFAULT_PREFIX_CACHE_BYTES,
+            prefix_device_bytes: 0,
             step_time: None,
             async_scheduling: true,
             max_event_backlog: DEFAULT_MAX_EVENT_BACKLOG,
