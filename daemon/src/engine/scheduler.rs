@@ -15,7 +15,11 @@
 //!   `max_num_seqs` rows; at most `max_num_seqs` sequences are running.
 //! - Order: rows that will sample (decode rows, including ones carrying drafts) are planned first,
 //!   in admission order, so inter-token latency does not wait on long prompts; the remaining budget
-//!   goes to prefill chunks in admission order (FCFS). Admission from the waiting queue is FCFS.
+//!   goes to prefill chunks: first the prompts with at most [`LONG_PREFILL_TOKENS`] left to compute, then the
+//!   longer ones, each group in admission order. So an agent's next turn (a tool result, a user message over a
+//!   restored conversation) is not queued behind another conversation's uncached history (follows vLLM V0's
+//!   partial prefills, where prompts under `long_prefill_token_threshold` jump ahead of long ones). Admission from
+//!   the waiting queue is FCFS.
 //! - Preemption-free: a running sequence keeps its state until it finishes, is cancelled or fails.
 //!   A shortage of memory is handled by evicting idle kept states (see `sessions`), never by
 //!   evicting a running one.
@@ -28,8 +32,8 @@
 //!   step is already in flight.
 //! - With a step-time limit ([`StepTimeLimit`]), a step that has decode rows adds at most the limit's
 //!   prefill allowance for those rows' tokens (the predicted step time stays within the target, and
-//!   the oldest prompt still advances by at least the limit's minimum chunk); a step without decode
-//!   rows gives prefill the whole `max_num_batched_tokens`. Decode rows are never cut by the limit.
+//!   the first prompt in the order above still advances by at least the limit's minimum chunk); a step without
+//!   decode rows gives prefill the whole `max_num_batched_tokens`. Decode rows are never cut by the limit.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -39,6 +43,10 @@ use sparkd_kernels::TokenId;
 
 use super::step_time::StepTimeLimit;
 use super::types::{EngineEvent, FinishReason, GenerateRequest, RequestId, Usage};
+
+/// A prompt with more than this many tokens left to compute is long: prompts with fewer are planned before it.
+/// An agent turn's new tokens over a restored conversation are tens to hundreds; an uncached history is thousands.
+pub const LONG_PREFILL_TOKENS: usize = 512;
 
 /// Limits the scheduler plans under.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -391,13 +399,16 @@ impl Scheduler {
         if let (Some(limit), false) = (&self.step_time, rows.is_empty()) {
             budget = limit.prefill_allowance(self.limits.max_num_batched_tokens - budget, budget);
         }
-        // Pass 2: prompt chunks, FCFS, with what is left of the budget.
-        for (index, seq) in self.running.iter().enumerate() {
+        // Pass 2: prompt chunks with what is left of the budget, short prompts first (module invariants).
+        let (short, long): (Vec<_>, Vec<_>) = self
+            .running
+            .iter()
+            .enumerate()
+            .filter(|(_, seq)| seq.output_len() == 0)
+            .partition(|(_, seq)| seq.tokens.len() - seq.computed <= LONG_PREFILL_TOKENS);
+        for (index, seq) in short.into_iter().chain(long) {
             if rows.len() == max_rows || budget == 0 {
                 break;
-            }
-            if seq.output_len() > 0 {
-                continue;
             }
             let unfed = seq.tokens.len() - seq.computed;
             let to_stop = seq.chunk_stops.first().map_or(usize::MAX, |s| s - seq.computed);

@@ -306,6 +306,27 @@ fn the_minimum_chunk_keeps_a_prompt_advancing_under_any_target() {
 }
 
 #[test]
+fn a_short_prompt_is_not_queued_behind_a_long_one() {
+    // T = 5.07 ms fits B = 21: 20 prefill tokens beside one decode token.
+    let mut s = limited(4096, StepTarget::Seconds(0.00507));
+    decoding_beside_a_prompt(&mut s, LONG_PREFILL_TOKENS + 100);
+    start(&mut s, &[request(3, 30, 4)]);
+    let mut chunks = Vec::new();
+    for _ in 0..3 {
+        let plan = s.schedule(Instant::now());
+        chunks.push(row_lens(&plan)[1..].to_vec());
+        s.apply(&plan, &outputs(&plan, 7, false)).unwrap();
+    }
+    // The 30-token prompt takes the allowance before the older 612-token one, which then goes on beside it.
+    let expected = vec![vec![(3, 20, false)], vec![(2, 10, false), (3, 10, true)], vec![(2, 19, false), (3, 1, true)]];
+    assert_eq!(chunks, expected);
+    // Without a limit both fit the budget, the older first.
+    let mut s = scheduler(4096, 8);
+    start(&mut s, &[request(1, LONG_PREFILL_TOKENS + 100, 4), request(2, 30, 4)]);
+    assert_eq!(row_lens(&s.schedule(Instant::now())), vec![(1, 612, true), (2, 30, true)]);
+}
+
+#[test]
 fn limited_chunks_still_end_on_the_planned_block_boundary() {
     // T = 5.07 ms fits B = 21: 20 prefill tokens beside one decode token.
     let mut s = limited(256, StepTarget::Seconds(0.00507));
