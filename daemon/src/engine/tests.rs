@@ -667,8 +667,10 @@ fn a_step_time_limit_chunks_prefill_beside_decode_rows_and_keeps_the_tokens() {
     let (short, long) = (prompt(1, 3), prompt(2, 200));
     let run = |step_time: Option<StepTimeLimit>| {
         let h = Harness::new(EngineConfig { step_time, ..config() });
-        // The decoding request outlives the long prompt's prefill by far, whenever the prompt arrives.
-        let decoding = h.submit(request(1, short.clone(), 1000));
+        // The decoding request outlives the long prompt's prefill by far, whenever the prompt arrives: its
+        // 20,000 steps take the null runner long enough that a test thread descheduled between the two
+        // submissions (a loaded CI host) still finds it decoding.
+        let decoding = h.submit(request(1, short.clone(), 20_000));
         let prefilling = h.submit(request(2, long.clone(), 5));
         let tokens = (collect(decoding).tokens, collect(prefilling).tokens);
         let big_steps = h.seen.lock().unwrap().step_tokens.iter().filter(|&&n| n > 9).count();
@@ -676,7 +678,7 @@ fn a_step_time_limit_chunks_prefill_beside_decode_rows_and_keeps_the_tokens() {
     };
     let (limited, limited_big) = run(Some(limit));
     let (free, free_big) = run(None);
-    assert_eq!(limited.0, NullRunner::greedy_continuation(&short, 1000));
+    assert_eq!(limited.0, NullRunner::greedy_continuation(&short, 20_000));
     assert_eq!(limited.1, NullRunner::greedy_continuation(&long, 5));
     assert_eq!(limited, free, "the limit changes how prompts are chunked, never the tokens");
     assert!(limited_big <= 1, "only a step without decode rows exceeds 1 + 8 tokens ({limited_big})");
