@@ -1,7 +1,7 @@
 //! The launch contract on the command line: `sparkd rendezvous` (the contract alone, for checking a
 //! deployment's network before loading its weights), the hidden `sparkd worker` (one local rank, started by
-//! `serve`), and `sparkd serve --device cuda` over several ranks (workers, rendezvous, then a clear error
-//! until the sharded CUDA forward exists).
+//! `serve`), and `sparkd serve --device cuda` over several ranks (workers, rendezvous with an NCCL unique id,
+//! then a clear error until the sharded CUDA forward exists).
 //!
 //! Invariants:
 //! - Node 0's process is the master; every other process joins it. A process holds its node's ranks
@@ -16,7 +16,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use sha2::{Digest, Sha256};
 use sparkd::config::ServeArgs;
-use sparkd::launch::rendezvous::{join, Group, Join, Master, RandomUniqueId};
+use sparkd::launch::rendezvous::{join, Group, Join, Master, NcclUniqueId, RandomUniqueId};
 use sparkd::launch::workers::{die_with_parent, WorkerLaunch, Workers};
 use sparkd::launch::{disable_nvlink_multicast_here, LaunchArgs, LaunchError, Rank};
 
@@ -90,7 +90,8 @@ pub fn worker(args: &WorkerArgs) -> Result<()> {
 }
 
 /// `sparkd serve --device cuda` over several ranks: starts this node's workers, forms the group with them
-/// (and with the other nodes), then stops with an error: the sharded CUDA forward is not built yet.
+/// (and with the other nodes; node 0 draws the id with `ncclGetUniqueId`, so a node 0 without NCCL fails here,
+/// naming the library), then stops with an error: the sharded CUDA forward is not built yet.
 pub fn serve_sharded_cuda(args: &ServeArgs) -> Result<()> {
     disable_nvlink_multicast_here();
     let layout = args.launch.layout(args.tensor_parallel_size)?;
@@ -119,7 +120,7 @@ pub fn serve_sharded_cuda(args: &ServeArgs) -> Result<()> {
         let master = Master::bind(&args.launch.master_addr, launch.master_port, me)?;
         launch.master_port = master.local_addr()?.port();
         let mut workers = Workers::spawn(&launch)?;
-        (master.gather(&RandomUniqueId, &mut || workers.check()), workers)
+        (master.gather(&NcclUniqueId, &mut || workers.check()), workers)
     } else {
         let workers = Workers::spawn(&launch)?;
         (join(&args.launch.master_addr, launch.master_port, &me), workers)
@@ -134,8 +135,10 @@ pub fn serve_sharded_cuda(args: &ServeArgs) -> Result<()> {
     group.close("the sharded CUDA forward is not built yet");
     drop(workers);
     Err(LaunchError::Unsupported(format!(
-        "--device cuda --tensor-parallel-size {}: the {} ranks formed their group, but the sharded CUDA forward \
-         is not built yet (issue 35); --device cpu serves {0} in-process ranks",
+        "--device cuda --tensor-parallel-size {}: the {} ranks formed their group with an NCCL unique id, but the \
+         sharded CUDA forward is not built yet (issue 35: the CUDA weights sharded at load, the forward's all-reduces \
+         over cuda::nccl, the vocabulary-parallel lm_head and the workers' step loop); --device cpu serves {0} \
+         in-process ranks",
         layout.world, layout.world
     ))
     .into())

@@ -49,8 +49,8 @@ pub trait UniqueIdSource {
     fn unique_id(&self) -> Result<UniqueId, LaunchError>;
 }
 
-/// 128 random bytes. The NCCL communicator will replace it with `ncclGetUniqueId` on rank 0, whose bytes carry
-/// the address NCCL's own bootstrap listens on; until then nothing reads the id but the launch contract.
+/// 128 random bytes: the id of a group whose ranks do not talk through NCCL (the CPU backend's in-process ranks,
+/// `sparkd rendezvous`), where nothing reads it but the launch contract.
 pub struct RandomUniqueId;
 
 impl UniqueIdSource for RandomUniqueId {
@@ -59,6 +59,19 @@ impl UniqueIdSource for RandomUniqueId {
         getrandom::getrandom(&mut id.0)
             .map_err(|e| LaunchError::io("drawing the group's unique id", std::io::Error::other(e.to_string())))?;
         Ok(id)
+    }
+}
+
+/// `ncclGetUniqueId` (`sparkd_kernels::cuda::nccl::unique_id`), drawn by the master (rank 0's process) of a CUDA
+/// group: its bytes carry the address NCCL's bootstrap listens on in this process, and every rank passes them to
+/// `ncclCommInitRank`. Fails, naming the library and `LD_LIBRARY_PATH`, when NCCL cannot be loaded.
+pub struct NcclUniqueId;
+
+impl UniqueIdSource for NcclUniqueId {
+    fn unique_id(&self) -> Result<UniqueId, LaunchError> {
+        let id = sparkd_kernels::cuda::nccl::unique_id()
+            .map_err(|e| LaunchError::Device(format!("drawing the group's NCCL unique id: {e}")))?;
+        Ok(UniqueId(id))
     }
 }
 
@@ -147,9 +160,8 @@ impl Master {
         poll: &mut dyn FnMut() -> Result<(), LaunchError>,
     ) -> Result<Group, LaunchError> {
         let mut peers: Vec<Conn> = Vec::new();
-        match self.gather_peers(&mut peers, poll) {
-            Ok(members) => {
-                let unique_id = ids.unique_id()?;
+        match self.gather_peers(&mut peers, poll).and_then(|members| Ok((members, ids.unique_id()?))) {
+            Ok((members, unique_id)) => {
                 let layout = self.join.layout;
                 let welcome = Message::Welcome {
                     version: VERSION,
