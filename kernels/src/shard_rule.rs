@@ -207,7 +207,7 @@ impl Shard {
         let Some(axis) = self.split_axis(split) else {
             return Ok(values);
         };
-        let rows = if width == 0 { 0 } else { values.len() / width };
+        let rows = values.len().checked_div(width).unwrap_or(0);
         let dim = if axis == 0 { rows } else { width };
         if width == 0 || values.len() % width != 0 || dim % self.world != 0 {
             return Err(KernelError::InvalidInput(format!(
