@@ -1,7 +1,8 @@
 //! The one per-tensor shard rule: for every checkpoint tensor name, how it lays over the ranks of a
 //! tensor-parallel group ([`split_of`] gives a [`Split`]), and one rank's place in the group ([`Shard`]). The CPU
-//! loader (`cpu::weights`) takes each rank's part through it and `sparkd plan` (`daemon/src/plan/weights.rs`)
-//! counts each rank's bytes by it, so what is planned is what is loaded.
+//! loader (`cpu::weights`, on widened values: [`Shard::part`]) and the CUDA loader (`cuda::weights`, on the stored
+//! bytes: [`Shard::part_tensor`]) take each rank's part through it, and `sparkd plan`
+//! (`daemon/src/plan/weights.rs`) counts each rank's bytes by it, so what is planned is what is loaded.
 //!
 //! The rule follows §6.3 of the K3 reference (shared/reference/k3-architecture.md, "TP2 over 2 GPUs: what gets
 //! sharded"), for any group size `N` that divides the split dimensions ([`Shard::check`]):
@@ -26,6 +27,7 @@ use std::ops::Range;
 
 use crate::config::ModelConfig;
 use crate::error::{KernelError, Result};
+use crate::tensor::HostTensor;
 
 /// The flag a group size comes from (named in errors).
 pub const TP_FLAG: &str = "--tensor-parallel-size";
@@ -222,6 +224,46 @@ impl Shard {
     }
 }
 
+impl Shard {
+    /// This rank's part of the checkpoint tensor `t` (named `name`) as stored, without widening: what the CUDA
+    /// loader uploads. A split is taken on whole stored elements, so an MXFP4 routed expert split by width keeps
+    /// whole code bytes (two inputs each) and whole scale bytes (a 32-input group each): its part is the same
+    /// expert's dequantised part. A split that would cut an element, or that the group does not divide, is an
+    /// error naming the tensor. A tensor this rank holds whole is returned as it is (no copy).
+    pub fn part_tensor(&self, name: &str, t: HostTensor) -> Result<HostTensor> {
+        let Some(axis) = self.split_axis(split_of(name)?) else {
+            return Ok(t);
+        };
+        let size = t.dtype.size();
+        let rows = t.shape.first().copied().unwrap_or(0);
+        let width: usize = t.shape.iter().skip(1).product(); // elements per row
+        let (dim, shape) = match axis {
+            0 => (rows, [rows / self.world].into_iter().chain(t.shape.iter().skip(1).copied()).collect()),
+            _ if t.shape.len() == 2 => (width, vec![rows, width / self.world]),
+            _ => (0, Vec::new()),
+        };
+        if dim == 0 || dim % self.world != 0 {
+            return Err(KernelError::InvalidInput(format!(
+                "`{name}` of shape {:?} cannot be split along axis {axis} over {} ranks ({TP_FLAG})",
+                t.shape, self.world
+            )));
+        }
+        let row_bytes = width * size;
+        let bytes = match axis {
+            0 => {
+                let block = self.block(rows);
+                t.bytes()[block.start * row_bytes..block.end * row_bytes].to_vec()
+            }
+            _ => {
+                let block = self.block(width);
+                let cols = block.start * size..block.end * size;
+                t.bytes().chunks_exact(row_bytes).flat_map(|row| row[cols.clone()].iter().copied()).collect()
+            }
+        };
+        HostTensor::owned(t.dtype, shape, bytes)
+    }
+}
+
 /// Rows `rows` of a row-major `[_, width]` matrix.
 pub fn slice_rows<T: Copy>(values: &[T], width: usize, rows: Range<usize>) -> Vec<T> {
     values[rows.start * width..rows.end * width].to_vec()
@@ -268,6 +310,51 @@ mod tests {
             assert_eq!(split_of(bad).unwrap_err().kind(), "invalid_input", "{bad}");
         }
         assert!(split_of(&l("block_sparse_moe.experts.e.w1.weight")).is_err());
+    }
+
+    /// The CUDA loader's parts (stored bytes) are the CPU loader's parts (widened values), for every tensor of
+    /// k3-tiny over 2 and 4 ranks, experts placed or split by width; MXFP4 experts dequantise to the same part.
+    /// Over 4 ranks k3-tiny's 64-wide experts would split into 16-wide slices, half an MXFP4 group: refused.
+    #[test]
+    fn stored_parts_are_the_widened_parts() {
+        use crate::tensor::{DType, WeightSource};
+        let cfg = ModelConfig::preset("k3-tiny").unwrap();
+        let src = crate::synth::SyntheticWeights::new(cfg.clone(), 5);
+        let specs = model_tensors(&cfg);
+        let mut checked = 0;
+        for (world, expert_parallel) in [(2, false), (2, true), (4, true)] {
+            Shard::check(&cfg, world, expert_parallel).unwrap();
+            for rank in 0..world {
+                let shard = Shard { rank, world, expert_parallel };
+                for spec in specs.iter().filter(|s| !s.name.ends_with("A_log")) {
+                    let t = src.tensor(spec).unwrap();
+                    let split = split_of(&spec.name).unwrap();
+                    let width = t.shape.iter().skip(1).product::<usize>();
+                    let part = shard.part_tensor(&spec.name, t.clone()).unwrap();
+                    if t.dtype != DType::U8 {
+                        let want = shard.part(split, t.to_f32().unwrap(), width).unwrap();
+                        assert_eq!(part.to_f32().unwrap(), want, "{} on {shard:?}", spec.name);
+                        checked += 1;
+                        continue;
+                    }
+                    let Some(base) = spec.name.strip_suffix(".weight_packed") else { continue };
+                    let scales_spec = specs.iter().find(|s| s.name == format!("{base}.weight_scale")).unwrap();
+                    let scales = src.tensor(scales_spec).unwrap();
+                    let (out, inp) = (t.shape[0], t.shape[1] * 2);
+                    let whole = crate::mxfp4::dequant(out, inp, t.bytes(), scales.bytes()).unwrap();
+                    let scales_part = shard.part_tensor(&scales_spec.name, scales).unwrap();
+                    let (pout, pin) = (part.shape[0], part.shape[1] * 2);
+                    let got = crate::mxfp4::dequant(pout, pin, part.bytes(), scales_part.bytes()).unwrap();
+                    assert_eq!(got, shard.part(split, whole, inp).unwrap(), "{base} on {shard:?}");
+                    checked += 1;
+                }
+            }
+        }
+        assert!(checked > 0);
+        let w2 = crate::schema::expert_specs(&cfg, 1, 0, "w2");
+        let quarter = Shard { rank: 1, world: 4, expert_parallel: false };
+        let err = quarter.part_tensor(&w2[1].name, src.tensor(&w2[1]).unwrap()).unwrap_err();
+        assert!(err.to_string().contains("weight_scale"), "{err}");
     }
 
     #[test]
