@@ -597,6 +597,18 @@ mod tests {
     use super::*;
     use crate::launch::wire::{read_message, write_message};
 
+    #[test]
+    fn an_nccl_id_is_128_bytes_or_an_error_naming_the_library() {
+        match NcclUniqueId.unique_id() {
+            Ok(id) => assert!(id.0.iter().any(|b| *b != 0), "ncclGetUniqueId gave zeros"),
+            Err(e) => {
+                assert_eq!(e.kind(), "device");
+                let text = e.to_string();
+                assert!(text.contains("libnccl.so.2") && text.contains("LD_LIBRARY_PATH"), "{text}");
+            }
+        }
+    }
+
     fn me(node: u32, ranks: &[u32], world: u32, fingerprint: &str) -> Join {
         Join {
             layout: Layout { world, nnodes: 2, node: NodeRank(node) },
