@@ -35,7 +35,7 @@ fn one_rank(gpu: &Gpu) -> NcclComm {
     let (lib, version) = nccl_version().unwrap();
     eprintln!("NCCL {version:?} from {lib}");
     let id = unique_id().unwrap();
-    NcclComm::init(gpu, NcclGroup { id: &id, rank: 0, world: 1 }).unwrap()
+    NcclComm::init(&gpu.ctx, NcclGroup { id: &id, rank: 0, world: 1 }).unwrap()
 }
 
 #[test]
@@ -66,6 +66,7 @@ fn a_group_of_one_copies_every_collective_bit_for_bit() {
     let err = comm.broadcast(1, buf, &gpu.stream).unwrap_err();
     assert_eq!(err.kind(), "invalid_input");
     comm.health().unwrap();
+    comm.check_sum(&gpu.ctx).unwrap();
 }
 
 #[test]
@@ -108,7 +109,7 @@ fn a_rank_outside_its_group_is_refused() {
     let gpu = Gpu::new(0).unwrap();
     let id = [0u8; UNIQUE_ID_BYTES];
     for (rank, world) in [(1, 1), (0, 0)] {
-        let err = NcclComm::init(&gpu, NcclGroup { id: &id, rank, world }).err().expect("refused");
+        let err = NcclComm::init(&gpu.ctx, NcclGroup { id: &id, rank, world }).err().expect("refused");
         assert_eq!(err.kind(), "invalid_input");
     }
 }
@@ -126,7 +127,7 @@ fn on_two_gpus<T: Send + 'static>(body: fn(usize, &Gpu, &NcclComm) -> T) -> Opti
         .map(|rank| {
             std::thread::spawn(move || {
                 let gpu = Gpu::new(rank).unwrap();
-                let comm = NcclComm::init(&gpu, NcclGroup { id: &id, rank, world: 2 }).unwrap();
+                let comm = NcclComm::init(&gpu.ctx, NcclGroup { id: &id, rank, world: 2 }).unwrap();
                 body(rank, &gpu, &comm)
             })
         })
@@ -155,6 +156,7 @@ fn two_ranks_sum_gather_scatter_and_broadcast_exactly() {
         comm.broadcast(1, DeviceBuf { at: gpu.ptr(&cast), count: n, elem: Elem::F32 }, &gpu.stream).unwrap();
         gpu.synchronize().unwrap();
         comm.health().unwrap();
+        comm.check_sum(&gpu.ctx).unwrap();
         (
             gpu.download(&f, n).unwrap(),
             gpu.download(&b, n).unwrap(),
@@ -217,13 +219,13 @@ fn an_abort_ends_a_collective_whose_peer_never_comes() {
     let (joined_tx, joined_rx) = mpsc::channel();
     let peer = std::thread::spawn(move || {
         let gpu = Gpu::new(1).unwrap();
-        let comm = NcclComm::init(&gpu, NcclGroup { id: &id, rank: 1, world: 2 }).unwrap();
+        let comm = NcclComm::init(&gpu.ctx, NcclGroup { id: &id, rank: 1, world: 2 }).unwrap();
         joined_rx.recv().ok();
         drop(comm);
     });
     std::thread::spawn(move || {
         let gpu = Gpu::new(0).unwrap();
-        let comm = std::sync::Arc::new(NcclComm::init(&gpu, NcclGroup { id: &id, rank: 0, world: 2 }).unwrap());
+        let comm = std::sync::Arc::new(NcclComm::init(&gpu.ctx, NcclGroup { id: &id, rank: 0, world: 2 }).unwrap());
         let f = gpu.zeros::<f32>(1 << 20).unwrap();
         comm.all_reduce_sum(DeviceBuf { at: gpu.ptr(&f), count: 1 << 20, elem: Elem::F32 }, &gpu.stream).unwrap();
         let watchdog = comm.clone();

@@ -434,6 +434,30 @@ impl Group {
             watch.run_peer(deadline)
         }
     }
+
+    /// Keeps the group up, watched as [`Group::watch`] watches it, while `work` runs on a thread of its own, and
+    /// returns what the work returned once the group agrees it is done: the master, when its own work is done,
+    /// ends the group normally with `close_reason`; a peer, once its work is done, waits for that. A member that
+    /// goes away, a work that fails (a peer's failure ends its part of the group, which the master sees as that
+    /// rank going away), or the master's work not done within `bound` ends the group with an error instead.
+    pub fn watch_during<T: Send + 'static>(
+        self,
+        bound: Duration,
+        close_reason: &str,
+        work: impl FnOnce() -> Result<T, LaunchError> + Send + 'static,
+    ) -> Result<T, LaunchError> {
+        let (tx, done) = mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(work());
+        });
+        let is_master = self.is_master();
+        let conns = match self.link {
+            Link::Master(peers) => peers,
+            Link::Peer(master) => vec![master],
+        };
+        let watch = Watch::start(conns, self.heartbeat_timeout)?;
+        watch.run_during(is_master, &done, bound, close_reason)
+    }
 }
 
 /// The heartbeat sender and one reader thread per connection; stopped (sockets shut down) on drop.
@@ -553,6 +577,100 @@ impl Watch {
     }
 }
 
+/// How often [`Watch::run_during`] looks at its work between the members' events.
+const WORK_POLL: Duration = Duration::from_millis(50);
+/// How long a peer whose master ended the group waits for its own part of the work to report.
+const WORK_GRACE: Duration = Duration::from_secs(2);
+
+impl Watch {
+    /// Sends `msg` to every member that has not left.
+    fn send_all(&self, left: &[bool], msg: &Message) {
+        for (j, gone) in left.iter().enumerate() {
+            if !gone {
+                self.send(j, msg);
+            }
+        }
+    }
+
+    /// The loop of [`Group::watch_during`]: the members' events, and the work's result from `done`.
+    fn run_during<T>(
+        self,
+        is_master: bool,
+        done: &mpsc::Receiver<Result<T, LaunchError>>,
+        bound: Duration,
+        close_reason: &str,
+    ) -> Result<T, LaunchError> {
+        let deadline = Instant::now() + bound;
+        let mut left = vec![false; self.writers.len()];
+        let mut result = None;
+        loop {
+            if result.is_none() {
+                match done.try_recv() {
+                    Ok(Ok(t)) if is_master => {
+                        self.send_all(&left, &Message::Shutdown { reason: close_reason.into() });
+                        return Ok(t);
+                    }
+                    Ok(Ok(t)) => result = Some(t),
+                    Ok(Err(e)) => {
+                        if is_master {
+                            self.send_all(&left, &Message::Abort { reason: format!("rank 0: {e}") });
+                        }
+                        return Err(e);
+                    }
+                    Err(mpsc::TryRecvError::Disconnected) => {
+                        let e =
+                            LaunchError::Device("this rank's part of the group's work ended without a result".into());
+                        return Err(e);
+                    }
+                    Err(mpsc::TryRecvError::Empty) if is_master && Instant::now() >= deadline => {
+                        let why = format!("the group's work did not finish on every rank within {} s", bound.as_secs());
+                        self.send_all(&left, &Message::Abort { reason: why.clone() });
+                        return Err(LaunchError::Device(why));
+                    }
+                    Err(mpsc::TryRecvError::Empty) => {}
+                }
+            }
+            let (i, event) = match self.events.recv_timeout(WORK_POLL) {
+                Ok(event) => event,
+                Err(_) => continue,
+            };
+            if is_master {
+                let reason = match event {
+                    Ok(Message::Bye) => {
+                        tracing::info!("{} left the group", self.who(i));
+                        left[i] = true;
+                        continue;
+                    }
+                    Ok(other) => format!("{} sent `{}` out of turn", self.who(i), other.name()),
+                    Err(e) => format!("{} went away: {}", self.who(i), self.why(&e)),
+                };
+                left[i] = true;
+                self.send_all(&left, &Message::Abort { reason: reason.clone() });
+                return Err(LaunchError::PeerGone(reason));
+            }
+            return match event {
+                Ok(Message::Shutdown { reason }) => {
+                    tracing::info!("the group was shut down: {reason}");
+                    match result {
+                        Some(t) => Ok(t),
+                        // The master finished first; a group-wide work ends on every rank at about the same time.
+                        None => done.recv_timeout(WORK_GRACE).unwrap_or_else(|_| {
+                            Err(LaunchError::PeerGone(format!(
+                                "the group ended before this rank's part of its work did: {reason}"
+                            )))
+                        }),
+                    }
+                }
+                Ok(Message::Abort { reason }) => Err(LaunchError::PeerGone(format!("the group went down: {reason}"))),
+                Ok(other) => Err(LaunchError::Protocol(format!("{} sent `{}` out of turn", self.who(0), other.name()))),
+                Err(e) => {
+                    Err(LaunchError::PeerGone(format!("the master, {}, went away: {}", self.who(0), self.why(&e))))
+                }
+            };
+        }
+    }
+}
+
 impl Drop for Watch {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
@@ -642,6 +760,59 @@ mod tests {
         let peer = std::thread::spawn(move || node1.watch(None));
         node0.close("done");
         peer.join().unwrap().expect("a shutdown ends the peer's watch cleanly");
+    }
+
+    /// A master and one peer (node 1, rank 1) of a formed group of two.
+    fn pair() -> (Group, Group) {
+        let (port, node0) = master(me(0, &[0], 2, "f"));
+        let node1 = join("127.0.0.1", port, &me(1, &[1], 2, "f")).unwrap();
+        (node0.join().unwrap().unwrap(), node1)
+    }
+
+    #[test]
+    fn launch_work_done_on_every_rank_ends_the_group_normally() {
+        let (node0, node1) = pair();
+        let bound = Duration::from_secs(20);
+        let peer = std::thread::spawn(move || node1.watch_during(bound, "", || Ok("peer")));
+        let started = Instant::now();
+        let slow = move || {
+            std::thread::sleep(Duration::from_millis(1500)); // past the heartbeat timeout: the watch keeps them going
+            Ok("master")
+        };
+        assert_eq!(node0.watch_during(bound, "checked", slow).unwrap(), "master");
+        assert_eq!(peer.join().unwrap().unwrap(), "peer");
+        assert!(started.elapsed() < Duration::from_secs(10));
+    }
+
+    #[test]
+    fn launch_work_that_fails_or_overruns_takes_the_group_down() {
+        // A peer whose work fails leaves: the master's work (waiting for it) ends with that rank named.
+        let (node0, node1) = pair();
+        let bound = Duration::from_secs(20);
+        let peer = std::thread::spawn(move || {
+            node1.watch_during::<()>(bound, "", || Err(LaunchError::Device("no GPU here".into())))
+        });
+        let err = node0
+            .watch_during(bound, "checked", || {
+                std::thread::sleep(Duration::from_secs(30));
+                Ok(())
+            })
+            .unwrap_err();
+        assert!(err.to_string().starts_with("rank 1 on node 1 (127.0.0.1:"), "{err}");
+        assert_eq!(peer.join().unwrap().unwrap_err().to_string(), "no GPU here");
+
+        // The master's work not done in time: both fail, the peer told why.
+        let (node0, node1) = pair();
+        let peer = std::thread::spawn(move || node1.watch_during(Duration::from_secs(20), "", || Ok(())));
+        let hang = || {
+            std::thread::sleep(Duration::from_secs(30));
+            Ok(())
+        };
+        let err = node0.watch_during(Duration::from_secs(1), "checked", hang).unwrap_err();
+        assert_eq!(err.kind(), "device");
+        assert!(err.to_string().contains("did not finish on every rank within 1 s"), "{err}");
+        let err = peer.join().unwrap().unwrap_err();
+        assert!(err.to_string().contains("did not finish on every rank"), "{err}");
     }
 
     #[test]

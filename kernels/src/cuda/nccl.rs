@@ -23,13 +23,12 @@
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr};
 use cudarc::nccl::sys::{cudaStream_t, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
 use libloading::Library;
 
-use crate::cuda::gpu::Gpu;
 use crate::cuda::launch::DPtr;
 use crate::error::{KernelError, Result};
 
@@ -278,14 +277,14 @@ unsafe impl Send for NcclComm {}
 unsafe impl Sync for NcclComm {}
 
 impl NcclComm {
-    /// Joins group `group` on `gpu`'s device (`ncclCommInitRank`; it returns once every rank has joined).
-    pub fn init(gpu: &Gpu, group: NcclGroup<'_>) -> Result<Self> {
+    /// Joins group `group` on `ctx`'s device (`ncclCommInitRank`; it returns once every rank has joined).
+    pub fn init(ctx: &CudaContext, group: NcclGroup<'_>) -> Result<Self> {
         let NcclGroup { id, rank, world } = group;
         if world == 0 || rank >= world {
             return Err(KernelError::InvalidInput(format!("rank {rank} of an NCCL group of {world}")));
         }
         let nccl = library()?;
-        gpu.ctx.bind_to_thread().map_err(|e| KernelError::Device(format!("binding the device for NCCL: {e}")))?;
+        ctx.bind_to_thread().map_err(|e| KernelError::Device(format!("binding the device for NCCL: {e}")))?;
         let id = ncclUniqueId { internal: id.map(|b| b as c_char) };
         let mut comm: ncclComm_t = std::ptr::null_mut();
         // SAFETY: `comm` receives the communicator; the id is the group's, the rank within it.
@@ -303,6 +302,27 @@ impl NcclComm {
         let code = unsafe { (nccl.comm_get_async_error)(self.comm, &mut state) };
         nccl.check(code, "ncclCommGetAsyncError", Some(self.comm))?;
         nccl.check(state, &format!("rank {}'s NCCL communicator", self.rank), Some(self.comm))
+    }
+
+    /// Checks the group end to end on a stream of its own on `ctx`: every rank contributes `rank + 1` to an f32
+    /// all-reduce and must read back `world (world + 1) / 2` (exact in f32). A group-wide call.
+    pub fn check_sum(&self, ctx: &Arc<CudaContext>) -> Result<()> {
+        let err = |what: &str, e: cudarc::driver::DriverError| KernelError::Device(format!("{what}: {e}"));
+        let stream = ctx.new_stream().map_err(|e| err("creating the NCCL check's stream", e))?;
+        let buf = stream.clone_htod(&[(self.rank + 1) as f32]).map_err(|e| err("uploading the NCCL check", e))?;
+        let (at, _sync) = buf.device_ptr(&stream);
+        self.all_reduce_sum(DeviceBuf { at, count: 1, elem: Elem::F32 }, &stream)?;
+        let mut sum = [0f32];
+        stream.memcpy_dtoh(&buf, &mut sum).map_err(|e| err("reading the NCCL check back", e))?;
+        stream.synchronize().map_err(|e| err("waiting for the NCCL check", e))?;
+        let want = (self.world * (self.world + 1) / 2) as f32;
+        match sum[0] == want {
+            true => Ok(()),
+            false => Err(KernelError::Device(format!(
+                "the NCCL check on rank {} of {}: the all-reduce gave {} instead of {want}",
+                self.rank, self.world, sum[0]
+            ))),
+        }
     }
 
     fn live(&self) -> Result<&'static Nccl> {
