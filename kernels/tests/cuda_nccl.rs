@@ -27,6 +27,11 @@ fn values(rank: usize, n: usize) -> Vec<f32> {
     (0..n).map(|i| ((i * 7 + rank * 3) % 61) as f32 - 30.0).collect()
 }
 
+/// 77 bytes that differ per rank (a step plan's worth).
+fn plan_bytes(rank: usize) -> Vec<u8> {
+    (0..77).map(|i| (i * 31 + rank * 101) as u8).collect()
+}
+
 fn bf16s(v: &[f32]) -> Vec<bf16> {
     v.iter().map(|x| bf16::from_f32(*x)).collect()
 }
@@ -63,6 +68,9 @@ fn a_group_of_one_copies_every_collective_bit_for_bit() {
     assert_eq!(gpu.download(&out2, n).unwrap(), hb, "reduce-scatter of one rank");
     comm.broadcast(0, buf, &gpu.stream).unwrap();
     assert_eq!(gpu.download(&b, n).unwrap(), hb, "broadcast of one rank");
+    let bytes = gpu.upload(&plan_bytes(0)).unwrap();
+    comm.broadcast(0, DeviceBuf { at: gpu.ptr(&bytes), count: 77, elem: Elem::U8 }, &gpu.stream).unwrap();
+    assert_eq!(gpu.download(&bytes, 77).unwrap(), plan_bytes(0), "bytes broadcast by one rank");
     let err = comm.broadcast(1, buf, &gpu.stream).unwrap_err();
     assert_eq!(err.kind(), "invalid_input");
     comm.health().unwrap();
@@ -154,6 +162,8 @@ fn two_ranks_sum_gather_scatter_and_broadcast_exactly() {
         comm.reduce_scatter_sum(gpu.ptr(&send), half, &gpu.stream).unwrap();
         let cast = gpu.upload(&mine).unwrap();
         comm.broadcast(1, DeviceBuf { at: gpu.ptr(&cast), count: n, elem: Elem::F32 }, &gpu.stream).unwrap();
+        let plan = gpu.upload(&plan_bytes(rank)).unwrap();
+        comm.broadcast(0, DeviceBuf { at: gpu.ptr(&plan), count: 77, elem: Elem::U8 }, &gpu.stream).unwrap();
         gpu.synchronize().unwrap();
         comm.health().unwrap();
         comm.check_sum(&gpu.ctx).unwrap();
@@ -163,6 +173,7 @@ fn two_ranks_sum_gather_scatter_and_broadcast_exactly() {
             gpu.download(&gathered, 2 * n).unwrap(),
             gpu.download(&scattered, n / 2).unwrap(),
             gpu.download(&cast, n).unwrap(),
+            gpu.download(&plan, 77).unwrap(),
         )
     }) else {
         return;
@@ -171,12 +182,13 @@ fn two_ranks_sum_gather_scatter_and_broadcast_exactly() {
     let (x0, x1) = (values(0, n), values(1, n));
     let sum: Vec<f32> = x0.iter().zip(&x1).map(|(a, b)| a + b).collect();
     let whole: Vec<f32> = x0.iter().chain(&x1).copied().collect();
-    for (rank, (f, b, gathered, scattered, cast)) in results.iter().enumerate() {
+    for (rank, (f, b, gathered, scattered, cast, plan)) in results.iter().enumerate() {
         assert_eq!(f, &sum, "rank {rank}: f32 all-reduce");
         assert_eq!(b, &bf16s(&sum), "rank {rank}: bf16 all-reduce");
         assert_eq!(gathered, &whole, "rank {rank}: all-gather in rank order");
         assert_eq!(scattered.as_slice(), &sum[rank * n / 2..(rank + 1) * n / 2], "rank {rank}: reduce-scatter");
         assert_eq!(cast, &x1, "rank {rank}: broadcast from rank 1");
+        assert_eq!(plan, &plan_bytes(0), "rank {rank}: bytes broadcast from rank 0");
     }
 }
 

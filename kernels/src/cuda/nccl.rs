@@ -38,7 +38,8 @@ pub const NCCL_LIBRARIES: [&str; 2] = ["libnccl.so.2", "libnccl.so"];
 /// Bytes of an NCCL unique id (`NCCL_UNIQUE_ID_BYTES`).
 pub const UNIQUE_ID_BYTES: usize = 128;
 
-/// The element type of a collective's buffers.
+/// The element type of a collective's buffers: activations (bf16), partial sums and logits (f32), and bytes (a
+/// step's plan broadcast from rank 0).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Elem {
     Bf16,
@@ -47,14 +48,6 @@ pub enum Elem {
 }
 
 impl Elem {
-    pub fn size(self) -> usize {
-        match self {
-            Elem::Bf16 => 2,
-            Elem::F32 => 4,
-            Elem::U8 => 1,
-        }
-    }
-
     fn nccl(self) -> ncclDataType_t {
         match self {
             Elem::Bf16 => ncclDataType_t::ncclBfloat16,
