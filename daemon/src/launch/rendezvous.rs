@@ -12,7 +12,9 @@
 //! fifth of `--heartbeat-timeout`. When a connection closes, breaks or stays silent past the timeout, the
 //! master sends `abort` with "rank R on node N (addr) went away: why" to every other peer and fails; a peer
 //! that loses the master fails the same way. A group ends normally with the master's `shutdown` (or a peer's
-//! `bye`).
+//! `bye`). [`Group::watch_during`] watches the same way while every process runs its part of a group-wide work
+//! (a CUDA group's NCCL communicator): a part that fails leaves the group, which names its rank, and the master
+//! ends the group normally once its own part is done.
 //!
 //! Invariants:
 //! - No wait is unbounded: accepting and connecting stop at the rendezvous deadline, a hello must arrive
