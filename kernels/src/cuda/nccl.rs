@@ -303,7 +303,7 @@ impl NcclComm {
         let err = |what: &str, e: cudarc::driver::DriverError| KernelError::Device(format!("{what}: {e}"));
         let stream = ctx.new_stream().map_err(|e| err("creating the NCCL check's stream", e))?;
         let buf = stream.clone_htod(&[(self.rank + 1) as f32]).map_err(|e| err("uploading the NCCL check", e))?;
-        let (at, _sync) = buf.device_ptr(&stream);
+        let at = buf.device_ptr(&stream).0;
         self.all_reduce_sum(DeviceBuf { at, count: 1, elem: Elem::F32 }, &stream)?;
         let mut sum = [0f32];
         stream.memcpy_dtoh(&buf, &mut sum).map_err(|e| err("reading the NCCL check back", e))?;
