@@ -22,6 +22,9 @@ use sparkd::launch::rendezvous::{join, Group, Join, Master, NcclUniqueId, Random
 use sparkd::launch::workers::{die_with_parent, WorkerLaunch, Workers};
 use sparkd::launch::{disable_nvlink_multicast_here, LaunchArgs, LaunchError, Rank};
 use sparkd_kernels::cuda::nccl::{NcclComm, NcclGroup};
+use sparkd_kernels::cuda::weights::check_shapes;
+use sparkd_kernels::shard_rule::Shard;
+use sparkd_kernels::ModelConfig;
 
 /// `sparkd rendezvous` options.
 #[derive(clap::Args)]
@@ -115,6 +118,7 @@ fn join_nccl(group: &Group, rank: Rank) -> impl FnOnce() -> Result<NcclComm, Lau
 pub fn serve_sharded_cuda(args: &ServeArgs) -> Result<()> {
     disable_nvlink_multicast_here();
     let layout = args.launch.layout(args.tensor_parallel_size)?;
+    check_shards(args)?;
     let fingerprint = fingerprint(args)?;
     let first = layout.ranks_of(layout.node)[0];
     let me = Join {
@@ -165,6 +169,25 @@ pub fn serve_sharded_cuda(args: &ServeArgs) -> Result<()> {
         layout.world, layout.world
     ))
     .into())
+}
+
+/// Refuses, before any process starts, a group that cannot shard the model on CUDA: a size that does not divide
+/// its heads, widths, vocabulary or (with `--expert-parallel`) experts, or a rank's widths the kernels do not take
+/// (an expert split by width below whole MXFP4 groups). Every rank's widths are the same.
+fn check_shards(args: &ServeArgs) -> Result<()> {
+    let cfg = match &args.model {
+        Some(dir) => ModelConfig::from_file(&Path::new(dir).join("config.json"))?,
+        None => ModelConfig::preset(&args.synthetic).with_context(|| format!("--synthetic {}", args.synthetic))?,
+    };
+    let shard = Shard { rank: 0, world: args.tensor_parallel_size, expert_parallel: args.expert_parallel };
+    check_shapes(&shard.local_config(&cfg)?).with_context(|| {
+        format!(
+            "--tensor-parallel-size {}{}: a rank's part of the model does not fit the CUDA kernels",
+            shard.world,
+            if shard.expert_parallel { " --expert-parallel" } else { "" }
+        )
+    })?;
+    Ok(())
 }
 
 /// Node 0 listens and gathers the group; every other node joins it.

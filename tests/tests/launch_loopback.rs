@@ -3,7 +3,8 @@
 //! deployments both fail naming the mismatch; a node killed after the rendezvous takes the other down with an
 //! error naming its rank (and a killed node 0 takes node 1 down naming the master), in bounded time; `sparkd serve --device cuda --tensor-parallel-size 2` starts its
 //! worker, forms the group with it, then stops with a clear error (no NCCL to draw the group's id with, no GPU to
-//! join its communicator on, or the sharded CUDA forward not built yet) and leaves no worker behind.
+//! join its communicator on, or the sharded CUDA forward not built yet) and leaves no worker behind; a group that
+//! cannot shard the model on CUDA is refused before any worker starts.
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::TcpListener;
@@ -188,4 +189,17 @@ fn launch_flags_that_make_no_group_are_refused_by_name() {
     let (code, _, err) = run(&["serve", "--device", "cpu", "--nnodes", "2", "--tensor-parallel-size", "2"]);
     assert_eq!(code, 1);
     assert!(err.contains("--nnodes:"), "{err}");
+    // A group that cannot shard the model on CUDA is refused before any worker starts.
+    let cuda = ["serve", "--device", "cuda", "--synthetic", "k3-tiny", "--port", "0", "--tensor-parallel-size"];
+    let (code, _, err) = run(&[&cuda[..], &["3"]].concat());
+    assert_eq!(code, 1);
+    assert!(err.contains("--tensor-parallel-size`: 3 does not divide KDA heads"), "{err}");
+    assert!(!err.contains("started the worker"), "{err}");
+    let (code, _, err) = run(&[&cuda[..], &["4"]].concat());
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("--tensor-parallel-size 4: a rank's part of the model does not fit the CUDA kernels"),
+        "{err}"
+    );
+    assert!(err.contains("MoE expert width 16"), "{err}");
 }
