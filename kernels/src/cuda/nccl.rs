@@ -16,7 +16,8 @@
 //!   collective is a copy (or nothing, in place), so a group of one computes exactly the unsharded bits.
 //! - [`DeviceCommunicator::abort`] (`ncclCommAbort`) may be called from any thread, e.g. the launch contract's
 //!   liveness thread when a peer goes away, while the engine thread waits on a collective that will never end:
-//!   NCCL's abort is what ends it. After it, every call on this rank fails with the reason before touching NCCL.
+//!   NCCL's abort is what ends it (NCCL's documented use of `ncclCommAbort`, and PyTorch's `ProcessGroupNCCL`
+//!   watchdog, which this follows). After it, every call on this rank fails with the reason before touching NCCL.
 //!   Dropping an [`NcclComm`] aborts it too (`ncclCommDestroy` may wait on peers; abort never does).
 //! - [`NcclComm::init`] is `ncclCommInitRank`, which waits for every rank of the group; a peer that never comes is
 //!   the launch contract's to detect (its rendezvous and heartbeat timeouts end the process), not this module's.
