@@ -1,7 +1,7 @@
 //! The launch contract on the command line: `sparkd rendezvous` (the contract alone, for checking a
 //! deployment's network before loading its weights), the hidden `sparkd worker` (one local rank, started by
-//! `serve`), and `sparkd serve --device cuda` over several ranks (workers, rendezvous, then a clear error
-//! until the sharded CUDA forward exists).
+//! `serve`), and `sparkd serve --device cuda` over several ranks (workers, rendezvous with an NCCL unique id,
+//! every rank's NCCL communicator formed and checked, then a clear error until the sharded CUDA forward exists).
 //!
 //! Invariants:
 //! - Node 0's process is the master; every other process joins it. A process holds its node's ranks
@@ -9,6 +9,8 @@
 //! - Every failure is an error with a non-zero exit, never a hang: the rendezvous and every read are bounded.
 //! - `serve` sets the NVLink-multicast-off variables in its own environment before any thread starts, and
 //!   its workers are killed and reaped before it exits.
+//! - A CUDA group's processes join NCCL while the group is watched (`Group::watch_during`): a rank that fails
+//!   or goes away ends the group naming it, and the communicators are bounded by `--rendezvous-timeout`.
 
 use std::path::Path;
 use std::time::Duration;
@@ -16,9 +18,13 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use sha2::{Digest, Sha256};
 use sparkd::config::ServeArgs;
-use sparkd::launch::rendezvous::{join, Group, Join, Master, RandomUniqueId};
+use sparkd::launch::rendezvous::{join, Group, Join, Master, NcclUniqueId, RandomUniqueId};
 use sparkd::launch::workers::{die_with_parent, WorkerLaunch, Workers};
 use sparkd::launch::{disable_nvlink_multicast_here, LaunchArgs, LaunchError, Rank};
+use sparkd_kernels::cuda::nccl::{NcclComm, NcclGroup};
+use sparkd_kernels::cuda::weights::check_shapes;
+use sparkd_kernels::shard_rule::Shard;
+use sparkd_kernels::ModelConfig;
 
 /// `sparkd rendezvous` options.
 #[derive(clap::Args)]
@@ -85,15 +91,34 @@ pub fn worker(args: &WorkerArgs) -> Result<()> {
     let port = args.launch.master_port.context("--master-port: a worker needs the master's port")?;
     let group = join(&args.launch.master_addr, port, &me)?;
     tracing::info!("{} joined a group of {} ranks", Rank(args.rank), group.layout.world);
-    group.watch(None)?;
+    let nccl = join_nccl(&group, Rank(args.rank));
+    let comm = group.watch_during(args.launch.rendezvous_timeout(), "", nccl)?;
+    drop(comm);
     Ok(())
 }
 
+/// This process's part of the group's NCCL communicator, to run while the group is watched: it opens device 0 of
+/// what the process sees (a worker's one GPU, the launcher's first), joins with the welcome's unique id
+/// (`ncclCommInitRank`) and checks the group end to end with a one-value all-reduce (`NcclComm::check_sum`).
+fn join_nccl(group: &Group, rank: Rank) -> impl FnOnce() -> Result<NcclComm, LaunchError> + Send + 'static {
+    let (id, world) = (group.unique_id.0, group.layout.world as usize);
+    move || {
+        let fail = |e: sparkd_kernels::KernelError| LaunchError::Device(format!("{rank}: {e}"));
+        let ctx = sparkd_kernels::cuda::device::open(0).map_err(fail)?;
+        let comm = NcclComm::init(&ctx, NcclGroup { id: &id, rank: rank.0 as usize, world }).map_err(fail)?;
+        comm.check_sum(&ctx).map_err(fail)?;
+        tracing::info!("{rank}: joined the NCCL communicator of {world} ranks; its all-reduce check passed");
+        Ok(comm)
+    }
+}
+
 /// `sparkd serve --device cuda` over several ranks: starts this node's workers, forms the group with them
-/// (and with the other nodes), then stops with an error: the sharded CUDA forward is not built yet.
+/// (and with the other nodes; node 0 draws the id with `ncclGetUniqueId`, so a node 0 without NCCL fails here,
+/// naming the library), then stops with an error: the sharded CUDA forward is not built yet.
 pub fn serve_sharded_cuda(args: &ServeArgs) -> Result<()> {
     disable_nvlink_multicast_here();
     let layout = args.launch.layout(args.tensor_parallel_size)?;
+    check_shards(args)?;
     let fingerprint = fingerprint(args)?;
     let first = layout.ranks_of(layout.node)[0];
     let me = Join {
@@ -119,7 +144,7 @@ pub fn serve_sharded_cuda(args: &ServeArgs) -> Result<()> {
         let master = Master::bind(&args.launch.master_addr, launch.master_port, me)?;
         launch.master_port = master.local_addr()?.port();
         let mut workers = Workers::spawn(&launch)?;
-        (master.gather(&RandomUniqueId, &mut || workers.check()), workers)
+        (master.gather(&NcclUniqueId, &mut || workers.check()), workers)
     } else {
         let workers = Workers::spawn(&launch)?;
         (join(&args.launch.master_addr, launch.master_port, &me), workers)
@@ -131,14 +156,38 @@ pub fn serve_sharded_cuda(args: &ServeArgs) -> Result<()> {
         &group.unique_id.to_hex()[..16],
         workers.pids()
     );
-    group.close("the sharded CUDA forward is not built yet");
+    let nccl = join_nccl(&group, first);
+    let comm = group.watch_during(args.launch.rendezvous_timeout(), "the sharded CUDA forward is not built yet", nccl);
     drop(workers);
+    drop(comm?);
     Err(LaunchError::Unsupported(format!(
-        "--device cuda --tensor-parallel-size {}: the {} ranks formed their group, but the sharded CUDA forward \
-         is not built yet (issue 35); --device cpu serves {0} in-process ranks",
+        "--device cuda --tensor-parallel-size {}: the {} ranks formed their group and their NCCL communicator \
+         (checked with an all-reduce), but the sharded CUDA forward is not built yet (issue 35: the forward's \
+         all-reduces over cuda::nccl with the row-parallel outputs in f32, the sharded routed experts, the \
+         vocabulary-parallel embedding and lm_head, and the runner whose rank 0 broadcasts each step to the workers; \
+         the weights already load sharded, DevWeights::load_shard); --device cpu serves {0} in-process ranks",
         layout.world, layout.world
     ))
     .into())
+}
+
+/// Refuses, before any process starts, a group that cannot shard the model on CUDA: a size that does not divide
+/// its heads, widths, vocabulary or (with `--expert-parallel`) experts, or a rank's widths the kernels do not take
+/// (an expert split by width below whole MXFP4 groups). Every rank's widths are the same.
+fn check_shards(args: &ServeArgs) -> Result<()> {
+    let cfg = match &args.model {
+        Some(dir) => ModelConfig::from_file(&Path::new(dir).join("config.json"))?,
+        None => ModelConfig::preset(&args.synthetic).with_context(|| format!("--synthetic {}", args.synthetic))?,
+    };
+    let shard = Shard { rank: 0, world: args.tensor_parallel_size, expert_parallel: args.expert_parallel };
+    check_shapes(&shard.local_config(&cfg)?).with_context(|| {
+        format!(
+            "--tensor-parallel-size {}{}: a rank's part of the model does not fit the CUDA kernels",
+            shard.world,
+            if shard.expert_parallel { " --expert-parallel" } else { "" }
+        )
+    })?;
+    Ok(())
 }
 
 /// Node 0 listens and gathers the group; every other node joins it.

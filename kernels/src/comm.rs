@@ -12,10 +12,12 @@
 //!
 //! One implementation lives here: [`local_group`], ranks as threads of one process sharing a group
 //! object (a mutex, a condvar and a round counter), for the CPU reference, so the sharded math is
-//! tested exactly on machines without GPUs. The NCCL implementation maps each method to the NCCL call
-//! of the same name (`ncclAllReduce`, `ncclAllGather`, `ncclReduceScatter`, `ncclBroadcast`; the
-//! variable-count all-to-all to grouped `ncclSend`/`ncclRecv` after an all-to-all of the counts), and
-//! `abort` to `ncclCommAbort`.
+//! tested exactly on machines without GPUs. The CUDA backend's collectives take device buffers and a
+//! stream instead of host slices, so they have a seam of their own, `cuda::nccl::DeviceCommunicator`,
+//! whose NCCL implementation maps each method to the NCCL call of the same name (`ncclAllReduce`,
+//! `ncclAllGather`, `ncclReduceScatter`, `ncclBroadcast`) and `abort` to `ncclCommAbort`; it keeps the
+//! invariants above except the rank-order summation (NCCL's order is its own; every rank still holds the
+//! same bits).
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};

@@ -23,6 +23,7 @@ pub mod routing;
 pub mod runner;
 pub mod sampling;
 pub mod schema;
+pub mod shard_rule;
 pub mod state;
 pub mod synth;
 pub mod tensor;

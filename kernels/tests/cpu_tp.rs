@@ -20,11 +20,12 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use sparkd_kernels::comm::{local_group, Communicator};
 use sparkd_kernels::cpu::forward::{CpuModel, Probe, WindowRow};
-use sparkd_kernels::cpu::shard::{Reduce, Shard};
+use sparkd_kernels::cpu::shard::Reduce;
 use sparkd_kernels::cpu::{CpuRunner, ParallelConfig, ShardedCpuRunner};
 use sparkd_kernels::float::Real;
 use sparkd_kernels::routing::Routing;
 use sparkd_kernels::runner::{RowInput, SampleRequest, SamplingParams, TokenMask};
+use sparkd_kernels::shard_rule::Shard;
 use sparkd_kernels::state::SeqState;
 use sparkd_kernels::synth::SyntheticWeights;
 use sparkd_kernels::{KernelError, ModelConfig, Runner, TokenId};

@@ -1,6 +1,9 @@
 //! CI check that every CUDA kernel compiles with NVRTC for Ampere (sm_80: the Hopper-only kernels trap there and
 //! the host never launches them), Hopper (sm_90a) and Blackwell (sm_100a), on a machine with no GPU and no CUDA
 //! toolkit, and that no kernel name is defined by two sources (the module store looks kernels up by name).
+//! The sources take every width as a launch argument (nothing of a model's config is compiled in), so one compile
+//! serves every shard of a tensor-parallel group; what a shard must satisfy is the kernels' width preconditions,
+//! checked for k3-mini and K3 over 2, 4 and 8 ranks by `every_shard_of_k3_and_k3_mini_fits_the_kernels`.
 //!
 //! NVRTC and `cuda_bf16.h` come from the PyPI wheels `nvidia-cuda-nvrtc==13.0.*` and
 //! `nvidia-cuda-runtime==13.0.*` (scripts/test.sh installs them). They are found through
@@ -14,6 +17,9 @@ use std::process::Command;
 
 use sparkd_kernels::cuda::compile::{Compiler, SOURCES};
 use sparkd_kernels::cuda::device::nvrtc_present;
+use sparkd_kernels::cuda::weights::check_shapes;
+use sparkd_kernels::shard_rule::Shard;
+use sparkd_kernels::ModelConfig;
 
 const CHILD_MARK: &str = "SPARKD_NVRTC_CHILD";
 
@@ -182,4 +188,32 @@ fn the_kernel_cache_can_be_filled_on_a_host_without_a_gpu() {
             eprintln!("cached {} ({} bytes) as {}", src.name, cubin.len(), compiler.cache_key(src).unwrap());
         }
     });
+}
+
+/// Every rank's widths of k3-mini and K3 over 2, 4 and 8 ranks (experts split by width, or placed whole) pass the
+/// CUDA kernels' preconditions (`cuda::weights::check_shapes`, what `DevWeights::load_shard` checks first). Needs
+/// no NVRTC: the CUBINs `every_kernel_compiles_for_sm80_sm90a_and_sm100a` builds are every shard's.
+#[test]
+fn every_shard_of_k3_and_k3_mini_fits_the_kernels() {
+    for preset in ["k3-mini", "k3"] {
+        let cfg = ModelConfig::preset(preset).unwrap();
+        check_shapes(&cfg).unwrap_or_else(|e| panic!("{preset}: {e}"));
+        for world in [2, 4, 8] {
+            for expert_parallel in [false, true] {
+                let what = format!("{preset} over {world} ranks (expert parallel: {expert_parallel})");
+                if let Err(e) = Shard::check(&cfg, world, expert_parallel) {
+                    // Only the routed experts may fail to place whole over a group; heads and widths must split.
+                    assert!(expert_parallel, "{what}: {e}");
+                    eprintln!("{what}: refused as it should be: {e}");
+                    continue;
+                }
+                for rank in [0, world - 1] {
+                    let local = Shard { rank, world, expert_parallel }.local_config(&cfg).unwrap();
+                    check_shapes(&local).unwrap_or_else(|e| panic!("{what}: {e}"));
+                    assert_eq!(local.kda.num_heads * world, cfg.kda.num_heads, "{what}");
+                    assert_eq!(local.mla.num_heads * world, cfg.mla.num_heads, "{what}");
+                }
+            }
+        }
+    }
 }

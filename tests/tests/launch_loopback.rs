@@ -2,7 +2,9 @@
 //! `sparkd rendezvous` nodes form one group and print the same ranks and unique id; nodes of different
 //! deployments both fail naming the mismatch; a node killed after the rendezvous takes the other down with an
 //! error naming its rank (and a killed node 0 takes node 1 down naming the master), in bounded time; `sparkd serve --device cuda --tensor-parallel-size 2` starts its
-//! worker, forms the group with it, then stops with a clear error and leaves no worker behind.
+//! worker, forms the group with it, then stops with a clear error (no NCCL to draw the group's id with, no GPU to
+//! join its communicator on, or the sharded CUDA forward not built yet) and leaves no worker behind; a group that
+//! cannot shard the model on CUDA is refused before any worker starts.
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::TcpListener;
@@ -143,7 +145,18 @@ fn serve_on_cuda_over_two_ranks_forms_the_group_then_stops_cleanly() {
     let (code, _, err) = finish(child);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("rank 1 on node 0 (127.0.0.1:"), "the worker joined:\n{err}");
-    assert!(err.contains("the sharded CUDA forward is not built yet"), "{err}");
+    // Node 0 draws the group's id with ncclGetUniqueId: without NCCL (this process sees the same library path as
+    // the daemon) that is where it stops, naming the library. With it, every rank opens its GPU and joins the NCCL
+    // communicator: without a driver that fails naming it, and with two GPUs it stops at the forward that is not
+    // built yet.
+    if !sparkd_kernels::cuda::nccl::nccl_present() {
+        assert!(err.contains("NCCL not found: libnccl.so.2") && err.contains("LD_LIBRARY_PATH"), "{err}");
+    } else if !sparkd_kernels::cuda::device::driver_present() {
+        assert!(err.contains("no CUDA driver"), "{err}");
+    } else {
+        let stops = ["the sharded CUDA forward is not built yet", "device 0 asked for, but this machine has 0"];
+        assert!(stops.iter().any(|s| err.contains(s)), "{err}");
+    }
     let pids: Vec<u32> = err
         .lines()
         .filter_map(|l| l.split("started the worker of rank 1 (pid ").nth(1))
@@ -176,4 +189,17 @@ fn launch_flags_that_make_no_group_are_refused_by_name() {
     let (code, _, err) = run(&["serve", "--device", "cpu", "--nnodes", "2", "--tensor-parallel-size", "2"]);
     assert_eq!(code, 1);
     assert!(err.contains("--nnodes:"), "{err}");
+    // A group that cannot shard the model on CUDA is refused before any worker starts.
+    let cuda = ["serve", "--device", "cuda", "--synthetic", "k3-tiny", "--port", "0", "--tensor-parallel-size"];
+    let (code, _, err) = run(&[&cuda[..], &["3"]].concat());
+    assert_eq!(code, 1);
+    assert!(err.contains("--tensor-parallel-size`: 3 does not divide KDA heads"), "{err}");
+    assert!(!err.contains("started the worker"), "{err}");
+    let (code, _, err) = run(&[&cuda[..], &["4"]].concat());
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("--tensor-parallel-size 4: a rank's part of the model does not fit the CUDA kernels"),
+        "{err}"
+    );
+    assert!(err.contains("MoE expert width 16"), "{err}");
 }

@@ -188,6 +188,9 @@ pub enum LaunchError {
     /// A worker process this daemon started exited or could not be started.
     #[error("{0}")]
     Worker(String),
+    /// The device side of the group: NCCL cannot be loaded, or its unique id cannot be drawn.
+    #[error("{0}")]
+    Device(String),
     /// What is not built yet.
     #[error("{0}")]
     Unsupported(String),
@@ -204,6 +207,7 @@ impl LaunchError {
             LaunchError::Timeout { .. } => "timeout",
             LaunchError::PeerGone(_) => "peer_gone",
             LaunchError::Worker(_) => "worker",
+            LaunchError::Device(_) => "device",
             LaunchError::Unsupported(_) => "unsupported",
         }
     }

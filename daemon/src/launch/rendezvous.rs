@@ -12,7 +12,9 @@
 //! fifth of `--heartbeat-timeout`. When a connection closes, breaks or stays silent past the timeout, the
 //! master sends `abort` with "rank R on node N (addr) went away: why" to every other peer and fails; a peer
 //! that loses the master fails the same way. A group ends normally with the master's `shutdown` (or a peer's
-//! `bye`).
+//! `bye`). [`Group::watch_during`] watches the same way while every process runs its part of a group-wide work
+//! (a CUDA group's NCCL communicator): a part that fails leaves the group, which names its rank, and the master
+//! ends the group normally once its own part is done.
 //!
 //! Invariants:
 //! - No wait is unbounded: accepting and connecting stop at the rendezvous deadline, a hello must arrive
@@ -49,8 +51,8 @@ pub trait UniqueIdSource {
     fn unique_id(&self) -> Result<UniqueId, LaunchError>;
 }
 
-/// 128 random bytes. The NCCL communicator will replace it with `ncclGetUniqueId` on rank 0, whose bytes carry
-/// the address NCCL's own bootstrap listens on; until then nothing reads the id but the launch contract.
+/// 128 random bytes: the id of a group whose ranks do not talk through NCCL (the CPU backend's in-process ranks,
+/// `sparkd rendezvous`), where nothing reads it but the launch contract.
 pub struct RandomUniqueId;
 
 impl UniqueIdSource for RandomUniqueId {
@@ -59,6 +61,19 @@ impl UniqueIdSource for RandomUniqueId {
         getrandom::getrandom(&mut id.0)
             .map_err(|e| LaunchError::io("drawing the group's unique id", std::io::Error::other(e.to_string())))?;
         Ok(id)
+    }
+}
+
+/// `ncclGetUniqueId` (`sparkd_kernels::cuda::nccl::unique_id`), drawn by the master (rank 0's process) of a CUDA
+/// group: its bytes carry the address NCCL's bootstrap listens on in this process, and every rank passes them to
+/// `ncclCommInitRank`. Fails, naming the library and `LD_LIBRARY_PATH`, when NCCL cannot be loaded.
+pub struct NcclUniqueId;
+
+impl UniqueIdSource for NcclUniqueId {
+    fn unique_id(&self) -> Result<UniqueId, LaunchError> {
+        let id = sparkd_kernels::cuda::nccl::unique_id()
+            .map_err(|e| LaunchError::Device(format!("drawing the group's NCCL unique id: {e}")))?;
+        Ok(UniqueId(id))
     }
 }
 
@@ -147,9 +162,8 @@ impl Master {
         poll: &mut dyn FnMut() -> Result<(), LaunchError>,
     ) -> Result<Group, LaunchError> {
         let mut peers: Vec<Conn> = Vec::new();
-        match self.gather_peers(&mut peers, poll) {
-            Ok(members) => {
-                let unique_id = ids.unique_id()?;
+        match self.gather_peers(&mut peers, poll).and_then(|members| Ok((members, ids.unique_id()?))) {
+            Ok((members, unique_id)) => {
                 let layout = self.join.layout;
                 let welcome = Message::Welcome {
                     version: VERSION,
@@ -422,6 +436,30 @@ impl Group {
             watch.run_peer(deadline)
         }
     }
+
+    /// Keeps the group up, watched as [`Group::watch`] watches it, while `work` runs on a thread of its own, and
+    /// returns what the work returned once the group agrees it is done: the master, when its own work is done,
+    /// ends the group normally with `close_reason`; a peer, once its work is done, waits for that. A member that
+    /// goes away, a work that fails (a peer's failure ends its part of the group, which the master sees as that
+    /// rank going away), or the master's work not done within `bound` ends the group with an error instead.
+    pub fn watch_during<T: Send + 'static>(
+        self,
+        bound: Duration,
+        close_reason: &str,
+        work: impl FnOnce() -> Result<T, LaunchError> + Send + 'static,
+    ) -> Result<T, LaunchError> {
+        let (tx, done) = mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(work());
+        });
+        let is_master = self.is_master();
+        let conns = match self.link {
+            Link::Master(peers) => peers,
+            Link::Peer(master) => vec![master],
+        };
+        let watch = Watch::start(conns, self.heartbeat_timeout)?;
+        watch.run_during(is_master, &done, bound, close_reason)
+    }
 }
 
 /// The heartbeat sender and one reader thread per connection; stopped (sockets shut down) on drop.
@@ -541,6 +579,100 @@ impl Watch {
     }
 }
 
+/// How often [`Watch::run_during`] looks at its work between the members' events.
+const WORK_POLL: Duration = Duration::from_millis(50);
+/// How long a peer whose master ended the group waits for its own part of the work to report.
+const WORK_GRACE: Duration = Duration::from_secs(2);
+
+impl Watch {
+    /// Sends `msg` to every member that has not left.
+    fn send_all(&self, left: &[bool], msg: &Message) {
+        for (j, gone) in left.iter().enumerate() {
+            if !gone {
+                self.send(j, msg);
+            }
+        }
+    }
+
+    /// The loop of [`Group::watch_during`]: the members' events, and the work's result from `done`.
+    fn run_during<T>(
+        self,
+        is_master: bool,
+        done: &mpsc::Receiver<Result<T, LaunchError>>,
+        bound: Duration,
+        close_reason: &str,
+    ) -> Result<T, LaunchError> {
+        let deadline = Instant::now() + bound;
+        let mut left = vec![false; self.writers.len()];
+        let mut result = None;
+        loop {
+            if result.is_none() {
+                match done.try_recv() {
+                    Ok(Ok(t)) if is_master => {
+                        self.send_all(&left, &Message::Shutdown { reason: close_reason.into() });
+                        return Ok(t);
+                    }
+                    Ok(Ok(t)) => result = Some(t),
+                    Ok(Err(e)) => {
+                        if is_master {
+                            self.send_all(&left, &Message::Abort { reason: format!("rank 0: {e}") });
+                        }
+                        return Err(e);
+                    }
+                    Err(mpsc::TryRecvError::Disconnected) => {
+                        let e =
+                            LaunchError::Device("this rank's part of the group's work ended without a result".into());
+                        return Err(e);
+                    }
+                    Err(mpsc::TryRecvError::Empty) if is_master && Instant::now() >= deadline => {
+                        let why = format!("the group's work did not finish on every rank within {} s", bound.as_secs());
+                        self.send_all(&left, &Message::Abort { reason: why.clone() });
+                        return Err(LaunchError::Device(why));
+                    }
+                    Err(mpsc::TryRecvError::Empty) => {}
+                }
+            }
+            let (i, event) = match self.events.recv_timeout(WORK_POLL) {
+                Ok(event) => event,
+                Err(_) => continue,
+            };
+            if is_master {
+                let reason = match event {
+                    Ok(Message::Bye) => {
+                        tracing::info!("{} left the group", self.who(i));
+                        left[i] = true;
+                        continue;
+                    }
+                    Ok(other) => format!("{} sent `{}` out of turn", self.who(i), other.name()),
+                    Err(e) => format!("{} went away: {}", self.who(i), self.why(&e)),
+                };
+                left[i] = true;
+                self.send_all(&left, &Message::Abort { reason: reason.clone() });
+                return Err(LaunchError::PeerGone(reason));
+            }
+            return match event {
+                Ok(Message::Shutdown { reason }) => {
+                    tracing::info!("the group was shut down: {reason}");
+                    match result {
+                        Some(t) => Ok(t),
+                        // The master finished first; a group-wide work ends on every rank at about the same time.
+                        None => done.recv_timeout(WORK_GRACE).unwrap_or_else(|_| {
+                            Err(LaunchError::PeerGone(format!(
+                                "the group ended before this rank's part of its work did: {reason}"
+                            )))
+                        }),
+                    }
+                }
+                Ok(Message::Abort { reason }) => Err(LaunchError::PeerGone(format!("the group went down: {reason}"))),
+                Ok(other) => Err(LaunchError::Protocol(format!("{} sent `{}` out of turn", self.who(0), other.name()))),
+                Err(e) => {
+                    Err(LaunchError::PeerGone(format!("the master, {}, went away: {}", self.who(0), self.why(&e))))
+                }
+            };
+        }
+    }
+}
+
 impl Drop for Watch {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
@@ -585,6 +717,18 @@ mod tests {
     use super::*;
     use crate::launch::wire::{read_message, write_message};
 
+    #[test]
+    fn an_nccl_id_is_128_bytes_or_an_error_naming_the_library() {
+        match NcclUniqueId.unique_id() {
+            Ok(id) => assert!(id.0.iter().any(|b| *b != 0), "ncclGetUniqueId gave zeros"),
+            Err(e) => {
+                assert_eq!(e.kind(), "device");
+                let text = e.to_string();
+                assert!(text.contains("libnccl.so.2") && text.contains("LD_LIBRARY_PATH"), "{text}");
+            }
+        }
+    }
+
     fn me(node: u32, ranks: &[u32], world: u32, fingerprint: &str) -> Join {
         Join {
             layout: Layout { world, nnodes: 2, node: NodeRank(node) },
@@ -618,6 +762,59 @@ mod tests {
         let peer = std::thread::spawn(move || node1.watch(None));
         node0.close("done");
         peer.join().unwrap().expect("a shutdown ends the peer's watch cleanly");
+    }
+
+    /// A master and one peer (node 1, rank 1) of a formed group of two.
+    fn pair() -> (Group, Group) {
+        let (port, node0) = master(me(0, &[0], 2, "f"));
+        let node1 = join("127.0.0.1", port, &me(1, &[1], 2, "f")).unwrap();
+        (node0.join().unwrap().unwrap(), node1)
+    }
+
+    #[test]
+    fn launch_work_done_on_every_rank_ends_the_group_normally() {
+        let (node0, node1) = pair();
+        let bound = Duration::from_secs(20);
+        let peer = std::thread::spawn(move || node1.watch_during(bound, "", || Ok("peer")));
+        let started = Instant::now();
+        let slow = move || {
+            std::thread::sleep(Duration::from_millis(1500)); // past the heartbeat timeout: the watch keeps them going
+            Ok("master")
+        };
+        assert_eq!(node0.watch_during(bound, "checked", slow).unwrap(), "master");
+        assert_eq!(peer.join().unwrap().unwrap(), "peer");
+        assert!(started.elapsed() < Duration::from_secs(10));
+    }
+
+    #[test]
+    fn launch_work_that_fails_or_overruns_takes_the_group_down() {
+        // A peer whose work fails leaves: the master's work (waiting for it) ends with that rank named.
+        let (node0, node1) = pair();
+        let bound = Duration::from_secs(20);
+        let peer = std::thread::spawn(move || {
+            node1.watch_during::<()>(bound, "", || Err(LaunchError::Device("no GPU here".into())))
+        });
+        let err = node0
+            .watch_during(bound, "checked", || {
+                std::thread::sleep(Duration::from_secs(30));
+                Ok(())
+            })
+            .unwrap_err();
+        assert!(err.to_string().starts_with("rank 1 on node 1 (127.0.0.1:"), "{err}");
+        assert_eq!(peer.join().unwrap().unwrap_err().to_string(), "no GPU here");
+
+        // The master's work not done in time: both fail, the peer told why.
+        let (node0, node1) = pair();
+        let peer = std::thread::spawn(move || node1.watch_during(Duration::from_secs(20), "", || Ok(())));
+        let hang = || {
+            std::thread::sleep(Duration::from_secs(30));
+            Ok(())
+        };
+        let err = node0.watch_during(Duration::from_secs(1), "checked", hang).unwrap_err();
+        assert_eq!(err.kind(), "device");
+        assert!(err.to_string().contains("did not finish on every rank within 1 s"), "{err}");
+        let err = peer.join().unwrap().unwrap_err();
+        assert!(err.to_string().contains("did not finish on every rank"), "{err}");
     }
 
     #[test]

@@ -40,6 +40,9 @@ pub enum PlanError {
     /// A dimension that the ranks cannot split.
     #[error("{what}: {dim} does not split over {tp} ranks ({why})")]
     Indivisible { what: String, dim: usize, tp: usize, why: String },
+    /// A tensor the shard rule (`sparkd_kernels::shard_rule`) does not know.
+    #[error("{0}")]
+    NoShardRule(String),
 }
 
 /// What to plan for.

@@ -1,7 +1,8 @@
 //! The weights one rank holds, by class, from the tensor list the loader checks and the synthesizer writes
 //! (`sparkd_kernels::schema::model_tensors`), so the plan cannot drift from what is loaded.
 //!
-//! Sharding follows shared/reference/k3-architecture.md §6.3 over the `tp` ranks of one tensor-parallel group:
+//! How each tensor splits is `sparkd_kernels::shard_rule::split_of`, the rule the loaders keep each rank's part
+//! by; in summary (shared/reference/k3-architecture.md §6.3, over the `tp` ranks of one tensor-parallel group):
 //! - Embedding and lm_head: vocabulary-parallel (rows split).
 //! - KDA: `q/k/v/g_proj`, `f_b_proj`, `b_proj`, the conv weights, `dt_bias` and `A_log[..heads]` split by heads
 //!   (rows); `o_proj` split by its input (row-parallel); `f_a_proj` and `o_norm` replicated.
@@ -27,6 +28,7 @@
 use sparkd_kernels::config::{ExpertFormat, ModelConfig};
 use sparkd_kernels::cuda::expert_layout::{tiled_code_bytes, tiled_scale_bytes};
 use sparkd_kernels::schema::model_tensors;
+use sparkd_kernels::shard_rule::{split_of, Split};
 use sparkd_kernels::tensor::{DType, ShapeRule};
 
 use super::PlanError;
@@ -109,52 +111,31 @@ impl WeightPlan {
     }
 }
 
-/// How a tensor is laid over the ranks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Shard {
-    Replicated,
-    /// Split along this axis of its `[out, in]` shape.
-    Split(usize),
-    /// A routed expert's tensor (see the module doc).
-    Expert,
-}
-
-/// The class and shard of a tensor, by its name.
-fn classify(name: &str) -> (WeightClass, Shard) {
-    use Shard::{Replicated, Split};
+/// The class of a tensor, by its name (how it splits is `sparkd_kernels::shard_rule`'s).
+fn class_of(name: &str) -> WeightClass {
     use WeightClass::*;
-    let suffix = name.rsplit_once(".self_attn.").map(|(_, s)| s);
     if name == "model.embed_tokens.weight" {
-        return (Embedding, Split(0));
+        return Embedding;
     }
     if name == "lm_head.weight" {
-        return (LmHead, Split(0));
+        return LmHead;
     }
-    if let Some(s) = suffix {
-        let shard = match s {
-            "o_proj.weight" => Split(1),
-            "f_a_proj.weight"
-            | "o_norm.weight"
-            | "q_a_proj.weight"
-            | "q_a_layernorm.weight"
-            | "kv_a_proj_with_mqa.weight"
-            | "kv_a_layernorm.weight" => Replicated,
-            _ => Split(0),
-        };
-        return (Attention, shard);
+    if name.contains(".self_attn.") {
+        return Attention;
     }
     if name.contains(".block_sparse_moe.experts.") {
-        let class = if name.ends_with(".weight_scale") { ExpertScales } else { RoutedExperts };
-        return (class, Shard::Expert);
+        return if name.ends_with(".weight_scale") { ExpertScales } else { RoutedExperts };
     }
-    if name.contains(".shared_experts.") || name.contains(".mlp.") {
-        let class = if name.contains(".mlp.") { Dense } else { SharedExperts };
-        return (class, if name.contains("down_proj") { Split(1) } else { Split(0) });
+    if name.contains(".mlp.") {
+        return Dense;
+    }
+    if name.contains(".shared_experts.") {
+        return SharedExperts;
     }
     if name.contains(".block_sparse_moe.") {
-        return (MoeReplicated, Replicated);
+        return MoeReplicated;
     }
-    (Norms, Replicated)
+    Norms
 }
 
 /// The expert index of a routed expert's tensor name (`...experts.{e}.w1...`).
@@ -178,7 +159,8 @@ pub fn weight_plan(cfg: &ModelConfig, tp: usize, expert_parallel: bool) -> Resul
     let mut params = 0u64;
     let mut checkpoint_bytes = 0u64;
     for spec in model_tensors(cfg) {
-        let (class, shard) = classify(&spec.name);
+        let class = class_of(&spec.name);
+        let split = split_of(&spec.name).map_err(|e| PlanError::NoShardRule(e.to_string()))?;
         let (shape, split_len) = match &spec.shape {
             // A_log: stored with max(heads, head_dim) entries; the heads are what ranks split.
             ShapeRule::VectorAtLeast(heads) => (vec![(*heads).max(cfg.kda.head_dim)], Some(*heads)),
@@ -192,9 +174,10 @@ pub fn weight_plan(cfg: &ModelConfig, tp: usize, expert_parallel: bool) -> Resul
             (WeightClass::RoutedExperts, DType::U8) => 2 * numel,
             _ => numel,
         };
-        let (total, per_rank, replicated) = match shard {
-            Shard::Replicated => (stored, stored, stored),
-            Shard::Split(axis) => {
+        let (total, per_rank, replicated) = match split {
+            Split::Replicated => (stored, stored, stored),
+            Split::Rows | Split::Vocab | Split::Columns => {
+                let axis = usize::from(split == Split::Columns);
                 let dim = split_len.unwrap_or(shape[axis]);
                 if dim % tp != 0 {
                     return Err(PlanError::Indivisible {
@@ -207,7 +190,7 @@ pub fn weight_plan(cfg: &ModelConfig, tp: usize, expert_parallel: bool) -> Resul
                 let row = numel / shape[axis] as u64 * spec.dtype.size() as u64;
                 (row * dim as u64, row * (dim / tp) as u64, 0)
             }
-            Shard::Expert => {
+            Split::Expert { .. } => {
                 let e = expert_index(&spec.name).unwrap_or(0);
                 let full = expert_bytes(cfg, &spec.name, &shape, 1)?;
                 let rank = if expert_parallel {

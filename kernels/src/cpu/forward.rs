@@ -20,12 +20,13 @@ use crate::cpu::kda::{kda_window, KdaInputs};
 use crate::cpu::mla::mla_window;
 use crate::cpu::moe::{latent_moe_reduced, reduced, situ_mlp_reduced};
 use crate::cpu::ops::add_rows;
-use crate::cpu::shard::{Reduce, Shard, Unsharded};
+use crate::cpu::shard::{Reduce, Unsharded};
 use crate::cpu::weights::{FfnWeights, MixerWeights, ModelWeights};
 use crate::error::{KernelError, Result};
 use crate::float::Real;
 use crate::routing::Routing;
 use crate::runner::TokenId;
+use crate::shard_rule::Shard;
 use crate::state::{KdaState, SeqState};
 use crate::tensor::WeightSource;
 

@@ -1,7 +1,8 @@
-//! What one rank of a tensor-parallel group holds of K3, and how its partial sums are completed.
-//!
-//! Follows §6.3 of the K3 reference (shared/reference/k3-architecture.md, "TP2 over 2 GPUs: what gets
-//! sharded"), for any group size `N` that divides the sharded dimensions:
+//! What one rank of a tensor-parallel group holds of K3 beyond its weights (its shards of the KDA states), and
+//! how its partial sums are completed. Which part of each weight a rank holds is `crate::shard_rule`'s (the one
+//! per-tensor rule the loaders and `sparkd plan` share); in summary, after §6.3 of the K3 reference
+//! (shared/reference/k3-architecture.md, "TP2 over 2 GPUs: what gets sharded"), for any group size `N` that
+//! divides the sharded dimensions:
 //! - KDA: heads split in contiguous blocks (`q/k/v/g_proj`, `f_b_proj`, `b_proj`, the conv weights,
 //!   `dt_bias` and `A_log` by head-major rows); `f_a_proj` and `o_norm` replicated; `o_proj` split by
 //!   columns (row-parallel), its partial output all-reduced. The KDA state shards with the heads.
@@ -26,94 +27,11 @@
 //! every rank), so the router's decisions agree across ranks; they differ from `N = 1`'s only by the
 //! order of the f32 additions in the row-parallel sums (and the bf16 rounding that follows).
 
-use std::ops::Range;
-
 use crate::comm::Communicator;
 use crate::config::ModelConfig;
-use crate::error::{KernelError, Result};
+use crate::error::Result;
+use crate::shard_rule::{slice_cols, slice_rows, Shard};
 use crate::state::KdaState;
-
-/// The flag a group size comes from (named in errors).
-pub const TP_FLAG: &str = "--tensor-parallel-size";
-/// The flag that places routed experts whole on ranks (named in errors).
-pub const EP_FLAG: &str = "--expert-parallel";
-
-/// One rank's place in a tensor-parallel group.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Shard {
-    pub rank: usize,
-    pub world: usize,
-    /// Routed experts placed whole on ranks (expert parallelism) instead of split by width.
-    pub expert_parallel: bool,
-}
-
-impl Shard {
-    /// The whole model on one rank.
-    pub const WHOLE: Shard = Shard { rank: 0, world: 1, expert_parallel: false };
-
-    /// This rank's block of `total` items split in `world` equal contiguous blocks (`total % world == 0`,
-    /// checked by [`Shard::check`]).
-    pub fn block(&self, total: usize) -> Range<usize> {
-        let per = total / self.world;
-        self.rank * per..(self.rank + 1) * per
-    }
-
-    /// Checks that a group of `world` ranks divides every dimension `cfg` shards; errors name the flag.
-    pub fn check(cfg: &ModelConfig, world: usize, expert_parallel: bool) -> Result<()> {
-        if world == 0 {
-            return Err(KernelError::config(TP_FLAG, "must be at least 1"));
-        }
-        let mut dims = vec![
-            ("KDA heads (kda.num_heads)", cfg.kda.num_heads),
-            ("MLA heads (mla.num_heads)", cfg.mla.num_heads),
-            ("the dense MLP width (intermediate_size)", cfg.dense_intermediate),
-            ("the shared-expert width (num_shared_experts · moe_intermediate_size)", cfg.moe.shared_dim()),
-            ("the vocabulary (vocab_size)", cfg.vocab_size),
-        ];
-        if !expert_parallel {
-            dims.push(("the routed-expert width (moe_intermediate_size)", cfg.moe.expert_dim));
-        }
-        for (what, n) in dims {
-            if n % world != 0 {
-                return Err(KernelError::config(TP_FLAG, format!("{world} does not divide {what} = {n}")));
-            }
-        }
-        if expert_parallel && cfg.moe.num_experts % world != 0 {
-            return Err(KernelError::config(
-                EP_FLAG,
-                format!(
-                    "{TP_FLAG} {world} does not divide the routed experts (n_routed_experts = {})",
-                    cfg.moe.num_experts
-                ),
-            ));
-        }
-        Ok(())
-    }
-
-    /// The config of this rank's part of the model: the per-rank head counts and MLP widths (what its
-    /// forward and its states are shaped by). The vocabulary, hidden size, layers and expert count stay
-    /// the model's.
-    pub fn local_config(&self, cfg: &ModelConfig) -> Result<ModelConfig> {
-        Self::check(cfg, self.world, self.expert_parallel)?;
-        let mut local = cfg.clone();
-        local.kda.num_heads /= self.world;
-        local.mla.num_heads /= self.world;
-        local.dense_intermediate /= self.world;
-        if !self.expert_parallel {
-            local.moe.expert_dim /= self.world;
-        }
-        Ok(local)
-    }
-
-    /// The routed experts this rank holds whole (expert parallelism), or every expert (split by width).
-    pub fn experts(&self, num_experts: usize) -> Range<usize> {
-        if self.expert_parallel {
-            self.block(num_experts)
-        } else {
-            0..num_experts
-        }
-    }
-}
 
 /// Completes the partial sums of a forward: the identity on a whole model ([`Unsharded`], any precision),
 /// an all-reduce over the group on a rank of a sharded one (`dyn Communicator`, in the f32 serving and the
@@ -141,16 +59,6 @@ impl Reduce<f64> for dyn Communicator + '_ {
     fn all_reduce(&self, buf: &mut [f64]) -> Result<()> {
         self.all_reduce_sum_f64(buf)
     }
-}
-
-/// Rows `rows` of a row-major `[_, width]` matrix.
-pub fn slice_rows<T: Copy>(values: &[T], width: usize, rows: Range<usize>) -> Vec<T> {
-    values[rows.start * width..rows.end * width].to_vec()
-}
-
-/// Columns `cols` of every row of a row-major `[_, width]` matrix.
-pub fn slice_cols<T: Copy>(values: &[T], width: usize, cols: Range<usize>) -> Vec<T> {
-    values.chunks_exact(width).flat_map(|row| row[cols.clone()].iter().copied()).collect()
 }
 
 /// Rank `shard.rank`'s part of a whole KDA layer state (`whole` shaped by the model's config): its heads'

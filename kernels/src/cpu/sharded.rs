@@ -44,12 +44,13 @@ use crate::cpu::forward::{CpuModel, Probe, WindowRow, WindowUndo};
 use crate::cpu::ops::Linear;
 use crate::cpu::plan::{Plan, PlanRow};
 use crate::cpu::runner::{verify_row, RowVerify};
-use crate::cpu::shard::{flatten_kda, join_kda, split_kda, Shard};
+use crate::cpu::shard::{flatten_kda, join_kda, split_kda};
 use crate::cpu::vocab::{local_best, resolve};
 use crate::dspark::{DrafterModel, DrafterSlot, DrafterSource, TargetHead};
 use crate::error::{KernelError, Result};
 use crate::launches::{SyncLaunches, SyncStepper};
 use crate::runner::{DraftProposal, DraftRequest, Drafter, RowInput, RowOutput, Runner, StateId, TokenId, TokenMask};
+use crate::shard_rule::Shard;
 use crate::state::{MlaCache, SeqState, MLA_BLOCK_TOKENS};
 use crate::tensor::WeightSource;
 

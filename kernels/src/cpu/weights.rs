@@ -5,17 +5,17 @@
 //! (every E2M1 code times an E8M0 scale is a bf16 value); `A_log` keeps only its first `num_heads`
 //! entries; the AttnRes norm and projection weights are folded into one pseudo-query per read.
 //! A rank of a tensor-parallel group loads the whole tensors through the same checks and keeps only its
-//! part of each (`cpu::shard` says which); the whole model is the shard of a group of one.
+//! part of each (`crate::shard_rule` says which); the whole model is the shard of a group of one.
 
 use std::collections::HashMap;
 
 use crate::config::{ExpertFormat, Ffn, Mixer, ModelConfig, MLA_NORM_EPS};
 use crate::cpu::ops::{AttnResQuery, Linear, RmsNorm};
-use crate::cpu::shard::{slice_cols, slice_rows, Shard};
 use crate::error::{KernelError, Result};
 use crate::float::Real;
 use crate::mxfp4;
 use crate::schema::{expert_specs, layer_name, model_tensors};
+use crate::shard_rule::{split_of, Shard, Split};
 use crate::tensor::{ExpectedTensor, HostTensor, WeightSource};
 
 /// One KDA layer.
@@ -119,7 +119,8 @@ pub struct ModelWeights<F> {
     pub lm_head: Linear<F>,
 }
 
-/// Fetches tensors by name through the schema, so every read is checked, and keeps `shard`'s part.
+/// Fetches tensors by name through the schema, so every read is checked, and keeps `shard`'s part of each as
+/// `crate::shard_rule` says for its name.
 struct Loader<'a> {
     specs: HashMap<String, ExpectedTensor>,
     src: &'a dyn WeightSource,
@@ -132,86 +133,58 @@ impl Loader<'_> {
         self.src.tensor(spec)
     }
 
-    fn values<F: Real>(&self, name: &str) -> Result<Vec<F>> {
+    /// The whole tensor's values, widened.
+    fn whole<F: Real>(&self, name: &str) -> Result<Vec<F>> {
         Ok(self.raw(name)?.to_f32()?.into_iter().map(F::from_f32).collect())
     }
 
+    /// This rank's part of the tensor `name`, a row-major `[_, width]` matrix (a vector: `width` 1).
+    fn values<F: Real>(&self, name: &str, width: usize) -> Result<Vec<F>> {
+        self.shard.part(split_of(name)?, self.whole(name)?, width)
+    }
+
+    /// `whole` `[out, in]` cut to this rank's part under `split`.
+    fn cut<F: Real>(&self, split: Split, whole: Linear<F>) -> Result<Linear<F>> {
+        let (out_dim, in_dim) = match self.shard.split_axis(split) {
+            None => (whole.out_dim, whole.in_dim),
+            Some(0) => (whole.out_dim / self.shard.world, whole.in_dim),
+            Some(_) => (whole.out_dim, whole.in_dim / self.shard.world),
+        };
+        Ok(Linear::new(out_dim, in_dim, self.shard.part(split, whole.w, whole.in_dim)?))
+    }
+
+    /// This rank's part of the projection `name`: rows (column parallelism, output channels split), columns
+    /// (row parallelism, input channels split, outputs partial) or whole, as the rule says.
     fn linear<F: Real>(&self, name: &str) -> Result<Linear<F>> {
         let t = self.raw(name)?;
         let (out_dim, in_dim) = (t.shape[0], t.shape[1..].iter().product());
-        Ok(Linear::new(out_dim, in_dim, t.to_f32()?.into_iter().map(F::from_f32).collect()))
+        let whole = Linear::new(out_dim, in_dim, t.to_f32()?.into_iter().map(F::from_f32).collect());
+        self.cut(split_of(name)?, whole)
     }
 
     fn norm<F: Real>(&self, name: &str, eps: f32) -> Result<RmsNorm<F>> {
-        Ok(RmsNorm { w: self.values(name)?, eps: F::from_f32(eps) })
+        Ok(RmsNorm { w: self.values(name, 1)?, eps: F::from_f32(eps) })
     }
 
     fn attn_res<F: Real>(&self, norm: &str, proj: &str, eps: f32) -> Result<AttnResQuery<F>> {
-        let n = self.raw(norm)?.to_f32()?;
-        let p = self.raw(proj)?.to_f32()?;
+        let n: Vec<f32> = self.values(norm, 1)?;
+        let p: Vec<f32> = self.values(proj, 1)?;
         Ok(AttnResQuery { q: n.iter().zip(&p).map(|(a, b)| F::from_f32(a * b)).collect(), eps: F::from_f32(eps) })
     }
 
-    /// This rank's block of the rows of `lin` (column parallelism: output channels split).
-    fn rows<F: Real>(&self, lin: Linear<F>) -> Linear<F> {
-        if self.shard.world == 1 {
-            return lin;
-        }
-        let rows = self.shard.block(lin.out_dim);
-        Linear::new(rows.len(), lin.in_dim, slice_rows(&lin.w, lin.in_dim, rows))
-    }
-
-    /// This rank's block of the columns of `lin` (row parallelism: input channels split, outputs partial).
-    fn cols<F: Real>(&self, lin: Linear<F>) -> Linear<F> {
-        if self.shard.world == 1 {
-            return lin;
-        }
-        let cols = self.shard.block(lin.in_dim);
-        Linear::new(lin.out_dim, cols.len(), slice_cols(&lin.w, lin.in_dim, cols))
-    }
-
-    /// This rank's block of a per-channel vector split like the rows it belongs to.
-    fn block<F: Real>(&self, values: Vec<F>) -> Vec<F> {
-        if self.shard.world == 1 {
-            return values;
-        }
-        values[self.shard.block(values.len())].to_vec()
-    }
-
-    /// This rank's block of the rows of a row-major `[_, width]` matrix held as values.
-    fn row_block<F: Real>(&self, values: Vec<F>, width: usize) -> Vec<F> {
-        if self.shard.world == 1 {
-            return values;
-        }
-        slice_rows(&values, width, self.shard.block(values.len() / width))
-    }
-
-    fn linear_rows<F: Real>(&self, name: &str) -> Result<Linear<F>> {
-        Ok(self.rows(self.linear(name)?))
-    }
-
-    fn linear_cols<F: Real>(&self, name: &str) -> Result<Linear<F>> {
-        Ok(self.cols(self.linear(name)?))
-    }
-
-    /// A SiTU MLP split Megatron-style: `gate`/`up` by rows, `down` by columns.
+    /// A SiTU MLP split Megatron-style (the rule: `gate`/`up` by rows, `down` by columns).
     fn mlp<F: Real>(&self, prefix: &str) -> Result<SituMlp<F>> {
         Ok(SituMlp {
-            gate: self.linear_rows(&format!("{prefix}.gate_proj.weight"))?,
-            up: self.linear_rows(&format!("{prefix}.up_proj.weight"))?,
-            down: self.linear_cols(&format!("{prefix}.down_proj.weight"))?,
+            gate: self.linear(&format!("{prefix}.gate_proj.weight"))?,
+            up: self.linear(&format!("{prefix}.up_proj.weight"))?,
+            down: self.linear(&format!("{prefix}.down_proj.weight"))?,
         })
     }
 
-    /// Routed expert `e`: whole under expert parallelism, else `w1`/`w3` by rows and `w2` by columns.
+    /// Routed expert `e`: whole under expert parallelism, else `w1`/`w3` by rows and `w2` by columns (the rule).
     fn routed_expert<F: Real>(&self, cfg: &ModelConfig, layer: usize, e: usize) -> Result<Expert<F>> {
-        let (w1, w2, w3) =
-            (self.expert(cfg, layer, e, "w1")?, self.expert(cfg, layer, e, "w2")?, self.expert(cfg, layer, e, "w3")?);
-        Ok(if self.shard.expert_parallel {
-            Expert { w1, w2, w3 }
-        } else {
-            Expert { w1: self.rows(w1), w2: self.cols(w2), w3: self.rows(w3) }
-        })
+        let [w1, w2, w3] = ["w1", "w2", "w3"].map(|proj| self.expert(cfg, layer, e, proj));
+        Ok(Expert { w1: w1?, w2: w2?, w3: w3? })
     }
 
     fn expert<F: Real>(&self, cfg: &ModelConfig, layer: usize, e: usize, proj: &str) -> Result<Linear<F>> {
@@ -228,7 +201,8 @@ impl Loader<'_> {
             }
             ExpertFormat::Bf16 => self.src.tensor(&specs[0])?.to_f32()?,
         };
-        Ok(Linear::new(out_dim, in_dim, values.into_iter().map(F::from_f32).collect()))
+        let whole = Linear::new(out_dim, in_dim, values.into_iter().map(F::from_f32).collect());
+        self.cut(split_of(&specs[0].name)?, whole)
     }
 }
 
@@ -250,36 +224,37 @@ impl<F: Real> ModelWeights<F> {
             let n = |s: &str| layer_name(l, s);
             let mixer = match kind.mixer {
                 Mixer::Kda => {
-                    let a_log: Vec<F> = ld.values(&n("self_attn.A_log"))?;
+                    // Stored with max(heads, head_dim) entries; the first `heads` are the heads the rule splits.
+                    let a_name = n("self_attn.A_log");
+                    let a_log: Vec<F> = ld.whole(&a_name)?;
+                    let a = a_log[..cfg.kda.num_heads].iter().map(|x| x.exp()).collect();
                     // [P, kernel] per channel: this rank's channels are a block of rows.
-                    let conv = |x: &str| -> Result<Vec<F>> {
-                        Ok(ld.row_block(ld.values(&n(&format!("self_attn.{x}_conv1d.weight")))?, cfg.kda.conv_kernel))
-                    };
+                    let conv = |x: &str| ld.values(&n(&format!("self_attn.{x}_conv1d.weight")), cfg.kda.conv_kernel);
                     MixerWeights::Kda(Box::new(KdaWeights {
-                        q_proj: ld.linear_rows(&n("self_attn.q_proj.weight"))?,
-                        k_proj: ld.linear_rows(&n("self_attn.k_proj.weight"))?,
-                        v_proj: ld.linear_rows(&n("self_attn.v_proj.weight"))?,
-                        g_proj: ld.linear_rows(&n("self_attn.g_proj.weight"))?,
-                        o_proj: ld.linear_cols(&n("self_attn.o_proj.weight"))?,
+                        q_proj: ld.linear(&n("self_attn.q_proj.weight"))?,
+                        k_proj: ld.linear(&n("self_attn.k_proj.weight"))?,
+                        v_proj: ld.linear(&n("self_attn.v_proj.weight"))?,
+                        g_proj: ld.linear(&n("self_attn.g_proj.weight"))?,
+                        o_proj: ld.linear(&n("self_attn.o_proj.weight"))?,
                         f_a_proj: ld.linear(&n("self_attn.f_a_proj.weight"))?,
-                        f_b_proj: ld.linear_rows(&n("self_attn.f_b_proj.weight"))?,
-                        b_proj: ld.linear_rows(&n("self_attn.b_proj.weight"))?,
+                        f_b_proj: ld.linear(&n("self_attn.f_b_proj.weight"))?,
+                        b_proj: ld.linear(&n("self_attn.b_proj.weight"))?,
                         conv: [conv("q")?, conv("k")?, conv("v")?],
-                        a: ld.block(a_log[..cfg.kda.num_heads].iter().map(|x| x.exp()).collect()),
-                        dt_bias: ld.block(ld.values(&n("self_attn.dt_bias"))?),
-                        o_norm: ld.values(&n("self_attn.o_norm.weight"))?,
+                        a: ld.shard.part(split_of(&a_name)?, a, 1)?,
+                        dt_bias: ld.values(&n("self_attn.dt_bias"), 1)?,
+                        o_norm: ld.values(&n("self_attn.o_norm.weight"), 1)?,
                         o_norm_eps: F::from_f32(eps),
                     }))
                 }
                 Mixer::Mla => MixerWeights::Mla(Box::new(MlaWeights {
                     q_a_proj: ld.linear(&n("self_attn.q_a_proj.weight"))?,
                     q_a_norm: ld.norm(&n("self_attn.q_a_layernorm.weight"), MLA_NORM_EPS)?,
-                    q_b_proj: ld.linear_rows(&n("self_attn.q_b_proj.weight"))?,
+                    q_b_proj: ld.linear(&n("self_attn.q_b_proj.weight"))?,
                     kv_a_proj: ld.linear(&n("self_attn.kv_a_proj_with_mqa.weight"))?,
                     kv_a_norm: ld.norm(&n("self_attn.kv_a_layernorm.weight"), MLA_NORM_EPS)?,
-                    kv_b_proj: ld.linear_rows(&n("self_attn.kv_b_proj.weight"))?,
-                    g_proj: ld.linear_rows(&n("self_attn.g_proj.weight"))?,
-                    o_proj: ld.linear_cols(&n("self_attn.o_proj.weight"))?,
+                    kv_b_proj: ld.linear(&n("self_attn.kv_b_proj.weight"))?,
+                    g_proj: ld.linear(&n("self_attn.g_proj.weight"))?,
+                    o_proj: ld.linear(&n("self_attn.o_proj.weight"))?,
                 })),
             };
             let ffn = match kind.ffn {
@@ -291,7 +266,7 @@ impl<F: Real> ModelWeights<F> {
                     let experts = held.map(|e| ld.routed_expert(cfg, l, e)).collect::<Result<Vec<_>>>()?;
                     FfnWeights::Moe(Box::new(MoeWeights {
                         router: ld.linear(&m("gate.weight"))?,
-                        bias: ld.values(&m("gate.e_score_correction_bias"))?,
+                        bias: ld.values(&m("gate.e_score_correction_bias"), 1)?,
                         down: ld.linear(&m("routed_expert_down_proj.weight"))?,
                         up: ld.linear(&m("routed_expert_up_proj.weight"))?,
                         norm: ld.norm(&m("routed_expert_norm.weight"), eps)?,
@@ -316,12 +291,12 @@ impl<F: Real> ModelWeights<F> {
             });
         }
         Ok(ModelWeights {
-            embed: ld.row_block(ld.values("model.embed_tokens.weight")?, cfg.hidden_size),
+            embed: ld.values("model.embed_tokens.weight", cfg.hidden_size)?,
             vocab_start: shard.block(cfg.vocab_size).start,
             layers,
             out_res: ld.attn_res("model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight", eps)?,
             norm: ld.norm("model.norm.weight", eps)?,
-            lm_head: ld.linear_rows("lm_head.weight")?,
+            lm_head: ld.linear("lm_head.weight")?,
         })
     }
 }

@@ -189,16 +189,24 @@ pub fn check_mla_shape(m: &MlaConfig) -> Result<()> {
     Ok(())
 }
 
+/// Whether the KDA kernels take a head dim of `dk` and a conv kernel of `kw` taps (a clear error naming the one
+/// that does not fit); returns the index of `dk`'s kernels.
+pub fn check_kda_shape(dk: usize, kw: usize) -> Result<usize> {
+    let which = KDA_HEAD_DIMS
+        .iter()
+        .position(|d| *d == dk)
+        .ok_or_else(|| KernelError::InvalidInput(format!("KDA head_dim {dk} is not supported on CUDA (32 or 128)")))?;
+    if !(1..=8).contains(&kw) {
+        return Err(KernelError::InvalidInput(format!("conv kernel {kw} is not supported on CUDA (1..=8)")));
+    }
+    Ok(which)
+}
+
 impl AttnKernels {
     /// Conv, gates, norms, recurrence (or chunked form) and gated norm of KDA layer `layer` for every row of
     /// the step: one launch per form present (see `kda.cu`).
     pub fn kda_layer(&self, gpu: &Gpu, tables: &StepTables, layer: usize, dk: usize, args: &KdaArgs) -> Result<()> {
-        let which = KDA_HEAD_DIMS.iter().position(|d| *d == dk).ok_or_else(|| {
-            KernelError::InvalidInput(format!("KDA head_dim {dk} is not supported on CUDA (32 or 128)"))
-        })?;
-        if args.kw < 1 || args.kw > 8 {
-            return Err(KernelError::InvalidInput(format!("conv kernel {} is not supported on CUDA (1..=8)", args.kw)));
-        }
+        let which = check_kda_shape(dk, args.kw.max(0) as usize)?;
         if tables.rows == 0 {
             return Ok(());
         }

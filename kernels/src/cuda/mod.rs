@@ -5,7 +5,8 @@
 //! layer; none imports a module below it, so there is no import cycle):
 //! 1. Leaves: `device` (probing, opening), `compile` (NVRTC, the CUBIN cache), `expert_layout` (host tiling).
 //! 2. `launch` (the one launch helper, [`launch::DPtr`]), `store` (every source compiled once, lookup by kernel
-//!    name), `staging` (page-locked buffers for copies that do not wait), then `gpu` ([`gpu::Gpu`]: context, lanes, memory, counters, profile; it knows no op).
+//!    name), `staging` (page-locked buffers for copies that do not wait), then `gpu` ([`gpu::Gpu`]: context, lanes, memory, counters, profile; it knows no op),
+//!    then `nccl` (the [`nccl::DeviceCommunicator`] seam of a sharded forward and NCCL behind it).
 //! 3. The op families, each owning its kernels (`XKernels::load(&gpu)`) and taking argument structs: `rows`
 //!    (common row kernels, norms, AttnRes), `gemm_tc` then `gemm` (wgmma, skinny mma.sync, cuBLAS), `moe` (router,
 //!    grouping, experts, combine), `sample` (sampling, acceptance).
@@ -46,6 +47,7 @@ pub mod gpu;
 pub mod graph;
 pub mod launch;
 pub mod moe;
+pub mod nccl;
 pub mod ops;
 pub mod rows;
 pub mod runner;

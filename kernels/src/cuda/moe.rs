@@ -460,7 +460,7 @@ fn active_slots(n: usize, k: usize, experts: usize) -> u32 {
 }
 
 /// The grouped expert kernels read a row's codes 32 inputs (16 bytes) per lane at a time.
-fn check_expert_width(what: &str, inputs: usize) -> Result<()> {
+pub(crate) fn check_expert_width(what: &str, inputs: usize) -> Result<()> {
     if inputs == 0 || inputs % 32 != 0 {
         return Err(KernelError::InvalidInput(format!(
             "MoE {what} width {inputs}: the grouped MXFP4 kernels need a positive multiple of 32"

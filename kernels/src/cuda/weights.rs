@@ -10,6 +10,10 @@
 //! The projections a mixer applies to the same input are stacked at load into one matrix
 //! ([`DevMerged`]: KDA's q, k, v, g, f_a, b, MLA's q_a, kv_a, g and an MLP's gate and up), uploaded part by part into their
 //! rows, so each runs as one GEMM whose output parts keep the separate tensors' layouts.
+//! A rank of a tensor-parallel group ([`DevWeights::load_shard`]) uploads only its part of each tensor, cut from
+//! the stored bytes as `crate::shard_rule` says for its name (the rule the CPU loader and `sparkd plan` follow),
+//! and of the routed experts only those it holds; the whole model is the shard of a group of one, loaded exactly
+//! as before.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -18,13 +22,16 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use crate::config::{ExpertFormat, Ffn, Mixer, ModelConfig};
+use crate::cuda::attn::{check_kda_shape, check_mla_shape};
 use crate::cuda::expert_layout::{tile_codes, tile_scales, tiled_code_bytes, tiled_scale_bytes};
 use crate::cuda::gemm::{LinearArgs, PartsArgs};
 use crate::cuda::gpu::Gpu;
 use crate::cuda::launch::DPtr;
+use crate::cuda::moe::check_expert_width;
 use crate::cuda::rows::RmsNormArgs;
 use crate::error::{KernelError, Result};
 use crate::schema::{expert_specs, layer_name, model_tensors};
+use crate::shard_rule::{split_of, Shard};
 use crate::tensor::{DType, ExpectedTensor, HostTensor, WeightSource};
 
 /// A bf16 matrix `[out, in]` on the device.
@@ -131,8 +138,9 @@ impl DevMlp {
     }
 }
 
-/// One MXFP4 projection `[out, in]` of every expert of a layer, each expert's codes and scales in the tiled layout of
-/// [`crate::cuda::expert_layout`] (expert after expert).
+/// One MXFP4 projection `[out, in]` of every expert of a layer that the rank holds (all of them but under expert
+/// parallelism, `Shard::experts`), each expert's codes and scales in the tiled layout of
+/// [`crate::cuda::expert_layout`] (expert after expert, in expert order).
 pub struct DevExperts {
     pub packed: CudaSlice<u8>,
     pub scales: CudaSlice<u8>,
@@ -189,6 +197,8 @@ struct Uploader<'a> {
     gpu: &'a Gpu,
     specs: HashMap<String, ExpectedTensor>,
     src: &'a dyn WeightSource,
+    /// The part of each tensor this rank uploads.
+    shard: Shard,
     bytes: usize,
     /// Seconds spent fetching (or generating) tensors, and uploading them.
     fetch_seconds: f64,
@@ -196,9 +206,16 @@ struct Uploader<'a> {
 }
 
 impl Uploader<'_> {
-    fn raw(&mut self, name: &str) -> Result<HostTensor> {
+    /// The whole tensor `name`, as stored.
+    fn whole(&mut self, name: &str) -> Result<HostTensor> {
         let spec = self.specs.get(name).ok_or_else(|| KernelError::MissingTensor { name: name.to_string() })?.clone();
         self.fetch(&spec)
+    }
+
+    /// This rank's part of the tensor `name`, as stored.
+    fn raw(&mut self, name: &str) -> Result<HostTensor> {
+        let t = self.whole(name)?;
+        self.shard.part_tensor(name, t)
     }
 
     fn fetch(&mut self, spec: &ExpectedTensor) -> Result<HostTensor> {
@@ -257,6 +274,12 @@ impl Uploader<'_> {
                 other => {
                     return Err(KernelError::InvalidInput(format!("`{name}` is not a matrix in the schema: {other:?}")))
                 }
+            };
+            // This rank's part (`raw` below cuts the same, and the byte check holds it to these dims).
+            let (rows, cols) = match self.shard.split_axis(split_of(name)?) {
+                None => (rows, cols),
+                Some(0) => (rows / self.shard.world, cols),
+                Some(_) => (rows, cols / self.shard.world),
             };
             if *in_dim.get_or_insert(cols) != cols {
                 return Err(KernelError::TensorMismatch {
@@ -326,13 +349,19 @@ impl Uploader<'_> {
                 )))
             }
         };
+        // [out, in] of this rank's part of each expert it holds (whole, or split by the inner width).
+        let (rows, cols) = match self.shard.split_axis(split_of(&specs[0].name)?) {
+            None => (rows, cols),
+            Some(0) => (rows / self.shard.world, cols),
+            Some(_) => (rows, cols / self.shard.world),
+        };
         let (per_packed, per_scales) = (rows * cols / 2, rows * cols / crate::mxfp4::GROUP_SIZE);
         let (tiled_packed, tiled_scales) = (tiled_code_bytes(rows, cols), tiled_scale_bytes(rows, cols));
-        let experts = cfg.moe.num_experts;
-        let packed = self.gpu.zeros::<u8>(experts * tiled_packed)?;
-        let scales = self.gpu.zeros::<u8>(experts * tiled_scales)?;
+        let held = self.shard.experts(cfg.moe.num_experts);
+        let packed = self.gpu.zeros::<u8>(held.len() * tiled_packed)?;
+        let scales = self.gpu.zeros::<u8>(held.len() * tiled_scales)?;
         type Tiling = fn(&[u8], usize, usize) -> Result<Vec<u8>>;
-        for e in 0..experts {
+        for (slot, e) in held.enumerate() {
             let specs = expert_specs(cfg, l, e, proj);
             let parts: [(_, _, _, _, Tiling); 2] = [
                 (&specs[0], &packed, per_packed, tiled_packed, tile_codes),
@@ -340,6 +369,7 @@ impl Uploader<'_> {
             ];
             for (spec, dst, per, tiled, tiling) in parts {
                 let t = self.fetch(spec)?;
+                let t = self.shard.part_tensor(&spec.name, t)?;
                 if t.bytes().len() != per {
                     return Err(KernelError::TensorMismatch {
                         name: spec.name.clone(),
@@ -348,7 +378,7 @@ impl Uploader<'_> {
                     });
                 }
                 let bytes = tiling(t.bytes(), rows, cols)?;
-                self.put(|gpu| gpu.upload_bytes_at(gpu.ptr(dst) + (e * tiled) as u64, &bytes))?;
+                self.put(|gpu| gpu.upload_bytes_at(gpu.ptr(dst) + (slot * tiled) as u64, &bytes))?;
                 self.bytes += per;
             }
         }
@@ -356,28 +386,55 @@ impl Uploader<'_> {
     }
 }
 
+/// Whether the CUDA kernels take the widths of `cfg` (a whole model's config, or a rank's `Shard::local_config`),
+/// checked before any weight is fetched: KDA head dim and conv kernel, MLA widths, and routed experts in MXFP4 with
+/// groups of 32 whose latent and inner widths are whole groups (split by width over `N` ranks, an expert's inner
+/// width must stay a multiple of 32). The kernels themselves are compiled once per device whatever the widths
+/// (`cuda::compile`: shapes are launch arguments), so a shard whose widths pass here runs the same CUBINs.
+pub fn check_shapes(cfg: &ModelConfig) -> Result<()> {
+    match cfg.moe.expert_format {
+        ExpertFormat::Mxfp4 { group_size: 32 } => {}
+        other => {
+            return Err(KernelError::config(
+                "quantization_config",
+                format!("the CUDA backend runs MXFP4 experts with groups of 32; this checkpoint has {other:?}"),
+            ))
+        }
+    }
+    check_kda_shape(cfg.kda.head_dim, cfg.kda.conv_kernel)?;
+    check_mla_shape(&cfg.mla)?;
+    check_expert_width("latent", cfg.moe.latent_dim)?;
+    check_expert_width("expert", cfg.moe.expert_dim)
+}
+
 impl DevWeights {
     /// Uploads and checks every tensor of `cfg` from `src`.
     pub fn load(gpu: &Gpu, cfg: &ModelConfig, src: &dyn WeightSource) -> Result<Self> {
-        match cfg.moe.expert_format {
-            ExpertFormat::Mxfp4 { group_size: 32 } => {}
-            other => {
-                return Err(KernelError::config(
-                    "quantization_config",
-                    format!("the CUDA backend runs MXFP4 experts with groups of 32; this checkpoint has {other:?}"),
-                ))
-            }
-        }
+        Self::load_shard(gpu, cfg, src, Shard::WHOLE)
+    }
+
+    /// Uploads and checks every tensor of `cfg` (the whole model's config) from `src`, keeping `shard`'s part of
+    /// each; a group size that does not divide the model, or that would cut an MXFP4 group, is an error naming
+    /// the flag or the tensor. The device forward (`cuda::forward`) runs the whole model only: the sharded
+    /// forward over these parts (its all-reduces through `cuda::nccl`) is not built yet.
+    pub fn load_shard(gpu: &Gpu, cfg: &ModelConfig, src: &dyn WeightSource, shard: Shard) -> Result<Self> {
+        check_shapes(&shard.local_config(cfg)?)?;
         let specs = model_tensors(cfg).into_iter().map(|s| (s.name.clone(), s)).collect();
-        let mut up = Uploader { gpu, specs, src, bytes: 0, fetch_seconds: 0.0, upload_seconds: 0.0 };
+        let mut up = Uploader { gpu, specs, src, shard, bytes: 0, fetch_seconds: 0.0, upload_seconds: 0.0 };
         let eps = cfg.rms_norm_eps;
         let mut layers = Vec::with_capacity(cfg.num_layers());
         for (l, kind) in cfg.layers.iter().enumerate() {
             let n = |s: &str| layer_name(l, s);
             let mixer = match kind.mixer {
                 Mixer::Kda => {
-                    let a_log = up.raw(&n("self_attn.A_log"))?.to_f32()?;
-                    let a: Vec<f32> = a_log[..cfg.kda.num_heads].iter().map(|x| x.exp()).collect();
+                    // Stored with max(heads, head_dim) entries; the rule splits the first `heads`.
+                    let a_name = n("self_attn.A_log");
+                    let a_log = up.whole(&a_name)?.to_f32()?;
+                    let a = shard.part(
+                        split_of(&a_name)?,
+                        a_log[..cfg.kda.num_heads].iter().map(|x| x.exp()).collect(),
+                        1,
+                    )?;
                     DevMixer::Kda(Box::new(DevKda {
                         in_proj: up.merged(&KDA_IN_PARTS.map(|p| n(&format!("self_attn.{p}.weight"))))?,
                         o_proj: up.linear(&n("self_attn.o_proj.weight"))?,
