@@ -276,14 +276,8 @@ impl PrefixCache {
         if let Some(old) = self.remove(key) {
             Self::discard(runner, old.held)?;
         }
-        let entry = Snapshot { tokens: tokens.to_vec(), held: taken, last_used: 0 };
-        match entry.tier() {
-            Tier::Device => self.device_bytes += entry.bytes(),
-            Tier::Host => self.host_bytes += entry.bytes(),
-        }
         self.clock += 1;
-        self.lru.insert((entry.tier(), self.clock), key);
-        self.entries.insert(key, Snapshot { last_used: self.clock, ..entry });
+        self.add(key, Snapshot { tokens: tokens.to_vec(), held: taken, last_used: self.clock });
         self.demote(runner, &mut moved)?;
         self.evict_host(&mut moved);
         Ok((self.entries.contains_key(&key), moved))
@@ -302,10 +296,7 @@ impl PrefixCache {
             runner.free_state(state)?;
             match exported {
                 Ok(host) if host.bytes() <= self.budgets.host_bytes => {
-                    let entry = Snapshot { held: Taken::Host(host), ..entry };
-                    self.host_bytes += entry.bytes();
-                    self.lru.insert((Tier::Host, entry.last_used), victim);
-                    self.entries.insert(victim, entry);
+                    self.add(victim, Snapshot { held: Taken::Host(host), ..entry });
                     moved.to_host += 1;
                 }
                 Ok(_) => moved.dropped += 1,
@@ -328,6 +319,16 @@ impl PrefixCache {
             }
             moved.dropped += 1;
         }
+    }
+
+    /// Puts an entry into the index and the byte counts (the inverse of [`PrefixCache::remove`]).
+    fn add(&mut self, key: BlockHash, entry: Snapshot) {
+        match entry.tier() {
+            Tier::Device => self.device_bytes += entry.bytes(),
+            Tier::Host => self.host_bytes += entry.bytes(),
+        }
+        self.lru.insert((entry.tier(), entry.last_used), key);
+        self.entries.insert(key, entry);
     }
 
     /// Takes an entry out of the index and the byte counts; the caller owns what it holds.

@@ -536,27 +536,12 @@ impl Watch {
         let mut left = vec![false; self.writers.len()];
         while left.iter().any(|l| !l) {
             let Some((i, event)) = self.next(deadline) else {
-                for (j, gone) in left.iter().enumerate() {
-                    if !gone {
-                        self.send(j, &Message::Shutdown { reason: "the master's hold ended".into() });
-                    }
-                }
+                self.send_all(&left, &Message::Shutdown { reason: "the master's hold ended".into() });
                 return Ok(());
             };
-            let reason = match event {
-                Ok(Message::Bye) => {
-                    tracing::info!("{} left the group", self.who(i));
-                    left[i] = true;
-                    continue;
-                }
-                Ok(other) => format!("{} sent `{}` out of turn", self.who(i), other.name()),
-                Err(e) => format!("{} went away: {}", self.who(i), self.why(&e)),
-            };
-            for (j, gone) in left.iter().enumerate() {
-                if j != i && !gone {
-                    self.send(j, &Message::Abort { reason: reason.clone() });
-                }
-            }
+            left[i] = true;
+            let Some(reason) = self.member_failure(i, event) else { continue };
+            self.send_all(&left, &Message::Abort { reason: reason.clone() });
             return Err(LaunchError::PeerGone(reason));
         }
         Ok(())
@@ -586,6 +571,18 @@ const WORK_GRACE: Duration = Duration::from_secs(2);
 
 impl Watch {
     /// Sends `msg` to every member that has not left.
+    /// What member `i`'s event on the master means: `None` for a clean `Bye` (logged), else why the group goes down.
+    fn member_failure(&self, i: usize, event: Result<Message, FrameError>) -> Option<String> {
+        match event {
+            Ok(Message::Bye) => {
+                tracing::info!("{} left the group", self.who(i));
+                None
+            }
+            Ok(other) => Some(format!("{} sent `{}` out of turn", self.who(i), other.name())),
+            Err(e) => Some(format!("{} went away: {}", self.who(i), self.why(&e))),
+        }
+    }
+
     fn send_all(&self, left: &[bool], msg: &Message) {
         for (j, gone) in left.iter().enumerate() {
             if !gone {
@@ -637,16 +634,8 @@ impl Watch {
                 Err(_) => continue,
             };
             if is_master {
-                let reason = match event {
-                    Ok(Message::Bye) => {
-                        tracing::info!("{} left the group", self.who(i));
-                        left[i] = true;
-                        continue;
-                    }
-                    Ok(other) => format!("{} sent `{}` out of turn", self.who(i), other.name()),
-                    Err(e) => format!("{} went away: {}", self.who(i), self.why(&e)),
-                };
                 left[i] = true;
+                let Some(reason) = self.member_failure(i, event) else { continue };
                 self.send_all(&left, &Message::Abort { reason: reason.clone() });
                 return Err(LaunchError::PeerGone(reason));
             }
