@@ -1,6 +1,7 @@
 //! `sparkd bench` and `sparkd validate`: the argument structs and what they run.
 //!
-//! Invariants: every number comes from `sparkd_kernels::harness` (`decode`, `cuda_bench`, `validate`);
+//! Invariants: every number comes from `sparkd_kernels::harness` (`decode`, `context`, `cuda_bench`, `validate`)
+//! or the start-up step-cost measurement (`sparkd::startup`);
 //! this file only parses, runs and prints. The JSON report goes to `--out` (or stdout when it is
 //! absent) and a readable table to stderr, so `sparkd bench --device cuda > report.json` works.
 
@@ -8,11 +9,15 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use sparkd::config::Device;
+use sparkd::engine::step_time::StepShape;
+use sparkd::startup::measure_step_costs;
 use sparkd_kernels::acceptance::{AcceptanceMode, SyntheticSchedule};
 use sparkd_kernels::checkpoint::Checkpoint;
 use sparkd_kernels::config::PRESET_NAMES;
 use sparkd_kernels::cpu::{CpuRunner, ParallelConfig, ShardedCpuRunner};
 use sparkd_kernels::cuda::gpu::Gemm;
+use sparkd_kernels::cuda::CudaRunner;
+use sparkd_kernels::harness::context::{self, ContextSweep};
 use sparkd_kernels::harness::cuda_bench::{self, CudaBenchOptions};
 use sparkd_kernels::harness::decode::{run_decode_bench, DecodeBench};
 use sparkd_kernels::harness::validate::{self, ValidationOptions};
@@ -91,6 +96,20 @@ pub struct BenchArgs {
     /// turns it off for the whole run).
     #[arg(long)]
     pub compare_serialized: bool,
+    /// Instead of the decode sweep: step costs at these contexts (tokens already in the states), comma-separated:
+    /// one decode row, --context-batch decode rows, one --context-chunk-token prefill chunk, and both together (a
+    /// step the engine's step-time limit plans), beside the start-up step-cost profile the engine predicts with.
+    #[arg(long, value_delimiter = ',', value_name = "TOKENS")]
+    pub context_steps: Vec<usize>,
+    /// Decode rows of --context-steps' batched and mixed steps.
+    #[arg(long, default_value_t = 16)]
+    pub context_batch: usize,
+    /// Tokens of --context-steps' prefill chunk.
+    #[arg(long, default_value_t = 64)]
+    pub context_chunk: usize,
+    /// Most tokens of one step (--context-steps' prefill of its contexts and its step-cost profile).
+    #[arg(long, default_value_t = 2048)]
+    pub max_batch_tokens: usize,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Write the JSON report here (default: stdout).
@@ -154,6 +173,9 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
     if args.synthetic_al.is_some() && args.draft_len == 0 {
         bail!("--synthetic-al needs --draft-len of at least 1");
     }
+    if !args.context_steps.is_empty() {
+        return context_steps(args);
+    }
     match args.device {
         Device::Cuda => {
             let opts = CudaBenchOptions {
@@ -182,16 +204,7 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
             emit(&serde_json::to_string_pretty(&report)?, args.out.as_ref())
         }
         Device::Cpu => {
-            let (cfg, weights): (ModelConfig, Box<dyn WeightSource>) = match &args.model {
-                Some(dir) => {
-                    let checkpoint = open_checkpoint(dir)?;
-                    (checkpoint.config().clone(), Box::new(checkpoint))
-                }
-                None => {
-                    let cfg = check_config(&args.config)?;
-                    (cfg.clone(), Box::new(SyntheticWeights::new(cfg, args.seed)))
-                }
-            };
+            let (cfg, weights) = bench_weights(args)?;
             let acceptance = match args.synthetic_al {
                 Some(al) => AcceptanceMode::Synthetic(SyntheticSchedule::from_acceptance_length(al, args.draft_len)?),
                 None => AcceptanceMode::Standard,
@@ -225,6 +238,58 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
         Device::Null => bail!("--device null has no math to benchmark; use cpu or cuda"),
         Device::Auto => bench(&BenchArgs { device: args.device.resolve(), ..args.clone() }),
     }
+}
+
+/// The model `--model` or `--config` names, with its weights.
+fn bench_weights(args: &BenchArgs) -> Result<(ModelConfig, Box<dyn WeightSource>)> {
+    Ok(match &args.model {
+        Some(dir) => {
+            let checkpoint = open_checkpoint(dir)?;
+            (checkpoint.config().clone(), Box::new(checkpoint))
+        }
+        None => {
+            let cfg = check_config(&args.config)?;
+            (cfg.clone(), Box::new(SyntheticWeights::new(cfg, args.seed)))
+        }
+    })
+}
+
+/// `--context-steps`: the context sweep on the CPU or CUDA runner, after the step-cost profile the engine's
+/// step-time limit would measure on it at start-up.
+fn context_steps(args: &BenchArgs) -> Result<()> {
+    if args.context_batch == 0 || args.context_chunk == 0 || args.max_batch_tokens == 0 {
+        bail!("--context-batch, --context-chunk and --max-batch-tokens: every value must be at least 1");
+    }
+    let (cfg, weights) = bench_weights(args)?;
+    let mut runner: Box<dyn Runner> = match args.device.resolve() {
+        Device::Cuda => Box::new(CudaRunner::new(0, cfg, weights.as_ref())?),
+        Device::Cpu => Box::new(CpuRunner::new(cfg, weights.as_ref())?),
+        Device::Null | Device::Auto => bail!("--device null has no math to benchmark; use cpu or cuda"),
+    };
+    let costs = measure_step_costs(runner.as_mut(), args.max_batch_tokens)?;
+    let (batch, chunk) = (args.context_batch, args.context_chunk);
+    let predicted = |tokens: usize, rows: usize| costs.predicted_seconds(StepShape { tokens, rows }) * 1e3;
+    eprintln!(
+        "sparkd bench --context-steps on the {}: the start-up cost model ({:.3} ms a row past the first) predicts \
+         {:.3} / {:.3} / {:.3} / {:.3} ms for the four steps below",
+        runner.device_name(),
+        costs.per_row_seconds() * 1e3,
+        predicted(1, 1),
+        predicted(batch, batch),
+        predicted(chunk, 1),
+        predicted(batch + chunk, batch + 1)
+    );
+    let sweep =
+        ContextSweep { contexts: args.context_steps.clone(), batch, chunk, max_batch_tokens: args.max_batch_tokens };
+    eprintln!("{}", context::table_header(&sweep));
+    let mut points = Vec::new();
+    for &c in &sweep.contexts {
+        let point = context::run_context_sweep(runner.as_mut(), &ContextSweep { contexts: vec![c], ..sweep.clone() })?;
+        eprintln!("{}", point[0].table_row());
+        points.extend(point);
+    }
+    let report = serde_json::json!({ "sweep": sweep, "profile": costs.tokens(), "per_row_seconds": costs.per_row_seconds(), "points": points });
+    emit(&serde_json::to_string_pretty(&report)?, args.out.as_ref())
 }
 
 pub fn validate(args: &ValidateArgs) -> Result<bool> {

@@ -40,7 +40,7 @@ use sparkd_tokenizer::{ChatTemplate, Tokenizer};
 
 use crate::config::speculation::{describe, SpecBudget, SpecMethod, SpecSettingError, SpeculationConfig};
 use crate::config::{DecodeStepTarget, Device, ServeArgs};
-use crate::engine::step_time::StepTimeLimit;
+use crate::engine::step_time::{StepCosts, StepShape, StepTimeLimit};
 use crate::engine::Speculation;
 
 /// Seed of the built-in synthetic model.
@@ -94,26 +94,39 @@ pub fn step_time_limit(
     let DecodeStepTarget::On(target) = target else { return Ok(None) };
     let costs = measure_step_costs(runner, max_batch_tokens).context("measuring step costs (--decode-step-target)")?;
     let limit = StepTimeLimit::new(costs, target, sparkd_kernels::state::MLA_BLOCK_TOKENS);
-    let room = |d: usize| max_batch_tokens.saturating_sub(d);
-    let points: Vec<String> =
-        limit.costs().points().iter().map(|p| format!("{}:{:.2}", p.batch_tokens, 1e3 / p.steps_per_second)).collect();
+    let beside = |d: usize| {
+        let decode = StepShape { tokens: d, rows: d };
+        limit.chunk_allowance(decode, limit.target_seconds(decode), max_batch_tokens.saturating_sub(d), true)
+    };
+    let points: Vec<String> = limit
+        .costs()
+        .tokens()
+        .points()
+        .iter()
+        .map(|p| format!("{}:{:.2}", p.batch_tokens, 1e3 / p.steps_per_second))
+        .collect();
     tracing::info!(
-        "decode step target {target}: step costs (tokens:ms) {}; beside 1/16/64 decode tokens a step prefills \
-         {}/{}/{} tokens",
+        "decode step target {target}: step costs (tokens:ms) {}, {:.3} ms a row past the first; beside 1/16/64 \
+         decode rows a step prefills {}/{}/{} tokens",
         points.join(" "),
-        limit.prefill_allowance(1, room(1)),
-        limit.prefill_allowance(16, room(16)),
-        limit.prefill_allowance(64, room(64)),
+        limit.costs().per_row_seconds() * 1e3,
+        beside(1),
+        beside(16),
+        beside(64),
     );
     Ok(Some(limit))
 }
 
-/// Measures the step cost `t(B)` on `runner` at B = 1, 2, 4, ... up to `max_batch_tokens` (and at it),
-/// stopping after the first size past B = 1 whose step takes [`STEP_COST_CAP`] or more (two points at
-/// least, so the profile has a slope to extrapolate). A step of B tokens is one row on a fresh state:
-/// B − 1 prompt tokens and one sampled token (a decode step at B = 1, a prefill chunk riding along above
-/// it). Every state it makes is freed.
-pub fn measure_step_costs(runner: &mut dyn Runner, max_batch_tokens: usize) -> Result<SpsProfile, KernelError> {
+/// One-token rows of the per-row cost measurement (at most the step token budget).
+pub const PER_ROW_PROBE_ROWS: usize = 16;
+
+/// Measures the step-cost model on `runner` (`engine::step_time`'s module doc): `t(B)` at B = 1, 2, 4, ... up to
+/// `max_batch_tokens` (and at it), stopping after the first size past B = 1 whose step takes [`STEP_COST_CAP`] or
+/// more (two points at least, so the profile has a slope to extrapolate), where a step of B tokens is one row on
+/// a fresh state: B − 1 prompt tokens and one sampled token (a decode step at B = 1, a prefill chunk riding along
+/// above it); then the cost of a row past the first, from a step of [`PER_ROW_PROBE_ROWS`] one-token rows on fresh
+/// states against `t` of as many tokens. Every state it makes is freed.
+pub fn measure_step_costs(runner: &mut dyn Runner, max_batch_tokens: usize) -> Result<StepCosts, KernelError> {
     let max = max_batch_tokens.max(1);
     let mut points = Vec::new();
     let mut b = 1;
@@ -126,7 +139,39 @@ pub fn measure_step_costs(runner: &mut dyn Runner, max_batch_tokens: usize) -> R
         }
         b *= 2;
     }
-    SpsProfile::from_points(points).map_err(|e| KernelError::InvalidInput(e.to_string()))
+    let profile = SpsProfile::from_points(points).map_err(|e| KernelError::InvalidInput(e.to_string()))?;
+    let rows = PER_ROW_PROBE_ROWS.min(max);
+    let per_row = match rows {
+        1 => 0.0,
+        _ => (time_decode_rows(runner, rows)?.as_secs_f64() - profile.step_seconds(rows)) / (rows - 1) as f64,
+    };
+    Ok(StepCosts::new(profile, per_row))
+}
+
+/// The faster of two timed steps of `rows` one-token rows that each sample, on fresh states (after one warm-up
+/// step).
+fn time_decode_rows(runner: &mut dyn Runner, rows: usize) -> Result<Duration, KernelError> {
+    let vocab = runner.config().vocab_size;
+    best_after_warmup(|| {
+        let mut states = Vec::with_capacity(rows);
+        let stepped = (0..rows).try_for_each(|_| runner.alloc_state().map(|s| states.push(s))).and_then(|()| {
+            let inputs: Vec<RowInput> = states
+                .iter()
+                .enumerate()
+                .map(|(r, &state)| RowInput {
+                    state,
+                    tokens: vec![((1000 + 37 * r) % vocab) as TokenId],
+                    sample: Some(SampleRequest::new(SamplingParams::greedy(), 0)),
+                })
+                .collect();
+            let start = Instant::now();
+            runner.step(&inputs).map(|_| start.elapsed())
+        });
+        for s in states {
+            runner.free_state(s)?;
+        }
+        stepped
+    })
 }
 
 /// The faster of two timed steps of one `tokens`-token row that samples once, each on a fresh state (after
@@ -471,7 +516,7 @@ mod tests {
     fn step_costs_double_up_to_the_budget_and_free_their_states() {
         let mut r = NullRunner::new(ModelConfig::preset("k3-tiny").unwrap());
         let p = measure_step_costs(&mut r, 100).unwrap();
-        let sizes: Vec<usize> = p.points().iter().map(|p| p.batch_tokens).collect();
+        let sizes: Vec<usize> = p.tokens().points().iter().map(|p| p.batch_tokens).collect();
         assert_eq!(sizes, vec![1, 2, 4, 8, 16, 32, 64, 100]);
         assert_eq!(r.num_states(), 0);
         assert!(step_time_limit(DecodeStepTarget::Off, &mut r, 100).unwrap().is_none());

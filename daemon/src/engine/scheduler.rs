@@ -30,8 +30,8 @@
 //! - A step planned ahead ([`Scheduler::schedule_ahead`]) repeats the steady decode of the step in flight and
 //!   never lets a sequence pass `max_tokens`; only a stop token (or a cancel) can end a sequence whose next
 //!   step is already in flight.
-//! - With a step-time limit ([`StepTimeLimit`]), a step that has decode rows adds at most the limit's
-//!   prefill allowance for those rows' tokens (the predicted step time stays within the target, and
+//! - With a step-time limit ([`StepTimeLimit`]), each prefill row of a step that has decode rows takes at most the
+//!   limit's allowance beside the rows planned before it (the predicted step time stays within the target, and
 //!   the first prompt in the order above still advances by at least the limit's minimum chunk); a step without
 //!   decode rows gives prefill the whole `max_num_batched_tokens`. Decode rows are never cut by the limit.
 
@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 use sparkd_kernels::runner::{RowOutput, SampleRequest, SamplingParams, TokenLogprob};
 use sparkd_kernels::TokenId;
 
-use super::step_time::StepTimeLimit;
+use super::step_time::{StepShape, StepTimeLimit};
 use super::types::{EngineEvent, FinishReason, GenerateRequest, RequestId, Usage};
 
 /// A prompt with more than this many tokens left to compute is long: prompts with fewer are planned before it.
@@ -395,10 +395,10 @@ impl Scheduler {
             let sample = Some(SampleRequest::new(seq.sampling.clone(), draft_len));
             rows.push((index, PlannedRow { id: seq.id, start: seq.computed, tokens, sample }));
         }
-        // With decode rows planned, prefill gets what the step-time limit allows of the budget left.
-        if let (Some(limit), false) = (&self.step_time, rows.is_empty()) {
-            budget = limit.prefill_allowance(self.limits.max_num_batched_tokens - budget, budget);
-        }
+        // With decode rows planned, each prefill row gets what the step-time limit allows beside the rows before it.
+        let decode = rows.iter().fold(StepShape::default(), |shape, (_, row)| shape.with_row(row.tokens.len()));
+        let limit = self.step_time.as_ref().filter(|_| decode.rows > 0).map(|l| (l, l.target_seconds(decode)));
+        let mut planned = decode;
         // Pass 2: prompt chunks with what is left of the budget, short prompts first (module invariants).
         let (short, long): (Vec<_>, Vec<_>) = self
             .running
@@ -407,13 +407,18 @@ impl Scheduler {
             .filter(|(_, seq)| seq.output_len() == 0)
             .partition(|(_, seq)| seq.tokens.len() - seq.computed <= LONG_PREFILL_TOKENS);
         for (index, seq) in short.into_iter().chain(long) {
-            if rows.len() == max_rows || budget == 0 {
+            let allowance = match limit {
+                Some((limit, target)) => limit.chunk_allowance(planned, target, budget, planned == decode),
+                None => budget,
+            };
+            if rows.len() == max_rows || allowance == 0 {
                 break;
             }
             let unfed = seq.tokens.len() - seq.computed;
             let to_stop = seq.chunk_stops.first().map_or(usize::MAX, |s| s - seq.computed);
-            let chunk = unfed.min(to_stop).min(budget);
+            let chunk = unfed.min(to_stop).min(allowance);
             budget -= chunk;
+            planned = planned.with_row(chunk);
             let end = seq.computed + chunk;
             let sample = (end == seq.tokens.len()).then(|| SampleRequest::new(seq.sampling.clone(), 0));
             let tokens = seq.tokens[seq.computed..end].to_vec();

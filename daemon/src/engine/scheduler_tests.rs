@@ -1,6 +1,6 @@
 //! The scheduler's tests: plans, budgets, order, finishes, drafts, step-time limits and steps planned ahead.
 
-use super::super::step_time::{linear_costs, StepTarget};
+use super::super::step_time::{linear_costs, StepCosts, StepShape, StepTarget};
 use super::*;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -271,8 +271,9 @@ fn decode_rows_hold_the_prefill_chunk_to_the_step_target() {
     let plan = s.schedule(Instant::now());
     assert_eq!(row_lens(&plan), vec![(1, 1, true), (2, 97, false)]);
     let limit = s.step_time.clone().unwrap();
-    assert!(limit.predicted_seconds(plan.num_tokens()) <= limit.target_seconds(1));
-    assert!(limit.predicted_seconds(plan.num_tokens() + 1) > limit.target_seconds(1));
+    let decode = StepShape { tokens: 1, rows: 1 };
+    assert!(limit.predicted_seconds(decode.with_row(97)) <= limit.target_seconds(decode));
+    assert!(limit.predicted_seconds(decode.with_row(98)) > limit.target_seconds(decode));
     // An absolute target replaces the derived one: 6.02 ms fits B = 40.
     let mut s = limited(256, StepTarget::Seconds(0.00602));
     decoding_beside_a_prompt(&mut s, 200);
@@ -281,6 +282,25 @@ fn decode_rows_hold_the_prefill_chunk_to_the_step_target() {
     let mut s = scheduler(256, 8);
     decoding_beside_a_prompt(&mut s, 200);
     assert_eq!(row_lens(&s.schedule(Instant::now())), vec![(1, 1, true), (2, 200, true)]);
+}
+
+#[test]
+fn each_prefill_row_beside_decode_rows_pays_the_per_row_cost() {
+    // One decode row: T = 1.5 × 4.05 ms. Without a per-row cost four 10-token prompts fit (t(41) = 6.05 ms); at
+    // 1 ms a row the first prompt's row leaves t(1 + p) ≤ 5.075 ms (p ≤ 20) and a second row does not fit at all.
+    let plan_with = |per_row: f64| {
+        let mut s = scheduler(256, 8);
+        let costs = StepCosts::new(linear_costs(0.004, 5e-5, 4096).tokens().clone(), per_row);
+        s.set_step_time_limit(Some(StepTimeLimit::new(costs, StepTarget::Factor(1.5), 4)));
+        start(&mut s, &[request(1, 3, 500)]);
+        let plan = s.schedule(Instant::now());
+        s.apply(&plan, &outputs(&plan, 7, false)).unwrap();
+        start(&mut s, &[request(2, 10, 4), request(3, 10, 4), request(4, 10, 4), request(5, 10, 4)]);
+        row_lens(&s.schedule(Instant::now()))
+    };
+    let all = vec![(1, 1, true), (2, 10, true), (3, 10, true), (4, 10, true), (5, 10, true)];
+    assert_eq!(plan_with(0.0), all);
+    assert_eq!(plan_with(0.001), vec![(1, 1, true), (2, 10, true)]);
 }
 
 #[test]
@@ -358,7 +378,11 @@ fn random_mixes_stay_within_the_target_unless_only_the_minimum_chunk_ran() {
             1 => StepTarget::Seconds(rng.gen_range(0..20usize) as f64 * 1e-3),
             _ => StepTarget::Factor(1.5),
         };
-        let mut s = limited(budget, target);
+        // Up to 1 ms a row past the first (a CPU-like cost model) or none.
+        let per_row = rng.gen_range(0..3usize) as f64 * 5e-4;
+        let mut s = scheduler(budget, 8);
+        let costs = StepCosts::new(linear_costs(0.004, 5e-5, 4096).tokens().clone(), per_row);
+        s.set_step_time_limit(Some(StepTimeLimit::new(costs, target, BLOCK)));
         let limit = s.step_time.clone().unwrap();
         let requests: Vec<GenerateRequest> = (0..1 + rng.gen_range(0..12usize))
             .map(|i| request(i as u64, 1 + rng.gen_range(0..400usize), 1 + rng.gen_range(0..30usize)))
@@ -381,14 +405,18 @@ fn random_mixes_stay_within_the_target_unless_only_the_minimum_chunk_ran() {
             let decoding: Vec<RequestId> = s.running.iter().filter(|q| q.output_len() > 0).map(|q| q.id).collect();
             let prefilling = s.running.len() - decoding.len();
             let plan = s.schedule(Instant::now());
-            let decode: usize = plan.rows.iter().filter(|r| decoding.contains(&r.id)).map(|r| r.tokens.len()).sum();
-            let prefill = plan.num_tokens() - decode;
+            let shape = |decodes: bool| {
+                let rows = plan.rows.iter().filter(|r| decoding.contains(&r.id) == decodes);
+                rows.fold(StepShape::default(), |shape, r| shape.with_row(r.tokens.len()))
+            };
+            let (decode, prefill) = (shape(true), shape(false).tokens);
             assert!(plan.num_tokens() <= budget, "case {case}");
-            if decode > 0 && prefill > BLOCK {
-                let (t, target) = (limit.predicted_seconds(plan.num_tokens()), limit.target_seconds(decode));
+            if decode.rows > 0 && prefill > BLOCK {
+                let whole = StepShape { tokens: plan.num_tokens(), rows: plan.rows.len() };
+                let (t, target) = (limit.predicted_seconds(whole), limit.target_seconds(decode));
                 assert!(t <= target, "case {case}: predicted {t} over the target {target}");
             }
-            if prefilling > 0 && decode < budget && plan.rows.len() < 8 {
+            if prefilling > 0 && decode.tokens < budget && plan.rows.len() < 8 {
                 assert!(prefill > 0, "case {case}: a waiting prompt did not advance");
             }
             s.apply(&plan, &outputs(&plan, 7, rng.gen_bool(0.5))).unwrap();

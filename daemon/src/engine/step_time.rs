@@ -1,24 +1,31 @@
-//! The decode step-time limit: how many prefill tokens a step that carries decode rows may add, so
-//! that decode rows do not stall behind large prefill chunks.
+//! The decode step-time limit: how many prefill tokens, in how many rows, a step that carries decode rows may
+//! add, so that decode rows do not stall behind large prefill chunks.
 //!
-//! Cost model: `t(B)`, the predicted seconds of a step computing `B` tokens, is the step-cost
-//! profile's `step_seconds(B)` (an [`SpsProfile`] measured on the runner at start-up: linear between
-//! measured points, non-decreasing in `B`, extrapolated with the last segment's slope).
+//! Cost model ([`StepCosts`]): the predicted seconds of a step computing `tokens` tokens in `rows` rows is
+//! `t(tokens) + per_row × (rows − 1)`. `t` is a step-cost profile ([`SpsProfile`], one row of B tokens on a
+//! fresh state, measured on the runner at start-up: linear between measured points, non-decreasing,
+//! extrapolated with the last segment's slope); `per_row` is what each further row adds (its own recurrent
+//! state, attention and sampling), measured at start-up as the excess of B one-token rows over one row of B
+//! tokens (decision D82: on the CPU reference four decode rows cost 2.6x one row of four tokens, so a profile
+//! of single rows alone over-admitted prefill beside many decode rows).
 //!
-//! Policy, for a step whose decode rows (rows that sample after their one unfed token, verify
-//! windows included) hold `d` tokens and that has `room` tokens of `max_num_batched_tokens` left:
-//! - the target is `T = max(target, t(d))`, where `target` is absolute ([`StepTarget::Seconds`]) or
-//!   relative, `factor × t(d)` ([`StepTarget::Factor`]); so it never falls below what the decode rows
+//! Policy, for a step whose decode rows (rows that sample after their one unfed token, verify windows
+//! included) have the shape `d` (tokens, rows):
+//! - the target is `T = max(target, cost(d))`, where `target` is absolute ([`StepTarget::Seconds`]) or
+//!   relative, `factor × cost(d)` ([`StepTarget::Factor`]); so it never falls below what the decode rows
 //!   themselves need;
-//! - the prefill allowance is `max(min(B* − d, room), min(min_prefill_chunk, room))`, where `B*` is
-//!   the largest `B ≤ d + room` with `t(B) ≤ T`.
+//! - each prefill row the scheduler adds, with the step's shape so far `s` and `room` tokens of
+//!   `max_num_batched_tokens` left, may take the largest `p ≤ room` with `cost(s.tokens + p, s.rows + 1) ≤ T`
+//!   (0 when none fits); the step's first prefill row may always take `min(min_prefill_chunk, room)`.
 //!
 //! Invariants:
-//! - Pure: a function of the profile, the target and the arguments (no clock, no runner).
-//! - Progress: a step with decode rows may always add `min(min_prefill_chunk, room)` prefill tokens,
-//!   however tight the target, so a long prompt is never starved by decode traffic.
-//! - Whenever the allowance exceeds `min_prefill_chunk`, `t(d + allowance) ≤ T`.
-//! - The allowance never exceeds `room` (the token budget stays the hard cap).
+//! - Pure: a function of the costs, the target and the arguments (no clock, no runner).
+//! - Progress: a step with decode rows may always give its first prefill row `min(min_prefill_chunk, room)`
+//!   tokens, however tight the target, so a long prompt is never starved by decode traffic.
+//! - A prefill row past the first fits the target (`cost ≤ T` with it), and so does the first whenever it
+//!   takes more than `min_prefill_chunk`; so a step whose prefill exceeds `min_prefill_chunk` tokens is
+//!   predicted within `T`.
+//! - An allowance never exceeds `room` (the token budget stays the hard cap).
 
 use sparkd_spec::SpsProfile;
 
@@ -48,20 +55,63 @@ impl std::fmt::Display for StepTarget {
     }
 }
 
-/// A step-cost profile, a target, and the least prefill a step with decode rows may always add.
+/// A step's size as the cost model sees it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StepShape {
+    pub tokens: usize,
+    pub rows: usize,
+}
+
+impl StepShape {
+    /// `self` with one more row of `tokens` tokens.
+    pub fn with_row(self, tokens: usize) -> StepShape {
+        StepShape { tokens: self.tokens + tokens, rows: self.rows + 1 }
+    }
+}
+
+/// The step-cost model (module doc): the profile of single rows and what each further row adds.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepCosts {
+    tokens: SpsProfile,
+    per_row_seconds: f64,
+}
+
+impl StepCosts {
+    /// `per_row_seconds` below zero or not finite counts as zero.
+    pub fn new(tokens: SpsProfile, per_row_seconds: f64) -> Self {
+        let per_row_seconds = if per_row_seconds.is_finite() { per_row_seconds.max(0.0) } else { 0.0 };
+        StepCosts { tokens, per_row_seconds }
+    }
+
+    /// The profile of single rows, `t(B)`.
+    pub fn tokens(&self) -> &SpsProfile {
+        &self.tokens
+    }
+
+    pub fn per_row_seconds(&self) -> f64 {
+        self.per_row_seconds
+    }
+
+    /// The predicted seconds of a step of `shape`.
+    pub fn predicted_seconds(&self, shape: StepShape) -> f64 {
+        self.tokens.step_seconds(shape.tokens) + self.per_row_seconds * shape.rows.saturating_sub(1) as f64
+    }
+}
+
+/// A step-cost model, a target, and the least prefill a step with decode rows may always add.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StepTimeLimit {
-    costs: SpsProfile,
+    costs: StepCosts,
     target: StepTarget,
     min_prefill_chunk: usize,
 }
 
 impl StepTimeLimit {
-    pub fn new(costs: SpsProfile, target: StepTarget, min_prefill_chunk: usize) -> Self {
+    pub fn new(costs: StepCosts, target: StepTarget, min_prefill_chunk: usize) -> Self {
         StepTimeLimit { costs, target, min_prefill_chunk }
     }
 
-    pub fn costs(&self) -> &SpsProfile {
+    pub fn costs(&self) -> &StepCosts {
         &self.costs
     }
 
@@ -73,14 +123,14 @@ impl StepTimeLimit {
         self.min_prefill_chunk
     }
 
-    /// `t(B)`: the predicted seconds of a step computing `tokens` tokens.
-    pub fn predicted_seconds(&self, tokens: usize) -> f64 {
-        self.costs.step_seconds(tokens)
+    /// The predicted seconds of a step of `shape`.
+    pub fn predicted_seconds(&self, shape: StepShape) -> f64 {
+        self.costs.predicted_seconds(shape)
     }
 
-    /// `T`: the predicted seconds a step whose decode rows hold `decode_tokens` tokens may take.
-    pub fn target_seconds(&self, decode_tokens: usize) -> f64 {
-        let decode = self.predicted_seconds(decode_tokens);
+    /// `T`: the predicted seconds a step whose decode rows have the shape `decode` may take.
+    pub fn target_seconds(&self, decode: StepShape) -> f64 {
+        let decode = self.predicted_seconds(decode);
         let target = match self.target {
             StepTarget::Factor(factor) => factor * decode,
             StepTarget::Seconds(seconds) => seconds,
@@ -89,32 +139,40 @@ impl StepTimeLimit {
         target.max(decode)
     }
 
-    /// Prefill tokens a step whose decode rows hold `decode_tokens` tokens may add, with `room`
-    /// tokens of the step's budget left.
-    pub fn prefill_allowance(&self, decode_tokens: usize, room: usize) -> usize {
-        let target = self.target_seconds(decode_tokens);
-        // `t` is non-decreasing and `t(d) ≤ T`: search the largest fitting B in [d, d + room].
-        let (mut fits, mut over) = (decode_tokens, decode_tokens + room + 1);
-        while over - fits > 1 {
-            let mid = fits + (over - fits) / 2;
-            if self.predicted_seconds(mid) <= target {
-                fits = mid;
-            } else {
-                over = mid;
+    /// Prefill tokens the next prefill row may take in a step of the shape `planned` so far (decode rows and
+    /// the prefill rows before this one), held to `target` (from [`StepTimeLimit::target_seconds`]), with `room`
+    /// tokens of the step's budget left; `first` when no prefill row is planned yet (module invariants).
+    pub fn chunk_allowance(&self, planned: StepShape, target: f64, room: usize, first: bool) -> usize {
+        let fits = |p: usize| self.predicted_seconds(planned.with_row(p)) <= target;
+        let fitting = if fits(0) {
+            // The cost is non-decreasing in p: search the largest fitting p in [0, room].
+            let (mut fits_at, mut over) = (0, room + 1);
+            while over - fits_at > 1 {
+                let mid = fits_at + (over - fits_at) / 2;
+                if fits(mid) {
+                    fits_at = mid;
+                } else {
+                    over = mid;
+                }
             }
-        }
-        (fits - decode_tokens).max(self.min_prefill_chunk).min(room)
+            fits_at
+        } else {
+            0
+        };
+        let least = if first { self.min_prefill_chunk } else { 0 };
+        fitting.max(least).min(room)
     }
 }
 
-/// A test cost profile `t(B) = base + B × per_token` (seconds), measured at B = 1 and B = `up_to`.
+/// A test cost model `t(B) = base + B × per_token` (seconds), measured at B = 1 and B = `up_to`, with no
+/// per-row cost.
 #[cfg(test)]
-pub(crate) fn linear_costs(base: f64, per_token: f64, up_to: usize) -> SpsProfile {
+pub(crate) fn linear_costs(base: f64, per_token: f64, up_to: usize) -> StepCosts {
     let point = |b: usize| sparkd_spec::sps::SpsPoint {
         batch_tokens: b,
         steps_per_second: 1.0 / (base + b as f64 * per_token),
     };
-    SpsProfile::from_points(vec![point(1), point(up_to)]).expect("a valid linear profile")
+    StepCosts::new(SpsProfile::from_points(vec![point(1), point(up_to)]).expect("a valid linear profile"), 0.0)
 }
 
 #[cfg(test)]
@@ -122,34 +180,62 @@ mod tests {
     use super::*;
 
     /// `t(B) = 4 ms + B × 0.05 ms` (a GPU-like profile: flat-ish at small B).
-    fn linear() -> SpsProfile {
+    fn linear() -> StepCosts {
         linear_costs(0.004, 5e-5, 2048)
+    }
+
+    fn rows(rows: usize, tokens: usize) -> StepShape {
+        StepShape { tokens, rows }
     }
 
     #[test]
     fn the_relative_target_scales_the_decode_rows_time() {
         let limit = StepTimeLimit::new(linear(), StepTarget::Factor(1.4), 64);
-        // d = 16: t(16) = 4.8 ms, T = 6.72 ms, B* = 54: 38 prefill tokens, below the minimum chunk,
-        // so the minimum chunk.
-        assert!((limit.target_seconds(16) - 0.00672).abs() < 1e-12);
-        assert_eq!(limit.prefill_allowance(16, 2032), 64);
+        // One row of 16 tokens: t(16) = 4.8 ms, T = 6.72 ms, B* = 54: 38 prefill tokens, below the minimum
+        // chunk, so the first chunk takes the minimum and a second one nothing.
+        let target = limit.target_seconds(rows(1, 16));
+        assert!((target - 0.00672).abs() < 1e-12);
+        assert_eq!(limit.chunk_allowance(rows(1, 16), target, 2032, true), 64);
+        assert_eq!(limit.chunk_allowance(rows(2, 80), target, 1968, false), 0);
         let limit = StepTimeLimit::new(linear(), StepTarget::Factor(2.2), 64);
         // T = 10.56 ms: B* = 131.
-        assert_eq!(limit.prefill_allowance(16, 2032), 115);
-        assert!(limit.predicted_seconds(131) <= limit.target_seconds(16));
-        assert!(limit.predicted_seconds(132) > limit.target_seconds(16));
-        assert_eq!(limit.prefill_allowance(16, 50), 50, "never more than the room left");
+        let target = limit.target_seconds(rows(1, 16));
+        assert_eq!(limit.chunk_allowance(rows(1, 16), target, 2032, true), 115);
+        assert!(limit.predicted_seconds(rows(2, 131)) <= target);
+        assert!(limit.predicted_seconds(rows(2, 132)) > target);
+        assert_eq!(limit.chunk_allowance(rows(1, 16), target, 50, true), 50, "never more than the room left");
+        // A second prefill row gets what the first left: 131 − 16 − 100.
+        assert_eq!(limit.chunk_allowance(rows(2, 116), target, 1916, false), 15);
     }
 
     #[test]
     fn an_absolute_target_is_never_below_the_decode_rows_need() {
         let limit = StepTimeLimit::new(linear(), StepTarget::Seconds(0.00902), 8);
-        assert_eq!(limit.prefill_allowance(20, 4000), 80, "t(100) = 9 ms, t(101) = 9.05 ms");
+        let target = limit.target_seconds(rows(1, 20));
+        assert_eq!(limit.chunk_allowance(rows(1, 20), target, 4000, true), 80, "t(100) = 9 ms, t(101) = 9.05 ms");
         let tight = StepTimeLimit::new(linear(), StepTarget::Seconds(0.001), 8);
-        assert!((tight.target_seconds(20) - tight.predicted_seconds(20)).abs() < 1e-15);
-        assert_eq!(tight.prefill_allowance(20, 4000), 8, "the minimum chunk still runs");
-        assert_eq!(tight.prefill_allowance(20, 3), 3);
+        let target = tight.target_seconds(rows(1, 20));
+        assert!((target - tight.predicted_seconds(rows(1, 20))).abs() < 1e-15);
+        assert_eq!(tight.chunk_allowance(rows(1, 20), target, 4000, true), 8, "the minimum chunk still runs");
+        assert_eq!(tight.chunk_allowance(rows(1, 20), target, 3, true), 3);
+        assert_eq!(tight.chunk_allowance(rows(2, 28), target, 3992, false), 0, "and only the first");
         let nan = StepTimeLimit::new(linear(), StepTarget::Factor(f64::NAN), 8);
-        assert_eq!(nan.prefill_allowance(20, 4000), 8);
+        assert_eq!(nan.chunk_allowance(rows(1, 20), nan.target_seconds(rows(1, 20)), 4000, true), 8);
+    }
+
+    #[test]
+    fn each_row_past_the_first_adds_the_per_row_cost() {
+        let costs = StepCosts::new(linear().tokens().clone(), 0.001);
+        assert!((costs.predicted_seconds(rows(4, 4)) - (0.0042 + 0.003)).abs() < 1e-12);
+        assert_eq!(costs.predicted_seconds(rows(1, 4)), costs.predicted_seconds(rows(0, 4)));
+        for bad in [-1.0, f64::NAN, f64::INFINITY] {
+            assert_eq!(StepCosts::new(linear().tokens().clone(), bad).per_row_seconds(), 0.0);
+        }
+        // Four decode rows at 1.02 ms a row: T = 1.5 × 7.26 ms = 10.89 ms; the prefill row makes five rows, leaving
+        // t(4 + p) ≤ 6.81 ms: p = 52. Without the per-row cost the same factor gives T = 6.3 ms: p = 42.
+        let limit = StepTimeLimit::new(StepCosts::new(linear().tokens().clone(), 0.00102), StepTarget::Factor(1.5), 8);
+        assert_eq!(limit.chunk_allowance(rows(4, 4), limit.target_seconds(rows(4, 4)), 1000, true), 52);
+        let single = StepTimeLimit::new(linear(), StepTarget::Factor(1.5), 8);
+        assert_eq!(single.chunk_allowance(rows(4, 4), single.target_seconds(rows(4, 4)), 1000, true), 42);
     }
 }

@@ -1,5 +1,6 @@
 //! Checks and benchmarks that drive the backends from outside: the decode benchmark over any
-//! [`Runner`](crate::runner::Runner) (`sparkd bench --device cpu`), the CUDA benchmark (`sparkd bench
+//! [`Runner`](crate::runner::Runner) (`sparkd bench --device cpu`), step costs against context length over any
+//! runner (`sparkd bench --context-steps`), the CUDA benchmark (`sparkd bench
 //! --device cuda`), and the CUDA backend's correctness checks against the CPU reference (`sparkd
 //! validate`, the batch × window matrix, the long-input attention checks of the GPU tests).
 //!
@@ -15,6 +16,7 @@
 
 pub mod attn_check;
 pub mod compare;
+pub mod context;
 pub mod cuda_bench;
 pub mod decode;
 pub mod draft_bench;
