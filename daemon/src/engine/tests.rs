@@ -2,7 +2,7 @@
 //! asked to compute and how many states are alive), and the CPU k3-tiny where the model's own numbers
 //! must not change.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
 use sparkd_kernels::launches::FedRow;
@@ -38,10 +38,43 @@ struct Seen {
     fail_next_step: bool,
 }
 
+/// Holds the probe's steps where a test needs the engine to wait for it (no sleeps): with a limit, the step that
+/// would be the limit-th waits until the test moves or lifts it.
+#[derive(Default)]
+struct Gate {
+    limit: Mutex<Option<usize>>,
+    moved: Condvar,
+}
+
+impl Gate {
+    /// Waits while `steps` taken have reached the limit.
+    fn pass(&self, steps: usize) {
+        let mut limit = self.limit.lock().unwrap();
+        while limit.is_some_and(|l| steps >= l) {
+            limit = self.moved.wait(limit).unwrap();
+        }
+    }
+
+    /// Lets steps run until `steps` have been taken (`None`: without a limit).
+    fn hold_at(&self, steps: Option<usize>) {
+        *self.limit.lock().unwrap() = steps;
+        self.moved.notify_all();
+    }
+}
+
 /// A NullRunner that reports to the test (the mutex is test-only bookkeeping, not around a model).
 struct Probe {
     inner: NullRunner,
     seen: Arc<Mutex<Seen>>,
+    gate: Arc<Gate>,
+}
+
+impl Probe {
+    /// Waits at the gate before a step is launched.
+    fn pass_gate(&self) {
+        let steps = self.seen.lock().unwrap().step_tokens.len();
+        self.gate.pass(steps);
+    }
 }
 
 impl Runner for Probe {
@@ -82,6 +115,7 @@ impl Runner for Probe {
         self.inner.import_state(state)
     }
     fn step(&mut self, rows: &[RowInput]) -> KResult<Vec<RowOutput>> {
+        self.pass_gate();
         let mut seen = self.seen.lock().unwrap();
         if std::mem::take(&mut seen.fail_next_step) {
             return Err(sparkd_kernels::KernelError::Device("injected failure".into()));
@@ -93,11 +127,13 @@ impl Runner for Probe {
         self.inner.launches_ahead()
     }
     fn launch(&mut self, rows: &[RowInput]) -> KResult<()> {
+        self.pass_gate();
         self.inner.launch(rows)?;
         self.seen.lock().unwrap().step_tokens.push(rows.iter().map(|r| r.tokens.len()).sum());
         Ok(())
     }
     fn launch_fed(&mut self, rows: &[FedRow]) -> KResult<()> {
+        self.pass_gate();
         self.inner.launch_fed(rows)?;
         let mut seen = self.seen.lock().unwrap();
         seen.step_tokens.push(rows.len());
@@ -117,6 +153,7 @@ impl Runner for Probe {
 struct Harness {
     handle: EngineHandle,
     seen: Arc<Mutex<Seen>>,
+    gate: Arc<Gate>,
     engine: Option<Engine>,
 }
 
@@ -124,14 +161,20 @@ impl Harness {
     fn new(config: EngineConfig) -> Self {
         let seen = Arc::new(Mutex::new(Seen::default()));
         let inner = NullRunner::new(ModelConfig::preset("k3-tiny").unwrap());
-        let engine = spawn(Box::new(Probe { inner, seen: seen.clone() }), None, config).unwrap();
-        Harness { handle: engine.handle(), seen, engine: Some(engine) }
+        let gate = Arc::new(Gate::default());
+        let engine = spawn(Box::new(Probe { inner, seen: seen.clone(), gate: gate.clone() }), None, config).unwrap();
+        Harness { handle: engine.handle(), seen, gate, engine: Some(engine) }
     }
 
     fn submit(&self, request: GenerateRequest) -> mpsc::Receiver<EngineEvent> {
         let (tx, rx) = mpsc::channel(4);
         self.handle.blocking_send(EngineCommand::Generate { request, events: tx }).unwrap();
         rx
+    }
+
+    /// Steps the runner has taken (launched ones included).
+    fn steps(&self) -> usize {
+        self.seen.lock().unwrap().step_tokens.len()
     }
 
     fn tokens_computed(&self) -> usize {
@@ -405,7 +448,9 @@ fn stop_continue_and_cancel(async_scheduling: bool) -> (Vec<Vec<TokenId>>, usize
     turn2b.continue_from = Some(ResponseId("resp_s".into()));
     let more = collect(h.submit(turn2b));
     assert!(more.failed.is_none(), "{:?}", more.failed);
-    // Far more tokens than the engine can make before the cancel arrives (as in the cancel test above).
+    // Far more tokens than the engine makes before the cancel arrives: the gate holds it at 20 more steps until the
+    // cancel is sent (so neither the length limit nor the slow-reader limit ends the request first).
+    h.gate.hold_at(Some(h.steps() + 20));
     let mut rx = h.submit(request(3, prompt(8, 9), 500_000));
     let mut cancelled = Vec::new();
     while cancelled.len() < 5 {
@@ -414,6 +459,7 @@ fn stop_continue_and_cancel(async_scheduling: bool) -> (Vec<Vec<TokenId>>, usize
         }
     }
     h.handle.blocking_send(EngineCommand::Cancel(RequestId(3))).unwrap();
+    h.gate.hold_at(None);
     let rest = collect(rx);
     assert_eq!(rest.finish.map(|f| f.0), Some(FinishReason::Cancelled));
     cancelled.truncate(5);
@@ -667,18 +713,19 @@ fn a_step_time_limit_chunks_prefill_beside_decode_rows_and_keeps_the_tokens() {
     let (short, long) = (prompt(1, 3), prompt(2, 200));
     let run = |step_time: Option<StepTimeLimit>| {
         let h = Harness::new(EngineConfig { step_time, ..config() });
-        // The decoding request outlives the long prompt's prefill by far, whenever the prompt arrives: its
-        // 20,000 steps take the null runner long enough that a test thread descheduled between the two
-        // submissions (a loaded CI host) still finds it decoding.
-        let decoding = h.submit(request(1, short.clone(), 20_000));
+        // Both requests are sent before the first step runs, so the prompt is taken while request 1 decodes: its
+        // 100 tokens outlive the prompt's prefill (at least 8 tokens a step), whatever the threads' timing.
+        h.gate.hold_at(Some(0));
+        let decoding = h.submit(request(1, short.clone(), 100));
         let prefilling = h.submit(request(2, long.clone(), 5));
+        h.gate.hold_at(None);
         let tokens = (collect(decoding).tokens, collect(prefilling).tokens);
         let big_steps = h.seen.lock().unwrap().step_tokens.iter().filter(|&&n| n > 9).count();
         (tokens, big_steps)
     };
     let (limited, limited_big) = run(Some(limit));
     let (free, free_big) = run(None);
-    assert_eq!(limited.0, NullRunner::greedy_continuation(&short, 20_000));
+    assert_eq!(limited.0, NullRunner::greedy_continuation(&short, 100));
     assert_eq!(limited.1, NullRunner::greedy_continuation(&long, 5));
     assert_eq!(limited, free, "the limit changes how prompts are chunked, never the tokens");
     assert!(limited_big <= 1, "only a step without decode rows exceeds 1 + 8 tokens ({limited_big})");
