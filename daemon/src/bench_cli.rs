@@ -268,16 +268,12 @@ fn context_steps(args: &BenchArgs) -> Result<()> {
     };
     let costs = measure_step_costs(runner.as_mut(), args.max_batch_tokens)?;
     let (batch, chunk) = (args.context_batch, args.context_chunk);
-    let predicted = |tokens: usize, rows: usize| costs.predicted_seconds(StepShape { tokens, rows }) * 1e3;
     eprintln!(
-        "sparkd bench --context-steps on the {}: the start-up cost model ({:.3} ms a row past the first) predicts \
-         {:.3} / {:.3} / {:.3} / {:.3} ms for the four steps below",
+        "sparkd bench --context-steps on the {}: the start-up cost model ({:.3} ms a row past the first, {:.2} ns a \
+         context token read); each context's second line is its prediction",
         runner.device_name(),
         costs.per_row_seconds() * 1e3,
-        predicted(1, 1),
-        predicted(batch, batch),
-        predicted(chunk, 1),
-        predicted(batch + chunk, batch + 1)
+        costs.per_context_read_seconds() * 1e9,
     );
     let sweep =
         ContextSweep { contexts: args.context_steps.clone(), batch, chunk, max_batch_tokens: args.max_batch_tokens };
@@ -285,10 +281,24 @@ fn context_steps(args: &BenchArgs) -> Result<()> {
     let mut points = Vec::new();
     for &c in &sweep.contexts {
         let point = context::run_context_sweep(runner.as_mut(), &ContextSweep { contexts: vec![c], ..sweep.clone() })?;
+        let predicted = |rows: &[usize]| {
+            let shape = rows.iter().fold(StepShape::default(), |shape, &tokens| shape.with_row(tokens, c));
+            costs.predicted_seconds(shape) * 1e3
+        };
+        let decode_rows = vec![1; batch];
+        let mixed: Vec<usize> = decode_rows.iter().copied().chain([chunk]).collect();
         eprintln!("{}", point[0].table_row());
+        eprintln!(
+            "{:>8}  {:>9.3}  {:>9.3}  {:>9.3}  {:>9.3}",
+            "model",
+            predicted(&[1]),
+            predicted(&decode_rows),
+            predicted(&[chunk]),
+            predicted(&mixed)
+        );
         points.extend(point);
     }
-    let report = serde_json::json!({ "sweep": sweep, "profile": costs.tokens(), "per_row_seconds": costs.per_row_seconds(), "points": points });
+    let report = serde_json::json!({ "sweep": sweep, "profile": costs.tokens(), "per_row_seconds": costs.per_row_seconds(), "per_context_read_seconds": costs.per_context_read_seconds(), "points": points });
     emit(&serde_json::to_string_pretty(&report)?, args.out.as_ref())
 }
 

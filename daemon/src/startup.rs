@@ -8,8 +8,9 @@
 //!   (`Box<dyn Runner>`, a [`Speculation`] holding a `Box<dyn Proposer>`), so no backend or drafter loader
 //!   type reaches `crate::engine`.
 //! - The step costs behind `--decode-step-target` are measured once per serve (unless it is `off`), on
-//!   fresh states that are freed, and stop at the first size whose step takes [`STEP_COST_CAP`], so a
-//!   slow runner (the CPU reference) starts quickly.
+//!   states that are freed, and stop at the first size whose step takes [`STEP_COST_CAP`] and, for the
+//!   context-read cost, after [`CONTEXT_PROBE_BUDGET`] of prefill, so a slow runner (the CPU reference)
+//!   starts quickly.
 //! - A setting the runner cannot honour (a drafter or forced acceptance on the null runner, a method that
 //!   needs a drafter on a runner without one, a missing `MODEL/drafter` folder) is an error naming the flag
 //!   before anything serves.
@@ -40,7 +41,7 @@ use sparkd_tokenizer::{ChatTemplate, Tokenizer};
 
 use crate::config::speculation::{describe, SpecBudget, SpecMethod, SpecSettingError, SpeculationConfig};
 use crate::config::{DecodeStepTarget, Device, ServeArgs};
-use crate::engine::step_time::{StepCosts, StepShape, StepTimeLimit};
+use crate::engine::step_time::{NextPrefill, StepCosts, StepShape, StepTimeLimit};
 use crate::engine::Speculation;
 
 /// Seed of the built-in synthetic model.
@@ -95,8 +96,9 @@ pub fn step_time_limit(
     let costs = measure_step_costs(runner, max_batch_tokens).context("measuring step costs (--decode-step-target)")?;
     let limit = StepTimeLimit::new(costs, target, sparkd_kernels::state::MLA_BLOCK_TOKENS);
     let beside = |d: usize| {
-        let decode = StepShape { tokens: d, rows: d };
-        limit.chunk_allowance(decode, limit.target_seconds(decode), max_batch_tokens.saturating_sub(d), true)
+        let decode = StepShape { tokens: d, rows: d, context_reads: 0 };
+        let next = NextPrefill { context: 0, room: max_batch_tokens.saturating_sub(d), first: true };
+        limit.chunk_allowance(decode, limit.target_seconds(decode), next)
     };
     let points: Vec<String> = limit
         .costs()
@@ -106,10 +108,11 @@ pub fn step_time_limit(
         .map(|p| format!("{}:{:.2}", p.batch_tokens, 1e3 / p.steps_per_second))
         .collect();
     tracing::info!(
-        "decode step target {target}: step costs (tokens:ms) {}, {:.3} ms a row past the first; beside 1/16/64 \
-         decode rows a step prefills {}/{}/{} tokens",
+        "decode step target {target}: step costs (tokens:ms) {}, {:.3} ms a row past the first, {:.2} ns a context \
+         token read; beside 1/16/64 decode rows a step prefills {}/{}/{} tokens",
         points.join(" "),
         limit.costs().per_row_seconds() * 1e3,
+        limit.costs().per_context_read_seconds() * 1e9,
         beside(1),
         beside(16),
         beside(64),
@@ -125,7 +128,8 @@ pub const PER_ROW_PROBE_ROWS: usize = 16;
 /// more (two points at least, so the profile has a slope to extrapolate), where a step of B tokens is one row on
 /// a fresh state: B − 1 prompt tokens and one sampled token (a decode step at B = 1, a prefill chunk riding along
 /// above it); then the cost of a row past the first, from a step of [`PER_ROW_PROBE_ROWS`] one-token rows on fresh
-/// states against `t` of as many tokens. Every state it makes is freed.
+/// states against `t` of as many tokens; then the cost of a context read ([`context_read_seconds`]). Every state
+/// it makes is freed.
 pub fn measure_step_costs(runner: &mut dyn Runner, max_batch_tokens: usize) -> Result<StepCosts, KernelError> {
     let max = max_batch_tokens.max(1);
     let mut points = Vec::new();
@@ -139,13 +143,68 @@ pub fn measure_step_costs(runner: &mut dyn Runner, max_batch_tokens: usize) -> R
         }
         b *= 2;
     }
+    let prefill_chunk = points.last().map_or(1, |p| p.batch_tokens);
     let profile = SpsProfile::from_points(points).map_err(|e| KernelError::InvalidInput(e.to_string()))?;
     let rows = PER_ROW_PROBE_ROWS.min(max);
     let per_row = match rows {
         1 => 0.0,
         _ => (time_decode_rows(runner, rows)?.as_secs_f64() - profile.step_seconds(rows)) / (rows - 1) as f64,
     };
-    Ok(StepCosts::new(profile, per_row))
+    let per_read = context_read_seconds(runner, &profile, prefill_chunk)?;
+    Ok(StepCosts::new(profile, per_row).with_context_read_seconds(per_read))
+}
+
+/// Most context tokens the context-read probe builds.
+pub const CONTEXT_PROBE_MAX_TOKENS: usize = 16_384;
+/// Time the context-read probe may spend building its context (it stops at the first prefill step past it).
+pub const CONTEXT_PROBE_BUDGET: Duration = Duration::from_millis(300);
+/// Least context the probe needs for its excess to stand above timing noise (one 64-token chunk reading fewer
+/// context tokens than this is not measured: context reads then cost nothing).
+pub const CONTEXT_PROBE_MIN_TOKENS: usize = 512;
+
+/// The seconds a context read costs (`engine::step_time`'s module doc, D83): one state is prefilled in chunks of
+/// `prefill_chunk` tokens (the profile's largest measured step) until it holds [`CONTEXT_PROBE_MAX_TOKENS`], half
+/// the model's positions, or [`CONTEXT_PROBE_BUDGET`] has passed; then one MLA block of tokens that samples once
+/// is timed on forks of it against `t` of as many tokens on a fresh state, and the excess is spread over the
+/// block's context reads. Zero when the budget allows less than [`CONTEXT_PROBE_MIN_TOKENS`] of context. Every
+/// state it makes is freed, on error too.
+fn context_read_seconds(
+    runner: &mut dyn Runner,
+    profile: &SpsProfile,
+    prefill_chunk: usize,
+) -> Result<f64, KernelError> {
+    let cfg = runner.config();
+    let (vocab, most) = (cfg.vocab_size, CONTEXT_PROBE_MAX_TOKENS.min(cfg.max_position_embeddings / 2));
+    let block = sparkd_kernels::state::MLA_BLOCK_TOKENS;
+    let ids = |from: usize, n: usize| -> Vec<TokenId> {
+        (from..from + n).map(|i| ((1000 + 37 * i) % vocab) as TokenId).collect()
+    };
+    let base = runner.alloc_state()?;
+    let measured = (|| {
+        let (start, mut context) = (Instant::now(), 0);
+        while context < most && start.elapsed() < CONTEXT_PROBE_BUDGET {
+            let n = prefill_chunk.max(1).min(most - context);
+            runner.step(&[RowInput { state: base, tokens: ids(context, n), sample: None }])?;
+            context += n;
+        }
+        if context < CONTEXT_PROBE_MIN_TOKENS {
+            return Ok(0.0);
+        }
+        let at_context = best_after_warmup(|| {
+            let fork = runner.fork_state(base)?;
+            let sample = Some(SampleRequest::new(SamplingParams::greedy(), 0));
+            let row = RowInput { state: fork, tokens: ids(context, block), sample };
+            let start = Instant::now();
+            let stepped = runner.step(std::slice::from_ref(&row));
+            let elapsed = start.elapsed();
+            runner.free_state(fork)?;
+            stepped.map(|_| elapsed)
+        })?;
+        let excess = at_context.as_secs_f64() - profile.step_seconds(block);
+        Ok(excess / (block as f64 * context as f64))
+    })();
+    runner.free_state(base)?;
+    measured
 }
 
 /// The faster of two timed steps of `rows` one-token rows that each sample, on fresh states (after one warm-up
@@ -523,6 +582,59 @@ mod tests {
         let limit = step_time_limit(DecodeStepTarget::On(StepTarget::Factor(1.5)), &mut r, 100).unwrap().unwrap();
         assert_eq!(limit.min_prefill_chunk(), MLA_BLOCK_TOKENS);
         assert_eq!(r.num_states(), 0);
+    }
+
+    /// A NullRunner whose steps take a modelled time: 2 ms, plus 20 µs a token, plus 20 ns a context read.
+    struct Clocked(NullRunner);
+
+    impl Runner for Clocked {
+        fn config(&self) -> &ModelConfig {
+            self.0.config()
+        }
+        fn device_name(&self) -> String {
+            "clocked".into()
+        }
+        fn alloc_state(&mut self) -> Result<StateId, KernelError> {
+            self.0.alloc_state()
+        }
+        fn fork_state(&mut self, src: StateId) -> Result<StateId, KernelError> {
+            self.0.fork_state(src)
+        }
+        fn free_state(&mut self, id: StateId) -> Result<(), KernelError> {
+            self.0.free_state(id)
+        }
+        fn state_len(&self, id: StateId) -> Result<usize, KernelError> {
+            self.0.state_len(id)
+        }
+        fn state_bytes(&self, id: StateId) -> Result<usize, KernelError> {
+            self.0.state_bytes(id)
+        }
+        fn export_state(&self, id: StateId) -> Result<sparkd_kernels::state::SeqState, KernelError> {
+            self.0.export_state(id)
+        }
+        fn import_state(&mut self, state: sparkd_kernels::state::SeqState) -> Result<StateId, KernelError> {
+            self.0.import_state(state)
+        }
+        fn step(&mut self, rows: &[RowInput]) -> Result<Vec<sparkd_kernels::runner::RowOutput>, KernelError> {
+            let mut seconds = 2e-3;
+            for r in rows {
+                seconds += r.tokens.len() as f64 * (20e-6 + 20e-9 * self.0.state_len(r.state)? as f64);
+            }
+            std::thread::sleep(Duration::from_secs_f64(seconds));
+            self.0.step(rows)
+        }
+    }
+
+    #[test]
+    fn the_context_read_cost_is_measured_on_a_long_state_and_frees_it() {
+        let mut r = Clocked(NullRunner::new(ModelConfig::preset("k3-tiny").unwrap()));
+        let costs = measure_step_costs(&mut r, 256).unwrap();
+        let per_read = costs.per_context_read_seconds();
+        // The probe's excess is a few ms over thousands of context tokens; a loaded host's sleep overshoot (CI
+        // runs tests in parallel on two cores) moves it by tens of per cent, never by a factor of two.
+        assert!((10e-9..40e-9).contains(&per_read), "measured {:.2} ns a context read, modelled 20", per_read * 1e9);
+        assert!(costs.per_row_seconds() < 5e-4, "a row past the first costs nothing here: {}", costs.per_row_seconds());
+        assert_eq!(r.0.num_states(), 0);
     }
 
     #[test]

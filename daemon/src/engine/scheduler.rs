@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 use sparkd_kernels::runner::{RowOutput, SampleRequest, SamplingParams, TokenLogprob};
 use sparkd_kernels::TokenId;
 
-use super::step_time::{StepShape, StepTimeLimit};
+use super::step_time::{NextPrefill, StepShape, StepTimeLimit};
 use super::types::{EngineEvent, FinishReason, GenerateRequest, RequestId, Usage};
 
 /// A prompt with more than this many tokens left to compute is long: prompts with fewer are planned before it.
@@ -396,7 +396,8 @@ impl Scheduler {
             rows.push((index, PlannedRow { id: seq.id, start: seq.computed, tokens, sample }));
         }
         // With decode rows planned, each prefill row gets what the step-time limit allows beside the rows before it.
-        let decode = rows.iter().fold(StepShape::default(), |shape, (_, row)| shape.with_row(row.tokens.len()));
+        let decode =
+            rows.iter().fold(StepShape::default(), |shape, (_, row)| shape.with_row(row.tokens.len(), row.start));
         let limit = self.step_time.as_ref().filter(|_| decode.rows > 0).map(|l| (l, l.target_seconds(decode)));
         let mut planned = decode;
         // Pass 2: prompt chunks with what is left of the budget, short prompts first (module invariants).
@@ -408,7 +409,10 @@ impl Scheduler {
             .partition(|(_, seq)| seq.tokens.len() - seq.computed <= LONG_PREFILL_TOKENS);
         for (index, seq) in short.into_iter().chain(long) {
             let allowance = match limit {
-                Some((limit, target)) => limit.chunk_allowance(planned, target, budget, planned == decode),
+                Some((limit, target)) => {
+                    let next = NextPrefill { context: seq.computed, room: budget, first: planned == decode };
+                    limit.chunk_allowance(planned, target, next)
+                }
                 None => budget,
             };
             if rows.len() == max_rows || allowance == 0 {
@@ -418,7 +422,7 @@ impl Scheduler {
             let to_stop = seq.chunk_stops.first().map_or(usize::MAX, |s| s - seq.computed);
             let chunk = unfed.min(to_stop).min(allowance);
             budget -= chunk;
-            planned = planned.with_row(chunk);
+            planned = planned.with_row(chunk, seq.computed);
             let end = seq.computed + chunk;
             let sample = (end == seq.tokens.len()).then(|| SampleRequest::new(seq.sampling.clone(), 0));
             let tokens = seq.tokens[seq.computed..end].to_vec();

@@ -271,9 +271,9 @@ fn decode_rows_hold_the_prefill_chunk_to_the_step_target() {
     let plan = s.schedule(Instant::now());
     assert_eq!(row_lens(&plan), vec![(1, 1, true), (2, 97, false)]);
     let limit = s.step_time.clone().unwrap();
-    let decode = StepShape { tokens: 1, rows: 1 };
-    assert!(limit.predicted_seconds(decode.with_row(97)) <= limit.target_seconds(decode));
-    assert!(limit.predicted_seconds(decode.with_row(98)) > limit.target_seconds(decode));
+    let decode = StepShape::default().with_row(1, 3);
+    assert!(limit.predicted_seconds(decode.with_row(97, 0)) <= limit.target_seconds(decode));
+    assert!(limit.predicted_seconds(decode.with_row(98, 0)) > limit.target_seconds(decode));
     // An absolute target replaces the derived one: 6.02 ms fits B = 40.
     let mut s = limited(256, StepTarget::Seconds(0.00602));
     decoding_beside_a_prompt(&mut s, 200);
@@ -301,6 +301,28 @@ fn each_prefill_row_beside_decode_rows_pays_the_per_row_cost() {
     let all = vec![(1, 1, true), (2, 10, true), (3, 10, true), (4, 10, true), (5, 10, true)];
     assert_eq!(plan_with(0.0), all);
     assert_eq!(plan_with(0.001), vec![(1, 1, true), (2, 10, true)]);
+}
+
+#[test]
+fn a_prompt_chunk_at_a_long_context_pays_its_context_reads() {
+    // 5 ns a context read (D83). Beside request 1's decode row, T = 2.2 × 4.05 ms: a fresh prompt's chunk takes
+    // 97 tokens (as without reads); one restored at 20,000 tokens (a cached prefix) reads 0.1 ms of context a
+    // token, so 4.05 + 0.05 p + 0.1 p ≤ 8.91 ms: p = 32.
+    let chunk_at = |context: usize| {
+        let mut s = scheduler(256, 8);
+        let costs = linear_costs(0.004, 5e-5, 4096).with_context_read_seconds(5e-9);
+        s.set_step_time_limit(Some(StepTimeLimit::new(costs, StepTarget::Factor(2.2), BLOCK)));
+        start(&mut s, &[request(1, 3, 500)]);
+        let plan = s.schedule(Instant::now());
+        s.apply(&plan, &outputs(&plan, 7, false)).unwrap();
+        s.add(&request(2, context + 200, 4), &[]).unwrap();
+        for id in s.admit() {
+            s.restore(id, context, Vec::new()).unwrap();
+        }
+        row_lens(&s.schedule(Instant::now()))
+    };
+    assert_eq!(chunk_at(0), vec![(1, 1, true), (2, 97, false)]);
+    assert_eq!(chunk_at(20_000), vec![(1, 1, true), (2, 32, false)]);
 }
 
 #[test]
@@ -378,14 +400,21 @@ fn random_mixes_stay_within_the_target_unless_only_the_minimum_chunk_ran() {
             1 => StepTarget::Seconds(rng.gen_range(0..20usize) as f64 * 1e-3),
             _ => StepTarget::Factor(1.5),
         };
-        // Up to 1 ms a row past the first (a CPU-like cost model) or none.
+        // Up to 1 ms a row past the first (a CPU-like cost model) or none, and up to 10 ns a context read.
         let per_row = rng.gen_range(0..3usize) as f64 * 5e-4;
+        let per_read = rng.gen_range(0..3usize) as f64 * 5e-9;
         let mut s = scheduler(budget, 8);
-        let costs = StepCosts::new(linear_costs(0.004, 5e-5, 4096).tokens().clone(), per_row);
+        let costs = StepCosts::new(linear_costs(0.004, 5e-5, 4096).tokens().clone(), per_row)
+            .with_context_read_seconds(per_read);
         s.set_step_time_limit(Some(StepTimeLimit::new(costs, target, BLOCK)));
         let limit = s.step_time.clone().unwrap();
-        let requests: Vec<GenerateRequest> = (0..1 + rng.gen_range(0..12usize))
-            .map(|i| request(i as u64, 1 + rng.gen_range(0..400usize), 1 + rng.gen_range(0..30usize)))
+        // Some prompts continue a 20,000-token cached prefix (restored), so their chunks read a long context.
+        let restored: Vec<usize> =
+            (0..1 + rng.gen_range(0..12usize)).map(|_| 20_000 * usize::from(rng.gen_bool(0.3))).collect();
+        let requests: Vec<GenerateRequest> = restored
+            .iter()
+            .enumerate()
+            .map(|(i, &r)| request(i as u64, r + 1 + rng.gen_range(0..400usize), 1 + rng.gen_range(0..30usize)))
             .collect();
         for r in &requests {
             s.add(r, &[]).unwrap();
@@ -395,7 +424,7 @@ fn random_mixes_stay_within_the_target_unless_only_the_minimum_chunk_ran() {
             steps += 1;
             assert!(steps < 10_000, "case {case}: the mix does not finish");
             for id in s.admit() {
-                s.restore(id, 0, Vec::new()).unwrap();
+                s.restore(id, restored[id.0 as usize], Vec::new()).unwrap();
             }
             let slots: Vec<RequestId> = s.decode_slots().iter().map(|d| d.id).collect();
             for id in slots {
@@ -407,12 +436,13 @@ fn random_mixes_stay_within_the_target_unless_only_the_minimum_chunk_ran() {
             let plan = s.schedule(Instant::now());
             let shape = |decodes: bool| {
                 let rows = plan.rows.iter().filter(|r| decoding.contains(&r.id) == decodes);
-                rows.fold(StepShape::default(), |shape, r| shape.with_row(r.tokens.len()))
+                rows.fold(StepShape::default(), |shape, r| shape.with_row(r.tokens.len(), r.start))
             };
             let (decode, prefill) = (shape(true), shape(false).tokens);
             assert!(plan.num_tokens() <= budget, "case {case}");
             if decode.rows > 0 && prefill > BLOCK {
-                let whole = StepShape { tokens: plan.num_tokens(), rows: plan.rows.len() };
+                let whole =
+                    plan.rows.iter().fold(StepShape::default(), |shape, r| shape.with_row(r.tokens.len(), r.start));
                 let (t, target) = (limit.predicted_seconds(whole), limit.target_seconds(decode));
                 assert!(t <= target, "case {case}: predicted {t} over the target {target}");
             }

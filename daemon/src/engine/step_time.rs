@@ -1,22 +1,29 @@
 //! The decode step-time limit: how many prefill tokens, in how many rows, a step that carries decode rows may
 //! add, so that decode rows do not stall behind large prefill chunks.
 //!
-//! Cost model ([`StepCosts`]): the predicted seconds of a step computing `tokens` tokens in `rows` rows is
-//! `t(tokens) + per_row × (rows − 1)`. `t` is a step-cost profile ([`SpsProfile`], one row of B tokens on a
-//! fresh state, measured on the runner at start-up: linear between measured points, non-decreasing,
-//! extrapolated with the last segment's slope); `per_row` is what each further row adds (its own recurrent
-//! state, attention and sampling), measured at start-up as the excess of B one-token rows over one row of B
-//! tokens (decision D82: on the CPU reference four decode rows cost 2.6x one row of four tokens, so a profile
-//! of single rows alone over-admitted prefill beside many decode rows).
+//! Cost model ([`StepCosts`]): the predicted seconds of a step computing `tokens` tokens in `rows` rows whose
+//! tokens read `context_reads` context tokens is `t(tokens) + per_row × (rows − 1) + per_read × context_reads`.
+//! - `t` is a step-cost profile ([`SpsProfile`], one row of B tokens on a fresh state, measured on the runner at
+//!   start-up: linear between measured points, non-decreasing, extrapolated with the last segment's slope).
+//! - `per_row` is what each further row adds (its own recurrent state, attention and sampling), measured at
+//!   start-up as the excess of B one-token rows over one row of B tokens (decision D82: on the CPU reference four
+//!   decode rows cost 2.6x one row of four tokens, so a profile of single rows alone over-admitted prefill beside
+//!   many decode rows).
+//! - `context_reads` is `Σ tokens × context` over the rows, `context` being the tokens already in a row's state
+//!   (the MLA cache each of its tokens attends to; `t` covers the step's own tokens). `per_read` is measured at
+//!   start-up from a chunk on a state holding a long context (decision D83: on k3-mini on an H200 a 64-token
+//!   chunk at a 98k context took 48.6 ms against 8.1 ms fresh, and 16 decode rows 13.0 ms against 4.7 ms, both
+//!   5–8 ns a context read, which a model of fresh states predicted as 8.7 and 6.4 ms).
 //!
 //! Policy, for a step whose decode rows (rows that sample after their one unfed token, verify windows
 //! included) have the shape `d` (tokens, rows):
 //! - the target is `T = max(target, cost(d))`, where `target` is absolute ([`StepTarget::Seconds`]) or
 //!   relative, `factor × cost(d)` ([`StepTarget::Factor`]); so it never falls below what the decode rows
 //!   themselves need;
-//! - each prefill row the scheduler adds, with the step's shape so far `s` and `room` tokens of
-//!   `max_num_batched_tokens` left, may take the largest `p ≤ room` with `cost(s.tokens + p, s.rows + 1) ≤ T`
-//!   (0 when none fits); the step's first prefill row may always take `min(min_prefill_chunk, room)`.
+//! - each prefill row the scheduler adds, at context `c`, with the step's shape so far `s` and `room` tokens of
+//!   `max_num_batched_tokens` left, may take the largest `p ≤ room` with `cost(s with a row of p tokens at
+//!   context c) ≤ T` (0 when none fits); the step's first prefill row may always take
+//!   `min(min_prefill_chunk, room)`.
 //!
 //! Invariants:
 //! - Pure: a function of the costs, the target and the arguments (no clock, no runner).
@@ -60,27 +67,62 @@ impl std::fmt::Display for StepTarget {
 pub struct StepShape {
     pub tokens: usize,
     pub rows: usize,
+    /// `Σ tokens × context` over the rows: the context tokens the step's tokens read.
+    pub context_reads: u64,
 }
 
 impl StepShape {
-    /// `self` with one more row of `tokens` tokens.
-    pub fn with_row(self, tokens: usize) -> StepShape {
-        StepShape { tokens: self.tokens + tokens, rows: self.rows + 1 }
+    /// `self` with one more row of `tokens` tokens on a state that holds `context` tokens.
+    pub fn with_row(self, tokens: usize, context: usize) -> StepShape {
+        StepShape {
+            tokens: self.tokens + tokens,
+            rows: self.rows + 1,
+            context_reads: self.context_reads.saturating_add(tokens as u64 * context as u64),
+        }
     }
 }
 
-/// The step-cost model (module doc): the profile of single rows and what each further row adds.
+/// The next prefill row a step may add: its context, the step's token budget left, and whether it is the
+/// step's first prefill row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NextPrefill {
+    pub context: usize,
+    pub room: usize,
+    pub first: bool,
+}
+
+/// The step-cost model (module doc): the profile of single rows, what each further row adds and what each
+/// context read adds.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StepCosts {
     tokens: SpsProfile,
     per_row_seconds: f64,
+    per_context_read_seconds: f64,
+}
+
+/// `x` if finite and positive, else zero (a measured excess that noise made negative costs nothing).
+fn non_negative(x: f64) -> f64 {
+    if x.is_finite() {
+        x.max(0.0)
+    } else {
+        0.0
+    }
 }
 
 impl StepCosts {
-    /// `per_row_seconds` below zero or not finite counts as zero.
+    /// `per_row_seconds` below zero or not finite counts as zero; context reads cost nothing until
+    /// [`StepCosts::with_context_read_seconds`].
     pub fn new(tokens: SpsProfile, per_row_seconds: f64) -> Self {
-        let per_row_seconds = if per_row_seconds.is_finite() { per_row_seconds.max(0.0) } else { 0.0 };
-        StepCosts { tokens, per_row_seconds }
+        StepCosts { tokens, per_row_seconds: non_negative(per_row_seconds), per_context_read_seconds: 0.0 }
+    }
+
+    /// `self` with each context read costing `seconds` (below zero or not finite: zero).
+    pub fn with_context_read_seconds(self, seconds: f64) -> Self {
+        StepCosts { per_context_read_seconds: non_negative(seconds), ..self }
+    }
+
+    pub fn per_context_read_seconds(&self) -> f64 {
+        self.per_context_read_seconds
     }
 
     /// The profile of single rows, `t(B)`.
@@ -94,7 +136,9 @@ impl StepCosts {
 
     /// The predicted seconds of a step of `shape`.
     pub fn predicted_seconds(&self, shape: StepShape) -> f64 {
-        self.tokens.step_seconds(shape.tokens) + self.per_row_seconds * shape.rows.saturating_sub(1) as f64
+        self.tokens.step_seconds(shape.tokens)
+            + self.per_row_seconds * shape.rows.saturating_sub(1) as f64
+            + self.per_context_read_seconds * shape.context_reads as f64
     }
 }
 
@@ -139,11 +183,12 @@ impl StepTimeLimit {
         target.max(decode)
     }
 
-    /// Prefill tokens the next prefill row may take in a step of the shape `planned` so far (decode rows and
-    /// the prefill rows before this one), held to `target` (from [`StepTimeLimit::target_seconds`]), with `room`
-    /// tokens of the step's budget left; `first` when no prefill row is planned yet (module invariants).
-    pub fn chunk_allowance(&self, planned: StepShape, target: f64, room: usize, first: bool) -> usize {
-        let fits = |p: usize| self.predicted_seconds(planned.with_row(p)) <= target;
+    /// Prefill tokens the prefill row `next` may take in a step of the shape `planned` so far (decode rows and
+    /// the prefill rows before this one), held to `target` (from [`StepTimeLimit::target_seconds`]) (module
+    /// invariants).
+    pub fn chunk_allowance(&self, planned: StepShape, target: f64, next: NextPrefill) -> usize {
+        let NextPrefill { context, room, first } = next;
+        let fits = |p: usize| self.predicted_seconds(planned.with_row(p, context)) <= target;
         let fitting = if fits(0) {
             // The cost is non-decreasing in p: search the largest fitting p in [0, room].
             let (mut fits_at, mut over) = (0, room + 1);
@@ -185,7 +230,12 @@ mod tests {
     }
 
     fn rows(rows: usize, tokens: usize) -> StepShape {
-        StepShape { tokens, rows }
+        StepShape { tokens, rows, context_reads: 0 }
+    }
+
+    /// The next prefill row on a fresh state.
+    fn fresh(room: usize, first: bool) -> NextPrefill {
+        NextPrefill { context: 0, room, first }
     }
 
     #[test]
@@ -195,32 +245,36 @@ mod tests {
         // chunk, so the first chunk takes the minimum and a second one nothing.
         let target = limit.target_seconds(rows(1, 16));
         assert!((target - 0.00672).abs() < 1e-12);
-        assert_eq!(limit.chunk_allowance(rows(1, 16), target, 2032, true), 64);
-        assert_eq!(limit.chunk_allowance(rows(2, 80), target, 1968, false), 0);
+        assert_eq!(limit.chunk_allowance(rows(1, 16), target, fresh(2032, true)), 64);
+        assert_eq!(limit.chunk_allowance(rows(2, 80), target, fresh(1968, false)), 0);
         let limit = StepTimeLimit::new(linear(), StepTarget::Factor(2.2), 64);
         // T = 10.56 ms: B* = 131.
         let target = limit.target_seconds(rows(1, 16));
-        assert_eq!(limit.chunk_allowance(rows(1, 16), target, 2032, true), 115);
+        assert_eq!(limit.chunk_allowance(rows(1, 16), target, fresh(2032, true)), 115);
         assert!(limit.predicted_seconds(rows(2, 131)) <= target);
         assert!(limit.predicted_seconds(rows(2, 132)) > target);
-        assert_eq!(limit.chunk_allowance(rows(1, 16), target, 50, true), 50, "never more than the room left");
+        assert_eq!(limit.chunk_allowance(rows(1, 16), target, fresh(50, true)), 50, "never more than the room left");
         // A second prefill row gets what the first left: 131 − 16 − 100.
-        assert_eq!(limit.chunk_allowance(rows(2, 116), target, 1916, false), 15);
+        assert_eq!(limit.chunk_allowance(rows(2, 116), target, fresh(1916, false)), 15);
     }
 
     #[test]
     fn an_absolute_target_is_never_below_the_decode_rows_need() {
         let limit = StepTimeLimit::new(linear(), StepTarget::Seconds(0.00902), 8);
         let target = limit.target_seconds(rows(1, 20));
-        assert_eq!(limit.chunk_allowance(rows(1, 20), target, 4000, true), 80, "t(100) = 9 ms, t(101) = 9.05 ms");
+        assert_eq!(
+            limit.chunk_allowance(rows(1, 20), target, fresh(4000, true)),
+            80,
+            "t(100) = 9 ms, t(101) = 9.05 ms"
+        );
         let tight = StepTimeLimit::new(linear(), StepTarget::Seconds(0.001), 8);
         let target = tight.target_seconds(rows(1, 20));
         assert!((target - tight.predicted_seconds(rows(1, 20))).abs() < 1e-15);
-        assert_eq!(tight.chunk_allowance(rows(1, 20), target, 4000, true), 8, "the minimum chunk still runs");
-        assert_eq!(tight.chunk_allowance(rows(1, 20), target, 3, true), 3);
-        assert_eq!(tight.chunk_allowance(rows(2, 28), target, 3992, false), 0, "and only the first");
+        assert_eq!(tight.chunk_allowance(rows(1, 20), target, fresh(4000, true)), 8, "the minimum chunk still runs");
+        assert_eq!(tight.chunk_allowance(rows(1, 20), target, fresh(3, true)), 3);
+        assert_eq!(tight.chunk_allowance(rows(2, 28), target, fresh(3992, false)), 0, "and only the first");
         let nan = StepTimeLimit::new(linear(), StepTarget::Factor(f64::NAN), 8);
-        assert_eq!(nan.chunk_allowance(rows(1, 20), nan.target_seconds(rows(1, 20)), 4000, true), 8);
+        assert_eq!(nan.chunk_allowance(rows(1, 20), nan.target_seconds(rows(1, 20)), fresh(4000, true)), 8);
     }
 
     #[test]
@@ -234,8 +288,35 @@ mod tests {
         // Four decode rows at 1.02 ms a row: T = 1.5 × 7.26 ms = 10.89 ms; the prefill row makes five rows, leaving
         // t(4 + p) ≤ 6.81 ms: p = 52. Without the per-row cost the same factor gives T = 6.3 ms: p = 42.
         let limit = StepTimeLimit::new(StepCosts::new(linear().tokens().clone(), 0.00102), StepTarget::Factor(1.5), 8);
-        assert_eq!(limit.chunk_allowance(rows(4, 4), limit.target_seconds(rows(4, 4)), 1000, true), 52);
+        assert_eq!(limit.chunk_allowance(rows(4, 4), limit.target_seconds(rows(4, 4)), fresh(1000, true)), 52);
         let single = StepTimeLimit::new(linear(), StepTarget::Factor(1.5), 8);
-        assert_eq!(single.chunk_allowance(rows(4, 4), single.target_seconds(rows(4, 4)), 1000, true), 42);
+        assert_eq!(single.chunk_allowance(rows(4, 4), single.target_seconds(rows(4, 4)), fresh(1000, true)), 42);
+    }
+
+    #[test]
+    fn each_context_read_adds_its_cost_and_a_long_context_shrinks_the_chunk() {
+        // 5 ns a read (D83's H200 figure): a decode row at a 100k context adds 0.5 ms, a 64-token chunk 32 ms.
+        let costs = linear().with_context_read_seconds(5e-9);
+        let decode = StepShape::default().with_row(1, 100_000);
+        assert_eq!(decode.context_reads, 100_000);
+        assert!((costs.predicted_seconds(decode) - (0.00405 + 0.0005)).abs() < 1e-12);
+        let chunk = StepShape::default().with_row(64, 100_000);
+        assert!((costs.predicted_seconds(chunk) - (0.0072 + 0.032)).abs() < 1e-12);
+        for bad in [-1e-9, f64::NAN] {
+            assert_eq!(linear().with_context_read_seconds(bad).per_context_read_seconds(), 0.0);
+        }
+        // Beside one decode row at a 1k context, T = 1.5 × (4.05 + 0.005) ms = 6.0825 ms. With an 8-token prefill
+        // row planned, a further row of p tokens at context c fits 4 + 0.05 × (9 + p) + 0.005 + p × c × 5e-6 ≤
+        // 6.0825 ms: the longer its context, the smaller its share.
+        let limit = StepTimeLimit::new(costs, StepTarget::Factor(1.5), 64);
+        let decode = StepShape::default().with_row(1, 1_000);
+        let target = limit.target_seconds(decode);
+        let planned = decode.with_row(8, 0);
+        let at = |context| limit.chunk_allowance(planned, target, NextPrefill { context, room: 4000, first: false });
+        assert_eq!(at(0), 32, "p ≤ 32.55");
+        assert_eq!(at(10_000), 16, "each token adds 0.05 ms of reads: p ≤ 16.3");
+        assert_eq!(at(100_000), 2, "each token adds 0.5 ms of reads: p ≤ 2.96");
+        assert!(limit.predicted_seconds(planned.with_row(16, 10_000)) <= target);
+        assert!(limit.predicted_seconds(planned.with_row(17, 10_000)) > target);
     }
 }
