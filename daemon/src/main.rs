@@ -6,6 +6,7 @@
 //! built-in synthetic k3-tiny (seed 0) at 127.0.0.1:8000, on the GPU when one is usable, else on the CPU.
 
 mod bench_cli;
+mod corpus_cli;
 mod launch_cli;
 mod plan_cli;
 
@@ -82,6 +83,8 @@ enum Command {
     /// One rank of a group on this host, started by `sparkd serve --device cuda --tensor-parallel-size N`.
     #[command(hide = true)]
     Worker(launch_cli::WorkerArgs),
+    /// Tokenize the trained model's corpus (the Python standard library) into train and held-out files.
+    Corpus(corpus_cli::CorpusArgs),
     /// Work with the served tokenizer.
     Tokenizer {
         /// Write it as a Hugging Face tokenizer folder.
@@ -115,6 +118,7 @@ fn main() -> ExitCode {
         Command::Synth { config, seed, out, max_shard_bytes } => synth(&config, seed, &out, max_shard_bytes),
         Command::Tokenizer { export, model } => export_tokenizer(&export, model.as_deref()),
         Command::Plan(args) => plan_cli::run(&args),
+        Command::Corpus(args) => corpus_cli::run(&args),
         Command::Rendezvous(args) => launch_cli::rendezvous(&args),
         Command::Worker(args) => launch_cli::worker(&args),
     };
