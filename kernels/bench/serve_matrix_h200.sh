@@ -25,6 +25,7 @@
 #   al3      --spec dspark --spec-synthetic-al 3 (forced mean acceptance length 3)
 #   al6      --spec dspark --spec-synthetic-al 6
 #   dspark   --spec dspark with its default budget (the drafter's own drafts)
+#   suffix, ngram, hybrid   --spec suffix / ngram / hybrid with their default budgets (no forced acceptance)
 # Settings (environment):
 #   BIN=DIR          staged binaries: sparkd, sparkd-replay, kc/ (kernel cache, kernels/bench/stage.sh) (required)
 #   WORKLOADS=PATH   trace folder or .tar.gz/.tgz of one (default: $BIN/workloads, else $BIN/workloads.tgz); the
@@ -95,10 +96,13 @@ config_args() { # the `sparkd serve` flags of one server config
     al3) echo "--spec dspark --spec-synthetic-al 3" ;;
     al6) echo "--spec dspark --spec-synthetic-al 6" ;;
     dspark) echo "--spec dspark" ;;
+    suffix) echo "--spec suffix" ;;
+    ngram) echo "--spec ngram" ;;
+    hybrid) echo "--spec hybrid" ;;
     *) return 1 ;;
   esac
 }
-for c in $CONFIGS; do config_args "$c" >/dev/null || die "unknown config $c (off, sync, al3, al6, dspark)"; done
+for c in $CONFIGS; do config_args "$c" >/dev/null || die "unknown config $c (off, sync, al3, al6, dspark, suffix, ngram, hybrid)"; done
 for v in DURATION GRACE START_S START_LIMIT BUDGET_S PREFILL_TOKENS PREFILL_RUNS; do
   [[ ${!v} =~ ^[0-9]+$ ]] || die "$v must be whole seconds or a count, found ${!v}"
 done
