@@ -2,7 +2,7 @@
 //!
 //! Invariants:
 //! - Every option has a default that lets `sparkd serve` run on a fresh machine with no arguments (the built-in
-//!   synthetic `k3-tiny`, 127.0.0.1:8000, on the GPU when one is usable and on the CPU reference otherwise).
+//!   trained `k3-tiny-trained`, 127.0.0.1:8000, on the GPU when one is usable and on the CPU reference otherwise).
 //! - [`ServeArgs::validate`] rejects inconsistent values with an error naming the flag, before anything is
 //!   loaded; nothing here panics on input.
 //! - Engine limits are passed on as an [`EngineConfig`]; this module never reaches into the engine.
@@ -25,8 +25,9 @@ use crate::engine::types::{
 };
 use crate::launch::LaunchArgs;
 
-/// The synthetic config served when no `--model` is given.
-pub const DEFAULT_SYNTHETIC_CONFIG: &str = "k3-tiny";
+/// The built-in model served when no `--model` is given: k3-tiny and its DSpark drafter trained on the Python
+/// standard library, embedded in the binary (`sparkd_kernels::trained`).
+pub const DEFAULT_SYNTHETIC_CONFIG: &str = sparkd_kernels::trained::TRAINED_NAME;
 /// Context length when neither `--max-model-len` nor the model caps it lower.
 pub const DEFAULT_MAX_MODEL_LEN: usize = 131_072;
 /// Largest request body accepted (AgentX turns of 200k tokens are about 1 MB of JSON; aiperf-offline.md §2).
@@ -136,10 +137,11 @@ pub struct ServeArgs {
     /// `Origin` header are refused with 403.
     #[arg(long = "allow-origin", value_name = "ORIGIN")]
     pub allow_origins: Vec<String>,
-    /// Checkpoint folder (config.json + safetensors). Without it: the built-in synthetic k3-tiny, seed 0.
+    /// Checkpoint folder (config.json + safetensors). Without it: the built-in model `--synthetic` names.
     #[arg(long, value_name = "DIR")]
     pub model: Option<PathBuf>,
-    /// Without --model: the synthetic config generated in memory (k3-tiny, k3-mini, k3-mini-wide).
+    /// Without --model: the built-in model, `k3-tiny-trained` (trained weights embedded in the binary) or a
+    /// random one generated in memory with seed 0 (k3-tiny, k3-mini, k3-mini-wide).
     #[arg(long, default_value = DEFAULT_SYNTHETIC_CONFIG)]
     pub synthetic: String,
     /// Backend.
@@ -355,11 +357,11 @@ mod tests {
     }
 
     #[test]
-    fn defaults_serve_the_synthetic_model_on_loopback() {
+    fn defaults_serve_the_trained_model_on_loopback() {
         let a = parse(&[]);
         a.validate().unwrap();
         assert_eq!(a.listen_addr().unwrap().to_string(), "127.0.0.1:8000");
-        assert_eq!(a.model_name(), "k3-tiny");
+        assert_eq!(a.model_name(), "k3-tiny-trained");
         assert_eq!(a.device, Device::Auto);
         assert_eq!(a.engine_config(&BUDGETS).max_num_seqs, DEFAULT_MAX_NUM_SEQS);
     }

@@ -21,6 +21,7 @@ use sparkd::config::ServeArgs;
 use sparkd::launch::rendezvous::{join, Group, Join, Master, NcclUniqueId, RandomUniqueId};
 use sparkd::launch::workers::{die_with_parent, WorkerLaunch, Workers};
 use sparkd::launch::{disable_nvlink_multicast_here, LaunchArgs, LaunchError, Rank};
+use sparkd::startup::ModelWeights;
 use sparkd_kernels::cuda::nccl::{NcclComm, NcclGroup};
 use sparkd_kernels::cuda::weights::check_shapes;
 use sparkd_kernels::shard_rule::Shard;
@@ -177,7 +178,7 @@ pub fn serve_sharded_cuda(args: &ServeArgs) -> Result<()> {
 fn check_shards(args: &ServeArgs) -> Result<()> {
     let cfg = match &args.model {
         Some(dir) => ModelConfig::from_file(&Path::new(dir).join("config.json"))?,
-        None => ModelConfig::preset(&args.synthetic).with_context(|| format!("--synthetic {}", args.synthetic))?,
+        None => ModelWeights::open(None, &args.synthetic)?.config().clone(),
     };
     let shard = Shard { rank: 0, world: args.tensor_parallel_size, expert_parallel: args.expert_parallel };
     check_shapes(&shard.local_config(&cfg)?).with_context(|| {

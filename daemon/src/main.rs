@@ -9,6 +9,7 @@ mod bench_cli;
 mod corpus_cli;
 mod launch_cli;
 mod plan_cli;
+mod spec_eval;
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -19,12 +20,13 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use sparkd::api::{auth, http, AppState};
 use sparkd::config::memory::MemoryPresent;
-use sparkd::config::{Device, ServeArgs, DEFAULT_SYNTHETIC_CONFIG};
+use sparkd::config::{Device, ServeArgs};
 use sparkd::engine::journal::OpenJournal;
 use sparkd::engine::Engine;
 use sparkd::startup::{compose, load_tokenizer, Served};
 use sparkd_kernels::config::PRESET_NAMES;
 use sparkd_kernels::synth::write_checkpoint;
+use sparkd_kernels::trained::{TrainedModel, TRAINED_NAME};
 use sparkd_kernels::ModelConfig;
 use sparkd_tokenizer::export_hf;
 use tokio::sync::watch;
@@ -60,18 +62,24 @@ enum Command {
     Bench(bench_cli::BenchArgs),
     /// The CUDA backend's correctness matrix against the CPU reference (JSON report).
     Validate(bench_cli::ValidateArgs),
-    /// Write a synthetic checkpoint in the real K3 layout.
+    /// Speculation on code continuations: DSpark's acceptance per draft position and the calibration of its
+    /// confidences, and every drafting method's acceptance length and wall time (JSON report; a table on stderr).
+    SpecEval(spec_eval::SpecEvalArgs),
+    /// Write a synthetic checkpoint in the real K3 layout (or, with --trained, the trained embedded model).
     Synth {
         /// Named config (k3-tiny, k3-mini, k3-mini-wide, k3).
-        #[arg(long, default_value = DEFAULT_SYNTHETIC_CONFIG)]
+        #[arg(long, default_value = "k3-tiny", conflicts_with = "trained")]
         config: String,
-        #[arg(long, default_value_t = 0)]
+        #[arg(long, default_value_t = 0, conflicts_with = "trained")]
         seed: u64,
+        /// Write the trained k3-tiny and its DSpark drafter (in `drafter/`), expanded to the real layout.
+        #[arg(long)]
+        trained: bool,
         /// Output folder.
         #[arg(long, value_name = "DIR")]
         out: PathBuf,
         /// Largest shard, in bytes of tensor data.
-        #[arg(long, default_value_t = DEFAULT_SHARD_BYTES)]
+        #[arg(long, default_value_t = DEFAULT_SHARD_BYTES, conflicts_with = "trained")]
         max_shard_bytes: u64,
     },
     /// The memory plan of a model over several GPUs: bytes per rank and the largest batch and context that fit
@@ -115,7 +123,9 @@ fn main() -> ExitCode {
             Ok(false) => Err(anyhow::anyhow!("validation failed; see the report")),
             Err(e) => Err(e),
         },
-        Command::Synth { config, seed, out, max_shard_bytes } => synth(&config, seed, &out, max_shard_bytes),
+        Command::SpecEval(args) => spec_eval::run(&args),
+        Command::Synth { trained: true, out, .. } => synth_trained(&out),
+        Command::Synth { config, seed, out, max_shard_bytes, .. } => synth(&config, seed, &out, max_shard_bytes),
         Command::Tokenizer { export, model } => export_tokenizer(&export, model.as_deref()),
         Command::Plan(args) => plan_cli::run(&args),
         Command::Corpus(args) => corpus_cli::run(&args),
@@ -164,6 +174,17 @@ fn synth(config: &str, seed: u64, out: &Path, max_shard_bytes: u64) -> Result<()
     for shard in &report.shards {
         println!("  {}  {} tensors  {} bytes", shard.file, shard.tensors, shard.bytes);
     }
+    Ok(())
+}
+
+fn synth_trained(out: &Path) -> Result<()> {
+    let model = TrainedModel::embedded()?;
+    let bytes = model.write_checkpoint(out)?;
+    println!(
+        "wrote {TRAINED_NAME} and its DSpark drafter to {}: {bytes} bytes of tensor data ({} kept token rows)",
+        out.display(),
+        model.kept_ids().len()
+    );
     Ok(())
 }
 

@@ -17,7 +17,8 @@
 //! - The SPS(B) and draft-cost measurements step and draft only states they allocate, and free every one of
 //!   them.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
@@ -30,6 +31,7 @@ use sparkd_kernels::null_runner::NullRunner;
 use sparkd_kernels::runner::{DraftRequest, RowInput, SampleRequest, SamplingParams, TokenMask};
 use sparkd_kernels::synth::SyntheticWeights;
 use sparkd_kernels::tensor::WeightSource;
+use sparkd_kernels::trained::{TrainedModel, TrainedWeights, TRAINED_NAME};
 use sparkd_kernels::{KernelError, ModelConfig, Runner, StateId, TokenId};
 use sparkd_spec::ngram::{NgramConfig, NgramProposer};
 use sparkd_spec::suffix::{SuffixConfig, SuffixProposer};
@@ -260,37 +262,82 @@ pub fn load_tokenizer(model: Option<&Path>) -> Result<Tokenizer> {
     }
 }
 
+/// The weights `--model` or `--synthetic` name: a checkpoint folder, a seeded synthetic preset, or the trained
+/// embedded model.
+pub enum ModelWeights {
+    Checkpoint { checkpoint: Checkpoint, dir: PathBuf },
+    Synthetic { weights: SyntheticWeights, preset: String },
+    Trained { model: Arc<TrainedModel>, weights: TrainedWeights },
+}
+
+impl ModelWeights {
+    /// The checkpoint in `model`, else the built-in model `synthetic` names (a preset, or [`TRAINED_NAME`]).
+    pub fn open(model: Option<&Path>, synthetic: &str) -> Result<Self> {
+        if let Some(dir) = model {
+            let checkpoint =
+                Checkpoint::open(dir).with_context(|| format!("opening the checkpoint {}", dir.display()))?;
+            return Ok(ModelWeights::Checkpoint { checkpoint, dir: dir.to_path_buf() });
+        }
+        if synthetic == TRAINED_NAME {
+            let model = TrainedModel::embedded().context("--synthetic k3-tiny-trained")?;
+            return Ok(ModelWeights::Trained { weights: model.target(), model });
+        }
+        let cfg = ModelConfig::preset(synthetic).with_context(|| format!("--synthetic {synthetic}"))?;
+        Ok(ModelWeights::Synthetic { weights: SyntheticWeights::new(cfg, BUILTIN_SEED), preset: synthetic.to_string() })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        match self {
+            ModelWeights::Checkpoint { checkpoint, .. } => checkpoint.config(),
+            ModelWeights::Synthetic { weights, .. } => weights.config(),
+            ModelWeights::Trained { model, .. } => model.config(),
+        }
+    }
+
+    pub fn weights(&self) -> &dyn WeightSource {
+        match self {
+            ModelWeights::Checkpoint { checkpoint, .. } => checkpoint,
+            ModelWeights::Synthetic { weights, .. } => weights,
+            ModelWeights::Trained { weights, .. } => weights,
+        }
+    }
+
+    /// Where a DSpark method's drafter comes from for these weights.
+    pub fn drafter(&self) -> DrafterOrigin {
+        match self {
+            ModelWeights::Checkpoint { dir, .. } => DrafterOrigin::Folder(dir.clone()),
+            ModelWeights::Synthetic { preset, .. } => DrafterOrigin::Preset(preset.clone()),
+            ModelWeights::Trained { model, .. } => DrafterOrigin::Trained(Arc::clone(model)),
+        }
+    }
+}
+
+/// Where the drafter of a DSpark method comes from.
+pub enum DrafterOrigin {
+    /// `DIR/drafter` of a checkpoint folder.
+    Folder(PathBuf),
+    /// The seeded synthetic drafter of a preset.
+    Preset(String),
+    /// The trained drafter of the embedded model.
+    Trained(Arc<TrainedModel>),
+}
+
 /// The runner `--device` and `--model` ask for (prepared for the speculation settings `spec`), its config and
 /// the backend it runs on. With `--device auto`, a GPU whose runner fails to start is reported and the CPU
 /// reference serves instead.
 pub fn build_runner(args: &ServeArgs, spec: &SpeculationConfig) -> Result<(Box<dyn Runner>, ModelConfig, Device)> {
-    let checkpoint = match &args.model {
-        Some(dir) => Some(Checkpoint::open(dir).with_context(|| format!("opening the checkpoint {}", dir.display()))?),
-        None => None,
-    };
-    let preset = args.synthetic.as_str();
-    let cfg = match &checkpoint {
-        Some(c) => c.config().clone(),
-        None => ModelConfig::preset(preset).with_context(|| format!("--synthetic {preset}"))?,
-    };
-    let synthetic;
-    let weights: &dyn WeightSource = match &checkpoint {
-        Some(c) => c,
-        None => {
-            synthetic = SyntheticWeights::new(cfg.clone(), BUILTIN_SEED);
-            &synthetic
-        }
-    };
-    let model_dir = args.model.as_deref();
+    let model = ModelWeights::open(args.model.as_deref(), &args.synthetic)?;
+    let cfg = model.config().clone();
+    let (weights, drafter) = (model.weights(), model.drafter());
     let (runner, device) = match args.device.resolve() {
-        Device::Cuda if args.device == Device::Auto => match cuda_runner(&cfg, weights, spec, model_dir, preset) {
+        Device::Cuda if args.device == Device::Auto => match cuda_runner(&cfg, weights, spec, &drafter) {
             Ok(runner) => (runner, Device::Cuda),
             Err(e) => {
                 tracing::warn!("--device auto: the CUDA runner did not start ({e:#}); using the CPU reference");
-                (cpu_runner(&cfg, weights, spec, model_dir, preset)?, Device::Cpu)
+                (cpu_runner(&cfg, weights, spec, &drafter)?, Device::Cpu)
             }
         },
-        Device::Cuda => (cuda_runner(&cfg, weights, spec, model_dir, preset)?, Device::Cuda),
+        Device::Cuda => (cuda_runner(&cfg, weights, spec, &drafter)?, Device::Cuda),
         Device::Null => {
             spec.check_null_runner()?;
             (Box::new(NullRunner::new(cfg.clone())) as Box<dyn Runner>, Device::Null)
@@ -298,24 +345,23 @@ pub fn build_runner(args: &ServeArgs, spec: &SpeculationConfig) -> Result<(Box<d
         Device::Cpu if args.tensor_parallel_size > 1 => {
             let parallel =
                 ParallelConfig { tensor_parallel: args.tensor_parallel_size, expert_parallel: args.expert_parallel };
-            (sharded_cpu_runner(&cfg, weights, parallel, spec, model_dir, preset)?, Device::Cpu)
+            (sharded_cpu_runner(&cfg, weights, parallel, spec, &drafter)?, Device::Cpu)
         }
-        Device::Cpu | Device::Auto => (cpu_runner(&cfg, weights, spec, model_dir, preset)?, Device::Cpu),
+        Device::Cpu | Device::Auto => (cpu_runner(&cfg, weights, spec, &drafter)?, Device::Cpu),
     };
     Ok((runner, cfg, device))
 }
 
 /// The CPU reference runner of `cfg` with `weights`, prepared for `spec`: the drafter it needs attached (from
-/// `model_dir/drafter`, else synthetic for the preset `preset`), the forced acceptance set.
+/// `drafter`), the forced acceptance set.
 pub fn cpu_runner(
     cfg: &ModelConfig,
     weights: &dyn WeightSource,
     spec: &SpeculationConfig,
-    model_dir: Option<&Path>,
-    preset: &str,
+    drafter: &DrafterOrigin,
 ) -> Result<Box<dyn Runner>> {
     let runner = CpuRunner::new(cfg.clone(), weights)?;
-    prepare(runner, CpuRunner::set_acceptance, spec, model_dir, preset)
+    prepare(runner, CpuRunner::set_acceptance, spec, drafter)
 }
 
 /// [`cpu_runner`] split over in-process tensor-parallel ranks (`--tensor-parallel-size`, `--expert-parallel`).
@@ -325,11 +371,10 @@ pub fn sharded_cpu_runner(
     weights: &dyn WeightSource,
     parallel: ParallelConfig,
     spec: &SpeculationConfig,
-    model_dir: Option<&Path>,
-    preset: &str,
+    drafter: &DrafterOrigin,
 ) -> Result<Box<dyn Runner>> {
     let runner = ShardedCpuRunner::new(cfg.clone(), weights, parallel)?;
-    prepare(runner, ShardedCpuRunner::set_acceptance, spec, model_dir, preset)
+    prepare(runner, ShardedCpuRunner::set_acceptance, spec, drafter)
 }
 
 /// [`cpu_runner`] on the CUDA backend (device 0): the same drafter, uploaded to the device.
@@ -337,11 +382,10 @@ pub fn cuda_runner(
     cfg: &ModelConfig,
     weights: &dyn WeightSource,
     spec: &SpeculationConfig,
-    model_dir: Option<&Path>,
-    preset: &str,
+    drafter: &DrafterOrigin,
 ) -> Result<Box<dyn Runner>> {
     let runner = CudaRunner::new(0, cfg.clone(), weights)?;
-    prepare(runner, CudaRunner::set_acceptance, spec, model_dir, preset)
+    prepare(runner, CudaRunner::set_acceptance, spec, drafter)
 }
 
 /// `runner` prepared for `spec`: the drafter it needs attached, the forced acceptance (if any) set with
@@ -350,41 +394,39 @@ fn prepare<R: Runner + 'static>(
     mut runner: R,
     set_acceptance: fn(&mut R, AcceptanceMode),
     spec: &SpeculationConfig,
-    model_dir: Option<&Path>,
-    preset: &str,
+    drafter: &DrafterOrigin,
 ) -> Result<Box<dyn Runner>> {
-    attach_drafter(&mut runner, spec, model_dir, preset)?;
+    attach_drafter(&mut runner, spec, drafter)?;
     if let Some(schedule) = &spec.synthetic {
         set_acceptance(&mut runner, AcceptanceMode::Synthetic(schedule.clone()));
     }
     Ok(Box::new(runner))
 }
 
-/// Attaches the DSpark drafter the method needs, if any: from `model_dir/drafter`, or, without a model folder,
-/// a synthetic drafter for the built-in synthetic preset `preset`.
+/// Attaches the DSpark drafter the method needs, if any, from `origin`.
 fn attach_drafter(
     runner: &mut dyn Runner,
     spec: &SpeculationConfig,
-    model_dir: Option<&Path>,
-    preset: &str,
+    origin: &DrafterOrigin,
 ) -> Result<(), SpecSettingError> {
     if !spec.method.needs_drafter() {
         return Ok(());
     }
     let bad = |reason: String| SpecSettingError { flag: "spec", reason };
     let target = runner.config().clone();
-    let source = match model_dir {
-        Some(dir) => {
+    let source = match origin {
+        DrafterOrigin::Folder(dir) => {
             let path = dir.join(DRAFTER_DIR);
             if !path.is_dir() {
                 return Err(bad(format!("{} needs a DSpark drafter in {}", spec.method.as_str(), path.display())));
             }
             DrafterSource::checkpoint(&path, &target).map_err(|e| bad(e.to_string()))?
         }
-        None => {
+        DrafterOrigin::Preset(preset) => {
             let cfg = DrafterConfig::for_target(preset, &target).map_err(|e| bad(e.to_string()))?;
             DrafterSource::synthetic(cfg, BUILTIN_DRAFTER_SEED)
         }
+        DrafterOrigin::Trained(model) => model.drafter(),
     };
     runner.attach_drafter(source).map_err(|e| bad(format!("loading the DSpark drafter: {e}")))
 }
@@ -650,7 +692,9 @@ mod tests {
     fn the_drafters_cost_is_measured_per_row_count_and_frees_its_states() {
         let cfg = ModelConfig::preset("k3-tiny").unwrap();
         let spec = SpeculationConfig { method: SpecMethod::Dspark, num_spec_tokens: 4, ..SpeculationConfig::default() };
-        let mut runner = cpu_runner(&cfg, &SyntheticWeights::new(cfg.clone(), 1), &spec, None, "k3-tiny").unwrap();
+        let mut runner =
+            cpu_runner(&cfg, &SyntheticWeights::new(cfg.clone(), 1), &spec, &DrafterOrigin::Preset("k3-tiny".into()))
+                .unwrap();
         let table = measure_draft_cost(runner.as_mut(), 16, 4).unwrap();
         let rows: Vec<usize> = table.iter().map(|p| p.rows).collect();
         assert_eq!(rows, vec![1, 8]);

@@ -17,12 +17,13 @@
 
 use std::collections::HashMap;
 use std::fs::File;
+use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
-use serde_json::Value;
+use serde_json::{json, Map, Value};
 
 use crate::config::ModelConfig;
 use crate::error::{KernelError, Result};
@@ -241,4 +242,40 @@ fn read_weight_map(path: &Path) -> Result<Vec<(String, String)>> {
         out.push((name.clone(), file));
     }
     Ok(out)
+}
+
+/// Writes `specs` from `source` into one safetensors file, names prefixed by `prefix`, wider dtypes first (so
+/// every tensor stays aligned to its element size); returns the tensor data bytes.
+pub(crate) fn write_single_file(
+    path: &Path,
+    source: &dyn WeightSource,
+    specs: &[ExpectedTensor],
+    prefix: &str,
+) -> Result<u64> {
+    let file_err = |e: std::io::Error| KernelError::CheckpointFile { path: PathBuf::from(path), reason: e.to_string() };
+    let mut order: Vec<&ExpectedTensor> = specs.iter().collect();
+    order.sort_by_key(|s| std::cmp::Reverse(s.dtype.size()));
+    let tensors = order.iter().map(|spec| source.tensor(spec)).collect::<Result<Vec<HostTensor>>>()?;
+    let mut header = Map::new();
+    header.insert("__metadata__".into(), json!({ "format": "pt" }));
+    let mut offset = 0u64;
+    for (spec, t) in order.iter().zip(&tensors) {
+        let bytes = t.bytes().len() as u64;
+        header.insert(
+            format!("{prefix}{}", spec.name),
+            json!({ "dtype": t.dtype.name(), "shape": t.shape, "data_offsets": [offset, offset + bytes] }),
+        );
+        offset += bytes;
+    }
+    let mut header_bytes =
+        serde_json::to_vec(&Value::Object(header)).map_err(|e| KernelError::InvalidInput(e.to_string()))?;
+    header_bytes.resize(header_bytes.len().next_multiple_of(8), b' ');
+    let mut out = BufWriter::new(std::fs::File::create(path).map_err(file_err)?);
+    out.write_all(&(header_bytes.len() as u64).to_le_bytes()).map_err(file_err)?;
+    out.write_all(&header_bytes).map_err(file_err)?;
+    for t in &tensors {
+        out.write_all(t.bytes()).map_err(file_err)?;
+    }
+    out.flush().map_err(file_err)?;
+    Ok(offset)
 }

@@ -27,6 +27,7 @@ pub mod shard_rule;
 pub mod state;
 pub mod synth;
 pub mod tensor;
+pub mod trained;
 
 pub use config::ModelConfig;
 pub use error::{KernelError, Result};

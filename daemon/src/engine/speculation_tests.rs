@@ -30,6 +30,8 @@ use crate::metrics::{
 };
 use crate::startup;
 
+mod trained;
+
 /// What one request received.
 #[derive(Debug, Default)]
 struct Outcome {
@@ -326,7 +328,13 @@ fn dspark_needs_a_runner_with_a_drafter() {
 /// the forced acceptance.
 fn cpu_runner(cfg: &SpeculationConfig) -> Box<dyn Runner> {
     let model = ModelConfig::preset("k3-tiny").expect("preset");
-    startup::cpu_runner(&model, &SyntheticWeights::new(model.clone(), 5), cfg, None, "k3-tiny").expect("cpu runner")
+    startup::cpu_runner(
+        &model,
+        &SyntheticWeights::new(model.clone(), 5),
+        cfg,
+        &startup::DrafterOrigin::Preset("k3-tiny".into()),
+    )
+    .expect("cpu runner")
 }
 
 /// Token ids spread over the vocabulary (the synthetic model's embeddings are random).

@@ -741,8 +741,13 @@ fn cpu_greedy(
     step_time: Option<StepTimeLimit>,
 ) -> Vec<Vec<TokenId>> {
     let model = ModelConfig::preset("k3-tiny").unwrap();
-    let mut runner = startup::cpu_runner(&model, &SyntheticWeights::new(model.clone(), 5), spec, None, "k3-tiny")
-        .expect("cpu runner");
+    let mut runner = startup::cpu_runner(
+        &model,
+        &SyntheticWeights::new(model.clone(), 5),
+        spec,
+        &startup::DrafterOrigin::Preset("k3-tiny".into()),
+    )
+    .expect("cpu runner");
     let speculation = startup::speculation(spec, runner.as_mut(), 16).expect("speculation composes");
     let config = EngineConfig { max_num_batched_tokens: 16, max_num_seqs: 4, step_time, ..EngineConfig::default() };
     let engine = spawn(runner, speculation, config).unwrap();

@@ -16,15 +16,13 @@
 //! | `confidence_head.bias` | N(0, 0.5) |
 //! | every other `.weight` (Linears, incl. `W2` and the confidence weight) | N(0, 1/sqrt(in)) |
 
-use std::io::Write;
 use std::path::Path;
 
 use half::bf16;
 use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use serde_json::{json, Map, Value};
 
-use crate::checkpoint::{CONFIG_FILE, SINGLE_FILE};
+use crate::checkpoint::{write_single_file, CONFIG_FILE, SINGLE_FILE};
 use crate::dspark::config::DrafterConfig;
 use crate::dspark::schema::{drafter_tensors, CONFIDENCE_BIAS, MARKOV_W1};
 use crate::error::{KernelError, Result};
@@ -133,29 +131,5 @@ pub fn write_drafter_checkpoint(cfg: &DrafterConfig, seed: u64, dir: &Path) -> R
     let config_path = dir.join(CONFIG_FILE);
     std::fs::write(&config_path, cfg.to_json()? + "\n").map_err(|e| file_err(&config_path, e))?;
 
-    let mut order: Vec<&ExpectedTensor> = synth.specs.iter().collect();
-    order.sort_by_key(|s| std::cmp::Reverse(s.dtype.size()));
-    let mut header = Map::new();
-    header.insert("__metadata__".into(), json!({ "format": "pt" }));
-    let mut offset = 0u64;
-    for spec in &order {
-        let bytes = spec.canonical_bytes() as u64;
-        header.insert(
-            spec.name.clone(),
-            json!({ "dtype": spec.dtype.name(), "shape": spec.shape.canonical(), "data_offsets": [offset, offset + bytes] }),
-        );
-        offset += bytes;
-    }
-    let mut header_bytes =
-        serde_json::to_vec(&Value::Object(header)).map_err(|e| KernelError::InvalidInput(e.to_string()))?;
-    header_bytes.resize(header_bytes.len().next_multiple_of(8), b' ');
-    let path = dir.join(SINGLE_FILE);
-    let mut out = std::io::BufWriter::new(std::fs::File::create(&path).map_err(|e| file_err(&path, e))?);
-    out.write_all(&(header_bytes.len() as u64).to_le_bytes()).map_err(|e| file_err(&path, e))?;
-    out.write_all(&header_bytes).map_err(|e| file_err(&path, e))?;
-    for spec in &order {
-        out.write_all(&synth.bytes(spec)).map_err(|e| file_err(&path, e))?;
-    }
-    out.flush().map_err(|e| file_err(&path, e))?;
-    Ok(offset)
+    write_single_file(&dir.join(SINGLE_FILE), &synth, &synth.specs, "")
 }
