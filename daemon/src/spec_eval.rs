@@ -378,19 +378,7 @@ fn warm_up(runner: &mut dyn Runner, prompt: &[TokenId]) -> Result<(), KernelErro
 /// Sends one greedy request and collects its steps until it finishes at `max_tokens`.
 fn generate(handle: &EngineHandle, id: RequestId, prompt: &[TokenId], max_tokens: usize) -> Result<Generation> {
     let (events, mut received) = mpsc::channel(EVENT_CHANNEL);
-    let request = GenerateRequest {
-        id,
-        prompt: prompt.to_vec(),
-        continue_from: None,
-        keep_as: None,
-        sampling: SamplingParams::greedy(),
-        max_tokens,
-        ignore_eos: true,
-        stop_token_ids: Vec::new(),
-        arrival: Instant::now(),
-        num_spec_tokens: None,
-        constraint: None,
-    };
+    let request = GenerateRequest::greedy(id, prompt.to_vec(), max_tokens);
     handle.blocking_send(EngineCommand::Generate { request, events })?;
     let mut generation = Generation::default();
     while let Some(event) = received.blocking_recv() {

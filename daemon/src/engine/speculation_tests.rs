@@ -10,7 +10,6 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 
 use sparkd_kernels::launches::FedRow;
 use sparkd_kernels::null_runner::NullRunner;
@@ -114,19 +113,7 @@ impl Harness {
     /// A greedy request with the next id.
     fn request(&mut self, prompt: Vec<TokenId>, max_tokens: usize) -> GenerateRequest {
         self.next_id += 1;
-        GenerateRequest {
-            id: RequestId(self.next_id),
-            prompt,
-            continue_from: None,
-            keep_as: None,
-            sampling: SamplingParams::greedy(),
-            max_tokens,
-            ignore_eos: true,
-            stop_token_ids: Vec::new(),
-            arrival: Instant::now(),
-            num_spec_tokens: None,
-            constraint: None,
-        }
+        GenerateRequest::greedy(RequestId(self.next_id), prompt, max_tokens)
     }
 
     /// Runs `requests` concurrently.

@@ -78,6 +78,25 @@ pub struct GenerateRequest {
     pub constraint: Option<Box<sparkd_grammar::Constraint>>,
 }
 
+impl GenerateRequest {
+    /// A greedy request of exactly `max_tokens` (EOS ignored), arriving now: what benchmarks and tests send.
+    pub fn greedy(id: RequestId, prompt: Vec<TokenId>, max_tokens: usize) -> Self {
+        GenerateRequest {
+            id,
+            prompt,
+            continue_from: None,
+            keep_as: None,
+            sampling: SamplingParams::greedy(),
+            max_tokens,
+            ignore_eos: true,
+            stop_token_ids: Vec::new(),
+            arrival: Instant::now(),
+            num_spec_tokens: None,
+            constraint: None,
+        }
+    }
+}
+
 /// A command to the engine thread.
 #[derive(Debug)]
 pub enum EngineCommand {
