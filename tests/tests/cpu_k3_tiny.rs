@@ -1,6 +1,6 @@
-//! Black-box tests against the default `sparkd serve` (no flags besides the port): the built-in synthetic k3-tiny
-//! on the CPU backend. Streaming chat, and an AIPerf-style multi-turn session over HTTP that resends the full
-//! history, where turn 2 must restore turn 1's prefix and prefill only the suffix.
+//! Black-box tests against the default `sparkd serve` (no flags besides the port): the built-in trained
+//! k3-tiny-trained on the CPU backend. Streaming chat, and an AIPerf-style multi-turn session over HTTP that resends
+//! the full history, where turn 2 must restore turn 1's prefix and prefill only the suffix.
 
 use serde_json::{json, Value};
 use sparkd_tests::{sse_text, Server};
@@ -22,7 +22,7 @@ fn timings_of(events: &[sparkd_tests::SseEvent]) -> Value {
 async fn cpu_streaming_chat_and_multi_turn_prefix_reuse() {
     let s = Server::start(&[]).await.expect("default server starts");
     let (_, models) = s.get("/v1/models").await.unwrap();
-    assert!(models.contains("k3-tiny"), "{models}");
+    assert!(models.contains("k3-tiny-trained"), "{models}");
 
     // Streaming chat, as AIPerf sends it.
     let mut messages = vec![
@@ -30,7 +30,7 @@ async fn cpu_streaming_chat_and_multi_turn_prefix_reuse() {
         json!({"role": "user", "content": "[rid:8a3f2c1b9e7d]\n\nFix the failing test in parser.rs."}),
     ];
     let body = |messages: &Vec<Value>, n: usize| {
-        json!({"model": "k3-tiny", "messages": messages, "stream": true, "max_completion_tokens": n,
+        json!({"model": "k3-tiny-trained", "messages": messages, "stream": true, "max_completion_tokens": n,
                "ignore_eos": true, "stream_options": {"include_usage": true}})
     };
     let turn1 = s.sse_all("/v1/chat/completions", &body(&messages, 8)).await.unwrap();

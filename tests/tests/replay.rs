@@ -92,7 +92,7 @@ async fn replay(
 
 async fn replay_against_null_daemon(transport: TransportKind, dir: PathBuf) -> RunReport {
     let server = Server::start(&["--device", "null", "--api-key", REPLAY_KEY]).await.expect("server starts");
-    replay(&server, transport, &dir, "null", "k3-tiny").await
+    replay(&server, transport, &dir, "null", "k3-tiny-trained").await
 }
 
 fn check(report: &RunReport, transport: &str) {
