@@ -3,7 +3,7 @@
 //! must not change.
 
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use sparkd_kernels::launches::FedRow;
 use sparkd_kernels::null_runner::NullRunner;
@@ -39,25 +39,40 @@ struct Seen {
 }
 
 /// Holds the probe's steps where a test needs the engine to wait for it (no sleeps): with a limit, the step that
-/// would be the limit-th waits until the test moves or lifts it.
+/// would be the limit-th waits until the test moves or lifts it. The engine thread parked here delivers nothing (its
+/// event backlogs are retried between steps), so a test must not wait on events that would need a held step; a
+/// gate held past `GATE_TIMEOUT` opens itself and says so in `timed_out`, failing the test instead of hanging it.
 #[derive(Default)]
 struct Gate {
-    limit: Mutex<Option<usize>>,
+    limit: Mutex<GateLimit>,
     moved: Condvar,
 }
+
+#[derive(Default)]
+struct GateLimit {
+    steps: Option<usize>,
+    timed_out: bool,
+}
+
+/// Far longer than any gated test needs between moving the gate and lifting it.
+const GATE_TIMEOUT: Duration = Duration::from_secs(60);
 
 impl Gate {
     /// Waits while `steps` taken have reached the limit.
     fn pass(&self, steps: usize) {
-        let mut limit = self.limit.lock().unwrap();
-        while limit.is_some_and(|l| steps >= l) {
-            limit = self.moved.wait(limit).unwrap();
+        let limit = self.limit.lock().unwrap();
+        let (mut limit, wait) =
+            self.moved.wait_timeout_while(limit, GATE_TIMEOUT, |l| l.steps.is_some_and(|l| steps >= l)).unwrap();
+        if wait.timed_out() {
+            *limit = GateLimit { steps: None, timed_out: true };
         }
     }
 
     /// Lets steps run until `steps` have been taken (`None`: without a limit).
     fn hold_at(&self, steps: Option<usize>) {
-        *self.limit.lock().unwrap() = steps;
+        let mut limit = self.limit.lock().unwrap();
+        assert!(!limit.timed_out, "the engine waited at the gate for {GATE_TIMEOUT:?}: the test deadlocked");
+        limit.steps = steps;
         self.moved.notify_all();
     }
 }
@@ -167,7 +182,12 @@ impl Harness {
     }
 
     fn submit(&self, request: GenerateRequest) -> mpsc::Receiver<EngineEvent> {
-        let (tx, rx) = mpsc::channel(4);
+        self.submit_with_room(request, 4)
+    }
+
+    /// Submits with room for `events` unread events on the request's channel before they wait in its backlog.
+    fn submit_with_room(&self, request: GenerateRequest, events: usize) -> mpsc::Receiver<EngineEvent> {
+        let (tx, rx) = mpsc::channel(events);
         self.handle.blocking_send(EngineCommand::Generate { request, events: tx }).unwrap();
         rx
     }
@@ -449,9 +469,11 @@ fn stop_continue_and_cancel(async_scheduling: bool) -> (Vec<Vec<TokenId>>, usize
     let more = collect(h.submit(turn2b));
     assert!(more.failed.is_none(), "{:?}", more.failed);
     // Far more tokens than the engine makes before the cancel arrives: the gate holds it at 20 more steps until the
-    // cancel is sent (so neither the length limit nor the slow-reader limit ends the request first).
-    h.gate.hold_at(Some(h.steps() + 20));
-    let mut rx = h.submit(request(3, prompt(8, 9), 500_000));
+    // cancel is sent (so neither the length limit nor the slow-reader limit ends the request first). The channel has
+    // room for every event of those steps: one left in the backlog would wait for a step the gate holds.
+    const HELD_STEPS: usize = 20;
+    h.gate.hold_at(Some(h.steps() + HELD_STEPS));
+    let mut rx = h.submit_with_room(request(3, prompt(8, 9), 500_000), HELD_STEPS + 2);
     let mut cancelled = Vec::new();
     while cancelled.len() < 5 {
         if let Some(EngineEvent::Tokens { tokens, .. }) = rx.blocking_recv() {
