@@ -15,7 +15,9 @@ use sparkd_kernels::acceptance::{AcceptanceMode, SyntheticSchedule};
 use sparkd_kernels::checkpoint::Checkpoint;
 use sparkd_kernels::config::PRESET_NAMES;
 use sparkd_kernels::cpu::{CpuRunner, ParallelConfig, ShardedCpuRunner};
+use sparkd_kernels::cuda::attn::MLA_GROUP_FROM_TOKENS;
 use sparkd_kernels::cuda::gpu::Gemm;
+use sparkd_kernels::cuda::step::MLA_CHUNK_SPLIT_TOKENS;
 use sparkd_kernels::cuda::CudaRunner;
 use sparkd_kernels::harness::context::{self, ContextSweep};
 use sparkd_kernels::harness::cuda_bench::{self, CudaBenchOptions};
@@ -110,6 +112,14 @@ pub struct BenchArgs {
     /// Most tokens of one step (--context-steps' prefill of its contexts and its step-cost profile).
     #[arg(long, default_value_t = 2048)]
     pub max_batch_tokens: usize,
+    /// CUDA, --context-steps: MLA windows of at least this many tokens run 4 tokens to a block of the split
+    /// attention (a length past every window runs each token in its own block, as before decision D84).
+    #[arg(long, default_value_t = MLA_GROUP_FROM_TOKENS)]
+    pub mla_group_from: usize,
+    /// CUDA, --context-steps: about this many (token, split) pairs for an MLA window longer than a verify window
+    /// (0: one split per token, as before decision D84).
+    #[arg(long, default_value_t = MLA_CHUNK_SPLIT_TOKENS)]
+    pub mla_chunk_split_tokens: usize,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Write the JSON report here (default: stdout).
@@ -262,7 +272,11 @@ fn context_steps(args: &BenchArgs) -> Result<()> {
     }
     let (cfg, weights) = bench_weights(args)?;
     let mut runner: Box<dyn Runner> = match args.device.resolve() {
-        Device::Cuda => Box::new(CudaRunner::new(0, cfg, weights.as_ref())?),
+        Device::Cuda => {
+            let mut runner = CudaRunner::new(0, cfg, weights.as_ref())?;
+            runner.set_mla_forms(args.mla_group_from, args.mla_chunk_split_tokens);
+            Box::new(runner)
+        }
         Device::Cpu => Box::new(CpuRunner::new(cfg, weights.as_ref())?),
         Device::Null | Device::Auto => bail!("--device null has no math to benchmark; use cpu or cuda"),
     };

@@ -5,9 +5,11 @@
 // Invariants:
 // - The cache holds per token [c (kv_lora, normalised) | k_rot (rope, raw)] in bf16. `mla_norm_append` writes
 //   the window's entries first; window token i of a row attends causally over entries 0 ..= first + i.
-// - Four launches per layer: mla_norm_append (both input norms and the append), mla_absorb, mla_split_heads
-//   (16 heads per cache tile, where the shapes allow, from Hopper on) or mla_split, mla_out (merge, W_UV and the
-//   sigmoid gate).
+// - Four or five launches per layer: mla_norm_append (both input norms and the append), mla_absorb, the split
+//   attention, mla_out (merge, W_UV and the sigmoid gate). The split attention is mla_split_heads (16 heads of a
+//   token per cache tile) for one-token rows and mla_split_heads_tokens (16 heads of 4 tokens of a window per
+//   tile) for windows, each launched when the step has rows for it, where the shapes allow, from Hopper on; else
+//   mla_split (one head per block).
 //   mla_absorb and mla_out read their weight tile once per block of BLOCK_TOKENS tokens, and every token's sums
 //   run in a fixed order that no other token changes.
 // - q_lat and o_lat are rounded to bf16 where the CPU reference rounds them (kernels/src/cpu/mla.rs);
@@ -234,6 +236,7 @@ extern "C" __global__ void mla_split(const i64 *table, const i64 *tok_row, const
 #define HEADS_WARPS 4    // blockDim 128
 #define HEADS_MAX_NT 16  // value n-tiles (8 channels) per warp: r <= 8 HEADS_MAX_NT HEADS_WARPS (512)
 #define ROW_PAD 8        // bf16 past each staged row: rows sit 4 banks apart, so fragment loads are conflict-free
+#define HEADS_TOKENS 4   // tokens of a row per block of mla_split_heads_tokens: a warp group of HEADS_WARPS each
 
 #if __CUDA_ARCH__ >= 900
 // The staging of a cache tile by TMA bulk copies (one per cache row) completing on an mbarrier (prelude.cuh).
@@ -253,64 +256,80 @@ __device__ __forceinline__ u32 pack_pair(__nv_bfloat16 lo, __nv_bfloat16 hi) {
 #endif
 
 // mla_split for HEADS_TILE heads at once (FlashMLA's shape: every cache tile is read once for a group of heads,
-// not once per head). Scores and values run on the tensor cores: S [16 heads, KV_TILE] = Q [16, r + rope] K^T,
-// then O [16, r] += P_hi V + P_lo V, where P_hi = bf16(P) and P_lo = bf16(P - P_hi): P keeps 16 bits of mantissa
-// (bf16 P alone, as FlashMLA rounds it, moved k3-tiny's logits past validate's bound); the softmax statistics stay
-// fp32. Same partials as mla_split (part_o unnormalised, part_m, part_l; an empty split writes m = -inf, l = 0),
-// for the same splits, so mla_out merges either.
-// Warp w scores positions [16 w, 16 w + 16) of each tile and owns value channels [w r / 4, (w + 1) r / 4). A
-// score sums over the channels in MMA k-steps of 16 in ascending order; a value sums the tiles in ascending order
-// and, within a tile, the positions in k-steps of 16: a fixed order that no other token or head changes.
+// not once per head), and for TOKS consecutive tokens of one row at once (every tile staged once for all of
+// them, as FlashMLA packs a window's query tokens with its heads). Scores and values run on the tensor cores:
+// S [16 heads, KV_TILE] = Q [16, r + rope] K^T, then O [16, r] += P_hi V + P_lo V, where P_hi = bf16(P) and
+// P_lo = bf16(P - P_hi): P keeps 16 bits of mantissa (bf16 P alone, as FlashMLA rounds it, moved k3-tiny's logits
+// past validate's bound); the softmax statistics stay fp32. Same partials as mla_split (part_o unnormalised,
+// part_m, part_l; an empty split writes m = -inf, l = 0), for the same splits, so mla_out merges either.
+// Token group g (warps [4 g, 4 g + 4)) computes token tok0 + g; its warp w scores positions [16 w, 16 w + 16) of
+// each tile and owns value channels [w r / 4, (w + 1) r / 4). A score sums over the channels in MMA k-steps of 16
+// in ascending order; a value sums the tiles in ascending order and, within a tile, the positions in k-steps of 16:
+// a fixed order that no other token or head changes. The block stages the tiles up to its last token's visible
+// end; a token's positions past its own end score -inf, so P is exactly 0 there and its sums, maximum and tiles
+// are those it has alone (a tile wholly past its end leaves its statistics and values as they were), bit for bit.
 // A tile is staged by warp 0 as one TMA bulk copy per cache row, completing on an mbarrier, so the staging costs
 // a few instructions per row instead of an address computation and a cp.async per 16 bytes and thread.
-// grid = (max splits, ceil(H / 16), n); blockDim 128; dynamic shared memory heads_shared_bytes(r + rope) (attn.rs):
-// Q [16, ld + ROW_PAD], the tile [KV_TILE, ld + ROW_PAD], P_hi and P_lo [16, KV_TILE + ROW_PAD], bf16.
-// Needs (r + rope) % 16 == 0, r % 32 == 0, r <= 512 and nope % 8 == 0 (checked on the host). Hopper and later (TMA
-// and mbarriers): elsewhere the entry point traps, and the host takes mla_split.
-extern "C" __global__ void __launch_bounds__(32 * HEADS_WARPS)
-    mla_split_heads(const i64 *table, const i64 *tok_row, const __nv_bfloat16 *q, const float *q_lat, float *part_o,
-                    float *part_m, float *part_l, int H, int nope, int rope, int r, float scale) {
+// Rows: TOKS = 1 takes the rows of fewer than `group_from` tokens, TOKS > 1 the others, one block per TOKS tokens
+// (the blocks of the other tokens return at once).
+// grid = (max splits, ceil(H / 16), n); blockDim 128 TOKS; dynamic shared memory heads_shared_bytes (attn.rs):
+// Q [16 TOKS, ld + ROW_PAD], the tile [KV_TILE, ld + ROW_PAD], P_hi and P_lo [16, KV_TILE + ROW_PAD] per token,
+// bf16. Needs (r + rope) % 16 == 0, r % 32 == 0, r <= 512 and nope % 8 == 0 (checked on the host). Hopper and later
+// (TMA and mbarriers): elsewhere the entry points trap, and the host takes mla_split.
+template <int TOKS>
+__device__ __forceinline__ void split_heads(const i64 *table, const i64 *tok_row, const __nv_bfloat16 *q,
+                                            const float *q_lat, float *part_o, float *part_m, float *part_l, int H,
+                                            int nope, int rope, int r, float scale, int group_from) {
     kernel_entry();
 #if __CUDA_ARCH__ >= 900
     extern __shared__ __align__(16) __nv_bfloat16 staged[];
-    __shared__ float red_m[HEADS_WARPS][HEADS_TILE], red_l[HEADS_WARPS][HEADS_TILE];
+    __shared__ float red_m[TOKS * HEADS_WARPS][HEADS_TILE], red_l[TOKS * HEADS_WARPS][HEADS_TILE];
     __shared__ unsigned long long tile_bar;  // the staged tile's bulk copies; phase k = tile k
+    i64 tok0 = blockIdx.z;
+    const i64 *e = table + tok_row[tok0] * MLA_ENTRY;
+    int t = (int)e[M_T], rel0 = (int)(tok0 - e[M_OFFSET]);
+    // Uniform over the block, before any barrier: the rows of the other kernel, and the tokens of another block.
+    if (TOKS == 1 ? t >= group_from : (t < group_from || rel0 % TOKS != 0)) return;
     if (threadIdx.x == 0) {
         mbarrier_init(&tile_bar, 1);
         mbarrier_init_fence();
     }
     int ld_ = r + rope, stride = ld_ + ROW_PAD, pstride = KV_TILE + ROW_PAD, qh = nope + rope;
-    __nv_bfloat16 *qs = staged;                      // [HEADS_TILE, stride]
-    __nv_bfloat16 *kv = qs + HEADS_TILE * stride;    // [KV_TILE, stride]
-    __nv_bfloat16 *ps = kv + KV_TILE * stride;       // P_hi [HEADS_TILE, pstride]
-    __nv_bfloat16 *ps_lo = ps + HEADS_TILE * pstride;  // P_lo [HEADS_TILE, pstride]
+    int toks = min(TOKS, t - rel0);                         // this block's tokens: tok0 .. tok0 + toks - 1
+    __nv_bfloat16 *qs = staged;                             // [TOKS HEADS_TILE, stride]
+    __nv_bfloat16 *kv = qs + TOKS * HEADS_TILE * stride;    // [KV_TILE, stride]
     int s = blockIdx.x, h0 = blockIdx.y * HEADS_TILE, splits = gridDim.x;
-    i64 tok = blockIdx.z;
-    const i64 *e = table + tok_row[tok] * MLA_ENTRY;
     const __nv_bfloat16 *cache = (const __nv_bfloat16 *)e[M_CACHE];
-    int visible = (int)(e[M_FIRST] + (tok - e[M_OFFSET]) + 1);
-    int span = (int)e[M_SPAN];
-    int lo = s * span, hi = min(visible, lo + span);
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int first = (int)e[M_FIRST], span = (int)e[M_SPAN];
+    int lo = s * span, end = min(first + rel0 + toks, lo + span);  // the last token's visible end in this split
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    int grp = warp / HEADS_WARPS, wg = warp % HEADS_WARPS;
+    // This group's token; a group past the block's tokens sees nothing (its rows of Q are zero, nothing is written).
+    i64 tok = tok0 + grp;
+    int hi = grp < toks ? min(first + rel0 + grp + 1, lo + span) : lo;
+    __nv_bfloat16 *ps = kv + KV_TILE * stride + grp * 2 * HEADS_TILE * pstride;  // P_hi [HEADS_TILE, pstride]
+    __nv_bfloat16 *ps_lo = ps + HEADS_TILE * pstride;                            // P_lo [HEADS_TILE, pstride]
     int heads = min(HEADS_TILE, H - h0);
     // Q rows, 8 channels per 16-byte store: q_lat (fp32 holding bf16 values, so exact) then q_rot (r, nope and rope
-    // are multiples of 8, so no chunk straddles them and every load is aligned); rows past the last head are zero.
+    // are multiples of 8, so no chunk straddles them and every load is aligned); rows past the last head or token
+    // are zero.
     int qchunks = ld_ / 8;
-    for (int i = threadIdx.x; i < HEADS_TILE * qchunks; i += blockDim.x) {
-        int hh = i / qchunks, c = (i % qchunks) * 8;
+    for (int i = threadIdx.x; i < TOKS * HEADS_TILE * qchunks; i += blockDim.x) {
+        int row = i / qchunks, gg = row / HEADS_TILE, hh = row % HEADS_TILE, c = (i % qchunks) * 8;
+        i64 qt = tok0 + gg;
         uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (hh < heads && c < r) {
-            const float4 *src = (const float4 *)(q_lat + (tok * H + h0 + hh) * r + c);
+        if (gg < toks && hh < heads && c < r) {
+            const float4 *src = (const float4 *)(q_lat + (qt * H + h0 + hh) * r + c);
             float4 x = src[0], y = src[1];
             __nv_bfloat162 b[4] = {__floats2bfloat162_rn(x.x, x.y), __floats2bfloat162_rn(x.z, x.w),
                                    __floats2bfloat162_rn(y.x, y.y), __floats2bfloat162_rn(y.z, y.w)};
             v = *(const uint4 *)b;
-        } else if (hh < heads) {
-            v = *(const uint4 *)(q + (tok * H + h0 + hh) * qh + nope + c - r);
+        } else if (gg < toks && hh < heads) {
+            v = *(const uint4 *)(q + (qt * H + h0 + hh) * qh + nope + c - r);
         }
-        *(uint4 *)(qs + hh * stride + c) = v;
+        *(uint4 *)(qs + row * stride + c) = v;
     }
-    int nts = r / (8 * HEADS_WARPS), c0 = warp * nts * 8;  // this warp's value n-tiles and first channel
+    int nts = r / (8 * HEADS_WARPS), c0 = wg * nts * 8;  // this warp's value n-tiles and first channel
     float m_run[2] = {-INF_F, -INF_F}, l_run[2] = {0.0f, 0.0f};  // rows g and g + 8
     float acc[HEADS_MAX_NT][4];
 #pragma unroll
@@ -319,8 +338,8 @@ extern "C" __global__ void __launch_bounds__(32 * HEADS_WARPS)
         for (int x = 0; x < 4; x++) acc[nt][x] = 0.0f;
     int chunks = ld_ / 8;
     u32 parity = 0;
-    for (int base = lo; base < hi; base += KV_TILE, parity ^= 1u) {
-        int len = min(KV_TILE, hi - base);
+    for (int base = lo; base < end; base += KV_TILE, parity ^= 1u) {
+        int len = min(KV_TILE, end - base), mine = min(KV_TILE, hi - base);  // staged rows; this token's rows
         __syncthreads();  // the tile before is consumed (and, the first time, Q is staged and the barrier set up)
         // Warp 0 stages the tile's len rows, one bulk copy per row (rows are padded in shared memory); the
         // rows past len, read by the value MMAs with P = 0 there, are zeroed so that they hold no NaN.
@@ -335,12 +354,12 @@ extern "C" __global__ void __launch_bounds__(32 * HEADS_WARPS)
         mbarrier_wait(&tile_bar, parity);
         __syncthreads();  // the zeroed rows
         // Scores of this warp's 16 positions (two n-tiles): c[0], c[1] row g, c[2], c[3] row g + 8, positions
-        // 16 warp + 8 nt + 2t (+1).
+        // 16 wg + 8 nt + 2 t4 (+1).
         float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
         // ldmatrix rows: A (Q) lane l gives head l % 16, channels + 8 (l / 16); B (K) positions + 8 (l / 16) +
         // l % 8, channels + 8 (l / 8 % 2), so b[0], b[1] are n-tile 0's fragments and b[2], b[3] n-tile 1's.
-        const __nv_bfloat16 *q_rows = qs + (lane & 15) * stride + (lane >> 4) * 8;
-        const __nv_bfloat16 *k_rows = kv + (warp * 16 + (lane >> 4) * 8 + (lane & 7)) * stride + ((lane >> 3) & 1) * 8;
+        const __nv_bfloat16 *q_rows = qs + (grp * HEADS_TILE + (lane & 15)) * stride + (lane >> 4) * 8;
+        const __nv_bfloat16 *k_rows = kv + (wg * 16 + (lane >> 4) * 8 + (lane & 7)) * stride + ((lane >> 3) & 1) * 8;
         for (int k0 = 0; k0 < ld_; k0 += 16) {
             u32 a[4], b[4];
             ldmatrix_x4<false>(a, q_rows + k0);
@@ -348,40 +367,41 @@ extern "C" __global__ void __launch_bounds__(32 * HEADS_WARPS)
             mma_bf16(sc[0], a[0], a[1], a[2], a[3], b[0], b[1]);
             mma_bf16(sc[1], a[0], a[1], a[2], a[3], b[2], b[3]);
         }
-        // Online softmax per head row: the maximum and the sum over the tile by lanes t, then by warps in order.
+        // Online softmax per head row: the maximum and the sum over the tile by lanes t4, then by the group's warps
+        // in order. A token none of whose positions this split has seen yet keeps m = -inf and P = 0.
         float tmax[2] = {-INF_F, -INF_F};
 #pragma unroll
         for (int nt = 0; nt < 2; nt++)
 #pragma unroll
             for (int x = 0; x < 4; x++) {
-                int p = warp * 16 + nt * 8 + 2 * t + (x & 1);
-                sc[nt][x] = p < len ? scale * sc[nt][x] : -INF_F;
+                int p = wg * 16 + nt * 8 + 2 * t4 + (x & 1);
+                sc[nt][x] = p < mine ? scale * sc[nt][x] : -INF_F;
                 tmax[x >> 1] = fmaxf(tmax[x >> 1], sc[nt][x]);
             }
 #pragma unroll
         for (int rr = 0; rr < 2; rr++) {
             tmax[rr] = fmaxf(tmax[rr], __shfl_xor_sync(0xffffffffu, tmax[rr], 1));
             tmax[rr] = fmaxf(tmax[rr], __shfl_xor_sync(0xffffffffu, tmax[rr], 2));
-            if (t == 0) red_m[warp][g + 8 * rr] = tmax[rr];
+            if (t4 == 0) red_m[warp][g + 8 * rr] = tmax[rr];
         }
         __syncthreads();
         float m_new[2], factor[2], tsum[2] = {0.0f, 0.0f};
 #pragma unroll
         for (int rr = 0; rr < 2; rr++) {
-            float mx = red_m[0][g + 8 * rr];
+            float mx = red_m[grp * HEADS_WARPS][g + 8 * rr];
 #pragma unroll
-            for (int w = 1; w < HEADS_WARPS; w++) mx = fmaxf(mx, red_m[w][g + 8 * rr]);
+            for (int w = 1; w < HEADS_WARPS; w++) mx = fmaxf(mx, red_m[grp * HEADS_WARPS + w][g + 8 * rr]);
             m_new[rr] = fmaxf(m_run[rr], mx);
-            factor[rr] = expf(m_run[rr] - m_new[rr]);
+            factor[rr] = m_new[rr] == -INF_F ? 1.0f : expf(m_run[rr] - m_new[rr]);
         }
 #pragma unroll
         for (int nt = 0; nt < 2; nt++) {
 #pragma unroll
             for (int x = 0; x < 4; x++) {
-                sc[nt][x] = expf(sc[nt][x] - m_new[x >> 1]);
+                sc[nt][x] = m_new[x >> 1] == -INF_F ? 0.0f : expf(sc[nt][x] - m_new[x >> 1]);
                 tsum[x >> 1] += sc[nt][x];
             }
-            int p = warp * 16 + nt * 8 + 2 * t;
+            int p = wg * 16 + nt * 8 + 2 * t4;
             __nv_bfloat16 hi_[4], lo_[4];
 #pragma unroll
             for (int x = 0; x < 4; x++) {
@@ -397,14 +417,14 @@ extern "C" __global__ void __launch_bounds__(32 * HEADS_WARPS)
         for (int rr = 0; rr < 2; rr++) {
             tsum[rr] += __shfl_xor_sync(0xffffffffu, tsum[rr], 1);
             tsum[rr] += __shfl_xor_sync(0xffffffffu, tsum[rr], 2);
-            if (t == 0) red_l[warp][g + 8 * rr] = tsum[rr];
+            if (t4 == 0) red_l[warp][g + 8 * rr] = tsum[rr];
         }
         __syncthreads();
 #pragma unroll
         for (int rr = 0; rr < 2; rr++) {
             float total = 0.0f;
 #pragma unroll
-            for (int w = 0; w < HEADS_WARPS; w++) total += red_l[w][g + 8 * rr];
+            for (int w = 0; w < HEADS_WARPS; w++) total += red_l[grp * HEADS_WARPS + w][g + 8 * rr];
             l_run[rr] = l_run[rr] * factor[rr] + total;
             m_run[rr] = m_new[rr];
         }
@@ -436,7 +456,8 @@ extern "C" __global__ void __launch_bounds__(32 * HEADS_WARPS)
             }
         }
     }
-    // c[0], c[1]: head g, channels c0 + 8 nt + 2t (+1); c[2], c[3]: head g + 8.
+    if (grp >= toks) return;
+    // c[0], c[1]: head g, channels c0 + 8 nt + 2 t4 (+1); c[2], c[3]: head g + 8.
 #pragma unroll
     for (int rr = 0; rr < 2; rr++) {
         int hh = g + 8 * rr;
@@ -446,9 +467,9 @@ extern "C" __global__ void __launch_bounds__(32 * HEADS_WARPS)
         for (int nt = 0; nt < HEADS_MAX_NT; nt++) {
             if (nt >= nts) break;
             float2 pair = make_float2(acc[nt][2 * rr], acc[nt][2 * rr + 1]);
-            *(float2 *)(part_o + part * r + c0 + nt * 8 + 2 * t) = pair;
+            *(float2 *)(part_o + part * r + c0 + nt * 8 + 2 * t4) = pair;
         }
-        if (warp == 0 && t == 0) {
+        if (wg == 0 && t4 == 0) {
             part_m[part] = m_run[rr];
             part_l[part] = l_run[rr];
         }
@@ -456,6 +477,22 @@ extern "C" __global__ void __launch_bounds__(32 * HEADS_WARPS)
 #else
     __trap();
 #endif
+}
+
+// One block per (split, 16 heads, token), for the rows of fewer than `group_from` tokens (decode rows).
+extern "C" __global__ void __launch_bounds__(32 * HEADS_WARPS)
+    mla_split_heads(const i64 *table, const i64 *tok_row, const __nv_bfloat16 *q, const float *q_lat, float *part_o,
+                    float *part_m, float *part_l, int H, int nope, int rope, int r, float scale, int group_from) {
+    split_heads<1>(table, tok_row, q, q_lat, part_o, part_m, part_l, H, nope, rope, r, scale, group_from);
+}
+
+// One block per (split, 16 heads, HEADS_TOKENS tokens of a row), for the rows of at least `group_from` tokens
+// (verify windows and prefill chunks).
+extern "C" __global__ void __launch_bounds__(32 * HEADS_WARPS * HEADS_TOKENS)
+    mla_split_heads_tokens(const i64 *table, const i64 *tok_row, const __nv_bfloat16 *q, const float *q_lat,
+                           float *part_o, float *part_m, float *part_l, int H, int nope, int rope, int r, float scale,
+                           int group_from) {
+    split_heads<HEADS_TOKENS>(table, tok_row, q, q_lat, part_o, part_m, part_l, H, nope, rope, r, scale, group_from);
 }
 
 #define OUT_CHANNELS 32 // value channels per block: two MMA m-tiles

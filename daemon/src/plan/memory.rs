@@ -28,7 +28,7 @@ use sparkd_kernels::config::{Ffn, Mixer, ModelConfig};
 pub use sparkd_kernels::cuda::graph::GRAPH_MAX_WINDOW;
 use sparkd_kernels::cuda::sample::{WIDE_CHUNK as SAMPLE_CHUNK, WIDE_PARTIAL_BYTES as SAMPLE_PARTIAL_BYTES};
 use sparkd_kernels::cuda::state::MLA_MIN_CAPACITY;
-use sparkd_kernels::cuda::step::{mla_grid_splits, mla_span};
+use sparkd_kernels::cuda::step::{mla_grid_splits, mla_span, MLA_CHUNK_SPLIT_TOKENS};
 
 /// The CUDA context, the compiled kernel modules and cuBLAS's workspace (an estimate; a context on a Hopper
 /// GPU takes about 0.5 GiB before any allocation).
@@ -112,7 +112,7 @@ pub fn seq_bytes(cfg: &ModelConfig, layout: Layout, spec_tokens: usize) -> SeqBy
 
 /// The MLA split grid of a step whose decode rows see `context` tokens (`cuda::step::mla_span`, `mla_grid_splits`).
 pub fn mla_splits(context: usize) -> usize {
-    let span = mla_span(context.saturating_sub(1), 1);
+    let span = mla_span(context.saturating_sub(1), 1, MLA_CHUNK_SPLIT_TOKENS);
     mla_grid_splits(context.div_ceil(span).max(1))
 }
 

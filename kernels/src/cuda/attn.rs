@@ -34,18 +34,29 @@ const ABSORB_K: usize = 16;
 const ABSORB_COLS: usize = 64;
 const OUT_CHANNELS: usize = 32;
 const BLOCK_TOKENS: usize = 64;
-/// Heads per block of `mla_split_heads` (`HEADS_TILE`), cache positions per staged tile (`KV_TILE`), and bf16
-/// past each staged row (`ROW_PAD`), as in `mla.cu`.
+/// Heads per block of `mla_split_heads` (`HEADS_TILE`), cache positions per staged tile (`KV_TILE`), bf16 past
+/// each staged row (`ROW_PAD`), and tokens per block of `mla_split_heads_tokens` (`HEADS_TOKENS`), as in `mla.cu`.
 const HEADS_TILE: usize = 16;
 const HEADS_KV_TILE: usize = 64;
 const HEADS_ROW_PAD: usize = 8;
-/// The dynamic shared memory `mla_split_heads` is allowed (K3's 576-wide entries take 98,048 bytes).
+const HEADS_TOKENS: usize = 4;
+/// The dynamic shared memory `mla_split_heads` is allowed (K3's 576-wide entries take 98,048 bytes), and
+/// `mla_split_heads_tokens` (167,936 bytes for K3: one block of 16 warps per SM).
 const HEADS_MAX_SHARED: usize = 96 * 1024;
+const HEADS_TOKENS_MAX_SHARED: usize = 168 * 1024;
 
-/// The dynamic shared memory of `mla_split_heads` for cache entries of `ld` bf16: Q `[16, ld + pad]`, the staged
-/// tile `[64, ld + pad]`, and P_hi and P_lo `[16, 64 + pad]`, bf16.
-fn heads_shared_bytes(ld: usize) -> usize {
-    ((HEADS_TILE + HEADS_KV_TILE) * (ld + HEADS_ROW_PAD) + 2 * HEADS_TILE * (HEADS_KV_TILE + HEADS_ROW_PAD)) * 2
+/// The default window length from which MLA tokens run 4 to a block (`mla_split_heads_tokens`, every cache tile
+/// staged once for 4 tokens of the row): every verify window and prefill chunk; decode rows run one token to a
+/// block (`mla_split_heads`, two blocks per SM). Measured in docs/perf/decisions.md#d84.
+pub const MLA_GROUP_FROM_TOKENS: usize = 2;
+
+/// The dynamic shared memory of the head-group kernels for cache entries of `ld` bf16 and `tokens` tokens per
+/// block: Q `[16 tokens, ld + pad]`, the staged tile `[64, ld + pad]`, and P_hi and P_lo `[16, 64 + pad]` per token,
+/// bf16.
+fn heads_shared_bytes(ld: usize, tokens: usize) -> usize {
+    ((HEADS_TILE * tokens + HEADS_KV_TILE) * (ld + HEADS_ROW_PAD)
+        + 2 * tokens * HEADS_TILE * (HEADS_KV_TILE + HEADS_ROW_PAD))
+        * 2
 }
 
 /// Whether `mla_split_heads` takes an MLA of latent rank `r`, rope width `rope` and nope width `nope`: MMA
@@ -57,7 +68,8 @@ fn heads_kernel_fits(r: usize, rope: usize, nope: usize) -> bool {
         && r % 32 == 0
         && r <= MLA_MAX_RANK
         && nope % 8 == 0
-        && heads_shared_bytes(r + rope) <= HEADS_MAX_SHARED
+        && heads_shared_bytes(r + rope, 1) <= HEADS_MAX_SHARED
+        && heads_shared_bytes(r + rope, HEADS_TOKENS) <= HEADS_TOKENS_MAX_SHARED
 }
 
 /// The default window length from which KDA runs its chunked form: never. Measured on an H200
@@ -77,9 +89,9 @@ pub struct AttnKernels {
     mla_norm_append: CudaFunction,
     mla_absorb: CudaFunction,
     mla_split: CudaFunction,
-    /// `mla_split` for 16 heads per block on the tensor cores, where [`heads_kernel_fits`]: present from Hopper on
-    /// (it stages the cache by TMA).
-    mla_split_heads: Option<CudaFunction>,
+    /// `mla_split` for 16 heads per block on the tensor cores, where [`heads_kernel_fits`], and its form for 4
+    /// tokens of a window per block: present from Hopper on (they stage the cache by TMA).
+    mla_split_heads: Option<[CudaFunction; 2]>,
     mla_out: CudaFunction,
 }
 
@@ -94,9 +106,10 @@ impl AttnKernels {
             Ok([f(&format!("{prefix}_32"))?, f(&format!("{prefix}_128"))?])
         };
         let mla_split_heads = if gpu.hopper() {
-            let func = f("mla_split_heads")?;
-            allow_shared_memory(&func, HEADS_MAX_SHARED, "mla_split_heads")?;
-            Some(func)
+            let (one, tokens) = (f("mla_split_heads")?, f("mla_split_heads_tokens")?);
+            allow_shared_memory(&one, HEADS_MAX_SHARED, "mla_split_heads")?;
+            allow_shared_memory(&tokens, HEADS_TOKENS_MAX_SHARED, "mla_split_heads_tokens")?;
+            Some([one, tokens])
         } else {
             None
         };
@@ -162,6 +175,47 @@ pub struct MlaAttentionArgs {
     pub kv_b: DPtr,
     pub gate: Option<DPtr>,
     pub out: DPtr,
+}
+
+/// What every split kernel (`mla_split`, `mla_split_heads`, `mla_split_heads_tokens`) takes: the table, the
+/// queries `[n, H, nope + rope]` (bf16) and absorbed queries `q_lat` `[n, H, r]` (f32), the partials `part_o`
+/// `[n, H, splits, r]`, `part_m` and `part_l` `[n, H, splits]` (f32), then `[H, nope, rope, r]` and the scale.
+struct SplitArgs<'a> {
+    table: &'a MlaTable,
+    q: DPtr,
+    q_lat: DPtr,
+    part_o: DPtr,
+    part_m: DPtr,
+    part_l: DPtr,
+    ints: &'a [i32],
+    scale: f32,
+}
+
+impl SplitArgs<'_> {
+    /// Launches `func` with these arguments and, for the head-group kernels, the window length `group_from` from
+    /// which `mla_split_heads_tokens` takes a row.
+    fn launch(
+        &self,
+        gpu: &Gpu,
+        func: &CudaFunction,
+        name: &str,
+        cfg: LaunchConfig,
+        group_from: Option<i32>,
+    ) -> Result<()> {
+        let mut b = gpu.launcher(func);
+        b.arg(&self.table.entries).arg(&self.table.tok_row).arg(&self.q).arg(&self.q_lat);
+        b.arg(&self.part_o).arg(&self.part_m).arg(&self.part_l);
+        for x in self.ints {
+            b.arg(x);
+        }
+        b.arg(&self.scale);
+        if let Some(g) = &group_from {
+            b.arg(g);
+        }
+        // SAFETY: the caches hold every visible entry (appended before); the partials hold [n, H, splits(, r)] for
+        // the table's n tokens and splits; q and q_lat hold the step's n tokens (callers' contract).
+        unsafe { b.launch(cfg, name) }
+    }
 }
 
 /// Whether the MLA kernels take `m`'s widths (a clear error naming the width that does not fit): a kv_lora_rank
@@ -276,8 +330,7 @@ impl AttnKernels {
             return Ok(());
         }
         // Every element of these is written before it is read: q_lat by mla_absorb (all tokens, heads and
-        // columns), the partials by mla_split or mla_split_heads (every split of every token and head, empty
-        // ones included).
+        // columns), the partials by the split kernels (every split of every token and head, empty ones included).
         let q_lat = gpu.uninit::<f32>(n * h * r)?; // [n, H, r]
         let splits = table.splits;
         let part_o = gpu.uninit::<f32>(n * h * splits * r)?; // [n, H, splits, r]
@@ -305,30 +358,37 @@ impl AttnKernels {
         // Heads in groups of 16 per cache tile where the device and the shapes allow (the cache is read once per
         // group, not once per head), else one block per head.
         let heads = self.mla_split_heads.as_ref().filter(|_| heads_kernel_fits(r, rope, nope));
-        let (split, name, cfg) = if let Some(heads) = heads {
-            let cfg = LaunchConfig {
-                grid_dim: (splits as u32, h.div_ceil(HEADS_TILE) as u32, n as u32),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: heads_shared_bytes(r + rope) as u32,
-            };
-            (heads, "mla_split_heads", cfg)
-        } else {
-            let cfg = LaunchConfig {
-                grid_dim: (splits as u32, h as u32, n as u32),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: ((r + rope) * 4) as u32,
-            };
-            (&self.mla_split, "mla_split", cfg)
-        };
         let a = ints(&[h, nope, rope, r]);
-        let mut b = gpu.launcher(split);
-        b.arg(&table.entries).arg(&table.tok_row).arg(&q).arg(&q_lat).arg(&part_o).arg(&part_m).arg(&part_l);
-        for x in &a {
-            b.arg(x);
+        let split_args = SplitArgs { table, q, q_lat, part_o, part_m, part_l, ints: &a, scale };
+        match heads {
+            Some([one, tokens]) => {
+                // Windows of at least group_from tokens run 4 to a block, the others one to a block; each kernel
+                // returns at once from the other's blocks, and runs only when the table has rows for it.
+                let group_from = table.group_from.min(i32::MAX as usize) as i32;
+                for (func, name, tokens_per_block, has_rows) in [
+                    (one, "mla_split_heads", 1, table.min_t < table.group_from),
+                    (tokens, "mla_split_heads_tokens", HEADS_TOKENS, table.max_t >= table.group_from),
+                ] {
+                    if !has_rows {
+                        continue;
+                    }
+                    let cfg = LaunchConfig {
+                        grid_dim: (splits as u32, h.div_ceil(HEADS_TILE) as u32, n as u32),
+                        block_dim: (128 * tokens_per_block as u32, 1, 1),
+                        shared_mem_bytes: heads_shared_bytes(r + rope, tokens_per_block) as u32,
+                    };
+                    split_args.launch(gpu, func, name, cfg, Some(group_from))?;
+                }
+            }
+            None => {
+                let cfg = LaunchConfig {
+                    grid_dim: (splits as u32, h as u32, n as u32),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: ((r + rope) * 4) as u32,
+                };
+                split_args.launch(gpu, &self.mla_split, "mla_split", cfg, None)?;
+            }
         }
-        b.arg(&scale);
-        // SAFETY: the caches hold every visible entry (appended before); partials hold [n, H, splits(, r)].
-        unsafe { b.launch(cfg, name) }?;
 
         let cfg = LaunchConfig {
             grid_dim: (h as u32, vdim.div_ceil(OUT_CHANNELS) as u32, token_blocks),
@@ -358,6 +418,7 @@ mod tests {
         assert_eq!(HEADS_TILE as u32, source_define("mla.cu", "HEADS_TILE"));
         assert_eq!(HEADS_KV_TILE as u32, source_define("mla.cu", "KV_TILE"));
         assert_eq!(HEADS_ROW_PAD as u32, source_define("mla.cu", "ROW_PAD"));
+        assert_eq!(HEADS_TOKENS as u32, source_define("mla.cu", "HEADS_TOKENS"));
         assert_eq!(
             MLA_MAX_RANK as u32,
             8 * source_define("mla.cu", "HEADS_MAX_NT") * source_define("mla.cu", "HEADS_WARPS")
@@ -388,8 +449,10 @@ mod tests {
 
     #[test]
     fn head_groups_take_k3_and_k3_tiny_and_leave_odd_shapes_to_one_head_per_block() {
-        // K3: 512 + 64 wide entries, 98,048 bytes of staging (two blocks per SM on an H200).
-        assert_eq!(heads_shared_bytes(576), 98_048);
+        // K3: 512 + 64 wide entries, 98,048 bytes of staging (two blocks per SM on an H200), and 167,936 for 4
+        // tokens a block (one block of 16 warps per SM).
+        assert_eq!(heads_shared_bytes(576, 1), 98_048);
+        assert_eq!(heads_shared_bytes(576, HEADS_TOKENS), 167_936);
         assert!(heads_kernel_fits(512, 64, 128));
         assert!(heads_kernel_fits(32, 16, 32));
         // Entries not a whole number of MMA k-steps, ranks not split into 8-channel tiles over 4 warps, ranks past

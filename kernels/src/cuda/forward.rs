@@ -27,7 +27,7 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use crate::config::ModelConfig;
-use crate::cuda::attn::{KdaArgs, MlaAppendArgs, MlaAttentionArgs, KDA_CHUNKED_MIN_TOKENS};
+use crate::cuda::attn::{KdaArgs, MlaAppendArgs, MlaAttentionArgs, KDA_CHUNKED_MIN_TOKENS, MLA_GROUP_FROM_TOKENS};
 use crate::cuda::device::device_err;
 use crate::cuda::gpu::{Gemm, Gpu};
 use crate::cuda::graph::{CapturedStep, Decision, GraphCache, RowShape, StepShape, GRAPH_MAX_WINDOW};
@@ -36,7 +36,7 @@ use crate::cuda::moe::{moe_group_len, CombineArgs, DownArgs, ExpertForm, GateUpA
 use crate::cuda::ops::Ops;
 use crate::cuda::rows::{AttnResNormArgs, AttnResRead, GatherArgs, SituArgs};
 use crate::cuda::state::{DeviceRow, DeviceUndo};
-use crate::cuda::step::{StepBuffer, StepTables, TableSpec};
+use crate::cuda::step::{StepBuffer, StepTables, TableSpec, MLA_CHUNK_SPLIT_TOKENS};
 use crate::cuda::weights::{
     DevFfn, DevKda, DevLinear, DevMerged, DevMixer, DevMla, DevMlp, DevMoe, DevNorm, DevWeights,
 };
@@ -100,6 +100,11 @@ pub struct DeviceModel {
     pub ops: Ops,
     /// KDA windows of at least this many tokens without snapshots run the chunked form.
     pub kda_chunked_min: usize,
+    /// MLA windows of at least this many tokens run 4 tokens to a block ([`MLA_GROUP_FROM_TOKENS`]), and windows
+    /// longer than a verify window get about `mla_chunk_split_tokens` (token, split) pairs
+    /// ([`MLA_CHUNK_SPLIT_TOKENS`]; `cuda::step::mla_span`).
+    pub mla_group_from: usize,
+    pub mla_chunk_split_tokens: usize,
     /// Whether repeated step shapes are captured into CUDA graphs and replayed (on by default).
     pub graphs_enabled: bool,
     /// Where each step's row table is uploaded.
@@ -117,6 +122,8 @@ impl DeviceModel {
             weights,
             ops,
             kda_chunked_min: KDA_CHUNKED_MIN_TOKENS,
+            mla_group_from: MLA_GROUP_FROM_TOKENS,
+            mla_chunk_split_tokens: MLA_CHUNK_SPLIT_TOKENS,
             graphs_enabled: true,
             tables: StepBuffer::default(),
             graphs: Mutex::new(GraphCache::default()),
@@ -127,8 +134,19 @@ impl DeviceModel {
     /// Grows the rows' MLA caches for their windows, allocates their snapshot buffers and uploads the
     /// step's row table (see `cuda::step`), for running single ops of a step (the op checks).
     pub fn step_tables(&self, gpu: &Gpu, rows: &mut [DeviceRow<'_>], offsets: &[usize]) -> Result<StepTables> {
-        let spec = TableSpec { offsets, wanted: &[], chunked_min: self.kda_chunked_min, fed_tokens: None };
-        StepTables::build(gpu, &self.cfg, &self.tables, rows, &spec)
+        StepTables::build(gpu, &self.cfg, &self.tables, rows, &self.table_spec(offsets, &[], None))
+    }
+
+    /// The table of a step with this model's kernel choices.
+    fn table_spec<'a>(&self, offsets: &'a [usize], wanted: &'a [u32], fed_tokens: Option<DPtr>) -> TableSpec<'a> {
+        TableSpec {
+            offsets,
+            wanted,
+            chunked_min: self.kda_chunked_min,
+            mla_chunk_split_tokens: self.mla_chunk_split_tokens,
+            mla_group_from: self.mla_group_from,
+            fed_tokens,
+        }
     }
 
     fn linear(&self, gpu: &Gpu, w: &DevLinear, x: DPtr, n: usize) -> Result<CudaSlice<bf16>> {
@@ -201,7 +219,7 @@ impl DeviceModel {
             .enumerate()
             .flat_map(|(ri, r)| ((offsets[ri] + r.logits_from) as u32)..(offsets[ri + 1] as u32))
             .collect();
-        let spec = TableSpec { offsets: &offsets, wanted: &wanted, chunked_min: self.kda_chunked_min, fed_tokens };
+        let spec = self.table_spec(&offsets, &wanted, fed_tokens);
         let mut tables = StepTables::build(gpu, cfg, &self.tables, rows, &spec)?;
         let graphable = self.graphs_enabled
             && trace.is_none()

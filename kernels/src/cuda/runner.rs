@@ -130,6 +130,16 @@ impl CudaRunner {
         self.model.clear_graphs();
     }
 
+    /// Chooses how MLA windows run (benchmarks compare the forms): windows of at least `group_from` tokens 4 tokens
+    /// to a block, and about `chunk_split_tokens` (token, split) pairs for a window longer than a verify window
+    /// (`DeviceModel::mla_group_from`, `mla_chunk_split_tokens`). The graphs held are dropped: they were captured
+    /// with the old forms.
+    pub fn set_mla_forms(&mut self, group_from: usize, chunk_split_tokens: usize) {
+        self.model.mla_group_from = group_from;
+        self.model.mla_chunk_split_tokens = chunk_split_tokens;
+        self.model.clear_graphs();
+    }
+
     /// Turns the capture and replay of repeated step shapes as CUDA graphs on or off (on by default;
     /// off drops the graphs held).
     pub fn set_graphs(&mut self, on: bool) {

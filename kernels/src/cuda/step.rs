@@ -25,6 +25,7 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use crate::config::ModelConfig;
+use crate::cuda::attn::MLA_GROUP_FROM_TOKENS;
 use crate::cuda::gpu::Gpu;
 use crate::cuda::launch::DPtr;
 use crate::cuda::state::{reserve, DeviceRow, KdaUndo};
@@ -41,9 +42,15 @@ pub const MLA_TILE: usize = 64;
 /// The smallest split span of a decode / verify row, and the most splits one token gets.
 pub const MLA_MIN_SPAN: usize = 256;
 pub const MLA_MAX_SPLITS: usize = 64;
-/// Rows of at most this many tokens are split over their cache (decode and verify windows); longer
-/// windows have enough tokens to fill the GPU with one split each.
+/// Rows of at most this many tokens are split over their cache as finely as [`MLA_MIN_SPAN`] allows (decode and
+/// verify windows, whose tokens must split exactly as a decode token does: see the module invariants).
 const MLA_SPLIT_MAX_WINDOW: usize = 16;
+/// The default [`TableSpec::mla_chunk_split_tokens`]: a longer window (a prefill chunk) gets about this many
+/// (token, split) pairs, at least one split per token. Its tokens run 4 to a block in `mla_split_heads_tokens`, so
+/// a 64-token chunk in one split per token would give 16 blocks per head group, fewer than the SMs, each walking
+/// the whole context; 8 splits fill the GPU, and the partials stay `t × splits ≈ 512` per head (100 MB at K3's
+/// widths for 64 tokens), where one split per decode-sized span would write 64 per token.
+pub const MLA_CHUNK_SPLIT_TOKENS: usize = 512;
 
 /// The device buffer the step tables are uploaded into, kept for the model's life.
 #[derive(Default)]
@@ -79,6 +86,10 @@ pub struct TableSpec<'a> {
     pub wanted: &'a [u32],
     /// Windows of at least this many tokens without snapshots take the chunked KDA form.
     pub chunked_min: usize,
+    /// About how many (token, split) pairs a window longer than a verify window gets ([`mla_span`]).
+    pub mla_chunk_split_tokens: usize,
+    /// Windows of at least this many tokens run 4 tokens to a block of `mla_split_heads_tokens` ([`MlaTable`]).
+    pub mla_group_from: usize,
     /// A fed step (`crate::launches`): its token ids (u32, one per row) are copied from this device address
     /// after the upload, in place of the rows' placeholder tokens.
     pub fed_tokens: Option<DPtr>,
@@ -97,24 +108,31 @@ pub struct StepTables {
     wanted: DPtr,
     wanted_len: usize,
     pub(crate) rows: usize,
-    /// Tokens of the step and of its longest row.
+    /// Tokens of the step, of its shortest row and of its longest row.
     pub(crate) n: usize,
+    pub(crate) min_t: usize,
     pub(crate) max_t: usize,
     /// Splits of the most split token (the grid of `mla_split`).
     pub(crate) mla_splits: usize,
+    /// The spec's [`TableSpec::mla_group_from`].
+    pub(crate) mla_group_from: usize,
     pub(crate) any_chunked: bool,
     pub(crate) any_recurrent: bool,
     /// Per row: the snapshots and conv histories of every KDA layer (rows that asked for snapshots).
     pub(crate) undo: Vec<Option<KdaUndo>>,
 }
 
-/// The split span of an MLA row whose window has `t` tokens after `first` cached ones.
-pub fn mla_span(first: usize, t: usize) -> usize {
+/// The split span of an MLA row whose window has `t` tokens after `first` cached ones: windows of up to
+/// [`MLA_SPLIT_MAX_WINDOW`] tokens in up to [`MLA_MAX_SPLITS`] splits of at least [`MLA_MIN_SPAN`] positions,
+/// longer ones in about `chunk_split_tokens / t` splits (one when that is 0), in whole tiles.
+pub fn mla_span(first: usize, t: usize, chunk_split_tokens: usize) -> usize {
     let visible = first + t;
-    if t > MLA_SPLIT_MAX_WINDOW {
-        return visible;
-    }
-    visible.div_ceil(MLA_MAX_SPLITS).div_ceil(MLA_TILE).max(1).saturating_mul(MLA_TILE).max(MLA_MIN_SPAN)
+    let splits = match t > MLA_SPLIT_MAX_WINDOW {
+        true if chunk_split_tokens / t <= 1 => return visible,
+        true => (chunk_split_tokens / t).min(MLA_MAX_SPLITS),
+        false => MLA_MAX_SPLITS,
+    };
+    visible.div_ceil(splits).div_ceil(MLA_TILE).max(1).saturating_mul(MLA_TILE).max(MLA_MIN_SPAN)
 }
 
 /// The MLA split grid of a table whose most split window has `splits` splits: rounded up to a power of two (see
@@ -131,6 +149,12 @@ pub struct MlaTable {
     pub(crate) tok_row: DPtr,
     pub(crate) n: usize,
     pub(crate) splits: usize,
+    /// Tokens of the table's shortest and longest window.
+    pub(crate) min_t: usize,
+    pub(crate) max_t: usize,
+    /// Windows of at least this many tokens run in `mla_split_heads_tokens` (4 tokens to a block), shorter ones in
+    /// `mla_split_heads` (`cuda::attn`).
+    pub(crate) group_from: usize,
 }
 
 /// MLA windows laid out as a step table's MLA part (`[layers, windows, MLA_ENTRY]`, then `[n]` token windows),
@@ -172,7 +196,7 @@ impl MlaWindows {
                 )));
             }
             for (cache, &(first, offset, t)) in layer.iter().zip(&self.windows) {
-                let span = mla_span(first, t);
+                let span = mla_span(first, t, MLA_CHUNK_SPLIT_TOKENS);
                 splits = splits.max((first + t).div_ceil(span));
                 table.extend([*cache as i64, first as i64, offset as i64, t as i64, span as i64]);
             }
@@ -186,7 +210,15 @@ impl MlaWindows {
         let tok_row = base + caches.len() as u64 * layer_bytes;
         let splits = mla_grid_splits(splits);
         let views = (0..caches.len())
-            .map(|l| MlaTable { entries: base + l as u64 * layer_bytes, tok_row, n: self.n, splits })
+            .map(|l| MlaTable {
+                entries: base + l as u64 * layer_bytes,
+                tok_row,
+                n: self.n,
+                splits,
+                min_t: self.windows.iter().map(|w| w.2).min().unwrap_or(0),
+                max_t: self.windows.iter().map(|w| w.2).max().unwrap_or(0),
+                group_from: MLA_GROUP_FROM_TOKENS,
+            })
             .collect();
         Ok((buf, views))
     }
@@ -202,7 +234,7 @@ impl StepTables {
         rows: &mut [DeviceRow<'_>],
         spec: &TableSpec<'_>,
     ) -> Result<Self> {
-        let TableSpec { offsets, wanted, chunked_min, fed_tokens } = *spec;
+        let TableSpec { offsets, wanted, chunked_min, mla_chunk_split_tokens, mla_group_from, fed_tokens } = *spec;
         let k = &cfg.kda;
         let (p, kw, state_len) = (k.proj_dim(), k.conv_kernel, k.num_heads * k.head_dim * k.head_dim);
         let (kda_layers, mla_layers) = (cfg.kda_layers().len(), cfg.mla_layers().len());
@@ -258,7 +290,7 @@ impl StepTables {
         for layer in 0..mla_layers {
             for (ri, row) in rows.iter().enumerate() {
                 let (first, t) = (row.state.len, row.tokens.len());
-                let span = mla_span(first, t);
+                let span = mla_span(first, t, mla_chunk_split_tokens);
                 mla_splits = mla_splits.max((first + t).div_ceil(span));
                 let cache = gpu.ptr(&row.state.mla[layer].cache);
                 table.extend([cache as i64, first as i64, offsets[ri] as i64, t as i64, span as i64]);
@@ -294,8 +326,10 @@ impl StepTables {
             wanted_len: wanted.len(),
             rows: nrows,
             n,
+            min_t: rows.iter().map(|r| r.tokens.len()).min().unwrap_or(0),
             max_t: rows.iter().map(|r| r.tokens.len()).max().unwrap_or(0),
             mla_splits: mla_grid_splits(mla_splits),
+            mla_group_from,
             any_chunked: forms.contains(&1),
             any_recurrent: forms.contains(&0),
             undo,
@@ -334,6 +368,9 @@ impl StepTables {
             tok_row: self.tok_row,
             n: self.n,
             splits: self.mla_splits,
+            min_t: self.min_t,
+            max_t: self.max_t,
+            group_from: self.mla_group_from,
         }
     }
 }
@@ -357,16 +394,23 @@ mod tests {
     }
 
     #[test]
-    fn decode_rows_split_long_caches_and_windows_do_not() {
-        assert_eq!(mla_span(0, 1), MLA_MIN_SPAN);
-        assert_eq!(mla_span(100, 8), MLA_MIN_SPAN);
+    fn decode_rows_split_long_caches_and_chunks_split_by_their_length() {
+        let chunks = MLA_CHUNK_SPLIT_TOKENS;
+        assert_eq!(mla_span(0, 1, chunks), MLA_MIN_SPAN);
+        assert_eq!(mla_span(100, 8, chunks), MLA_MIN_SPAN);
         // 4,096 cached tokens: 16 splits of 256.
-        assert_eq!(4097usize.div_ceil(mla_span(4096, 1)), 17);
+        assert_eq!(4097usize.div_ceil(mla_span(4096, 1, chunks)), 17);
         // Very long caches keep at most MLA_MAX_SPLITS splits, in whole tiles.
-        let span = mla_span(1_000_000, 1);
+        let span = mla_span(1_000_000, 1, chunks);
         assert!(1_000_001usize.div_ceil(span) <= MLA_MAX_SPLITS);
         assert_eq!(span % MLA_TILE, 0);
-        // A prefill chunk attends in one split per token.
-        assert_eq!(mla_span(10, 100), 110);
+        // A 64-token chunk at a 16,384-token context: 8 splits of 2,056 positions rounded up to whole tiles.
+        let span = mla_span(16_384, 64, chunks);
+        assert_eq!((span, 16_448usize.div_ceil(span)), (2_112, 8));
+        // Short contexts keep the smallest span; chunks of more than half the pairs take one split per token, and so
+        // does every chunk without a pair budget.
+        assert_eq!(mla_span(100, 64, chunks), MLA_MIN_SPAN);
+        assert_eq!(mla_span(10_000, 300, chunks), 10_300);
+        assert_eq!(mla_span(16_384, 64, 0), 16_448);
     }
 }

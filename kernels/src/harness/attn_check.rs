@@ -15,11 +15,11 @@ use crate::cpu::kda::{kda_window, KdaInputs};
 use crate::cpu::mla::mla_window;
 use crate::cpu::ops::{Linear, RmsNorm};
 use crate::cpu::weights::{KdaWeights, MixerWeights};
-use crate::cuda::attn::{AttnKernels, KdaArgs, MlaAppendArgs, MlaAttentionArgs};
+use crate::cuda::attn::{AttnKernels, KdaArgs, MlaAppendArgs, MlaAttentionArgs, MLA_GROUP_FROM_TOKENS};
 use crate::cuda::forward::DeviceModel;
 use crate::cuda::gpu::Gpu;
 use crate::cuda::state::{DeviceRow, DeviceState};
-use crate::cuda::step::{StepBuffer, StepTables, TableSpec};
+use crate::cuda::step::{StepBuffer, StepTables, TableSpec, MLA_CHUNK_SPLIT_TOKENS};
 use crate::cuda::weights::DevMixer;
 use crate::error::{KernelError, Result};
 use crate::harness::compare::{compare, down, random_bf16, up, OpCheck};
@@ -139,7 +139,14 @@ impl KdaCase {
             cfg,
             &buffer,
             &mut rows,
-            &TableSpec { offsets: &[0, window], wanted: &[], chunked_min, fed_tokens: None },
+            &TableSpec {
+                offsets: &[0, window],
+                wanted: &[],
+                chunked_min,
+                mla_chunk_split_tokens: MLA_CHUNK_SPLIT_TOKENS,
+                mla_group_from: MLA_GROUP_FROM_TOKENS,
+                fed_tokens: None,
+            },
         )?;
         let o = gpu.zeros::<bf16>(window * p)?;
         let args = KdaArgs {
@@ -327,10 +334,12 @@ pub struct MlaBatch {
 const TOL_MLA: f64 = 1e-2;
 
 /// One step of MLA layer 0's kernels at `preset`'s MLA dims over `batch` rows, row `i` holding a random
-/// cache of 0..300 entries and a window of 1 token (4 for every fourth row, as a verify window): the fused
-/// input norms and cache append, then the gated attention. Checks the q_a norm, the gated attention
-/// outputs against the CPU reference (`cpu::mla::mla_window`, the gate as `cpu_mla` applies it) on the same
-/// inputs, and that the first and the last row run alone give the batched result bit for bit.
+/// cache of 0..300 entries and a window of 1 token (4 for every eighth row from the fourth and 7 for every eighth
+/// from the eighth, as verify windows): the fused input norms and cache append, then the gated attention. Checks
+/// the q_a norm, the gated attention outputs against the CPU reference (`cpu::mla::mla_window`, the gate as
+/// `cpu_mla` applies it) on the same inputs, that the first and the last row run alone give the batched result
+/// bit for bit, and that the windows' tokens, run 4 to a block (`mla_split_heads_tokens`, where the device has it),
+/// give what they give one to a block bit for bit.
 pub fn mla_batch(gpu: &Gpu, preset: &str, batch: usize, seed: u64) -> Result<MlaBatch> {
     let mut cfg = ModelConfig::preset(preset)?;
     // Only the first MLA layer: the states hold nothing else.
@@ -349,7 +358,7 @@ pub fn mla_batch(gpu: &Gpu, preset: &str, batch: usize, seed: u64) -> Result<Mla
     let q_norm = RmsNorm { w: random_bf16(&mut rng, q_rank, 1.0), eps: cfg.rms_norm_eps };
     let kv_norm = RmsNorm { w: random_bf16(&mut rng, r, 1.0), eps: cfg.rms_norm_eps };
     let lens: Vec<(usize, usize)> =
-        (0..batch).map(|i| (rng.gen_range(0..300), if i % 4 == 3 { 4 } else { 1 })).collect();
+        (0..batch).map(|i| (rng.gen_range(0..300), [1, 1, 1, 4, 1, 1, 1, 7][i % 8])).collect();
     let mut offsets = vec![0];
     for (_, t) in &lens {
         offsets.push(offsets[offsets.len() - 1] + t);
@@ -374,8 +383,13 @@ pub fn mla_batch(gpu: &Gpu, preset: &str, batch: usize, seed: u64) -> Result<Mla
     let buffer = StepBuffer::default();
     let kernels = AttnKernels::load(gpu)?;
 
-    // Runs rows `which` (their tokens only) as one step; returns qa_n and the gated outputs, token-major.
-    let run = |states: &mut [DeviceState], which: &[usize], profile: bool| -> Result<(Vec<f32>, Vec<f32>, f64, u64)> {
+    // Runs rows `which` (their tokens only) as one step, windows of at least `group_from` tokens 4 to a block;
+    // returns qa_n and the gated outputs, token-major.
+    let run = |states: &mut [DeviceState],
+               which: &[usize],
+               group_from: usize,
+               profile: bool|
+     -> Result<(Vec<f32>, Vec<f32>, f64, u64)> {
         let tokens: Vec<Vec<TokenId>> = which.iter().map(|&i| vec![0 as TokenId; lens[i].1]).collect();
         let (mut sub_qa, mut sub_kva, mut sub_q, mut sub_gate, mut sub_off) = (vec![], vec![], vec![], vec![], vec![0]);
         for &i in which {
@@ -406,7 +420,14 @@ pub fn mla_batch(gpu: &Gpu, preset: &str, batch: usize, seed: u64) -> Result<Mla
             &cfg,
             &buffer,
             &mut rows,
-            &TableSpec { offsets: &sub_off, wanted: &[], chunked_min: usize::MAX, fed_tokens: None },
+            &TableSpec {
+                offsets: &sub_off,
+                wanted: &[],
+                chunked_min: usize::MAX,
+                mla_chunk_split_tokens: MLA_CHUNK_SPLIT_TOKENS,
+                mla_group_from: group_from,
+                fed_tokens: None,
+            },
         )?;
         gpu.synchronize()?;
         if profile {
@@ -436,8 +457,8 @@ pub fn mla_batch(gpu: &Gpu, preset: &str, batch: usize, seed: u64) -> Result<Mla
     let mut states = hosts.iter().map(|h| DeviceState::import(gpu, &cfg, h)).collect::<Result<Vec<_>>>()?;
     let all: Vec<usize> = (0..batch).collect();
     // The lengths stay as imported, so every run appends the same entries at the same places.
-    run(&mut states, &all, false)?;
-    let (qa_n, got, ms, launches) = run(&mut states, &all, true)?;
+    run(&mut states, &all, MLA_GROUP_FROM_TOKENS, false)?;
+    let (qa_n, got, ms, launches) = run(&mut states, &all, MLA_GROUP_FROM_TOKENS, true)?;
 
     // The CPU over the same inputs, row by row.
     let mut want = Vec::with_capacity(n * vw);
@@ -465,17 +486,24 @@ pub fn mla_batch(gpu: &Gpu, preset: &str, batch: usize, seed: u64) -> Result<Mla
         ),
         compare(&format!("{preset} mla gated attention, batch {batch}, caches 0..300 (vs CPU)"), &got, &want, TOL_MLA),
     ];
+    let same_bits = |op: String, a: &[f32], b: &[f32]| {
+        let max_abs = a.iter().zip(b).map(|(x, y)| (x - y).abs() as f64).fold(0.0, f64::max);
+        OpCheck { op, rel_l2: max_abs, max_abs, tolerance: 0.0, pass: max_abs == 0.0 && a.len() == b.len() }
+    };
     for i in [0, batch - 1] {
-        let (_, alone, _, _) = run(&mut states, &[i], false)?;
+        let (_, alone, _, _) = run(&mut states, &[i], MLA_GROUP_FROM_TOKENS, false)?;
         let batched = &got[offsets[i] * vw..offsets[i + 1] * vw];
-        let max_abs = batched.iter().zip(&alone).map(|(x, y)| (x - y).abs() as f64).fold(0.0, f64::max);
-        checks.push(OpCheck {
-            op: format!("{preset} mla batch {batch}: row {i} batched equals row {i} alone (max |Δ|)"),
-            rel_l2: max_abs,
-            max_abs,
-            tolerance: 0.0,
-            pass: max_abs == 0.0 && alone.len() == batched.len(),
-        });
+        checks.push(same_bits(
+            format!("{preset} mla batch {batch}: row {i} batched equals row {i} alone (max |Δ|)"),
+            batched,
+            &alone,
+        ));
     }
+    let (_, one_per_block, _, _) = run(&mut states, &all, usize::MAX, false)?;
+    checks.push(same_bits(
+        format!("{preset} mla batch {batch}: windows 4 tokens to a block equal one token to a block (max |Δ|)"),
+        &got,
+        &one_per_block,
+    ));
     Ok(MlaBatch { rows: batch, tokens: n, ms, launches, checks })
 }
