@@ -80,8 +80,62 @@ const ROOT: NodeId = NodeId(0);
 struct Node {
     count: u64,
     depth: u32,
-    /// Sorted by token.
-    children: Vec<(TokenId, NodeId)>,
+    children: Children,
+}
+
+/// A node's children, sorted by token. Most nodes of a deep trie over novel text have none or one: they are held
+/// inline, so indexing a token allocates only where a node branches (a prompt of 10k tokens makes ~240k nodes).
+#[derive(Clone, Debug, Default)]
+enum Children {
+    #[default]
+    None,
+    One((TokenId, NodeId)),
+    Many(Vec<(TokenId, NodeId)>),
+}
+
+impl Children {
+    fn as_slice(&self) -> &[(TokenId, NodeId)] {
+        match self {
+            Children::None => &[],
+            Children::One(c) => std::slice::from_ref(c),
+            Children::Many(v) => v,
+        }
+    }
+
+    fn get(&self, token: TokenId) -> Option<NodeId> {
+        let children = self.as_slice();
+        children.binary_search_by_key(&token, |c| c.0).ok().map(|i| children[i].1)
+    }
+
+    /// Adds a child on a token it does not have yet, keeping the order.
+    fn insert(&mut self, token: TokenId, id: NodeId) {
+        *self = match std::mem::take(self) {
+            Children::None => Children::One((token, id)),
+            Children::One(c) if c.0 < token => Children::Many(vec![c, (token, id)]),
+            Children::One(c) => Children::Many(vec![(token, id), c]),
+            Children::Many(mut v) => {
+                let at = v.partition_point(|c| c.0 < token);
+                v.insert(at, (token, id));
+                Children::Many(v)
+            }
+        };
+    }
+
+    /// Detaches the child on `token`.
+    fn remove(&mut self, token: TokenId) -> Option<NodeId> {
+        match self {
+            Children::One((t, id)) if *t == token => {
+                let id = *id;
+                *self = Children::None;
+                Some(id)
+            }
+            Children::Many(v) => {
+                let i = v.binary_search_by_key(&token, |c| c.0).ok()?;
+                Some(v.remove(i).1)
+            }
+            _ => None,
+        }
+    }
 }
 
 /// A depth-limited suffix trie with occurrence counts.
@@ -124,46 +178,43 @@ impl SuffixTree {
     }
 
     fn child(&self, id: NodeId, token: TokenId) -> Option<NodeId> {
-        let children = &self.node(id).children;
-        children.binary_search_by_key(&token, |c| c.0).ok().map(|i| children[i].1)
+        self.node(id).children.get(token)
     }
 
     fn child_or_insert(&mut self, parent: NodeId, token: TokenId) -> NodeId {
-        let slot = self.nodes[parent.0 as usize].children.binary_search_by_key(&token, |c| c.0);
-        match slot {
-            Ok(i) => self.nodes[parent.0 as usize].children[i].1,
-            Err(i) => {
-                let depth = self.node(parent).depth + 1;
-                let node = Node { count: 0, depth, children: Vec::new() };
-                let id = match self.free.pop() {
-                    Some(id) => {
-                        self.nodes[id.0 as usize] = node;
-                        id
-                    }
-                    None => {
-                        self.nodes.push(node);
-                        NodeId(self.nodes.len() as u32 - 1)
-                    }
-                };
-                self.nodes[parent.0 as usize].children.insert(i, (token, id));
+        if let Some(id) = self.child(parent, token) {
+            return id;
+        }
+        let depth = self.node(parent).depth + 1;
+        let node = Node { count: 0, depth, children: Children::None };
+        let id = match self.free.pop() {
+            Some(id) => {
+                self.nodes[id.0 as usize] = node;
                 id
             }
-        }
+            None => {
+                self.nodes.push(node);
+                NodeId(self.nodes.len() as u32 - 1)
+            }
+        };
+        self.nodes[parent.0 as usize].children.insert(token, id);
+        id
     }
 
     /// Appends `token` to a growing sequence whose open suffixes (the nodes spelling its last
-    /// 1..max_depth-1 tokens) are `open`; updates `open` in place.
+    /// 1..max_depth-1 tokens, shortest first, so `open[k]` is at depth k + 1) are `open`; updates `open` in place
+    /// (each open suffix steps to its child on `token`, one place deeper, and the root's child opens at 0).
     fn extend(&mut self, open: &mut Vec<NodeId>, token: TokenId) {
         self.nodes[ROOT.0 as usize].count += 1;
-        let mut next = Vec::with_capacity(open.len() + 1);
-        for parent in std::iter::once(ROOT).chain(open.iter().copied()) {
-            let child = self.child_or_insert(parent, token);
+        open.push(ROOT);
+        for k in (0..open.len()).rev() {
+            let child = self.child_or_insert(if k == 0 { ROOT } else { open[k - 1] }, token);
             self.nodes[child.0 as usize].count += 1;
-            if (self.node(child).depth as usize) < self.max_depth {
-                next.push(child);
-            }
+            open[k] = child;
         }
-        *open = next;
+        if open.last().is_some_and(|&id| self.node(id).depth as usize >= self.max_depth) {
+            open.pop();
+        }
     }
 
     /// Indexes a whole sequence.
@@ -200,13 +251,11 @@ impl SuffixTree {
 
     /// Detaches the child of `parent` on `token` and frees its whole subtree.
     fn prune(&mut self, parent: NodeId, token: TokenId) {
-        let children = &mut self.nodes[parent.0 as usize].children;
-        let Ok(i) = children.binary_search_by_key(&token, |c| c.0) else { return };
-        let (_, id) = children.remove(i);
+        let Some(id) = self.nodes[parent.0 as usize].children.remove(token) else { return };
         let mut stack = vec![id];
         while let Some(id) = stack.pop() {
             let node = std::mem::take(&mut self.nodes[id.0 as usize]);
-            stack.extend(node.children.into_iter().map(|c| c.1));
+            stack.extend(node.children.as_slice().iter().map(|c| c.1));
             self.free.push(id);
         }
     }
@@ -224,7 +273,7 @@ impl SuffixTree {
             let parent = self.node(node);
             // Children are sorted by token, so the first maximum is the lowest token.
             let Some(&(token, child)) =
-                parent.children.iter().fold(None, |best: Option<&(TokenId, NodeId)>, c| match best {
+                parent.children.as_slice().iter().fold(None, |best: Option<&(TokenId, NodeId)>, c| match best {
                     Some(b) if self.node(b.1).count >= self.node(c.1).count => Some(b),
                     _ => Some(c),
                 })
@@ -286,7 +335,10 @@ impl SeqIndex {
             *self = SeqIndex::new(self.tree.max_depth);
             self.prompt_len = prompt_len;
         }
-        for &t in &context[self.indexed.len()..] {
+        let new = &context[self.indexed.len()..];
+        // Novel text makes up to max_depth nodes a token; reserved at once, the arena is not copied as it grows.
+        self.tree.nodes.reserve(new.len() * self.tree.max_depth);
+        for &t in new {
             self.tree.extend(&mut self.open, t);
         }
         self.indexed.extend_from_slice(&context[self.indexed.len()..]);
@@ -417,6 +469,50 @@ mod tests {
         assert_eq!(t.find(&[9]), None);
         t.remove(&[5, 6, 7]);
         assert_eq!(t.node_count(), 1);
+    }
+
+    /// Every substring's count, by brute force: its occurrences (of length at most `depth`) in `seqs`.
+    fn brute_counts(seqs: &[Vec<TokenId>], depth: usize) -> HashMap<Vec<TokenId>, u64> {
+        let mut counts = HashMap::new();
+        for s in seqs {
+            for i in 0..s.len() {
+                for j in i + 1..=(i + depth).min(s.len()) {
+                    *counts.entry(s[i..j].to_vec()).or_insert(0) += 1;
+                }
+            }
+        }
+        counts
+    }
+
+    #[test]
+    fn inserts_and_removes_keep_every_count_and_free_every_node() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        let depth = 5;
+        let mut t = SuffixTree::new(depth);
+        let mut live: Vec<Vec<TokenId>> = Vec::new();
+        for round in 0..300 {
+            // A small alphabet, so nodes gain and lose children (none, one, many) as sequences come and go.
+            if live.len() > 6 || (round % 3 == 2 && !live.is_empty()) {
+                let gone = live.remove(rng.gen_range(0..live.len()));
+                t.remove(&gone);
+            } else {
+                let seq: Vec<TokenId> = (0..rng.gen_range(1..30)).map(|_| rng.gen_range(0..4)).collect();
+                t.insert(&seq);
+                live.push(seq);
+            }
+            let want = brute_counts(&live, depth);
+            for (pattern, count) in &want {
+                assert_eq!(t.find(pattern).map(|n| t.node(n).count), Some(*count), "{pattern:?} in round {round}");
+            }
+            // Nodes are exactly the distinct substrings, plus the root; each node's children are sorted.
+            assert_eq!(t.node_count(), want.len() + 1, "round {round}");
+            for (i, node) in t.nodes.iter().enumerate() {
+                if !t.free.contains(&NodeId(i as u32)) {
+                    assert!(node.children.as_slice().windows(2).all(|w| w[0].0 < w[1].0));
+                }
+            }
+        }
     }
 
     #[test]
