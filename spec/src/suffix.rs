@@ -6,9 +6,12 @@
 //!   it; a node's `count` is the number of indexed occurrences of the substring it spells, so a
 //!   child's count never exceeds its parent's. Removing a sequence undoes exactly its insertion and
 //!   frees nodes whose count reaches 0.
-//! - One per-sequence tree covers a sequence's whole context (prompt, tool outputs, generated
-//!   tokens), indexed incrementally as the context grows; one global tree covers the outputs of the
-//!   last `max_cached_requests` finished requests, evicted first in, first out.
+//! - One per-sequence tree covers the last `max_indexed_tokens` tokens of a sequence's context (prompt,
+//!   tool outputs, generated tokens: every substring starting there), indexed incrementally as the
+//!   context grows, the substrings of older starts removed as it slides; one global tree covers the
+//!   outputs of the last `max_cached_requests` finished requests, within `max_cached_tokens` tokens,
+//!   evicted first in, first out. So a tree holds at most `max_tree_depth` nodes per token it covers,
+//!   whatever a client sends.
 //! - Speculation is the paper's path mode: for each match length m (1..=max_depth) of the context's
 //!   tail, follow the most frequent child (lowest token on ties) while the path probability
 //!   `Π child.count / parent.count` stays >= `min_token_prob`, for at most
@@ -29,6 +32,10 @@ pub struct SuffixConfig {
     pub max_tree_depth: usize,
     /// Finished responses kept in the global tree (vLLM 10,000).
     pub max_cached_requests: usize,
+    /// Tokens of finished responses kept in the global tree (a response longer than this is not kept).
+    pub max_cached_tokens: usize,
+    /// The most recent context tokens a per-sequence tree covers.
+    pub max_indexed_tokens: usize,
     /// α of the adaptive length `⌊α·m + offset⌋` (vLLM 1.0).
     pub max_spec_factor: f64,
     /// The offset of the adaptive length (vLLM 0).
@@ -42,6 +49,9 @@ impl Default for SuffixConfig {
         SuffixConfig {
             max_tree_depth: 24,
             max_cached_requests: 10_000,
+            // 24 nodes of 48 bytes a token at most: the global tree within ~300 MB, each sequence's within ~38 MB.
+            max_cached_tokens: 262_144,
+            max_indexed_tokens: 32_768,
             max_spec_factor: 1.0,
             max_spec_offset: 0.0,
             min_token_prob: 0.1,
@@ -53,6 +63,12 @@ impl SuffixConfig {
     pub fn validate(&self) -> Result<()> {
         if self.max_tree_depth == 0 {
             return Err(SpecError::config("max_tree_depth", "must be at least 1"));
+        }
+        if self.max_indexed_tokens < self.max_tree_depth {
+            return Err(SpecError::config(
+                "max_indexed_tokens",
+                format!("{} is below max_tree_depth ({})", self.max_indexed_tokens, self.max_tree_depth),
+            ));
         }
         if !(self.max_spec_factor.is_finite() && self.max_spec_factor >= 0.0) {
             return Err(SpecError::config(
@@ -228,23 +244,29 @@ impl SuffixTree {
     /// Undoes [`SuffixTree::insert`] of the same `tokens`.
     pub fn remove(&mut self, tokens: &[TokenId]) {
         for start in 0..tokens.len() {
-            let end = (start + self.max_depth).min(tokens.len());
-            let mut path = vec![ROOT];
-            for &t in &tokens[start..end] {
-                match self.child(*path.last().unwrap_or(&ROOT), t) {
-                    Some(c) => path.push(c),
-                    None => break,
-                }
+            self.remove_start(&tokens[start..]);
+        }
+    }
+
+    /// Undoes what indexing one start added: the substrings `tokens[..k]`, k up to `max_depth` (`tokens` runs from
+    /// the start to the end of what was indexed).
+    fn remove_start(&mut self, tokens: &[TokenId]) {
+        let end = self.max_depth.min(tokens.len());
+        let mut path = vec![ROOT];
+        for &t in &tokens[..end] {
+            match self.child(*path.last().unwrap_or(&ROOT), t) {
+                Some(c) => path.push(c),
+                None => break,
             }
-            // Root's count is per token, decremented once per start (= once per token).
-            self.nodes[ROOT.0 as usize].count = self.node(ROOT).count.saturating_sub(1);
-            for (i, &id) in path.iter().enumerate().skip(1) {
-                let node = &mut self.nodes[id.0 as usize];
-                node.count = node.count.saturating_sub(1);
-                if node.count == 0 {
-                    self.prune(path[i - 1], tokens[start + i - 1]);
-                    break;
-                }
+        }
+        // Root's count is per token, decremented once per start (= once per token).
+        self.nodes[ROOT.0 as usize].count = self.node(ROOT).count.saturating_sub(1);
+        for (i, &id) in path.iter().enumerate().skip(1) {
+            let node = &mut self.nodes[id.0 as usize];
+            node.count = node.count.saturating_sub(1);
+            if node.count == 0 {
+                self.prune(path[i - 1], tokens[i - 1]);
+                break;
             }
         }
     }
@@ -316,24 +338,38 @@ impl SuffixTree {
 struct SeqIndex {
     tree: SuffixTree,
     open: Vec<NodeId>,
-    /// The tokens indexed so far (4 bytes a token; comparing them is a memcmp per proposal).
+    /// The context seen so far (4 bytes a token; comparing it is a memcmp per proposal).
     indexed: Vec<TokenId>,
+    /// The first position whose substrings the tree holds: `indexed.len() - start <= window`.
+    start: usize,
+    window: usize,
     /// Context length when the current request began; later tokens are its output.
     prompt_len: usize,
 }
 
 impl SeqIndex {
-    fn new(max_depth: usize) -> Self {
-        SeqIndex { tree: SuffixTree::new(max_depth), open: Vec::new(), indexed: Vec::new(), prompt_len: 0 }
+    fn new(max_depth: usize, window: usize) -> Self {
+        SeqIndex {
+            tree: SuffixTree::new(max_depth),
+            open: Vec::new(),
+            indexed: Vec::new(),
+            start: 0,
+            window,
+            prompt_len: 0,
+        }
     }
 
-    /// Indexes the part of `context` not yet seen; rebuilds when `context` does not extend what was
-    /// indexed (an edited history).
+    /// Indexes the part of `context` not yet seen, then drops the starts that fell out of the window; rebuilds
+    /// when `context` does not extend what was indexed (an edited history) or when the new part alone fills the
+    /// window (then only its last `window` tokens are indexed: the same tree the slide would leave).
     fn catch_up(&mut self, context: &[TokenId]) {
-        if !context.starts_with(&self.indexed) {
+        let new_len = context.len().saturating_sub(self.indexed.len());
+        if !context.starts_with(&self.indexed) || new_len >= self.window {
             let prompt_len = self.prompt_len.min(context.len());
-            *self = SeqIndex::new(self.tree.max_depth);
+            *self = SeqIndex::new(self.tree.max_depth, self.window);
             self.prompt_len = prompt_len;
+            self.start = context.len().saturating_sub(self.window);
+            self.indexed.extend_from_slice(&context[..self.start]);
         }
         let new = &context[self.indexed.len()..];
         // Novel text makes up to max_depth nodes a token; reserved at once, the arena is not copied as it grows.
@@ -341,7 +377,11 @@ impl SeqIndex {
         for &t in new {
             self.tree.extend(&mut self.open, t);
         }
-        self.indexed.extend_from_slice(&context[self.indexed.len()..]);
+        self.indexed.extend_from_slice(new);
+        while self.indexed.len() - self.start > self.window {
+            self.tree.remove_start(&self.indexed[self.start..]);
+            self.start += 1;
+        }
     }
 }
 
@@ -352,19 +392,22 @@ pub struct SuffixProposer {
     sequences: HashMap<SeqKey, SeqIndex>,
     global: SuffixTree,
     cached: VecDeque<Vec<TokenId>>,
+    /// Tokens in `cached`.
+    cached_tokens: usize,
 }
 
 impl SuffixProposer {
     pub fn new(cfg: SuffixConfig) -> Result<Self> {
         cfg.validate()?;
         let global = SuffixTree::new(cfg.max_tree_depth);
-        Ok(SuffixProposer { cfg, sequences: HashMap::new(), global, cached: VecDeque::new() })
+        Ok(SuffixProposer { cfg, sequences: HashMap::new(), global, cached: VecDeque::new(), cached_tokens: 0 })
     }
 
     /// The best draft and its score (the expected accepted tokens), used by the hybrid rule.
     pub fn propose_scored(&mut self, seq: SeqKey, context: &[TokenId], max_len: usize) -> (Draft, f64) {
         let depth = self.cfg.max_tree_depth;
-        let index = self.sequences.entry(seq).or_insert_with(|| SeqIndex::new(depth));
+        let window = self.cfg.max_indexed_tokens;
+        let index = self.sequences.entry(seq).or_insert_with(|| SeqIndex::new(depth, window));
         index.catch_up(context);
         let local = index.tree.speculate(context, max_len, &self.cfg);
         let global = self.global.speculate(context, max_len, &self.cfg);
@@ -391,14 +434,21 @@ impl SuffixProposer {
         self.sequences.len()
     }
 
+    /// Tokens of the finished responses held in the global tree.
+    pub fn cached_tokens(&self) -> usize {
+        self.cached_tokens
+    }
+
     fn cache_response(&mut self, output: &[TokenId]) {
-        if output.is_empty() || self.cfg.max_cached_requests == 0 {
+        if output.is_empty() || self.cfg.max_cached_requests == 0 || output.len() > self.cfg.max_cached_tokens {
             return;
         }
         self.global.insert(output);
         self.cached.push_back(output.to_vec());
-        while self.cached.len() > self.cfg.max_cached_requests {
+        self.cached_tokens += output.len();
+        while self.cached.len() > self.cfg.max_cached_requests || self.cached_tokens > self.cfg.max_cached_tokens {
             if let Some(old) = self.cached.pop_front() {
+                self.cached_tokens -= old.len();
                 self.global.remove(&old);
             }
         }
@@ -411,8 +461,8 @@ impl Proposer for SuffixProposer {
     }
 
     fn begin(&mut self, seq: SeqKey, prompt: &[TokenId]) {
-        let depth = self.cfg.max_tree_depth;
-        let index = self.sequences.entry(seq).or_insert_with(|| SeqIndex::new(depth));
+        let (depth, window) = (self.cfg.max_tree_depth, self.cfg.max_indexed_tokens);
+        let index = self.sequences.entry(seq).or_insert_with(|| SeqIndex::new(depth, window));
         index.catch_up(prompt);
         index.prompt_len = prompt.len();
     }
@@ -589,6 +639,57 @@ mod tests {
     }
 
     #[test]
+    fn a_sequence_tree_covers_the_last_max_indexed_tokens_of_the_context() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
+        let (depth, window) = (4, 40);
+        let context: Vec<TokenId> = (0..300).map(|_| rng.gen_range(0..5)).collect();
+        // Grown token by token, in uneven pieces, and in one piece longer than the window: each time the tree holds
+        // exactly the substrings starting in the last `window` tokens, with no node beyond them.
+        for pieces in [vec![1; 300], vec![7, 1, 50, 13, 100, 29, 100], vec![300]] {
+            let mut index = SeqIndex::new(depth, window);
+            let mut len = 0;
+            for piece in pieces {
+                len += piece;
+                index.catch_up(&context[..len]);
+                let covered = context[len.saturating_sub(window)..len].to_vec();
+                let want = brute_counts(&[covered], depth);
+                for (pattern, count) in &want {
+                    assert_eq!(index.tree.find(pattern).map(|n| index.tree.node(n).count), Some(*count), "{len}");
+                }
+                assert_eq!(index.tree.node_count(), want.len() + 1, "at {len} tokens");
+            }
+        }
+        // A pattern seen only before the window is no longer drafted; one inside it still is.
+        let mut p = SuffixProposer::new(SuffixConfig { max_tree_depth: 4, max_indexed_tokens: 8, ..cfg() }).unwrap();
+        let s = SeqKey(4);
+        let old = [90, 91, 92, 93];
+        let mut ctx: Vec<TokenId> = old.to_vec();
+        ctx.extend([1, 2, 3, 4, 5, 6, 7, 8, 9, 90, 91]);
+        p.begin(s, &ctx);
+        assert!(p.propose(s, &ctx, 2).is_empty(), "90, 91 -> 92 fell out of the window");
+        ctx.extend([92, 50, 90, 91]);
+        assert_eq!(p.propose(s, &ctx, 1).tokens(), &[92]);
+    }
+
+    #[test]
+    fn the_global_tree_keeps_at_most_max_cached_tokens() {
+        let mut p = SuffixProposer::new(SuffixConfig { max_cached_tokens: 7, ..cfg() }).unwrap();
+        for (i, out) in [vec![1, 2, 3], vec![4, 5, 6], vec![7, 8], vec![9; 8]].iter().enumerate() {
+            let seq = SeqKey(i as u64);
+            p.begin(seq, &[100]);
+            let mut done = vec![100];
+            done.extend(out);
+            p.end(seq, &done, false);
+        }
+        // 3 + 3 + 2 tokens passed the bound: the oldest response went; the 8-token one was never kept.
+        assert_eq!((p.cached_responses(), p.cached_tokens()), (2, 5));
+        assert!(p.propose(SeqKey(9), &[1, 2], 2).is_empty());
+        assert_eq!(p.propose(SeqKey(9), &[4, 5], 2).tokens(), &[6]);
+        assert!(p.propose(SeqKey(10), &[7, 9], 2).is_empty(), "the 8-token response was never kept");
+    }
+
+    #[test]
     fn a_context_that_does_not_extend_the_index_is_reindexed() {
         let mut p = SuffixProposer::new(cfg()).unwrap();
         let s = SeqKey(3);
@@ -602,5 +703,8 @@ mod tests {
     fn bad_config_is_an_error() {
         let bad = SuffixConfig { min_token_prob: 1.5, ..SuffixConfig::default() };
         assert_eq!(SuffixProposer::new(bad).unwrap_err().kind(), "config");
+        let narrow = SuffixConfig { max_indexed_tokens: 10, ..SuffixConfig::default() };
+        let err = SuffixProposer::new(narrow).unwrap_err().to_string();
+        assert!(err.contains("max_indexed_tokens") && err.contains("max_tree_depth"), "{err}");
     }
 }
