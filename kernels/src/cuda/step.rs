@@ -127,10 +127,13 @@ pub struct StepTables {
 /// longer ones in about `chunk_split_tokens / t` splits (one when that is 0), in whole tiles.
 pub fn mla_span(first: usize, t: usize, chunk_split_tokens: usize) -> usize {
     let visible = first + t;
-    let splits = match t > MLA_SPLIT_MAX_WINDOW {
-        true if chunk_split_tokens / t <= 1 => return visible,
-        true => (chunk_split_tokens / t).min(MLA_MAX_SPLITS),
-        false => MLA_MAX_SPLITS,
+    let splits = if t <= MLA_SPLIT_MAX_WINDOW {
+        MLA_MAX_SPLITS
+    } else {
+        match chunk_split_tokens / t {
+            0 | 1 => return visible,
+            pairs => pairs.min(MLA_MAX_SPLITS),
+        }
     };
     visible.div_ceil(splits).div_ceil(MLA_TILE).max(1).saturating_mul(MLA_TILE).max(MLA_MIN_SPAN)
 }
