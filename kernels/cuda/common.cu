@@ -486,3 +486,35 @@ extern "C" __global__ void gather_rows(const __nv_bfloat16 *src, long src_slot, 
     kernel_entry();
     copy_row(src + blockIdx.y * src_slot + (long)rows[blockIdx.x] * d, out + blockIdx.y * out_slot + (long)blockIdx.x * d, d);
 }
+
+// ---- The sharded forward's own kernels (cuda::tp) ----
+
+// A vocabulary-parallel embedding: out[i, :] = table[tokens[i] - first, :] for the ids this rank holds
+// (first .. first + rows), zeros for the others, so the group's all-reduce sums exactly one row per token.
+// grid = n tokens.
+extern "C" __global__ void embed_gather_part(const __nv_bfloat16 *table, const u32 *tokens, __nv_bfloat16 *out, int d,
+                                             u32 first, u32 rows) {
+    kernel_entry();
+    const u32 id = tokens[blockIdx.x];
+    __nv_bfloat16 *dst = out + (long)blockIdx.x * d;
+    if (id >= first && id - first < rows) {
+        copy_row(table + (long)(id - first) * d, dst, d);
+    } else {
+        for (int c = threadIdx.x; c < d; c += blockDim.x) dst[c] = __float2bfloat16_rn(0.0f);
+    }
+}
+
+// y = bf(x): a row-parallel projection's all-reduced fp32 sums, rounded once as the unsharded GEMM rounds them.
+extern "C" __global__ void round_partial(const float *x, __nv_bfloat16 *y, long n) {
+    kernel_entry();
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        y[i] = __float2bfloat16_rn(x[i]);
+}
+
+// The all-gathered vocabulary slices of a vocabulary-parallel lm_head, [world, positions, slice], laid out as the
+// whole logits [positions, world * slice]: out[p, r * slice + j] = parts[r, p, j]. grid = (positions, world).
+extern "C" __global__ void vocab_interleave(const __nv_bfloat16 *parts, __nv_bfloat16 *out, int positions, int slice) {
+    kernel_entry();
+    const long p = blockIdx.x, r = blockIdx.y;
+    copy_row(parts + (r * positions + p) * slice, out + p * (long)gridDim.y * slice + r * slice, slice);
+}

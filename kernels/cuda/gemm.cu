@@ -30,6 +30,9 @@
 //   (a merged projection's parts land where the ops that read them expect separate tensors).
 // - The add epilogue rounds like linear then add_in_place (common.cu): bf(bf(acc) + addend), addend
 //   laid out as the output; each output element is read and written by one thread, so addend may be y.
+// - The partial epilogue (`yf` not null; then `y` and `addend` are unused): the fp32 sums themselves are written to
+//   `yf` in the output layout, unrounded: a row-parallel projection's share, which the sharded forward all-reduces
+//   before it rounds (cuda::tp). The sums are the same as the bf16 output's before its rounding.
 //
 // Block: blockDim.x = 32 * warps (4 or 8); each warp owns 16 R weight rows (R 16-row MMA tiles, 1 or 2), so a
 // row tile is 16 R * warps rows. Grid: (tiles * slices (split) or tiles (serial), ceil(M / 64)).
@@ -176,8 +179,8 @@ __device__ void slice_partial(float (&acc)[R][NT][4], __nv_bfloat16 *xs, const _
 // per warp.
 template <int NT, bool SERIAL, int STEPS, int R>
 __device__ void skinny_gemm(const __nv_bfloat16 *__restrict__ w, const __nv_bfloat16 *__restrict__ x,
-                            __nv_bfloat16 *y, const __nv_bfloat16 *addend, int n, int kdim, int mtotal,
-                            const int *seg, int nseg, int kslice, float *ws, u32 *tickets, int vec) {
+                            __nv_bfloat16 *y, const __nv_bfloat16 *addend, float *yf, int n, int kdim,
+                            int mtotal, const int *seg, int nseg, int kslice, float *ws, u32 *tickets, int vec) {
     extern __shared__ __align__(16) unsigned char smem[];
     __nv_bfloat16 *xs = reinterpret_cast<__nv_bfloat16 *>(smem); // [2][8 * NT, XS_STRIDE]
     __shared__ int last_block;
@@ -255,6 +258,10 @@ __device__ void skinny_gemm(const __nv_bfloat16 *__restrict__ w, const __nv_bflo
                 if (row < n && m < mc) {
                     const long at = out_index(m0 + m, row, n, mtotal, seg, nseg);
                     float v = acc[r][j][e];
+                    if (yf != nullptr) {
+                        yf[at] = v;
+                        continue;
+                    }
                     if (addend != nullptr) v = bf_round(v) + ld(addend, at);
                     y[at] = __float2bfloat16_rn(v);
                 }
@@ -262,7 +269,8 @@ __device__ void skinny_gemm(const __nv_bfloat16 *__restrict__ w, const __nv_bflo
 }
 
 // One pair of entry points per token-tile count: chunks of up to 8, 16, 32 and 64 tokens. `addend` is
-// null for a plain GEMM; `ws` and `tickets` are only read by split launches of more than one slice.
+// null for a plain GEMM, `yf` null but for a partial one; `ws` and `tickets` are only read by split launches of
+// more than one slice.
 // Split launches give each warp one 16-row MMA tile and 8 k32 steps per load group (4 at 64 tokens, for the
 // accumulators' registers): a group reads 512 contiguous bytes of each weight row, which the H200's HBM
 // serves 10-15% faster than two tiles of 256 (measured over the k3-mini shapes; docs/perf/decisions.md#d19). Serial
@@ -272,9 +280,11 @@ __device__ void skinny_gemm(const __nv_bfloat16 *__restrict__ w, const __nv_bflo
 // host takes them only for launches of many waves (the lm_head; Gpu::skinny_layout).
 #define SKINNY_GEMM(NAME, NT, SERIAL, STEPS, R, MIN_BLOCKS)                                                           \
     extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS)                                                 \
-        NAME(const __nv_bfloat16 *w, const __nv_bfloat16 *x, __nv_bfloat16 *y, const __nv_bfloat16 *addend, int n, \
-             int kdim, int mtotal, const int *seg, int nseg, int kslice, float *ws, u32 *tickets, int vec) {       \
-        skinny_gemm<NT, SERIAL, STEPS, R>(w, x, y, addend, n, kdim, mtotal, seg, nseg, kslice, ws, tickets, vec);  \
+        NAME(const __nv_bfloat16 *w, const __nv_bfloat16 *x, __nv_bfloat16 *y, const __nv_bfloat16 *addend,       \
+             float *yf, int n, int kdim, int mtotal, const int *seg, int nseg, int kslice, float *ws, u32 *tickets,  \
+             int vec) {                                                                                            \
+        skinny_gemm<NT, SERIAL, STEPS, R>(w, x, y, addend, yf, n, kdim, mtotal, seg, nseg, kslice, ws, tickets,    \
+                                          vec);                                                                    \
     }
 SKINNY_GEMM(skinny_gemm_t1, 1, false, 8, 1, 1)
 SKINNY_GEMM(skinny_gemm_t2, 2, false, 8, 1, 1)

@@ -67,10 +67,15 @@ template <> __device__ __forceinline__ void wgmma<64>(float (&d)[32], unsigned l
 
 #endif
 
-// Writes output (token, row) of a call: bf(v), or bf(bf(v) + addend) with an addend.
-__device__ __forceinline__ void store_output(__nv_bfloat16 *y, const __nv_bfloat16 *addend, float v, int token, int row,
-                                             int n, int mtotal, const int *seg, int nseg) {
+// Writes output (token, row) of a call: bf(v), or bf(bf(v) + addend) with an addend, or v itself into `yf` (the
+// partial epilogue of gemm.cu's contract) when `yf` is not null.
+__device__ __forceinline__ void store_output(__nv_bfloat16 *y, const __nv_bfloat16 *addend, float *yf, float v,
+                                             int token, int row, int n, int mtotal, const int *seg, int nseg) {
     const long at = out_index(token, row, n, mtotal, seg, nseg);
+    if (yf != nullptr) {
+        yf[at] = v;
+        return;
+    }
     if (addend != nullptr) v = bf_round(v) + ld(addend, at);
     y[at] = __float2bfloat16_rn(v);
 }
@@ -81,7 +86,7 @@ __device__ __forceinline__ void store_output(__nv_bfloat16 *y, const __nv_bfloat
 
 template <int NT, bool SERIAL>
 __device__ void skinny_wgmma(const TensorMap &tw, const TensorMap &tx, __nv_bfloat16 *y, const __nv_bfloat16 *addend,
-                             int n, int kdim, int mtotal, const int *seg, int nseg, int kslice) {
+                             float *yf, int n, int kdim, int mtotal, const int *seg, int nseg, int kslice) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ unsigned char tc_raw[];
     unsigned char *base = reinterpret_cast<unsigned char *>(((unsigned long long)tc_raw + 1023) & ~1023ull);
@@ -183,7 +188,7 @@ __device__ void skinny_wgmma(const TensorMap &tw, const TensorMap &tx, __nv_bflo
 #pragma unroll
             for (int q = 1; q < TC_MAX_SPLIT; q++)
                 if (q < slices) total += v[q];
-            if (row < n && tok < mc) store_output(y, addend, total, m0 + tok, row, n, mtotal, seg, nseg);
+            if (row < n && tok < mc) store_output(y, addend, yf, total, m0 + tok, row, n, mtotal, seg, nseg);
         }
         cluster_sync(); // no block leaves while another may still read its shared memory
         return;
@@ -193,7 +198,7 @@ __device__ void skinny_wgmma(const TensorMap &tw, const TensorMap &tx, __nv_bflo
 #pragma unroll
         for (int e = 0; e < NT / 2; e++) {
             const int row = row0 + TC_ROW(m, e), tok = TC_TOKEN(e);
-            if (row < n && tok < mc) store_output(y, addend, acc[m][e], m0 + tok, row, n, mtotal, seg, nseg);
+            if (row < n && tok < mc) store_output(y, addend, yf, acc[m][e], m0 + tok, row, n, mtotal, seg, nseg);
         }
 #else
     __trap();
@@ -205,8 +210,9 @@ __device__ void skinny_wgmma(const TensorMap &tw, const TensorMap &tx, __nv_bflo
 #define SKINNY_WGMMA(NAME, NT, SERIAL)                                                                                \
     extern "C" __global__ void __launch_bounds__(160, 2)                                                           \
         NAME(const __grid_constant__ TensorMap tw, const __grid_constant__ TensorMap tx, __nv_bfloat16 *y,            \
-             const __nv_bfloat16 *addend, int n, int kdim, int mtotal, const int *seg, int nseg, int kslice) {         \
-        skinny_wgmma<NT, SERIAL>(tw, tx, y, addend, n, kdim, mtotal, seg, nseg, kslice);                            \
+             const __nv_bfloat16 *addend, float *yf, int n, int kdim, int mtotal, const int *seg, int nseg,            \
+             int kslice) {                                                                                          \
+        skinny_wgmma<NT, SERIAL>(tw, tx, y, addend, yf, n, kdim, mtotal, seg, nseg, kslice);                        \
     }
 SKINNY_WGMMA(skinny_wgmma_t8, 8, false)
 SKINNY_WGMMA(skinny_wgmma_t16, 16, false)

@@ -548,10 +548,12 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 4)
 }
 
 // The down projection's outputs of NM consecutive 16-row tiles from row0 (output channels below D) for the chunk's
-// pairs[0..count): c0, c1 are row g of pairs 2t, 2t + 1 of an n-tile, c2, c3 row g + 8.
+// pairs[0..count): c0, c1 are row g of pairs 2t, 2t + 1 of an n-tile, c2, c3 row g + 8. Rounded to bf16 into y, or,
+// when yf is not null, the fp32 sums unrounded into yf (an expert split by width: a rank's partial output, which the
+// sharded forward all-reduces before it rounds; cuda::tp).
 template <int NM, int NT>
 __device__ __forceinline__ void store_down(const float acc[NM][NT][4], const int *pairs, int count,
-                                           __nv_bfloat16 *y, int D, int row0, int g, int t) {
+                                           __nv_bfloat16 *y, float *yf, int D, int row0, int g, int t) {
 #pragma unroll
     for (int m = 0; m < NM; m++)
 #pragma unroll
@@ -559,7 +561,13 @@ __device__ __forceinline__ void store_down(const float acc[NM][NT][4], const int
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 int row = row0 + 16 * m + g + (e >> 1) * 8, c = nt * 8 + 2 * t + (e & 1);
-                if (row < D && c < count) y[(long)pairs[c] * D + row] = __float2bfloat16_rn(acc[m][nt][e]);
+                if (row < D && c < count) {
+                    const long at = (long)pairs[c] * D + row;
+                    if (yf != nullptr)
+                        yf[at] = acc[m][nt][e];
+                    else
+                        y[at] = __float2bfloat16_rn(acc[m][nt][e]);
+                }
             }
 }
 
@@ -567,11 +575,11 @@ __device__ __forceinline__ void store_down(const float acc[NM][NT][4], const int
 template <int NT, int KB, bool FULL>
 __device__ __forceinline__ void down_mma_chunk(const u8 *const rows[1], const u8 *const scales[1], int g, int t,
                                                int groups, const __nv_bfloat16 *act, const int *pairs, int count,
-                                               int I, __nv_bfloat16 *y, int D, int row0) {
+                                               int I, __nv_bfloat16 *y, float *yf, int D, int row0) {
     float acc[1][NT][4];
     zero_acc<1, NT>(acc);
     mma_rows_pass<1, NT, KB, FULL>(rows, scales, g, t, groups, act, pairs, count, 1, I, acc);
-    store_down<1, NT>(acc, pairs, count, y, D, row0, g, t);
+    store_down<1, NT>(acc, pairs, count, y, yf, D, row0, g, t);
 }
 
 // Down projection per active expert: y[p, c] = bf(w2_e[c] a[p]) for every pair p of expert e. Two K blocks per step
@@ -583,7 +591,7 @@ __device__ __forceinline__ void down_mma_chunk(const u8 *const rows[1], const u8
 // moe_down_full takes the I that are multiples of 128 DOWN_KB (every step full, no masks).
 template <bool FULL>
 __device__ __forceinline__ void down_kernel(const __nv_bfloat16 *a, const u8 *w2p, const u8 *w2s, const int *group,
-                                            const int *pairs, __nv_bfloat16 *y, int E, int D, int I) {
+                                            const int *pairs, __nv_bfloat16 *y, float *yf, int E, int D, int I) {
     kernel_entry();
     int e, p, end;
     if (!expert_slot(group, E, e, p, end)) return;
@@ -595,29 +603,29 @@ __device__ __forceinline__ void down_kernel(const __nv_bfloat16 *a, const u8 *w2
     const u8 *rows[1] = {w2p + tile * TILE_CODE_BYTES + tile_code_offset(g, 0, t)};
     const u8 *scales[1] = {w2s + tile * TILE_SCALE_BYTES};
 #define DOWN_MMA(NT, KB, FULL) \
-    down_mma_chunk<NT, KB, FULL>(rows, scales, g, t, groups, a, pairs + p, count, I, y, D, row0)
+    down_mma_chunk<NT, KB, FULL>(rows, scales, g, t, groups, a, pairs + p, count, I, y, yf, D, row0)
     MMA_CHUNKS(DOWN_MMA, DOWN_KB, FULL)
 #undef DOWN_MMA
 }
 #define DOWN_ARGS                                                                                                  \
     const __nv_bfloat16 *a, const u8 *w2p, const u8 *w2s, const int *group, const int *pairs, __nv_bfloat16 *y,    \
-        int E, int D, int I
+        float *yf, int E, int D, int I
 extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, DOWN_BLOCKS_PER_SM) moe_down(DOWN_ARGS) {
-    down_kernel<false>(a, w2p, w2s, group, pairs, y, E, D, I);
+    down_kernel<false>(a, w2p, w2s, group, pairs, y, yf, E, D, I);
 }
 extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, DOWN_BLOCKS_PER_SM) moe_down_full(DOWN_ARGS) {
-    down_kernel<true>(a, w2p, w2s, group, pairs, y, E, D, I);
+    down_kernel<true>(a, w2p, w2s, group, pairs, y, yf, E, D, I);
 }
 // Down projection of two 16-row tiles (rows row0 .. row0 + 31) for pairs[0..count) through the warp's ring, the
 // inputs staged per block (see moe_down_staged).
 template <int NT, int KB>
 __device__ __forceinline__ void down_pair_mma_chunk(u8 *ring, u8 *stage, const u8 *const rows[2], const u8 *const scales[2], int g,
                                                     int t, int groups, const __nv_bfloat16 *act, const int *pairs,
-                                                    int count, int I, __nv_bfloat16 *y, int D, int row0) {
+                                                    int count, int I, __nv_bfloat16 *y, float *yf, int D, int row0) {
     float acc[2][NT][4];
     zero_acc<2, NT>(acc);
     mma_ring_pass<2, NT, KB, true>(ring, stage, rows, scales, g, t, groups, act, pairs, count, 1, I, acc);
-    store_down<2, NT>(acc, pairs, count, y, D, row0, g, t);
+    store_down<2, NT>(acc, pairs, count, y, yf, D, row0, g, t);
 }
 
 // Down projection as moe_down, with two 16-row tiles per warp streamed through its ring as moe_gate_up streams the
@@ -642,7 +650,7 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, 4) moe_down_staged(
     const u8 *rows[2] = {w2p + code, w2p + code + quads * TILE_CODE_BYTES};
     const u8 *scales[2] = {w2s + tile * TILE_SCALE_BYTES, w2s + (tile + quads) * TILE_SCALE_BYTES};
 #define DOWN_PAIR_MMA(NT, KB, FULL) \
-    down_pair_mma_chunk<NT, KB>(ring, stage, rows, scales, g, t, groups, a, pairs + p, count, I, y, D, row0)
+    down_pair_mma_chunk<NT, KB>(ring, stage, rows, scales, g, t, groups, a, pairs + p, count, I, y, yf, D, row0)
     STAGED_CHUNKS(DOWN_PAIR_MMA)
 #undef DOWN_PAIR_MMA
 }

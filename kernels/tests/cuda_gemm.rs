@@ -352,6 +352,50 @@ fn linear_add_equals_linear_then_add_bit_for_bit() {
 }
 
 #[test]
+fn linear_partial_writes_the_sums_that_linear_rounds() {
+    let Some(mut dev) = gpu() else { return };
+    let Dev { gpu, gemm, .. } = &mut *dev;
+    let mut rng = ChaCha8Rng::seed_from_u64(12);
+    // Aligned shapes take the warpgroup-MMA GEMM on Hopper (split and serial), 999 columns the skinny one.
+    for (out_dim, in_dim) in [(1000, 1000), (77, 999), (4096, 2048), (256, 7168)] {
+        let wd = gpu.upload(&random_bf16(&mut rng, out_dim * in_dim, 1.0)).unwrap();
+        for n in [1usize, 3, 17, 64, 100] {
+            let x = gpu.upload(&random_bf16(&mut rng, n * in_dim, 1.0)).unwrap();
+            for choice in [Gemm::BatchInvariant, Gemm::Cublas] {
+                gpu.gemm = choice;
+                let y = gpu.zeros::<bf16>(n * out_dim).unwrap();
+                let a = args(gpu.ptr(&wd), out_dim, in_dim, gpu.ptr(&x), n, gpu.ptr(&y));
+                gemm.linear(gpu, &a).unwrap();
+                let rounded = gpu.download(&y, n * out_dim).unwrap();
+                let partial = gpu.zeros::<f32>(n * out_dim).unwrap();
+                let untouched = gpu.zeros::<bf16>(n * out_dim).unwrap();
+                gemm.linear_partial(gpu, &LinearArgs { y: gpu.ptr(&untouched), ..a }, gpu.ptr(&partial)).unwrap();
+                let partial = gpu.download(&partial, n * out_dim).unwrap();
+                let what = format!("{choice:?} [{out_dim}, {in_dim}] n {n}");
+                assert!(gpu.download(&untouched, n * out_dim).unwrap().iter().all(|v| v.to_bits() == 0), "{what}: y");
+                match choice {
+                    // The same sums, so the same bits once rounded (a group of one is the whole model).
+                    Gemm::BatchInvariant => {
+                        let differ = partial.iter().zip(&rounded).filter(|(p, r)| bf16::from_f32(**p) != **r).count();
+                        assert_eq!(differ, 0, "{what}: the partial rounds differently");
+                        let exact = partial.iter().filter(|p| bf16::from_f32(**p).to_f32() == **p).count();
+                        assert!(exact < n * out_dim / 2, "{what}: the partial is not the unrounded sums");
+                    }
+                    // cuBLAS may pick another algorithm for an fp32 output: the same values to bf16 precision.
+                    Gemm::Cublas => {
+                        for (p, r) in partial.iter().zip(&rounded) {
+                            let r = r.to_f32();
+                            assert!((p - r).abs() <= 1e-2 * r.abs().max(1.0), "{what}: {p} against {r}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+    gpu.gemm = Gemm::BatchInvariant;
+}
+
+#[test]
 fn merged_projection_parts_equal_each_part_run_alone() {
     let Some(mut dev) = gpu() else { return };
     let Dev { gpu, gemm, .. } = &mut *dev;

@@ -27,7 +27,7 @@ use sparkd_kernels::cpu::ops::situ;
 use sparkd_kernels::cuda::device::driver_present;
 use sparkd_kernels::cuda::expert_layout::{tile_codes, tile_scales};
 use sparkd_kernels::cuda::gpu::Gpu;
-use sparkd_kernels::cuda::launch::DPtr;
+use sparkd_kernels::cuda::launch::{DPtr, NULL};
 use sparkd_kernels::cuda::moe::{
     moe_group_len, CombineArgs, DownArgs, ExpertForm, GateUpArgs, MoeKernels, Pairs, RouteArgs,
 };
@@ -170,7 +170,7 @@ fn run(
     let (z, act, y) = (gpu.ptr(&r.z), gpu.ptr(&r.act), gpu.ptr(&r.y));
     let (chosen, other) = forms(n, k, experts, latent);
     let gate_up = GateUpArgs { z, w1, w3, a: act, latent, inter, beta, lbeta };
-    let down = DownArgs { a: act, w2, y, latent, inter };
+    let down = DownArgs { a: act, w2, y, partial: NULL, latent, inter };
     moe.moe_gate_up(gpu, &pairs, &gate_up, chosen).unwrap();
     moe.moe_down(gpu, &pairs, &down, chosen).unwrap();
     let bits = |v: Vec<bf16>| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
@@ -185,6 +185,14 @@ fn run(
     moe.moe_down(gpu, &pairs, &DownArgs { y: gpu.ptr(&y_other), ..down }, other).unwrap();
     let y_other = bits(gpu.download(&y_other, n * k * latent).unwrap());
     assert!(y_other == y_bits, "[{latent}, {inter}] batch {n}: moe_down as {other:?} differs from {chosen:?}");
+    // The partial epilogue (a rank's share of an expert split by width) writes the same sums unrounded, in both forms.
+    for form in [chosen, other] {
+        let partial = gpu.zeros::<f32>(n * k * latent).unwrap();
+        moe.moe_down(gpu, &pairs, &DownArgs { y: NULL, partial: gpu.ptr(&partial), ..down }, form).unwrap();
+        let rounded: Vec<u16> =
+            gpu.download(&partial, n * k * latent).unwrap().iter().map(|v| bf16::from_f32(*v).to_bits()).collect();
+        assert!(rounded == y_bits, "[{latent}, {inter}] batch {n}: moe_down's partial as {form:?} rounds differently");
+    }
     (act_bits, y_bits)
 }
 
@@ -475,11 +483,13 @@ fn routed_experts_reject_widths_that_are_not_multiples_of_32() {
         let pairs = Pairs { n: 1, k: 1, experts: 1, grouping: (p, p) };
         let gate_up = GateUpArgs { z: p, w1: (p, p), w3: (p, p), a: p, latent: 40, inter: 64, beta: b, lbeta: lb };
         assert!(moe.moe_gate_up(gpu, &pairs, &gate_up, form).is_err());
-        assert!(moe.moe_down(gpu, &pairs, &DownArgs { a: p, w2: (p, p), y: p, latent: 64, inter: 40 }, form).is_err());
+        assert!(moe
+            .moe_down(gpu, &pairs, &DownArgs { a: p, w2: (p, p), y: p, partial: NULL, latent: 64, inter: 40 }, form)
+            .is_err());
     }
     // The staged down projection needs whole pairs of 16-row tiles.
     let pairs = Pairs { n: 1, k: 1, experts: 1, grouping: (p, p) };
-    let down = DownArgs { a: p, w2: (p, p), y: p, latent: 48, inter: 64 };
+    let down = DownArgs { a: p, w2: (p, p), y: p, partial: NULL, latent: 48, inter: 64 };
     assert!(moe.moe_down(gpu, &pairs, &down, ExpertForm::Staged).is_err());
 }
 
@@ -573,7 +583,7 @@ fn time_routing(dev: &Dev, w: &[TimedWeights; 3], s: Shape, (beta, lbeta): (f32,
     let (z, act, y) = (gpu.ptr(&r.z), gpu.ptr(&r.act), gpu.ptr(&r.y));
     let (chosen, other) = forms(n, k, experts, latent);
     let gate_up_args = GateUpArgs { z, w1, w3, a: act, latent, inter, beta, lbeta };
-    let down_args = DownArgs { a: act, w2, y, latent, inter };
+    let down_args = DownArgs { a: act, w2, y, partial: NULL, latent, inter };
     let gate_up = |form| moe.moe_gate_up(gpu, &pairs, &gate_up_args, form);
     let down = |form| moe.moe_down(gpu, &pairs, &down_args, form);
     let iters = 50;

@@ -16,8 +16,12 @@
 //!   (`RowKernels::attn_res_norm`), so an FFN output is added to the live slot by the next layer's read.
 //! - Logits are produced only for the positions rows ask for, and stay on the device.
 //! - A step is host work (the step table, with the token ids and wanted positions, uploaded once) and then
-//!   device work only (`step_body`: launches, stream-ordered allocations, events), so a step whose shape
-//!   repeats is captured and replayed as a CUDA graph (`cuda::graph`), with the same results bit for bit.
+//!   device work only (`step_body`: launches, stream-ordered allocations, events, collectives), so a step whose
+//!   shape repeats is captured and replayed as a CUDA graph (`cuda::graph`), with the same results bit for bit.
+//! - A model built by [`DeviceModel::sharded`] is one rank of a tensor-parallel group: its `cfg` is the rank's, its
+//!   weights the rank's shard, and the step completes the shard's partial results through the group where
+//!   `cuda::tp` says (row-parallel projections, routed experts split by width, the vocabulary-parallel embedding and
+//!   lm_head). Its logits are whole rows on every rank. Without a group the step makes no collective.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -33,10 +37,12 @@ use crate::cuda::gpu::{Gemm, Gpu};
 use crate::cuda::graph::{CapturedStep, Decision, GraphCache, RowShape, StepShape, GRAPH_MAX_WINDOW};
 use crate::cuda::launch::{DPtr, NULL};
 use crate::cuda::moe::{moe_group_len, CombineArgs, DownArgs, ExpertForm, GateUpArgs, Pairs, RouteArgs};
+use crate::cuda::nccl::Elem;
 use crate::cuda::ops::Ops;
-use crate::cuda::rows::{AttnResNormArgs, AttnResRead, GatherArgs, SituArgs};
+use crate::cuda::rows::{AttnResNormArgs, AttnResRead, EmbedPartArgs, GatherArgs, SituArgs};
 use crate::cuda::state::{DeviceRow, DeviceUndo};
 use crate::cuda::step::{StepBuffer, StepTables, TableSpec, MLA_CHUNK_SPLIT_TOKENS};
+use crate::cuda::tp::DeviceGroup;
 use crate::cuda::weights::{
     DevFfn, DevKda, DevLinear, DevMerged, DevMixer, DevMla, DevMlp, DevMoe, DevNorm, DevWeights,
 };
@@ -107,6 +113,8 @@ pub struct DeviceModel {
     pub mla_chunk_split_tokens: usize,
     /// Whether repeated step shapes are captured into CUDA graphs and replayed (on by default).
     pub graphs_enabled: bool,
+    /// The tensor-parallel group this model is a rank of (`None`: the whole model).
+    group: Option<DeviceGroup>,
     /// Where each step's row table is uploaded.
     tables: StepBuffer,
     /// The captured steps by shape.
@@ -125,10 +133,31 @@ impl DeviceModel {
             mla_group_from: MLA_GROUP_FROM_TOKENS,
             mla_chunk_split_tokens: MLA_CHUNK_SPLIT_TOKENS,
             graphs_enabled: true,
+            group: None,
             tables: StepBuffer::default(),
             graphs: Mutex::new(GraphCache::default()),
             last_capture_nodes: AtomicUsize::new(0),
         }
+    }
+
+    /// Rank `group.shard.rank` of the model `cfg` (the whole model's config) sharded over `group`, on `weights`
+    /// loaded for the same shard (`DevWeights::load_shard`). The model's `cfg` is the rank's
+    /// (`Shard::local_config`), so its sequence states are the rank's shards of them; every rank of the group runs
+    /// every step over the same rows (module invariants). A group of one computes the whole model's bits.
+    pub fn sharded(cfg: &ModelConfig, weights: DevWeights, ops: Ops, group: DeviceGroup) -> Result<Self> {
+        let local = group.shard.local_config(cfg)?;
+        if weights.lm_head.out_dim * group.shard.world != cfg.vocab_size {
+            return Err(KernelError::InvalidInput(format!(
+                "weights with a {}-row lm_head are not rank {}'s shard of a {}-token vocabulary over {} ranks",
+                weights.lm_head.out_dim, group.shard.rank, cfg.vocab_size, group.shard.world
+            )));
+        }
+        Ok(DeviceModel { group: Some(group), ..DeviceModel::new(local, weights, ops) })
+    }
+
+    /// The group this model is a rank of, if any.
+    pub fn group(&self) -> Option<&DeviceGroup> {
+        self.group.as_ref()
     }
 
     /// Grows the rows' MLA caches for their windows, allocates their snapshot buffers and uploads the
@@ -164,26 +193,47 @@ impl DeviceModel {
         Ok((y, parts))
     }
 
+    /// A row-parallel projection of `x` `[n, in]` into `out` `[n, out_dim]` bf16: the whole GEMM, or on a rank of a
+    /// group its fp32 share, all-reduced and rounded once (`cuda::tp`).
+    fn row_parallel_into(&self, gpu: &Gpu, w: &DevLinear, x: DPtr, n: usize, out: DPtr) -> Result<()> {
+        let args = w.args(gpu, x, n, out);
+        let Some(group) = &self.group else { return self.ops.gemm.linear(gpu, &args) };
+        let part = gpu.uninit::<f32>(n * w.out_dim)?; // [n, out] f32, written in full by the GEMM
+        self.ops.gemm.linear_partial(gpu, &args, gpu.ptr(&part))?;
+        self.complete(gpu, group, &part, out)
+    }
+
+    /// [`Self::row_parallel_into`] into a fresh buffer.
+    fn row_parallel(&self, gpu: &Gpu, w: &DevLinear, x: DPtr, n: usize) -> Result<CudaSlice<bf16>> {
+        let y = gpu.uninit::<bf16>(n * w.out_dim)?; // [n, out], written in full
+        self.row_parallel_into(gpu, w, x, n, gpu.ptr(&y))?;
+        Ok(y)
+    }
+
+    /// Sums a rank's fp32 share `part` over the group and rounds it into `out` (bf16, as long), on the main lane.
+    fn complete(&self, gpu: &Gpu, group: &DeviceGroup, part: &CudaSlice<f32>, out: DPtr) -> Result<()> {
+        group.all_reduce(gpu, gpu.ptr(part), part.len(), Elem::F32)?;
+        self.ops.rows.round_partial(gpu, gpu.ptr(part), out, part.len())
+    }
+
     fn norm_rows(&self, gpu: &Gpu, norm: &DevNorm, x: DPtr, y: DPtr, rows: usize, dim: usize) -> Result<()> {
         self.ops.rows.rms_norm(gpu, &norm.args(gpu, x, y, rows, dim))
     }
 
-    /// `down(SiTU(gate x, up x))` over `[n, d]`, into `out` `[n, d]`: the merged gate/up GEMM, SiTU, down.
-    pub(crate) fn situ_mlp_into(&self, gpu: &Gpu, w: &DevMlp, x: DPtr, n: usize, out: DPtr) -> Result<()> {
-        let (gu, parts) = self.linear_parts(gpu, &w.gate_up, x, n)?; // [n, inter] gate, then [n, inter] up
+    /// `SiTU(gate x, up x)` over `[n, d]`: the merged gate/up GEMM and SiTU, `[n, inter]`.
+    fn situ_act(&self, gpu: &Gpu, w: &DevMlp, x: DPtr, n: usize) -> Result<CudaSlice<bf16>> {
+        let (_gu, parts) = self.linear_parts(gpu, &w.gate_up, x, n)?; // [n, inter] gate, then [n, inter] up
         let a = gpu.uninit::<bf16>(n * w.inter())?; // [n, inter], written in full by situ
         let (beta, lbeta) = (self.cfg.situ_beta, self.cfg.situ_linear_beta);
         let situ = SituArgs { g: parts[0], u: parts[1], out: gpu.ptr(&a), len: n * w.inter(), beta, lbeta };
         self.ops.rows.situ(gpu, &situ)?;
-        drop(gu);
-        self.ops.gemm.linear(gpu, &w.down.args(gpu, gpu.ptr(&a), n, out))
+        Ok(a)
     }
 
-    /// [`Self::situ_mlp_into`] into a fresh buffer.
-    pub(crate) fn situ_mlp(&self, gpu: &Gpu, w: &DevMlp, x: DPtr, n: usize) -> Result<CudaSlice<bf16>> {
-        let y = gpu.uninit::<bf16>(n * w.down.out_dim)?; // [n, d], written in full by the down GEMM
-        self.situ_mlp_into(gpu, w, x, n, gpu.ptr(&y))?;
-        Ok(y)
+    /// `down(SiTU(gate x, up x))` over `[n, d]` into a fresh `[n, d]`, `down` row-parallel on a rank of a group.
+    fn situ_mlp(&self, gpu: &Gpu, w: &DevMlp, x: DPtr, n: usize) -> Result<CudaSlice<bf16>> {
+        let a = self.situ_act(gpu, w, x, n)?;
+        self.row_parallel(gpu, &w.down, gpu.ptr(&a), n)
     }
 
     /// Runs every row's window through the model. `trace` receives, per MoE layer, every token's
@@ -226,6 +276,7 @@ impl DeviceModel {
             && n > 0
             && gpu.gemm == Gemm::BatchInvariant
             && !gpu.profiling()
+            && self.group.as_ref().is_none_or(|g| g.capturable())
             && rows.iter().all(|r| r.tokens.len() <= GRAPH_MAX_WINDOW);
         let outputs = |gpu: &Gpu| -> Result<(CudaSlice<bf16>, Option<CudaSlice<bf16>>)> {
             // Written in full by the step: every tap layer's read, every wanted position's logits.
@@ -387,7 +438,24 @@ impl DeviceModel {
         let res = gpu.uninit::<bf16>(slots * slot)?;
         let res_at = |i: usize| gpu.ptr(&res) + (i * slot * 2) as u64;
         let rows_ops = &self.ops.rows;
-        rows_ops.embed(gpu, gpu.ptr(&self.weights.embed), tables.token_ids(), res_at(0), n, d)?;
+        match &self.group {
+            None => rows_ops.embed(gpu, gpu.ptr(&self.weights.embed), tables.token_ids(), res_at(0), n, d)?,
+            Some(group) => {
+                // This rank's vocabulary rows, zeros for the others' ids, summed exactly over the group.
+                let rows = cfg.vocab_size / group.shard.world;
+                let part = EmbedPartArgs {
+                    table: gpu.ptr(&self.weights.embed),
+                    first: group.shard.rank * rows,
+                    rows,
+                    tokens: tables.token_ids(),
+                    out: res_at(0),
+                    n,
+                    d,
+                };
+                rows_ops.embed_part(gpu, &part)?;
+                group.all_reduce(gpu, res_at(0), n * d, Elem::Bf16)?;
+            }
+        }
         // [n, d]: the normalised AttnRes read, the input of each mixer and FFN.
         let hn_buf = gpu.uninit::<bf16>(n * d)?; // written by each layer's norm before its mixer and FFN read it
         let hn = gpu.ptr(&hn_buf);
@@ -524,7 +592,18 @@ impl DeviceModel {
             }
             gpu.mark("head.lm_head")?;
             let lm = &self.weights.lm_head;
-            self.ops.gemm.linear(gpu, &lm.args(gpu, gpu.ptr(&hwn), nw, logits))?;
+            match &self.group {
+                None => self.ops.gemm.linear(gpu, &lm.args(gpu, gpu.ptr(&hwn), nw, logits))?,
+                Some(group) => {
+                    // [nw, V / N] of this rank's ids, all-gathered [N, nw, V / N], laid out [nw, V].
+                    let (world, slice) = (group.shard.world, lm.out_dim);
+                    let mine = gpu.uninit::<bf16>(nw * slice)?; // written in full by the GEMM
+                    self.ops.gemm.linear(gpu, &lm.args(gpu, gpu.ptr(&hwn), nw, gpu.ptr(&mine)))?;
+                    let parts = gpu.uninit::<bf16>(world * nw * slice)?; // written in full by the gather
+                    group.all_gather_bf16(gpu, gpu.ptr(&mine), nw * slice, gpu.ptr(&parts))?;
+                    rows_ops.vocab_interleave(gpu, gpu.ptr(&parts), logits, nw, world, slice)?;
+                }
+            }
         }
         gpu.mark("end")?;
         Ok(())
@@ -560,7 +639,7 @@ impl DeviceModel {
         gpu.mark("kda.recurrence")?;
         self.ops.attn.kda_layer(gpu, tables, layer, k.head_dim, &args)?;
         gpu.mark("kda.o_proj")?;
-        self.linear(gpu, &w.o_proj, gpu.ptr(&o), n)
+        self.row_parallel(gpu, &w.o_proj, gpu.ptr(&o), n)
     }
 
     /// An MLA layer over every row of the step in 7 launches: the merged input projection, both input norms
@@ -592,7 +671,7 @@ impl DeviceModel {
         let attention = MlaAttentionArgs { q: gpu.ptr(&q), kv_b, gate: Some(gate), out: gpu.ptr(&gated) };
         self.ops.attn.mla_attention(gpu, m, &tables.mla_table(layer), &attention)?;
         gpu.mark("mla.o_proj")?;
-        self.linear(gpu, &w.o_proj, gpu.ptr(&gated), n)
+        self.row_parallel(gpu, &w.o_proj, gpu.ptr(&gated), n)
     }
 
     pub(crate) fn moe(
@@ -609,16 +688,25 @@ impl DeviceModel {
         // The latent down projection runs on the side lane while the main lane routes (the router is bound by
         // its latency, the projection by bandwidth), then the shared expert, overlapping the routing and the
         // routed experts. Their outputs are allocated on the main lane before the fork and read after the
-        // main lane has waited for them.
+        // main lane has waited for them. On a rank of a group the shared expert's down projection leaves its fp32
+        // share, completed on the main lane after the join (collectives stay on the main lane; `cuda::tp`).
         let z = gpu.uninit::<bf16>(n * latent)?; // [n, latent], written in full by the down GEMM
         let down = w.down.args(gpu, hn, n, gpu.ptr(&z));
         gpu.on_side(|| self.ops.gemm.linear(gpu, &down))?;
         gpu.mark_side()?;
         let shared = match &w.shared {
             Some(mlp) => {
-                let out = gpu.uninit::<bf16>(n * d)?; // [n, d], written in full by the down GEMM
-                gpu.on_side(|| self.situ_mlp_into(gpu, mlp, hn, n, gpu.ptr(&out)))?;
-                Some(out)
+                let out = gpu.uninit::<bf16>(n * d)?; // [n, d], written in full by the down GEMM or the rounding
+                let part = self.group.as_ref().map(|_| gpu.uninit::<f32>(n * d)).transpose()?; // [n, d] f32 share
+                gpu.on_side(|| {
+                    let a = self.situ_act(gpu, mlp, hn, n)?;
+                    let down = mlp.down.args(gpu, gpu.ptr(&a), n, gpu.ptr(&out));
+                    match &part {
+                        Some(p) => self.ops.gemm.linear_partial(gpu, &down, gpu.ptr(p)),
+                        None => self.ops.gemm.linear(gpu, &down),
+                    }
+                })?;
+                Some((out, part))
             }
             None => None,
         };
@@ -684,8 +772,20 @@ impl DeviceModel {
         };
         moe.moe_gate_up(gpu, &routed, &gate_up, form)?;
         let expert_out = gpu.uninit::<bf16>(n * k * latent)?; // [n k, latent]
-        let down = DownArgs { a: gpu.ptr(&act), w2: pair(&w.w2), y: gpu.ptr(&expert_out), latent, inter };
+                                                              // On a rank of a group, each pair's fp32 share of its expert's output (the expert split by width).
+        let part = self.group.as_ref().map(|_| gpu.uninit::<f32>(n * k * latent)).transpose()?; // [n k, latent]
+        let down = DownArgs {
+            a: gpu.ptr(&act),
+            w2: pair(&w.w2),
+            y: gpu.ptr(&expert_out),
+            partial: part.as_ref().map_or(NULL, |p| gpu.ptr(p)),
+            latent,
+            inter,
+        };
         moe.moe_down(gpu, &routed, &down, form)?;
+        if let (Some(group), Some(p)) = (&self.group, &part) {
+            self.complete(gpu, group, p, gpu.ptr(&expert_out))?;
+        }
         let normed = gpu.uninit::<bf16>(n * latent)?; // [n, latent]
         gpu.mark("moe.combine")?;
         let combine = CombineArgs {
@@ -702,8 +802,11 @@ impl DeviceModel {
         // The up projection, with the shared expert's output added as it is written: bf(bf(up) + shared).
         gpu.mark("moe.up")?;
         match shared {
-            Some(sh) => {
+            Some((sh, part)) => {
                 gpu.join_side()?;
+                if let (Some(group), Some(p)) = (&self.group, &part) {
+                    self.complete(gpu, group, p, gpu.ptr(&sh))?;
+                }
                 self.ops.gemm.linear_add(gpu, &w.up.args(gpu, gpu.ptr(&normed), n, gpu.ptr(&sh)), gpu.ptr(&sh))?;
                 Ok(sh)
             }

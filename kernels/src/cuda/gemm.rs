@@ -140,7 +140,7 @@ pub struct LinearArgs {
 impl LinearArgs {
     fn call(&self, addend: DPtr, parts: Option<(DPtr, usize)>) -> GemmCall {
         let LinearArgs { w, out_dim, in_dim, x, n, y } = *self;
-        GemmCall { w, out_dim, in_dim, x, n, y, addend, parts }
+        GemmCall { w, out_dim, in_dim, x, n, y, addend, partial: NULL, parts }
     }
 }
 
@@ -266,6 +266,16 @@ impl GemmKernels {
         }
     }
 
+    /// `yf[n, out] = x[n, in] · w[out, in]ᵀ` in fp32, unrounded (`a.y` is not written): a row-parallel projection's
+    /// share of a sharded forward, completed by an all-reduce and rounded after it (`cuda::tp`). Its sums are those
+    /// [`GemmKernels::linear`] rounds, so over a group of one the rounded partial is exactly `linear`'s output.
+    pub fn linear_partial(&self, gpu: &Gpu, a: &LinearArgs, yf: DPtr) -> Result<()> {
+        match gpu.gemm {
+            Gemm::Cublas => self.cublas(gpu, a, yf, blas_sys::cudaDataType_t::CUDA_R_32F),
+            Gemm::BatchInvariant => self.batch_invariant(gpu, GemmCall { partial: yf, ..a.call(NULL, None) }),
+        }
+    }
+
     /// The batch-invariant GEMM of `call`: the warpgroup-MMA kernels at [`tc_split`] of the shape where they take
     /// the call, else the skinny kernels at [`skinny_split`] in the call's [`GemmKernels::skinny_layout`].
     fn batch_invariant(&self, gpu: &Gpu, call: GemmCall) -> Result<()> {
@@ -341,7 +351,7 @@ impl GemmKernels {
 
     /// One launch of `skinny_gemm_t*`, `skinny_gemm_wide_t*` or `skinny_gemm_serial_t*` for `call` in `layout`.
     fn skinny(&self, gpu: &Gpu, call: GemmCall, layout: SkinnyLayout) -> Result<()> {
-        let GemmCall { w, out_dim, in_dim, x, n, y, addend, parts } = call;
+        let GemmCall { w, out_dim, in_dim, x, n, y, addend, partial, parts } = call;
         let SkinnyLayout { split, warps, serial, wide } = layout;
         if !(1..=SKINNY_MAX_SPLIT).contains(&split) {
             return Err(KernelError::InvalidInput(format!(
@@ -404,8 +414,8 @@ impl GemmKernels {
         let (seg, nseg) = parts.unwrap_or((NULL, 0));
         let (nn, kk, mm, nseg, ks) = (out_dim as i32, in_dim as i32, n as i32, nseg as i32, kslice as i32);
         let mut b = gpu.launcher(func);
-        b.arg(&w).arg(&x).arg(&y).arg(&addend).arg(&nn).arg(&kk).arg(&mm).arg(&seg).arg(&nseg).arg(&ks);
-        b.arg(&ws).arg(&tickets).arg(&vec);
+        b.arg(&w).arg(&x).arg(&y).arg(&addend).arg(&partial).arg(&nn).arg(&kk).arg(&mm).arg(&seg).arg(&nseg);
+        b.arg(&ks).arg(&ws).arg(&tickets).arg(&vec);
         // SAFETY: the arguments match skinny_gemm_*; the workspace and tickets cover the launch (checked above).
         unsafe { b.launch(cfg, "skinny_gemm") }
     }
@@ -413,10 +423,15 @@ impl GemmKernels {
     /// The cuBLAS GEMM: row-major `y = x wᵀ` is column-major `yᵀ = w xᵀ` with `w` transposed
     /// (shared/reference/rust-stack.md §1.5).
     pub fn linear_cublas(&self, gpu: &Gpu, a: &LinearArgs) -> Result<()> {
-        let LinearArgs { w, out_dim, in_dim, x, n, y } = *a;
+        self.cublas(gpu, a, a.y, blas_sys::cudaDataType_t::CUDA_R_16BF)
+    }
+
+    /// `cublasGemmEx` of `a` into `y` of type `y_type` (bf16, or f32 for a partial).
+    fn cublas(&self, gpu: &Gpu, a: &LinearArgs, y: DPtr, y_type: blas_sys::cudaDataType_t) -> Result<()> {
+        let LinearArgs { w, out_dim, in_dim, x, n, .. } = *a;
         let (alpha, beta) = (1.0f32, 0.0f32);
         let bf = blas_sys::cudaDataType_t::CUDA_R_16BF;
-        // SAFETY: w is [out, in], x is [n, in], y is [n, out], all bf16 and live (caller's contract).
+        // SAFETY: w is [out, in], x is [n, in] (bf16), y is [n, out] of `y_type`, all live (caller's contract).
         unsafe {
             blas_result::gemm_ex(
                 *self.blas.handle(),
@@ -434,7 +449,7 @@ impl GemmKernels {
                 in_dim as i32,
                 (&beta) as *const f32 as *const _,
                 y as *mut std::ffi::c_void,
-                bf,
+                y_type,
                 out_dim as i32,
                 blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,

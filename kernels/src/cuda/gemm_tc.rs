@@ -21,7 +21,8 @@ use crate::error::{KernelError, Result};
 
 /// One batch-invariant GEMM call: `y[n, out] (+ addend) = bf(x[n, in] · w[out, in]ᵀ)`, the add epilogue when
 /// `addend` is not [`NULL`] (bf(bf(x · wᵀ) + addend), `addend` laid out as `y` and possibly `y` itself), row-major
-/// output or segment-major for `parts` (bounds on the device, and their count).
+/// output or segment-major for `parts` (bounds on the device, and their count). When `partial` is not [`NULL`] the
+/// call writes its fp32 sums there unrounded, laid out as `y` (which it then leaves alone; gemm.cu's partial epilogue).
 #[derive(Clone, Copy)]
 pub(crate) struct GemmCall {
     pub w: DPtr,
@@ -31,6 +32,7 @@ pub(crate) struct GemmCall {
     pub n: usize,
     pub y: DPtr,
     pub addend: DPtr,
+    pub partial: DPtr,
     pub parts: Option<(DPtr, usize)>,
 }
 
@@ -160,7 +162,7 @@ impl TcKernels {
     /// Launches `skinny_wgmma_t*` in clusters of its slices, or `skinny_wgmma_serial_t*` when `serial` says so or
     /// there is one slice (gemm_tc.cu), for `call`. The caller has checked `GemmKernels::tc_gemm_takes`.
     pub(crate) fn tc_gemm(&self, gpu: &Gpu, call: GemmCall, split: usize, serial: bool) -> Result<()> {
-        let GemmCall { w, out_dim, in_dim, x, n, y, addend, parts } = call;
+        let GemmCall { w, out_dim, in_dim, x, n, y, addend, partial, parts } = call;
         if !(1..=TC_MAX_SPLIT).contains(&split) {
             return Err(KernelError::InvalidInput(format!(
                 "warpgroup-MMA GEMM split {split} (1 to {TC_MAX_SPLIT} slices supported)"
@@ -199,7 +201,8 @@ impl TcKernels {
         let (seg, nseg) = parts.unwrap_or((NULL, 0));
         let (nn, kk, mm, nseg, ks) = (out_dim as i32, in_dim as i32, n as i32, nseg as i32, kslice as i32);
         let mut b = gpu.launcher(&self.funcs[usize::from(serial)][size]);
-        b.arg(&tw).arg(&tx).arg(&y).arg(&addend).arg(&nn).arg(&kk).arg(&mm).arg(&seg).arg(&nseg).arg(&ks);
+        b.arg(&tw).arg(&tx).arg(&y).arg(&addend).arg(&partial);
+        b.arg(&nn).arg(&kk).arg(&mm).arg(&seg).arg(&nseg).arg(&ks);
         if !serial {
             b.cluster_x(slices as u32);
         }

@@ -6,7 +6,8 @@
 //! 1. Leaves: `device` (probing, opening), `compile` (NVRTC, the CUBIN cache), `expert_layout` (host tiling).
 //! 2. `launch` (the one launch helper, [`launch::DPtr`]), `store` (every source compiled once, lookup by kernel
 //!    name), `staging` (page-locked buffers for copies that do not wait), then `gpu` ([`gpu::Gpu`]: context, lanes, memory, counters, profile; it knows no op),
-//!    then `nccl` (the [`nccl::DeviceCommunicator`] seam of a sharded forward and NCCL behind it).
+//!    then `nccl` (the [`nccl::DeviceCommunicator`] seam of a sharded forward and NCCL behind it), then `tp` (a rank's
+//!    [`tp::DeviceGroup`] and the host-staged communicator of ranks sharing one GPU).
 //! 3. The op families, each owning its kernels (`XKernels::load(&gpu)`) and taking argument structs: `rows`
 //!    (common row kernels, norms, AttnRes), `gemm_tc` then `gemm` (wgmma, skinny mma.sync, cuBLAS), `moe` (router,
 //!    grouping, experts, combine), `sample` (sampling, acceptance).
@@ -56,6 +57,7 @@ pub mod staging;
 pub mod state;
 pub mod step;
 pub mod store;
+pub mod tp;
 pub mod weights;
 
 pub use device::{probe, DeviceInfo};

@@ -72,12 +72,14 @@ pub struct GateUpArgs {
 
 /// The down projection of the grouped pairs: `a` `[n k, inter]` bf16 in, `y` `[n k, latent]` bf16 out (row
 /// `t * k + j`); `w2` is (codes, scales) of `[experts, latent, inter]` in the tiled layout of
-/// [`crate::cuda::expert_layout`].
+/// [`crate::cuda::expert_layout`]. When `partial` is not [`NULL`], the unrounded fp32 sums go there instead, laid
+/// out as `y` (an expert split by width over a tensor-parallel group: this rank's share; `cuda::tp`).
 #[derive(Clone, Copy, Debug)]
 pub struct DownArgs {
     pub a: DPtr,
     pub w2: (DPtr, DPtr),
     pub y: DPtr,
+    pub partial: DPtr,
     pub latent: usize,
     pub inter: usize,
 }
@@ -265,7 +267,7 @@ impl MoeKernels {
     /// (the model takes [`ExpertForm::for_batch`]); [`ExpertForm::Staged`] needs `latent` to be a multiple of 32.
     pub fn moe_down(&self, gpu: &Gpu, p: &Pairs, a: &DownArgs, form: ExpertForm) -> Result<()> {
         let Pairs { n, k, experts, grouping } = *p;
-        let DownArgs { a: act, w2, y, latent, inter } = *a;
+        let DownArgs { a: act, w2, y, partial, latent, inter } = *a;
         check_expert_width("expert", inter)?;
         let (e, dl, di) = (experts as i32, latent as i32, inter as i32);
         let (kernel, name, cfg) = match form {
@@ -286,7 +288,8 @@ impl MoeKernels {
             }
         };
         let mut b = gpu.launcher(kernel);
-        b.arg(&act).arg(&w2.0).arg(&w2.1).arg(&grouping.0).arg(&grouping.1).arg(&y).arg(&e).arg(&dl).arg(&di);
+        b.arg(&act).arg(&w2.0).arg(&w2.1).arg(&grouping.0).arg(&grouping.1).arg(&y).arg(&partial);
+        b.arg(&e).arg(&dl).arg(&di);
         // SAFETY: the arguments match both down forms; the buffers are the caller's (`DownArgs`).
         unsafe { b.launch(cfg, name) }
     }

@@ -93,6 +93,11 @@ pub trait DeviceCommunicator: Send + Sync {
     /// Takes the group down (`ncclCommAbort`): a collective that waits on a peer ends, and every later call on
     /// this rank fails with `reason`.
     fn abort(&self, reason: &str);
+
+    /// Whether the collectives can be captured into a CUDA graph with the kernels around them (NCCL's can).
+    fn capturable(&self) -> bool {
+        true
+    }
 }
 
 type GetVersion = unsafe extern "C" fn(*mut c_int) -> c_int;

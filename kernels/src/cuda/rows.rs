@@ -174,6 +174,19 @@ pub struct GatherArgs {
     pub d: usize,
 }
 
+/// A vocabulary-parallel embedding gather ([`RowKernels::embed_part`]): `table` `[rows, d]` bf16 holds ids
+/// `first..first + rows`; `tokens` `[n]` u32; `out` `[n, d]` bf16.
+#[derive(Clone, Copy, Debug)]
+pub struct EmbedPartArgs {
+    pub table: DPtr,
+    pub first: usize,
+    pub rows: usize,
+    pub tokens: DPtr,
+    pub out: DPtr,
+    pub n: usize,
+    pub d: usize,
+}
+
 /// The kernels of `common.cu`.
 pub struct RowKernels {
     embed_gather: CudaFunction,
@@ -185,6 +198,11 @@ pub struct RowKernels {
     add_in_place: CudaFunction,
     situ: CudaFunction,
     gather_rows: CudaFunction,
+    /// The sharded forward's (`cuda::tp`): a vocabulary-parallel embedding, the rounding of an all-reduced partial,
+    /// and the all-gathered lm_head slices laid out as whole rows.
+    embed_gather_part: CudaFunction,
+    round_partial: CudaFunction,
+    vocab_interleave: CudaFunction,
 }
 
 impl RowKernels {
@@ -204,6 +222,9 @@ impl RowKernels {
             add_in_place: f("add_in_place")?,
             situ: f("situ")?,
             gather_rows: f("gather_rows")?,
+            embed_gather_part: f("embed_gather_part")?,
+            round_partial: f("round_partial")?,
+            vocab_interleave: f("vocab_interleave")?,
         })
     }
 
@@ -215,6 +236,50 @@ impl RowKernels {
         b.arg(&table).arg(&tokens).arg(&out).arg(&d);
         // SAFETY: the arguments match embed_gather; the buffers are the caller's (module invariants).
         unsafe { b.launch(cfg, "embed_gather") }
+    }
+
+    /// [`RowKernels::embed`] from a vocabulary-parallel shard of the table, `[rows, d]` holding ids
+    /// `first..first + rows`: tokens outside it get zero rows (`cuda::tp`).
+    pub fn embed_part(&self, gpu: &Gpu, a: &EmbedPartArgs) -> Result<()> {
+        let cfg = LaunchConfig { grid_dim: (a.n as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let (d, first, rows) = (a.d as i32, a.first as u32, a.rows as u32);
+        let mut b = gpu.launcher(&self.embed_gather_part);
+        b.arg(&a.table).arg(&a.tokens).arg(&a.out).arg(&d).arg(&first).arg(&rows);
+        // SAFETY: the arguments match embed_gather_part; the buffers are the caller's (module invariants).
+        unsafe { b.launch(cfg, "embed_gather_part") }
+    }
+
+    /// `y = bf(x)` over `len` values: `x` f32, `y` bf16.
+    pub fn round_partial(&self, gpu: &Gpu, x: DPtr, y: DPtr, len: usize) -> Result<()> {
+        let n = len as i64;
+        let mut b = gpu.launcher(&self.round_partial);
+        b.arg(&x).arg(&y).arg(&n);
+        // SAFETY: the arguments match round_partial; both buffers hold `len` elements (caller's contract).
+        unsafe { b.launch(grid_1d(len, 256), "round_partial") }
+    }
+
+    /// `out[p, r * slice + j] = parts[r, p, j]`: `world` all-gathered `[positions, slice]` bf16 slices as
+    /// `[positions, world * slice]`.
+    pub fn vocab_interleave(
+        &self,
+        gpu: &Gpu,
+        parts: DPtr,
+        out: DPtr,
+        positions: usize,
+        world: usize,
+        slice: usize,
+    ) -> Result<()> {
+        if positions == 0 {
+            return Ok(());
+        }
+        let cfg =
+            LaunchConfig { grid_dim: (positions as u32, world as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let (p, s) = (positions as i32, slice as i32);
+        let mut b = gpu.launcher(&self.vocab_interleave);
+        b.arg(&parts).arg(&out).arg(&p).arg(&s);
+        // SAFETY: the arguments match vocab_interleave; `parts` holds [world, positions, slice] and `out`
+        // [positions, world * slice] (caller's contract).
+        unsafe { b.launch(cfg, "vocab_interleave") }
     }
 
     /// RMSNorm as `a` says, rounded to bf16.

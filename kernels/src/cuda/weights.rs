@@ -415,8 +415,7 @@ impl DevWeights {
 
     /// Uploads and checks every tensor of `cfg` (the whole model's config) from `src`, keeping `shard`'s part of
     /// each; a group size that does not divide the model, or that would cut an MXFP4 group, is an error naming
-    /// the flag or the tensor. The device forward (`cuda::forward`) runs the whole model only: the sharded
-    /// forward over these parts (its all-reduces through `cuda::nccl`) is not built yet.
+    /// the flag or the tensor. `DeviceModel::sharded` runs the rank's forward over these parts (`cuda::tp`).
     pub fn load_shard(gpu: &Gpu, cfg: &ModelConfig, src: &dyn WeightSource, shard: Shard) -> Result<Self> {
         check_shapes(&shard.local_config(cfg)?)?;
         let specs = model_tensors(cfg).into_iter().map(|s| (s.name.clone(), s)).collect();
