@@ -29,9 +29,9 @@
 
 use crate::comm::Communicator;
 use crate::config::ModelConfig;
-use crate::error::Result;
+use crate::error::{KernelError, Result};
 use crate::shard_rule::{slice_cols, slice_rows, Shard};
-use crate::state::KdaState;
+use crate::state::{KdaState, MlaCache, SeqState};
 
 /// Completes the partial sums of a forward: the identity on a whole model ([`Unsharded`], any precision),
 /// an all-reduce over the group on a rank of a sharded one (`dyn Communicator`, in the f32 serving and the
@@ -104,4 +104,90 @@ pub fn join_kda(parts: &[&[f32]], cfg: &ModelConfig, world: usize) -> KdaState<f
         }
     }
     whole
+}
+
+/// A rank's KDA state shards, every layer's [`flatten_kda`] in layer order: what it contributes to an export's
+/// all-gather (equal lengths on every rank: the heads split evenly).
+pub fn kda_shards(state: &SeqState<f32>) -> Vec<f32> {
+    state.kda.iter().flat_map(flatten_kda).collect()
+}
+
+/// The whole state of `len` tokens from every rank's [`kda_shards`] gathered in rank order (`gathered`
+/// `[world, local]`) and the replicated MLA caches (`mla`, rank 0's). `whole` is the whole model's config.
+pub fn join_state(
+    gathered: &[f32],
+    whole: &ModelConfig,
+    world: usize,
+    len: usize,
+    mla: Vec<MlaCache<f32>>,
+) -> SeqState {
+    let layers = SeqState::<f32>::new(whole).kda.len();
+    let local = gathered.len() / world;
+    let layer = local.checked_div(layers).unwrap_or(0);
+    let kda = (0..layers)
+        .map(|l| {
+            let per_rank: Vec<&[f32]> =
+                (0..world).map(|r| &gathered[r * local + l * layer..r * local + (l + 1) * layer]).collect();
+            join_kda(&per_rank, whole, world)
+        })
+        .collect();
+    SeqState { len, kda, mla }
+}
+
+/// The values of a whole state as rank 0 broadcasts them for an import: every KDA layer's [`flatten_kda`], then
+/// every MLA layer's entries in token order.
+pub fn state_values(state: &SeqState<f32>) -> Vec<f32> {
+    let mut values = kda_shards(state);
+    for cache in &state.mla {
+        for t in 0..cache.len() {
+            values.extend_from_slice(cache.entry(t));
+        }
+    }
+    values
+}
+
+/// How many [`state_values`] a whole state of `len` tokens of the model `whole` has.
+pub fn state_values_len(whole: &ModelConfig, len: usize) -> usize {
+    let fresh = SeqState::<f32>::new(whole);
+    let kda: usize = fresh.kda.iter().map(|k| flatten_kda(k).len()).sum();
+    kda + fresh.mla.len() * len * whole.mla.latent_dim()
+}
+
+/// `shard`'s part of the whole state of `len` tokens whose [`state_values`] are `values`: its KDA head shards and
+/// the whole MLA caches.
+pub fn shard_state(values: &[f32], whole: &ModelConfig, shard: &Shard, len: usize) -> Result<SeqState> {
+    if values.len() != state_values_len(whole, len) {
+        return Err(KernelError::InvalidInput(format!(
+            "{} values for a state of {len} tokens ({} expected)",
+            values.len(),
+            state_values_len(whole, len)
+        )));
+    }
+    let fresh = SeqState::<f32>::new(whole);
+    let ld = whole.mla.latent_dim();
+    let kda_len: usize = fresh.kda.iter().map(|k| flatten_kda(k).len()).sum();
+    let (kda_values, mla_values) = values.split_at(kda_len);
+    let mut at = 0;
+    let mut kda = Vec::with_capacity(fresh.kda.len());
+    for template in &fresh.kda {
+        let s_len = template.s.len();
+        let w = template.conv[0].len();
+        let mut layer = template.clone();
+        layer.s.copy_from_slice(&kda_values[at..at + s_len]);
+        for (x, conv) in layer.conv.iter_mut().enumerate() {
+            conv.copy_from_slice(&kda_values[at + s_len + x * w..at + s_len + (x + 1) * w]);
+        }
+        at += s_len + 3 * w;
+        kda.push(split_kda(&layer, whole, shard));
+    }
+    let mla = (0..fresh.mla.len())
+        .map(|l| {
+            let mut cache = MlaCache::new(ld);
+            for entry in mla_values[l * len * ld..(l + 1) * len * ld].chunks_exact(ld) {
+                cache.push(entry);
+            }
+            cache
+        })
+        .collect();
+    Ok(SeqState { len, kda, mla })
 }

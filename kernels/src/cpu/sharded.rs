@@ -44,14 +44,14 @@ use crate::cpu::forward::{CpuModel, Probe, WindowRow, WindowUndo};
 use crate::cpu::ops::Linear;
 use crate::cpu::plan::{Plan, PlanRow};
 use crate::cpu::runner::{verify_row, RowVerify};
-use crate::cpu::shard::{flatten_kda, join_kda, split_kda};
+use crate::cpu::shard::{join_state, kda_shards, shard_state, state_values, state_values_len};
 use crate::cpu::vocab::{local_best, resolve};
 use crate::dspark::{DrafterModel, DrafterSlot, DrafterSource, TargetHead};
 use crate::error::{KernelError, Result};
 use crate::launches::{SyncLaunches, SyncStepper};
 use crate::runner::{DraftProposal, DraftRequest, Drafter, RowInput, RowOutput, Runner, StateId, TokenId, TokenMask};
 use crate::shard_rule::Shard;
-use crate::state::{MlaCache, SeqState, MLA_BLOCK_TOKENS};
+use crate::state::{SeqState, MLA_BLOCK_TOKENS};
 use crate::tensor::WeightSource;
 
 /// How a sharded CPU runner splits the model.
@@ -727,68 +727,25 @@ impl Member {
     /// Gathers every rank's KDA shards of `id` (all ranks call this); rank 0 returns the whole state.
     fn export(&mut self, id: StateId) -> Result<Option<SeqState>> {
         let state = self.state(id)?;
-        let parts: Vec<Vec<f32>> = state.kda.iter().map(flatten_kda).collect();
-        let local: Vec<f32> = parts.concat();
+        let local = kda_shards(state);
         let mut gathered = vec![0f32; local.len() * self.shard.world]; // [N, local]
         self.comm.all_gather(&local, &mut gathered)?;
         if self.shard.rank != 0 {
             return Ok(None);
         }
-        let layer = parts.first().map_or(0, Vec::len);
-        let kda = (0..parts.len())
-            .map(|l| {
-                let per_rank: Vec<&[f32]> = (0..self.shard.world)
-                    .map(|r| &gathered[r * local.len() + l * layer..r * local.len() + (l + 1) * layer])
-                    .collect();
-                join_kda(&per_rank, &self.whole, self.shard.world)
-            })
-            .collect();
-        Ok(Some(SeqState { len: state.len, kda, mla: state.mla.clone() }))
+        Ok(Some(join_state(&gathered, &self.whole, self.shard.world, state.len, state.mla.clone())))
     }
 
     /// Installs a whole state of `len` tokens under `id`: rank 0 (which has it) broadcasts its values, every
     /// rank keeps its KDA head shards and the whole MLA cache.
     fn import(&mut self, id: StateId, len: usize, whole: Option<&SeqState>) -> Result<()> {
-        let fresh = SeqState::<f32>::new(&self.whole);
-        let ld = self.whole.mla.latent_dim();
-        let kda_len: usize = fresh.kda.iter().map(|k| flatten_kda(k).len()).sum();
         let mut values = match whole {
-            Some(s) => {
-                let mut v: Vec<f32> = s.kda.iter().flat_map(flatten_kda).collect();
-                for cache in &s.mla {
-                    for t in 0..cache.len() {
-                        v.extend_from_slice(cache.entry(t));
-                    }
-                }
-                v
-            }
-            None => vec![0f32; kda_len + fresh.mla.len() * len * ld],
+            Some(s) => state_values(s),
+            None => vec![0f32; state_values_len(&self.whole, len)],
         };
         self.comm.broadcast(0, &mut values)?;
-        let (kda_values, mla_values) = values.split_at(kda_len);
-        let mut at = 0;
-        let mut kda = Vec::with_capacity(fresh.kda.len());
-        for template in &fresh.kda {
-            let s_len = template.s.len();
-            let w = template.conv[0].len();
-            let mut layer = template.clone();
-            layer.s.copy_from_slice(&kda_values[at..at + s_len]);
-            for (x, conv) in layer.conv.iter_mut().enumerate() {
-                conv.copy_from_slice(&kda_values[at + s_len + x * w..at + s_len + (x + 1) * w]);
-            }
-            at += s_len + 3 * w;
-            kda.push(split_kda(&layer, &self.whole, &self.shard));
-        }
-        let mla = (0..fresh.mla.len())
-            .map(|l| {
-                let mut cache = MlaCache::new(ld);
-                for entry in mla_values[l * len * ld..(l + 1) * len * ld].chunks_exact(ld) {
-                    cache.push(entry);
-                }
-                cache
-            })
-            .collect();
-        self.states.insert(id, SeqState { len, kda, mla });
+        let state = shard_state(&values, &self.whole, &self.shard, len)?;
+        self.states.insert(id, state);
         Ok(())
     }
 }

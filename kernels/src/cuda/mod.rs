@@ -15,7 +15,7 @@
 //!    per-step row table), then `attn` (the batched KDA and MLA kernels over it); `weights` (on the device).
 //! 5. `ops` (the families bundled for a model), `graph` (CUDA graph capture policy), `forward`
 //!    ([`forward::DeviceModel`]), then `drafter`, `drafter_slot` (the DSpark drafter, whose kernels come from the
-//!    same store) and `runner` ([`CudaRunner`]).
+//!    same store) and `runner` ([`CudaRunner`]), then `follower` (the ranks of a group other than 0).
 //!
 //! Checks and benchmarks of this backend live outside it, in `crate::harness`.
 //!
@@ -41,6 +41,7 @@ pub mod device;
 pub mod drafter;
 pub mod drafter_slot;
 pub mod expert_layout;
+pub mod follower;
 pub mod forward;
 pub mod gemm;
 pub mod gemm_tc;

@@ -20,6 +20,14 @@
 //! - With a DSpark drafter attached (`Runner::attach_drafter`), the forward taps the layers the
 //!   drafter reads and each row's drafter context grows by the taps of exactly the tokens the step
 //!   commits (`cuda::drafter_slot`); a selected sampled proposal is verified with its device `q`.
+//! - A runner built by [`CudaRunner::sharded`] is rank 0 of a tensor-parallel group (`cuda::tp`): it leads, sending
+//!   the plan of every group-wide action (a state allocated, forked, freed, exported or imported; a forward; the
+//!   verdicts' cuts) before it acts, and the other ranks follow (`cuda::follower`). Its logits are whole on rank 0,
+//!   so acceptance runs here alone. Its states are its shards (the KDA heads of rank 0, the whole MLA cache); an
+//!   export gathers and joins every rank's shards into the whole model's state, and an import hands each rank its
+//!   shards, so states move between sharded and whole runners. A group steps one step at a time (no launches
+//!   ahead: a follower's rollback must follow the forward it undoes) and has no drafter yet. Dropping the runner
+//!   ends the group.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -28,6 +36,8 @@ use half::bf16;
 
 use crate::acceptance::AcceptanceMode;
 use crate::config::ModelConfig;
+use crate::cpu::plan::{Plan, PlanRow};
+use crate::cpu::shard::{join_state, kda_shards, shard_state, state_values, state_values_len};
 use crate::cuda::device::device_err;
 use crate::cuda::drafter::DeviceDrafter;
 use crate::cuda::drafter_slot::DeviceDrafterSlot;
@@ -37,6 +47,7 @@ use crate::cuda::launch::DPtr;
 use crate::cuda::ops::Ops;
 use crate::cuda::sample::{DeviceTokenMask, PendingVerify, VerifyRow};
 use crate::cuda::state::{DeviceRow, DeviceState, DeviceUndo};
+use crate::cuda::tp::DeviceGroup;
 use crate::cuda::weights::DevWeights;
 use crate::dspark::DrafterSource;
 use crate::error::{KernelError, Result};
@@ -62,10 +73,12 @@ pub struct LoadStats {
     pub weight_bytes: usize,
 }
 
-/// The CUDA backend on one device.
+/// The CUDA backend on one device (and, built by [`CudaRunner::sharded`], rank 0 of a group of devices).
 pub struct CudaRunner {
     gpu: Gpu,
     load: LoadStats,
+    /// The whole model's config (the model's own is the rank's in a group).
+    cfg: ModelConfig,
     model: DeviceModel,
     states: HashMap<StateId, DeviceState>,
     next_id: u64,
@@ -83,10 +96,37 @@ impl CudaRunner {
     pub fn new(ordinal: usize, cfg: ModelConfig, source: &dyn WeightSource) -> Result<Self> {
         let t0 = std::time::Instant::now();
         let gpu = Gpu::new(ordinal)?;
+        Self::load(gpu, t0, cfg, source, None)
+    }
+
+    /// Rank 0 of `group` on `gpu` (the device its communicator was formed on): uploads rank 0's shard of every
+    /// weight of `cfg` (the whole model's config) from `source`. The other ranks run `cuda::follower::Follower`
+    /// over the same group, model and source.
+    pub fn sharded(gpu: Gpu, cfg: ModelConfig, source: &dyn WeightSource, group: DeviceGroup) -> Result<Self> {
+        if group.shard.rank != 0 {
+            return Err(KernelError::InvalidInput(format!(
+                "rank {} of a group follows (cuda::follower); rank 0 runs the runner",
+                group.shard.rank
+            )));
+        }
+        Self::load(gpu, std::time::Instant::now(), cfg, source, Some(group))
+    }
+
+    /// The runner on `gpu` (opened at `t0`) over the whole model, or over rank 0's shard of `group`.
+    fn load(
+        gpu: Gpu,
+        t0: std::time::Instant,
+        cfg: ModelConfig,
+        source: &dyn WeightSource,
+        group: Option<DeviceGroup>,
+    ) -> Result<Self> {
         let ops = Ops::load(&gpu)?;
         let kernel_setup_seconds = t0.elapsed().as_secs_f64();
         let t1 = std::time::Instant::now();
-        let weights = DevWeights::load(&gpu, &cfg, source)?;
+        let weights = match &group {
+            Some(g) => DevWeights::load_shard(&gpu, &cfg, source, g.shard)?,
+            None => DevWeights::load(&gpu, &cfg, source)?,
+        };
         gpu.synchronize()?;
         let load = LoadStats {
             kernel_setup_seconds,
@@ -95,10 +135,15 @@ impl CudaRunner {
             upload_seconds: weights.upload_seconds,
             weight_bytes: weights.bytes,
         };
+        let model = match group {
+            Some(g) => DeviceModel::sharded(&cfg, weights, ops, g)?,
+            None => DeviceModel::new(cfg.clone(), weights, ops),
+        };
         Ok(CudaRunner {
             gpu,
             load,
-            model: DeviceModel::new(cfg, weights, ops),
+            cfg,
+            model,
             states: HashMap::new(),
             next_id: 1,
             acceptance: AcceptanceMode::Standard,
@@ -193,6 +238,7 @@ impl CudaRunner {
 
     /// One step launched ahead of its outputs ([`Runner::launch`]); with `masks` its rows' masks come from it.
     fn launch_now(&mut self, rows: &[RowInput], masks: Option<&mut dyn MaskSource>) -> Result<()> {
+        self.check_launches()?;
         if self.in_flight.len() >= MAX_IN_FLIGHT {
             return Err(too_many_in_flight());
         }
@@ -203,6 +249,25 @@ impl CudaRunner {
         let flight = self.launch_rows(rows, StepOptions::default(), masks)?;
         self.in_flight.push_back(flight);
         Ok(())
+    }
+
+    /// Rank 0 of a group: sends `plan` to the other ranks before acting on it (nothing without a group).
+    fn lead(&self, plan: &Plan) -> Result<()> {
+        match self.model.group() {
+            Some(group) => group.send_plan(&self.gpu, plan),
+            None => Ok(()),
+        }
+    }
+
+    /// Launching ahead is refused in a group (module invariants).
+    fn check_launches(&self) -> Result<()> {
+        match self.model.group() {
+            Some(g) => Err(KernelError::InvalidInput(format!(
+                "a group of {} ranks steps one step at a time (it does not launch steps ahead)",
+                g.shard.world
+            ))),
+            None => Ok(()),
+        }
     }
 
     fn insert(&mut self, state: DeviceState) -> Result<StateId> {
@@ -255,6 +320,16 @@ impl CudaRunner {
         masks: Option<&mut dyn MaskSource>,
     ) -> Result<InFlight> {
         let tap_layers = self.drafter.as_ref().map(|d| d.tap_layers().to_vec()).unwrap_or_default();
+        if self.model.group().is_some() {
+            let rows = rows
+                .iter()
+                .map(|row| {
+                    let (logits_from, snapshots_from) = row.window_bounds();
+                    PlanRow { state: row.state, tokens: row.tokens.clone(), logits_from, snapshots_from }
+                })
+                .collect();
+            self.lead(&Plan::Forward { rows, argmax: false })?;
+        }
         // Present and distinct: checked by `validate`.
         let mut states: Vec<DeviceState> = rows.iter().filter_map(|r| self.states.remove(&r.state)).collect();
         let start_lens: Vec<usize> = states.iter().map(|s| s.len).collect();
@@ -347,6 +422,17 @@ impl CudaRunner {
         let verdicts = flight.verify.wait()?;
         // A step without sampled rows has no verdicts to wait for: it lands once its work is done.
         flight.done.synchronize().map_err(|e| device_err("waiting for a step", e))?;
+        if self.model.group().is_some() && flight.undo.iter().any(Option::is_some) {
+            // The followers cut their windows as this rank does: each sampled row with snapshots keeps its accepted
+            // drafts (the verdicts come in the order of the sampled rows).
+            let sampled = flight.rows.iter().zip(&flight.undo).filter(|(row, _)| row.draft_len.is_some());
+            let cuts = sampled
+                .zip(&verdicts)
+                .filter(|((_, undo), _)| undo.is_some())
+                .map(|((row, _), v)| (row.state, row.tokens - row.draft_len.unwrap_or(0) + v.num_accepted))
+                .collect();
+            self.lead(&Plan::Commit(cuts))?;
+        }
         let mut verdicts = verdicts.into_iter();
         let (gpu, cfg) = (&self.gpu, &self.model.cfg);
         let mut results = Vec::with_capacity(flight.rows.len());
@@ -376,6 +462,14 @@ impl CudaRunner {
             d.commit(gpu, &self.model, taps, flight.tokens, &commits)?;
         }
         Ok(results)
+    }
+}
+
+impl Drop for CudaRunner {
+    /// Ends the group: the followers return (nothing to do without a group). A group already down has no one to
+    /// tell, so a failed send is left unreported.
+    fn drop(&mut self) {
+        let _ = self.lead(&Plan::Shutdown);
     }
 }
 
@@ -467,7 +561,7 @@ struct LandingRow {
 
 impl Runner for CudaRunner {
     fn config(&self) -> &ModelConfig {
-        &self.model.cfg
+        &self.cfg
     }
 
     fn device_name(&self) -> String {
@@ -476,13 +570,16 @@ impl Runner for CudaRunner {
 
     fn alloc_state(&mut self) -> Result<StateId> {
         let state = DeviceState::new(&self.gpu, &self.model.cfg)?;
-        self.insert(state)
+        let id = self.insert(state)?;
+        self.lead(&Plan::Alloc(id))?;
+        Ok(id)
     }
 
     fn fork_state(&mut self, src: StateId) -> Result<StateId> {
         self.check_settled(src, "forked")?;
         let copy = self.state(src)?.duplicate(&self.gpu, &self.model.cfg)?;
         let id = self.insert(copy)?;
+        self.lead(&Plan::Fork { src, dst: id })?;
         if let Some(d) = &mut self.drafter {
             d.fork_state(&self.gpu, src, id)?;
         }
@@ -494,26 +591,44 @@ impl Runner for CudaRunner {
         if let Some(d) = &mut self.drafter {
             d.remove_state(id);
         }
-        self.states.remove(&id).map(|_| ()).ok_or(KernelError::UnknownState(id.0))
+        self.states.remove(&id).ok_or(KernelError::UnknownState(id.0))?;
+        self.lead(&Plan::Free(id))
     }
 
     fn state_len(&self, id: StateId) -> Result<usize> {
         Ok(self.state(id)?.len)
     }
 
+    /// In a group, what every rank holds together: each rank's shard is the same size (the KDA heads split evenly,
+    /// the MLA cache whole on each).
     fn state_bytes(&self, id: StateId) -> Result<usize> {
         let drafter = self.drafter.as_ref().map_or(0, |d| d.state_bytes(id));
-        Ok(self.state(id)?.bytes(&self.model.cfg) + drafter)
+        let ranks = self.model.group().map_or(1, |g| g.shard.world);
+        Ok(self.state(id)?.bytes(&self.model.cfg) * ranks + drafter)
     }
 
     fn export_state(&self, id: StateId) -> Result<SeqState> {
         self.check_settled(id, "exported")?;
-        self.state(id)?.export(&self.gpu, &self.model.cfg)
+        let mine = self.state(id)?.export(&self.gpu, &self.model.cfg)?;
+        let Some(group) = self.model.group() else { return Ok(mine) };
+        self.lead(&Plan::Export(id))?;
+        let gathered = group.gather_values(&self.gpu, &kda_shards(&mine))?;
+        Ok(join_state(&gathered, &self.cfg, group.shard.world, mine.len, mine.mla))
     }
 
     fn import_state(&mut self, state: SeqState) -> Result<StateId> {
-        state.check_fits(&self.model.cfg)?;
-        let dev = DeviceState::import(&self.gpu, &self.model.cfg, &state)?;
+        state.check_fits(&self.cfg)?;
+        let dev = match self.model.group() {
+            None => DeviceState::import(&self.gpu, &self.model.cfg, &state)?,
+            Some(group) => {
+                let (id, len) = (StateId(self.next_id), state.len);
+                self.lead(&Plan::Import { id, len })?;
+                let values = state_values(&state);
+                group.broadcast_values(&self.gpu, Some(&values), state_values_len(&self.cfg, len))?;
+                let mine = shard_state(&values, &self.cfg, &group.shard, len)?;
+                DeviceState::import(&self.gpu, &self.model.cfg, &mine)?
+            }
+        };
         self.insert(dev)
     }
 
@@ -526,7 +641,7 @@ impl Runner for CudaRunner {
     }
 
     fn launches_ahead(&self) -> bool {
-        true
+        self.model.group().is_none()
     }
 
     fn launch(&mut self, rows: &[RowInput]) -> Result<()> {
@@ -538,6 +653,7 @@ impl Runner for CudaRunner {
     }
 
     fn launch_fed(&mut self, rows: &[FedRow]) -> Result<()> {
+        self.check_launches()?;
         let last = self.in_flight.back();
         check_fed(last.map(|f| f.launched.as_slice()), rows)?;
         if self.in_flight.len() >= MAX_IN_FLIGHT {
@@ -576,6 +692,13 @@ impl Runner for CudaRunner {
 
     /// Uploads the drafter (the target's embedding and lm_head are shared).
     fn attach_drafter(&mut self, source: DrafterSource) -> Result<()> {
+        if let Some(g) = self.model.group() {
+            return Err(KernelError::InvalidInput(format!(
+                "a DSpark drafter is not built for a CUDA group yet (--tensor-parallel-size {}): serve without \
+                 --spec dspark, or on one GPU",
+                g.shard.world
+            )));
+        }
         source.config.check_against(&self.model.cfg)?;
         let mut slot = DeviceDrafterSlot::new(DeviceDrafter::load(&self.gpu, source.config, source.weights.as_ref())?);
         for (id, state) in &self.states {

@@ -19,6 +19,9 @@
 //!   (`embed_gather_part`); a bf16 all-reduce of one non-zero term per element is exact. The lm_head writes
 //!   `[positions, V / N]` per rank; the slices are all-gathered (exact) and laid out `[positions, V]`
 //!   (`vocab_interleave`) on every rank, so sampling reads whole rows as it does unsharded.
+//! - Between steps, rank 0 leads and the other ranks follow (`cuda::follower`): before every group-wide action
+//!   rank 0 sends its [`Plan`] ([`DeviceGroup::send_plan`]: two broadcasts, its length then its bytes), so every rank
+//!   makes the same calls in the same order, as `cpu::sharded` does over the host communicator.
 //! - Every collective is issued on the main lane, in the forward's fixed order, by every rank over the same rows:
 //!   the ranks make the same calls with the same counts. A shared expert's partial is computed on the side lane and
 //!   completed on the main lane after the join. The collectives of a communicator that can be captured (NCCL) sit in
@@ -31,6 +34,7 @@ use cudarc::driver::CudaStream;
 use half::bf16;
 
 use crate::comm::Communicator;
+use crate::cpu::plan::Plan;
 use crate::cuda::device::device_err;
 use crate::cuda::gpu::Gpu;
 use crate::cuda::launch::DPtr;
@@ -83,6 +87,69 @@ impl DeviceGroup {
     }
 }
 
+/// The largest plan a follower accepts (a length past it is a corrupt message, not a plan).
+const MAX_PLAN_BYTES: usize = 1 << 30;
+
+impl DeviceGroup {
+    /// Rank 0: sends `plan` to every other rank (waits for nothing but the copies of its bytes).
+    pub fn send_plan(&self, gpu: &Gpu, plan: &Plan) -> Result<()> {
+        self.message(gpu, Some(&plan.encode())).map(|_| ())
+    }
+
+    /// Every rank but 0: the next plan rank 0 sends (waits for it).
+    pub fn recv_plan(&self, gpu: &Gpu) -> Result<Plan> {
+        Plan::decode(&self.message(gpu, None)?)
+    }
+
+    /// A message of any length from rank 0 (`msg`, on rank 0 only) to every rank: its length, then its bytes.
+    fn message(&self, gpu: &Gpu, msg: Option<&[u8]>) -> Result<Vec<u8>> {
+        let len_buf = gpu.upload(&(msg.map_or(0, <[u8]>::len) as u64).to_le_bytes())?;
+        self.broadcast(gpu, gpu.ptr(&len_buf), 8, Elem::U8)?;
+        if let Some(m) = msg {
+            let buf = gpu.upload(m)?;
+            self.broadcast(gpu, gpu.ptr(&buf), m.len(), Elem::U8)?;
+            return Ok(m.to_vec());
+        }
+        let len = gpu.download(&len_buf, 8)?;
+        let len = u64::from_le_bytes(len.try_into().unwrap_or_default()) as usize;
+        if len == 0 || len > MAX_PLAN_BYTES {
+            return Err(KernelError::Device(format!("rank 0 sent a plan of {len} bytes (1 to {MAX_PLAN_BYTES})")));
+        }
+        let buf = gpu.zeros::<u8>(len)?;
+        self.broadcast(gpu, gpu.ptr(&buf), len, Elem::U8)?;
+        gpu.download(&buf, len)
+    }
+
+    /// Rank 0's `values` (given on rank 0; `count` zeros elsewhere) on every rank.
+    pub fn broadcast_values(&self, gpu: &Gpu, values: Option<&[f32]>, count: usize) -> Result<Vec<f32>> {
+        let buf = match values {
+            Some(v) if v.len() == count => gpu.upload(v)?,
+            Some(v) => {
+                return Err(KernelError::InvalidInput(format!(
+                    "a broadcast of {} values announced as {count}",
+                    v.len()
+                )))
+            }
+            None => gpu.zeros::<f32>(count)?,
+        };
+        self.broadcast(gpu, gpu.ptr(&buf), count, Elem::F32)?;
+        gpu.download(&buf, count)
+    }
+
+    /// Every rank's `local` (equal lengths) in rank order, `[world, local]`, on every rank.
+    pub fn gather_values(&self, gpu: &Gpu, local: &[f32]) -> Result<Vec<f32>> {
+        let send = gpu.upload(local)?;
+        let recv = gpu.zeros::<f32>(local.len() * self.shard.world)?;
+        let send_buf = DeviceBuf { at: gpu.ptr(&send), count: local.len(), elem: Elem::F32 };
+        self.comm.all_gather(send_buf, gpu.ptr(&recv), main_lane(gpu)?)?;
+        gpu.download(&recv, local.len() * self.shard.world)
+    }
+
+    fn broadcast(&self, gpu: &Gpu, at: DPtr, count: usize, elem: Elem) -> Result<()> {
+        self.comm.broadcast(0, DeviceBuf { at, count, elem }, main_lane(gpu)?)
+    }
+}
+
 /// The main stream, where every collective goes (module invariants).
 fn main_lane(gpu: &Gpu) -> Result<&CudaStream> {
     if gpu.on_side_lane() {
@@ -115,22 +182,26 @@ fn elem_bytes(elem: Elem) -> usize {
     }
 }
 
-/// Waits for `stream`, then copies `count` elements of `elem` at `at` to the host.
+/// Copies `count` elements of `elem` at `at` to the host in `stream`'s order (after the work that wrote them) and
+/// waits for the copy.
 fn download(at: DPtr, count: usize, elem: Elem, stream: &CudaStream) -> Result<Vec<u8>> {
-    stream.synchronize().map_err(|e| device_err("waiting for a collective's stream", e))?;
     let mut host = vec![0u8; count * elem_bytes(elem)];
-    // SAFETY: `at` holds `count` elements (the collective's contract) and the stream that wrote them is idle.
-    unsafe { cu::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), at, host.len()) }
+    // SAFETY: `at` holds `count` elements (the collective's contract); `host` outlives the copy (waited for below).
+    unsafe { cu::cuMemcpyDtoHAsync_v2(host.as_mut_ptr().cast(), at, host.len(), stream.cu_stream()) }
         .result()
         .map_err(|e| device_err("copying a collective's buffer to the host", e))?;
+    stream.synchronize().map_err(|e| device_err("waiting for a collective's copy", e))?;
     Ok(host)
 }
 
-fn upload(at: DPtr, bytes: &[u8]) -> Result<()> {
-    // SAFETY: `at` holds `bytes.len()` bytes (the collective's contract); the copy is synchronous.
-    unsafe { cu::cuMemcpyHtoD_v2(at, bytes.as_ptr().cast(), bytes.len()) }
+/// Copies `bytes` to `at` in `stream`'s order, so the stream's later work reads them, and waits for the copy (a
+/// synchronous copy would go through the legacy stream, which the backend's non-blocking streams do not wait for).
+fn upload(at: DPtr, bytes: &[u8], stream: &CudaStream) -> Result<()> {
+    // SAFETY: `at` holds `bytes.len()` bytes (the collective's contract); `bytes` outlives the copy (waited for).
+    unsafe { cu::cuMemcpyHtoDAsync_v2(at, bytes.as_ptr().cast(), bytes.len(), stream.cu_stream()) }
         .result()
-        .map_err(|e| device_err("copying a collective's result to the device", e))
+        .map_err(|e| device_err("copying a collective's result to the device", e))?;
+    stream.synchronize().map_err(|e| device_err("waiting for a collective's copy", e))
 }
 
 fn widen(bytes: &[u8], elem: Elem) -> Vec<f32> {
@@ -165,27 +236,27 @@ impl DeviceCommunicator for HostComm {
     fn all_reduce_sum(&self, buf: DeviceBuf, stream: &CudaStream) -> Result<()> {
         let mut values = widen(&download(buf.at, buf.count, buf.elem, stream)?, buf.elem);
         self.comm.all_reduce_sum(&mut values)?;
-        upload(buf.at, &narrow(&values, buf.elem))
+        upload(buf.at, &narrow(&values, buf.elem), stream)
     }
 
     fn all_gather(&self, send: DeviceBuf, recv: DPtr, stream: &CudaStream) -> Result<()> {
         let values = widen(&download(send.at, send.count, send.elem, stream)?, send.elem);
         let mut out = vec![0f32; values.len() * self.comm.world_size()];
         self.comm.all_gather(&values, &mut out)?;
-        upload(recv, &narrow(&out, send.elem))
+        upload(recv, &narrow(&out, send.elem), stream)
     }
 
     fn reduce_scatter_sum(&self, send: DPtr, recv: DeviceBuf, stream: &CudaStream) -> Result<()> {
         let values = widen(&download(send, recv.count * self.comm.world_size(), recv.elem, stream)?, recv.elem);
         let mut out = vec![0f32; recv.count];
         self.comm.reduce_scatter_sum(&values, &mut out)?;
-        upload(recv.at, &narrow(&out, recv.elem))
+        upload(recv.at, &narrow(&out, recv.elem), stream)
     }
 
     fn broadcast(&self, root: usize, buf: DeviceBuf, stream: &CudaStream) -> Result<()> {
         let mut bytes = download(buf.at, buf.count, buf.elem, stream)?;
         self.comm.broadcast_bytes(root, &mut bytes)?;
-        upload(buf.at, &bytes)
+        upload(buf.at, &bytes, stream)
     }
 
     fn abort(&self, reason: &str) {
