@@ -1,7 +1,7 @@
 //! The launch contract on the command line: `sparkd rendezvous` (the contract alone, for checking a
 //! deployment's network before loading its weights), the hidden `sparkd worker` (one local rank, started by
 //! `serve`), and `sparkd serve --device cuda` over several ranks (workers, rendezvous with an NCCL unique id,
-//! every rank's NCCL communicator formed and checked, then a clear error until the sharded CUDA forward exists).
+//! every rank's NCCL communicator formed and checked, then a clear error until serving over the group is wired).
 //!
 //! Invariants:
 //! - Node 0's process is the master; every other process joins it. A process holds its node's ranks
@@ -115,7 +115,7 @@ fn join_nccl(group: &Group, rank: Rank) -> impl FnOnce() -> Result<NcclComm, Lau
 
 /// `sparkd serve --device cuda` over several ranks: starts this node's workers, forms the group with them
 /// (and with the other nodes; node 0 draws the id with `ncclGetUniqueId`, so a node 0 without NCCL fails here,
-/// naming the library), then stops with an error: the sharded CUDA forward is not built yet.
+/// naming the library), then stops with an error: serving over the group is not wired yet.
 pub fn serve_sharded_cuda(args: &ServeArgs) -> Result<()> {
     disable_nvlink_multicast_here();
     let layout = args.launch.layout(args.tensor_parallel_size)?;
@@ -158,15 +158,15 @@ pub fn serve_sharded_cuda(args: &ServeArgs) -> Result<()> {
         workers.pids()
     );
     let nccl = join_nccl(&group, first);
-    let comm = group.watch_during(args.launch.rendezvous_timeout(), "the sharded CUDA forward is not built yet", nccl);
+    let comm = group.watch_during(args.launch.rendezvous_timeout(), "serving over a CUDA group is not wired yet", nccl);
     drop(workers);
     drop(comm?);
     Err(LaunchError::Unsupported(format!(
         "--device cuda --tensor-parallel-size {}: the {} ranks formed their group and their NCCL communicator \
-         (checked with an all-reduce), but the sharded CUDA forward is not built yet (issue 35: the forward's \
-         all-reduces over cuda::nccl with the row-parallel outputs in f32, the sharded routed experts, the \
-         vocabulary-parallel embedding and lm_head, and the runner whose rank 0 broadcasts each step to the workers; \
-         the weights already load sharded, DevWeights::load_shard); --device cpu serves {0} in-process ranks",
+         (checked with an all-reduce), but serving over them is not wired yet (issue 35: the sharded CUDA forward and \
+         its runner exist, CudaRunner::sharded leading and cuda::follower::Follower following; what is left is each \
+         worker keeping its communicator and following, with the group watched for as long as it serves); \
+         --device cpu serves {0} in-process ranks",
         layout.world, layout.world
     ))
     .into())

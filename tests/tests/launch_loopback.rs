@@ -3,7 +3,7 @@
 //! deployments both fail naming the mismatch; a node killed after the rendezvous takes the other down with an
 //! error naming its rank (and a killed node 0 takes node 1 down naming the master), in bounded time; `sparkd serve --device cuda --tensor-parallel-size 2` starts its
 //! worker, forms the group with it, then stops with a clear error (no NCCL to draw the group's id with, no GPU to
-//! join its communicator on, or the sharded CUDA forward not built yet) and leaves no worker behind; a group that
+//! join its communicator on, or serving over the group not wired yet) and leaves no worker behind; a group that
 //! cannot shard the model on CUDA is refused before any worker starts.
 
 use std::io::{BufRead, BufReader, Read};
@@ -147,14 +147,14 @@ fn serve_on_cuda_over_two_ranks_forms_the_group_then_stops_cleanly() {
     assert!(err.contains("rank 1 on node 0 (127.0.0.1:"), "the worker joined:\n{err}");
     // Node 0 draws the group's id with ncclGetUniqueId: without NCCL (this process sees the same library path as
     // the daemon) that is where it stops, naming the library. With it, every rank opens its GPU and joins the NCCL
-    // communicator: without a driver that fails naming it, and with two GPUs it stops at the forward that is not
-    // built yet.
+    // communicator: without a driver that fails naming it, and with two GPUs it stops at the serving that is not
+    // wired yet.
     if !sparkd_kernels::cuda::nccl::nccl_present() {
         assert!(err.contains("NCCL not found: libnccl.so.2") && err.contains("LD_LIBRARY_PATH"), "{err}");
     } else if !sparkd_kernels::cuda::device::driver_present() {
         assert!(err.contains("no CUDA driver"), "{err}");
     } else {
-        let stops = ["the sharded CUDA forward is not built yet", "device 0 asked for, but this machine has 0"];
+        let stops = ["serving over them is not wired yet", "device 0 asked for, but this machine has 0"];
         assert!(stops.iter().any(|s| err.contains(s)), "{err}");
     }
     let pids: Vec<u32> = err
