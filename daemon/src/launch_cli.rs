@@ -1,7 +1,8 @@
 //! The launch contract on the command line: `sparkd rendezvous` (the contract alone, for checking a
 //! deployment's network before loading its weights), the hidden `sparkd worker` (one local rank, started by
-//! `serve`), and `sparkd serve --device cuda` over several ranks (workers, rendezvous with an NCCL unique id,
-//! every rank's NCCL communicator formed and checked, then a clear error until serving over the group is wired).
+//! `serve`: it follows rank 0), and `sparkd serve --device cuda` over several ranks (workers, rendezvous with an
+//! NCCL unique id, every rank's NCCL communicator formed and checked, then rank 0 serves `CudaRunner::sharded`
+//! while every other rank runs `cuda::follower::Follower`).
 //!
 //! Invariants:
 //! - Node 0's process is the master; every other process joins it. A process holds its node's ranks
@@ -9,20 +10,28 @@
 //! - Every failure is an error with a non-zero exit, never a hang: the rendezvous and every read are bounded.
 //! - `serve` sets the NVLink-multicast-off variables in its own environment before any thread starts, and
 //!   its workers are killed and reaped before it exits.
-//! - A CUDA group's processes join NCCL while the group is watched (`Group::watch_during`): a rank that fails
-//!   or goes away ends the group naming it, and the communicators are bounded by `--rendezvous-timeout`.
+//! - A CUDA group's processes join NCCL, load their shards and serve (rank 0) or follow (the others) while the
+//!   group is watched (`Group::watch_during`, unbounded: it lasts as long as the group serves): a rank that fails
+//!   or goes away ends the group naming it, and every process exits with that error (a collective left waiting on
+//!   a peer that is gone ends with its process). The server stopping ends the group normally: rank 0's runner
+//!   sends the followers `Shutdown`, and the watch closes the group.
 
 use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use sha2::{Digest, Sha256};
+use std::sync::Arc;
+
 use sparkd::config::ServeArgs;
 use sparkd::launch::rendezvous::{join, Group, Join, Master, NcclUniqueId, RandomUniqueId};
 use sparkd::launch::workers::{die_with_parent, WorkerLaunch, Workers};
 use sparkd::launch::{disable_nvlink_multicast_here, LaunchArgs, LaunchError, Rank};
 use sparkd::startup::ModelWeights;
+use sparkd_kernels::cuda::follower::Follower;
+use sparkd_kernels::cuda::gpu::Gpu;
 use sparkd_kernels::cuda::nccl::{NcclComm, NcclGroup};
+use sparkd_kernels::cuda::tp::DeviceGroup;
 use sparkd_kernels::cuda::weights::check_shapes;
 use sparkd_kernels::shard_rule::Shard;
 use sparkd_kernels::ModelConfig;
@@ -55,6 +64,15 @@ pub struct WorkerArgs {
     tensor_parallel_size: usize,
     #[arg(long, value_name = "TEXT")]
     fingerprint: String,
+    /// The checkpoint whose shard this rank loads (as `serve --model`).
+    #[arg(long, value_name = "DIR")]
+    model: Option<std::path::PathBuf>,
+    /// The synthetic model whose shard this rank loads without `--model` (as `serve --synthetic`).
+    #[arg(long, default_value = "k3-mini", value_name = "NAME")]
+    synthetic: String,
+    /// Routed experts placed whole on ranks (as `serve --expert-parallel`).
+    #[arg(long)]
+    expert_parallel: bool,
 }
 
 /// Runs `sparkd rendezvous`: forms the group, prints it, holds it if asked, exits.
@@ -78,7 +96,8 @@ pub fn rendezvous(args: &RendezvousArgs) -> Result<()> {
     Ok(())
 }
 
-/// Runs `sparkd worker`: joins the group as one rank and stays until the group ends.
+/// Runs `sparkd worker`: joins the group as one rank, joins its NCCL communicator, loads its shard and follows rank
+/// 0 until rank 0 ends the group (or a member goes away: an error).
 pub fn worker(args: &WorkerArgs) -> Result<()> {
     die_with_parent()?;
     let layout = args.launch.layout(args.tensor_parallel_size)?;
@@ -92,9 +111,22 @@ pub fn worker(args: &WorkerArgs) -> Result<()> {
     let port = args.launch.master_port.context("--master-port: a worker needs the master's port")?;
     let group = join(&args.launch.master_addr, port, &me)?;
     tracing::info!("{} joined a group of {} ranks", Rank(args.rank), group.layout.world);
-    let nccl = join_nccl(&group, Rank(args.rank));
-    let comm = group.watch_during(args.launch.rendezvous_timeout(), "", nccl)?;
-    drop(comm);
+    let (rank, world) = (Rank(args.rank), group.layout.world as usize);
+    let nccl = bounded(args.launch.rendezvous_timeout(), join_nccl(&group, rank));
+    let shard = Shard { rank: rank.0 as usize, world, expert_parallel: args.expert_parallel };
+    let (model, synthetic) = (args.model.clone(), args.synthetic.clone());
+    let follow = move || {
+        let fail = |e: anyhow::Error| LaunchError::Device(format!("{rank}: {e:#}"));
+        let comm = nccl()?;
+        let weights = ModelWeights::open(model.as_deref(), &synthetic).map_err(fail)?;
+        let device_group = DeviceGroup::new(shard, Arc::new(comm)).map_err(|e| fail(e.into()))?;
+        let gpu = Gpu::new(0).map_err(|e| fail(e.into()))?;
+        let follower =
+            Follower::new(gpu, weights.config(), weights.weights(), device_group).map_err(|e| fail(e.into()))?;
+        tracing::info!("{rank}: loaded its shard; following rank 0");
+        follower.run().map_err(|e| fail(e.into()))
+    };
+    group.watch_during(None, "", follow)?;
     Ok(())
 }
 
@@ -113,10 +145,35 @@ fn join_nccl(group: &Group, rank: Rank) -> impl FnOnce() -> Result<NcclComm, Lau
     }
 }
 
+/// `join` run on a thread of its own and waited for at most `bound` (`--rendezvous-timeout`): the group's watch has
+/// no bound once it serves, so forming the communicator keeps its own (a peer alive but never joining would
+/// otherwise hold every rank in `ncclCommInitRank`).
+fn bounded<T: Send + 'static>(
+    bound: Duration,
+    join: impl FnOnce() -> Result<T, LaunchError> + Send + 'static,
+) -> impl FnOnce() -> Result<T, LaunchError> {
+    move || {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(join());
+        });
+        rx.recv_timeout(bound).unwrap_or_else(|_| {
+            Err(LaunchError::Device(format!(
+                "the NCCL communicator did not form within {} s (--rendezvous-timeout)",
+                bound.as_secs()
+            )))
+        })
+    }
+}
+
 /// `sparkd serve --device cuda` over several ranks: starts this node's workers, forms the group with them
 /// (and with the other nodes; node 0 draws the id with `ncclGetUniqueId`, so a node 0 without NCCL fails here,
-/// naming the library), then stops with an error: serving over the group is not wired yet.
-pub fn serve_sharded_cuda(args: &ServeArgs) -> Result<()> {
+/// naming the library), joins the NCCL communicator and runs `serve` with rank 0's group, watched as long as it
+/// serves. A node other than 0 holds one rank of its own beside its workers and follows with it.
+pub fn serve_sharded_cuda(
+    args: &ServeArgs,
+    serve: impl FnOnce(ServeArgs, DeviceGroup) -> Result<()> + Send + 'static,
+) -> Result<()> {
     disable_nvlink_multicast_here();
     let layout = args.launch.layout(args.tensor_parallel_size)?;
     check_shards(args)?;
@@ -139,6 +196,9 @@ pub fn serve_sharded_cuda(args: &ServeArgs) -> Result<()> {
         rendezvous_timeout: args.launch.rendezvous_timeout(),
         heartbeat_timeout: args.launch.heartbeat_timeout(),
         visible_devices: std::env::var("CUDA_VISIBLE_DEVICES").ok(),
+        model: args.model.clone(),
+        synthetic: args.synthetic.clone(),
+        expert_parallel: args.expert_parallel,
     };
     // The workers are dropped (killed and reaped) on every way out of here.
     let (group, workers) = if layout.is_master_node() {
@@ -157,19 +217,24 @@ pub fn serve_sharded_cuda(args: &ServeArgs) -> Result<()> {
         &group.unique_id.to_hex()[..16],
         workers.pids()
     );
-    let nccl = join_nccl(&group, first);
-    let comm = group.watch_during(args.launch.rendezvous_timeout(), "serving over a CUDA group is not wired yet", nccl);
+    let nccl = bounded(args.launch.rendezvous_timeout(), join_nccl(&group, first));
+    let shard = Shard { rank: first.0 as usize, world: layout.world as usize, expert_parallel: args.expert_parallel };
+    let (args, is_master) = (args.clone(), group.is_master());
+    let work = move || {
+        let fail = |e: anyhow::Error| LaunchError::Device(format!("{first}: {e:#}"));
+        let device_group = DeviceGroup::new(shard, Arc::new(nccl()?)).map_err(|e| fail(e.into()))?;
+        if is_master {
+            return serve(args, device_group).map_err(fail);
+        }
+        let weights = ModelWeights::open(args.model.as_deref(), &args.synthetic).map_err(fail)?;
+        let gpu = Gpu::new(0).map_err(|e| fail(e.into()))?;
+        let follower =
+            Follower::new(gpu, weights.config(), weights.weights(), device_group).map_err(|e| fail(e.into()))?;
+        follower.run().map_err(|e| fail(e.into()))
+    };
+    let served = group.watch_during(None, "the server stopped", work);
     drop(workers);
-    drop(comm?);
-    Err(LaunchError::Unsupported(format!(
-        "--device cuda --tensor-parallel-size {}: the {} ranks formed their group and their NCCL communicator \
-         (checked with an all-reduce), but serving over them is not wired yet (issue 35: the sharded CUDA forward and \
-         its runner exist, CudaRunner::sharded leading and cuda::follower::Follower following; what is left is each \
-         worker keeping its communicator and following, with the group watched for as long as it serves); \
-         --device cpu serves {0} in-process ranks",
-        layout.world, layout.world
-    ))
-    .into())
+    Ok(served?)
 }
 
 /// Refuses, before any process starts, a group that cannot shard the model on CUDA: a size that does not divide

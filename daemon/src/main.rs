@@ -25,6 +25,7 @@ use sparkd::engine::journal::OpenJournal;
 use sparkd::engine::Engine;
 use sparkd::startup::{compose, load_tokenizer, Served};
 use sparkd_kernels::config::PRESET_NAMES;
+use sparkd_kernels::cuda::tp::DeviceGroup;
 use sparkd_kernels::synth::write_checkpoint;
 use sparkd_kernels::trained::{TrainedModel, TRAINED_NAME};
 use sparkd_kernels::ModelConfig;
@@ -198,8 +199,13 @@ fn export_tokenizer(dir: &Path, model: Option<&Path>) -> Result<()> {
 fn serve(args: ServeArgs) -> Result<()> {
     args.validate()?;
     if args.device == Device::Cuda && (args.tensor_parallel_size > 1 || args.launch.nnodes > 1) {
-        return launch_cli::serve_sharded_cuda(&args);
+        return launch_cli::serve_sharded_cuda(&args, |args, group| serve_on(args, Some(group)));
     }
+    serve_on(args, None)
+}
+
+/// Serves `args` until stopped, on rank 0 of `group` when a CUDA group was formed for it (`launch_cli`).
+fn serve_on(args: ServeArgs, group: Option<DeviceGroup>) -> Result<()> {
     let addr = args.listen_addr()?;
     let model_name = args.model_name();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
@@ -209,7 +215,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         .block_on(tokio::net::TcpListener::bind(addr))
         .with_context(|| format!("--host/--port: cannot listen on {addr}"))?;
     tracing::info!("bound to {}; loading the model", listener.local_addr()?);
-    let served = compose(&args)?;
+    let served = compose(&args, group)?;
     let cfg = &served.model;
     let max_model_len = args.max_model_len.min(cfg.max_position_embeddings);
     tracing::info!(

@@ -323,7 +323,7 @@ fn serve_args(args: &SpecEvalArgs, method: SpecMethod, device: Device) -> Result
 /// Runs every prompt through an engine composed for `method` on `device`, one prompt after another.
 fn run_method(args: &SpecEvalArgs, method: SpecMethod, device: Device, prompts: &[Prompt]) -> Result<MethodRun> {
     let serve = serve_args(args, method, device)?;
-    let served = compose(&serve).with_context(|| format!("composing --spec {}", method.as_str()))?;
+    let served = compose(&serve, None).with_context(|| format!("composing --spec {}", method.as_str()))?;
     let (device, device_name) = (served.device, served.runner.device_name());
     let mut runner = served.runner;
     if let Some(first) = prompts.first() {

@@ -25,6 +25,8 @@ use anyhow::{Context, Result};
 use sparkd_kernels::acceptance::AcceptanceMode;
 use sparkd_kernels::checkpoint::Checkpoint;
 use sparkd_kernels::cpu::{CpuRunner, ParallelConfig, ShardedCpuRunner};
+use sparkd_kernels::cuda::gpu::Gpu;
+use sparkd_kernels::cuda::tp::DeviceGroup;
 use sparkd_kernels::cuda::CudaRunner;
 use sparkd_kernels::dspark::{DrafterConfig, DrafterSource, DRAFTER_DIR};
 use sparkd_kernels::null_runner::NullRunner;
@@ -70,12 +72,13 @@ pub struct Served {
     pub step_time: Option<StepTimeLimit>,
 }
 
-/// Builds what `args` ask to serve (the arguments were validated).
-pub fn compose(args: &ServeArgs) -> Result<Served> {
+/// Builds what `args` ask to serve (the arguments were validated); with `group`, on rank 0 of that CUDA group
+/// (`launch_cli`).
+pub fn compose(args: &ServeArgs, group: Option<DeviceGroup>) -> Result<Served> {
     let tokenizer = load_tokenizer(args.model.as_deref())?;
     let template = ChatTemplate::new(tokenizer.clone())?;
     let spec = args.spec.to_config()?;
-    let (mut runner, model, device) = build_runner(args, &spec)?;
+    let (mut runner, model, device) = build_runner(args, &spec, group)?;
     restrict_to_tokenizer(runner.as_mut(), &tokenizer, &model);
     tracing::info!("{}", describe(&spec));
     let speculation = speculation(&spec, runner.as_mut(), args.max_num_batched_tokens)?;
@@ -324,11 +327,19 @@ pub enum DrafterOrigin {
 
 /// The runner `--device` and `--model` ask for (prepared for the speculation settings `spec`), its config and
 /// the backend it runs on. With `--device auto`, a GPU whose runner fails to start is reported and the CPU
-/// reference serves instead.
-pub fn build_runner(args: &ServeArgs, spec: &SpeculationConfig) -> Result<(Box<dyn Runner>, ModelConfig, Device)> {
+/// reference serves instead. With `group` (a CUDA group formed by `launch_cli`), rank 0's sharded runner.
+pub fn build_runner(
+    args: &ServeArgs,
+    spec: &SpeculationConfig,
+    group: Option<DeviceGroup>,
+) -> Result<(Box<dyn Runner>, ModelConfig, Device)> {
     let model = ModelWeights::open(args.model.as_deref(), &args.synthetic)?;
     let cfg = model.config().clone();
     let (weights, drafter) = (model.weights(), model.drafter());
+    if let Some(group) = group {
+        let runner = CudaRunner::sharded(Gpu::new(0)?, cfg.clone(), weights, group)?;
+        return Ok((prepare(runner, CudaRunner::set_acceptance, spec, &drafter)?, cfg, Device::Cuda));
+    }
     let (runner, device) = match args.device.resolve() {
         Device::Cuda if args.device == Device::Auto => match cuda_runner(&cfg, weights, spec, &drafter) {
             Ok(runner) => (runner, Device::Cuda),
@@ -719,18 +730,19 @@ mod tests {
             <Cli as clap::Parser>::try_parse_from(all).expect("parses").serve
         };
         let spec = SpeculationConfig::default();
-        let (runner, _, device) = build_runner(&args(&["--tensor-parallel-size", "2"]), &spec).unwrap();
+        let (runner, _, device) = build_runner(&args(&["--tensor-parallel-size", "2"]), &spec, None).unwrap();
         assert_eq!((runner.device_name().as_str(), device), ("cpu tp2", Device::Cpu));
         let dspark =
             SpeculationConfig { method: SpecMethod::Dspark, num_spec_tokens: 4, ..SpeculationConfig::default() };
         let (mut runner, _, _) =
-            build_runner(&args(&["--tensor-parallel-size", "2", "--expert-parallel"]), &dspark).unwrap();
+            build_runner(&args(&["--tensor-parallel-size", "2", "--expert-parallel"]), &dspark, None).unwrap();
         assert_eq!(runner.device_name(), "cpu tp2 ep");
         assert!(runner.model_drafter().is_some(), "the drafter is attached beside the sharded runner");
-        let (runner, _, _) = build_runner(&args(&["--tensor-parallel-size", "1", "--expert-parallel"]), &spec).unwrap();
+        let (runner, _, _) =
+            build_runner(&args(&["--tensor-parallel-size", "1", "--expert-parallel"]), &spec, None).unwrap();
         assert_eq!(runner.device_name(), "cpu", "one rank is the unsharded runner");
         // k3-tiny has 4 KDA heads: 3 ranks do not divide them.
-        let err = build_runner(&args(&["--tensor-parallel-size", "3"]), &spec).err().expect("refused");
+        let err = build_runner(&args(&["--tensor-parallel-size", "3"]), &spec, None).err().expect("refused");
         assert!(format!("{err:#}").contains("--tensor-parallel-size"), "{err:#}");
     }
 }

@@ -1,9 +1,10 @@
 //! Black-box tests of the launch contract with real `sparkd` processes on loopback, without GPUs: two
 //! `sparkd rendezvous` nodes form one group and print the same ranks and unique id; nodes of different
 //! deployments both fail naming the mismatch; a node killed after the rendezvous takes the other down with an
-//! error naming its rank (and a killed node 0 takes node 1 down naming the master), in bounded time; `sparkd serve --device cuda --tensor-parallel-size 2` starts its
-//! worker, forms the group with it, then stops with a clear error (no NCCL to draw the group's id with, no GPU to
-//! join its communicator on, or serving over the group not wired yet) and leaves no worker behind; a group that
+//! error naming its rank (and a killed node 0 takes node 1 down naming the master), in bounded time; on a machine
+//! without NCCL or without a GPU, `sparkd serve --device cuda --tensor-parallel-size 2` starts its worker, forms
+//! the group with it, then stops with a clear error (no NCCL to draw the group's id with, no GPU to join its
+//! communicator on) and leaves no worker behind; a group that
 //! cannot shard the model on CUDA is refused before any worker starts.
 
 use std::io::{BufRead, BufReader, Read};
@@ -134,7 +135,13 @@ fn a_node_killed_after_the_rendezvous_takes_the_group_down() {
 }
 
 #[test]
-fn serve_on_cuda_over_two_ranks_forms_the_group_then_stops_cleanly() {
+fn serve_on_cuda_over_two_ranks_without_gpus_forms_the_group_then_stops_cleanly() {
+    // With NCCL and a driver the group would go on to serve (on a machine with two GPUs): the multi-GPU run checks
+    // that, not this test.
+    if sparkd_kernels::cuda::nccl::nccl_present() && sparkd_kernels::cuda::device::driver_present() {
+        eprintln!("SKIPPED: this machine has NCCL and a CUDA driver; the two-rank group would serve, so its error path was NOT checked");
+        return;
+    }
     let child = Command::new(sparkd_bin().unwrap())
         .args(["serve", "--device", "cuda", "--tensor-parallel-size", "2", "--port", "0"])
         .env("RUST_LOG", "info")
@@ -146,16 +153,12 @@ fn serve_on_cuda_over_two_ranks_forms_the_group_then_stops_cleanly() {
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("rank 1 on node 0 (127.0.0.1:"), "the worker joined:\n{err}");
     // Node 0 draws the group's id with ncclGetUniqueId: without NCCL (this process sees the same library path as
-    // the daemon) that is where it stops, naming the library. With it, every rank opens its GPU and joins the NCCL
-    // communicator: without a driver that fails naming it, and with two GPUs it stops at the serving that is not
-    // wired yet.
+    // the daemon) that is where it stops, naming the library. With it but without a driver, every rank fails to
+    // open its GPU for the NCCL communicator, naming the missing driver.
     if !sparkd_kernels::cuda::nccl::nccl_present() {
         assert!(err.contains("NCCL not found: libnccl.so.2") && err.contains("LD_LIBRARY_PATH"), "{err}");
-    } else if !sparkd_kernels::cuda::device::driver_present() {
-        assert!(err.contains("no CUDA driver"), "{err}");
     } else {
-        let stops = ["serving over them is not wired yet", "device 0 asked for, but this machine has 0"];
-        assert!(stops.iter().any(|s| err.contains(s)), "{err}");
+        assert!(err.contains("no CUDA driver"), "{err}");
     }
     let pids: Vec<u32> = err
         .lines()

@@ -441,10 +441,11 @@ impl Group {
     /// returns what the work returned once the group agrees it is done: the master, when its own work is done,
     /// ends the group normally with `close_reason`; a peer, once its work is done, waits for that. A member that
     /// goes away, a work that fails (a peer's failure ends its part of the group, which the master sees as that
-    /// rank going away), or the master's work not done within `bound` ends the group with an error instead.
+    /// rank going away), or the master's work not done within `bound` ends the group with an error instead (`None`:
+    /// no bound, for a work that lasts as long as the group serves).
     pub fn watch_during<T: Send + 'static>(
         self,
-        bound: Duration,
+        bound: Option<Duration>,
         close_reason: &str,
         work: impl FnOnce() -> Result<T, LaunchError> + Send + 'static,
     ) -> Result<T, LaunchError> {
@@ -596,10 +597,10 @@ impl Watch {
         self,
         is_master: bool,
         done: &mpsc::Receiver<Result<T, LaunchError>>,
-        bound: Duration,
+        bound: Option<Duration>,
         close_reason: &str,
     ) -> Result<T, LaunchError> {
-        let deadline = Instant::now() + bound;
+        let deadline = bound.map(|b| (Instant::now() + b, b));
         let mut left = vec![false; self.writers.len()];
         let mut result = None;
         loop {
@@ -621,8 +622,11 @@ impl Watch {
                             LaunchError::Device("this rank's part of the group's work ended without a result".into());
                         return Err(e);
                     }
-                    Err(mpsc::TryRecvError::Empty) if is_master && Instant::now() >= deadline => {
-                        let why = format!("the group's work did not finish on every rank within {} s", bound.as_secs());
+                    Err(mpsc::TryRecvError::Empty)
+                        if is_master && deadline.is_some_and(|(at, _)| Instant::now() >= at) =>
+                    {
+                        let secs = deadline.map_or(0, |(_, b)| b.as_secs());
+                        let why = format!("the group's work did not finish on every rank within {secs} s");
                         self.send_all(&left, &Message::Abort { reason: why.clone() });
                         return Err(LaunchError::Device(why));
                     }
@@ -764,13 +768,13 @@ mod tests {
     fn launch_work_done_on_every_rank_ends_the_group_normally() {
         let (node0, node1) = pair();
         let bound = Duration::from_secs(20);
-        let peer = std::thread::spawn(move || node1.watch_during(bound, "", || Ok("peer")));
+        let peer = std::thread::spawn(move || node1.watch_during(Some(bound), "", || Ok("peer")));
         let started = Instant::now();
         let slow = move || {
             std::thread::sleep(Duration::from_millis(1500)); // past the heartbeat timeout: the watch keeps them going
             Ok("master")
         };
-        assert_eq!(node0.watch_during(bound, "checked", slow).unwrap(), "master");
+        assert_eq!(node0.watch_during(Some(bound), "checked", slow).unwrap(), "master");
         assert_eq!(peer.join().unwrap().unwrap(), "peer");
         assert!(started.elapsed() < Duration::from_secs(10));
     }
@@ -781,10 +785,10 @@ mod tests {
         let (node0, node1) = pair();
         let bound = Duration::from_secs(20);
         let peer = std::thread::spawn(move || {
-            node1.watch_during::<()>(bound, "", || Err(LaunchError::Device("no GPU here".into())))
+            node1.watch_during::<()>(Some(bound), "", || Err(LaunchError::Device("no GPU here".into())))
         });
         let err = node0
-            .watch_during(bound, "checked", || {
+            .watch_during(Some(bound), "checked", || {
                 std::thread::sleep(Duration::from_secs(30));
                 Ok(())
             })
@@ -794,12 +798,12 @@ mod tests {
 
         // The master's work not done in time: both fail, the peer told why.
         let (node0, node1) = pair();
-        let peer = std::thread::spawn(move || node1.watch_during(Duration::from_secs(20), "", || Ok(())));
+        let peer = std::thread::spawn(move || node1.watch_during(Some(Duration::from_secs(20)), "", || Ok(())));
         let hang = || {
             std::thread::sleep(Duration::from_secs(30));
             Ok(())
         };
-        let err = node0.watch_during(Duration::from_secs(1), "checked", hang).unwrap_err();
+        let err = node0.watch_during(Some(Duration::from_secs(1)), "checked", hang).unwrap_err();
         assert_eq!(err.kind(), "device");
         assert!(err.to_string().contains("did not finish on every rank within 1 s"), "{err}");
         let err = peer.join().unwrap().unwrap_err();

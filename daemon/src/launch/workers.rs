@@ -33,6 +33,10 @@ pub struct WorkerLaunch {
     pub heartbeat_timeout: Duration,
     /// The launcher's `CUDA_VISIBLE_DEVICES`, if set.
     pub visible_devices: Option<String>,
+    /// What every rank loads its shard of: `--model DIR`, else the synthetic preset; and `--expert-parallel`.
+    pub model: Option<PathBuf>,
+    pub synthetic: String,
+    pub expert_parallel: bool,
 }
 
 impl WorkerLaunch {
@@ -63,8 +67,15 @@ impl WorkerLaunch {
             .args(["--fingerprint", &self.fingerprint])
             .args(["--rendezvous-timeout", &self.rendezvous_timeout.as_secs().to_string()])
             .args(["--heartbeat-timeout", &self.heartbeat_timeout.as_secs().to_string()])
+            .args(["--synthetic", &self.synthetic])
             .env("CUDA_VISIBLE_DEVICES", self.device_for(local)?)
             .stdin(Stdio::null());
+        if let Some(dir) = &self.model {
+            cmd.arg("--model").arg(dir);
+        }
+        if self.expert_parallel {
+            cmd.arg("--expert-parallel");
+        }
         for (name, value) in NVLINK_MULTICAST_OFF {
             cmd.env(name, value);
         }
@@ -171,6 +182,9 @@ mod tests {
             rendezvous_timeout: Duration::from_secs(1),
             heartbeat_timeout: Duration::from_secs(1),
             visible_devices: visible.map(str::to_string),
+            model: None,
+            synthetic: "k3-mini".into(),
+            expert_parallel: false,
         }
     }
 
