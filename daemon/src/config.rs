@@ -150,7 +150,7 @@ pub struct ServeArgs {
     /// Ranks the model is split over (tensor parallelism: attention by heads, MLPs by width, vocabulary-parallel
     /// lm_head). With `--device cpu`, N in-process ranks, one thread each; with `--device cuda`, one process per
     /// GPU (this one and `N / nnodes - 1` workers it starts), joined by the launch contract (docs/multi-gpu.md;
-    /// serving over a CUDA group is not wired yet, so it stops after the NCCL check with an error). 1 is the
+    /// rank 0 serves, the workers follow it). 1 is the
     /// whole model on one device. N must divide the model's heads, MLP widths and vocabulary.
     #[arg(long, default_value_t = 1, value_name = "N")]
     pub tensor_parallel_size: usize,

@@ -191,9 +191,6 @@ pub enum LaunchError {
     /// The device side of the group: NCCL cannot be loaded, or its unique id cannot be drawn.
     #[error("{0}")]
     Device(String),
-    /// What is not built yet.
-    #[error("{0}")]
-    Unsupported(String),
 }
 
 impl LaunchError {
@@ -208,7 +205,6 @@ impl LaunchError {
             LaunchError::PeerGone(_) => "peer_gone",
             LaunchError::Worker(_) => "worker",
             LaunchError::Device(_) => "device",
-            LaunchError::Unsupported(_) => "unsupported",
         }
     }
 
