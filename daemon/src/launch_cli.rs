@@ -115,19 +115,28 @@ pub fn worker(args: &WorkerArgs) -> Result<()> {
     let nccl = bounded(args.launch.rendezvous_timeout(), join_nccl(&group, rank));
     let shard = Shard { rank: rank.0 as usize, world, expert_parallel: args.expert_parallel };
     let (model, synthetic) = (args.model.clone(), args.synthetic.clone());
-    let follow = move || {
-        let fail = |e: anyhow::Error| LaunchError::Device(format!("{rank}: {e:#}"));
-        let comm = nccl()?;
-        let weights = ModelWeights::open(model.as_deref(), &synthetic).map_err(fail)?;
-        let device_group = DeviceGroup::new(shard, Arc::new(comm)).map_err(|e| fail(e.into()))?;
-        let gpu = Gpu::new(0).map_err(|e| fail(e.into()))?;
-        let follower =
-            Follower::new(gpu, weights.config(), weights.weights(), device_group).map_err(|e| fail(e.into()))?;
-        tracing::info!("{rank}: loaded its shard; following rank 0");
-        follower.run().map_err(|e| fail(e.into()))
+    let work = move || {
+        let device_group = DeviceGroup::new(shard, Arc::new(nccl()?)).map_err(|e| rank_failed(rank, e.into()))?;
+        follow(rank, device_group, model.as_deref(), &synthetic)
     };
-    group.watch_during(None, "", follow)?;
+    group.watch_during(None, "", work)?;
     Ok(())
+}
+
+/// A rank's failure, named, as the group's watch reports it.
+fn rank_failed(rank: Rank, e: anyhow::Error) -> LaunchError {
+    LaunchError::Device(format!("{rank}: {e:#}"))
+}
+
+/// A following rank: loads its shard of `--model` (else the synthetic preset) on device 0 of what the process sees
+/// and follows rank 0 until rank 0 ends the group.
+fn follow(rank: Rank, group: DeviceGroup, model: Option<&Path>, synthetic: &str) -> Result<(), LaunchError> {
+    let fail = |e: anyhow::Error| rank_failed(rank, e);
+    let weights = ModelWeights::open(model, synthetic).map_err(fail)?;
+    let gpu = Gpu::new(0).map_err(|e| fail(e.into()))?;
+    let follower = Follower::new(gpu, weights.config(), weights.weights(), group).map_err(|e| fail(e.into()))?;
+    tracing::info!("{rank}: loaded its shard; following rank 0");
+    follower.run().map_err(|e| fail(e.into()))
 }
 
 /// This process's part of the group's NCCL communicator, to run while the group is watched: it opens device 0 of
@@ -221,16 +230,11 @@ pub fn serve_sharded_cuda(
     let shard = Shard { rank: first.0 as usize, world: layout.world as usize, expert_parallel: args.expert_parallel };
     let (args, is_master) = (args.clone(), group.is_master());
     let work = move || {
-        let fail = |e: anyhow::Error| LaunchError::Device(format!("{first}: {e:#}"));
-        let device_group = DeviceGroup::new(shard, Arc::new(nccl()?)).map_err(|e| fail(e.into()))?;
-        if is_master {
-            return serve(args, device_group).map_err(fail);
+        let device_group = DeviceGroup::new(shard, Arc::new(nccl()?)).map_err(|e| rank_failed(first, e.into()))?;
+        match is_master {
+            true => serve(args, device_group).map_err(|e| rank_failed(first, e)),
+            false => follow(first, device_group, args.model.as_deref(), &args.synthetic),
         }
-        let weights = ModelWeights::open(args.model.as_deref(), &args.synthetic).map_err(fail)?;
-        let gpu = Gpu::new(0).map_err(|e| fail(e.into()))?;
-        let follower =
-            Follower::new(gpu, weights.config(), weights.weights(), device_group).map_err(|e| fail(e.into()))?;
-        follower.run().map_err(|e| fail(e.into()))
     };
     let served = group.watch_during(None, "the server stopped", work);
     drop(workers);
